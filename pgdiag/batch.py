@@ -1,0 +1,107 @@
+"""`TokenBatch`: the loss positions of a selection of rollout samples, flattened for vectorised math.
+
+The metric engine, the key styles and `compare` all work on this one in-memory layout, built by
+`pgdiag.io.read_token_batch` from a run. Only **loss positions** (``loss_mask`` true) are kept: every
+metric of design/metrics.md is defined on them. Token arrays are float64 (metrics.md §0.2 rule 1);
+a null stream value on a loss position (only possible when E204 is ignored) is NaN here and is then
+excluded and counted by the metrics as an invalid token.
+
+Layout (S samples = Parquet rows in read order, M = total loss positions):
+    sample i owns tokens ``offsets[i]:offsets[i + 1]``; ``n_loss[i] = offsets[i + 1] - offsets[i]``.
+Documents are consecutive rows with the same (step, sample_id) (segments of one trajectory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Loss positions of S samples (rows) with their sample-level fields.
+
+    Sample-level arrays have shape (S,), token-level arrays shape (M,).
+    """
+
+    label: str
+    step: np.ndarray  # (S,) int64
+    sample_id: np.ndarray  # (S,) object (str)
+    segment_idx: np.ndarray  # (S,) int32, null -> 0
+    group: np.ndarray  # (S,) int64 codes into group_names
+    group_names: np.ndarray  # (G,) object (str)
+    prompt_len: np.ndarray  # (S,) int32
+    seq_len: np.ndarray  # (S,) int32, len(input_ids)
+    offsets: np.ndarray  # (S + 1,) int64
+    pos: np.ndarray  # (M,) int32, position of the token in input_ids
+    token_id: np.ndarray  # (M,) int32
+    streams: Mapping[str, np.ndarray] = field(default_factory=dict)  # name -> (M,) float64 log-probs
+    entropy: Mapping[str, np.ndarray] = field(default_factory=dict)  # recompute tag -> (M,) float64 nats
+    advantages: np.ndarray | None = None  # (M,) float64, per token (a scalar `advantage` is broadcast)
+    reward: np.ndarray | None = None  # (S,) float64, NaN where null
+    env: np.ndarray | None = None  # (S,) object (str) or None
+    sample_row: np.ndarray | None = None  # (S,) int64 row index in the source (for messages)
+
+    @property
+    def n_samples(self) -> int:
+        return int(self.step.shape[0])
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.pos.shape[0])
+
+    @property
+    def n_loss(self) -> np.ndarray:
+        """(S,) int64 loss positions per sample (valid or not)."""
+        return np.diff(self.offsets)
+
+    def token_sample(self) -> np.ndarray:
+        """(M,) int64 index of the sample that owns each token."""
+        return np.repeat(np.arange(self.n_samples, dtype=np.int64), self.n_loss)
+
+    def documents(self) -> np.ndarray:
+        """(S,) int64 document index: consecutive rows with equal (step, sample_id) share one."""
+        if self.n_samples == 0:
+            return np.zeros(0, dtype=np.int64)
+        same = (self.step[1:] == self.step[:-1]) & (self.sample_id[1:] == self.sample_id[:-1])
+        return np.concatenate([[0], np.cumsum(~same)]).astype(np.int64)
+
+    def select(self, rows: np.ndarray) -> TokenBatch:
+        """The samples at `rows` (an int index array, any order) with their tokens, as a new batch."""
+        rows = np.asarray(rows, dtype=np.int64)
+        starts, counts = self.offsets[rows], self.n_loss[rows]
+        offsets = np.zeros(rows.shape[0] + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        # token index of every kept token: starts repeated plus a ramp within each sample
+        take = np.repeat(starts - offsets[:-1], counts) + np.arange(offsets[-1], dtype=np.int64)
+
+        def tok(a: np.ndarray) -> np.ndarray:
+            return a[take]
+
+        def opt(a: np.ndarray | None, f) -> np.ndarray | None:
+            return None if a is None else f(a)
+
+        return replace(
+            self,
+            step=self.step[rows],
+            sample_id=self.sample_id[rows],
+            segment_idx=self.segment_idx[rows],
+            group=self.group[rows],
+            prompt_len=self.prompt_len[rows],
+            seq_len=self.seq_len[rows],
+            offsets=offsets,
+            pos=tok(self.pos),
+            token_id=tok(self.token_id),
+            streams={k: tok(v) for k, v in self.streams.items()},
+            entropy={k: tok(v) for k, v in self.entropy.items()},
+            advantages=opt(self.advantages, tok),
+            reward=opt(self.reward, lambda a: a[rows]),
+            env=opt(self.env, lambda a: a[rows]),
+            sample_row=opt(self.sample_row, lambda a: a[rows]),
+        )
+
+    def with_steps(self, step: np.ndarray) -> TokenBatch:
+        """The same batch with the step of every sample replaced (used by ``--docs-per-step``)."""
+        return replace(self, step=np.asarray(step, dtype=np.int64))
