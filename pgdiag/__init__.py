@@ -1,0 +1,64 @@
+"""pgdiag: offline log-prob diagnostics for reinforcement-learning training of LLMs.
+
+The Python API that the CLI and notebooks use::
+
+    import pgdiag
+    run = pgdiag.read_run("sample_data/run_a")
+    pgdiag.check_run(run).issues                       # validation and alignment verdict
+    report = pgdiag.compute_metrics(run, aggregation="constant", divisor=40960)
+    report.wide()                                      # polars DataFrame, one column per metric
+    pgdiag.compare_runs(run, pgdiag.read_run("sample_data/run_b")).summary
+
+Names are resolved lazily (PEP 562), so ``import pgdiag`` is cheap and imports neither torch nor polars
+until a function that needs them is used; ``import pgdiag.kernels`` works with torch alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "PgdiagError": "pgdiag.errors",
+    "UsageError": "pgdiag.errors",
+    "InvalidInputError": "pgdiag.errors",
+    "read_run": "pgdiag.runs",
+    "Run": "pgdiag.runs",
+    "read_token_batch": "pgdiag.runs",
+    "check_run": "pgdiag.checks",
+    "CheckResult": "pgdiag.validate",
+    "TokenBatch": "pgdiag.batch",
+    "compute_metrics": "pgdiag.api",
+    "MetricSettings": "pgdiag.metrics.settings",
+    "Report": "pgdiag.report",
+    "load_report": "pgdiag.report",
+    "evaluate_gates": "pgdiag.gates",
+    "GateResult": "pgdiag.gates",
+    "compare_runs": "pgdiag.compare.api",
+    "recompute_logprobs": "pgdiag.logprobs",
+    "RecomputeResult": "pgdiag.logprobs",
+    "load_model": "pgdiag.model",
+    "lm_head_logprobs": "pgdiag.kernels",
+    "TokenLogprobs": "pgdiag.kernels",
+    "plot_hexbin": "pgdiag.plots",
+    "plot_dlogp_hist": "pgdiag.plots",
+    "plot_by_prob": "pgdiag.plots",
+    "plot_by_position": "pgdiag.plots",
+    "plot_by_step": "pgdiag.plots",
+    "plot_worst_trace": "pgdiag.plots",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pgdiag' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,217 @@
+"""`compute_metrics`: read a run, check it, compute the metric set per step and pooled, return a `Report`.
+
+This is the library function behind `pgdiag metrics` (the CLI only parses options and renders). It resolves
+which streams feed which family (design/data-and-cli.md §5.4), reads only those columns, validates them (errors
+raise `InvalidInputError`, warnings land in `Report.checks`), then runs the native engine (metrics.md §2-§7, §9)
+or a framework key style (§8) on every step and on the pooled ``all`` row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from pgdiag.errors import UsageError
+from pgdiag.metrics.settings import EMPTY_SEQS, KEY_STYLES, LEVELS, METRIC_REDUCTIONS, MetricSettings
+from pgdiag.metrics.values import MetricValue
+from pgdiag.report import Report, ReportRow, summary_frame
+from pgdiag.runs import Run, read_token_batch
+
+_CANONICAL = ("rollout", "old", "ref", "new")
+
+
+def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
+    """Settings with every stream name resolved against the run's streams (data-and-cli.md §5.4).
+
+    new: ``new``, else the single recompute tag, else exit 2 listing the streams; old: ``old``, else ``rollout``;
+    mismatch pair: a = ``rollout``, b = ``old`` else ``new``; ref: ``ref`` when present; entropy: the new
+    stream's entropy when it is a recompute tag that has one.
+    """
+    streams = set(run.streams)
+    tags = [s for s in run.streams if s not in _CANONICAL]
+
+    def need(name: str | None, what: str) -> str | None:
+        if name is not None and name not in streams:
+            raise UsageError(
+                "E111",
+                f"{run.label}: no stream {name!r} for {what}",
+                f"streams present: {', '.join(run.streams) or 'none'}",
+            )
+        return name
+
+    new = need(settings.new, "--new")
+    if new is None:
+        if "new" in streams:
+            new = "new"
+        elif len(tags) == 1:
+            new = tags[0]
+        else:
+            listed = ", ".join(run.streams) or "none"
+            raise UsageError(
+                "E111",
+                f"{run.label}: cannot tell which stream is the new policy (streams: {listed})",
+                "run `pgdiag logprobs RUN --model CKPT` first, or name one with --new",
+            )
+    old = need(settings.old, "--old") or (
+        "old" if "old" in streams else ("rollout" if "rollout" in streams else None)
+    )
+    if old is None:
+        raise UsageError(
+            "E111", f"{run.label}: no old or rollout stream for the policy ratio", "name one with --old"
+        )
+    stream_a = need(settings.stream_a, "--stream-a") or ("rollout" if "rollout" in streams else None)
+    stream_b = need(settings.stream_b, "--stream-b") or ("old" if "old" in streams else new)
+    if stream_a is None or stream_a == stream_b:
+        stream_a = stream_b = None
+    ref = need(settings.ref, "--ref") or ("ref" if "ref" in streams else None)
+    entropy = settings.entropy
+    if entropy is not None and entropy not in run.entropy_streams:
+        raise UsageError(
+            "E111",
+            f"{run.label}: no entropy for stream {entropy!r}",
+            f"streams with entropy: {', '.join(run.entropy_streams) or 'none'}",
+        )
+    if entropy is None and new in run.entropy_streams:
+        entropy = new
+    return replace(settings, new=new, old=old, stream_a=stream_a, stream_b=stream_b, ref=ref, entropy=entropy)
+
+
+def _validate_settings(settings: MetricSettings) -> None:
+    choices = {
+        "key_style": KEY_STYLES,
+        "metric_reduction": METRIC_REDUCTIONS,
+        "level": LEVELS,
+        "empty_seqs": EMPTY_SEQS,
+    }
+    for name, allowed in choices.items():
+        if getattr(settings, name) not in allowed:
+            raise UsageError(
+                "E112", f"--{name.replace('_', '-')} {getattr(settings, name)!r}: choose {'|'.join(allowed)}"
+            )
+    for name in ("divisor", "grad_divisor"):
+        value = getattr(settings, name)
+        if value is not None and not value > 0:
+            raise UsageError("E112", f"--{name.replace('_', '-')} must be > 0 (got {value})")
+    if settings.eps_low < 0 or settings.eps_high < 0 or settings.eps_low >= 1:
+        raise UsageError(
+            "E112",
+            f"clip band needs 0 <= eps-low < 1 and eps-high >= 0 (got {settings.eps_low}, {settings.eps_high})",
+        )
+    if settings.dual_clip is not None and not settings.dual_clip > 1:
+        raise UsageError("E112", f"--dual-clip must be > 1 (got {settings.dual_clip})")
+    if settings.docs_per_step is not None and settings.docs_per_step < 1:
+        raise UsageError("E112", f"--docs-per-step must be >= 1 (got {settings.docs_per_step})")
+
+
+def _pair_names(label: str, settings: MetricSettings) -> tuple[str, str | None]:
+    policy = f"{label}:{settings.old} vs {label}:{settings.new}"
+    mismatch = (
+        None if settings.stream_a is None else f"{label}:{settings.stream_a} vs {label}:{settings.stream_b}"
+    )
+    return policy, mismatch
+
+
+def _pooled_modes(per_step: list[tuple[str, Any]], pooled: Any) -> tuple[MetricValue, ...]:
+    """Pooled-row values where every ``mode``-reduced value (a loss) is the unweighted mean over steps."""
+    by_key: dict[str, list[float]] = {}
+    for _, step in per_step:
+        for v in step.values:
+            if v.reduction == "mode" and v.value is not None:
+                by_key.setdefault(v.key, []).append(v.value)
+    out = []
+    for v in pooled.values:
+        if v.reduction == "mode":
+            values = by_key.get(v.key, [])
+            mean = sum(values) / len(values) if values else None
+            v = MetricValue(v.key, mean, v.unit, "step-mean", len(values))
+        out.append(v)
+    return tuple(out)
+
+
+def compute_metrics(
+    run: Run,
+    *,
+    settings: MetricSettings | None = None,
+    ignore: Sequence[str] = (),
+    max_examples: int = 5,
+    **options: Any,
+) -> Report:
+    """The full metric set of `run`, per step and pooled (``all``), as a `Report`.
+
+    Options are the fields of `MetricSettings` (design/metrics.md §3), e.g.
+    ``compute_metrics(run, aggregation="constant", divisor=40960)``; `settings` may be given whole instead.
+    Every aggregation mode is always reported (``loss/<mode>``); `aggregation` picks the headline ``loss/pg``.
+    """
+    from pgdiag.metrics.engine import compute_native, split_steps
+    from pgdiag.metrics.styles import compute_step_style
+
+    if settings is None:
+        unknown = set(options) - set(MetricSettings.__dataclass_fields__)
+        if unknown:
+            raise UsageError("E112", f"unknown metric option(s): {', '.join(sorted(unknown))}")
+        settings = MetricSettings(**options)
+    elif options:
+        settings = replace(settings, **options)
+    _validate_settings(settings)
+    settings = resolve_streams(run, settings)
+
+    streams = [
+        s
+        for s in dict.fromkeys(
+            [settings.new, settings.old, settings.stream_a, settings.stream_b, settings.ref]
+        )
+        if s
+    ]
+    loaded = read_token_batch(
+        run,
+        streams=streams,
+        entropy=[settings.entropy] if settings.entropy else [],
+        ignore=tuple(ignore),
+        max_examples=max_examples,
+    )
+    batch = loaded.batch
+
+    if settings.key_style == "pgdiag":
+        results = compute_native(batch, settings)
+    else:
+        parts = split_steps(batch, settings)
+        per_step = []
+        for label, step_batch, status in parts:
+            step = compute_step_style(step_batch, settings)
+            if status != "ok" and step.status == "ok":
+                step = replace(step, status=status)
+            per_step.append((label, step))
+        pooled = compute_step_style(batch, settings)
+        pooled = replace(pooled, values=_pooled_modes(per_step, pooled))
+        results = [*per_step, ("all", pooled)]
+
+    policy_pair, mismatch_pair = _pair_names(run.label, settings)
+    rows: list[ReportRow] = []
+    steps_meta: list[dict[str, Any]] = []
+    notices: list[str] = []
+    for step_label, step in results:
+        breakdown, bucket = ("all", "all") if step_label == "all" else ("step", str(step_label))
+        steps_meta.append({"step": step_label, "status": step.status})
+        notices.extend(n for n in step.notices if n not in notices)
+        for v in step.values:
+            pair = mismatch_pair if (v.key.startswith("mismatch/") and mismatch_pair) else policy_pair
+            rows.append(ReportRow(pair, "token", breakdown, bucket, v.key, v.value, v.unit, v.reduction, v.n))
+
+    meta = {
+        "command": "metrics",
+        "settings": settings.to_dict(),
+        "inputs": {
+            "runs": [run.label],
+            "paths": [str(p) for p in run.paths],
+            "streams": streams,
+            "entropy": settings.entropy,
+            "n_samples": batch.n_samples,
+            "n_tokens": batch.n_tokens,
+            "ignored_codes": list(ignore),
+        },
+        "pairs": [p for p in (policy_pair, mismatch_pair) if p],
+        "steps": steps_meta,
+        "notices": notices,
+    }
+    return Report(kind="metrics", summary=summary_frame(rows), meta=meta, checks=loaded.checks.issues)

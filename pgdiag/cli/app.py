@@ -1,0 +1,49 @@
+"""The `pgdiag` Typer application: one module per command, each registering itself here.
+
+Commands: ``check`` (validation and alignment), ``metrics`` (policy-gradient metric set and every loss
+aggregation), ``compare`` (parity of two runs), ``plot`` (redraw a report's plots), ``logprobs``/``recompute``
+(new log-probs and entropy from a checkpoint). ``python -m pgdiag`` is the same program.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from pgdiag.cli import check_cmd, compare_cmd, logprobs_cmd, metrics_cmd, plot_cmd
+
+
+def _version(value: bool) -> None:
+    if value:
+        from pgdiag import __version__
+
+        typer.echo(f"pgdiag {__version__}")
+        raise typer.Exit()
+
+
+def build_app() -> typer.Typer:
+    """A fresh Typer app with every command registered."""
+    app = typer.Typer(
+        name="pgdiag",
+        help="Offline log-prob diagnostics for RL training of LLMs: validate rollouts, recompute log-probs, "
+        "compute policy-gradient metrics, compare runs for parity.",
+        rich_markup_mode="rich",
+        context_settings={"help_option_names": ["-h", "--help"]},
+        pretty_exceptions_show_locals=False,
+        no_args_is_help=True,
+        add_completion=False,
+    )
+
+    @app.callback()
+    def _root(
+        version: Annotated[
+            bool,
+            typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
+        ] = False,
+    ) -> None:
+        """pgdiag: offline log-prob diagnostics for RL training of LLMs."""
+
+    for module in (check_cmd, metrics_cmd, compare_cmd, plot_cmd, logprobs_cmd):
+        module.register(app)
+    return app

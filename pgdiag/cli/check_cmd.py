@@ -1,0 +1,115 @@
+"""`pgdiag check RUN [RUN_B]`: schema validation and alignment checks, the gate before any number is printed.
+
+Thin shell over `pgdiag.checks.check_run` (design/data-and-cli.md §1.5, §7). Exit 0 when clean (warnings
+allowed), 1 for warnings under `--strict`, 3 for any error.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from pgdiag.cli.common import (
+    STREAMS,
+    AttachOpt,
+    IgnoreOpt,
+    JsonOpt,
+    LabelOpt,
+    MaxExamplesOpt,
+    QuietOpt,
+    RunArg,
+    RunNameOpt,
+    StepsOpt,
+    StrictOpt,
+    VerboseOpt,
+    execute,
+    list_option,
+    result_object,
+)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `check` command to `app`."""
+    app.command("check")(check)
+
+
+def check(
+    run: RunArg,
+    run_b: Annotated[str | None, typer.Argument(help="A second run to check alignment against.")] = None,
+    *,
+    steps: StepsOpt = None,
+    run_name: RunNameOpt = None,
+    label: LabelOpt = None,
+    attach: AttachOpt = None,
+    streams: Annotated[
+        str | None,
+        typer.Option(
+            "--streams",
+            help="Check this stream pair, 'A,B' (default: every pair with rollout).",
+            rich_help_panel=STREAMS,
+        ),
+    ] = None,
+    vocab_size: Annotated[
+        int | None,
+        typer.Option(
+            "--vocab-size", min=1, help="Enable the token-id range check (E208).", rich_help_panel=STREAMS
+        ),
+    ] = None,
+    ignore: IgnoreOpt = None,
+    strict: StrictOpt = False,
+    max_examples: MaxExamplesOpt = 5,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Validate rollouts against [bold]pgdiag.rollouts/v1[/] and check stream alignment.
+
+    Runs every schema rule (lengths, masks, nulls on loss positions, NaN/inf, positive or zero-filled
+    log-probs, duplicate ids, seq_hash, empty masks, ...) and the semantic checks on every stream pair that
+    includes rollout: off-by-one shifts (offsets 0 and +-1), zero fills, tempering and processed-logprob hints.
+    Each finding is one line naming file, step, sample and column. Exit 0 clean, 1 warnings with --strict, 3 errors.
+    """
+
+    def body(console: Console) -> dict[str, Any]:
+        from pgdiag.checks import check_run
+        from pgdiag.cli.render import render_checks
+        from pgdiag.errors import UsageError
+        from pgdiag.runs import read_run
+
+        pair = None
+        if streams is not None:
+            pair = [s.strip() for s in streams.split(",")]
+            if len(pair) != 2 or not all(pair):
+                raise UsageError("E112", f"--streams {streams!r}: give two stream names, 'A,B'")
+        source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
+        other = read_run(run_b, steps=steps, run=run_name) if run_b is not None else None
+        result = check_run(
+            source,
+            other,
+            streams=pair,
+            ignore=list_option(ignore),
+            max_examples=max_examples,
+            vocab_size=vocab_size,
+            strict=strict,
+        )
+        render_checks(console, result.issues)
+        verdict = "errors" if result.n_errors else ("warnings" if result.n_warnings else "clean")
+        colour = {"errors": "red", "warnings": "yellow", "clean": "green"}[verdict]
+        console.print(
+            f"[{colour}]check: {verdict}[/] ({result.n_errors} errors, {result.n_warnings} warnings) "
+            f"{source.label}" + (f" vs {other.label}" if other is not None else "")
+        )
+        return result_object(
+            "check",
+            status="ok" if result.exit_code == 0 else ("fail" if result.exit_code == 1 else "error"),
+            exit_code=result.exit_code,
+            inputs={
+                "runs": [source.label] + ([other.label] if other is not None else []),
+                "streams": list(source.streams),
+            },
+            checks=result.issues.to_dicts(),
+        )
+
+    execute("check", body, json_out=json_out, quiet=quiet)

@@ -1,0 +1,210 @@
+"""Shared pieces of every pgdiag command: options, the stderr console, errors to exit codes, the JSON object.
+
+Every command is parse -> one library call -> render. `execute` runs the body, turns a `PgdiagError` into
+``error[CODE] message`` plus a ``hint:`` line and its exit code (design/data-and-cli.md §5.2), prints the
+`--json` object (§5.5) on stdout, and never shows a traceback for an expected failure (``PGDIAG_TRACEBACK=1``
+shows it for internal errors). Tables, progress and diagnostics go to stderr so stdout stays clean for ``jq``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from pgdiag.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, PgdiagError
+from pgdiag.report import _jsonable
+
+RESULT_SCHEMA = "pgdiag.result/v1"
+
+# Help panels (§5.1).
+INPUTS = "Inputs"
+STREAMS = "Streams"
+ALIGNMENT = "Alignment"
+METRICS = "Metrics"
+MODEL = "Model"
+PERFORMANCE = "Performance"
+THRESHOLDS = "Thresholds"
+OUTPUT = "Output"
+SAFETY = "Safety"
+
+
+class KeyStyle(StrEnum):
+    pgdiag = "pgdiag"
+    fast_llm = "fast-llm"
+    verl = "verl"
+    trl = "trl"
+    liger = "liger"
+    miles = "miles"
+    pipelinerl = "pipelinerl"
+
+
+RunArg = Annotated[
+    str,
+    typer.Argument(help="A run directory, a directory of Parquet files, a .parquet file, or a quoted glob."),
+]
+StepsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--steps", help="Steps to read: N, A-B (inclusive), comma lists, or 'last'.", rich_help_panel=INPUTS
+    ),
+]
+RunNameOpt = Annotated[
+    str | None, typer.Option("--run", help="Keep only rows of this run label.", rich_help_panel=INPUTS)
+]
+LabelOpt = Annotated[
+    str | None,
+    typer.Option("--label", help="Override the run label shown in reports.", rich_help_panel=INPUTS),
+]
+AttachOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--attach", help="Attach a recompute output directory (repeatable).", rich_help_panel=INPUTS
+    ),
+]
+IgnoreOpt = Annotated[
+    list[str] | None,
+    typer.Option("--ignore", help="Silence a check code, e.g. W217 (repeatable).", rich_help_panel=ALIGNMENT),
+]
+StrictOpt = Annotated[bool, typer.Option("--strict", help="Warnings exit 1.", rich_help_panel=ALIGNMENT)]
+MaxExamplesOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-examples", min=1, help="Locations listed per check message.", rich_help_panel=ALIGNMENT
+    ),
+]
+FailOnOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--fail-on",
+        help="Gate: exit 1 when EXPR holds, e.g. 'policy/clip_frac_binding>0.2'.",
+        rich_help_panel=THRESHOLDS,
+    ),
+]
+WarnOnOpt = Annotated[
+    list[str] | None,
+    typer.Option("--warn-on", help="Gate: print a warning when EXPR holds.", rich_help_panel=THRESHOLDS),
+]
+ProfileOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--profile",
+        help="Threshold set: recommended, nemo, verl, slime, deterministic.",
+        rich_help_panel=THRESHOLDS,
+    ),
+]
+ExitZeroOpt = Annotated[
+    bool,
+    typer.Option("--exit-zero", help="Exit 0 when a gate fails (2 and 3 stay).", rich_help_panel=THRESHOLDS),
+]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print the result object as JSON on stdout.", rich_help_panel=OUTPUT)
+]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out", help="Write the report: a directory or a .parquet file name.", rich_help_panel=OUTPUT
+    ),
+]
+OverwriteOpt = Annotated[
+    bool, typer.Option("--overwrite", help="Replace existing output files.", rich_help_panel=OUTPUT)
+]
+QuietOpt = Annotated[
+    bool, typer.Option("--quiet", "-q", help="No tables or progress on stderr.", rich_help_panel=OUTPUT)
+]
+VerboseOpt = Annotated[
+    bool, typer.Option("--verbose", "-v", help="More detail on stderr.", rich_help_panel=OUTPUT)
+]
+
+
+def make_console(*, quiet: bool = False) -> Console:
+    """The stderr console; honours NO_COLOR / FORCE_COLOR / TERMINAL_WIDTH through rich."""
+    return Console(stderr=True, quiet=quiet, highlight=False)
+
+
+def result_object(command: str, **fields: Any) -> dict[str, Any]:
+    """A `pgdiag.result/v1` object (§5.5) with every top-level key present."""
+    from pgdiag import __version__
+
+    base: dict[str, Any] = {
+        "schema": RESULT_SCHEMA,
+        "pgdiag": __version__,
+        "command": command,
+        "argv": sys.argv[1:],
+        "status": "ok",
+        "exit_code": EXIT_OK,
+        "inputs": {},
+        "pairs": [],
+        "summary": {},
+        "gates": [],
+        "checks": [],
+        "files": {},
+        "timing_s": None,
+        "error": None,
+    }
+    base.update(fields)
+    return base
+
+
+def print_error(console: Console, error: PgdiagError) -> None:
+    console.print(f"[bold red]error[{error.code}][/] {error.message}", markup=True, soft_wrap=True)
+    if error.hint:
+        console.print(f"hint: {error.hint}", markup=False, soft_wrap=True)
+
+
+def execute(command: str, body: Callable[[Console], dict[str, Any]], *, json_out: bool, quiet: bool) -> None:
+    """Run a command body and exit with its code.
+
+    `body(console)` returns the result object (from `result_object`) with ``exit_code`` set; expected failures
+    are raised as `PgdiagError` and become ``error[CODE]`` lines; Ctrl-C exits 130; anything else is an internal
+    error (exit 101) whose traceback is printed only with ``PGDIAG_TRACEBACK=1``.
+    """
+    console = make_console(quiet=quiet)
+    start = time.perf_counter()
+    try:
+        result = body(console)
+    except PgdiagError as error:
+        print_error(make_console(), error)
+        result = result_object(
+            command,
+            status="error",
+            exit_code=error.exit_code,
+            error={"code": error.code, "message": error.message, "hint": error.hint},
+        )
+    except KeyboardInterrupt:
+        make_console().print("interrupted", markup=False)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except Exception as error:  # an internal error: a bug
+        err_console = make_console()
+        if os.environ.get("PGDIAG_TRACEBACK") == "1":
+            err_console.print(traceback.format_exc(), markup=False)
+        err_console.print(
+            f"internal error: {type(error).__name__}: {error} (please report it with PGDIAG_TRACEBACK=1)",
+            markup=False,
+            soft_wrap=True,
+        )
+        result = result_object(
+            command,
+            status="error",
+            exit_code=EXIT_INTERNAL,
+            error={"code": "INTERNAL", "message": f"{type(error).__name__}: {error}", "hint": None},
+        )
+    result["timing_s"] = round(time.perf_counter() - start, 4)
+    if json_out:
+        sys.stdout.write(json.dumps(_jsonable(result)) + "\n")
+        sys.stdout.flush()
+    raise typer.Exit(int(result["exit_code"]))
+
+
+def list_option(values: list[Any] | None) -> tuple[Any, ...]:
+    """A repeatable option's values as a tuple (Typer gives None when absent)."""
+    return tuple(values or ())

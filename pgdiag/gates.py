@@ -1,0 +1,204 @@
+"""CI gates on report values: `--fail-on EXPR`, `--warn-on EXPR`, `--profile NAME` (design/data-and-cli.md §5.3).
+
+Grammar (whitespace ignored; quote it in the shell, `>` is a redirect)::
+
+    gate   := [scope "."] [family "/"] stat op number
+    scope  := token | tok | sequence | seq          (default token)
+    op     := > | >= | < | <=
+    number := decimal or exponent literal, or inf
+
+A gate is evaluated on the ``breakdown = all`` rows of every pair of a report; any pair that triggers it triggers
+it. A null value fails a `--fail-on` gate as ``missing``. Aliases: ``k1`` = ``kl_k1``, ``k3`` = ``kl_k3``,
+``tau`` = ``tau_fit``, ``tau_dev`` = |tau_fit - 1|. A stat without a family is accepted when exactly one family has
+it (in `compare` the default family is ``mismatch``). Profiles add gates; an explicit flag on the same name and
+scope wins, and profile gates on metrics the report does not have are skipped.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import operator
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import polars as pl
+
+from pgdiag.errors import EXIT_GATE, EXIT_OK, UsageError
+from pgdiag.report import Report
+
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    ">=": operator.ge,
+    "<=": operator.le,
+    ">": operator.gt,
+    "<": operator.lt,
+}
+_SCOPES = {"token": "token", "tok": "token", "sequence": "sequence", "seq": "sequence"}
+_STAT_ALIASES = {"k1": "kl_k1", "k3": "kl_k3", "tau": "tau_fit"}
+_GATE_RE = re.compile(
+    r"^(?:(?P<scope>token|tok|sequence|seq)\.)?(?P<name>[A-Za-z0-9_./:-]+?)\s*(?P<op>>=|<=|>|<)\s*(?P<num>\S+)$"
+)
+
+# Profiles of §5.3, with the sources their thresholds come from (docs/gates.md repeats them for users).
+PROFILES: dict[str, tuple[tuple[str, str], ...]] = {
+    # pgdiag's own recommendation
+    "recommended": (
+        ("fail", "mismatch/abs_mean>0.02"),
+        ("fail", "mismatch/kl_k3>1e-2"),
+        ("fail", "mismatch/tmpe>1.05"),
+        ("fail", "mismatch/frac_out_2x>1e-3"),
+        ("fail", "tau_dev>0.02"),
+        ("warn", "mismatch/abs_mean>0.01"),
+        ("warn", "mismatch/kl_k3>1e-3"),
+    ),
+    # NVIDIA-NeMo/RL docs/guides/grpo.md
+    "nemo": (("fail", "mismatch/tmpe>1.05"), ("fail", "mismatch/kl_k3>1e-3")),
+    # verl-project/verl docs/faq/faq.rst
+    "verl": (("warn", "mismatch/abs_dprob_mean>0.005"), ("fail", "mismatch/abs_dprob_mean>0.01")),
+    # THUDM/slime slime/utils/arguments.py
+    "slime": (("fail", "mismatch/abs_mean>0.1"),),
+    # slime's true-on-policy CI
+    "deterministic": (("fail", "mismatch/abs_mean>1e-6"), ("fail", "policy/kl_k1>1e-8")),
+}
+
+
+@dataclass(frozen=True)
+class Gate:
+    """A parsed gate expression."""
+
+    expr: str
+    kind: str  # "fail" | "warn"
+    scope: str  # "token" | "sequence"
+    name: str  # as written, aliases resolved ("mismatch/kl_k3", "kl_k3", "tau_dev")
+    op: str
+    threshold: float
+    from_profile: str | None = None
+
+
+@dataclass(frozen=True)
+class GateOutcome:
+    """One gate evaluated on one pair (or on the report when no row matched)."""
+
+    expr: str
+    kind: str
+    pair: str | None
+    metric: str | None
+    value: float | None
+    status: str  # "pass" | "fail" | "warn" | "missing"
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """All gates of a command: overall status and exit code (0 pass, 1 a fail gate triggered or missing)."""
+
+    status: str  # "pass" | "warn" | "fail"
+    gates: tuple[GateOutcome, ...]
+    exit_code: int
+
+
+def parse_gate(expr: str, *, kind: str = "fail") -> Gate:
+    """Parse one gate expression; UsageError on a malformed one."""
+    text = "".join(expr.split())
+    match = _GATE_RE.match(text)
+    if not match:
+        raise UsageError(
+            "E110",
+            f"cannot parse gate {expr!r}",
+            "write [scope.][family/]stat OP number, e.g. 'mismatch/kl_k3>1e-3' (quote it in the shell)",
+        )
+    try:
+        threshold = float(match["num"])
+    except ValueError:
+        raise UsageError("E110", f"gate {expr!r}: {match['num']!r} is not a number") from None
+    if math.isnan(threshold):
+        raise UsageError("E110", f"gate {expr!r}: the threshold cannot be NaN")
+    name = match["name"]
+    family, _, stat = name.rpartition("/")
+    stat = _STAT_ALIASES.get(stat, stat)
+    name = f"{family}/{stat}" if family else stat
+    return Gate(expr, kind, _SCOPES[match["scope"] or "token"], name, match["op"], threshold)
+
+
+def _resolve(gate: Gate, known: Sequence[str], default_family: str | None) -> list[str] | None:
+    """Metric keys the gate refers to; None when the name is unknown everywhere."""
+    gate_name = "tau_fit" if gate.name == "tau_dev" else gate.name
+    if "/" in gate_name:
+        return [gate_name] if gate_name in known else None
+    hits = [k for k in known if k.rpartition("/")[2] == gate_name]
+    if default_family is not None and f"{default_family}/{gate_name}" in hits:
+        return [f"{default_family}/{gate_name}"]
+    if len(hits) > 1:
+        raise UsageError(
+            "E110",
+            f"gate {gate.expr!r}: {gate_name!r} is in several families ({', '.join(sorted(hits))})",
+            "qualify it, e.g. " + sorted(hits)[0],
+        )
+    return hits or None
+
+
+def evaluate_gates(
+    report: Report,
+    *,
+    fail_on: Iterable[str] = (),
+    warn_on: Iterable[str] = (),
+    profile: str | None = None,
+    default_family: str | None = None,
+    known_metrics: Iterable[str] = (),
+) -> GateResult:
+    """Evaluate gates on the ``breakdown = all`` rows of `report`.
+
+    `known_metrics` adds names that are valid but may be absent from this report (they evaluate as missing);
+    anything else unknown is a UsageError with a suggestion.
+    """
+    explicit = [parse_gate(e, kind="fail") for e in fail_on] + [parse_gate(e, kind="warn") for e in warn_on]
+    rows = report.summary.filter(pl.col("breakdown") == "all")
+    present = rows["metric"].unique(maintain_order=True).to_list()
+    known = list(dict.fromkeys([*present, *known_metrics]))
+
+    gates: list[tuple[Gate, list[str] | None]] = []
+    for gate in explicit:
+        keys = _resolve(gate, known, default_family)
+        if keys is None:
+            close = difflib.get_close_matches(gate.name, known, n=1) or difflib.get_close_matches(
+                gate.name, [k.rpartition("/")[2] for k in known], n=1
+            )
+            hint = f"did you mean {close[0]!r}?" if close else "see `pgdiag metrics --help` for metric names"
+            raise UsageError("E110", f"gate {gate.expr!r}: unknown metric {gate.name!r}", hint)
+        gates.append((gate, keys))
+    if profile is not None:
+        if profile not in PROFILES:
+            raise UsageError("E110", f"unknown profile {profile!r}", f"choose one of {', '.join(PROFILES)}")
+        taken = {(g.name, g.scope, g.kind) for g in explicit}
+        for kind, expr in PROFILES[profile]:
+            gate = parse_gate(expr, kind=kind)
+            gate = Gate(gate.expr, kind, gate.scope, gate.name, gate.op, gate.threshold, profile)
+            if (gate.name, gate.scope, gate.kind) in taken:
+                continue
+            keys = _resolve(gate, present, default_family)
+            if keys is None:  # the command does not produce this family: skipped
+                continue
+            gates.append((gate, keys))
+
+    outcomes: list[GateOutcome] = []
+    for gate, keys in gates:
+        compare = _OPS[gate.op]
+        cells = rows.filter(pl.col("metric").is_in(keys or []) & (pl.col("scope") == gate.scope))
+        if cells.height == 0:
+            outcomes.append(GateOutcome(gate.expr, gate.kind, None, (keys or [None])[0], None, "missing"))
+            continue
+        for pair, metric, value in cells.select("pair", "metric", "value").iter_rows():
+            if value is not None and gate.name == "tau_dev":
+                value = abs(value - 1.0)
+            if value is None:
+                status = "missing" if gate.kind == "fail" else "pass"
+            elif compare(value, gate.threshold):
+                status = gate.kind
+            else:
+                status = "pass"
+            outcomes.append(GateOutcome(gate.expr, gate.kind, pair, metric, value, status))
+
+    failed = any(o.status in ("fail", "missing") for o in outcomes)
+    warned = any(o.status == "warn" for o in outcomes)
+    status = "fail" if failed else ("warn" if warned else "pass")
+    return GateResult(status, tuple(outcomes), EXIT_GATE if failed else EXIT_OK)

@@ -1,0 +1,282 @@
+"""`Report`: the result of `metrics` and `compare`, as tidy long tables (design/data-and-cli.md §2.4, §2.5).
+
+A report is one tidy long `summary` table (one row per pair, scope, breakdown, bucket and metric) plus the checks
+that ran, optional worst-K tables, and a `meta` dict with the settings and inputs. The same object is what the
+Python API returns, what `--json` prints (`to_json_dict`), and what `--out` writes: ``<name>.parquet`` (the
+summary, `pgdiag.report/v1`), ``<name>.json`` (the `--json` object) and ``<name>.worst_tokens.parquet`` /
+``<name>.worst_seqs.parquet``. `load_report` reads them back, so notebooks get exactly what the CLI computed.
+
+Usage::
+
+    report = pgdiag.load_report("run/reports/metrics.parquet")
+    report.wide()                       # one row per (pair, scope, breakdown, bucket), one column per metric
+    report.value("policy/kl_k3")        # a single number, None when not computable
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.schema import decode_footer
+
+REPORT_SCHEMA_ID = "pgdiag.report/v1"
+
+REPORT_SCHEMA: dict[str, pl.DataType] = {
+    "pair": pl.String(),
+    "scope": pl.String(),
+    "breakdown": pl.String(),
+    "bucket": pl.String(),
+    "bucket_lo": pl.Float64(),
+    "bucket_hi": pl.Float64(),
+    "metric": pl.String(),
+    "value": pl.Float64(),
+    "unit": pl.String(),
+    "reduction": pl.String(),
+    "n": pl.Int64(),
+}
+CATEGORICAL_COLUMNS = ("pair", "scope", "breakdown", "metric", "unit", "reduction")
+
+CHECKS_SCHEMA: dict[str, pl.DataType] = {
+    "code": pl.String(),
+    "severity": pl.String(),
+    "count": pl.Int64(),
+    "message": pl.String(),
+    "step": pl.Int64(),
+    "sample_id": pl.String(),
+    "pos": pl.Int64(),
+}
+
+
+@dataclass(frozen=True)
+class ReportRow:
+    """One cell of the tidy report. `value` None = not computable (never NaN)."""
+
+    pair: str
+    scope: str
+    breakdown: str
+    bucket: str
+    metric: str
+    value: float | None
+    unit: str
+    reduction: str
+    n: int
+    bucket_lo: float | None = None
+    bucket_hi: float | None = None
+
+
+def _clean(value: float | None) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return None if math.isnan(value) else value
+
+
+def summary_frame(rows: Iterable[ReportRow]) -> pl.DataFrame:
+    """The tidy summary table of `rows` with the report's column types."""
+    rows = list(rows)
+    columns: dict[str, list[Any]] = {name: [] for name in REPORT_SCHEMA}
+    for row in rows:
+        columns["pair"].append(row.pair)
+        columns["scope"].append(row.scope)
+        columns["breakdown"].append(row.breakdown)
+        columns["bucket"].append(row.bucket)
+        columns["bucket_lo"].append(_clean(row.bucket_lo))
+        columns["bucket_hi"].append(_clean(row.bucket_hi))
+        columns["metric"].append(row.metric)
+        columns["value"].append(_clean(row.value))
+        columns["unit"].append(row.unit)
+        columns["reduction"].append(row.reduction)
+        columns["n"].append(int(row.n))
+    return pl.DataFrame(columns, schema=REPORT_SCHEMA)
+
+
+def empty_checks() -> pl.DataFrame:
+    """A checks table with no rows."""
+    return pl.DataFrame(schema=CHECKS_SCHEMA)
+
+
+def json_number(value: float | None) -> float | str | None:
+    """A float for JSON: None stays null, infinities become the strings "inf" / "-inf" (JSON has none)."""
+    if value is None:
+        return None
+    value = float(value)
+    if math.isnan(value):
+        return None
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float):
+        return json_number(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
+        return _jsonable(obj.item())
+    return obj
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    """Paths written by `Report.write`."""
+
+    report: Path
+    json: Path
+    worst_tokens: Path | None = None
+    worst_seqs: Path | None = None
+
+
+@dataclass(frozen=True)
+class Report:
+    """Result of `compute_metrics` / `compare_runs`: tidy summary, checks, worst-K tables, settings."""
+
+    kind: str  # "metrics" | "compare"
+    summary: pl.DataFrame  # REPORT_SCHEMA columns
+    meta: dict[str, Any] = field(default_factory=dict)
+    checks: pl.DataFrame = field(default_factory=empty_checks)
+    worst_tokens: pl.DataFrame | None = None
+    worst_seqs: pl.DataFrame | None = None
+
+    def wide(self) -> pl.DataFrame:
+        """One row per (pair, scope, breakdown, bucket), one column per metric."""
+        keys = ["pair", "scope", "breakdown", "bucket"]
+        return self.summary.pivot(on="metric", index=keys, values="value", aggregate_function="first")
+
+    def value(
+        self,
+        metric: str,
+        *,
+        pair: str | None = None,
+        scope: str | None = None,
+        breakdown: str = "all",
+        bucket: str = "all",
+    ) -> float | None:
+        """The value of `metric` in one cell; None when absent or not computable."""
+        frame = self.summary.filter(
+            (pl.col("metric") == metric) & (pl.col("breakdown") == breakdown) & (pl.col("bucket") == bucket)
+        )
+        if pair is not None:
+            frame = frame.filter(pl.col("pair") == pair)
+        if scope is not None:
+            frame = frame.filter(pl.col("scope") == scope)
+        if frame.height == 0:
+            return None
+        return frame["value"][0]
+
+    def metric_names(self) -> list[str]:
+        """Metric keys in first-appearance order."""
+        return self.summary["metric"].unique(maintain_order=True).to_list()
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The `summary` block of the `--json` object: {pair: {metric: value}} on `breakdown = all` rows,
+        plus per-step values and the checks; the command layer adds status, gates, timing (§5.5)."""
+        summary: dict[str, dict[str, Any]] = {}
+        all_rows = self.summary.filter(pl.col("breakdown") == "all")
+        for pair, metric, scope, value in all_rows.select("pair", "metric", "scope", "value").iter_rows():
+            key = metric if scope in ("token", "batch") else f"{scope}.{metric}"
+            summary.setdefault(pair, {})[key] = json_number(value)
+        by_bucket: dict[str, dict[str, dict[str, Any]]] = {}
+        other = self.summary.filter(pl.col("breakdown") != "all")
+        for breakdown, bucket, metric, value in other.select(
+            "breakdown", "bucket", "metric", "value"
+        ).iter_rows():
+            by_bucket.setdefault(breakdown, {}).setdefault(bucket, {})[metric] = json_number(value)
+        return {
+            "kind": self.kind,
+            "summary": summary,
+            "breakdowns": by_bucket,
+            "checks": _jsonable(self.checks.to_dicts()),
+            "meta": _jsonable(self.meta),
+        }
+
+    def write(
+        self, path: str | Path, *, overwrite: bool = False, result: Mapping[str, Any] | None = None
+    ) -> ReportFiles:
+        """Write the report as ``<name>.parquet`` + ``<name>.json`` (+ worst-K tables), atomically.
+
+        `path` is a directory (files ``<dir>/<kind>.*``) or a ``.parquet`` file name. `result` is the command's
+        `--json` object, stored as ``<name>.json`` (default: `to_json_dict()`).
+        """
+        from pgdiag.writing import write_json, write_parquet
+
+        path = Path(path)
+        if path.suffix == ".parquet":
+            directory, name = path.parent, path.stem
+        else:
+            directory, name = path, self.kind
+        directory.mkdir(parents=True, exist_ok=True)
+        report_path = directory / f"{name}.parquet"
+        json_path = directory / f"{name}.json"
+        worst_tokens_path = (
+            directory / f"{name}.worst_tokens.parquet" if self.worst_tokens is not None else None
+        )
+        worst_seqs_path = directory / f"{name}.worst_seqs.parquet" if self.worst_seqs is not None else None
+        targets = [p for p in (report_path, json_path, worst_tokens_path, worst_seqs_path) if p is not None]
+        if not overwrite:
+            existing = [p for p in targets if p.exists()]
+            if existing:
+                raise UsageError("E502", f"{existing[0]} exists", "pass --overwrite to replace it")
+        metadata = {
+            "pgdiag.schema": REPORT_SCHEMA_ID,
+            "pgdiag.report": {"kind": self.kind, "meta": _jsonable(self.meta)},
+            "pgdiag.checks": _jsonable(self.checks.to_dicts()),
+        }
+        table = self.summary.to_arrow()
+        for name_ in CATEGORICAL_COLUMNS:
+            index = table.schema.get_field_index(name_)
+            table = table.set_column(index, name_, table.column(name_).dictionary_encode())
+        if worst_tokens_path is not None:
+            write_parquet(self.worst_tokens, worst_tokens_path, metadata={"pgdiag.schema": REPORT_SCHEMA_ID})
+        if worst_seqs_path is not None:
+            write_parquet(self.worst_seqs, worst_seqs_path, metadata={"pgdiag.schema": REPORT_SCHEMA_ID})
+        write_parquet(table, report_path, metadata=metadata)
+        write_json(_jsonable(result if result is not None else self.to_json_dict()), json_path)
+        return ReportFiles(report_path, json_path, worst_tokens_path, worst_seqs_path)
+
+
+def load_report(path: str | Path) -> Report:
+    """Read a report written by `Report.write` (the ``.parquet`` file, or a directory holding one report)."""
+    path = Path(path)
+    if path.is_dir():
+        candidates = sorted(p for p in path.glob("*.parquet") if ".worst_" not in p.name)
+        if len(candidates) != 1:
+            raise UsageError("E501", f"{path}: expected one report .parquet, found {len(candidates)}")
+        path = candidates[0]
+    if not path.exists():
+        raise UsageError("E501", f"{path}: no such report")
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise InvalidInputError("E101", f"{path}: not a readable Parquet file ({exc})") from None
+    footer = decode_footer(table.schema.metadata)
+    if footer.get("schema") != REPORT_SCHEMA_ID:
+        raise InvalidInputError("E101", f"{path}: not a pgdiag report (schema={footer.get('schema')!r})")
+    header = footer.get("report", {})
+    checks_rows = footer.get("checks", [])
+    summary = pl.from_arrow(table).cast(REPORT_SCHEMA)
+    checks = pl.DataFrame(checks_rows, schema=CHECKS_SCHEMA) if checks_rows else empty_checks()
+    stem = path.name[: -len(".parquet")]
+    worst_tokens_path = path.with_name(f"{stem}.worst_tokens.parquet")
+    worst_seqs_path = path.with_name(f"{stem}.worst_seqs.parquet")
+    return Report(
+        kind=header.get("kind", "metrics"),
+        summary=summary,
+        meta=header.get("meta", {}),
+        checks=checks,
+        worst_tokens=pl.read_parquet(worst_tokens_path) if worst_tokens_path.exists() else None,
+        worst_seqs=pl.read_parquet(worst_seqs_path) if worst_seqs_path.exists() else None,
+    )
