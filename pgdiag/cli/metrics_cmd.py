@@ -64,10 +64,10 @@ class EmptySeqs(StrEnum):
 
 def _metric_epilog() -> str:
     """One line per native metric (key, unit, reduction, meaning) for `--help`, from the catalog."""
-    from pgdiag.metrics.catalog import CATALOG
+    from pgdiag.metrics.catalog import METRIC_CATALOG
 
     lines = ["[bold]Metrics[/] (key, unit, reduction: meaning). Full reference: docs/metrics.md."]
-    lines += [f"{entry.key} ({entry.unit}, {entry.reduction}): {entry.meaning}" for entry in CATALOG]
+    lines += [f"{entry.key} ({entry.unit}, {entry.reduction}): {entry.meaning}" for entry in METRIC_CATALOG]
     return "\n\n".join(lines)
 
 
@@ -317,6 +317,7 @@ def metrics(
         from pgdiag.api import compute_metrics
         from pgdiag.cli.render import render_checks, render_gates, render_metrics
         from pgdiag.gates import evaluate_gates
+        from pgdiag.metrics.catalog import METRIC_CATALOG
         from pgdiag.runs import read_run
 
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
@@ -328,7 +329,10 @@ def metrics(
             fail.append("count/tokens_invalid>0")  # the default gate of metrics.md §0.2 rule 3
             if identity:
                 fail.append(f"policy/logratio_absmax>{identity_tol!r}")
-        gates = evaluate_gates(report, fail_on=fail, warn_on=list_option(warn_on), profile=profile)
+        known = [spec.key for spec in METRIC_CATALOG] if settings.key_style == "pgdiag" else []
+        gates = evaluate_gates(
+            report, fail_on=fail, warn_on=list_option(warn_on), profile=profile, known_metrics=known
+        )
         n_warnings = report.checks.filter(report.checks["severity"] == "warning").height
         exit_code = gates.exit_code
         if strict and n_warnings:
