@@ -1,0 +1,138 @@
+"""Advantage, entropy, group and count metrics of design/metrics.md §6.
+
+Why: a policy-gradient step is only as informative as its advantages. GRPO-style advantages are centred per
+prompt group, so Σ_{i∈g} Ā_i ≈ 0 (`advantage/group_seq_sum_absmax`); under token weighting what the update
+actually pushes is Σ_{i∈g} Σ_t A, which is not 0 when lengths differ (`group_token_sum_absmax`). Groups
+whose rewards all agree carry no signal (`group_zero_std_frac`). The counts make every exclusion visible:
+nothing is dropped silently (§0.2 rules 2-4).
+
+How: every function takes the valid-token arrays (N,) of one step and its `TokenReducer`, plus per-sample
+group codes (S,) compacted to 0..P−1, and writes into a `MetricSink`.
+
+Worked example (§11): g1 = {s1: A = +1 over 3 tokens, s2: A = −1 over 4}, g2 = {s3: +0.5 over 3, s4: −0.5
+over 3}: Σ Ā_i is 0 in both groups, Σ_t A is −1 in g1 and 0 in g2, so group_token_sum_absmax = 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pgdiag.metrics.catalog import MetricSink
+from pgdiag.metrics.reduce import TokenReducer, extremum, quantiles
+
+
+def add_advantage_metrics(advantages: np.ndarray, reducer: TokenReducer, sink: MetricSink) -> None:
+    """`advantage/mean`, `abs_mean`, `std`, `min`, `max`, `frac_pos/neg/zero` and `count/adv_nonconstant_samples`."""
+    red = reducer
+    n_tok, n_red = red.n_tokens, red.population
+    sink.add("advantage/mean", red.mean(advantages), n_red)
+    sink.add("advantage/abs_mean", red.mean(np.abs(advantages)), n_red)
+    sink.add("advantage/std", red.spread(advantages), n_red)
+    sink.add("advantage/min", extremum(advantages, "min"), n_tok)
+    sink.add("advantage/max", extremum(advantages, "max"), n_tok)
+    sink.add("advantage/frac_pos", red.mean(advantages > 0), n_red)
+    sink.add("advantage/frac_neg", red.mean(advantages < 0), n_red)
+    sink.add("advantage/frac_zero", red.mean(advantages == 0), n_red)
+    varying = red.sample_max(advantages) != red.sample_min(advantages)  # (S+,)
+    sink.add("count/adv_nonconstant_samples", np.count_nonzero(varying), red.n_nonempty)
+
+
+def add_group_metrics(
+    advantages: np.ndarray | None,
+    reward: np.ndarray | None,
+    reducer: TokenReducer,
+    group_of_sample: np.ndarray,
+    n_groups: int,
+    zero_std_atol: float,
+    sink: MetricSink,
+) -> None:
+    """`advantage/group_*` and `grad/group_token_share_*` over the P groups of the step.
+
+    The zero-std test uses the per-sample reward when `reward` (S,) is given (NaN rewards are left out),
+    else Ā_i of the samples with valid tokens; groups with fewer than two values are not tested.
+    """
+    red = reducer
+    n_i = red.n_per_sample
+    n_tokens = red.n_tokens
+    if n_groups and n_tokens:
+        shares = np.bincount(group_of_sample, weights=n_i, minlength=n_groups) / n_tokens  # (P,)
+        sink.add("grad/group_token_share_max", float(np.max(shares)), n_groups)
+        sink.add("grad/group_token_share_min", float(np.min(shares)), n_groups)
+    else:
+        sink.add("grad/group_token_share_max", None, n_groups)
+        sink.add("grad/group_token_share_min", None, n_groups)
+    mean_adv = None
+    if advantages is not None:
+        ne = red.nonempty
+        adv_sums = red.sample_sums(advantages)  # (S,) Σ_t A
+        mean_adv = adv_sums[ne] / n_i[ne]  # (S+,) Ā_i
+        seq_sums = np.bincount(group_of_sample[ne], weights=mean_adv, minlength=n_groups)  # (P,)
+        token_sums = np.bincount(group_of_sample, weights=adv_sums, minlength=n_groups)  # (P,)
+        sink.add("advantage/group_seq_sum_absmax", extremum(np.abs(seq_sums), "max"), n_groups)
+        sink.add("advantage/group_token_sum_absmax", extremum(np.abs(token_sums), "max"), n_groups)
+    if reward is not None:
+        known = ~np.isnan(reward)
+        values, groups = reward[known], group_of_sample[known]
+    elif mean_adv is not None:
+        values, groups = mean_adv, group_of_sample[red.nonempty]
+    else:
+        return
+    sink.add(*_zero_std_fraction(values, groups, n_groups, zero_std_atol))
+
+
+def _zero_std_fraction(
+    values: np.ndarray, groups: np.ndarray, n_groups: int, atol: float
+) -> tuple[str, float | None, int]:
+    """(key, fraction of tested groups whose population std of `values` is ≤ atol, groups tested)."""
+    counts = np.bincount(groups, minlength=n_groups)  # (P,)
+    means = np.bincount(groups, weights=values, minlength=n_groups) / np.maximum(counts, 1)
+    dev = values - means[groups]
+    with np.errstate(invalid="ignore"):
+        std = np.sqrt(np.bincount(groups, weights=dev * dev, minlength=n_groups) / np.maximum(counts, 1))
+    tested = counts >= 2
+    n_tested = int(np.count_nonzero(tested))
+    value = None if n_tested == 0 else np.count_nonzero(std[tested] <= atol) / n_tested
+    return "advantage/group_zero_std_frac", value, n_tested
+
+
+def add_entropy_metrics(entropy: np.ndarray, reducer: TokenReducer, sink: MetricSink) -> None:
+    """`entropy/mean` (R) and its token quantiles and extrema; `entropy` (N_H,) holds finite values only."""
+    n_tok = reducer.n_tokens
+    sink.add("entropy/mean", reducer.mean(entropy), reducer.population)
+    p5, p50, p95 = quantiles(entropy, (0.05, 0.5, 0.95))
+    sink.add("entropy/p5", p5, n_tok)
+    sink.add("entropy/p50", p50, n_tok)
+    sink.add("entropy/p95", p95, n_tok)
+    sink.add("entropy/min", extremum(entropy, "min"), n_tok)
+    sink.add("entropy/max", extremum(entropy, "max"), n_tok)
+
+
+def add_counts(
+    n_positions: int,
+    reducer: TokenReducer,
+    group_of_sample: np.ndarray,
+    n_groups: int,
+    groups_split: int,
+    sink: MetricSink,
+) -> None:
+    """The `count/*` keys of the step that do not belong to one family (§6)."""
+    n_tokens = reducer.n_tokens
+    n_samples = int(reducer.n_per_sample.shape[0])
+    members = np.bincount(group_of_sample, minlength=n_groups)
+    sink.add("count/tokens", n_tokens, n_positions)
+    sink.add("count/tokens_masked", n_positions, n_positions)
+    sink.add("count/tokens_invalid", n_positions - n_tokens, n_positions)
+    sink.add("count/samples", n_samples, n_samples)
+    sink.add("count/samples_empty", n_samples - reducer.n_nonempty, n_samples)
+    sink.add("count/docs", reducer.n_docs, n_samples)
+    sink.add("count/groups", n_groups, n_samples)
+    sink.add("count/groups_singleton", int(np.count_nonzero(members == 1)), n_groups)
+    sink.add("count/groups_split", groups_split, n_groups)
+
+
+def finite_fraction_notice(name: str, n_left_out: int, n_total: int) -> str:
+    """Notice text for tokens a family left out for a non-finite input."""
+    share = 100.0 * n_left_out / n_total if n_total else math.nan
+    return f"{name}: {n_left_out} of {n_total} loss positions left out (non-finite input, {share:.3g} %)"

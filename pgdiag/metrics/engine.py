@@ -1,0 +1,348 @@
+"""The native metric engine (`--key-style pgdiag`): one `StepMetrics` per optimizer step plus the `all` row.
+
+What: `compute_native` splits a `TokenBatch` into steps (the `step` column, or `--docs-per-step`, §1.4),
+computes every family whose inputs exist on each step (policy needs new + old; loss needs advantages too;
+mismatch needs stream a + b; entropy needs H; ref needs new + ref), and adds a `step = all` row on the pooled
+tokens where `loss/*` and `grad/*` are the unweighted mean over steps (§0.2 rule 7).
+
+Why this way: every family reads the same valid-token layout, so the valid mask m' (§0.2 rule 3), the
+reducer and exp(d) are built once per step and shared. A step whose loss positions fail the finiteness test
+gets `status = nonfinite` and the exclusions are counted, never hidden.
+
+How: `compute_native(batch, settings)` → ``[(label, StepMetrics), ..., ("all", StepMetrics)]``. Stream names
+in `settings` are already resolved; a None name means the family is not computed (noted in `notices`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from pgdiag.batch import TokenBatch
+from pgdiag.errors import UsageError
+from pgdiag.metrics.advantage import (
+    add_advantage_metrics,
+    add_counts,
+    add_entropy_metrics,
+    add_group_metrics,
+    finite_fraction_notice,
+)
+from pgdiag.metrics.catalog import MetricSink
+from pgdiag.metrics.loss import add_loss_metrics, loss_sums, resolve_aggregation
+from pgdiag.metrics.mismatch import add_mismatch_counts, add_mismatch_metrics
+from pgdiag.metrics.policy import add_policy_counts, add_policy_metrics, add_ref_metrics, build_policy_tokens
+from pgdiag.metrics.reduce import REDUCTION_MODES, TokenReducer
+from pgdiag.metrics.settings import MetricSettings
+from pgdiag.metrics.values import MetricValue
+
+__all__ = ["StepMetrics", "compute_native", "compute_step_native", "resolve_aggregation", "split_steps"]
+
+STATUS_ORDER = ("ok", "partial", "nonfinite", "empty")  # a later status wins when two apply
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """The native metrics of one step: values, a status and human-readable notices.
+
+    status: ``ok``; ``partial`` (final partial step of `--docs-per-step`); ``nonfinite`` (masked-in tokens
+    failed the finiteness test and were excluded); ``empty`` (no loss positions).
+    """
+
+    values: tuple[MetricValue, ...]
+    status: str
+    notices: tuple[str, ...]
+
+    def by_key(self) -> dict[str, MetricValue]:
+        """The values indexed by key."""
+        return {v.key: v for v in self.values}
+
+
+def compute_native(batch: TokenBatch, settings: MetricSettings) -> list[tuple[str, StepMetrics]]:
+    """Per-step rows in step order plus the ``all`` row (pooled tokens; loss/grad keys averaged over steps)."""
+    _check_settings(settings)
+    steps = split_steps(batch, settings)
+    step_index = _step_index(batch, settings)  # (S,)
+    pooled = _pooled_batch(batch, settings, step_index)
+    split_groups = _straddling_groups(pooled.group, step_index)  # (P_split,) group codes
+    rows: list[tuple[str, StepMetrics]] = []
+    for label, step_batch, split_status in steps:
+        groups_split = int(np.count_nonzero(np.isin(np.unique(step_batch.group), split_groups)))
+        metrics = compute_step_native(step_batch, settings, groups_split=groups_split)
+        if split_status == "partial":
+            metrics = replace(
+                metrics,
+                status=_worse(metrics.status, "partial"),
+                notices=(*metrics.notices, f"step {label}: final partial step of --docs-per-step"),
+            )
+        rows.append((label, metrics))
+    pooled_metrics = compute_step_native(pooled, settings, groups_split=int(split_groups.shape[0]))
+    rows.append(("all", _average_loss_over_steps(pooled_metrics, [m for _, m in rows])))
+    return rows
+
+
+def compute_step_native(batch: TokenBatch, settings: MetricSettings, *, groups_split: int = 0) -> StepMetrics:
+    """Every native metric of one step (§4-§7) whose inputs exist in `batch`.
+
+    `groups_split` is `count/groups_split` (groups straddling a step boundary), known only to the caller
+    that cut the steps; `compute_native` passes it.
+    """
+    _check_settings(settings)
+    resolved = resolve_aggregation(settings.aggregation, settings)
+    sink = MetricSink(settings.metric_reduction)
+    notices: list[str] = []
+    if settings.key_style != "pgdiag":
+        notices.append(
+            f"native metrics computed; --key-style {settings.key_style} keys come from the style engine"
+        )
+    n_positions = batch.n_tokens
+    offsets = batch.offsets
+    doc_of_sample = batch.documents()  # (S,)
+    _, group_of_sample = np.unique(batch.group, return_inverse=True)  # (S,) codes 0..P-1
+    group_of_sample = group_of_sample.astype(np.int64).reshape(-1)
+    n_groups = int(group_of_sample.max()) + 1 if group_of_sample.shape[0] else 0
+
+    lp_new = _stream(batch, settings.new, "new")
+    lp_old = _stream(batch, settings.old, "old")
+    advantages = batch.advantages
+    # 1. valid tokens m' of the policy, loss and advantage families (§0.2 rule 3)
+    policy_pair = lp_new is not None and lp_old is not None
+    valid = np.ones(n_positions, dtype=bool)  # (M,)
+    for values in (lp_new, lp_old, advantages) if policy_pair else (advantages,):
+        if values is not None:
+            valid &= np.isfinite(values)
+    all_valid = bool(valid.all())
+    reducer = TokenReducer.build(valid, offsets, doc_of_sample, settings.metric_reduction)
+
+    def take(values: np.ndarray) -> np.ndarray:
+        return values if all_valid else values[valid]
+
+    adv_valid = None if advantages is None else take(advantages)  # (N,)
+    # 2. policy pair, loss and gradient diagnostics
+    if policy_pair:
+        add_policy_counts(lp_new, lp_old, sink)
+        policy_tokens = build_policy_tokens(take(lp_new), take(lp_old), adv_valid, reducer, settings)
+        add_policy_metrics(policy_tokens, settings, sink)
+        if adv_valid is not None:
+            sums = loss_sums(policy_tokens, settings)
+            add_loss_metrics(sums, group_of_sample, n_groups, settings, resolved, sink)
+            if settings.divisor is None:
+                notices.append("loss/constant is null: pass --divisor L")
+        else:
+            notices.append("loss/* and binding clip fractions need advantages")
+    else:
+        notices.append("policy family not computed: needs the new and old streams")
+    lp_ref = _stream(batch, settings.ref, "ref")
+    if lp_new is not None and lp_ref is not None:
+        add_ref_metrics(take(lp_new), take(lp_ref), reducer, sink)
+    # 3. advantages, groups and entropy
+    if adv_valid is not None:
+        add_advantage_metrics(adv_valid, reducer, sink)
+    add_group_metrics(
+        adv_valid, batch.reward, reducer, group_of_sample, n_groups, settings.zero_std_atol, sink
+    )
+    if settings.entropy is not None:
+        entropy = _entropy(batch, settings.entropy)
+        h_valid = take(entropy)
+        finite_h = np.isfinite(h_valid)
+        if finite_h.all():
+            add_entropy_metrics(h_valid, reducer, sink)
+        else:
+            left_out = int(np.count_nonzero(~finite_h))
+            notices.append(finite_fraction_notice("entropy/*", left_out, h_valid.shape[0]))
+            add_entropy_metrics(h_valid[finite_h], reducer.subset(finite_h), sink)
+    # 4. mismatch pair (own valid set: m ∧ finite(lp_a) ∧ finite(lp_b))
+    lp_a = _stream(batch, settings.stream_a, "stream-a")
+    lp_b = _stream(batch, settings.stream_b, "stream-b")
+    mismatch_invalid = 0
+    if lp_a is not None and lp_b is not None:
+        pair_valid = np.isfinite(lp_a) & np.isfinite(lp_b)  # (M,)
+        add_mismatch_counts(lp_a, lp_b, pair_valid, sink)
+        mismatch_invalid = n_positions - int(np.count_nonzero(pair_valid))
+        if mismatch_invalid:
+            lp_a, lp_b = lp_a[pair_valid], lp_b[pair_valid]
+        if all_valid and not mismatch_invalid:
+            pair_reducer = reducer
+        else:
+            pair_reducer = TokenReducer.build(pair_valid, offsets, doc_of_sample, settings.metric_reduction)
+        add_mismatch_metrics(lp_a, lp_b, pair_reducer, settings, sink)
+        notices.append("mismatch/tau_fit: needs_recompute (side b's logits are only seen by pgdiag logprobs)")
+    # 5. counts and status
+    add_counts(n_positions, reducer, group_of_sample, n_groups, groups_split, sink)
+    n_invalid = n_positions - reducer.n_tokens
+    if n_invalid:
+        notices.append(finite_fraction_notice("count/tokens_invalid", n_invalid, n_positions))
+    if n_positions == 0:
+        status = "empty"
+    elif n_invalid or mismatch_invalid:
+        status = "nonfinite"
+    else:
+        status = "ok"
+    return StepMetrics(tuple(sink.values), status, tuple(notices))
+
+
+def split_steps(batch: TokenBatch, settings: MetricSettings) -> list[tuple[str, TokenBatch, str]]:
+    """(step label, step batch, status) in step order.
+
+    Without `--docs-per-step` the steps are the sorted values of the `step` column. With it, rows are cut in
+    their order into consecutive steps of N documents (consecutive rows sharing a sample_id form one
+    document; the `step` column is ignored and replaced by the step index); a final step with fewer than N
+    documents has status ``partial``.
+    """
+    _check_settings(settings)
+    if batch.n_samples == 0:
+        return []
+    step_index = _step_index(batch, settings)
+    stepped = batch if settings.docs_per_step is None else batch.with_steps(step_index)
+    out: list[tuple[str, TokenBatch, str]] = []
+    n_docs_last = 0
+    if settings.docs_per_step is not None:
+        docs = _doc_by_sample_id(batch)
+        n_docs_last = (int(docs[-1]) + 1) % settings.docs_per_step
+    labels = np.unique(step_index)
+    for position, step in enumerate(labels):
+        rows = np.flatnonzero(step_index == step)
+        step_batch = _rows(stepped, rows)
+        partial = settings.docs_per_step is not None and position == len(labels) - 1 and n_docs_last != 0
+        out.append((str(int(step)), step_batch, "partial" if partial else "ok"))
+    return out
+
+
+def _check_settings(settings: MetricSettings) -> None:
+    """Reject settings the engine cannot honour (exit 2)."""
+    if settings.metric_reduction not in REDUCTION_MODES:
+        raise UsageError("E503", f"--metric-reduction must be one of {', '.join(REDUCTION_MODES)}", None)
+    if settings.empty_seqs not in ("count", "skip"):
+        raise UsageError("E503", "--empty-seqs must be count or skip", None)
+    if settings.level not in ("token", "sequence"):
+        raise UsageError("E503", "--level must be token or sequence", None)
+    if settings.docs_per_step is not None and settings.docs_per_step < 1:
+        raise UsageError("E503", f"--docs-per-step must be at least 1, got {settings.docs_per_step}", None)
+    if not (0.0 <= settings.eps_low < 1.0 and settings.eps_high >= 0.0):
+        raise UsageError(
+            "E503",
+            f"clip band needs 0 <= --eps-low < 1 and --eps-high >= 0, got "
+            f"{settings.eps_low}, {settings.eps_high}",
+            None,
+        )
+    if settings.dual_clip is not None and not settings.dual_clip > 1.0:
+        raise UsageError("E503", f"--dual-clip C must be > 1, got {settings.dual_clip}", None)
+
+
+def _stream(batch: TokenBatch, name: str | None, role: str) -> np.ndarray | None:
+    """The (M,) log-probs of stream `name`, None when the role is unused."""
+    if name is None:
+        return None
+    if name not in batch.streams:
+        present = ", ".join(sorted(batch.streams)) or "none"
+        raise UsageError(
+            "E503", f"{batch.label}: stream {name!r} (--{role}) is not in the batch", f"streams: {present}"
+        )
+    return batch.streams[name]
+
+
+def _entropy(batch: TokenBatch, tag: str) -> np.ndarray:
+    """The (M,) entropies of recompute tag `tag`."""
+    if tag not in batch.entropy:
+        present = ", ".join(sorted(batch.entropy)) or "none"
+        raise UsageError(
+            "E503", f"{batch.label}: no entropy for recompute tag {tag!r}", f"tags with entropy: {present}"
+        )
+    return batch.entropy[tag]
+
+
+def _doc_by_sample_id(batch: TokenBatch) -> np.ndarray:
+    """(S,) document index by consecutive equal sample_id, ignoring the step column (§1.4)."""
+    if batch.n_samples == 0:
+        return np.zeros(0, dtype=np.int64)
+    same = batch.sample_id[1:] == batch.sample_id[:-1]
+    return np.concatenate([[0], np.cumsum(~same)]).astype(np.int64)
+
+
+def _step_index(batch: TokenBatch, settings: MetricSettings) -> np.ndarray:
+    """(S,) step of every row: the `step` column, or document index // --docs-per-step."""
+    if settings.docs_per_step is None:
+        return np.asarray(batch.step, dtype=np.int64)
+    return _doc_by_sample_id(batch) // settings.docs_per_step
+
+
+def _rows(batch: TokenBatch, rows: np.ndarray) -> TokenBatch:
+    """The samples `rows` (ascending); a contiguous run becomes views instead of copies."""
+    if rows.shape[0] == 0 or rows[-1] - rows[0] + 1 != rows.shape[0]:
+        return batch.select(rows)
+    lo, hi = int(rows[0]), int(rows[-1]) + 1
+    t_lo, t_hi = int(batch.offsets[lo]), int(batch.offsets[hi])
+
+    def opt(values: np.ndarray | None, a: int, b: int) -> np.ndarray | None:
+        return None if values is None else values[a:b]
+
+    return replace(
+        batch,
+        step=batch.step[lo:hi],
+        sample_id=batch.sample_id[lo:hi],
+        segment_idx=batch.segment_idx[lo:hi],
+        group=batch.group[lo:hi],
+        prompt_len=batch.prompt_len[lo:hi],
+        seq_len=batch.seq_len[lo:hi],
+        offsets=batch.offsets[lo : hi + 1] - t_lo,
+        pos=batch.pos[t_lo:t_hi],
+        token_id=batch.token_id[t_lo:t_hi],
+        streams={k: v[t_lo:t_hi] for k, v in batch.streams.items()},
+        entropy={k: v[t_lo:t_hi] for k, v in batch.entropy.items()},
+        advantages=opt(batch.advantages, t_lo, t_hi),
+        reward=opt(batch.reward, lo, hi),
+        env=opt(batch.env, lo, hi),
+        sample_row=opt(batch.sample_row, lo, hi),
+    )
+
+
+def _pooled_batch(batch: TokenBatch, settings: MetricSettings, step_index: np.ndarray) -> TokenBatch:
+    """The batch of the ``all`` row.
+
+    With the step column, groups are prompts within a step, so the pooled row keys them by (step, group).
+    With `--docs-per-step` the step column is ignored: groups keep their ids (a straddling group is whole
+    again) and the steps are the cut indices.
+    """
+    if settings.docs_per_step is not None:
+        return batch.with_steps(step_index)
+    if batch.n_samples == 0:
+        return batch
+    _, step_code = np.unique(step_index, return_inverse=True)
+    key = step_code.astype(np.int64) * (int(batch.group.max()) + 1) + batch.group.astype(np.int64)
+    _, first, pooled_group = np.unique(key, return_index=True, return_inverse=True)
+    names = batch.group_names[batch.group[first]] if batch.group_names.shape[0] else batch.group_names
+    return replace(batch, group=pooled_group.astype(np.int64).reshape(-1), group_names=names)
+
+
+def _straddling_groups(group: np.ndarray, step_index: np.ndarray) -> np.ndarray:
+    """Group codes whose samples fall in more than one step."""
+    if group.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64)
+    pairs = np.unique(np.stack([group.astype(np.int64), step_index.astype(np.int64)]), axis=1)
+    codes, steps_per_group = np.unique(pairs[0], return_counts=True)
+    return codes[steps_per_group > 1]
+
+
+def _average_loss_over_steps(pooled: StepMetrics, steps: list[StepMetrics]) -> StepMetrics:
+    """Replace `loss/*` and `grad/*` of the pooled row by their unweighted mean over the steps with a value."""
+    per_step = [s.by_key() for s in steps]
+    values = []
+    for value in pooled.values:
+        if value.key.startswith(("loss/", "grad/")):
+            found = [row[value.key].value for row in per_step if value.key in row]
+            numbers = [v for v in found if v is not None]
+            if not numbers:
+                mean = None
+            elif all(math.isfinite(v) for v in numbers):
+                mean = math.fsum(numbers) / len(numbers)
+            else:
+                mean = sum(numbers) / len(numbers)  # ±inf propagates; inf − inf is NaN, stored as null
+            value = MetricValue(value.key, mean, value.unit, value.reduction, len(numbers))
+        values.append(value)
+    return replace(pooled, values=tuple(values))
+
+
+def _worse(a: str, b: str) -> str:
+    """The more severe of two statuses."""
+    return a if STATUS_ORDER.index(a) >= STATUS_ORDER.index(b) else b

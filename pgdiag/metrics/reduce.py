@@ -1,0 +1,272 @@
+"""Reductions of design/metrics.md §2: turn per-token and per-sample arrays into one number per step.
+
+Every native metric is a per-token quantity x on the *valid* tokens of a step followed by one of the
+reductions here: `R` (the user's `--metric-reduction`: token, sample or document weighting), `tok`
+(a statistic of the token population: quantile, extremum, correlation), `seq` (a statistic over the S+
+non-empty samples), `grp` (over prompt groups) or `step` (a closed form).
+
+Why this shape: a step can hold 10M tokens, so every reduction is one vectorised numpy pass in float64.
+Per-sample sums use `np.add.reduceat` over the contiguous token runs of each sample, which goes through
+numpy's pairwise summation (metrics.md §0.2 rule 1), as does `np.sum` for whole-step sums. Nothing is
+clamped and no epsilon is added: a zero denominator gives None (rule 2), and an infinite input stays
+infinite (rule 4). Quantiles are Hyndman-Fan type 7 (numpy's default "linear"), computed from one
+`np.partition` per array so that several quantiles cost one selection.
+
+How: build a `TokenReducer` once per (step, valid-token mask) and call `mean`, `spread`, `sample_sums`,
+... on arrays that hold the valid tokens only, in sample order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+REDUCTION_MODES = ("token", "sample", "document")
+
+
+def _as_float(value: float | np.floating) -> float | None:
+    """A Python float, None for NaN (a MetricValue never holds NaN)."""
+    out = float(value)
+    return None if math.isnan(out) else out
+
+
+@dataclass(frozen=True)
+class TokenReducer:
+    """The valid-token layout of one step and the `R` reduction chosen by `--metric-reduction`.
+
+    Arrays passed to the methods hold the N valid tokens in sample order (sample i owns
+    ``starts[i]:starts[i] + n_per_sample[i]``).
+    """
+
+    mode: str  # token | sample | document
+    n_per_sample: np.ndarray  # (S,) int64 N_i, valid tokens per sample
+    starts: np.ndarray  # (S,) int64 start of sample i in the valid-token arrays
+    doc_of_sample: np.ndarray  # (S,) int64 document index
+    n_docs: int  # D, documents in the step including fully masked ones
+
+    @classmethod
+    def build(
+        cls, valid: np.ndarray, offsets: np.ndarray, doc_of_sample: np.ndarray, mode: str
+    ) -> TokenReducer:
+        """Reducer for the tokens where `valid` (M,) is true; `offsets` (S+1,) delimit the samples."""
+        if mode not in REDUCTION_MODES:
+            raise ValueError(f"metric reduction must be one of {REDUCTION_MODES}, got {mode!r}")
+        n_samples = offsets.shape[0] - 1
+        if valid.all():
+            n_per_sample = np.diff(offsets).astype(np.int64)
+        else:
+            n_per_sample = segment_sums(valid.astype(np.int64), offsets[:-1], np.diff(offsets)).astype(
+                np.int64
+            )
+        starts = np.zeros(n_samples, dtype=np.int64)
+        if n_samples > 1:
+            np.cumsum(n_per_sample[:-1], out=starts[1:])
+        n_docs = int(doc_of_sample.max()) + 1 if n_samples else 0
+        return cls(mode, n_per_sample, starts, doc_of_sample, n_docs)
+
+    @property
+    def n_tokens(self) -> int:
+        """N, the valid tokens of the step."""
+        return int(self.n_per_sample.sum())
+
+    @property
+    def nonempty(self) -> np.ndarray:
+        """(S,) bool: samples with N_i > 0."""
+        return self.n_per_sample > 0
+
+    @property
+    def n_nonempty(self) -> int:
+        """S+, samples with at least one valid token."""
+        return int(np.count_nonzero(self.n_per_sample))
+
+    @property
+    def population(self) -> int:
+        """The `n` of an `R` value: N tokens, S+ samples or D documents."""
+        if self.mode == "token":
+            return self.n_tokens
+        return self.n_nonempty if self.mode == "sample" else self.n_docs
+
+    def subset(self, keep: np.ndarray) -> TokenReducer:
+        """Reducer for the valid tokens where `keep` (N,) is also true (a family with an extra test)."""
+        offsets = np.concatenate([self.starts, [self.n_tokens]]).astype(np.int64)
+        return TokenReducer.build(keep, offsets, self.doc_of_sample, self.mode)
+
+    def sample_sums(self, x: np.ndarray) -> np.ndarray:
+        """(S,) Σ_t m' x per sample (0 for empty samples), pairwise within each sample."""
+        return segment_sums(x, self.starts, self.n_per_sample)
+
+    def sample_max(self, x: np.ndarray) -> np.ndarray:
+        """(S+,) max of x within each non-empty sample."""
+        ne = self.nonempty
+        return np.maximum.reduceat(x, self.starts[ne]) if x.shape[0] else np.zeros(0)
+
+    def sample_min(self, x: np.ndarray) -> np.ndarray:
+        """(S+,) min of x within each non-empty sample."""
+        ne = self.nonempty
+        return np.minimum.reduceat(x, self.starts[ne]) if x.shape[0] else np.zeros(0)
+
+    def broadcast(self, per_sample: np.ndarray) -> np.ndarray:
+        """(N,) the per-sample values (S,) repeated over each sample's valid tokens."""
+        return np.repeat(per_sample, self.n_per_sample)
+
+    def mean(self, x: np.ndarray) -> float | None:
+        """R(x): the token, sample or document mean of metrics.md §2; None without valid tokens."""
+        n_tokens = x.shape[0]
+        if n_tokens == 0:
+            return None
+        if self.mode == "token":
+            total = np.count_nonzero(x) if x.dtype == np.bool_ else np.sum(x)
+            return _as_float(total / n_tokens)
+        sums = self.sample_sums(x.astype(np.float64) if x.dtype == np.bool_ else x)
+        ne = self.nonempty
+        if self.mode == "sample":
+            return _as_float(np.sum(sums[ne] / self.n_per_sample[ne]) / np.count_nonzero(ne))
+        doc_sums = np.bincount(self.doc_of_sample, weights=sums, minlength=self.n_docs)
+        doc_tokens = np.bincount(self.doc_of_sample, weights=self.n_per_sample, minlength=self.n_docs)
+        filled = doc_tokens > 0
+        return _as_float(np.sum(doc_sums[filled] / doc_tokens[filled]) / self.n_docs)
+
+    def spread(self, x: np.ndarray) -> float | None:
+        """sqrt(R((x − R(x))²)), the spread under the same reduction (no subtraction of squares)."""
+        centre = self.mean(x)
+        if centre is None:
+            return None
+        dev = x - centre
+        np.square(dev, out=dev)
+        value = self.mean(dev)
+        return None if value is None else math.sqrt(value)
+
+
+def segment_sums(x: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """(S,) sums of the runs ``x[starts[i]:starts[i] + lengths[i]]``; empty runs give 0.
+
+    `np.add.reduceat` returns ``x[start]`` for an empty run, so only non-empty runs are reduced.
+    """
+    out = np.zeros(lengths.shape[0], dtype=np.int64 if np.issubdtype(x.dtype, np.integer) else np.float64)
+    nonempty = lengths > 0
+    if x.shape[0] and nonempty.any():
+        out[nonempty] = np.add.reduceat(x, starts[nonempty])
+    return out
+
+
+def quantiles(x: np.ndarray, qs: tuple[float, ...]) -> list[float | None]:
+    """Type-7 quantiles of x (linear interpolation between order statistics, numpy's default).
+
+    One partition serves every q. Two equal order statistics give that value even when it is infinite
+    (numpy's interpolation would produce NaN from inf − inf there).
+    """
+    n = x.shape[0]
+    if n == 0:
+        return [None] * len(qs)
+    positions = [(n - 1) * q for q in qs]
+    kth = sorted({math.floor(h) for h in positions} | {math.ceil(h) for h in positions})
+    part = np.partition(x, kth)
+    out: list[float | None] = []
+    for h in positions:
+        lo, hi = math.floor(h), math.ceil(h)
+        a, b = float(part[lo]), float(part[hi])
+        t = h - lo
+        if a == b or t == 0.0:
+            out.append(_as_float(a))
+            continue
+        diff = b - a
+        # the same two-sided lerp as numpy.quantile so both agree bit for bit on finite data
+        out.append(_as_float(b - diff * (1.0 - t) if t >= 0.5 else a + diff * t))
+    return out
+
+
+def extremum(x: np.ndarray, kind: str) -> float | None:
+    """min or max of x; None when x is empty."""
+    if x.shape[0] == 0:
+        return None
+    return _as_float(np.min(x) if kind == "min" else np.max(x))
+
+
+def plain_mean(x: np.ndarray) -> float | None:
+    """Unweighted mean (pairwise sum); None when empty. Used for `seq` and `grp` statistics."""
+    return None if x.shape[0] == 0 else _as_float(np.sum(x) / x.shape[0])
+
+
+def plain_sd(x: np.ndarray) -> float | None:
+    """Population standard deviation sqrt(mean((x − mean)²)); None when empty."""
+    centre = plain_mean(x)
+    if centre is None:
+        return None
+    return _as_float(math.sqrt(np.sum(np.square(x - centre)) / x.shape[0]))
+
+
+def fraction(flags: np.ndarray) -> float | None:
+    """Unweighted fraction of true flags; None when empty."""
+    return None if flags.shape[0] == 0 else np.count_nonzero(flags) / flags.shape[0]
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """Pearson correlation and OLS line y ≈ intercept + slope·x with its RMS residual (None when undefined)."""
+
+    pearson_r: float | None
+    slope: float | None
+    intercept: float | None
+    resid_rms: float | None
+
+
+def linear_fit(x: np.ndarray, y: np.ndarray) -> LinearFit:
+    """Pearson r and OLS fit of y on x, from centred sums (no subtraction of squares).
+
+    r is None when either side is constant; slope, intercept and residual are None when x is constant.
+    """
+    n = x.shape[0]
+    if n == 0:
+        return LinearFit(None, None, None, None)
+    mx, my = np.sum(x) / n, np.sum(y) / n
+    if not (math.isfinite(mx) and math.isfinite(my)):
+        return LinearFit(None, None, None, None)
+    dx, dy = x - mx, y - my
+    sxx, syy, sxy = float(np.sum(dx * dx)), float(np.sum(dy * dy)), float(np.sum(dx * dy))
+    pearson = sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
+    if sxx == 0:
+        return LinearFit(pearson, None, None, None)
+    slope = sxy / sxx
+    dy -= slope * dx
+    resid_rms = math.sqrt(float(np.sum(dy * dy)) / n)
+    return LinearFit(pearson, slope, float(my - slope * mx), resid_rms)
+
+
+def pearson(x: np.ndarray, y: np.ndarray) -> float | None:
+    """Pearson correlation of x and y; None when either is constant or empty."""
+    return linear_fit(x, y).pearson_r
+
+
+def log_sum_exp(x: np.ndarray) -> float:
+    """ln Σ exp(x), shifted by the maximum; −inf for an empty array."""
+    if x.shape[0] == 0:
+        return -math.inf
+    top = float(np.max(x))
+    if not math.isfinite(top):
+        return top
+    return top + math.log(float(np.sum(np.exp(x - top))))
+
+
+def ess_from_log_weights(log_w: np.ndarray) -> float | None:
+    """Normalised Kish ESS (Σw)² / (n Σw²) of weights w = exp(log_w), in log space.
+
+    exp(2 LSE(log_w) − ln n − LSE(2 log_w)): no overflow for product ratios W_i = exp(Σd_i) of long
+    samples. None for an empty population or non-finite log weights.
+    """
+    n = log_w.shape[0]
+    if n == 0 or not np.all(np.isfinite(log_w)):
+        return None
+    return _as_float(math.exp(2.0 * log_sum_exp(log_w) - math.log(n) - log_sum_exp(2.0 * log_w)))
+
+
+def ess_from_weights(w: np.ndarray) -> float | None:
+    """Normalised Kish ESS (Σw)² / (n Σw²) of explicit weights; None when empty or undefined."""
+    n = w.shape[0]
+    if n == 0:
+        return None
+    sum_sq = float(np.sum(w * w))
+    if sum_sq == 0.0:
+        return None
+    return _as_float(float(np.sum(w)) ** 2 / (n * sum_sq))
