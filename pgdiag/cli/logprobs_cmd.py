@@ -1,0 +1,393 @@
+"""`pgdiag logprobs RUN --model CKPT` (alias `recompute`): recompute log-probs and entropy beside a run.
+
+Thin shell over `pgdiag.logprobs.recompute_logprobs`: parse options, pick how to run (one process; every rank of
+a ``torchrun`` job; or ``--tp N [--dp M]`` local workers started through `pgdiag.launch.run_workers`), render a
+progress bar with tokens/s and ETA on stderr (global rank 0 only) and a summary; ``--json`` prints the result
+object on stdout. Examples::
+
+    pgdiag logprobs sample_data/run_a --model sample_data/tiny-qwen --dtype fp32
+    pgdiag logprobs run/ --model ckpt/ --tp 2                         # starts 2 workers itself
+    torchrun --nproc-per-node 4 -m pgdiag logprobs run/ --model ckpt/ --tp 2    # 2 replicas x TP 2
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
+from rich.text import Text
+
+from pgdiag.cli.common import (
+    MODEL,
+    OUTPUT,
+    PERFORMANCE,
+    JsonOpt,
+    OverwriteOpt,
+    QuietOpt,
+    RunArg,
+    VerboseOpt,
+    execute,
+    make_console,
+    result_object,
+)
+from pgdiag.errors import EXIT_INTERNAL, EXIT_INVALID, InvalidInputError, PgdiagError, UsageError
+from pgdiag.logprobs import DEFAULT_BATCH_TOKENS, DEFAULT_PART_SAMPLES, ProgressUpdate, RecomputeResult
+
+_PLAIN_PROGRESS_EVERY_S = 30.0
+
+
+class Dtype(StrEnum):
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+class Impl(StrEnum):
+    auto = "auto"
+    triton = "triton"
+    torch = "torch"
+
+
+class Order(StrEnum):
+    length = "length"
+    source = "source"
+
+
+class Device(StrEnum):
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+def register(app: typer.Typer) -> None:
+    """Add `logprobs` and its alias `recompute` to `app`."""
+    app.command("logprobs")(logprobs)
+    app.command("recompute", help="Alias of `logprobs`.", hidden=True)(logprobs)
+
+
+def _parse_temperature(value: str) -> float | str:
+    if value == "auto":
+        return "auto"
+    try:
+        number = float(value)
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not 'auto' or a number") from None
+    if not number > 0:
+        raise typer.BadParameter(f"{value!r} must be > 0")
+    return number
+
+
+def logprobs(
+    run: RunArg,
+    *,
+    model: Annotated[
+        Path,
+        typer.Option(
+            "--model", help="Checkpoint directory (config.json + safetensors).", rich_help_panel=MODEL
+        ),
+    ],
+    dtype: Annotated[Dtype, typer.Option(help="Body compute dtype.", rich_help_panel=MODEL)] = Dtype.bf16,
+    head_dtype: Annotated[
+        Dtype, typer.Option("--head-dtype", help="LM head and softmax dtype.", rich_help_panel=MODEL)
+    ] = Dtype.fp32,
+    reference: Annotated[
+        bool, typer.Option("--reference", help="fp32 body and head, tag rc_ref.", rich_help_panel=MODEL)
+    ] = False,
+    temperature: Annotated[
+        str,
+        typer.Option(
+            help="'auto' (temperature_tok, then temperature, then the run's sampling metadata, else 1.0) or a number.",
+            rich_help_panel=MODEL,
+        ),
+    ] = "auto",
+    impl: Annotated[
+        Impl,
+        typer.Option(help="LM-head kernel: auto = triton on CUDA, else torch.", rich_help_panel=PERFORMANCE),
+    ] = Impl.auto,
+    batch_tokens: Annotated[
+        int,
+        typer.Option(
+            "--batch-tokens", min=1, help="Tokens per forward per replica.", rich_help_panel=PERFORMANCE
+        ),
+    ] = DEFAULT_BATCH_TOKENS,
+    order: Annotated[
+        Order,
+        typer.Option(help="Pack longest first (length) or in stored order.", rich_help_panel=PERFORMANCE),
+    ] = Order.length,
+    tp: Annotated[
+        int | None,
+        typer.Option(
+            "--tp",
+            min=1,
+            help="Tensor-parallel degree (default: the torchrun world / dp).",
+            rich_help_panel=PERFORMANCE,
+        ),
+    ] = None,
+    dp: Annotated[
+        int | None, typer.Option("--dp", min=1, help="Data-parallel replicas.", rich_help_panel=PERFORMANCE)
+    ] = None,
+    device: Annotated[
+        Device | None,
+        typer.Option(help="cuda or cpu (default: cuda when available).", rich_help_panel=PERFORMANCE),
+    ] = None,
+    tag: Annotated[
+        str | None, typer.Option(help="Stream tag (default rc_<dtype>_<head_dtype>).", rich_help_panel=OUTPUT)
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Output directory (default RUN/logprobs/<tag>).", rich_help_panel=OUTPUT),
+    ] = None,
+    entropy: Annotated[
+        bool, typer.Option("--entropy/--no-entropy", help="Write the entropy column.", rich_help_panel=OUTPUT)
+    ] = True,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume/--no-resume",
+            help="Skip parts already written by an interrupted job.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = True,
+    part_samples: Annotated[
+        int, typer.Option("--part-samples", min=1, help="Samples per output part.", rich_help_panel=OUTPUT)
+    ] = DEFAULT_PART_SAMPLES,
+    overwrite: OverwriteOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Recompute per-token log-probs and entropy of RUN's stored tokens with a checkpoint, at loss positions."""
+    body_dtype, head = (Dtype.fp32, Dtype.fp32) if reference else (dtype, head_dtype)
+    job = RecomputeJob(
+        run=run,
+        model=str(model),
+        options={
+            "tag": tag or ("rc_ref" if reference else None),
+            "dtype": body_dtype.value,
+            "head_dtype": head.value,
+            "temperature": _parse_temperature(temperature),
+            "impl": impl.value,
+            "batch_tokens": batch_tokens,
+            "order": order.value,
+            "out": out,
+            "resume": resume,
+            "overwrite": overwrite,
+            "part_samples": part_samples,
+            "entropy": entropy,
+        },
+        tp=tp,
+        dp=dp,
+        device=None if device is None else device.value,
+        show_progress=not quiet,
+    )
+    rank = int(os.environ.get("RANK", "0"))
+
+    def body(console: Console) -> dict[str, Any]:
+        result = _run_job(job)
+        if result is None:  # a non-zero rank of a torchrun job: rank 0 reports
+            return result_object("logprobs")
+        _render_summary(console, result)
+        return _result_json(result, run)
+
+    execute("logprobs", body, json_out=json_out and rank == 0, quiet=quiet or rank != 0)
+
+
+@dataclass(frozen=True)
+class RecomputeJob:
+    """Everything a worker needs to run `recompute_logprobs` (picklable for spawned workers)."""
+
+    run: str
+    model: str
+    options: dict[str, Any] = field(default_factory=dict)
+    tp: int | None = None
+    dp: int | None = None
+    device: str | None = None
+    show_progress: bool = True
+
+
+@dataclass(frozen=True)
+class WorkerOutcome:
+    """A worker's answer: its exit code, the result (global rank 0) and the error it raised, if any."""
+
+    exit_code: int
+    result: RecomputeResult | None = None
+    error: tuple[str, str, str, str | None] | None = None  # (kind, code, message, hint)
+
+
+def _run_job(job: RecomputeJob) -> RecomputeResult | None:
+    """Run in this process (plain or torchrun) or start tp x dp local workers; None on non-zero torchrun ranks."""
+    from pgdiag.launch import launched_by_torchrun, run_workers, teardown_distributed
+
+    if launched_by_torchrun():
+        try:
+            return _run_ranked(job)
+        finally:
+            teardown_distributed()
+    nproc = (job.tp or 1) * (job.dp or 1)
+    if nproc == 1:
+        return _recompute(job, tp_group=None, device=job.device, show_progress=job.show_progress)
+    outcomes: dict[int, WorkerOutcome] = run_workers(_worker, job, nproc=nproc)
+    worst = max(outcomes.values(), key=lambda o: o.exit_code)
+    if worst.error is not None:
+        kind, code, message, hint = worst.error
+        if kind == "internal":
+            raise RuntimeError(message)
+        raise (InvalidInputError if worst.exit_code == EXIT_INVALID else UsageError)(code, message, hint)
+    return outcomes[0].result
+
+
+def _run_ranked(job: RecomputeJob) -> RecomputeResult | None:
+    from pgdiag.launch import setup_distributed
+
+    setup = setup_distributed(tp=job.tp, dp=job.dp, device=job.device)
+    result = _recompute(
+        job,
+        tp_group=setup.tp_group,
+        device=str(setup.device),
+        show_progress=job.show_progress and setup.layout.is_main,
+    )
+    return result if setup.layout.is_main else None
+
+
+def _worker(job: RecomputeJob) -> WorkerOutcome:
+    """Entry point of a self-launched worker: never raises, so the parent can report the worst exit code."""
+    from pgdiag.launch import teardown_distributed
+
+    try:
+        return WorkerOutcome(0, _run_ranked(job))
+    except PgdiagError as error:
+        kind = "invalid" if isinstance(error, InvalidInputError) else "usage"
+        return WorkerOutcome(error.exit_code, None, (kind, error.code, error.message, error.hint))
+    except Exception as error:
+        detail = traceback.format_exc() if os.environ.get("PGDIAG_TRACEBACK") == "1" else ""
+        message = f"worker {os.environ.get('RANK', '?')}: {type(error).__name__}: {error}{detail}"
+        return WorkerOutcome(EXIT_INTERNAL, None, ("internal", "INTERNAL", message, None))
+    finally:
+        teardown_distributed()
+
+
+def _recompute(
+    job: RecomputeJob, *, tp_group: Any, device: str | None, show_progress: bool
+) -> RecomputeResult:
+    from pgdiag.logprobs import recompute_logprobs
+
+    options = dict(job.options)
+    with ProgressRenderer(make_console(quiet=not show_progress)) as renderer:
+        return recompute_logprobs(
+            job.run, job.model, tp_group=tp_group, device=device, progress=renderer, **options
+        )
+
+
+class _TokensPerSecond(ProgressColumn):
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("-- tok/s" if speed is None else f"{speed:,.0f} tok/s")
+
+
+class ProgressRenderer:
+    """Progress callback: a Rich bar (tokens, tok/s, ETA) on a terminal, one plain line every 30 s otherwise."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.live = console.is_terminal and not console.quiet
+        self.progress = Progress(
+            TextColumn("recompute"),
+            BarColumn(),
+            TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
+            _TokensPerSecond(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+        )
+        self.task: int | None = None
+        self.start = time.perf_counter()
+        self.last_line = self.start
+
+    def __enter__(self) -> ProgressRenderer:
+        if self.live:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live:
+            self.progress.stop()
+
+    def __call__(self, update: ProgressUpdate) -> None:
+        if self.live:
+            if self.task is None:
+                self.task = self.progress.add_task("recompute", total=max(update.tokens_total, 1))
+            self.progress.update(self.task, completed=update.tokens_done)
+            return
+        now = time.perf_counter()
+        if now - self.last_line >= _PLAIN_PROGRESS_EVERY_S and not self.console.quiet:
+            self.last_line = now
+            rate = update.tokens_done / max(now - self.start, 1e-9)
+            eta = (update.tokens_total - update.tokens_done) / rate if rate > 0 else float("inf")
+            self.console.print(
+                f"recompute: {update.tokens_done:,}/{update.tokens_total:,} tokens, part "
+                f"{update.parts_done}/{update.parts_total}, {rate:,.0f} tok/s, ETA {eta:,.0f} s",
+                markup=False,
+            )
+
+
+def _render_summary(console: Console, result: RecomputeResult) -> None:
+    rate = result.n_tokens / result.seconds if result.seconds > 0 else 0.0
+    settings = result.settings
+    console.print(
+        f"logprobs/{result.tag}: {result.n_samples:,} samples ({result.parts_computed} parts computed, "
+        f"{result.parts_skipped} resumed), {result.n_tokens:,} tokens in {result.seconds:.1f} s "
+        f"({rate:,.0f} tok/s), peak memory {result.peak_memory_bytes / 2**20:,.0f} MiB",
+        markup=False,
+        soft_wrap=True,
+    )
+    console.print(
+        f"dtype {settings.dtype}, head {settings.head_dtype}, impl {settings.impl}, temperature "
+        f"{settings.temperature if settings.temperature is not None else 'per-token'} ({settings.temperature_source}), "
+        f"tp {settings.tp} x dp {settings.dp} -> {result.path}",
+        markup=False,
+        soft_wrap=True,
+    )
+    for warning in result.warnings:
+        console.print(f"[yellow]warning[/] {warning}", soft_wrap=True)
+
+
+def _result_json(result: RecomputeResult, run: str) -> dict[str, Any]:
+    rate = result.n_tokens / result.seconds if result.seconds > 0 else None
+    checks = [
+        {
+            "code": w.split(":", 1)[0],
+            "severity": "warning",
+            "count": 1,
+            "message": w.split(": ", 1)[-1],
+            "examples": [],
+        }
+        for w in result.warnings
+    ]
+    return result_object(
+        "logprobs",
+        argv=sys.argv[1:],
+        inputs={"runs": [run], "n_samples": result.n_samples, "n_tokens": result.n_tokens},
+        summary={
+            result.tag: {
+                "path": str(result.path),
+                "n_samples": result.n_samples,
+                "n_tokens": result.n_tokens,
+                "n_loss_tokens": result.n_loss_tokens,
+                "tokens_per_s": rate,
+                "seconds": result.seconds,
+                "parts_computed": result.parts_computed,
+                "parts_skipped": result.parts_skipped,
+                "peak_memory_bytes": result.peak_memory_bytes,
+                "settings": result.settings.as_dict(),
+            }
+        },
+        checks=checks,
+        files={"logprobs": str(result.path)},
+    )

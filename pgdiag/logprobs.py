@@ -1,0 +1,716 @@
+"""Recompute per-token log-probs and entropies of a run's stored tokens with a checkpoint (`pgdiag logprobs`).
+
+What: `recompute_logprobs(run, model)` teacher-forces every sample of a run through the model and writes a
+`pgdiag.logprobs/v1` stream beside it (design/data-and-cli.md §2.3): ``RUN/logprobs/<tag>/step=<S>/part-<NNNNN>
+.parquet`` with full-length, token-aligned ``logprobs`` and ``entropy`` lists that are non-null exactly on loss
+positions, and ``_manifest.json`` (settings, input fingerprint, part plan) written before work starts and again
+with ``complete: true`` as the last file.
+
+Why this shape: recompute is the expensive step, so it must survive interruption and scale out. The input is cut
+into a deterministic part plan (per step, ``part_samples`` samples ordered by group_id, sample_id); each part is
+computed and written atomically on its own, so ``resume`` skips parts whose footer matches the plan and a crash
+loses at most the parts in flight. Data-parallel replicas own whole parts (part i goes to replica i mod dp) and
+their TP rank 0 writes them; the vocab-parallel head is never gathered.
+
+How, per part: samples are packed into ``batch_tokens`` budgets (`pgdiag.packing`, which owns the next-token
+shift), the model body returns hidden states ``(N, H)``, the rows that predict loss tokens ``(K, H)`` go with the
+head shard to `pgdiag.kernels.lm_head_logprobs` (fp32 statistics, temperature applied in the accumulator), and the
+``(K,)`` results are scattered back into per-sample lists.
+
+    result = recompute_logprobs("sample_data/run_a", "sample_data/tiny-qwen", dtype="fp32")
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import torch
+
+from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.kernels import lm_head_logprobs, resolve_impl
+from pgdiag.launch import ParallelLayout, barrier, current_layout
+from pgdiag.packing import PackOrder, pack_samples, plan_batches
+from pgdiag.schema import BASE_STREAMS, LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY, TAG_PATTERN, read_footer
+from pgdiag.seqhash import input_fingerprint
+from pgdiag.writing import write_json, write_parquet
+
+DTYPES = ("bf16", "fp32")
+DEFAULT_BATCH_TOKENS = 32768
+DEFAULT_PART_SAMPLES = 2048
+IMPLS = ("auto", "triton", "torch")
+MANIFEST_NAME = "_manifest.json"
+_IGNORED = -100
+
+
+@dataclass(frozen=True)
+class RecomputeSettings:
+    """Every choice that changes the numbers of a recompute; a resume must match it exactly (else E503)."""
+
+    dtype: str
+    head_dtype: str
+    temperature: float | None  # None: per-token values from `temperature_tok` / `temperature` columns
+    temperature_source: str  # option, temperature_tok, temperature, sampling, default
+    softmax_vocab: int
+    impl: str  # resolved: triton or torch
+    batch_tokens: int
+    order: str
+    part_samples: int
+    tp: int
+    dp: int
+    entropy: bool
+    attn: str = "sdpa"
+    pack: bool = True
+    micro_batch: int | None = None
+    deterministic: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ProgressUpdate:
+    """Progress of this replica, sent after every forward (global rank 0 renders it)."""
+
+    parts_done: int
+    parts_total: int
+    samples_done: int
+    samples_total: int
+    tokens_done: int  # tokens forwarded (the throughput measure)
+    tokens_total: int
+
+
+@dataclass(frozen=True)
+class RecomputeResult:
+    """What a recompute wrote: the stream directory, its tag, counts over all replicas, wall time, settings."""
+
+    path: Path
+    tag: str
+    n_samples: int  # samples in the plan (computed now or found on disk)
+    n_tokens: int  # tokens forwarded in this call
+    n_loss_tokens: int  # log-probs written in this call
+    seconds: float
+    settings: RecomputeSettings
+    parts_computed: int
+    parts_skipped: int
+    peak_memory_bytes: int
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """The run's samples sorted by (step, group_id, sample_id, segment_idx); token arrays flat over samples."""
+
+    source: str
+    step: np.ndarray  # (S,) int64
+    sample_id: np.ndarray  # (S,) object
+    segment_idx: np.ndarray  # (S,) int32
+    seq_hash: np.ndarray  # (S,) uint64
+    offsets: np.ndarray  # (S+1,) int64
+    input_ids: np.ndarray  # (T_total,) int64
+    loss_mask: np.ndarray  # (T_total,) bool
+    temperature: np.ndarray | None  # (T_total,) float64 per-token temperature, None when uniform
+
+    def keys(self, rows: range) -> list[tuple[int, str, int, int]]:
+        return [
+            (int(self.step[r]), str(self.sample_id[r]), int(self.segment_idx[r]), int(self.seq_hash[r]))
+            for r in rows
+        ]
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One output file: rows ``start:stop`` of the sorted inputs, all of one step."""
+
+    step: int
+    index: int
+    start: int
+    stop: int
+    fingerprint: str
+
+    @property
+    def relpath(self) -> str:
+        return f"step={self.step}/part-{self.index:05d}.parquet"
+
+    def plan_entry(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "index": self.index,
+            "n_samples": self.stop - self.start,
+            "keys": self.fingerprint,
+        }
+
+
+def default_tag(dtype: str, head_dtype: str) -> str:
+    """``rc_<dtype>_<head_dtype>``, the tag of a recompute when none is given."""
+    return f"rc_{dtype}_{head_dtype}"
+
+
+def recompute_logprobs(
+    run: Any,
+    model: Any,
+    *,
+    tag: str | None = None,
+    dtype: str = "bf16",
+    head_dtype: str = "fp32",
+    temperature: float | Literal["auto"] = "auto",
+    impl: str = "auto",
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    order: PackOrder = "length",
+    tp_group: torch.distributed.ProcessGroup | None = None,
+    out: str | Path | None = None,
+    resume: bool = True,
+    overwrite: bool = False,
+    part_samples: int = DEFAULT_PART_SAMPLES,
+    entropy: bool = True,
+    device: str | torch.device | None = None,
+    progress: Callable[[ProgressUpdate], None] | None = None,
+) -> RecomputeResult:
+    """Recompute log-probs and entropy of `run` (a `pgdiag.Run` or a path) with `model` (a checkpoint directory or
+    a loaded `pgdiag.model.CausalLM`) and write them as the stream `tag` (default ``rc_<dtype>_<head_dtype>``).
+
+    Raises UsageError E505 (bad option), E502 (output exists: complete, or without resume; pass `overwrite`), E503
+    (the output under this tag was made with other settings or inputs), InvalidInputError E102/E201/E203/E208/E213
+    (bad rollouts: missing column, length mismatch, loss at position 0, token id outside the vocabulary, nulls).
+    Under torch.distributed every rank calls this with the same arguments and its own `tp_group`.
+    """
+    start_time = time.perf_counter()
+    _check_options(dtype, head_dtype, impl, batch_tokens, part_samples, temperature)
+    tag = tag or default_tag(dtype, head_dtype)
+    if not TAG_PATTERN.fullmatch(tag) or tag in BASE_STREAMS:
+        raise UsageError("E505", f"invalid tag {tag!r}", "use [a-z][a-z0-9_]{0,39}, not rollout/old/ref/new")
+    layout = current_layout(tp_group)
+    run_obj = _as_run(run)
+    out_dir = _output_dir(run_obj, tag, out)
+
+    model_obj, model_meta = _as_model(
+        model, dtype=dtype, head_dtype=head_dtype, device=device, tp_group=tp_group
+    )
+    vocab_size = int(model_obj.config.vocab_size)
+    inputs = _read_inputs(run_obj, vocab_size)
+    temp_value, temp_source, temp_warnings = _resolve_temperature(run_obj, inputs, temperature)
+    warnings = (*(f"{code}: {message}" for code, message in model_obj.load_warnings), *temp_warnings)
+    if temp_value is None and inputs.temperature is None:
+        raise UsageError("E505", "per-token temperature requested but no temperature column found")
+    if temp_value is not None:
+        inputs = _with_uniform_temperature(inputs)
+    run_device = model_obj.lm_head_weight.device
+    settings = RecomputeSettings(
+        dtype=dtype,
+        head_dtype=head_dtype,
+        temperature=temp_value,
+        temperature_source=temp_source,
+        softmax_vocab=vocab_size,
+        impl=resolve_impl(impl, run_device),
+        batch_tokens=batch_tokens,
+        order=order,
+        part_samples=part_samples,
+        tp=layout.tp_size,
+        dp=layout.dp_size,
+        entropy=entropy,
+    )
+    parts = _plan_parts(inputs, part_samples)
+    fingerprint = f"{input_fingerprint(inputs.keys(range(len(inputs.step)))):016x}"
+    manifest = {
+        "schema": LOGPROBS_SCHEMA,
+        "tag": tag,
+        "created_by": f"pgdiag {_version()}",
+        "model": model_meta,
+        "settings": settings.as_dict(),
+        "input_fingerprint": fingerprint,
+        "n_samples": len(inputs.step),
+        "parts": [{"path": p.relpath, **p.plan_entry()} for p in parts],
+        "complete": False,
+    }
+    footer_base = {
+        "model": model_meta,
+        "settings": settings.as_dict(),
+        "env": _environment(run_device),
+        "input_fingerprint": fingerprint,
+    }
+
+    # 1. decide (every rank, before anyone writes): fresh, resume, or refuse
+    done = _inspect_output(out_dir, manifest, parts, footer_base, resume=resume, overwrite=overwrite, tag=tag)
+    barrier()
+    if layout.is_main:
+        if overwrite:
+            _clear_output(out_dir)
+        write_json(manifest, out_dir / MANIFEST_NAME)
+    barrier()
+
+    # 2. compute this replica's pending parts; TP rank 0 writes them
+    mine = [p for i, p in enumerate(parts) if i % layout.dp_size == layout.dp_rank and p.relpath not in done]
+    counts = _compute_parts(
+        model_obj, inputs, mine, out_dir, settings, footer_base, layout, progress, tp_group=tp_group, tag=tag
+    )
+    counts = _sum_over_ranks(counts, layout, run_device)
+    barrier()
+
+    # 3. the marker, last: global rank 0 checks every planned part is on disk
+    if layout.is_main:
+        missing = [p.relpath for p in parts if not (out_dir / p.relpath).is_file()]
+        if missing:
+            raise RuntimeError(f"{len(missing)} planned parts missing after recompute (first: {missing[0]})")
+        write_json({**manifest, "complete": True}, out_dir / MANIFEST_NAME)
+    barrier()
+    return RecomputeResult(
+        path=out_dir,
+        tag=tag,
+        n_samples=len(inputs.step),
+        n_tokens=counts[0],
+        n_loss_tokens=counts[1],
+        seconds=time.perf_counter() - start_time,
+        settings=settings,
+        parts_computed=counts[2],
+        parts_skipped=len(done),
+        peak_memory_bytes=_peak_memory(run_device),
+        warnings=warnings,
+    )
+
+
+def _check_options(
+    dtype: str, head_dtype: str, impl: str, batch_tokens: int, part_samples: int, temperature: Any
+) -> None:
+    for name, value, choices in (
+        ("dtype", dtype, DTYPES),
+        ("head_dtype", head_dtype, DTYPES),
+        ("impl", impl, IMPLS),
+    ):
+        if value not in choices:
+            raise UsageError("E505", f"{name} {value!r} is not one of {', '.join(choices)}")
+    if batch_tokens < 1 or part_samples < 1:
+        raise UsageError(
+            "E505", f"batch_tokens ({batch_tokens}) and part_samples ({part_samples}) must be >= 1"
+        )
+    if temperature != "auto" and not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise UsageError("E505", f"temperature must be 'auto' or a positive number, got {temperature!r}")
+
+
+def _version() -> str:
+    from pgdiag import __version__
+
+    return __version__
+
+
+def _as_run(run: Any) -> Any:
+    from pgdiag.runs import read_run
+
+    return read_run(run) if isinstance(run, (str, Path)) else run
+
+
+def _output_dir(run: Any, tag: str, out: str | Path | None) -> Path:
+    if out is not None:
+        return Path(out)
+    if run.root is None:
+        raise UsageError(
+            "E505", "RUN is not a run directory, so the recompute output has no home", "pass --out DIR"
+        )
+    return Path(run.root) / "logprobs" / tag
+
+
+def _as_model(
+    model: Any, *, dtype: str, head_dtype: str, device: str | torch.device | None, tp_group: Any
+) -> tuple[Any, dict[str, Any]]:
+    """The loaded model and its ``pgdiag.recompute.model`` metadata."""
+    if isinstance(model, (str, Path)):
+        from pgdiag.model import load_model
+
+        where = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        loaded = load_model(model, dtype=dtype, head_dtype=head_dtype, device=where, tp_group=tp_group)
+        path: str | None = str(Path(model).resolve())
+    else:
+        loaded, path = model, None
+    config = loaded.config
+    meta = {
+        "path": path,
+        "architecture": config.architecture,
+        "config_sha256": config.config_sha256,
+        "storage_dtype": config.storage_dtype,
+    }
+    return loaded, meta
+
+
+def _flat_list(column: pl.Series) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(values, offsets (S+1,), null_rows (S,)) of a list column, through Arrow (no per-row Python)."""
+    arrow = column.to_arrow()
+    if isinstance(arrow, pa.ChunkedArray):
+        arrow = pa.concat_arrays(arrow.chunks) if arrow.num_chunks != 1 else arrow.chunk(0)
+    null_rows = arrow.is_null().to_numpy(zero_copy_only=False)
+    lengths = arrow.value_lengths().fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = arrow.flatten()
+    values = flat.to_numpy(zero_copy_only=False)
+    if flat.null_count:
+        values = np.where(flat.is_null().to_numpy(zero_copy_only=False), -1, values)
+    return values, offsets, null_rows
+
+
+def _where(inputs_source: str, step: np.ndarray, sample_id: np.ndarray, row: int) -> str:
+    return f"{inputs_source}: step {int(step[row])}, sample {sample_id[row]}"
+
+
+def _read_inputs(run: Any, vocab_size: int) -> _Inputs:
+    """The columns recompute needs, sorted by the part-plan order, flattened and checked (E102/E201/E203/E208/E213)."""
+    source = str(run.root if run.root is not None else (run.paths[0] if run.paths else "RUN"))
+    names = run.lazy.collect_schema().names()
+    required = ("step", "sample_id", "group_id", "seq_hash", "input_ids", "loss_mask")
+    for name in required:
+        if name not in names:
+            raise InvalidInputError(
+                "E102", f"{source}: missing column {name}", "re-import with pgdiag import"
+            )
+    optional = [c for c in ("segment_idx", "temperature", "temperature_tok") if c in names]
+    frame = run.lazy.select([*required, *optional]).collect()
+    if "segment_idx" not in optional:
+        frame = frame.with_columns(pl.lit(0, dtype=pl.Int32).alias("segment_idx"))
+    frame = frame.with_columns(pl.col("segment_idx").fill_null(0).cast(pl.Int32))
+    frame = frame.sort(["step", "group_id", "sample_id", "segment_idx"], maintain_order=True)
+    step = frame["step"].cast(pl.Int64).to_numpy()
+    sample_id = frame["sample_id"].cast(pl.String).to_numpy().astype(object)
+    for name in ("step", "sample_id", "seq_hash"):
+        nulls = frame[name].null_count()
+        if nulls:
+            raise InvalidInputError("E213", f"{source}: {name} has {nulls} nulls")
+    ids, offsets, ids_null = _flat_list(frame["input_ids"])
+    mask, mask_offsets, mask_null = _flat_list(frame["loss_mask"])
+    bad = np.flatnonzero(ids_null | mask_null)
+    if bad.size:
+        raise InvalidInputError(
+            "E213", f"{_where(source, step, sample_id, int(bad[0]))}: null input_ids or loss_mask"
+        )
+    lengths, mask_lengths = np.diff(offsets), np.diff(mask_offsets)
+    bad = np.flatnonzero(lengths != mask_lengths)
+    if bad.size:
+        r = int(bad[0])
+        raise InvalidInputError(
+            "E201",
+            f"{_where(source, step, sample_id, r)}: loss_mask length {mask_lengths[r]} != input_ids {lengths[r]}",
+        )
+    first_is_loss = np.zeros(lengths.shape[0], dtype=bool)
+    first_is_loss[lengths > 0] = mask[offsets[:-1][lengths > 0]].astype(bool)
+    bad = np.flatnonzero((lengths == 0) | first_is_loss)
+    if bad.size:
+        r = int(bad[0])
+        raise InvalidInputError(
+            "E203",
+            f"{_where(source, step, sample_id, r)}: loss position 0 has no context (or empty input_ids)",
+        )
+    ids = ids.astype(np.int64)
+    out_of_range = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if out_of_range.size:
+        first = int(out_of_range[0])
+        r = int(np.searchsorted(offsets, first, side="right") - 1)
+        raise InvalidInputError(
+            "E208",
+            f"{_where(source, step, sample_id, r)}, input_ids pos {first - offsets[r]}: "
+            f"token {ids[first]} outside [0, vocab_size {vocab_size}) ({out_of_range.size} such tokens)",
+            "the rollouts were made with another tokenizer or model; check --model",
+        )
+    return _Inputs(
+        source=source,
+        step=step,
+        sample_id=sample_id,
+        segment_idx=frame["segment_idx"].to_numpy(),
+        seq_hash=frame["seq_hash"].cast(pl.UInt64).to_numpy(),
+        offsets=offsets,
+        input_ids=ids,
+        loss_mask=mask.astype(bool),
+        temperature=_token_temperatures(frame, offsets),
+    )
+
+
+def _token_temperatures(frame: pl.DataFrame, offsets: np.ndarray) -> np.ndarray | None:
+    """(T_total,) per-token temperature from `temperature_tok`, else the row `temperature`; None without either."""
+    lengths = np.diff(offsets)
+    row = None
+    if "temperature" in frame.columns and frame["temperature"].null_count() < frame.height:
+        row = np.repeat(frame["temperature"].cast(pl.Float64).fill_null(np.nan).to_numpy(), lengths)
+    if "temperature_tok" not in frame.columns:
+        return row
+    values, tok_offsets, null_rows = _flat_list(frame["temperature_tok"].cast(pl.List(pl.Float64)))
+    tok = np.full(int(offsets[-1]), np.nan)
+    rows_ok = ~null_rows & (np.diff(tok_offsets) == lengths)
+    keep = np.repeat(rows_ok, lengths)
+    tok[keep] = values[np.repeat(rows_ok, np.diff(tok_offsets))].astype(np.float64)
+    if row is not None:
+        tok = np.where(np.isnan(tok), row, tok)
+    return tok if not np.all(np.isnan(tok)) else row
+
+
+def _resolve_temperature(
+    run: Any, inputs: _Inputs, temperature: float | str
+) -> tuple[float | None, str, tuple[str, ...]]:
+    """(value or None for per-token, source, warnings) following `--temperature auto` (§5.4)."""
+    if temperature != "auto":
+        return float(temperature), "option", ()
+    if inputs.temperature is not None:
+        on_loss = inputs.temperature[inputs.loss_mask]
+        if on_loss.size and not np.isnan(on_loss).any():
+            values = np.unique(on_loss)
+            if values.size == 1:
+                return float(values[0]), "column", ()
+            return None, "column", ()
+    sampling = (run.meta or {}).get("sampling") or {}
+    if isinstance(sampling, dict) and isinstance(sampling.get("temperature"), (int, float)):
+        return float(sampling["temperature"]), "sampling", ()
+    return 1.0, "default", ("W409: no temperature in the rollouts or their metadata; recomputed at T=1.0",)
+
+
+def _with_uniform_temperature(inputs: _Inputs) -> _Inputs:
+    return _Inputs(**{**inputs.__dict__, "temperature": None})
+
+
+def _plan_parts(inputs: _Inputs, part_samples: int) -> list[_Part]:
+    """Per step (inputs are sorted), consecutive chunks of `part_samples` rows."""
+    parts: list[_Part] = []
+    steps, starts = np.unique(inputs.step, return_index=True)
+    bounds = [*starts.tolist(), len(inputs.step)]
+    for s, step in enumerate(steps.tolist()):
+        for index, lo in enumerate(range(bounds[s], bounds[s + 1], part_samples)):
+            hi = min(lo + part_samples, bounds[s + 1])
+            keys = f"{input_fingerprint(inputs.keys(range(lo, hi))):016x}"
+            parts.append(_Part(step=int(step), index=index, start=lo, stop=hi, fingerprint=keys))
+    return parts
+
+
+_COMPARED = ("model", "settings", "input_fingerprint")
+
+
+def _inspect_output(
+    out_dir: Path,
+    manifest: dict[str, Any],
+    parts: list[_Part],
+    footer_base: dict[str, Any],
+    *,
+    resume: bool,
+    overwrite: bool,
+    tag: str,
+) -> set[str]:
+    """The relative paths of parts already done; raises E502/E503 when the existing output may not be touched."""
+    if overwrite:
+        return set()
+    manifest_path = out_dir / MANIFEST_NAME
+    if not manifest_path.is_file():
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            raise UsageError(
+                "E502", f"{out_dir} exists and is not a pgdiag recompute output", "pass --overwrite"
+            )
+        return set()
+    try:
+        old = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError("E503", f"{manifest_path} is unreadable ({exc})", "pass --overwrite") from exc
+    for key in _COMPARED:
+        if old.get(key) != manifest[key]:
+            raise UsageError(
+                "E503",
+                f"{out_dir} holds tag {tag} made with other {key} ({_first_difference(old.get(key), manifest[key])})",
+                "pass --overwrite to replace it, or choose another --tag",
+            )
+    if old.get("complete") is True:
+        raise UsageError(
+            "E502", f"{out_dir} is complete", "pass --overwrite to recompute, or choose another --tag"
+        )
+    if not resume:
+        raise UsageError(
+            "E502", f"{out_dir} exists (incomplete)", "--no-resume recomputes everything: add --overwrite"
+        )
+    done = set()
+    for part in parts:
+        path = out_dir / part.relpath
+        if not path.is_file():
+            continue
+        try:
+            footer = read_footer(path).get(RECOMPUTE_FOOTER_KEY) or {}
+        except InvalidInputError:
+            continue
+        expected = {**footer_base, "part": part.plan_entry()}
+        if all(footer.get(k) == expected[k] for k in (*_COMPARED, "part")):
+            done.add(part.relpath)
+    return done
+
+
+def _first_difference(old: Any, new: Any) -> str:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                return f"{key}: {old.get(key)!r} on disk vs {new.get(key)!r} now"
+    return f"{old!r} on disk vs {new!r} now"
+
+
+def _clear_output(out_dir: Path) -> None:
+    """Remove a previous recompute's files (manifest, parts, temp files) and nothing else."""
+    for path in [
+        *out_dir.glob("step=*/part-*.parquet"),
+        *out_dir.glob("step=*/.part-*.tmp-*"),
+        out_dir / MANIFEST_NAME,
+    ]:
+        path.unlink(missing_ok=True)
+    for step_dir in out_dir.glob("step=*"):
+        if step_dir.is_dir() and not any(step_dir.iterdir()):
+            step_dir.rmdir()
+
+
+def _compute_parts(
+    model: Any,
+    inputs: _Inputs,
+    parts: list[_Part],
+    out_dir: Path,
+    settings: RecomputeSettings,
+    footer_base: dict[str, Any],
+    layout: ParallelLayout,
+    progress: Callable[[ProgressUpdate], None] | None,
+    *,
+    tp_group: Any,
+    tag: str,
+) -> list[int]:
+    """Compute and write `parts`; returns [tokens forwarded, loss tokens, parts computed]."""
+    device = model.lm_head_weight.device
+    lengths = np.diff(inputs.offsets)
+    cumulative = np.concatenate([[0], np.cumsum(inputs.loss_mask, dtype=np.int64)])  # (T_total+1,)
+    n_loss = cumulative[inputs.offsets[1:]] - cumulative[inputs.offsets[:-1]]  # (S,)
+    active = [(p, np.arange(p.start, p.stop)[n_loss[p.start : p.stop] > 0]) for p in parts]
+    tokens_total = int(sum(lengths[rows].sum() for _, rows in active))
+    samples_total = sum(p.stop - p.start for p in parts)
+    tokens_done = samples_done = loss_done = 0
+    ids_rows = [inputs.input_ids[inputs.offsets[r] : inputs.offsets[r + 1]] for r in range(len(lengths))]
+    mask_rows = [inputs.loss_mask[inputs.offsets[r] : inputs.offsets[r + 1]] for r in range(len(lengths))]
+    for done_parts, (part, rows) in enumerate(active):
+        logprobs = np.zeros(int(inputs.offsets[part.stop] - inputs.offsets[part.start]), dtype=np.float32)
+        entropy = np.zeros_like(logprobs)
+        base = int(inputs.offsets[part.start])
+        with torch.inference_mode():
+            for batch in plan_batches(lengths[rows], settings.batch_tokens, order=settings.order):
+                packed = pack_samples(ids_rows, mask_rows, rows[batch])
+                hidden = model.hidden_states(
+                    packed.input_ids.to(device), packed.position_ids.to(device), packed.cu_seqlens.to(device)
+                )  # (N, H)
+                hidden = hidden.index_select(0, packed.hidden_index.to(device))  # (K, H)
+                targets = packed.targets.to(device)  # (K,)
+                flat = (
+                    inputs.offsets[packed.target_sample] + packed.target_pos
+                )  # (K,) index into the run's tokens
+                for temp, select in _temperature_groups(settings.temperature, inputs.temperature, flat):
+                    result = lm_head_logprobs(
+                        hidden if select is None else hidden[select.to(device)],
+                        model.lm_head_weight,
+                        targets if select is None else targets[select.to(device)],
+                        temperature=temp,
+                        head_dtype=settings.head_dtype,
+                        impl=settings.impl,
+                        tp_group=tp_group,
+                        vocab_start=int(model.vocab_start),
+                        ignore_index=_IGNORED,
+                    )
+                    where = flat - base if select is None else (flat - base)[select.numpy()]
+                    logprobs[where] = result.logprobs.float().cpu().numpy()
+                    entropy[where] = result.entropy.float().cpu().numpy()
+                tokens_done += packed.n_tokens
+                loss_done += packed.n_targets
+                samples_done += int(packed.sample_index.shape[0])
+                if progress is not None:
+                    progress(
+                        ProgressUpdate(
+                            done_parts, len(parts), samples_done, samples_total, tokens_done, tokens_total
+                        )
+                    )
+        if layout.is_writer:
+            _write_part(inputs, part, logprobs, entropy, out_dir, settings, footer_base, tag)
+        samples_done += (part.stop - part.start) - len(rows)
+        if progress is not None:
+            progress(
+                ProgressUpdate(
+                    done_parts + 1, len(parts), samples_done, samples_total, tokens_done, tokens_total
+                )
+            )
+    return [tokens_done, loss_done, len(parts)]
+
+
+def _temperature_groups(
+    uniform: float | None, per_token: np.ndarray | None, flat: np.ndarray
+) -> list[tuple[float, torch.Tensor | None]]:
+    """[(temperature, target selection or None for all)] for one batch's targets at run-token indices `flat`."""
+    if uniform is not None or per_token is None:
+        return [(1.0 if uniform is None else uniform, None)]
+    temps = per_token[flat]  # (K,)
+    return [(float(t), torch.from_numpy(np.flatnonzero(temps == t))) for t in np.unique(temps)]
+
+
+def _write_part(
+    inputs: _Inputs,
+    part: _Part,
+    logprobs: np.ndarray,
+    entropy: np.ndarray,
+    out_dir: Path,
+    settings: RecomputeSettings,
+    footer_base: dict[str, Any],
+    tag: str,
+) -> None:
+    """One pgdiag.logprobs/v1 file: full-length lists, null off the loss positions (§2.3)."""
+    rows = slice(part.start, part.stop)
+    base = int(inputs.offsets[part.start])
+    offsets = (inputs.offsets[part.start : part.stop + 1] - base).astype(np.int32)  # (n+1,)
+    valid = inputs.loss_mask[base : int(inputs.offsets[part.stop])]  # (T_part,)
+    if not np.isfinite(logprobs[valid]).all() or not np.isfinite(entropy[valid]).all():
+        raise RuntimeError(
+            f"non-finite log-probs in {tag} step {part.step} part {part.index}: model or head overflow"
+        )
+
+    def tokens(values: np.ndarray) -> pa.ListArray:
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.float32(), mask=~valid))
+
+    columns = {
+        "step": pa.array(inputs.step[rows], type=pa.int64()),
+        "sample_id": pa.array(inputs.sample_id[rows].tolist(), type=pa.string()),
+        "segment_idx": pa.array(inputs.segment_idx[rows], type=pa.int32()),
+        "seq_hash": pa.array(inputs.seq_hash[rows], type=pa.uint64()),
+        "logprobs": tokens(logprobs),
+    }
+    if settings.entropy:
+        columns["entropy"] = tokens(entropy)
+    footer = {"schema": LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY: {**footer_base, "part": part.plan_entry()}}
+    write_parquet(pa.table(columns), out_dir / part.relpath, metadata=footer)
+
+
+def _sum_over_ranks(counts: list[int], layout: ParallelLayout, device: torch.device) -> list[int]:
+    """Totals over DP replicas (TP ranks of a replica count the same tokens, so only TP rank 0 contributes)."""
+    if layout.world_size == 1:
+        return counts
+    mine = counts if layout.is_writer else [0] * len(counts)
+    total = torch.tensor(mine, dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(total)
+    return [int(v) for v in total.tolist()]
+
+
+def _environment(device: torch.device) -> dict[str, Any]:
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except ImportError:
+        triton_version = None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {
+        "pgdiag": _version(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "device": name,
+    }
+
+
+def _peak_memory(device: torch.device) -> int:
+    """Peak CUDA memory allocated on `device`, else the process's peak resident set size, in bytes."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -1,0 +1,315 @@
+"""`recompute_logprobs` and `pgdiag logprobs` against a naive full-logits reference on a tiny random Qwen3.
+
+The reference runs Hugging Face transformers (eager attention) on one sample at a time, takes fp64
+``log_softmax(logits / T)`` and reads position ``t - 1`` for token ``t``: an off-by-one shift, attention across
+packed samples or a wrong temperature all show up as differences far above the 1e-4 tolerance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+import typer
+from rollout_factory import write_rollouts_file
+from typer.testing import CliRunner
+
+from pgdiag.cli import logprobs_cmd
+from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.logprobs import ProgressUpdate, recompute_logprobs
+
+VOCAB = 97  # odd, so a TP split is uneven
+TEMPERATURE = 0.7
+
+
+def make_checkpoint(directory: Path) -> torch.nn.Module:
+    """A tiny random Qwen3 (GQA, qk-norm, head_dim != hidden/heads) saved as safetensors; returns the HF model."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).float().eval()
+    with torch.no_grad():  # entropies well below log(V), as a trained LM has
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+def make_rows(seed: int = 0, n_steps: int = 2, groups: int = 2, per_group: int = 3) -> list[dict]:
+    """Samples with prompts, masked tool spans in the middle, one sample without loss tokens."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for step in range(n_steps):
+        for g in range(groups):
+            for k in range(per_group):
+                n = int(rng.integers(6, 25))
+                prompt_len = int(rng.integers(2, 5))
+                mask = [t >= prompt_len for t in range(n)]
+                if n > 12:  # a tool observation inside the response
+                    for t in range(prompt_len + 3, prompt_len + 6):
+                        mask[t] = False
+                if step == 1 and g == 1 and k == 2:
+                    mask = [False] * n
+                rows.append(
+                    {
+                        "step": step,
+                        "sample_id": f"{step}:{g}:{k}",
+                        "group_id": f"g{step}{g}",
+                        "input_ids": rng.integers(0, VOCAB, size=n).tolist(),
+                        "prompt_len": prompt_len,
+                        "loss_mask": mask,
+                        "rollout_logprobs": [-0.5 if m else None for m in mask],
+                    }
+                )
+    return rows
+
+
+def write_run(directory: Path, rows: list[dict], temperature: float | None = TEMPERATURE) -> Path:
+    sampling = None if temperature is None else {"temperature": temperature}
+    raw_types = {"temperature": pl.Float32} if any("temperature" in r for r in rows) else None
+    write_rollouts_file(
+        directory / "rollouts" / "part-00000.parquet", rows, raw_types=raw_types, sampling=sampling
+    )
+    return directory
+
+
+def naive_reference(
+    model: torch.nn.Module, ids: list[int], temperature: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """(T,) log-prob and entropy of each token t given tokens < t (NaN at t = 0), fp64, one sample alone."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double() / temperature  # (T, V)
+    logp = torch.log_softmax(logits, dim=-1)
+    lp, ent = np.full(len(ids), np.nan), np.full(len(ids), np.nan)
+    for t in range(1, len(ids)):
+        lp[t] = float(logp[t - 1, ids[t]])
+        ent[t] = float(-(logp[t - 1].exp() * logp[t - 1]).sum())
+    return lp, ent
+
+
+def cli_app() -> typer.Typer:
+    """A Typer app with only `logprobs`/`recompute` registered, as the lead's app registers them."""
+    app = typer.Typer(pretty_exceptions_show_locals=False)
+
+    @app.callback()
+    def _root() -> None:
+        """pgdiag"""
+
+    logprobs_cmd.register(app)
+    return app
+
+
+def read_stream(directory: Path) -> pl.DataFrame:
+    parts = sorted(directory.glob("step=*/part-*.parquet"))
+    return pl.concat([pl.read_parquet(p) for p in parts]).sort(["step", "sample_id"])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    directory = tmp_path_factory.mktemp("ckpt")
+    return directory, make_checkpoint(directory)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return write_run(tmp_path / "run", make_rows())
+
+
+def test_matches_naive_reference_at_loss_positions_and_null_elsewhere(checkpoint, run_dir: Path) -> None:
+    ckpt, hf_model = checkpoint
+    # small budgets: several packed batches and several parts per step
+    result = recompute_logprobs(
+        run_dir, ckpt, dtype="fp32", head_dtype="fp32", batch_tokens=40, part_samples=4, device="cpu"
+    )
+    assert result.tag == "rc_fp32_fp32"
+    assert result.path == run_dir / "logprobs" / "rc_fp32_fp32"
+    assert result.settings.temperature == TEMPERATURE and result.settings.temperature_source == "sampling"
+    assert result.settings.impl == "torch"
+    rows = {r["sample_id"]: r for r in make_rows()}
+    assert result.n_samples == len(rows)
+    assert result.n_loss_tokens == sum(sum(r["loss_mask"]) for r in rows.values())
+    assert result.parts_computed == 4 and result.parts_skipped == 0  # 6 samples a step, 4 a part
+    out = read_stream(result.path)
+    assert out.height == len(rows) and out["sample_id"].n_unique() == len(rows)
+    for row in out.iter_rows(named=True):
+        src = rows[row["sample_id"]]
+        lp_ref, ent_ref = naive_reference(hf_model, src["input_ids"], TEMPERATURE)
+        mask = np.array(src["loss_mask"])
+        lp = np.array([np.nan if v is None else v for v in row["logprobs"]])
+        ent = np.array([np.nan if v is None else v for v in row["entropy"]])
+        assert len(lp) == len(mask)
+        assert np.array_equal(~np.isnan(lp), mask) and np.array_equal(~np.isnan(ent), mask)
+        np.testing.assert_allclose(lp[mask], lp_ref[mask], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(ent[mask], ent_ref[mask], atol=1e-4, rtol=0)
+    # the values are not degenerate (all equal, or uniform over the vocabulary)
+    all_lp = np.concatenate([np.array(v, dtype=float) for v in out["logprobs"].list.drop_nulls()])
+    all_ent = np.concatenate([np.array(v, dtype=float) for v in out["entropy"].list.drop_nulls()])
+    assert all_lp.max() < 0.0 and all_lp.std() > 0.5 and all_ent.mean() < np.log(VOCAB) - 1.0
+
+
+def test_packed_equals_one_sample_per_forward(checkpoint, tmp_path: Path) -> None:
+    ckpt, _ = checkpoint
+    run = write_run(tmp_path / "run", make_rows(seed=3))
+    alone = recompute_logprobs(run, ckpt, dtype="fp32", tag="alone", batch_tokens=1, device="cpu")
+    packed = recompute_logprobs(run, ckpt, dtype="fp32", tag="packed", batch_tokens=4096, device="cpu")
+    a, b = read_stream(alone.path), read_stream(packed.path)
+    assert a["sample_id"].to_list() == b["sample_id"].to_list()
+    for col in ("logprobs", "entropy"):
+        x = np.array(a[col].explode().fill_null(np.nan).to_list(), dtype=float)
+        y = np.array(b[col].explode().fill_null(np.nan).to_list(), dtype=float)
+        assert np.array_equal(np.isnan(x), np.isnan(y))
+        np.testing.assert_allclose(x[~np.isnan(x)], y[~np.isnan(y)], atol=1e-5, rtol=0)
+
+
+def test_temperature_option_and_column(checkpoint, tmp_path: Path) -> None:
+    ckpt, hf_model = checkpoint
+    rows = make_rows(seed=5, n_steps=1, groups=1, per_group=2)
+    rows[0]["temperature"], rows[1]["temperature"] = 0.5, 1.3
+    run = write_run(tmp_path / "run", rows, temperature=None)
+    result = recompute_logprobs(run, ckpt, dtype="fp32", device="cpu")
+    assert result.settings.temperature is None and result.settings.temperature_source == "column"
+    out = read_stream(result.path)
+    for row, temp in zip(out.iter_rows(named=True), (0.5, 1.3), strict=True):
+        src = next(r for r in rows if r["sample_id"] == row["sample_id"])
+        lp_ref, _ = naive_reference(hf_model, src["input_ids"], temp)
+        mask = np.array(src["loss_mask"])
+        lp = np.array([np.nan if v is None else v for v in row["logprobs"]])
+        np.testing.assert_allclose(lp[mask], lp_ref[mask], atol=1e-4, rtol=0)
+    plain = write_run(
+        tmp_path / "plain", make_rows(seed=5, n_steps=1, groups=1, per_group=1), temperature=None
+    )
+    default = recompute_logprobs(plain, ckpt, dtype="fp32", device="cpu")
+    assert default.settings.temperature == 1.0 and default.settings.temperature_source == "default"
+    assert [w[:4] for w in default.warnings] == ["W409"]
+    forced = recompute_logprobs(plain, ckpt, dtype="fp32", tag="forced", temperature=2.0, device="cpu")
+    assert forced.settings.temperature == 2.0 and forced.settings.temperature_source == "option"
+
+
+class _StopAfter:
+    """A progress callback that raises once `parts` parts are done: an interrupted job."""
+
+    def __init__(self, parts: int) -> None:
+        self.parts = parts
+
+    def __call__(self, update: ProgressUpdate) -> None:
+        if update.parts_done >= self.parts:
+            raise KeyboardInterrupt
+
+
+def test_resume_after_interruption_loses_and_duplicates_nothing(checkpoint, tmp_path: Path) -> None:
+    ckpt, _ = checkpoint
+    run = write_run(tmp_path / "run", make_rows(seed=7, n_steps=2, groups=3, per_group=3))
+    options = {"dtype": "fp32", "part_samples": 2, "batch_tokens": 50, "device": "cpu"}
+    with pytest.raises(KeyboardInterrupt):
+        recompute_logprobs(run, ckpt, progress=_StopAfter(3), **options)
+    out_dir = run / "logprobs" / "rc_fp32_fp32"
+    assert len(list(out_dir.glob("step=*/part-*.parquet"))) == 3
+    assert not list(out_dir.rglob(".*tmp*"))
+    with pytest.raises(UsageError) as incomplete:  # readers refuse the incomplete stream
+        from pgdiag.runs import read_run
+
+        read_run(run).collect(["rc_fp32_fp32_logprobs"])
+    assert incomplete.value.code == "E504"
+    resumed = recompute_logprobs(run, ckpt, **options)
+    assert (resumed.parts_skipped, resumed.parts_computed) == (3, 7)  # 9 samples a step -> 5 parts a step
+    fresh = recompute_logprobs(run, ckpt, tag="fresh", **options)
+    a, b = read_stream(resumed.path), read_stream(fresh.path)
+    assert a.height == 18 and a["sample_id"].n_unique() == 18
+    assert a.select("sample_id", "logprobs", "entropy").equals(b.select("sample_id", "logprobs", "entropy"))
+
+
+def test_existing_output_needs_overwrite_and_same_settings(checkpoint, run_dir: Path) -> None:
+    ckpt, _ = checkpoint
+    first = recompute_logprobs(run_dir, ckpt, dtype="fp32", tag="rc", device="cpu")
+    with pytest.raises(UsageError) as complete:
+        recompute_logprobs(run_dir, ckpt, dtype="fp32", tag="rc", device="cpu")
+    assert complete.value.code == "E502" and "--overwrite" in complete.value.hint
+    with pytest.raises(UsageError) as changed:
+        recompute_logprobs(run_dir, ckpt, dtype="fp32", head_dtype="bf16", tag="rc", device="cpu")
+    assert changed.value.code == "E503" and "head_dtype" in changed.value.message
+    again = recompute_logprobs(
+        run_dir, ckpt, dtype="fp32", head_dtype="bf16", tag="rc", overwrite=True, device="cpu"
+    )
+    assert again.settings.head_dtype == "bf16" and again.path == first.path
+    lp_bf16 = np.array(read_stream(again.path)["logprobs"].explode().drop_nulls().to_list())
+    assert lp_bf16.size == first.n_loss_tokens
+
+
+def test_token_id_outside_vocabulary_is_e208(checkpoint, tmp_path: Path) -> None:
+    ckpt, _ = checkpoint
+    rows = make_rows(seed=1, n_steps=1, groups=1, per_group=2)
+    rows[1]["input_ids"][3] = VOCAB + 5
+    run = write_run(tmp_path / "run", rows)
+    with pytest.raises(InvalidInputError) as error:
+        recompute_logprobs(run, ckpt, device="cpu")
+    assert error.value.code == "E208"
+    assert f"sample {rows[1]['sample_id']}" in error.value.message and "pos 3" in error.value.message
+    assert f"token {VOCAB + 5}" in error.value.message and "\n" not in error.value.message
+    assert not (run / "logprobs").exists()
+
+
+def test_bad_options_are_usage_errors(checkpoint, run_dir: Path) -> None:
+    ckpt, _ = checkpoint
+    for kwargs in (
+        {"tag": "Rollout"},
+        {"tag": "old"},
+        {"dtype": "fp16"},
+        {"batch_tokens": 0},
+        {"temperature": -1.0},
+    ):
+        with pytest.raises(UsageError) as error:
+            recompute_logprobs(run_dir, ckpt, device="cpu", **kwargs)
+        assert error.value.code == "E505"
+
+
+def test_metrics_reads_the_recomputed_stream(checkpoint, run_dir: Path) -> None:
+    ckpt, _ = checkpoint
+    result = recompute_logprobs(run_dir, ckpt, dtype="fp32", device="cpu")
+    from pgdiag.runs import read_run
+
+    frame = read_run(run_dir).collect(
+        ["sample_id", "loss_mask", "rc_fp32_fp32_logprobs", "rc_fp32_fp32_entropy"]
+    )
+    assert frame.height == result.n_samples
+    for row in frame.iter_rows(named=True):
+        lp = row["rc_fp32_fp32_logprobs"]
+        assert [v is not None for v in lp] == row["loss_mask"]
+        assert all(v <= 0.0 for v in lp if v is not None)
+
+
+def test_cli_exit_codes_and_json(checkpoint, tmp_path: Path) -> None:
+    ckpt, _ = checkpoint
+    runner = CliRunner()
+    app = cli_app()
+    run = write_run(tmp_path / "run", make_rows(seed=2, n_steps=1))
+    ok = runner.invoke(
+        app, ["logprobs", str(run), "--model", str(ckpt), "--dtype", "fp32", "--device", "cpu", "--json"]
+    )
+    assert ok.exit_code == 0, ok.output
+    assert '"command": "logprobs"' in ok.stdout and "rc_fp32_fp32" in ok.stdout
+    again = runner.invoke(
+        app, ["recompute", str(run), "--model", str(ckpt), "--dtype", "fp32", "--device", "cpu"]
+    )
+    assert again.exit_code == 2 and "error[E502]" in again.output and "Traceback" not in again.output
+    rows = make_rows(seed=2, n_steps=1)
+    rows[0]["input_ids"][1] = VOCAB
+    bad = write_run(tmp_path / "bad", rows)
+    invalid = runner.invoke(app, ["logprobs", str(bad), "--model", str(ckpt), "--device", "cpu"])
+    assert invalid.exit_code == 3 and "error[E208]" in invalid.output and "Traceback" not in invalid.output
+    missing = runner.invoke(app, ["logprobs", str(tmp_path / "nope"), "--model", str(ckpt)])
+    assert missing.exit_code == 2 and "error[E501]" in missing.output
