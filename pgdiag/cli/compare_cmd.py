@@ -1,0 +1,308 @@
+"""`pgdiag compare RUN_A [RUN_B]`: the parity of two runs (or two streams of one), with CI gates.
+
+Thin shell over `pgdiag.compare.api.run_comparison` (design/data-and-cli.md §5.4): parse options, compare,
+render the parity table on stderr, evaluate `--fail-on`/`--warn-on`/`--profile` (default family `mismatch`),
+and with `--out` write the report, the worst-K tables, the worst trace, the plots and a markdown summary.
+Exit 0 pass (warnings allowed), 1 a fail gate (or a warning under `--strict`; `--exit-zero` turns 1 into 0),
+2 usage, 3 alignment or validation error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from pgdiag.cli.common import (
+    ALIGNMENT,
+    METRICS,
+    MODEL,
+    OUTPUT,
+    STREAMS,
+    AttachOpt,
+    ExitZeroOpt,
+    FailOnOpt,
+    IgnoreOpt,
+    JsonOpt,
+    MaxExamplesOpt,
+    OutOpt,
+    OverwriteOpt,
+    ProfileOpt,
+    QuietOpt,
+    RunArg,
+    RunNameOpt,
+    StepsOpt,
+    StrictOpt,
+    VerboseOpt,
+    WarnOnOpt,
+    execute,
+    list_option,
+    result_object,
+)
+
+PLOT_KINDS = ("hexbin", "dlogp-hist", "by-prob", "by-position", "by-step", "worst-trace")
+TABLE_STATS = (
+    "bias",
+    "sd",
+    "rms",
+    "abs_mean",
+    "abs_p50",
+    "abs_p95",
+    "abs_p99",
+    "abs_max",
+    "pearson_r",
+    "fit_slope",
+    "fit_intercept",
+    "frac_out_strict",
+    "frac_out_1pct",
+    "frac_out_10pct",
+    "frac_out_clip",
+    "frac_out_2x",
+    "kl_k1",
+    "kl_k3",
+    "kl_rev_k1",
+    "kl_rev_k3",
+    "tmpe",
+    "chi2_token",
+    "chi2_seq",
+    "ess_token",
+    "ess_seq",
+    "abs_dprob_mean",
+    "first_token_ratio",
+    "tau_hint",
+)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `compare` command to `app`."""
+    app.command("compare")(compare)
+
+
+def compare(
+    run_a: RunArg,
+    run_b: Annotated[
+        str | None, typer.Argument(help="The second run (omit to compare two streams of RUN_A).")
+    ] = None,
+    *,
+    steps: StepsOpt = None,
+    run_name: RunNameOpt = None,
+    label_a: Annotated[str | None, typer.Option("--label-a", help="Label of run a in reports.")] = None,
+    label_b: Annotated[str | None, typer.Option("--label-b", help="Label of run b in reports.")] = None,
+    attach: AttachOpt = None,
+    stream_a: Annotated[
+        str | None,
+        typer.Option(
+            "--stream-a",
+            help="Side a stream (one run: rollout; two runs: new, old, tag, rollout).",
+            rich_help_panel=STREAMS,
+        ),
+    ] = None,
+    stream_b: Annotated[
+        str | None,
+        typer.Option(
+            "--stream-b",
+            help="Side b stream (one run: auto excluding a; two runs: same as a).",
+            rich_help_panel=STREAMS,
+        ),
+    ] = None,
+    join: Annotated[
+        str, typer.Option("--join", help="auto | id | hash | hash-any-step.", rich_help_panel=ALIGNMENT)
+    ] = "auto",
+    ignore: IgnoreOpt = None,
+    strict: StrictOpt = False,
+    max_examples: MaxExamplesOpt = 5,
+    eps_low: Annotated[
+        float, typer.Option("--eps-low", help="Clip band low (frac_out_clip).", rich_help_panel=METRICS)
+    ] = 0.2,
+    eps_high: Annotated[
+        float, typer.Option("--eps-high", help="Clip band high.", rich_help_panel=METRICS)
+    ] = 0.2,
+    by: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--by",
+            help="Breakdown: position, prob_bucket, entropy_bucket, length, step, env "
+            "(repeatable; default all the data supports).",
+            rich_help_panel=METRICS,
+        ),
+    ] = None,
+    side_by_side: Annotated[
+        bool,
+        typer.Option(
+            "--metrics", help="Add each run's own metric set and the deltas.", rich_help_panel=METRICS
+        ),
+    ] = False,
+    model: Annotated[
+        Path | None, typer.Option("--model", help="Checkpoint for the exact tau fit.", rich_help_panel=MODEL)
+    ] = None,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(
+            "--tokenizer",
+            help="tokenizer.json (or its directory) for worst-token text.",
+            rich_help_panel=MODEL,
+        ),
+    ] = None,
+    fail_on: FailOnOpt = None,
+    warn_on: WarnOnOpt = None,
+    profile: ProfileOpt = None,
+    exit_zero: ExitZeroOpt = False,
+    json_out: JsonOpt = False,
+    out: OutOpt = None,
+    overwrite: OverwriteOpt = False,
+    worst_k: Annotated[
+        int,
+        typer.Option("--worst-k", min=0, help="Worst tokens and sequences listed.", rich_help_panel=OUTPUT),
+    ] = 20,
+    tokens_out: Annotated[
+        Path | None,
+        typer.Option("--tokens-out", help="Write the exploded token table here.", rich_help_panel=OUTPUT),
+    ] = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Compare two runs token by token: [bold]Δ = lp_b − lp_a[/] on aligned loss tokens.
+
+    Aligns samples (sample_id, else seq_hash), checks tokens, masks, shifts, zero fills and NaN (exit 3 on
+    failure, naming the first bad sample and position), then prints the parity table at token and sequence
+    scope with breakdowns and diagnoses. Gates: --fail-on 'k3>1e-3' --profile recommended.
+    """
+
+    def body(console: Console) -> dict[str, Any]:
+        from pgdiag.cli.render import render_checks, render_gates
+        from pgdiag.compare.api import run_comparison
+        from pgdiag.errors import EXIT_GATE, EXIT_OK
+        from pgdiag.gates import evaluate_gates
+        from pgdiag.runs import read_run
+
+        source_a = read_run(run_a, attach=list_option(attach), steps=steps, run=run_name)
+        source_b = None if run_b is None else read_run(run_b, steps=steps, run=run_name)
+        comparison = run_comparison(
+            source_a,
+            source_b,
+            stream_a=stream_a,
+            stream_b=stream_b,
+            join=join,
+            by=None if not by else tuple(by),
+            worst_k=worst_k,
+            eps_low=eps_low,
+            eps_high=eps_high,
+            model=model,
+            ignore=list_option(ignore),
+            max_examples=max_examples,
+            label_a=label_a,
+            label_b=label_b,
+            decode=_decoder(tokenizer),
+            side_by_side=side_by_side,
+        )
+        report = comparison.report
+        gates = evaluate_gates(
+            report,
+            fail_on=list_option(fail_on),
+            warn_on=list_option(warn_on),
+            profile=profile,
+            default_family="mismatch",
+        )
+        render_parity(console, report, verbose=verbose)
+        render_checks(console, report.checks)
+        render_gates(console, gates)
+        warned = report.checks.filter(report.checks["severity"] == "warning").height > 0
+        exit_code = gates.exit_code
+        if strict and warned:
+            exit_code = EXIT_GATE
+        status = "ok" if exit_code == EXIT_OK else "fail"
+        if exit_zero and exit_code == EXIT_GATE:
+            exit_code = EXIT_OK
+        pair = comparison.pair
+        result = result_object(
+            "compare",
+            status=status,
+            exit_code=exit_code,
+            inputs={
+                "runs": [pair.label_a] + ([pair.label_b] if run_b is not None else []),
+                "streams": [pair.stream_a, pair.stream_b],
+                "steps": report.meta["inputs"]["steps"],
+                "n_samples": pair.n_samples,
+                "n_tokens": pair.n_tokens,
+            },
+            pairs=[pair.pair],
+            summary=report.to_json_dict()["summary"],
+            gates=[g.__dict__ for g in gates.gates],
+            checks=report.checks.to_dicts(),
+        )
+        files: dict[str, Any] = {}
+        if tokens_out is not None:
+            from pgdiag.compare.tokens import write_token_table
+
+            files["tokens"] = str(write_token_table(pair, tokens_out, overwrite=overwrite))
+        if out is not None:
+            from pgdiag.compare.output import write_outputs
+
+            files.update(write_outputs(comparison, out, result=result, gates=gates, overwrite=overwrite))
+        result["files"] = files
+        return result
+
+    execute("compare", body, json_out=json_out, quiet=quiet)
+
+
+def _decoder(tokenizer: Path | None) -> Any:
+    if tokenizer is None:
+        return None
+    from pgdiag.errors import UsageError
+
+    path = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise UsageError("E503", "--tokenizer needs the optional 'tokenizers' package") from None
+    if not path.exists():
+        raise UsageError("E501", f"{path}: no such tokenizer file")
+    loaded = Tokenizer.from_file(str(path))
+    return lambda ids: loaded.decode(list(ids), skip_special_tokens=False)
+
+
+def render_parity(console: Console, report: Any, *, verbose: bool = False) -> None:
+    """The parity table: one row per statistic, token and sequence scope side by side, with units."""
+    import polars as pl
+    from rich.table import Table
+
+    from pgdiag.cli.render import format_value
+
+    rows = report.summary.filter(pl.col("breakdown") == "all")
+    for pair in rows["pair"].unique(maintain_order=True).to_list():
+        part = rows.filter(pl.col("pair") == pair)
+        if part["scope"].unique().to_list() == ["batch"]:
+            continue
+        cells: dict[tuple[str, str], tuple[float | None, str]] = {
+            (scope, metric): (value, unit)
+            for scope, metric, value, unit in part.select("scope", "metric", "value", "unit").iter_rows()
+        }
+        table = Table(
+            title=f"parity  [dim]{pair}  (Δ = lp_b − lp_a)[/]", title_justify="left", show_edge=False
+        )
+        for name, justify in (
+            ("metric", "left"),
+            ("token", "right"),
+            ("sequence", "right"),
+            ("unit", "left"),
+        ):
+            table.add_column(name, justify=justify)
+        stats = TABLE_STATS if not verbose else tuple(dict.fromkeys(m.split("/", 1)[1] for _, m in cells))
+        for stat in stats:
+            key = f"mismatch/{stat}"
+            tok, seq = cells.get(("token", key)), cells.get(("sequence", key))
+            if tok is None and seq is None:
+                continue
+            unit = (tok or seq)[1]
+            table.add_row(
+                stat,
+                "" if tok is None else format_value(tok[0], unit),
+                "" if seq is None else format_value(seq[0], unit),
+                unit,
+            )
+        n_tok = cells.get(("token", "count/mismatch_tokens"), (None, ""))[0]
+        n_seq = cells.get(("sequence", "count/samples"), (None, ""))[0]
+        table.caption = f"{format_value(n_tok, 'count')} tokens, {format_value(n_seq, 'count')} sequences"
+        console.print(table)

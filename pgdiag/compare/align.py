@@ -1,0 +1,562 @@
+"""Join two runs on sample identity and check that their loss tokens can be compared (data-and-cli.md §5.4, §7).
+
+What: `align_batches(a, b, ...)` pairs the samples of two `TokenBatch`es, pairs their loss positions, and
+returns an `AlignedPair` holding, for every matched loss token, the two log-probs side by side (Δ = lp_b − lp_a).
+Why: every parity number is only as good as the alignment under it, so alignment failures are errors that
+stop the comparison with the first bad sample and position, never silently wrong numbers.
+How: samples are joined with polars on (step, sample_id, segment_idx) (`join="id"`), or on (step, seq_hash,
+rank) where rank orders identical sequences of one step by sample_id (`"hash"`, §1.4), or on (seq_hash, rank)
+over all steps (`"hash-any-step"`); `"auto"` falls back from id to hash when fewer than half of side a's ids
+match. Loss positions are paired by (sample, pos) with a fast path when both masks are identical. Checks, in
+order (each error raises `InvalidInputError`, exit 3, unless its code is in `ignore`):
+
+    E304 nothing matched · E306 samples present on one side only · E301 token ids differ ·
+    E303/W303 loss masks differ · E302 off-by-one shift · E207 NaN/inf (or null) · E205 positive log-probs ·
+    E206 zero-filled log-probs
+
+Without a `seq_hash` per sample (a batch built in memory) the hash is a content hash of the loss tokens,
+their positions and the sequence length, computed vectorised; it plays the same role within one comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+
+from pgdiag.batch import TokenBatch
+from pgdiag.errors import InvalidInputError, UsageError
+
+JOIN_MODES = ("auto", "id", "hash", "hash-any-step")
+ZERO_FILL_FRACTION = 0.01  # E206: share of exact 0.0 on loss positions
+MASK_ERROR_FRACTION = 0.01  # E303 above, W303 below
+SHIFT_MIN_MEDIAN = 0.05  # E302: median |Δ| at offset 0 must exceed this (nats)
+SHIFT_SAMPLE_TOKENS = 2_000_000  # E302 statistics on up to this many tokens (strided sample)
+
+
+@dataclass(frozen=True)
+class CheckIssue:
+    """One finding of the alignment checks; `step`, `sample_id`, `pos` locate the first example."""
+
+    code: str
+    severity: str  # "error" | "warning"
+    count: int
+    message: str
+    step: int | None = None
+    sample_id: str | None = None
+    pos: int | None = None
+
+
+@dataclass(frozen=True)
+class AlignedPair:
+    """Matched loss tokens of two streams. S matched samples (side a's order), M matched tokens."""
+
+    label_a: str
+    label_b: str
+    stream_a: str
+    stream_b: str
+    join: str  # resolved: "id" | "hash" | "hash-any-step"
+    step: np.ndarray  # (S,) int64
+    sample_id: np.ndarray  # (S,) object, side a's ids
+    sample_id_b: np.ndarray  # (S,) object, side b's ids
+    offsets: np.ndarray  # (S + 1,) int64
+    pos: np.ndarray  # (M,) int32 position in input_ids
+    resp_pos: np.ndarray  # (M,) int64 pos - prompt_len (0 = first response token)
+    token_id: np.ndarray  # (M,) int32
+    lp_a: np.ndarray  # (M,) float64
+    lp_b: np.ndarray  # (M,) float64
+    entropy: np.ndarray | None  # (M,) float64, nats, from side b's stream (else side a's)
+    reward: np.ndarray | None  # (S,) float64, side a
+    env: np.ndarray | None  # (S,) object, side a
+    n_samples_a: int
+    n_samples_b: int
+    n_invalid: int  # matched tokens dropped as non-finite (only when E207 is ignored)
+    issues: tuple[CheckIssue, ...]
+
+    @property
+    def pair(self) -> str:
+        return f"{self.label_a}:{self.stream_a} vs {self.label_b}:{self.stream_b}"
+
+    @property
+    def n_samples(self) -> int:
+        return int(self.step.shape[0])
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.lp_a.shape[0])
+
+    @property
+    def n_loss(self) -> np.ndarray:
+        """(S,) int64 matched loss tokens per sample."""
+        return np.diff(self.offsets)
+
+    def token_sample(self) -> np.ndarray:
+        """(M,) int64 index of the matched sample owning each token."""
+        return np.repeat(np.arange(self.n_samples, dtype=np.int64), self.n_loss)
+
+
+def token_take(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Token indices of samples `rows` (in that order) and the offsets of the gathered layout."""
+    rows = np.asarray(rows, dtype=np.int64)
+    starts = offsets[rows]
+    counts = offsets[rows + 1] - starts
+    new_offsets = np.zeros(rows.shape[0] + 1, dtype=np.int64)
+    np.cumsum(counts, out=new_offsets[1:])
+    take = np.repeat(starts - new_offsets[:-1], counts) + np.arange(new_offsets[-1], dtype=np.int64)
+    return take, new_offsets
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on uint64 (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def content_hash(batch: TokenBatch) -> np.ndarray:
+    """(S,) uint64 hash of each sample's loss tokens, their positions and its length (order-independent sum)."""
+    with np.errstate(over="ignore"):
+        tok = batch.token_id.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        per_token = _mix64(tok ^ _mix64(batch.pos.astype(np.uint64) + np.uint64(1)))  # (M,)
+        out = _mix64(batch.seq_len.astype(np.uint64) + np.uint64(0x632BE59BD9B4E019))  # (S,)
+        counts = batch.n_loss
+        nonempty = counts > 0
+        if batch.n_tokens:
+            sums = np.add.reduceat(per_token, batch.offsets[:-1][nonempty])
+            out[nonempty] = out[nonempty] + sums
+    return out
+
+
+def _key_frame(batch: TokenBatch, hashes: np.ndarray, index_name: str) -> pl.DataFrame:
+    return pl.DataFrame(
+        {
+            index_name: np.arange(batch.n_samples, dtype=np.int64),
+            "step": batch.step.astype(np.int64),
+            "sample_id": pl.Series(batch.sample_id.tolist(), dtype=pl.String),
+            "segment_idx": batch.segment_idx.astype(np.int32),
+            "hash": hashes.astype(np.uint64),
+        }
+    )
+
+
+def _ranked(frame: pl.DataFrame, group: list[str]) -> pl.DataFrame:
+    """Rank identical sequences within `group` by (step, sample_id, segment_idx) so duplicates pair in order."""
+    return frame.sort(["step", "sample_id", "segment_idx"]).with_columns(
+        pl.int_range(pl.len()).over(group).alias("rank")
+    )
+
+
+def match_samples(
+    a: TokenBatch,
+    b: TokenBatch,
+    *,
+    join: str,
+    hash_a: np.ndarray,
+    hash_b: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, str]:
+    """(rows of a, rows of b, resolved join) of the matched samples, in side a's row order."""
+    if join not in JOIN_MODES:
+        raise UsageError("E503", f"unknown --join {join!r}", f"choose one of {', '.join(JOIN_MODES)}")
+    fa, fb = _key_frame(a, hash_a, "ia"), _key_frame(b, hash_b, "ib")
+    resolved = join
+    if join in ("auto", "id"):
+        on = ["step", "sample_id", "segment_idx"]
+        matched = fa.join(fb.drop("hash"), on=on, how="inner")
+        resolved = "hash" if join == "auto" and 2 * matched.height < a.n_samples else "id"
+    if resolved in ("hash", "hash-any-step"):
+        group = ["step", "hash"] if resolved == "hash" else ["hash"]
+        on = [*group, "rank"]
+        matched = _ranked(fa, group).select("ia", *on).join(_ranked(fb, group).select("ib", *on), on=on)
+    matched = matched.sort("ia")
+    return matched["ia"].to_numpy(), matched["ib"].to_numpy(), resolved
+
+
+def _raise_or_record(issue: CheckIssue, ignore: Collection[str], issues: list[CheckIssue]) -> None:
+    if issue.code in ignore:
+        return
+    if issue.severity == "error":
+        hint = _HINTS.get(issue.code)
+        raise InvalidInputError(issue.code, issue.message, hint)
+    issues.append(issue)
+
+
+_HINTS = {
+    "E301": "compare runs built from the same token ids (retokenized text or template drift?)",
+    "E302": "re-import with --shift to put element i at the position of token i",
+    "E303": "the two sides train different positions; check tool/observation tokens in loss_mask",
+    "E304": "check --steps and --join (hash joins match sequences whose sample ids differ)",
+    "E306": "compare matched samples only with --ignore E306",
+    "E205": "log-probs must be <= 0; a sign flip or a loss (negative log-prob) was stored?",
+    "E206": "re-import so that missing values are null, not 0.0",
+    "E207": "drop the non-finite tokens with --ignore E207 (they are counted)",
+}
+
+
+def _where(step: np.ndarray, sample_id: np.ndarray, row: int, pos: int | None = None) -> str:
+    text = f"step {int(step[row])}, sample {sample_id[row]}"
+    return text if pos is None else f"{text}, pos {pos}"
+
+
+def align_batches(
+    a: TokenBatch,
+    b: TokenBatch,
+    *,
+    stream_a: str,
+    stream_b: str,
+    join: str = "auto",
+    seq_hash_a: np.ndarray | None = None,
+    seq_hash_b: np.ndarray | None = None,
+    ignore: Collection[str] = (),
+) -> AlignedPair:
+    """Pair the samples and loss tokens of `a` and `b` and run the alignment checks (module docstring)."""
+    for batch, stream, side in ((a, stream_a, "a"), (b, stream_b, "b")):
+        if stream not in batch.streams:
+            listed = ", ".join(batch.streams) or "none"
+            raise UsageError("E111", f"{batch.label}: no stream {stream!r} (side {side}); streams: {listed}")
+    pair_name = f"{a.label}:{stream_a} vs {b.label}:{stream_b}"
+    use_seq_hash = seq_hash_a is not None and seq_hash_b is not None
+    hash_a = seq_hash_a if use_seq_hash else content_hash(a)
+    hash_b = seq_hash_b if use_seq_hash else content_hash(b)
+    ia, ib, resolved = match_samples(a, b, join=join, hash_a=hash_a, hash_b=hash_b)
+    issues: list[CheckIssue] = []
+
+    # 1. samples
+    if ia.shape[0] == 0:
+        raise InvalidInputError(
+            "E304",
+            f"{pair_name}: 0 of {a.n_samples} samples matched by {_JOIN_KEYS[resolved]}; steps "
+            f"{_step_range(a.step)} vs {_step_range(b.step)}",
+            _HINTS["E304"],
+        )
+    only_a = np.setdiff1d(np.arange(a.n_samples), ia)
+    only_b = np.setdiff1d(np.arange(b.n_samples), ib)
+    if only_a.size or only_b.size:
+        first = (
+            f"first: {_where(a.step, a.sample_id, int(only_a[0]))} of {a.label}"
+            if only_a.size
+            else f"first: {_where(b.step, b.sample_id, int(only_b[0]))} of {b.label}"
+        )
+        loc = (a, int(only_a[0])) if only_a.size else (b, int(only_b[0]))
+        _raise_or_record(
+            CheckIssue(
+                "E306",
+                "error",
+                int(only_a.size + only_b.size),
+                f"{pair_name}: {only_a.size} of {a.n_samples} samples of {a.label} have no match in {b.label} "
+                f"and {only_b.size} of {b.n_samples} of {b.label} none in {a.label} ({first}; join "
+                f"{_JOIN_KEYS[resolved]})",
+                int(loc[0].step[loc[1]]),
+                str(loc[0].sample_id[loc[1]]),
+            ),
+            ignore,
+            issues,
+        )
+
+    # 2. tokens of matched samples
+    take_a, off_a = token_take(a.offsets, ia)
+    take_b, off_b = token_take(b.offsets, ib)
+    step, sample_id = a.step[ia], a.sample_id[ia]
+    if use_seq_hash and resolved == "id":
+        differs = hash_a[ia] != hash_b[ib]
+    else:
+        differs = a.seq_len[ia] != b.seq_len[ib]
+    same_layout = np.array_equal(off_a, off_b) and np.array_equal(a.pos[take_a], b.pos[take_b])
+    if same_layout:
+        idx_a, idx_b, offsets = take_a, take_b, off_a
+    else:
+        idx_a, idx_b, offsets = _intersect_positions(a, b, take_a, off_a, take_b, off_b)
+        n_a, n_b, n_both = take_a.shape[0], take_b.shape[0], idx_a.shape[0]
+        only_frac = max((n_a - n_both) / max(n_a, 1), (n_b - n_both) / max(n_b, 1))
+        row, pos = _first_mask_difference(a, b, take_a, off_a, take_b, off_b)
+        severity = "error" if only_frac > MASK_ERROR_FRACTION else "warning"
+        code = "E303" if severity == "error" else "W303"
+        _raise_or_record(
+            CheckIssue(
+                code,
+                severity,
+                int(n_a - n_both + n_b - n_both),
+                f"{pair_name}: loss masks differ on {100 * only_frac:.3g} % of positions ({n_a - n_both} only in "
+                f"{a.label}, {n_b - n_both} only in {b.label}; first: {_where(step, sample_id, row, pos)}); "
+                "metrics use the intersection",
+                int(step[row]),
+                str(sample_id[row]),
+                pos,
+            ),
+            ignore,
+            issues,
+        )
+    tok_diff = a.token_id[idx_a] != b.token_id[idx_b]
+    token_row = np.repeat(np.arange(ia.shape[0]), np.diff(offsets))
+    differs = differs.copy()
+    differs[token_row[tok_diff]] = True
+    if differs.any():
+        first_row = int(np.flatnonzero(differs)[0])
+        bad = np.flatnonzero(tok_diff & (token_row == first_row))
+        if bad.size:
+            t = int(bad[0])
+            detail = (
+                f"first at {_where(step, sample_id, first_row, int(a.pos[idx_a[t]]))}: "
+                f"{int(a.token_id[idx_a[t]])} vs {int(b.token_id[idx_b[t]])}"
+            )
+        else:
+            detail = (
+                f"first: {_where(step, sample_id, first_row)}, outside the loss positions (prompt or length)"
+            )
+        _raise_or_record(
+            CheckIssue(
+                "E301",
+                "error",
+                int(differs.sum()),
+                f"{pair_name}: {int(differs.sum())} matched samples differ in tokens ({detail})",
+                int(step[first_row]),
+                str(sample_id[first_row]),
+            ),
+            ignore,
+            issues,
+        )
+
+    lp_a = np.asarray(a.streams[stream_a], dtype=np.float64)[idx_a]
+    lp_b = np.asarray(b.streams[stream_b], dtype=np.float64)[idx_b]
+    pos = a.pos[idx_a]
+    prompt_len = a.prompt_len[ia]
+    ctx = _Context(pair_name, step, sample_id, offsets, pos, ignore, issues)
+
+    # 3. values
+    _check_shift(lp_a, lp_b, ctx, a.label, b.label, stream_a, stream_b)
+    keep = _check_finite(lp_a, lp_b, ctx, a.label, b.label, stream_a, stream_b)
+    _check_positive(lp_a, lp_b, ctx, a.label, b.label, stream_a, stream_b)
+    _check_zero_fill(lp_a, lp_b, ctx, a.label, b.label, stream_a, stream_b)
+
+    entropy_src = b.entropy.get(stream_b)
+    entropy = None if entropy_src is None else np.asarray(entropy_src, dtype=np.float64)[idx_b]
+    if entropy is None and a.entropy.get(stream_a) is not None:
+        entropy = np.asarray(a.entropy[stream_a], dtype=np.float64)[idx_a]
+    token_id = a.token_id[idx_a]
+    resp_pos = pos.astype(np.int64) - np.repeat(prompt_len.astype(np.int64), np.diff(offsets))
+    n_invalid = 0
+    if keep is not None:
+        n_invalid = int((~keep).sum())
+        counts = np.bincount(token_row[keep], minlength=ia.shape[0])
+        offsets = np.zeros(ia.shape[0] + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        lp_a, lp_b, pos, resp_pos, token_id = (
+            lp_a[keep],
+            lp_b[keep],
+            pos[keep],
+            resp_pos[keep],
+            token_id[keep],
+        )
+        entropy = None if entropy is None else entropy[keep]
+    return AlignedPair(
+        label_a=a.label,
+        label_b=b.label,
+        stream_a=stream_a,
+        stream_b=stream_b,
+        join=resolved,
+        step=step.astype(np.int64),
+        sample_id=sample_id,
+        sample_id_b=b.sample_id[ib],
+        offsets=offsets,
+        pos=pos,
+        resp_pos=resp_pos,
+        token_id=token_id,
+        lp_a=lp_a,
+        lp_b=lp_b,
+        entropy=entropy,
+        reward=None if a.reward is None else np.asarray(a.reward, dtype=np.float64)[ia],
+        env=None if a.env is None else a.env[ia],
+        n_samples_a=a.n_samples,
+        n_samples_b=b.n_samples,
+        n_invalid=n_invalid,
+        issues=tuple(issues),
+    )
+
+
+_JOIN_KEYS = {
+    "id": "(step, sample_id, segment_idx)",
+    "hash": "(step, seq_hash)",
+    "hash-any-step": "(seq_hash)",
+    "auto": "(step, sample_id)",
+}
+
+
+def _step_range(step: np.ndarray) -> str:
+    if step.size == 0:
+        return "none"
+    lo, hi = int(step.min()), int(step.max())
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def _intersect_positions(
+    a: TokenBatch,
+    b: TokenBatch,
+    take_a: np.ndarray,
+    off_a: np.ndarray,
+    take_b: np.ndarray,
+    off_b: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token indices into a and b of the (sample, pos) present on both sides, and their offsets."""
+    n_rows = off_a.shape[0] - 1
+    row_a = np.repeat(np.arange(n_rows, dtype=np.int64), np.diff(off_a))
+    row_b = np.repeat(np.arange(n_rows, dtype=np.int64), np.diff(off_b))
+    key_a = (row_a << 32) | a.pos[take_a].astype(np.int64)
+    key_b = (row_b << 32) | b.pos[take_b].astype(np.int64)
+    _, ja, jb = np.intersect1d(key_a, key_b, assume_unique=True, return_indices=True)  # sorted by (row, pos)
+    counts = np.bincount(row_a[ja], minlength=n_rows)
+    offsets = np.zeros(n_rows + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return take_a[ja], take_b[jb], offsets
+
+
+def _first_mask_difference(
+    a: TokenBatch,
+    b: TokenBatch,
+    take_a: np.ndarray,
+    off_a: np.ndarray,
+    take_b: np.ndarray,
+    off_b: np.ndarray,
+) -> tuple[int, int]:
+    """(matched row, pos) of the first loss position present on one side only."""
+    n_rows = off_a.shape[0] - 1
+    row_a = np.repeat(np.arange(n_rows, dtype=np.int64), np.diff(off_a))
+    row_b = np.repeat(np.arange(n_rows, dtype=np.int64), np.diff(off_b))
+    key_a = (row_a << 32) | a.pos[take_a].astype(np.int64)
+    key_b = (row_b << 32) | b.pos[take_b].astype(np.int64)
+    only = np.setxor1d(key_a, key_b, assume_unique=True)
+    first = int(only.min())
+    return first >> 32, first & 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class _Context:
+    pair: str
+    step: np.ndarray
+    sample_id: np.ndarray
+    offsets: np.ndarray
+    pos: np.ndarray
+    ignore: Collection[str]
+    issues: list[CheckIssue]
+
+    def locate(self, token: int) -> tuple[int, str, int, str]:
+        row = int(np.searchsorted(self.offsets, token, side="right") - 1)
+        pos = int(self.pos[token])
+        return int(self.step[row]), str(self.sample_id[row]), pos, _where(self.step, self.sample_id, row, pos)
+
+    def report(self, code: str, severity: str, count: int, message: str, token: int | None) -> None:
+        if token is None:
+            issue = CheckIssue(code, severity, count, f"{self.pair}: {message}")
+        else:
+            step, sample, pos, where = self.locate(token)
+            issue = CheckIssue(
+                code, severity, count, f"{self.pair}: {message} (first: {where})", step, sample, pos
+            )
+        _raise_or_record(issue, self.ignore, self.issues)
+
+
+def _check_shift(
+    lp_a: np.ndarray, lp_b: np.ndarray, ctx: _Context, label_a: str, label_b: str, sa: str, sb: str
+) -> None:
+    """E302: m_k = median |a_i − b_{i+k}| over consecutive positions of one sample, k ∈ {−1, 0, +1}."""
+    m = lp_a.shape[0]
+    if m < 2:
+        return
+    stride = max(1, m // SHIFT_SAMPLE_TOKENS)
+    i = np.arange(0, m - 1, stride)
+    same = (ctx.pos[i + 1] == ctx.pos[i] + 1) & (
+        np.searchsorted(ctx.offsets, i + 1, side="right") - 1
+        == (np.searchsorted(ctx.offsets, i, side="right") - 1)
+    )
+    i = i[same]
+    if i.size == 0:
+        return
+    with np.errstate(invalid="ignore"):
+        m0 = np.nanmedian(np.abs(lp_a[i] - lp_b[i]))
+        m_plus = np.nanmedian(np.abs(lp_a[i] - lp_b[i + 1]))  # b's value for token i sits at i + 1
+        m_minus = np.nanmedian(np.abs(lp_a[i + 1] - lp_b[i]))  # b's value for token i + 1 sits at i
+    if not (m0 > SHIFT_MIN_MEDIAN and min(m_plus, m_minus) < m0 / 2):
+        return
+    shift, m_k = ("+1", m_plus) if m_plus <= m_minus else ("-1", m_minus)
+    first = int(i[0])
+    ctx.report(
+        "E302",
+        "error",
+        int(i.size),
+        f"{label_b} {sb}_logprobs looks shifted by {shift} vs {label_a} {sa}_logprobs "
+        f"(median |Δ| {m_k:.3g} at {shift}, {m0:.3g} at 0)",
+        first,
+    )
+
+
+def _check_finite(
+    lp_a: np.ndarray, lp_b: np.ndarray, ctx: _Context, label_a: str, label_b: str, sa: str, sb: str
+) -> np.ndarray | None:
+    """E207 per side; returns the keep mask when non-finite tokens exist and E207 is ignored."""
+    bad_any = None
+    for values, label, stream in ((lp_a, label_a, sa), (lp_b, label_b, sb)):
+        bad = ~np.isfinite(values)
+        if not bad.any():
+            continue
+        n_nan, n_neg, n_pos = (
+            int(np.isnan(values).sum()),
+            int((values == -np.inf).sum()),
+            int((values == np.inf).sum()),
+        )
+        ctx.report(
+            "E207",
+            "error",
+            int(bad.sum()),
+            f"{label} {stream}_logprobs: {n_nan} NaN or null, {n_neg} -inf, {n_pos} +inf on matched loss positions",
+            int(np.flatnonzero(bad)[0]),
+        )
+        bad_any = bad if bad_any is None else bad_any | bad
+    return None if bad_any is None else ~bad_any
+
+
+def _check_positive(
+    lp_a: np.ndarray, lp_b: np.ndarray, ctx: _Context, label_a: str, label_b: str, sa: str, sb: str
+) -> None:
+    for values, label, stream in ((lp_a, label_a, sa), (lp_b, label_b, sb)):
+        with np.errstate(invalid="ignore"):
+            positive = values > 1e-6
+        if positive.any():
+            ctx.report(
+                "E205",
+                "error",
+                int(positive.sum()),
+                f"{label} {stream}_logprobs: {int(positive.sum())} positive values (max {np.nanmax(values):.3g})",
+                int(np.flatnonzero(positive)[0]),
+            )
+
+
+def _check_zero_fill(
+    lp_a: np.ndarray, lp_b: np.ndarray, ctx: _Context, label_a: str, label_b: str, sa: str, sb: str
+) -> None:
+    """E206: > 1 % exact 0.0, a sample whose ≥ 2 loss values are all 0.0, or 0.0 where the other side < −1."""
+    n_per_row = np.diff(ctx.offsets)
+    row = np.repeat(np.arange(n_per_row.shape[0]), n_per_row)
+    for values, other, label, stream in ((lp_a, lp_b, label_a, sa), (lp_b, lp_a, label_b, sb)):
+        zero = values == 0.0
+        n_zero = int(zero.sum())
+        if n_zero == 0:
+            continue
+        frac = n_zero / values.shape[0]
+        zeros_per_row = np.bincount(row[zero], minlength=n_per_row.shape[0])
+        all_zero_rows = np.flatnonzero((zeros_per_row == n_per_row) & (n_per_row >= 2))
+        with np.errstate(invalid="ignore"):
+            against = zero & (other < -1.0)
+        if frac > ZERO_FILL_FRACTION:
+            reason = f"{100 * frac:.3g} % exact 0.0 on loss positions"
+            first = int(np.flatnonzero(zero)[0])
+        elif all_zero_rows.size:
+            reason = f"{all_zero_rows.size} samples whose loss values are all exactly 0.0"
+            first = int(ctx.offsets[all_zero_rows[0]])
+        elif against.any():
+            reason = f"0.0 where the other side is < -1 on {int(against.sum())} tokens"
+            first = int(np.flatnonzero(against)[0])
+        else:
+            continue
+        ctx.report("E206", "error", n_zero, f"{label} {stream}_logprobs: {reason}; zero-filled?", first)

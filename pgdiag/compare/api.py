@@ -1,0 +1,480 @@
+"""`compare_runs(a, b)`: the library function behind `pgdiag compare` (data-and-cli.md §5.4, §6).
+
+What: reads two runs (or two streams of one run), aligns them (`align`), computes the parity table at token and
+sequence scope (`parity`), the breakdowns (`breakdowns`), the logprob-only diagnosis (`diagnose`), the worst-K
+tables (`worst`) and, on request, each run's own metric set side by side; returns one `Report`.
+Why: the CLI, notebooks and tests all get the same numbers from one call; nothing here prints.
+How: inputs are `Run`s, paths (read with `pgdiag.runs.read_run`) or in-memory `TokenBatch`es. Streams resolve as
+§5.4 says: one run, a = `rollout`, b = first present of `new`, `old`, the only recompute tag, `rollout`
+(excluding a); two runs, a = first present of that list in run a, b = the same name. Rows follow the tidy
+report schema (§2.4); side-by-side run metrics use scope `batch`, which compare's gates never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from pgdiag.batch import TokenBatch
+from pgdiag.compare import breakdowns as bd
+from pgdiag.compare.align import AlignedPair, CheckIssue, align_batches
+from pgdiag.compare.diagnose import Diagnosis, diagnose
+from pgdiag.compare.parity import sequence_table, token_table, unit_and_reduction
+from pgdiag.compare.worst import worst_seqs, worst_tokens, worst_trace
+from pgdiag.errors import UsageError
+from pgdiag.report import CHECKS_SCHEMA, Report, ReportRow, summary_frame
+
+_CANONICAL = ("rollout", "old", "ref", "new")
+DLOGP_EDGES = (
+    -np.inf,
+    -20.0,
+    -5.0,
+    -2.0,
+    -1.0,
+    -0.5,
+    -0.2,
+    -0.1,
+    -0.05,
+    -0.02,
+    -0.01,
+    -0.001,
+    -1e-4,
+    -1e-6,
+    0.0,
+    1e-6,
+    1e-4,
+    0.001,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    20.0,
+    np.inf,
+)
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a comparison once read: its token batch, the seq_hash per sample when known, reader checks."""
+
+    batch: TokenBatch
+    seq_hash: np.ndarray | None
+    checks: pl.DataFrame | None
+    run: Any  # the `Run`, or None for an in-memory batch
+
+
+def auto_stream(streams: Sequence[str], *, exclude: str | None = None) -> str | None:
+    """First present of new, old, the only recompute tag, rollout (§5.4), skipping `exclude`."""
+    present = [s for s in streams if s != exclude]
+    tags = [s for s in present if s not in _CANONICAL]
+    for name in ("new", "old"):
+        if name in present:
+            return name
+    if len(tags) == 1:
+        return tags[0]
+    return "rollout" if "rollout" in present else None
+
+
+def resolve_streams(
+    streams_a: Sequence[str], streams_b: Sequence[str] | None, stream_a: str | None, stream_b: str | None
+) -> tuple[str, str]:
+    """(stream_a, stream_b) after the defaults of §5.4; UsageError naming the streams present."""
+    one_run = streams_b is None
+    if stream_a is None:
+        stream_a = "rollout" if one_run and "rollout" in streams_a else auto_stream(streams_a)
+    if stream_a is None:
+        raise UsageError(
+            "E111", f"cannot choose --stream-a among {list(streams_a)}", "name one with --stream-a"
+        )
+    if stream_b is None:
+        stream_b = auto_stream(streams_a, exclude=stream_a) if one_run else stream_a
+    if stream_b is None or (one_run and stream_b == stream_a):
+        raise UsageError(
+            "E111",
+            f"one run needs two different streams; present: {', '.join(streams_a)}",
+            "name them with --stream-a and --stream-b",
+        )
+    return stream_a, stream_b
+
+
+def _read_side(source: Any, streams: Sequence[str], *, ignore: Collection[str], max_examples: int) -> Side:
+    if isinstance(source, TokenBatch):
+        return Side(source, None, None, None)
+    from pgdiag.runs import Run, read_run, read_token_batch
+
+    run = source if isinstance(source, Run) else read_run(Path(source))
+    entropy = [s for s in streams if s in run.entropy_streams]
+    loaded = read_token_batch(
+        run,
+        streams=list(streams),
+        entropy=entropy,
+        advantages=False,
+        reward=True,
+        env=True,
+        ignore=tuple(ignore),
+        max_examples=max_examples,
+    )
+    return Side(loaded.batch, _seq_hashes(run, loaded.batch), loaded.checks.issues, run)
+
+
+def _seq_hashes(run: Any, batch: TokenBatch) -> np.ndarray | None:
+    """(S,) uint64 `seq_hash` of the batch rows, read in the reader's row order; None if it cannot be matched."""
+    if batch.sample_row is None:
+        return None
+    keys = run.collect(["step", "sample_id", "seq_hash"])
+    rows = np.asarray(batch.sample_row, dtype=np.int64)
+    if rows.size and rows.max() >= keys.height:
+        return None
+    picked = keys[rows.tolist()] if rows.size else keys.head(0)
+    same = np.array_equal(picked["step"].to_numpy(), batch.step) and picked["sample_id"].cast(
+        pl.String
+    ).to_list() == [str(s) for s in batch.sample_id]
+    return picked["seq_hash"].cast(pl.UInt64).to_numpy() if same else None
+
+
+def _streams_of(source: Any) -> list[str]:
+    if isinstance(source, TokenBatch):
+        return list(source.streams)
+    from pgdiag.runs import Run, read_run
+
+    run = source if isinstance(source, Run) else read_run(Path(source))
+    return list(run.streams)
+
+
+def _rows(
+    pair: str,
+    scope: str,
+    breakdown: str,
+    table: dict[str, np.ndarray],
+    bucket_index: int,
+    bucket: str,
+    lo: float | None,
+    hi: float | None,
+    n_key: str,
+) -> list[ReportRow]:
+    n = int(table[n_key][bucket_index])
+    rows = []
+    for stat, values in table.items():
+        if stat in ("tokens", "samples"):
+            continue
+        unit, reduction = unit_and_reduction(stat, scope)
+        key = "count/mismatch_abs_delta_gt_20" if stat == "abs_delta_gt_20" else f"mismatch/{stat}"
+        rows.append(
+            ReportRow(
+                pair, scope, breakdown, bucket, key, float(values[bucket_index]), unit, reduction, n, lo, hi
+            )
+        )
+    return rows
+
+
+def parity_rows(
+    pair: AlignedPair, *, by: Sequence[str], eps_low: float, eps_high: float
+) -> tuple[list[ReportRow], dict[str, float | None], dict[int, float]]:
+    """Every summary row of one pair; also the `all` token stats by name and the per-step mean |Δ|."""
+    name = pair.pair
+    rows: list[ReportRow] = []
+    tokens = token_table(pair.lp_a, pair.lp_b, eps_low=eps_low, eps_high=eps_high)
+    rows += _rows(name, "token", "all", tokens, 0, "all", None, None, "tokens")
+    n_tok = pair.n_tokens
+    rows.append(ReportRow(name, "token", "all", "all", "count/mismatch_tokens", n_tok, "count", "sum", n_tok))
+    rows.append(
+        ReportRow(
+            name, "token", "all", "all", "count/mismatch_invalid", pair.n_invalid, "count", "sum", n_tok
+        )
+    )
+    seqs = sequence_table(pair.lp_a, pair.lp_b, pair.offsets, eps_low=eps_low, eps_high=eps_high)
+    rows += _rows(name, "sequence", "all", seqs, 0, "all", None, None, "samples")
+    n_seq = int(seqs["samples"][0])
+    rows.append(ReportRow(name, "sequence", "all", "all", "count/samples", n_seq, "count", "sum", n_seq))
+
+    step_abs_mean: dict[int, float] = {}
+    for breakdown in by:
+        buckets = bd.assign(pair, breakdown)
+        table = token_table(
+            pair.lp_a,
+            pair.lp_b,
+            eps_low=eps_low,
+            eps_high=eps_high,
+            codes=buckets.codes,
+            n_buckets=buckets.n_buckets,
+            full=False,
+        )
+        for k, label in enumerate(buckets.labels):
+            if table["tokens"][k] == 0:
+                continue
+            lo, hi = float(buckets.lo[k]), float(buckets.hi[k])
+            rows += _rows(name, "token", breakdown, table, k, label, lo, hi, "tokens")
+            if breakdown == "step":
+                step_abs_mean[int(buckets.lo[k])] = float(table["abs_mean"][k])
+    if "step" not in by:
+        buckets = bd.assign(pair, "step")
+        sums = np.bincount(buckets.codes, weights=np.abs(pair.lp_b - pair.lp_a), minlength=buckets.n_buckets)
+        counts = np.bincount(buckets.codes, minlength=buckets.n_buckets)
+        for k in range(buckets.n_buckets):
+            if counts[k]:
+                step_abs_mean[int(buckets.lo[k])] = float(sums[k] / counts[k])
+    rows += _dlogp_rows(pair)
+    stats = {k: (None if not np.isfinite(v[0]) else float(v[0])) for k, v in tokens.items()}
+    return rows, stats, step_abs_mean
+
+
+def _dlogp_rows(pair: AlignedPair) -> list[ReportRow]:
+    """Token counts per Δ bin (breakdown `dlogp`): the histogram behind the dlogp-hist plot, over all tokens."""
+    edges = np.asarray(DLOGP_EDGES)
+    d = pair.lp_b - pair.lp_a
+    codes = np.clip(np.searchsorted(edges, d, side="right") - 1, 0, edges.shape[0] - 2)
+    exact_zero = d == 0.0
+    counts = np.bincount(codes[~exact_zero], minlength=edges.shape[0] - 1)
+    rows = []
+    for k in range(edges.shape[0] - 1):
+        lo, hi = float(edges[k]), float(edges[k + 1])
+        rows.append(
+            ReportRow(
+                pair.pair,
+                "token",
+                "dlogp",
+                f"[{lo:g},{hi:g})",
+                "count/tokens",
+                int(counts[k]),
+                "count",
+                "sum",
+                pair.n_tokens,
+                lo,
+                hi,
+            )
+        )
+    rows.append(
+        ReportRow(
+            pair.pair,
+            "token",
+            "dlogp",
+            "0",
+            "count/tokens",
+            int(exact_zero.sum()),
+            "count",
+            "sum",
+            pair.n_tokens,
+            0.0,
+            0.0,
+        )
+    )
+    return rows
+
+
+def _checks_frame(issues: Sequence[CheckIssue], reader_checks: Sequence[pl.DataFrame | None]) -> pl.DataFrame:
+    own = pl.DataFrame(
+        {
+            "code": [i.code for i in issues],
+            "severity": [i.severity for i in issues],
+            "count": [i.count for i in issues],
+            "message": [i.message for i in issues],
+            "step": [i.step for i in issues],
+            "sample_id": [i.sample_id for i in issues],
+            "pos": [i.pos for i in issues],
+        },
+        schema=CHECKS_SCHEMA,
+    )
+    frames = [f.select(list(CHECKS_SCHEMA)).cast(CHECKS_SCHEMA) for f in reader_checks if f is not None]
+    return pl.concat([*frames, own], how="vertical")
+
+
+def _labels(
+    a: TokenBatch, b: TokenBatch, label_a: str | None, label_b: str | None, one_run: bool
+) -> tuple[str, str]:
+    la, lb = label_a or a.label, label_b or b.label
+    if la == lb and not one_run:
+        la, lb = f"{la}:a", f"{lb}:b"
+    return la, lb
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A finished comparison: the report plus the aligned tokens (for token-level plots and the token table)."""
+
+    report: Report
+    pair: AlignedPair
+
+    def trace(self) -> pl.DataFrame:
+        """Both streams along the worst sequence (`worst.worst_trace`)."""
+        return worst_trace(self.pair)
+
+
+def compare_runs(a: Any, b: Any = None, **options: Any) -> Report:
+    """Parity report of `a` against `b` (or of two streams of `a`); options as `run_comparison`."""
+    return run_comparison(a, b, **options).report
+
+
+def run_comparison(
+    a: Any,
+    b: Any = None,
+    *,
+    stream_a: str | None = None,
+    stream_b: str | None = None,
+    join: str = "auto",
+    by: Sequence[str] | None = None,
+    worst_k: int = 20,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    model: str | Path | None = None,
+    ignore: Collection[str] = (),
+    max_examples: int = 5,
+    label_a: str | None = None,
+    label_b: str | None = None,
+    decode: Callable[[Sequence[int]], str] | None = None,
+    side_by_side: bool = False,
+) -> Comparison:
+    """Parity of `a` against `b` (or of two streams of `a` when `b` is None). Δ = lp_b − lp_a.
+
+    `a`, `b`: a `Run`, a run path, or a `TokenBatch`. `by`: breakdowns (default: every one the data supports,
+    `breakdowns.available`). `ignore`: check codes to skip (E306 compares the matched samples only; E207 drops
+    non-finite tokens and counts them). `model`: a checkpoint for the exact best-fit temperature (needs runs read
+    from disk). `decode`: token ids -> text for the worst-token context. `side_by_side`: add each run's own
+    metric set (scope `batch`, `pgdiag.compute_metrics`) and its deltas (pair ``"<b> - <a>"``).
+    Raises `InvalidInputError` (exit 3) on alignment errors, `UsageError` (exit 2) on bad options.
+    """
+    if worst_k < 0:
+        raise UsageError("E503", f"--worst-k must be >= 0 (got {worst_k})")
+    if not (0 <= eps_low < 1 and eps_high >= 0):
+        raise UsageError(
+            "E112", f"clip band needs 0 <= eps-low < 1 and eps-high >= 0 (got {eps_low}, {eps_high})"
+        )
+    one_run = b is None
+    streams_a = _streams_of(a)
+    streams_b = None if one_run else _streams_of(b)
+    sa, sb = resolve_streams(streams_a, streams_b, stream_a, stream_b)
+    if not one_run and sb not in streams_b:
+        raise UsageError(
+            "E111", f"run b has no stream {sb!r}; streams: {', '.join(streams_b)}", "name it with --stream-b"
+        )
+    side_a = _read_side(a, [sa, sb] if one_run else [sa], ignore=ignore, max_examples=max_examples)
+    side_b = side_a if one_run else _read_side(b, [sb], ignore=ignore, max_examples=max_examples)
+    la, lb = _labels(side_a.batch, side_b.batch, label_a, label_b, one_run)
+    batch_a = replace(side_a.batch, label=la)
+    batch_b = batch_a if one_run else replace(side_b.batch, label=lb)
+    pair = align_batches(
+        batch_a,
+        batch_b,
+        stream_a=sa,
+        stream_b=sb,
+        join=join,
+        seq_hash_a=side_a.seq_hash,
+        seq_hash_b=side_b.seq_hash,
+        ignore=ignore,
+    )
+
+    chosen = bd.available(pair) if by is None else tuple(by)
+    rows, stats, step_abs_mean = parity_rows(pair, by=chosen, eps_low=eps_low, eps_high=eps_high)
+    diagnosis: Diagnosis = diagnose(pair, stats, step_abs_mean)
+    n = pair.n_tokens
+    if diagnosis.first_token_ratio is not None:
+        rows.append(
+            ReportRow(
+                pair.pair,
+                "token",
+                "all",
+                "all",
+                "mismatch/first_token_ratio",
+                diagnosis.first_token_ratio,
+                "ratio",
+                "token-mean",
+                n,
+            )
+        )
+    if diagnosis.tau_hint is not None:
+        rows.append(
+            ReportRow(
+                pair.pair, "token", "all", "all", "mismatch/tau_hint", diagnosis.tau_hint, "1", "fit", n
+            )
+        )
+    if model is not None:
+        raise UsageError(
+            "E503",
+            "--model (exact best-fit temperature from logits) is not available in this build",
+            "use the logprob-only hint mismatch/tau_hint, or recompute with pgdiag logprobs and compare streams",
+        )
+    if side_by_side:
+        rows += _side_by_side_rows(side_a, side_b, la, lb, one_run)
+    issues = [i for i in (*pair.issues, *diagnosis.issues) if i.code not in ignore]
+    checks = _checks_frame(issues, [side_a.checks] if one_run else [side_a.checks, side_b.checks])
+    meta = {
+        "pairs": [pair.pair],
+        "labels": {"a": la, "b": lb},
+        "streams": {"a": sa, "b": sb},
+        "join": pair.join,
+        "by": list(chosen),
+        "eps_low": eps_low,
+        "eps_high": eps_high,
+        "worst_k": worst_k,
+        "ignored": sorted(ignore),
+        "inputs": {
+            "n_samples": {la: pair.n_samples_a, lb: pair.n_samples_b},
+            "n_matched_samples": pair.n_samples,
+            "n_tokens": n,
+            "steps": sorted({int(s) for s in np.unique(pair.step)}),
+        },
+        "diagnosis": {
+            pair.pair: {
+                "tau_hint": diagnosis.tau_hint,
+                "tau_source": "fit_slope (logprob-only; exact tau_fit needs logits)",
+                "first_token_ratio": diagnosis.first_token_ratio,
+            }
+        },
+    }
+    report = Report(
+        kind="compare",
+        summary=summary_frame(rows),
+        meta=meta,
+        checks=checks,
+        worst_tokens=worst_tokens(pair, worst_k, decode=decode),
+        worst_seqs=worst_seqs(pair, worst_k),
+    )
+    return Comparison(report, pair)
+
+
+def _side_by_side_rows(side_a: Side, side_b: Side, la: str, lb: str, one_run: bool) -> list[ReportRow]:
+    """Each run's own metric set (scope `batch`) and, for two runs, the deltas b − a on `all` rows."""
+    if side_a.run is None or (not one_run and side_b.run is None):
+        raise UsageError("E503", "side-by-side metrics need runs read from disk, not in-memory batches")
+    from pgdiag.api import compute_metrics
+
+    reports = [(la, compute_metrics(side_a.run))]
+    if not one_run:
+        reports.append((lb, compute_metrics(side_b.run)))
+    rows: list[ReportRow] = []
+    values: dict[str, dict[str, tuple[float | None, str, str]]] = {}
+    for label, report in reports:
+        frame = report.summary.filter(pl.col("breakdown").is_in(["all", "step"]))
+        for r in frame.iter_rows(named=True):
+            rows.append(
+                ReportRow(
+                    f"{label}: {r['pair']}",
+                    "batch",
+                    r["breakdown"],
+                    r["bucket"],
+                    r["metric"],
+                    r["value"],
+                    r["unit"],
+                    r["reduction"],
+                    r["n"],
+                    r["bucket_lo"],
+                    r["bucket_hi"],
+                )
+            )
+            if r["breakdown"] == "all":
+                values.setdefault(label, {})[r["metric"]] = (r["value"], r["unit"], r["reduction"])
+    if len(reports) == 2:
+        for metric, (vb, unit, reduction) in values.get(lb, {}).items():
+            va = values.get(la, {}).get(metric, (None,))[0]
+            delta = None if va is None or vb is None else vb - va
+            rows.append(ReportRow(f"{lb} - {la}", "batch", "all", "all", metric, delta, unit, reduction, 0))
+    return rows

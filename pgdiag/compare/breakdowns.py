@@ -1,0 +1,112 @@
+"""Bucket assignments for the compare breakdowns (data-and-cli.md §2.4 `breakdown` values).
+
+What: for an `AlignedPair`, each breakdown maps every matched token to an integer bucket code with a label and
+numeric edges: `position` (response position: the first token alone, then doubling buckets), `prob_bucket`
+(probability of the sampled token on side a, the reference side), `entropy_bucket` (when an entropy stream is
+present), `length` (matched loss tokens of the sample, doubling buckets), `step`, and `env`.
+Why: the same parity engine (`parity.token_table`) then computes every bucket in one vectorised pass, so
+"where do the two sides disagree" costs O(tokens) per breakdown, never a Python loop over tokens.
+How: `assign(pair, name)` returns `Buckets(name, codes, labels, lo, hi)`; `available(pair)` lists the breakdowns
+the data supports. Edges are half-open [lo, hi); the top probability bucket is closed at 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pgdiag.compare.align import AlignedPair
+from pgdiag.errors import UsageError
+
+BREAKDOWNS = ("position", "prob_bucket", "entropy_bucket", "length", "step", "env")
+DEFAULT_BREAKDOWNS = BREAKDOWNS
+PROB_EDGES = (0.0, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0)
+ENTROPY_EDGES = (0.0, 0.01, 0.1, 0.5, 1.0, 2.0, 4.0, np.inf)  # nats
+DOUBLING_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, np.inf)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Token bucket codes of one breakdown. K buckets; `codes` (M,) int64 in [0, K)."""
+
+    name: str
+    codes: np.ndarray  # (M,) int64
+    labels: tuple[str, ...]  # (K,)
+    lo: np.ndarray  # (K,) float64, None-like NaN for categorical buckets
+    hi: np.ndarray  # (K,) float64
+
+    @property
+    def n_buckets(self) -> int:
+        return len(self.labels)
+
+
+def available(pair: AlignedPair) -> tuple[str, ...]:
+    """The breakdowns `pair` has data for (entropy needs an entropy stream, env an env column)."""
+    names = ["position", "prob_bucket"]
+    if pair.entropy is not None:
+        names.append("entropy_bucket")
+    names += ["length", "step"]
+    if pair.env is not None:
+        names.append("env")
+    return tuple(names)
+
+
+def _interval_label(lo: float, hi: float, *, closed: bool = False, integer: bool = False) -> str:
+    def fmt(x: float) -> str:
+        if np.isinf(x):
+            return "inf"
+        return str(int(x)) if integer else f"{x:g}"
+
+    if integer and hi == lo + 1:
+        return fmt(lo)
+    return f"[{fmt(lo)},{fmt(hi)}{']' if closed else ')'}"
+
+
+def _numeric(
+    name: str, values: np.ndarray, edges: tuple[float, ...], *, integer: bool, top_closed: bool
+) -> Buckets:
+    edge_array = np.asarray(edges, dtype=np.float64)
+    codes = np.searchsorted(edge_array, values, side="right") - 1  # (M,) bucket of [lo, hi)
+    codes = np.clip(codes, 0, edge_array.shape[0] - 2)  # top_closed: value == last edge joins the top bucket
+    k = edge_array.shape[0] - 1
+    labels = tuple(
+        _interval_label(edge_array[i], edge_array[i + 1], closed=top_closed and i == k - 1, integer=integer)
+        for i in range(k)
+    )
+    return Buckets(name, codes.astype(np.int64), labels, edge_array[:-1].copy(), edge_array[1:].copy())
+
+
+def _categorical(name: str, per_sample: np.ndarray, sample: np.ndarray, *, numeric: bool) -> Buckets:
+    """Buckets of a sample-level label (unique over samples, then broadcast to tokens)."""
+    uniques, codes = np.unique(per_sample, return_inverse=True)
+    labels = tuple(str(u) for u in uniques)
+    edges = uniques.astype(np.float64) if numeric else np.full(uniques.shape[0], np.nan)
+    return Buckets(name, codes.astype(np.int64).reshape(-1)[sample], labels, edges, edges.copy())
+
+
+def assign(pair: AlignedPair, name: str) -> Buckets:
+    """Bucket codes of breakdown `name` for the tokens of `pair`."""
+    if name == "position":
+        return _numeric(
+            name, pair.resp_pos.astype(np.float64), DOUBLING_EDGES, integer=True, top_closed=False
+        )
+    if name == "prob_bucket":
+        return _numeric(name, np.exp(pair.lp_a), PROB_EDGES, integer=False, top_closed=True)
+    if name == "entropy_bucket":
+        if pair.entropy is None:
+            raise UsageError(
+                "E111", f"{pair.pair}: --by entropy_bucket needs an entropy stream (run logprobs)"
+            )
+        return _numeric(name, pair.entropy, ENTROPY_EDGES, integer=False, top_closed=False)
+    sample = pair.token_sample()
+    if name == "length":
+        per_sample = pair.n_loss.astype(np.float64)[sample]
+        return _numeric(name, per_sample, DOUBLING_EDGES, integer=True, top_closed=False)
+    if name == "step":
+        return _categorical(name, pair.step, sample, numeric=True)
+    if name == "env":
+        if pair.env is None:
+            raise UsageError("E111", f"{pair.pair}: --by env needs an env column")
+        return _categorical(name, np.asarray([str(e) for e in pair.env], dtype=object), sample, numeric=False)
+    raise UsageError("E503", f"unknown breakdown {name!r}", f"choose from {', '.join(BREAKDOWNS)}")

@@ -1,0 +1,172 @@
+"""Everything `pgdiag compare --out` writes: report, worst-K tables, worst trace, plots, markdown summary.
+
+What: `write_outputs(comparison, out, ...)` writes, beside each other,
+``<name>.parquet`` / ``<name>.json`` / ``<name>.worst_tokens.parquet`` / ``<name>.worst_seqs.parquet`` (through
+`Report.write`), ``<name>.worst_trace.parquet`` (both streams along the worst sequence, so `pgdiag plot` can
+redraw the trace), ``<name>.plots/<kind>.png`` and ``<name>.md`` (a short summary for CI comments).
+Why: one directory holds a comparison a reviewer can open without the runs. How: `out` is a directory (name
+``compare``) or a ``.parquet`` file name; every file is written atomically; existing files need `overwrite`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from pgdiag.errors import UsageError
+from pgdiag.gates import GateResult
+from pgdiag.report import REPORT_SCHEMA_ID, Report
+
+SUMMARY_STATS = (
+    "abs_mean",
+    "bias",
+    "rms",
+    "abs_p99",
+    "abs_max",
+    "kl_k3",
+    "tmpe",
+    "frac_out_clip",
+    "frac_out_2x",
+    "pearson_r",
+    "fit_slope",
+    "ess_token",
+)
+
+
+def output_paths(out: str | Path) -> tuple[Path, str]:
+    """(directory, name) of a report destination: a directory (name ``compare``) or ``<name>.parquet``."""
+    out = Path(out)
+    if out.suffix == ".parquet":
+        return out.parent, out.stem
+    return out, "compare"
+
+
+def trace_path(report_path: str | Path) -> Path:
+    """The worst-trace file that sits beside a report file."""
+    report_path = Path(report_path)
+    return report_path.with_name(f"{report_path.stem}.worst_trace.parquet")
+
+
+def draw_plots(
+    report: Report,
+    trace: pl.DataFrame | None,
+    tokens: Any,
+    directory: Path,
+    *,
+    kinds: tuple[str, ...],
+    fmt: str = "png",
+    dpi: int = 120,
+) -> dict[str, str]:
+    """Draw `kinds` into `directory`; token plots need `tokens` (an AlignedPair or token frame), the trace plot
+    `trace`. Returns {kind: path}; a kind whose data is absent raises UsageError."""
+    from pgdiag import plots
+
+    drawers = {
+        "hexbin": lambda: plots.plot_hexbin(_need(tokens, "hexbin", "token data (--tokens-out table)")),
+        "dlogp-hist": lambda: plots.plot_dlogp_hist(report),
+        "by-prob": lambda: plots.plot_by_prob(report),
+        "by-position": lambda: plots.plot_by_position(report),
+        "by-step": lambda: plots.plot_by_step(report),
+        "worst-trace": lambda: plots.plot_worst_trace(
+            _need(trace, "worst-trace", "a .worst_trace.parquet file")
+        ),
+    }
+    written = {}
+    for kind in kinds:
+        if kind not in drawers:
+            raise UsageError("E503", f"unknown plot kind {kind!r}", f"choose from {', '.join(drawers)}, all")
+        fig = drawers[kind]()
+        written[kind] = str(plots.save_figure(fig, directory / f"{kind}.{fmt}", dpi=dpi))
+    return written
+
+
+def _need(value: Any, kind: str, what: str) -> Any:
+    if value is None:
+        raise UsageError("E503", f"plot {kind} needs {what}")
+    return value
+
+
+def summary_markdown(report: Report, gates: GateResult | None) -> str:
+    """A short markdown summary: pairs, headline numbers at both scopes, checks and gates."""
+    rows = report.summary.filter(pl.col("breakdown") == "all")
+    lines = ["# pgdiag compare", ""]
+    for pair in report.meta.get("pairs", []):
+        part = rows.filter(pl.col("pair") == pair)
+        cell = {(s, m): (v, u) for s, m, v, u in part.select("scope", "metric", "value", "unit").iter_rows()}
+        n_tok = cell.get(("token", "count/mismatch_tokens"), (None, ""))[0]
+        lines += [f"## `{pair}`", "", f"{int(n_tok or 0):,} matched tokens. Δ = lp_b − lp_a.", ""]
+        lines += ["| metric | token | sequence | unit |", "|---|---|---|---|"]
+        for stat in SUMMARY_STATS:
+            tok = cell.get(("token", f"mismatch/{stat}"))
+            seq = cell.get(("sequence", f"mismatch/{stat}"))
+            if tok is None and seq is None:
+                continue
+            unit = (tok or seq)[1]
+            lines.append(f"| {stat} | {_fmt(tok)} | {_fmt(seq)} | {unit} |")
+        lines.append("")
+    if report.checks.height:
+        lines += ["## Checks", ""]
+        lines += [
+            f"- **{c}** ({s}): {m}"
+            for c, s, m in report.checks.select("code", "severity", "message").iter_rows()
+        ]
+        lines.append("")
+    if gates is not None and gates.gates:
+        lines += [f"## Gates: {gates.status}", "", "| gate | pair | value | status |", "|---|---|---|---|"]
+        for g in gates.gates:
+            lines.append(f"| `{g.expr}` | {g.pair or ''} | {_fmt((g.value, ''))} | {g.status} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _fmt(cell: tuple[float | None, str] | None) -> str:
+    if cell is None or cell[0] is None:
+        return "—"
+    return f"{cell[0]:.6g}"
+
+
+def write_outputs(
+    comparison: Any,
+    out: str | Path,
+    *,
+    result: Mapping[str, Any] | None = None,
+    gates: GateResult | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Write every output of `comparison` (a `compare.api.Comparison`) under `out`; returns the JSON `files`."""
+    from pgdiag.writing import atomic_write, write_parquet
+
+    directory, name = output_paths(out)
+    md_path, trace_file, plot_dir = (
+        directory / f"{name}.md",
+        directory / f"{name}.worst_trace.parquet",
+        directory / f"{name}.plots",
+    )
+    if not overwrite:
+        for path in (md_path, trace_file):
+            if path.exists():
+                raise UsageError("E502", f"{path} exists", "pass --overwrite to replace it")
+    report: Report = comparison.report
+    trace = comparison.trace()
+    files = report.write(directory / f"{name}.parquet", overwrite=overwrite, result=result)
+    write_parquet(trace, trace_file, metadata={"pgdiag.schema": REPORT_SCHEMA_ID})
+    kinds = tuple(
+        k
+        for k in ("hexbin", "dlogp-hist", "by-prob", "by-position", "by-step", "worst-trace")
+        if k != "by-step" or "step" in report.meta.get("by", ())
+    )
+    plots = draw_plots(report, trace, comparison.pair, plot_dir, kinds=kinds)
+    text = summary_markdown(report, gates)
+    atomic_write(md_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    return {
+        "report": str(files.report),
+        "json": str(files.json),
+        "worst_tokens": None if files.worst_tokens is None else str(files.worst_tokens),
+        "worst_seqs": None if files.worst_seqs is None else str(files.worst_seqs),
+        "worst_trace": str(trace_file),
+        "markdown": str(md_path),
+        "plots": plots,
+    }
