@@ -1,0 +1,148 @@
+"""Per-token logprobs and entropies from the LM head, without materializing the logits.
+
+What: `lm_head_logprobs(hidden, weight, targets)` returns, for every token t,
+``logprob[t] = z[t, y_t] - logsumexp(z[t])`` and ``entropy[t] = logsumexp(z[t]) - sum_j softmax(z[t])_j z[t, j]``
+with ``z = (hidden @ weight.T) / temperature`` in fp32 (the entropy is that of the tempered distribution).
+
+Why: recomputing logprobs is pgdiag's hot path, and the full (N, V) logits of an RL batch are 10-40 GB.
+Both implementations reduce the vocabulary to four fp32 numbers per token (`vocab_parallel`), so memory is
+O(N) beyond the inputs, and a vocab-parallel W needs one small collective per call.
+
+How: ``impl="auto"`` resolves here, once, to "triton" for CUDA tensors and "torch" otherwise; the result says
+which implementation and which head precision ran:
+
+    impl     module                          notes
+    torch    lm_head_logprobs_ref.py         chunked plain torch; the reference and the CPU path
+    triton   lm_head_logprobs_triton.py      fused forward kernel (CUDA, or the Triton interpreter)
+
+Ignored tokens (``targets == ignore_index``) get logprob 0.0 and their entropy computed as usual (it does
+not depend on the target). Any other target outside [0, V) raises `InvalidInputError` E208.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.kernels.vocab_parallel import finish_partials, gather_partials, merge_partials
+
+IMPLS = ("auto", "torch", "triton")
+HEAD_DTYPES = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Per-token results of one LM-head call.
+
+    logprobs (N,) fp32: log p(target) under the tempered distribution; 0.0 where the target is ignored.
+    entropy (N,) fp32: entropy in nats of the tempered distribution.
+    impl: the implementation that ran ("torch" or "triton"); head_dtype: "bf16" or "fp32";
+    head_mode: the head arithmetic that ran ("bf16", "bf16x3", "fp16x3", "tf32x3" for triton; "bf16"/"fp32"
+    for torch).
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    impl: str
+    head_dtype: str
+    head_mode: str
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """ "auto" -> "triton" on CUDA, "torch" elsewhere; "torch" and "triton" are returned as given."""
+    if impl not in IMPLS:
+        raise UsageError("E503", f"impl {impl!r} is not one of {', '.join(IMPLS)}")
+    if impl == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return impl
+
+
+def lm_head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    head_dtype: str = "bf16",
+    impl: str = "auto",
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_start: int = 0,
+    ignore_index: int = -100,
+) -> TokenLogprobs:
+    """Per-token logprobs of `targets` and entropies under ``softmax(hidden @ weight.T / temperature)``.
+
+    hidden (N, d) bf16/fp16/fp32; weight (V_local, d), this rank's rows ``[vocab_start, vocab_start +
+    V_local)`` of the head; targets (N,) integer global token ids, or `ignore_index`. head_dtype "bf16": 16-bit
+    operands with fp32 products and sums; "fp32": fp32 hidden (accurate to fp32 rounding). With `tp_group`,
+    every rank of the group calls this with its own shard and the same hidden/targets; one all-gather of
+    16 bytes a token merges the shards. Without it, W is the whole head (or one shard used alone).
+    """
+    _check_arguments(hidden, weight, targets, temperature, head_dtype)
+    resolved = resolve_impl(impl, hidden.device)
+    ignored = targets == ignore_index  # (N,) bool
+    out_of_range = (targets < 0) & ~ignored
+    if bool(out_of_range.any()):
+        row = int(out_of_range.nonzero()[0, 0])
+        raise InvalidInputError(
+            "E208",
+            f"token id {int(targets[row])} < 0 at token {row} (ignore_index is {ignore_index})",
+            "mask such tokens with ignore_index or fix the token ids",
+        )
+    local_targets = targets.long() - vocab_start  # (N,)
+    in_shard = (local_targets >= 0) & (local_targets < weight.shape[0]) & ~ignored
+    local_targets = torch.where(in_shard, local_targets, -1)
+
+    # 1. this shard's partials (S pieces) merged into (4, N)
+    if resolved == "triton":  # imported here so that impl="torch" works where Triton is not installed
+        from pgdiag.kernels import lm_head_logprobs_triton as backend
+    else:
+        from pgdiag.kernels import lm_head_logprobs_ref as backend
+    partials = backend.lm_head_partials(
+        hidden, weight, local_targets, temperature=temperature, head_dtype=head_dtype
+    )  # (S, 4, N)
+    merged = merge_partials(partials)  # (4, N)
+    # 2. vocab-parallel: one all-gather of the (4, N) partials, then the same merge on every rank
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        merged = merge_partials(gather_partials(merged, tp_group))
+    # 3. logprob and entropy; a target that no shard holds is out of the vocabulary
+    logprobs, entropy, target_found = finish_partials(merged)
+    missing = ~target_found & ~ignored
+    if bool(missing.any()):
+        row = int(missing.nonzero()[0, 0])
+        raise InvalidInputError(
+            "E208",
+            f"token id {int(targets[row])} at token {row} is not in the vocabulary (no head row holds it)",
+            "token ids must be < the head's vocab size; was the rollout tokenized for another model?",
+        )
+    head_mode = backend.head_mode_for(head_dtype, weight.dtype)
+    return TokenLogprobs(logprobs, entropy, resolved, head_dtype, head_mode)
+
+
+def _check_arguments(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, head_dtype: str
+) -> None:
+    """Raise UsageError E503 for shapes, dtypes or options that cannot work together."""
+    problems = []
+    if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
+        problems.append(
+            f"expected hidden (N, d), weight (V, d), targets (N,); got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)}, {tuple(targets.shape)}"
+        )
+    elif hidden.shape[1] != weight.shape[1] or hidden.shape[0] != targets.shape[0]:
+        problems.append(
+            f"shapes disagree: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
+            f"targets {tuple(targets.shape)}"
+        )
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        problems.append(f"targets must be integer token ids, got {targets.dtype}")
+    if not (temperature > 0.0 and temperature < float("inf")):
+        problems.append(f"temperature must be a positive finite number, got {temperature}")
+    if head_dtype not in HEAD_DTYPES:
+        problems.append(f"head_dtype {head_dtype!r} is not one of {', '.join(HEAD_DTYPES)}")
+    if hidden.device != weight.device or hidden.device != targets.device:
+        problems.append(f"tensors on different devices: {hidden.device}, {weight.device}, {targets.device}")
+    if problems:
+        raise UsageError("E503", "lm_head_logprobs: " + "; ".join(problems))

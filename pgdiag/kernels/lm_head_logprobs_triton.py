@@ -1,0 +1,253 @@
+"""Fused Triton LM-head partials: logits tiles live in registers only, never in memory.
+
+What: the same (S, 4, N) fp32 softmax partials as `lm_head_logprobs_ref.lm_head_partials` (max, sum of
+exponentials, centred weighted sum, target logit per token and vocab split; see `vocab_parallel`), computed
+by one forward-only kernel. The caller merges the S splits (and the TP ranks) with
+`vocab_parallel.merge_partials`.
+
+How: the grid has one program per (token block, vocab split). A program keeps a (BLOCK_N, BLOCK_V) fp32
+accumulator, runs the K loop of ``H[block] @ W[tile].T`` with `tl.dot` for each vocab tile of its split,
+divides the accumulator by the temperature (fp32, after the matmul: pre-scaling bf16 H or W would add
+~0.03 nats at |z| ~ 30), masks padded and out-of-shard columns, and folds the tile into running per-token
+statistics (online softmax, with the entropy sum kept centred on the running max). Programs are numbered
+so that the ~#SM programs running at once cover a few token blocks times all splits, which keeps the W and H
+panels they share in L2. The split count is chosen to fill whole waves of the GPU (`choose_n_splits`).
+
+Head precision (`head_mode`):
+  "bf16"   plain 16-bit dot (bf16 or fp16 operands), fp32 accumulation.
+  "bf16x3" fp32 hidden with a 16-bit W (the usual "fp32 head": engines upcast the stored bf16 W): each hidden
+           tile is split into three 16-bit parts h = hi + mid + lo (residual 2^-24 |h|) and three MMAs are
+           issued per W tile; the products of 16-bit numbers are exact in fp32, so this matches an fp32 GEMM.
+  "tf32x3" fp32 hidden and fp32 W: Triton's 3-pass tf32 dot (~fp32 accuracy, twice the cost of bf16x3).
+
+Memory math (why nothing of size N x V exists): the only outputs are the partials, 16 bytes per token and
+split: T = 65536 tokens x S = 33 splits -> 34.6 MB, against 65536 x 151936 x 4 B = 39.8 GB for one fp32 logits
+tensor. Inputs are read in tiles; per program the registers hold the (BLOCK_N, BLOCK_V) accumulator (128 x 256
+fp32 = 128 KB over 256 threads) and shared memory holds `num_stages` (BLOCK_N + BLOCK_V) x BLOCK_K input tiles
+(3 x 384 x 64 x 2 B = 144 KB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pgdiag.errors import UsageError
+from pgdiag.kernels.lm_head_logprobs_ref import head_operands
+from pgdiag.kernels.vocab_parallel import PARTIAL_ROWS, empty_partials
+
+HEAD_MODE_CODES = {"bf16": 0, "bf16x3": 1, "fp16x3": 1, "tf32x3": 2}
+# a padded column's logit: exp() underflows to 0 and 0 * (z - m) stays 0 (no inf * 0)
+MASKED_LOGIT = tl.constexpr(-1.0e30)
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class TritonTiles:
+    """Launch shape of the partials kernel. `n_splits` 0 means: choose it with `choose_n_splits`."""
+
+    block_n: int = 128
+    block_v: int = 256
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    programs_per_sm: int = 1
+    n_splits: int = 0
+
+
+def head_mode_for(head_dtype: str, weight_dtype: torch.dtype) -> str:
+    """The head precision mode that runs for `head_dtype` with a W of `weight_dtype` (see module docstring)."""
+    if head_dtype == "bf16":
+        return "bf16"
+    if weight_dtype == torch.float16:
+        return "fp16x3"
+    return "bf16x3" if weight_dtype == torch.bfloat16 else "tf32x3"
+
+
+def choose_n_splits(n_token_blocks: int, n_vocab_tiles: int, n_slots: int) -> int:
+    """Vocab splits that make the programs fill whole waves of `n_slots` concurrent programs.
+
+    Cost model: a wave costs as long as one program, ``tiles_per_split + 0.25`` tile times (the 0.25 covers a
+    program's start and its partials store); total = waves x that. Ties go to fewer splits.
+    Example: 128 token blocks x 594 vocab tiles on 132 SMs: 1 split -> 1 wave of 594.25; 33 splits of 18
+    tiles -> 32 waves of 18.25 = 584 (the floor is 128 x 594 / 132 = 576).
+    """
+    best_splits, best_cost = 1, float("inf")
+    for wanted in range(1, min(n_vocab_tiles, MAX_SPLITS) + 1):
+        tiles_per_split = triton.cdiv(n_vocab_tiles, wanted)
+        n_splits = triton.cdiv(n_vocab_tiles, tiles_per_split)
+        waves = triton.cdiv(n_token_blocks * n_splits, n_slots)
+        cost = waves * (tiles_per_split + 0.25)
+        if cost < best_cost - 1e-9:
+            best_splits, best_cost = n_splits, cost
+    return best_splits
+
+
+@triton.jit
+def _lm_head_partials_kernel(
+    hidden_ptr,  # (N, D) bf16/fp16 ("bf16" mode) or fp32 (split modes), row stride stride_hidden, READ-ONLY
+    weight_ptr,  # (V_local, D) bf16/fp16 (or fp32 for "tf32x3"), row stride stride_weight, READ-ONLY
+    targets_ptr,  # (N,) int64, the target's row in this shard or -1, READ-ONLY
+    partials_ptr,  # (n_splits, 4, N) fp32 contiguous, OUT: max, sumexp, centred sum, target logit
+    n_tokens,
+    vocab_local,
+    hidden_size,
+    stride_hidden,
+    stride_weight,
+    inv_temperature,
+    tiles_per_split,
+    n_splits,
+    group_blocks,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HEAD_MODE: tl.constexpr,  # 0 plain dot, 1 hidden split in three 16-bit parts, 2 tf32x3
+):
+    # 1. which (token block, split) this program owns: groups of `group_blocks` token blocks x all splits
+    pid = tl.program_id(0)
+    n_token_blocks = tl.cdiv(n_tokens, BLOCK_N)
+    programs_per_group = group_blocks * n_splits
+    first_block = (pid // programs_per_group) * group_blocks
+    blocks_here = tl.minimum(n_token_blocks - first_block, group_blocks)
+    in_group = pid % programs_per_group
+    token_block = first_block + in_group % blocks_here
+    split = in_group // blocks_here
+
+    offs_n = token_block * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    row_ok = offs_n < n_tokens
+    safe_n = tl.where(row_ok, offs_n, 0)  # padded rows read row 0 and are never stored
+    targets = tl.load(targets_ptr + safe_n)  # (BLOCK_N,) int64
+    offs_k = tl.arange(0, BLOCK_K)
+
+    # 2. running statistics per token (fp32); a finite start max keeps (m - m_new) * s free of inf * 0
+    run_max = tl.full([BLOCK_N], MASKED_LOGIT, tl.float32)
+    run_sumexp = tl.zeros([BLOCK_N], tl.float32)
+    run_centred = tl.zeros([BLOCK_N], tl.float32)
+    target_logit = tl.full([BLOCK_N], float("-inf"), tl.float32)
+
+    v_begin = split * tiles_per_split * BLOCK_V
+    v_end = tl.minimum(v_begin + tiles_per_split * BLOCK_V, vocab_local)
+    for v_start in range(v_begin, v_end, BLOCK_V):
+        offs_v = v_start + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
+        col_ok = offs_v < vocab_local
+        safe_v = tl.where(col_ok, offs_v, 0)
+        h_ptrs = hidden_ptr + safe_n[:, None] * stride_hidden + offs_k[None, :]  # (BLOCK_N, BLOCK_K)
+        w_ptrs = weight_ptr + safe_v[None, :] * stride_weight + offs_k[:, None]  # (BLOCK_K, BLOCK_V) = W^T
+        acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+        # 3. logits tile H[block] @ W[tile].T in the fp32 accumulator
+        for k_start in range(0, hidden_size, BLOCK_K):
+            if EVEN_K:
+                h = tl.load(h_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                k_ok = (k_start + offs_k) < hidden_size
+                h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            if HEAD_MODE == 1:
+                h_hi = h.to(w.dtype)
+                rest = h - h_hi.to(tl.float32)
+                h_mid = rest.to(w.dtype)
+                h_lo = (rest - h_mid.to(tl.float32)).to(w.dtype)
+                acc = tl.dot(h_lo, w, acc)
+                acc = tl.dot(h_mid, w, acc)
+                acc = tl.dot(h_hi, w, acc)
+            elif HEAD_MODE == 2:
+                acc = tl.dot(h, w, acc, input_precision="tf32x3")
+            else:
+                acc = tl.dot(h, w, acc)
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        # 4. temperature on the fp32 accumulator, padded columns masked, online softmax update
+        z = tl.where(col_ok[None, :], acc * inv_temperature, MASKED_LOGIT)  # (BLOCK_N, BLOCK_V)
+        new_max = tl.maximum(run_max, tl.max(z, axis=1))
+        centred = z - new_max[:, None]
+        p = tl.exp(centred)
+        rescale = tl.exp(run_max - new_max)
+        run_centred = rescale * (run_centred + (run_max - new_max) * run_sumexp) + tl.sum(p * centred, axis=1)
+        run_sumexp = rescale * run_sumexp + tl.sum(p, axis=1)
+        run_max = new_max
+        hit = offs_v[None, :] == targets[:, None]
+        target_logit = tl.maximum(target_logit, tl.max(tl.where(hit, z, float("-inf")), axis=1))
+
+    # 5. this split's partials
+    out = partials_ptr + split * (4 * n_tokens) + offs_n
+    tl.store(out, run_max, mask=row_ok)
+    tl.store(out + n_tokens, run_sumexp, mask=row_ok)
+    tl.store(out + 2 * n_tokens, run_centred, mask=row_ok)
+    tl.store(out + 3 * n_tokens, target_logit, mask=row_ok)
+
+
+def lm_head_partials(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    local_targets: torch.Tensor,
+    *,
+    temperature: float,
+    head_dtype: str,
+    tiles: TritonTiles | None = None,
+) -> torch.Tensor:
+    """(S, 4, N) fp32 partials of ``z = (hidden @ weight.T) / temperature`` over this vocab shard.
+
+    Same contract as `lm_head_logprobs_ref.lm_head_partials`; `tiles` overrides the launch shape (benchmarks).
+    """
+    tiles = tiles or TritonTiles()
+    if hidden.device.type != "cuda" and not triton.knobs.runtime.interpret:
+        raise UsageError("E503", f"impl='triton' needs CUDA tensors (got {hidden.device}); use impl='torch'")
+    n_tokens, vocab_local = hidden.shape[0], weight.shape[0]
+    if vocab_local == 0 or n_tokens == 0:
+        return empty_partials(n_tokens, hidden.device)
+    mode = head_mode_for(head_dtype, weight.dtype)
+    hidden_op, weight_op = head_operands(hidden, weight, head_dtype)
+    if mode == "tf32x3":
+        weight_op = weight_op.float()
+    hidden_op = hidden_op if hidden_op.stride(1) == 1 else hidden_op.contiguous()
+    weight_op = weight_op if weight_op.stride(1) == 1 else weight_op.contiguous()
+    hidden_size = hidden.shape[1]
+
+    n_token_blocks = triton.cdiv(n_tokens, tiles.block_n)
+    n_vocab_tiles = triton.cdiv(vocab_local, tiles.block_v)
+    if tiles.n_splits > 0:
+        wanted = min(tiles.n_splits, n_vocab_tiles)
+    else:
+        n_slots = _sm_count(hidden.device) * tiles.programs_per_sm
+        wanted = choose_n_splits(n_token_blocks, n_vocab_tiles, n_slots)
+    tiles_per_split = triton.cdiv(n_vocab_tiles, wanted)
+    n_splits = triton.cdiv(n_vocab_tiles, tiles_per_split)  # every split holds at least one real column
+    group_blocks = max(1, _sm_count(hidden.device) * tiles.programs_per_sm // n_splits)
+
+    partials = torch.empty(n_splits, PARTIAL_ROWS, n_tokens, dtype=torch.float32, device=hidden.device)
+    grid = (n_token_blocks * n_splits,)
+    _lm_head_partials_kernel[grid](
+        hidden_op,
+        weight_op,
+        local_targets,
+        partials,
+        n_tokens,
+        vocab_local,
+        hidden_size,
+        hidden_op.stride(0),
+        weight_op.stride(0),
+        1.0 / temperature,
+        tiles_per_split,
+        n_splits,
+        group_blocks,
+        BLOCK_N=tiles.block_n,
+        BLOCK_V=tiles.block_v,
+        BLOCK_K=tiles.block_k,
+        EVEN_K=hidden_size % tiles.block_k == 0,
+        HEAD_MODE=HEAD_MODE_CODES[mode],
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return partials
+
+
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of `device` (1 on the CPU, where only the Triton interpreter runs this kernel)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count

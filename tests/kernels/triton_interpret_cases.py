@@ -1,0 +1,73 @@
+"""Triton kernel cases run under the Triton interpreter (TRITON_INTERPRET=1) on the CPU.
+
+Not collected by the main test run: `test_lm_head_triton.py` runs this file in a child pytest with the
+interpreter switched on (Triton reads that variable when the kernel is defined, so it needs a fresh process).
+fp16 and fp32 only: the interpreter's bf16 dot is not trustworthy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+from lm_head_cases import IGNORE, fp64_reference, make_case, worst_mismatch
+
+from pgdiag.kernels import lm_head_logprobs
+from pgdiag.kernels.lm_head_logprobs_triton import TritonTiles, lm_head_partials
+from pgdiag.kernels.vocab_parallel import finish_partials, merge_partials
+
+SMALL_TILES = TritonTiles(block_n=16, block_v=16, block_k=16, num_warps=4, num_stages=1)
+
+
+def test_interpreter_is_on() -> None:
+    assert triton.knobs.runtime.interpret
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7], ids=lambda t: f"tau={t}")
+@pytest.mark.parametrize(
+    ("dtype", "head_dtype", "mode"),
+    [(torch.float16, "bf16", "bf16"), (torch.float16, "fp32", "fp16x3"), (torch.float32, "fp32", "tf32x3")],
+    ids=["fp16_plain", "fp16_split3", "fp32_tf32x3"],
+)
+@pytest.mark.parametrize(
+    ("n_tokens", "hidden_size", "vocab", "n_splits"),
+    [(1, 16, 5, 0), (37, 40, 131, 3), (20, 32, 80, 2)],
+    ids=["n1", "odd_k_3splits", "even_2splits"],
+)
+def test_triton_matches_fp64(
+    n_tokens: int,
+    hidden_size: int,
+    vocab: int,
+    n_splits: int,
+    dtype: torch.dtype,
+    head_dtype: str,
+    mode: str,
+    temperature: float,
+) -> None:
+    hidden_dtype = torch.float32 if head_dtype == "fp32" else dtype
+    case = make_case(
+        n_tokens, hidden_size, vocab, seed=vocab + n_tokens, hidden_dtype=hidden_dtype, weight_dtype=dtype
+    )
+    local = torch.where(case.targets == IGNORE, -1, case.targets)
+    tiles = TritonTiles(**{**SMALL_TILES.__dict__, "n_splits": n_splits})
+    partials = lm_head_partials(
+        case.hidden, case.weight, local, temperature=temperature, head_dtype=head_dtype, tiles=tiles
+    )
+    assert partials.shape == (max(n_splits, 1), 4, n_tokens)
+    logprobs, entropy, _ = finish_partials(merge_partials(partials))
+    want_logprobs, want_entropy = fp64_reference(case.hidden, case.weight, case.targets, temperature)
+    problems = [
+        worst_mismatch("logprobs", logprobs, want_logprobs, 2e-5, 3e-6),
+        worst_mismatch("entropy", entropy, want_entropy, 2e-5, 3e-6),
+    ]
+    assert not any(problems), problems
+
+
+def test_public_api_runs_the_kernel_and_reports_it() -> None:
+    case = make_case(12, 32, 300, seed=4, weight_dtype=torch.float16)
+    out = lm_head_logprobs(case.hidden, case.weight, case.targets, impl="triton", head_dtype="fp32")
+    ref = lm_head_logprobs(case.hidden, case.weight, case.targets, impl="torch", head_dtype="fp32")
+    assert (out.impl, out.head_dtype, out.head_mode) == ("triton", "fp32", "fp16x3")
+    torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=0, atol=2e-5)
+    torch.testing.assert_close(out.entropy, ref.entropy, rtol=0, atol=2e-5)
+    assert out.logprobs[1] == 0.0  # ignored
