@@ -92,3 +92,8 @@ def worked_example() -> TokenBatch:
         adv=[[1.0] * 3, [-1.0] * 4, [0.5] * 3, [-0.5] * 3],
         group=[0, 0, 1, 1],
     )
+
+
+def values_of(metrics: object) -> dict[str, float | None]:
+    """key -> value of a `StepMetrics` (or anything with `.values` of `MetricValue`)."""
+    return {v.key: v.value for v in metrics.values}  # type: ignore[attr-defined]

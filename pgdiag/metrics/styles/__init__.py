@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
+
 from pgdiag.batch import TokenBatch
 from pgdiag.errors import UsageError
 from pgdiag.metrics.engine import StepMetrics, compute_step_native
@@ -68,7 +70,8 @@ def compute_step_style(
     """
     check_style_settings(settings)
     _, compute = _STYLES[settings.key_style]
-    style = compute(read_inputs(batch, settings), settings)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # NaN/inf as the frameworks get them
+        style = compute(read_inputs(batch, settings), settings)
     notices = list(style.notices)
     if settings.metric_reduction != "token":
         notices.append(
