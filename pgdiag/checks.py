@@ -1,0 +1,445 @@
+"""Semantic checks of log-prob stream pairs and `check_run` (design/data-and-cli.md §7, `pgdiag check`).
+
+Why: a file can be valid (§1.5) and still be wrong in ways only the numbers reveal: a stream shifted by one
+position, zero-filled values, a temperature applied on one side, processed (renormalised) engine log-probs,
+stale weights after a resume. How: `semantic_checks` works on one `TokenBatch` and two of its (M,) streams
+a (sampling side) and b, with Δ = lp_b − lp_a on the loss positions where both are finite; statistics
+(medians, fits) use at most 2M evenly strided tokens, counts use all of them. `compare` reuses it on two aligned
+runs by putting both sides into one batch. `metadata_checks` reads footers (W403 by metadata, W405, W409,
+W411). `check_run` runs all of §1.5 (collecting issues, never raising for bad data) and then these checks
+on every stream pair that includes ``rollout`` (or the pair given), plus the minimal two-run checks E301,
+E303/W303 and E304.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from pgdiag.batch import TokenBatch
+from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.runs import Run, build_token_batch, load_rows
+from pgdiag.schema import stream_column
+from pgdiag.validate import CheckResult, Issue, check_result, validate_rows
+
+STAT_SAMPLE_TOKENS = 2_000_000
+SHIFT_MIN_MEDIAN = 0.05
+SLOPE_TOL = 0.05
+SLOPE_MIN_R = 0.9
+FIRST_TOKEN_RATIO = 5.0
+FIRST_TOKEN_MIN_SEQS = 100
+STALE_FACTOR = 3.0
+STALE_MIN = 0.005
+STALE_WINDOW = 5
+EXTREME_DELTA = 20.0
+MASK_ERROR_FRACTION = 0.01
+
+
+def _strided(n: int, limit: int) -> slice:
+    return slice(None, None, max(1, -(-n // limit)))
+
+
+def _examples(batch: TokenBatch, token_index: np.ndarray, max_examples: int) -> tuple[str, dict[str, Any]]:
+    """Location text of the first tokens of `token_index` and the first location as Issue fields."""
+    token_index = np.asarray(token_index)[:max_examples]
+    if token_index.size == 0:
+        return "", {}
+    rows = np.searchsorted(batch.offsets, token_index, side="right") - 1
+    parts = [
+        f"step {batch.step[r]}, sample {batch.sample_id[r]}, pos {batch.pos[t]}"
+        for r, t in zip(rows.tolist(), token_index.tolist(), strict=True)
+    ]
+    first = {
+        "step": int(batch.step[rows[0]]),
+        "sample_id": str(batch.sample_id[rows[0]]),
+        "pos": int(batch.pos[token_index[0]]),
+    }
+    return f" ({'; '.join(parts)})", first
+
+
+def _median_abs(x: np.ndarray) -> float:
+    return float(np.median(np.abs(x))) if x.size else float("nan")
+
+
+def shift_check(batch: TokenBatch, a: str, b: str, valid: np.ndarray) -> Issue | None:
+    """E302: b looks shifted by ±1 position against a (medians of |a_i − b_{i+k}|, k ∈ {−1, 0, +1}).
+
+    Only pairs where position i+k is also a loss position of the same sample are used.
+    """
+    lp_a, lp_b = batch.streams[a], batch.streams[b]
+    pick = _strided(int(valid.sum()), STAT_SAMPLE_TOKENS)
+    m0 = _median_abs((lp_a - lp_b)[valid][pick])
+    if not m0 > SHIFT_MIN_MEDIAN:
+        return None
+    sample = batch.token_sample()
+    adjacent = (batch.pos[1:] == batch.pos[:-1] + 1) & (sample[1:] == sample[:-1]) & valid[1:] & valid[:-1]
+    pick = _strided(int(adjacent.sum()), STAT_SAMPLE_TOKENS)
+    m_plus = _median_abs((lp_a[:-1] - lp_b[1:])[adjacent][pick])  # b_{i+1} against a_i
+    m_minus = _median_abs((lp_a[1:] - lp_b[:-1])[adjacent][pick])  # b_{i-1} against a_i
+    best, k = (m_plus, "+1") if not m_minus < m_plus else (m_minus, "-1")
+    if not best < m0 / 2:
+        return None
+    return Issue(
+        "E302",
+        "error",
+        int(valid.sum()),
+        f"{stream_column(b)} looks shifted by {k} vs {stream_column(a)} (median |Δ| {best:.3g} at {k}, {m0:.3g} at 0)",
+        hint="next-token vs token alignment: re-import with --shift",
+    )
+
+
+def first_token_ratio(batch: TokenBatch, delta_abs: np.ndarray, valid: np.ndarray) -> tuple[float, int]:
+    """Mean |Δ| on the first loss token of each sample over the mean |Δ| of all tokens, and the sample count."""
+    n_loss = batch.n_loss
+    firsts = batch.offsets[:-1][n_loss > 0]
+    firsts = firsts[valid[firsts]]
+    overall = float(delta_abs[valid].mean()) if valid.any() else 0.0
+    if firsts.size == 0 or overall == 0.0:
+        return float("nan"), int(firsts.size)
+    return float(delta_abs[firsts].mean()) / overall, int(firsts.size)
+
+
+def _per_step_abs_mean(
+    batch: TokenBatch, delta_abs: np.ndarray, valid: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    steps, step_code = np.unique(batch.step, return_inverse=True)
+    token_step = np.repeat(step_code, batch.n_loss)[valid]
+    sums = np.bincount(token_step, weights=delta_abs[valid], minlength=steps.size)
+    counts = np.bincount(token_step, minlength=steps.size)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return steps, sums / counts
+
+
+def semantic_checks(
+    batch: TokenBatch, a: str, b: str, *, max_examples: int = 5, sampling_side_is_engine: bool = True
+) -> list[Issue]:
+    """§7 data checks of the pair (a, b) of `batch.streams` on loss positions where both are finite.
+
+    Returns issues E302 (shift), E206 (0.0 where the paired stream < −1), W401 (fit slope, or first-token
+    ratio with one-signed Δ), W403 (a ≥ b on > 90 % of tokens with mean Δ < −0.01; only when
+    `sampling_side_is_engine`), W406 (first-token ratio > 5 over ≥ 100 samples), W407 (per-step mean |Δ| > 3×
+    the median of the 5 previous steps and > 0.005) and W410 (|Δ| > 20). Δ = lp_b − lp_a.
+    """
+    lp_a, lp_b = batch.streams[a], batch.streams[b]
+    valid = np.isfinite(lp_a) & np.isfinite(lp_b)
+    n_valid = int(valid.sum())
+    issues: list[Issue] = []
+    if n_valid == 0:
+        return issues
+    pair = f"{stream_column(b)} vs {stream_column(a)}"
+    shift = shift_check(batch, a, b, valid)
+    if shift is not None:
+        issues.append(shift)
+    for zero_side, other_side in ((a, b), (b, a)):
+        filled = np.flatnonzero(
+            valid & (batch.streams[zero_side] == 0.0) & (batch.streams[other_side] < -1.0)
+        )
+        if filled.size:
+            where, first = _examples(batch, filled, max_examples)
+            issues.append(
+                Issue(
+                    "E206",
+                    "error",
+                    int(filled.size),
+                    f"{stream_column(zero_side)} 0.0 where {stream_column(other_side)} < -1 on {filled.size} "
+                    f"tokens: zero-filled{where}",
+                    hint="missing values written as 0? import them as null",
+                    **first,
+                )
+            )
+    delta = lp_b - lp_a
+    delta_abs = np.abs(delta)
+    pick = _strided(n_valid, STAT_SAMPLE_TOKENS)
+    xa, xb = lp_a[valid][pick], lp_b[valid][pick]
+    slope = r = float("nan")
+    if xa.size > 2 and np.std(xa) > 0 and np.std(xb) > 0:
+        xa_c, xb_c = xa - xa.mean(), xb - xb.mean()
+        slope = float((xa_c * xb_c).sum() / (xa_c * xa_c).sum())
+        r = float((xa_c * xb_c).sum() / np.sqrt((xa_c * xa_c).sum() * (xb_c * xb_c).sum()))
+    ratio, n_first = first_token_ratio(batch, delta_abs, valid)
+    seq_delta = (
+        np.add.reduceat(np.where(valid, delta, 0.0), batch.offsets[:-1][batch.n_loss > 0])
+        if n_first
+        else np.zeros(0)
+    )
+    one_sign = max(float((seq_delta > 0).mean()), float((seq_delta < 0).mean())) if seq_delta.size else 0.0
+    if abs(slope - 1.0) > SLOPE_TOL and r > SLOPE_MIN_R:
+        issues.append(
+            Issue(
+                "W401",
+                "warning",
+                n_valid,
+                f"{pair}: slope {slope:.3g}: one side looks tempered (implied T ≈ {1 / slope:.3g})",
+                hint="check temperature on both sides",
+            )
+        )
+    elif ratio > FIRST_TOKEN_RATIO and one_sign > 0.8:
+        issues.append(
+            Issue(
+                "W401",
+                "warning",
+                n_first,
+                f"{pair}: first token carries {ratio:.3g}× the mean |Δ| and Δ has one sign in {100 * one_sign:.0f} % "
+                "of sequences: temperature on one side?",
+                hint="check temperature on both sides",
+            )
+        )
+    if ratio > FIRST_TOKEN_RATIO and n_first >= FIRST_TOKEN_MIN_SEQS:
+        issues.append(
+            Issue(
+                "W406", "warning", n_first, f"{pair}: first response token carries {ratio:.3g}× the mean |Δ|"
+            )
+        )
+    if sampling_side_is_engine:
+        frac_ge = float((lp_a[valid] >= lp_b[valid]).mean())
+        mean_delta = float(delta[valid].mean())
+        if frac_ge > 0.9 and mean_delta < -0.01:
+            issues.append(
+                Issue(
+                    "W403",
+                    "warning",
+                    n_valid,
+                    f"{stream_column(a)} ≥ {stream_column(b)} on {100 * frac_ge:.0f} % of tokens (mean Δ {mean_delta:.3g}, "
+                    f"implied kept mass {np.exp(mean_delta):.2f}): processed log-probs with top-p?",
+                    hint="log raw log-probs (vLLM --logprobs-mode raw_logprobs)",
+                )
+            )
+    steps, step_mean = _per_step_abs_mean(batch, delta_abs, valid)
+    for k in range(1, steps.size):
+        before = step_mean[max(0, k - STALE_WINDOW) : k]
+        before = before[np.isfinite(before)]
+        if before.size and step_mean[k] > STALE_FACTOR * np.median(before) and step_mean[k] > STALE_MIN:
+            issues.append(
+                Issue(
+                    "W407",
+                    "warning",
+                    1,
+                    f"{pair}: step {steps[k]}: mean |Δ| {step_mean[k]:.3g} vs {np.median(before):.3g} before "
+                    "(resume or weight sync?)",
+                    step=int(steps[k]),
+                )
+            )
+    extreme = np.flatnonzero(valid & (delta_abs > EXTREME_DELTA))
+    if extreme.size:
+        where, first = _examples(batch, extreme, max_examples)
+        issues.append(
+            Issue(
+                "W410",
+                "warning",
+                int(extreme.size),
+                f"{pair}: {extreme.size} tokens with |Δ| > 20 (counted, not clamped){where}",
+                **first,
+            )
+        )
+    return issues
+
+
+def metadata_checks(
+    meta: Mapping[str, Any], streams: Sequence[str], recompute_settings: Mapping[str, Mapping]
+) -> list[Issue]:
+    """Footer checks: W403 (processed with truncation), W405 (retokenized), W409 (unknown), W411 (dtypes).
+
+    `meta` is a decoded rollouts footer; `recompute_settings` maps recompute tags to their ``settings``.
+    """
+    issues: list[Issue] = []
+    stream_meta = meta.get("streams") or {}
+    sampling = meta.get("sampling") or {}
+    truncated = (
+        (sampling.get("top_p") not in (None, 1, 1.0))
+        or (sampling.get("top_k") not in (None, 0, -1))
+        or (sampling.get("min_p") not in (None, 0, 0.0))
+    )
+    if (meta.get("source") or {}).get("retokenized") is True:
+        issues.append(
+            Issue("W405", "warning", 1, "ids were re-tokenized from text; expect drift against engine ids")
+        )
+    dtypes: dict[str, str] = {}
+    for stream in streams:
+        info = stream_meta.get(stream) or stream_meta.get(stream_column(stream))
+        if stream in recompute_settings:
+            settings = recompute_settings[stream]
+            if settings.get("temperature_source") == "fallback":
+                issues.append(Issue("W409", "warning", 1, f"{stream}: recompute fell back to T = 1"))
+            if settings.get("head_dtype"):
+                dtypes[stream] = str(settings["head_dtype"])
+            continue
+        if not isinstance(info, Mapping):
+            continue
+        for key in ("tempered", "logprobs_mode"):
+            if info.get(key) == "unknown":
+                issues.append(
+                    Issue(
+                        "W409",
+                        "warning",
+                        1,
+                        f"{stream_column(stream)}: {key} unknown",
+                        hint="pass --tempered / --logprobs-mode at import",
+                    )
+                )
+        mode = info.get("logprobs_mode") or sampling.get("logprobs_mode")
+        if mode == "processed" and truncated:
+            issues.append(
+                Issue(
+                    "W403",
+                    "warning",
+                    1,
+                    f"{stream_column(stream)}: processed log-probs with top-p/top-k/min-p truncation",
+                    hint="log raw log-probs to compare with a trainer",
+                )
+            )
+        if info.get("head_dtype"):
+            dtypes[stream] = str(info["head_dtype"])
+    if len(set(dtypes.values())) > 1:
+        text = " vs ".join(f"{s} head {d}" for s, d in dtypes.items())
+        issues.append(Issue("W411", "warning", 1, f"precision mismatch: {text}"))
+    return issues
+
+
+def mask_issue(n_only_a: int, n_a: int, what: str) -> Issue | None:
+    """E303 (over 1 % of a's loss positions not loss positions of b) or W303 (any)."""
+    if n_only_a == 0 or n_a == 0:
+        return None
+    fraction = n_only_a / n_a
+    code, severity = ("E303", "error") if fraction > MASK_ERROR_FRACTION else ("W303", "warning")
+    return Issue(
+        code,
+        severity,
+        n_only_a,
+        f"loss masks differ on {100 * fraction:.2g} % of positions ({what}; tool tokens trained on one side?)",
+    )
+
+
+def _recompute_settings(run: Run) -> dict[str, Mapping]:
+    import pyarrow.parquet as pq
+
+    from pgdiag.schema import decode_footer
+
+    out: dict[str, Mapping] = {}
+    for tag, directory in run.recompute.items():
+        parts = sorted(directory.rglob("*.parquet"))
+        parts = [p for p in parts if not p.name.startswith(("_", "."))]
+        if parts:
+            meta = decode_footer(pq.read_schema(parts[0]).metadata).get("recompute") or {}
+            out[tag] = meta.get("settings") or {} if isinstance(meta, Mapping) else {}
+    return out
+
+
+def _cross_run_issues(run: Run, other: Run, max_examples: int) -> list[Issue]:
+    """E304 (no sample matched by (step, sample_id, segment_idx)), E301 (matched, different tokens), E303/W303."""
+    keys = ["step", "sample_id", "segment_idx"]
+
+    def frame(r: Run) -> pl.DataFrame:
+        schema = r.lazy.collect_schema()
+        seg = (
+            pl.col("segment_idx").fill_null(0).cast(pl.Int32)
+            if "segment_idx" in schema
+            else pl.lit(0, pl.Int32)
+        )
+        return r.lazy.select(
+            pl.col("step").cast(pl.Int64),
+            pl.col("sample_id").cast(pl.String),
+            seg.alias("segment_idx"),
+            pl.col("seq_hash").cast(pl.UInt64),
+            pl.col("loss_mask"),
+        ).collect()
+
+    left, right = frame(run), frame(other)
+    joined = left.join(right, on=keys, how="inner", suffix="_b")
+    issues: list[Issue] = []
+    if joined.height == 0:
+        steps_a = f"{left['step'].min()}-{left['step'].max()}" if left.height else "none"
+        steps_b = f"{right['step'].min()}-{right['step'].max()}" if right.height else "none"
+        issues.append(
+            Issue(
+                "E304",
+                "error",
+                left.height,
+                f"0 of {left.height} samples matched by (step, sample_id); steps {steps_a} vs {steps_b}?",
+            )
+        )
+        return issues
+    differ = joined.filter(pl.col("seq_hash") != pl.col("seq_hash_b")).sort(keys)
+    if differ.height:
+        shown = "; ".join(
+            f"step {s}, sample {i}"
+            for s, i in differ.select("step", "sample_id").head(max_examples).iter_rows()
+        )
+        issues.append(
+            Issue(
+                "E301",
+                "error",
+                differ.height,
+                f"{differ.height} matched samples differ in tokens ({shown})",
+                step=int(differ["step"][0]),
+                sample_id=str(differ["sample_id"][0]),
+            )
+        )
+    same = joined.filter(pl.col("seq_hash") == pl.col("seq_hash_b"))
+    if same.height:
+        mask_a = same["loss_mask"].explode().fill_null(False).to_numpy()
+        mask_b = same["loss_mask_b"].explode().fill_null(False).to_numpy()
+        if mask_a.shape == mask_b.shape:
+            issue = mask_issue(
+                int((mask_a & ~mask_b).sum()), int(mask_a.sum()), f"{run.label} vs {other.label}"
+            )
+            if issue is None:
+                issue = mask_issue(
+                    int((mask_b & ~mask_a).sum()), int(mask_b.sum()), f"{other.label} vs {run.label}"
+                )
+            if issue is not None:
+                issues.append(issue)
+    return issues
+
+
+def check_run(
+    run: Run,
+    other: Run | None = None,
+    *,
+    streams: Sequence[str] | None = None,
+    ignore: Sequence[str] = (),
+    max_examples: int = 5,
+    vocab_size: int | None = None,
+    strict: bool = False,
+) -> CheckResult:
+    """Run §1.5 validation and the §7 checks on `run` (and minimal cross-run checks against `other`).
+
+    Bad data never raises here: every finding is an issue of the result. `streams=[a, b]` restricts the
+    semantic checks to that pair; by default every pair (rollout, s) is checked. Codes in `ignore` are
+    dropped. Usage errors (no such stream, incomplete recompute dataset) still raise.
+    """
+    ignored = set(ignore)
+    pair_streams = list(streams) if streams is not None else list(run.streams)
+    issues: list[Issue] = []
+    try:
+        rows = load_rows(
+            run,
+            streams=list(dict.fromkeys(pair_streams)),
+            entropy=run.entropy_streams,
+            scalars=["advantage", "reward", "env"],
+            lists=["advantages"],
+        )
+    except InvalidInputError as exc:
+        issues.append(Issue(exc.code, "error", 1, exc.message, hint=exc.hint))
+        return check_result([i for i in issues if i.code not in ignored], strict=strict)
+    found = validate_rows(rows.table, ignore=ignored, max_examples=max_examples, vocab_size=vocab_size)
+    issues += rows.issues + found.issues
+    batch = build_token_batch(run, rows, bad_rows=found.bad_rows, env=True)
+    if streams is not None:
+        if len(pair_streams) != 2:
+            raise UsageError("E500", f"--streams needs two names, got {pair_streams}", "pass --streams A,B")
+        pairs = [(pair_streams[0], pair_streams[1])]
+    elif "rollout" in pair_streams:
+        pairs = [("rollout", s) for s in pair_streams if s != "rollout"]
+    else:
+        pairs = []
+    for a, b in pairs:
+        issues += semantic_checks(
+            batch, a, b, max_examples=max_examples, sampling_side_is_engine=a == "rollout"
+        )
+    issues += metadata_checks(run.meta, pair_streams, _recompute_settings(run))
+    if other is not None:
+        issues += _cross_run_issues(run, other, max_examples)
+    return check_result([i for i in issues if i.code not in ignored], strict=strict)

@@ -1,0 +1,641 @@
+"""Finding, scanning and loading runs: `read_run`, `parse_steps`, `read_token_batch` (data-and-cli.md §2, §6).
+
+Why: every command starts from a RUN argument (a run directory, a directory of Parquet files, one file or a
+quoted glob) and needs a few columns of it as flat arrays, fast. How: `read_run` resolves the files, checks
+their footers (E101/E104), discovers the log-prob streams (columns ``<stream>_logprobs`` plus the recompute
+tags under ``RUN/logprobs/<tag>/`` or ``--attach`` directories) and returns a `Run` whose `lazy` frame is a
+polars ``scan_parquet`` (hive ``step=`` partitions, step and run filters pushed down). `read_token_batch`
+selects only the needed columns, joins recompute parts on (step, sample_id, segment_idx) (E305 on a seq_hash
+disagreement, E504 on an incomplete dataset), flattens list columns to numpy buffers through Arrow, validates
+them (`pgdiag.validate`) and keeps the loss positions as float64 in a `TokenBatch`.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from pgdiag.batch import TokenBatch
+from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.schema import (
+    BASE_STREAMS,
+    REQUIRED_COLUMNS,
+    cast_problem,
+    check_logprobs_footer,
+    check_rollouts_footer,
+    entropy_column,
+    read_footer,
+    stream_column,
+)
+from pgdiag.validate import (
+    CheckResult,
+    FlatList,
+    Issue,
+    RowTable,
+    check_result,
+    missing_columns,
+    validate_rows,
+)
+
+FILE_COLUMN = "__file"
+RECOMPUTE_KEYS = ("step", "sample_id", "segment_idx")
+_HIVE_DIR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=[^/]*$")
+_STEP_DIR = re.compile(r"^step=(-?\d+)$")
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """A parsed ``--steps`` value: inclusive ranges plus the ``last`` keyword."""
+
+    ranges: tuple[tuple[int, int], ...] = ()
+    last: bool = False
+
+
+def parse_steps(spec: str | Sequence[int]) -> StepSpec:
+    """Parse ``N``, ``A-B`` (inclusive), comma lists and ``last`` (e.g. ``"0-3,7,last"``); bad specs are E501-free
+    UsageErrors with code E500."""
+    if not isinstance(spec, str):
+        return StepSpec(tuple((int(s), int(s)) for s in spec))
+    ranges: list[tuple[int, int]] = []
+    last = False
+    for part in (p.strip() for p in spec.split(",")):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if part == "last":
+            last = True
+        elif match:
+            lo = int(match.group(1))
+            hi = int(match.group(2)) if match.group(2) is not None else lo
+            if hi < lo:
+                raise UsageError(
+                    "E500", f"--steps {spec!r}: range {part} is empty", "write ranges as A-B with A <= B"
+                )
+            ranges.append((lo, hi))
+        else:
+            raise UsageError(
+                "E500", f"--steps {spec!r}: cannot parse {part!r}", "use N, A-B, comma lists or last"
+            )
+    return StepSpec(tuple(ranges), last)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run on disk: its files, label, streams and a lazy frame over its rollouts (nothing collected)."""
+
+    label: str
+    lazy: pl.LazyFrame  # rollouts dataset, filters applied
+    streams: tuple[str, ...]  # rollout, old, ref, new present as columns, then recompute tags
+    entropy_streams: tuple[str, ...]  # recompute tags whose parts hold entropy
+    meta: dict  # decoded pgdiag.* footer of the first file, keys without the "pgdiag." prefix
+    paths: tuple[Path, ...]  # rollouts files, in read order
+    root: Path | None  # the run directory when RUN is one
+    recompute: Mapping[str, Path] = field(default_factory=dict)  # tag -> directory of logprobs parts
+    hive: bool = False
+    row_filter: pl.Expr | None = None
+
+    def scan(self, *, with_file: bool = False) -> pl.LazyFrame:
+        """A fresh scan of the rollouts with the run's filters; `with_file` adds the ``__file`` column."""
+        return _scan(self.paths, self.hive, self.row_filter, with_file=with_file)
+
+    def collect(self, columns: Sequence[str]) -> pl.DataFrame:
+        """The named columns, recompute columns (``<tag>_logprobs``, ``<tag>_entropy``) joined in."""
+        lazy = _with_recompute(self, self.lazy, columns)
+        try:
+            return lazy.select(list(columns)).collect()
+        except pl.exceptions.PolarsError as exc:
+            raise InvalidInputError(
+                "E103", f"{self.label}: cannot read columns {list(columns)} ({exc})"
+            ) from exc
+
+    def display_path(self, path: str | Path) -> str:
+        """`path` relative to the run directory when there is one (for messages)."""
+        path = Path(path)
+        if self.root is not None:
+            try:
+                return str(path.resolve().relative_to(self.root.resolve()))
+            except ValueError:
+                return str(path)
+        return str(path)
+
+
+def _visible(path: Path, base: Path) -> bool:
+    try:
+        parts = path.relative_to(base).parts
+    except ValueError:
+        parts = (path.name,)
+    return not any(part.startswith(("_", ".")) for part in parts)
+
+
+def _natural_key(path: Path) -> tuple:
+    steps = [int(m.group(1)) for part in path.parts if (m := _STEP_DIR.match(part))]
+    return (steps[-1] if steps else -1, str(path))
+
+
+def _parquet_under(directory: Path) -> list[Path]:
+    return [p for p in directory.rglob("*.parquet") if p.is_file() and _visible(p, directory)]
+
+
+def resolve_paths(path: str | Path) -> tuple[tuple[Path, ...], Path | None]:
+    """The rollouts files of a RUN argument, in read order, and the run directory if it is one (E501)."""
+    text = str(path)
+    candidate = Path(text)
+    root: Path | None = None
+    if candidate.is_dir():
+        if (candidate / "rollouts").is_dir():
+            root = candidate
+            files = _parquet_under(candidate / "rollouts")
+        else:
+            files = _parquet_under(candidate)
+    elif candidate.is_file():
+        files = [candidate]
+    elif globlib.has_magic(text):
+        files = [
+            Path(p)
+            for p in globlib.glob(text, recursive=True)
+            if Path(p).is_file() and not Path(p).name.startswith(("_", "."))
+        ]
+    else:
+        files = []
+    if not files:
+        raise UsageError(
+            "E501", f"nothing matched {text}", "give a run directory, a Parquet file, or a quoted glob"
+        )
+    return tuple(sorted(files, key=_natural_key)), root
+
+
+def _scan(
+    paths: Sequence[Path], hive: bool, row_filter: pl.Expr | None, *, with_file: bool = False
+) -> pl.LazyFrame:
+    lazy = pl.scan_parquet(
+        [str(p) for p in paths],
+        hive_partitioning=hive,
+        include_file_paths=FILE_COLUMN if with_file else None,
+        missing_columns="insert",
+        extra_columns="ignore",
+    )
+    return lazy if row_filter is None else lazy.filter(row_filter)
+
+
+def _recompute_dirs(root: Path | None, attach: Sequence[str | Path]) -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    if root is not None and (root / "logprobs").is_dir():
+        for sub in sorted((root / "logprobs").iterdir()):
+            if sub.is_dir() and not sub.name.startswith(("_", ".")):
+                found[sub.name] = sub
+    for directory in attach:
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise UsageError(
+                "E501", f"--attach {directory}: not a directory", "give a logprobs/<tag> directory"
+            )
+        tag = directory.name
+        manifest = directory / "_manifest.json"
+        if manifest.is_file():
+            tag = str(json.loads(manifest.read_text(encoding="utf-8")).get("tag", tag))
+        found[tag] = directory
+    return found
+
+
+def _part_schema_has_entropy(directory: Path) -> bool:
+    parts = _parquet_under(directory)
+    if not parts:
+        return False
+    import pyarrow.parquet as pq
+
+    return "entropy" in pq.read_schema(parts[0]).names
+
+
+def read_run(
+    path: str | Path,
+    *,
+    label: str | None = None,
+    attach: Sequence[str | Path] = (),
+    steps: str | Sequence[int] | None = None,
+    run: str | None = None,
+) -> Run:
+    """Open RUN (run directory, directory of Parquet, one file or a glob) lazily; see the module docstring.
+
+    Raises UsageError E501 when nothing matches and E505 when the files hold several runs and `run` does not
+    pick one; InvalidInputError E101/E104 on a footer that is not pgdiag.rollouts/v1 with token alignment.
+    """
+    paths, root = resolve_paths(path)
+    metas = [read_footer(p) for p in paths]
+    for meta, file in zip(metas, paths, strict=True):
+        check_rollouts_footer(meta, file)
+    hive = any(_HIVE_DIR.match(part) for p in paths for part in p.parent.parts)
+    base = _scan(paths, hive, None)
+    try:
+        schema = base.collect_schema()
+    except pl.exceptions.PolarsError as exc:
+        raise InvalidInputError("E101", f"{path}: cannot read the Parquet schema ({exc})") from exc
+    conditions: list[pl.Expr] = []
+    if run is not None:
+        conditions.append(pl.col("run").cast(pl.String) == run)
+    labels: list[str] = []
+    if "run" in schema:
+        labels = sorted(
+            str(v)
+            for v in base.select(pl.col("run").cast(pl.String).unique()).collect()["run"].to_list()
+            if v is not None
+        )
+        if run is not None and run not in labels:
+            raise UsageError(
+                "E501", f"--run {run}: no rows with that run label in {path}", f"labels: {labels}"
+            )
+        if run is None and len(labels) > 1 and label is None:
+            raise UsageError("E505", f"{path} holds several runs {labels}", "pick one with --run NAME")
+    if steps is not None:
+        conditions.append(_step_condition(parse_steps(steps), base))
+    row_filter = pl.all_horizontal(conditions) if conditions else None
+    default_label = run or (labels[0] if labels else (root.name if root is not None else Path(paths[0]).stem))
+    recompute = _recompute_dirs(root, attach)
+    present = [s for s in BASE_STREAMS if stream_column(s) in schema]
+    return Run(
+        label=label or default_label,
+        lazy=_scan(paths, hive, row_filter),
+        streams=(*present, *recompute),
+        entropy_streams=tuple(tag for tag, d in recompute.items() if _part_schema_has_entropy(d)),
+        meta=metas[0],
+        paths=paths,
+        root=root,
+        recompute=recompute,
+        hive=hive,
+        row_filter=row_filter,
+    )
+
+
+def _step_condition(spec: StepSpec, base: pl.LazyFrame) -> pl.Expr:
+    ranges = list(spec.ranges)
+    if spec.last:
+        last = base.select(pl.col("step").max()).collect().item()
+        if last is not None:
+            ranges.append((int(last), int(last)))
+    if not ranges:
+        return pl.lit(False)
+    return pl.any_horizontal([pl.col("step").is_between(lo, hi) for lo, hi in ranges])
+
+
+def _recompute_frame(run: Run, tag: str, want_logprobs: bool, want_entropy: bool) -> pl.LazyFrame:
+    directory = run.recompute.get(tag)
+    if directory is None:
+        raise UsageError(
+            "E501", f"stream {tag!r} not found in {run.label}", f"streams: {', '.join(run.streams)}"
+        )
+    manifest = directory / "_manifest.json"
+    complete = False
+    if manifest.is_file():
+        try:
+            complete = json.loads(manifest.read_text(encoding="utf-8")).get("complete") is True
+        except json.JSONDecodeError:
+            complete = False
+    if not complete:
+        raise UsageError(
+            "E504",
+            f"{directory}: recompute dataset is incomplete (no _manifest.json with complete: true)",
+            "rerun pgdiag logprobs to finish it",
+        )
+    parts = sorted(_parquet_under(directory), key=_natural_key)
+    if not parts:
+        raise UsageError("E504", f"{directory}: no recompute parts", "rerun pgdiag logprobs")
+    for part in parts:
+        check_logprobs_footer(read_footer(part), part)
+    lazy = pl.scan_parquet([str(p) for p in parts], hive_partitioning=False, missing_columns="insert")
+    columns = [
+        pl.col("step").cast(pl.Int64),
+        pl.col("sample_id").cast(pl.String),
+        pl.col("segment_idx").cast(pl.Int32).fill_null(0),
+        pl.col("seq_hash").cast(pl.UInt64).alias(f"__{tag}_seq_hash"),
+    ]
+    if want_logprobs:
+        columns.append(pl.col("logprobs").alias(stream_column(tag)))
+    if want_entropy:
+        columns.append(pl.col("entropy").alias(entropy_column(tag)))
+    return lazy.select(columns)
+
+
+def _with_recompute(run: Run, lazy: pl.LazyFrame, columns: Sequence[str]) -> pl.LazyFrame:
+    """`lazy` left-joined with the recompute parts that provide any of `columns` (E305 columns kept)."""
+    for tag in run.recompute:
+        want_lp = stream_column(tag) in columns
+        want_h = entropy_column(tag) in columns
+        if not (want_lp or want_h):
+            continue
+        right = _recompute_frame(run, tag, want_lp, want_h)
+        lazy = (
+            lazy.with_columns(
+                pl.col("sample_id").cast(pl.String).alias("__sid"),
+                pl.col("segment_idx").cast(pl.Int32).fill_null(0).alias("__seg")
+                if "segment_idx" in lazy.collect_schema()
+                else pl.lit(0, dtype=pl.Int32).alias("__seg"),
+            )
+            .join(
+                right,
+                left_on=["step", "__sid", "__seg"],
+                right_on=list(RECOMPUTE_KEYS),
+                how="left",
+                maintain_order="left",
+            )
+            .drop("__sid", "__seg")
+        )
+    return lazy
+
+
+@dataclass(frozen=True)
+class LoadedBatch:
+    """A `TokenBatch` and the warnings found while loading it."""
+
+    batch: TokenBatch
+    checks: CheckResult
+
+
+@dataclass(frozen=True)
+class LoadedRows:
+    """Rows of a run read for validation and flattening, before any rule ran."""
+
+    table: RowTable
+    issues: list[Issue]  # E102/E103/E305 found while reading
+    streams: tuple[str, ...]
+    entropy: tuple[str, ...]
+
+
+def flat_list(series: pl.Series) -> FlatList:
+    """Flatten a polars list column into offsets, values (native dtype, zero-copy) and element/row validity."""
+    arrow = series.to_arrow()
+    if isinstance(arrow, pa.ChunkedArray):
+        arrow = arrow.combine_chunks()
+    offsets = arrow.offsets.to_numpy().astype(np.int64, copy=False)
+    start, stop = int(offsets[0]), int(offsets[-1])
+    child = arrow.values.slice(start, stop - start)
+    row_valid = None if arrow.null_count == 0 else arrow.is_valid().to_numpy(zero_copy_only=False)
+    valid = None if child.null_count == 0 else child.is_valid().to_numpy(zero_copy_only=False)
+    if pa.types.is_boolean(child.type):
+        values = child.fill_null(False).to_numpy(zero_copy_only=False)
+    else:
+        raw = np.frombuffer(
+            child.buffers()[1], dtype=child.type.to_pandas_dtype(), count=child.offset + len(child)
+        )
+        values = raw[child.offset :]
+    return FlatList(offsets - start, values, valid, row_valid)
+
+
+def _typed_issues(run: Run, schema: pl.Schema, columns: Sequence[str]) -> list[Issue]:
+    issues = []
+    for column in columns:
+        problem = cast_problem(column, schema[column]) if column in schema else None
+        if problem is not None:
+            issues.append(Issue("E103", "error", 1, f"{run.label}: {problem}"))
+    return issues
+
+
+def _range_issue(column: str, values: np.ndarray, kind: str) -> Issue | None:
+    if values.size == 0:
+        return None
+    if kind == "int32":
+        lo, hi = int(values.min()), int(values.max())
+        if lo < np.iinfo(np.int32).min or hi > np.iinfo(np.int32).max:
+            worst = lo if lo < np.iinfo(np.int32).min else hi
+            return Issue("E103", "error", 1, f"{column}: value {worst} does not fit int32")
+    elif kind == "float32" and values.dtype == np.float64:
+        finite = values[np.isfinite(values)]
+        if finite.size and float(np.abs(finite).max()) > _F32_MAX:
+            return Issue(
+                "E103",
+                "error",
+                1,
+                f"{column}: list<double> with {float(np.abs(finite).max()):.3g} does not fit float32",
+            )
+    return None
+
+
+def load_rows(
+    run: Run,
+    *,
+    streams: Sequence[str],
+    entropy: Sequence[str] = (),
+    scalars: Sequence[str] = (),
+    lists: Sequence[str] = (),
+) -> LoadedRows:
+    """Collect the needed columns of `run` (recompute joined) and flatten every list column.
+
+    Required columns (§1.2) are always read; missing ones are E102 issues and the rows cannot be loaded
+    (an InvalidInputError is raised with the first such issue, as nothing can be validated without them).
+    """
+    schema = run.lazy.collect_schema()
+    stream_cols = [stream_column(s) for s in streams]
+    entropy_cols = [entropy_column(t) for t in entropy]
+    for stream in streams:
+        if stream not in run.streams:
+            raise UsageError(
+                "E501", f"{run.label}: no stream {stream!r}", f"streams: {', '.join(run.streams) or 'none'}"
+            )
+    for tag in entropy:
+        if tag not in run.entropy_streams:
+            raise UsageError(
+                "E501",
+                f"{run.label}: no entropy for {tag!r}",
+                f"entropy: {', '.join(run.entropy_streams) or 'none'}",
+            )
+    file_cols = [c for c in (*REQUIRED_COLUMNS, "segment_idx", *scalars, *lists, *stream_cols) if c in schema]
+    issues = missing_columns(set(schema) | {stream_column(t) for t in run.recompute}, REQUIRED_COLUMNS)
+    issues += [
+        i
+        for c in stream_cols
+        if c not in schema and c not in {stream_column(t) for t in run.recompute}
+        for i in missing_columns((), [c])
+    ]
+    if issues:
+        raise InvalidInputError(
+            issues[0].code, f"{run.display_path(run.paths[0])}: {issues[0].message}", issues[0].hint
+        )
+    issues = _typed_issues(run, schema, file_cols)
+    if issues:
+        raise InvalidInputError("E103", issues[0].message, "re-import with pgdiag import")
+    file_cols = list(dict.fromkeys(file_cols))
+    lazy = _with_recompute(run, run.scan(with_file=True), [*stream_cols, *entropy_cols])
+    recompute_hash = [
+        f"__{t}_seq_hash" for t in run.recompute if stream_column(t) in stream_cols or t in entropy
+    ]
+    wanted = [
+        *file_cols,
+        *(c for c in stream_cols if c not in file_cols),
+        *entropy_cols,
+        *recompute_hash,
+        FILE_COLUMN,
+    ]
+    try:
+        frame = lazy.select(wanted).collect()
+    except pl.exceptions.PolarsError as exc:
+        raise InvalidInputError(
+            "E103", f"{run.label}: cannot read rollouts ({exc})", "re-import with pgdiag import"
+        ) from exc
+    shown = {f: run.display_path(f) for f in frame[FILE_COLUMN].unique().to_list()}
+    frame = frame.with_columns(pl.col(FILE_COLUMN).replace_strict(shown, return_dtype=pl.String))
+    issues = [*_recompute_issues(run, frame, recompute_hash)]
+    list_cols = [
+        "input_ids",
+        "loss_mask",
+        *stream_cols,
+        *entropy_cols,
+        *(c for c in lists if c in frame.columns),
+    ]
+    flat: dict[str, FlatList] = {}
+    for column in dict.fromkeys(list_cols):
+        raw = flat_list(frame[column])
+        if column == "input_ids":
+            problem = _range_issue(column, raw.values, "int32") if raw.values.dtype.itemsize > 4 else None
+            if problem is not None:
+                raise InvalidInputError("E103", problem.message, "re-import with pgdiag import")
+            flat[column] = FlatList(
+                raw.offsets, raw.values.astype(np.int32, copy=False), raw.valid, raw.row_valid
+            )
+        elif column == "loss_mask":
+            flat[column] = raw
+        else:
+            problem = _range_issue(column, raw.values, "float32")
+            if problem is not None:
+                raise InvalidInputError("E103", problem.message, "re-import with pgdiag import")
+            flat[column] = FlatList(
+                raw.offsets, raw.values.astype(np.float32, copy=False), raw.valid, raw.row_valid
+            )
+    scalar_frame = frame.drop([c for c in frame.columns if c in flat or c in recompute_hash])
+    table = RowTable(scalar_frame, flat, tuple(stream_cols))
+    return LoadedRows(table, issues, tuple(streams), tuple(entropy))
+
+
+def _recompute_issues(run: Run, frame: pl.DataFrame, hash_columns: Sequence[str]) -> list[Issue]:
+    issues = []
+    for column in hash_columns:
+        tag = column[2 : -len("_seq_hash")]
+        stale = (frame[column].is_null() | (frame[column] != frame["seq_hash"].cast(pl.UInt64))).fill_null(
+            True
+        )
+        n_stale = int(stale.sum())
+        if n_stale:
+            first = frame.filter(stale).row(0, named=True)
+            issues.append(
+                Issue(
+                    "E305",
+                    "error",
+                    n_stale,
+                    f"logprobs/{tag} was computed on other rollouts: {n_stale} samples missing or with another "
+                    f"seq_hash (first: step {first['step']}, sample {first['sample_id']})",
+                    step=int(first["step"]),
+                    sample_id=str(first["sample_id"]),
+                    hint="rerun pgdiag logprobs --overwrite",
+                )
+            )
+    return issues
+
+
+def build_token_batch(
+    run: Run,
+    rows: LoadedRows,
+    *,
+    bad_rows: np.ndarray | None = None,
+    advantages: bool = True,
+    reward: bool = True,
+    env: bool = False,
+) -> TokenBatch:
+    """The loss positions of the sound rows of `rows` as a float64 `TokenBatch` (rows in read order)."""
+    table = rows.table
+    frame = table.frame
+    keep = np.arange(table.n_rows, dtype=np.int64) if bad_rows is None else np.flatnonzero(~bad_rows)
+    ids = table.lists["input_ids"]
+    loss = table.lists["loss_mask"].values.astype(bool, copy=False)
+    if bad_rows is not None:
+        loss = loss & ~np.repeat(bad_rows, ids.lengths)
+    loss_index = np.flatnonzero(loss)  # (M,) flat index of every loss token
+    n_loss_all = np.diff(np.searchsorted(loss_index, ids.offsets))  # (R,)
+    n_loss = n_loss_all[keep]
+    offsets = np.zeros(keep.shape[0] + 1, dtype=np.int64)
+    np.cumsum(n_loss, out=offsets[1:])
+    pos = (loss_index - np.repeat(ids.offsets[:-1], n_loss_all)).astype(np.int32)
+
+    def token_values(column: str) -> np.ndarray:
+        flat = table.lists[column]
+        values = flat.values[loss_index].astype(np.float64)
+        if flat.valid is not None:
+            values[~flat.valid[loss_index]] = np.nan
+        return values
+
+    sub = frame[keep.tolist()] if bad_rows is not None else frame
+    group_raw = sub["group_id"].cast(pl.String).fill_null("").to_numpy().astype(object)
+    group_names, group = np.unique(group_raw, return_inverse=True)
+    adv: np.ndarray | None = None
+    if advantages and "advantages" in table.lists:
+        adv = token_values("advantages")
+    elif advantages and "advantage" in sub.columns:
+        adv = np.repeat(sub["advantage"].cast(pl.Float64).fill_null(np.nan).to_numpy(), n_loss)
+    segment = (
+        sub["segment_idx"].fill_null(0).cast(pl.Int32).to_numpy() if "segment_idx" in sub.columns else None
+    )
+    return TokenBatch(
+        label=run.label,
+        step=sub["step"].cast(pl.Int64).to_numpy(),
+        sample_id=sub["sample_id"].cast(pl.String).to_numpy().astype(object),
+        segment_idx=segment if segment is not None else np.zeros(keep.shape[0], dtype=np.int32),
+        group=group.astype(np.int64),
+        group_names=group_names.astype(object),
+        prompt_len=sub["prompt_len"].cast(pl.Int32).to_numpy(),
+        seq_len=ids.lengths[keep].astype(np.int32),
+        offsets=offsets,
+        pos=pos,
+        token_id=ids.values[loss_index].astype(np.int32, copy=False),
+        streams={s: token_values(stream_column(s)) for s in rows.streams},
+        entropy={t: token_values(entropy_column(t)) for t in rows.entropy},
+        advantages=adv,
+        reward=sub["reward"].cast(pl.Float64).fill_null(np.nan).to_numpy()
+        if reward and "reward" in sub.columns
+        else None,
+        env=sub["env"].cast(pl.String).to_numpy().astype(object) if env and "env" in sub.columns else None,
+        sample_row=keep,
+    )
+
+
+def read_token_batch(
+    run: Run,
+    *,
+    streams: Sequence[str],
+    entropy: Sequence[str] = (),
+    advantages: bool = True,
+    reward: bool = True,
+    env: bool = False,
+    ignore: Sequence[str] = (),
+    max_examples: int = 5,
+) -> LoadedBatch:
+    """Load, validate (§1.5) and flatten the loss positions of `run` for the given streams.
+
+    Raises InvalidInputError with the first error (lowest code) unless its code is in `ignore`; warnings are
+    returned in `LoadedBatch.checks`. Rows with ignored structural errors are left out of the batch.
+    """
+    scalars = [c for c, on in (("advantage", advantages), ("reward", reward), ("env", env)) if on]
+    lists = ["advantages"] if advantages else []
+    rows = load_rows(run, streams=streams, entropy=entropy, scalars=scalars, lists=lists)
+    found = validate_rows(rows.table, ignore=ignore, max_examples=max_examples)
+    issues = [i for i in (*rows.issues, *found.issues) if i.code not in set(ignore)]
+    errors = sorted((i for i in issues if i.severity == "error"), key=lambda i: i.code)
+    if errors:
+        raise InvalidInputError(errors[0].code, errors[0].message, errors[0].hint)
+    batch = build_token_batch(
+        run, rows, bad_rows=found.bad_rows, advantages=advantages, reward=reward, env=env
+    )
+    return LoadedBatch(batch, check_result(issues))
+
+
+def run_summary(run: Run) -> dict[str, Any]:
+    """Label, files, streams and entropy streams of `run` for result objects and messages."""
+    return {
+        "label": run.label,
+        "files": [run.display_path(p) for p in run.paths],
+        "streams": list(run.streams),
+        "entropy_streams": list(run.entropy_streams),
+    }

@@ -1,0 +1,217 @@
+"""The Parquet contract of pgdiag: column names, types and footer metadata (design/data-and-cli.md §1, §2.3).
+
+Every reader and writer takes its names from here so that the schema lives in one place: the canonical
+rollout columns and their Arrow types (§1.2), the stream naming rule (stream ``old`` is column
+``old_logprobs``, a recompute tag ``rc_bf16_fp32`` becomes ``rc_bf16_fp32_logprobs`` and
+``rc_bf16_fp32_entropy`` once joined), the lossless-cast rules that decide E103, and the ``pgdiag.*``
+footer keys, whose values are JSON strings (§1.3). `decode_footer` strips the ``pgdiag.`` prefix, so the
+decoded dict has keys ``schema``, ``alignment``, ``source``, ``streams``, ``sampling``, ...
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pgdiag.errors import InvalidInputError
+
+ROLLOUTS_SCHEMA = "pgdiag.rollouts/v1"
+LOGPROBS_SCHEMA = "pgdiag.logprobs/v1"
+RUN_SIDECAR_SCHEMA = "pgdiag.run/v1"
+FOOTER_PREFIX = "pgdiag."
+RECOMPUTE_FOOTER_KEY = "recompute"  # pgdiag.recompute in logprobs parts
+
+BASE_STREAMS = ("rollout", "old", "ref", "new")
+LABEL_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+TAG_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,39}")
+
+KEY_COLUMNS = ("run", "step", "sample_id", "segment_idx")
+REQUIRED_COLUMNS = (
+    "run",
+    "step",
+    "sample_id",
+    "group_id",
+    "seq_hash",
+    "input_ids",
+    "prompt_len",
+    "loss_mask",
+)
+REQUIRED_HINTS = {
+    "group_id": "re-import with --group-by",
+    "seq_hash": "re-import (pgdiag import --preset canonical fills it)",
+}
+
+# Canonical Arrow types of §1.2 (writers cast to these; readers accept what casts losslessly).
+_FLOAT_LIST = pa.list_(pa.float32())
+_DICT_STRING = pa.dictionary(pa.int32(), pa.string())
+ROLLOUT_ARROW_TYPES: dict[str, pa.DataType] = {
+    "run": _DICT_STRING,
+    "step": pa.int64(),
+    "sample_id": pa.string(),
+    "segment_idx": pa.int32(),
+    "group_id": pa.string(),
+    "seq_hash": pa.uint64(),
+    "input_ids": pa.list_(pa.int32()),
+    "prompt_len": pa.int32(),
+    "loss_mask": pa.list_(pa.bool_()),
+    "rollout_logprobs": _FLOAT_LIST,
+    "old_logprobs": _FLOAT_LIST,
+    "ref_logprobs": _FLOAT_LIST,
+    "new_logprobs": _FLOAT_LIST,
+    "advantages": _FLOAT_LIST,
+    "advantage": pa.float32(),
+    "reward": pa.float32(),
+    "reward_components": pa.map_(pa.string(), pa.float32()),
+    "finish_reason": _DICT_STRING,
+    "policy_version": pa.int64(),
+    "policy_version_tok": pa.list_(pa.int64()),
+    "temperature": pa.float32(),
+    "temperature_tok": _FLOAT_LIST,
+    "top_p": pa.float32(),
+    "top_k": pa.int32(),
+    "min_p": pa.float32(),
+    "logprobs_mode": _DICT_STRING,
+    "env": _DICT_STRING,
+}
+
+# Column kinds that decide which polars dtypes are accepted (lossless cast, §1.1).
+_KIND_OF: dict[str, str] = {
+    "run": "string",
+    "step": "int64",
+    "sample_id": "string",
+    "segment_idx": "int32",
+    "group_id": "string",
+    "seq_hash": "uint64",
+    "input_ids": "int32_list",
+    "prompt_len": "int32",
+    "loss_mask": "bool_list",
+    "advantages": "float_list",
+    "advantage": "float",
+    "reward": "float",
+    "env": "string",
+    "finish_reason": "string",
+    "temperature": "float",
+    "temperature_tok": "float_list",
+    "policy_version": "int64",
+}
+_INTS = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32, pl.UInt64)
+_FLOATS = (pl.Float16, pl.Float32, pl.Float64) if hasattr(pl, "Float16") else (pl.Float32, pl.Float64)
+_STRINGS = (pl.String, pl.Categorical, pl.Enum)
+
+
+def stream_column(stream: str) -> str:
+    """Column holding the log-probs of `stream` (``old`` -> ``old_logprobs``)."""
+    return f"{stream}_logprobs"
+
+
+def entropy_column(tag: str) -> str:
+    """Column holding the entropy of recompute `tag` once joined (``rc`` -> ``rc_entropy``)."""
+    return f"{tag}_entropy"
+
+
+def column_kind(name: str) -> str | None:
+    """The type kind of a known column (``float_list`` for every stream column), or None when unknown."""
+    if name.endswith("_logprobs") or name.endswith("_entropy"):
+        return "float_list"
+    return _KIND_OF.get(name)
+
+
+def _is_dtype(dtype: pl.DataType, options: tuple) -> bool:
+    return any(dtype == option or isinstance(dtype, option) for option in options)
+
+
+def cast_problem(name: str, dtype: pl.DataType) -> str | None:
+    """Why a column of polars type `dtype` cannot be cast losslessly to its schema type (E103), else None.
+
+    Only the type is judged here; value ranges (int64 ids beyond int32, float64 beyond float32) are checked on
+    the data by the reader.
+    """
+    kind = column_kind(name)
+    if kind is None:
+        return None
+    inner = dtype.inner if isinstance(dtype, pl.List | pl.Array) else None
+    ok = {
+        "string": lambda: _is_dtype(dtype, _STRINGS) or _is_dtype(dtype, _INTS),
+        "int64": lambda: _is_dtype(dtype, _INTS),
+        "int32": lambda: _is_dtype(dtype, _INTS),
+        "uint64": lambda: dtype in (pl.UInt64, pl.UInt32, pl.UInt16, pl.UInt8),
+        "float": lambda: _is_dtype(dtype, _FLOATS),
+        "int32_list": lambda: inner is not None and _is_dtype(inner, _INTS),
+        "bool_list": lambda: inner is not None and inner == pl.Boolean,
+        "float_list": lambda: inner is not None and _is_dtype(inner, _FLOATS),
+    }[kind]()
+    if ok:
+        return None
+    return f"{name}: type {dtype} cannot be cast losslessly to {kind.replace('_', ' ')}"
+
+
+def encode_footer(meta: Mapping[str, Any]) -> dict[bytes, bytes]:
+    """Footer key/values: each entry JSON-encoded under ``pgdiag.<key>`` (keys given with or without prefix)."""
+    out: dict[bytes, bytes] = {}
+    for key, value in meta.items():
+        full = key if key.startswith(FOOTER_PREFIX) else FOOTER_PREFIX + key
+        out[full.encode()] = json.dumps(value, sort_keys=True).encode()
+    return out
+
+
+def decode_footer(metadata: Mapping[bytes, bytes] | None) -> dict[str, Any]:
+    """The ``pgdiag.*`` footer entries, JSON-decoded, keyed without the ``pgdiag.`` prefix.
+
+    A value that is not valid JSON is kept as its raw string (so that E101 can name it).
+    """
+    out: dict[str, Any] = {}
+    for raw_key, raw_value in (metadata or {}).items():
+        key = raw_key.decode("utf-8", errors="replace")
+        if not key.startswith(FOOTER_PREFIX):
+            continue
+        text = raw_value.decode("utf-8", errors="replace")
+        try:
+            out[key[len(FOOTER_PREFIX) :]] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key[len(FOOTER_PREFIX) :]] = text
+    return out
+
+
+def read_footer(path: Path) -> dict[str, Any]:
+    """Decoded ``pgdiag.*`` footer of one Parquet file; an unreadable file is E101."""
+    try:
+        schema = pq.read_schema(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise InvalidInputError(
+            "E101", f"{path}: not a readable Parquet file ({exc})", "convert it with pgdiag import"
+        ) from exc
+    return decode_footer(schema.metadata)
+
+
+def check_rollouts_footer(meta: Mapping[str, Any], path: Path) -> None:
+    """Raise E101 when `meta` is not a rollouts/v1 footer, E104 when its alignment is not ``token``."""
+    schema = meta.get("schema")
+    if schema != ROLLOUTS_SCHEMA:
+        raise InvalidInputError(
+            "E101",
+            f"{path}: not a pgdiag rollouts file (schema={schema!r})",
+            "convert it with pgdiag import",
+        )
+    alignment = meta.get("alignment")
+    if alignment != "token":
+        raise InvalidInputError(
+            "E104", f"{path}: alignment {alignment!r} is not supported", "re-import with pgdiag import"
+        )
+
+
+def check_logprobs_footer(meta: Mapping[str, Any], path: Path) -> None:
+    """Raise E101 when `meta` names a schema other than pgdiag.logprobs/v1 (parts may omit the key)."""
+    schema = meta.get("schema", LOGPROBS_SCHEMA)
+    if schema != LOGPROBS_SCHEMA:
+        raise InvalidInputError(
+            "E101",
+            f"{path}: not a pgdiag recompute part (schema={schema!r})",
+            "rerun pgdiag logprobs --overwrite",
+        )

@@ -1,0 +1,623 @@
+"""Validation of loaded rollout rows against design/data-and-cli.md §1.5 (E102-E103, E201-E213, W214-W217).
+
+Why: bad input must never turn into a wrong number, so every reader validates before it computes. How: the
+reader (`pgdiag.runs`) hands over a `RowTable`, the scalar columns as a polars frame plus every list column
+flattened into one `FlatList` (offsets + values + element validity). Each rule is a handful of vectorised numpy
+operations over those flat buffers and per-row offsets (cumulative sums, bincount, repeat), never a Python loop
+over tokens. Every violation becomes one `Issue` whose one-line message names the file, step, sample, position
+and column of at most `max_examples` locations plus a count of the rest. Rules whose code is in `ignore` are
+skipped. Rows with structural errors (E201, E202, E213 on ids or mask) are reported in `RowIssues.bad_rows` and
+excluded from the token rules, which would otherwise read misaligned values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+
+from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK
+from pgdiag.schema import REQUIRED_HINTS
+from pgdiag.seqhash import seq_hashes
+
+LOGPROB_POSITIVE_TOL = 1e-6
+ZERO_FILL_FRACTION = 0.01
+ISSUE_SCHEMA = {
+    "code": pl.String,
+    "severity": pl.String,
+    "count": pl.Int64,
+    "message": pl.String,
+    "step": pl.Int64,
+    "sample_id": pl.String,
+    "pos": pl.Int64,
+}
+
+
+@dataclass(frozen=True)
+class Issue:
+    """One violated rule: its code, severity, how many locations violate it, and the first location."""
+
+    code: str
+    severity: str  # "error" | "warning"
+    count: int
+    message: str
+    step: int | None = None
+    sample_id: str | None = None
+    pos: int | None = None
+    hint: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """Issues of one validation or check, as a tidy frame, with their counts and the resulting exit code."""
+
+    issues: pl.DataFrame  # code, severity, count, message, step, sample_id, pos
+    n_errors: int
+    n_warnings: int
+    exit_code: int  # 0 ok, 3 any error, 1 warnings only under strict
+    hints: tuple[str | None, ...] = ()  # hint of each issue row, in order
+
+
+def check_result(issues: Sequence[Issue], *, strict: bool = False) -> CheckResult:
+    """Bundle `issues` (errors first, then by code) into a `CheckResult` with its exit code."""
+    ordered = sorted(issues, key=lambda issue: (issue.severity != "error", issue.code))
+    frame = pl.DataFrame(
+        {
+            "code": [i.code for i in ordered],
+            "severity": [i.severity for i in ordered],
+            "count": [i.count for i in ordered],
+            "message": [i.message for i in ordered],
+            "step": [i.step for i in ordered],
+            "sample_id": [i.sample_id for i in ordered],
+            "pos": [i.pos for i in ordered],
+        },
+        schema=ISSUE_SCHEMA,
+    )
+    n_errors = sum(1 for i in ordered if i.severity == "error")
+    n_warnings = len(ordered) - n_errors
+    if n_errors:
+        exit_code = EXIT_INVALID
+    elif n_warnings and strict:
+        exit_code = EXIT_GATE
+    else:
+        exit_code = EXIT_OK
+    return CheckResult(frame, n_errors, n_warnings, exit_code, tuple(i.hint for i in ordered))
+
+
+@dataclass(frozen=True)
+class FlatList:
+    """A list column of R rows as flat buffers: row r owns ``values[offsets[r]:offsets[r + 1]]``."""
+
+    offsets: np.ndarray  # (R + 1,) int64, offsets[0] == 0
+    values: np.ndarray  # (N,)
+    valid: np.ndarray | None  # (N,) bool element validity; None = no null element
+    row_valid: np.ndarray | None  # (R,) bool; None = no null list
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """(R,) int64 list lengths (0 for a null list)."""
+        return np.diff(self.offsets)
+
+
+@dataclass(frozen=True)
+class RowTable:
+    """Rows loaded for validation: scalar columns in `frame` (plus ``__file``), list columns flattened."""
+
+    frame: pl.DataFrame  # (R rows) scalar columns and "__file"
+    lists: dict[str, FlatList]  # column -> flat list (input_ids, loss_mask, streams, advantages, entropy)
+    stream_columns: tuple[str, ...]  # log-prob columns among `lists` (E205/E206/W216 apply to them)
+
+    @property
+    def n_rows(self) -> int:
+        return self.frame.height
+
+
+@dataclass(frozen=True)
+class RowIssues:
+    """Issues found on a `RowTable` and the rows excluded from token rules for structural errors."""
+
+    issues: list[Issue] = field(default_factory=list)
+    bad_rows: np.ndarray | None = None  # (R,) bool, None = all rows structurally sound
+
+
+class _Locator:
+    """Formats example locations (file, step, sample, pos) of violating rows for one-line messages."""
+
+    def __init__(self, frame: pl.DataFrame, max_examples: int) -> None:
+        self.frame = frame
+        self.max_examples = max(0, max_examples)
+        self.columns = set(frame.columns)
+
+    def _value(self, column: str, row: int) -> object:
+        return self.frame[column][row] if column in self.columns else None
+
+    def issue(
+        self,
+        code: str,
+        severity: str,
+        text: str,
+        rows: np.ndarray,
+        count: int,
+        *,
+        pos: np.ndarray | None = None,
+        notes: Sequence[str] | None = None,
+        hint: str | None = None,
+    ) -> Issue:
+        """An issue whose message is `text` followed by up to `max_examples` locations and the rest's count."""
+        rows = np.asarray(rows, dtype=np.int64)[: self.max_examples]
+        files = [self._value("__file", int(r)) for r in rows]
+        single_file = len(set(files)) <= 1
+        parts = []
+        for k, row in enumerate(rows.tolist()):
+            bits = [] if single_file else [f"file {files[k]}"]
+            bits.append(f"step {self._value('step', row)}")
+            bits.append(f"sample {self._value('sample_id', row)}")
+            if pos is not None:
+                bits.append(f"pos {int(pos[k])}")
+            if notes is not None:
+                bits.append(notes[k])
+            parts.append(", ".join(bits))
+        prefix = f"{files[0]}: " if files and single_file and files[0] is not None else ""
+        message = f"{prefix}{text}"
+        if parts:
+            message += f" ({'; '.join(parts)})"
+        if count > len(parts) and parts:
+            message += f"; {count - len(parts)} more"
+        first = int(rows[0]) if rows.size else None
+        step = self._value("step", first) if first is not None else None
+        sample = self._value("sample_id", first) if first is not None else None
+        return Issue(
+            code=code,
+            severity=severity,
+            count=int(count),
+            message=message,
+            step=None if step is None else int(step),
+            sample_id=None if sample is None else str(sample),
+            pos=None if pos is None or not rows.size else int(pos[0]),
+            hint=hint,
+        )
+
+
+def _row_of(offsets: np.ndarray, flat_index: np.ndarray) -> np.ndarray:
+    """(K,) row owning each flat index."""
+    return np.searchsorted(offsets, flat_index, side="right") - 1
+
+
+def _null_rows(frame: pl.DataFrame, column: str) -> np.ndarray:
+    return frame[column].is_null().to_numpy()
+
+
+class _Rules:
+    """The §1.5 rules over one `RowTable`; each method appends at most a few issues."""
+
+    def __init__(
+        self, table: RowTable, *, ignore: Collection[str], max_examples: int, vocab_size: int | None
+    ):
+        self.table = table
+        self.frame = table.frame
+        self.ignore = set(ignore)
+        self.loc = _Locator(table.frame, max_examples)
+        self.vocab_size = vocab_size
+        self.issues: list[Issue] = []
+        self.bad = np.zeros(table.n_rows, dtype=bool)
+
+    def on(self, code: str) -> bool:
+        return code not in self.ignore
+
+    def add(self, issue: Issue) -> None:
+        self.issues.append(issue)
+
+    # ---- structure: E213, E201, E202 -------------------------------------------------------------------
+    def structure(self) -> None:
+        ids = self.table.lists["input_ids"]
+        mask = self.table.lists["loss_mask"]
+        for column in ("run", "step", "sample_id", "prompt_len", "seq_hash"):
+            if column not in self.frame.columns:
+                continue
+            nulls = _null_rows(self.frame, column)
+            if nulls.any():
+                self.bad |= nulls
+                if self.on("E213"):
+                    rows = np.flatnonzero(nulls)
+                    self.add(self.loc.issue("E213", "error", f"{column} is null", rows, rows.size))
+        for column, flat in (("input_ids", ids), ("loss_mask", mask)):
+            null_rows = np.zeros(self.table.n_rows, dtype=bool)
+            if flat.row_valid is not None:
+                null_rows |= ~flat.row_valid
+            if flat.valid is not None:
+                bad_elems = np.flatnonzero(~flat.valid)
+                null_rows[_row_of(flat.offsets, bad_elems)] = True
+            if null_rows.any():
+                self.bad |= null_rows
+                if self.on("E213"):
+                    rows = np.flatnonzero(null_rows)
+                    self.add(self.loc.issue("E213", "error", f"{column} has nulls", rows, rows.size))
+        lengths = ids.lengths
+        for column, flat in self.table.lists.items():
+            if column == "input_ids":
+                continue
+            wrong = flat.lengths != lengths
+            if flat.row_valid is not None:
+                wrong |= ~flat.row_valid
+            if wrong.any():
+                self.bad |= wrong
+                if self.on("E201"):
+                    rows = np.flatnonzero(wrong)
+                    notes = [f"length {flat.lengths[r]} != input_ids {lengths[r]}" for r in rows[:5]]
+                    self.add(
+                        self.loc.issue(
+                            "E201",
+                            "error",
+                            f"{column}: list length differs from input_ids",
+                            rows,
+                            rows.size,
+                            notes=notes,
+                        )
+                    )
+        prompt_len = self.frame["prompt_len"].to_numpy() if "prompt_len" in self.frame.columns else None
+        if prompt_len is not None:
+            outside = ~_null_rows(self.frame, "prompt_len") & ((prompt_len < 1) | (prompt_len > lengths))
+            if outside.any():
+                self.bad |= outside
+                if self.on("E202"):
+                    rows = np.flatnonzero(outside)
+                    notes = [f"prompt_len {prompt_len[r]}, T {lengths[r]}" for r in rows[:5]]
+                    self.add(
+                        self.loc.issue(
+                            "E202", "error", "prompt_len outside [1, T]", rows, rows.size, notes=notes
+                        )
+                    )
+
+    # ---- scalar rules: E210, E211, E212, W217, E207 on scalars --------------------------------------------
+    def scalars(self) -> None:
+        frame = self.frame
+        keys = [c for c in ("run", "step", "sample_id") if c in frame.columns]
+        if self.on("E210") and len(keys) == 3:
+            key_frame = frame.select(
+                *keys, pl.col("segment_idx").fill_null(0) if "segment_idx" in frame.columns else pl.lit(0)
+            )
+            dup = key_frame.is_duplicated().to_numpy()
+            if dup.any():
+                rows = np.flatnonzero(dup)
+                self.add(
+                    self.loc.issue(
+                        "E210", "error", "duplicate (run, step, sample_id, segment_idx)", rows, rows.size
+                    )
+                )
+        if self.on("E211") and "group_id" in frame.columns:
+            group = frame["group_id"].cast(pl.String)
+            missing = (group.is_null() | (group.str.len_chars() == 0)).to_numpy()
+            if missing.any():
+                rows = np.flatnonzero(missing)
+                self.add(
+                    self.loc.issue(
+                        "E211",
+                        "error",
+                        f"{rows.size} samples without group_id",
+                        rows,
+                        rows.size,
+                        hint="re-import with --group-by prompt",
+                    )
+                )
+        if self.on("W217") and {"group_id", "step"} <= set(frame.columns):
+            sizes = (
+                frame.group_by("step", "group_id")
+                .len()
+                .group_by("step")
+                .agg(pl.col("len").min().alias("lo"), pl.col("len").max().alias("hi"))
+            )
+            uneven = sizes.filter(pl.col("lo") != pl.col("hi")).sort("step")
+            if uneven.height:
+                first = uneven.row(0, named=True)
+                steps = ", ".join(str(s) for s in uneven["step"].to_list()[: self.loc.max_examples])
+                more = f"; {uneven.height - min(uneven.height, self.loc.max_examples)} more steps"
+                self.add(
+                    Issue(
+                        "W217",
+                        "warning",
+                        uneven.height,
+                        f"group_id: groups of unequal size within a step (step {first['step']}: sizes "
+                        f"{first['lo']} to {first['hi']}); steps {steps}"
+                        + (more if uneven.height > self.loc.max_examples else ""),
+                        step=int(first["step"]),
+                        hint="contiguous grouping wrong?",
+                    )
+                )
+        for column in ("reward", "advantage"):
+            if self.on("E207") and column in frame.columns:
+                values = frame[column].cast(pl.Float64).to_numpy()
+                nonfinite = np.isnan(values) & ~_null_rows(frame, column) | np.isinf(values)
+                if nonfinite.any():
+                    rows = np.flatnonzero(nonfinite)
+                    self.add(self.loc.issue("E207", "error", f"{column}: NaN or inf", rows, rows.size))
+
+    def seq_hash(self) -> None:
+        if not self.on("E212") or "seq_hash" not in self.frame.columns:
+            return
+        ids = self.table.lists["input_ids"]
+        computed = seq_hashes(ids.values.astype(np.int32, copy=False), ids.offsets)
+        stored = self.frame["seq_hash"].fill_null(0).cast(pl.UInt64).to_numpy()
+        wrong = (computed != stored) & ~self.bad
+        if wrong.any():
+            rows = np.flatnonzero(wrong)
+            self.add(
+                self.loc.issue(
+                    "E212",
+                    "error",
+                    "seq_hash differs from the hash of input_ids",
+                    rows,
+                    rows.size,
+                    hint="ids edited after import? re-import to refresh seq_hash",
+                )
+            )
+
+    # ---- token rules ------------------------------------------------------------------------------------
+    def tokens(self) -> None:
+        """Token rules on structurally sound rows: E203, E204, E205-E209, W214-W216."""
+        ids = self.table.lists["input_ids"]
+        offsets = ids.offsets
+        n_rows = self.table.n_rows
+        loss = self.table.lists["loss_mask"].values.astype(bool, copy=False)
+        if self.bad.any():
+            loss = loss.copy()
+            loss[np.repeat(self.bad, ids.lengths)] = False
+        loss_index = np.flatnonzero(loss)  # (M,) flat index of every loss token
+        row_start = np.searchsorted(loss_index, offsets)  # (R + 1,) first loss token at or after each offset
+        n_loss = np.diff(row_start)
+        good = ~self.bad
+        prompt_len = self.frame["prompt_len"].fill_null(1).to_numpy().astype(np.int64)
+        prompt_end = offsets[:-1] + np.clip(prompt_len, 0, ids.lengths)
+        early = (np.searchsorted(loss_index, prompt_end) - row_start[:-1] > 0) & good
+        if early.any() and self.on("E203"):
+            rows = np.flatnonzero(early)
+            first_loss = np.array([np.flatnonzero(loss[offsets[r] : offsets[r + 1]])[0] for r in rows[:5]])
+            notes = [f"prompt_len {prompt_len[r]}" for r in rows[:5]]
+            self.add(
+                self.loc.issue(
+                    "E203",
+                    "error",
+                    "loss_mask true at position 0 or before prompt_len",
+                    rows,
+                    rows.size,
+                    pos=first_loss,
+                    notes=notes,
+                    hint="loss position 0 has no context; spans inverted?",
+                )
+            )
+        empty = (n_loss == 0) & good
+        if empty.any() and self.on("W215"):
+            rows = np.flatnonzero(empty)
+            self.add(
+                self.loc.issue(
+                    "W215",
+                    "warning",
+                    f"loss_mask: {rows.size} samples with no loss tokens",
+                    rows,
+                    rows.size,
+                    hint="kept: they change seq-mean denominators",
+                )
+            )
+        if self.on("E209") and "step" in self.frame.columns:
+            steps = self.frame["step"].to_numpy()
+            per_step = (
+                pl.DataFrame({"step": steps[good], "n": n_loss[good]}).group_by("step").agg(pl.col("n").sum())
+            )
+            dry = per_step.filter(pl.col("n") == 0).sort("step")["step"].to_list()
+            if dry or (n_rows and not good.any()):
+                shown = ", ".join(str(s) for s in dry[: self.loc.max_examples])
+                self.add(
+                    Issue(
+                        "E209",
+                        "error",
+                        max(1, len(dry)),
+                        f"loss_mask: step {shown} has no loss tokens",
+                        step=int(dry[0]) if dry else None,
+                    )
+                )
+        self._token_ids(ids, good)
+        loss_row = np.repeat(np.arange(n_rows, dtype=np.int64), n_loss)  # (M,)
+        for column, flat in self.table.lists.items():
+            if column in ("input_ids", "loss_mask"):
+                continue
+            self._float_column(column, flat, loss, loss_index, loss_row, n_loss, offsets)
+
+    def _token_ids(self, ids: FlatList, good: np.ndarray) -> None:
+        if not self.on("E208"):
+            return
+        values = ids.values
+        bad = values < 0
+        if self.vocab_size is not None:
+            bad |= values >= self.vocab_size
+        if ids.valid is not None:
+            bad &= ids.valid
+        bad_index = np.flatnonzero(bad)
+        if bad_index.size:
+            rows = _row_of(ids.offsets, bad_index)
+            keep = good[rows]
+            bad_index, rows = bad_index[keep], rows[keep]
+        if bad_index.size:
+            limit = f" or >= vocab_size {self.vocab_size}" if self.vocab_size is not None else ""
+            self.add(
+                self.loc.issue(
+                    "E208",
+                    "error",
+                    f"input_ids: token id < 0{limit}",
+                    rows,
+                    bad_index.size,
+                    pos=bad_index - ids.offsets[rows],
+                    notes=[f"token {values[i]}" for i in bad_index[:5]],
+                )
+            )
+
+    def _float_column(
+        self,
+        column: str,
+        flat: FlatList,
+        loss: np.ndarray,
+        loss_index: np.ndarray,
+        loss_row: np.ndarray,
+        n_loss: np.ndarray,
+        offsets: np.ndarray,
+    ) -> None:
+        values = flat.values
+        valid = flat.valid
+        n_total = values.shape[0]
+        valid_at_loss = valid[loss_index] if valid is not None else None
+        n_null_loss = 0 if valid_at_loss is None else int(loss_index.size - np.count_nonzero(valid_at_loss))
+        ids = self.table.lists["input_ids"].values
+        if n_null_loss and self.on("E204"):
+            where = np.flatnonzero(~valid_at_loss)
+            flat_at = loss_index[where]
+            rows = loss_row[where]
+            last = flat_at == offsets[rows + 1] - 1
+            notes = [
+                f"token {ids[f]}{', last' if is_last else ''}"
+                for f, is_last in zip(flat_at[:5], last[:5], strict=True)
+            ]
+            self.add(
+                self.loc.issue(
+                    "E204",
+                    "error",
+                    f"{column} null on a loss position",
+                    rows,
+                    n_null_loss,
+                    pos=flat_at - offsets[rows],
+                    notes=notes,
+                    hint="appended EOS or unsampled token? drop it from loss_mask",
+                )
+            )
+        n_valid = n_total if valid is None else int(np.count_nonzero(valid))
+        n_outside = n_valid - (loss_index.size - n_null_loss)
+        if n_outside > 0 and self.on("W214"):
+            outside = ~loss if valid is None else (valid & ~loss)
+            flat_at = np.flatnonzero(outside)[:5]
+            rows = _row_of(offsets, flat_at)
+            self.add(
+                self.loc.issue(
+                    "W214",
+                    "warning",
+                    f"{column} set on {n_outside:,} non-loss positions (ignored)",
+                    rows,
+                    n_outside,
+                    pos=flat_at - offsets[rows],
+                )
+            )
+        if self.on("E207"):
+            finite = np.isfinite(values)
+            if not finite.all():
+                bad = ~finite if valid is None else (~finite & valid)
+                bad_index = np.flatnonzero(bad)
+                if bad_index.size:
+                    rows = _row_of(offsets, bad_index)
+                    keep = ~self.bad[rows]
+                    bad_index, rows = bad_index[keep], rows[keep]
+                if bad_index.size:
+                    bad_values = values[bad_index]
+                    n_nan = int(np.isnan(bad_values).sum())
+                    n_pos = int((bad_values == np.inf).sum())
+                    n_neg = int(bad_values.size - n_nan - n_pos)
+                    self.add(
+                        self.loc.issue(
+                            "E207",
+                            "error",
+                            f"{column}: {n_nan} NaN, {n_pos} +inf, {n_neg} -inf",
+                            rows,
+                            bad_index.size,
+                            pos=bad_index - offsets[rows],
+                        )
+                    )
+        if column in self.table.stream_columns:
+            at_loss = values[loss_index]
+            if valid_at_loss is not None and n_null_loss:
+                at_loss = np.where(valid_at_loss, at_loss, np.float32(np.nan))
+            self._logprob_values(column, at_loss, loss_index, loss_row, n_loss, offsets)
+
+    def _logprob_values(
+        self,
+        column: str,
+        at_loss: np.ndarray,
+        loss_index: np.ndarray,
+        loss_row: np.ndarray,
+        n_loss: np.ndarray,
+        offsets: np.ndarray,
+    ) -> None:
+        positive = at_loss > LOGPROB_POSITIVE_TOL
+        n_positive = int(np.count_nonzero(positive))
+        if n_positive and self.on("E205"):
+            where = np.flatnonzero(positive)
+            rows = loss_row[where]
+            self.add(
+                self.loc.issue(
+                    "E205",
+                    "error",
+                    f"{column}: {n_positive} positive values (max {float(at_loss[where].max()):.3g})",
+                    rows,
+                    n_positive,
+                    pos=loss_index[where] - offsets[rows],
+                )
+            )
+        zero = np.flatnonzero(at_loss == 0.0)
+        tiny = np.flatnonzero((at_loss > 0.0) & ~positive)
+        n_loss_total = at_loss.shape[0]
+        zero_per_row = np.bincount(loss_row[zero], minlength=n_loss.shape[0])
+        all_zero_rows = np.flatnonzero((zero_per_row == n_loss) & (n_loss >= 2))
+        fraction = zero.size / n_loss_total if n_loss_total else 0.0
+        if (fraction > ZERO_FILL_FRACTION or all_zero_rows.size) and self.on("E206"):
+            if all_zero_rows.size and fraction <= ZERO_FILL_FRACTION:
+                text = f"{column}: {all_zero_rows.size} samples with every loss value exactly 0.0"
+                rows, count, pos = all_zero_rows, all_zero_rows.size, None
+            else:
+                text = f"{column}: {100 * fraction:.1f} % exact 0.0 on loss positions"
+                rows, count, pos = loss_row[zero], zero.size, loss_index[zero] - offsets[loss_row[zero]]
+            self.add(
+                self.loc.issue(
+                    "E206",
+                    "error",
+                    text,
+                    rows,
+                    count,
+                    pos=pos,
+                    hint="missing values written as 0? import them as null",
+                )
+            )
+        elif (zero.size or tiny.size) and self.on("W216"):
+            where = np.concatenate([zero, tiny])
+            rows = loss_row[where]
+            self.add(
+                self.loc.issue(
+                    "W216",
+                    "warning",
+                    f"{column}: {zero.size} exact 0.0 and {tiny.size} in (0, 1e-6] (p≈1 tokens or fills)",
+                    rows,
+                    where.size,
+                    pos=loss_index[where] - offsets[rows],
+                )
+            )
+
+
+def missing_columns(columns: Collection[str], required: Sequence[str]) -> list[Issue]:
+    """E102 for every column of `required` absent from `columns`."""
+    issues = []
+    for column in required:
+        if column not in columns:
+            hint = REQUIRED_HINTS.get(column, "re-import with pgdiag import")
+            issues.append(Issue("E102", "error", 1, f"missing column {column}", hint=hint))
+    return issues
+
+
+def validate_rows(
+    table: RowTable,
+    *,
+    ignore: Collection[str] = (),
+    max_examples: int = 5,
+    vocab_size: int | None = None,
+) -> RowIssues:
+    """Run every §1.5 row and token rule on `table` and collect the issues (nothing raises)."""
+    rules = _Rules(table, ignore=ignore, max_examples=max_examples, vocab_size=vocab_size)
+    rules.structure()
+    rules.scalars()
+    rules.seq_hash()
+    rules.tokens()
+    return RowIssues(rules.issues, rules.bad if rules.bad.any() else None)

@@ -1,0 +1,277 @@
+"""Atomic, spec-conformant writes of Parquet and JSON files (design/data-and-cli.md §2.2, §2.5, §2.6).
+
+Every file pgdiag writes goes through `atomic_write`: the bytes land in ``.<name>.tmp-<pid>-<random>`` in the
+destination directory, are flushed and fsynced, then `os.replace`d onto the final name and the directory is
+fsynced, so a reader never sees a half-written file and a failed write leaves nothing behind. Parquet is
+always zstd level 3 with statistics on, footer values JSON-encoded under ``pgdiag.*`` keys. `write_rollouts`
+writes a canonical run directory (``rollouts/step=<S>/part-00000.parquet``, or one unpartitioned part when the
+data has one step, then the ``pgdiag.json`` sidecar last as the completion marker) with the §1.1-1.3 casts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.schema import (
+    ROLLOUT_ARROW_TYPES,
+    ROLLOUTS_SCHEMA,
+    RUN_SIDECAR_SCHEMA,
+    encode_footer,
+)
+from pgdiag.seqhash import seq_hashes
+
+ZSTD_LEVEL = 3
+ROW_GROUP_TARGET_BYTES = 128 * 1024 * 1024
+MAX_ROW_GROUP_ROWS = 1_048_576
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _fsync_dir(directory: Path) -> None:
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp)`` on a temp path beside `path`, fsync it, then move it onto `path`.
+
+    The temp file is ``.<name>.tmp-<pid>-<random>`` in the destination directory (created if needed); it is
+    removed when `write` raises or the process is interrupted. Returns the final path.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def sequence_row_group_rows(n_rows: int, n_bytes: int) -> int:
+    """Rows per row group of a sequence table: 128 MiB uncompressed per group, capped at 1,048,576 (§2.6)."""
+    if n_rows <= 0:
+        return 1
+    mean_row_bytes = max(1.0, n_bytes / n_rows)
+    return int(max(1, min(MAX_ROW_GROUP_ROWS, ROW_GROUP_TARGET_BYTES // mean_row_bytes)))
+
+
+def write_parquet(
+    table: pa.Table | pl.DataFrame,
+    path: str | Path,
+    *,
+    metadata: Mapping[str, Any],
+    row_group_rows: int = MAX_ROW_GROUP_ROWS,
+) -> Path:
+    """Write `table` atomically as zstd-3 Parquet with statistics, `metadata` JSON-encoded as ``pgdiag.*``."""
+    arrow = table.to_arrow() if isinstance(table, pl.DataFrame) else table
+    existing = dict(arrow.schema.metadata or {})
+    existing.pop(b"pandas", None)
+    arrow = arrow.replace_schema_metadata({**existing, **encode_footer(metadata)})
+
+    # dictionary pages only for scalar columns: float lists barely compress with them and decode slower
+    dictionary_columns = [f.name for f in arrow.schema if not pa.types.is_list(f.type)]
+
+    def write(tmp: Path) -> None:
+        pq.write_table(
+            arrow,
+            tmp,
+            compression="zstd",
+            compression_level=ZSTD_LEVEL,
+            write_statistics=True,
+            use_dictionary=dictionary_columns,
+            row_group_size=max(1, row_group_rows),
+        )
+
+    return atomic_write(path, write)
+
+
+def write_json(obj: Any, path: str | Path) -> Path:
+    """Write `obj` atomically as indented, key-sorted JSON with a trailing newline."""
+    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def _cast_column(name: str, column: pa.ChunkedArray, target: pa.DataType) -> pa.ChunkedArray:
+    if pa.types.is_dictionary(target):
+        strings = pc.cast(column, pa.string())
+        encoded = pc.dictionary_encode(strings.combine_chunks())
+        return pa.chunked_array([encoded.cast(target)])
+    source = column.type
+    if pa.types.is_list(target) and pa.types.is_floating(target.value_type):
+        values = pc.list_flatten(column)
+        finite_max = pc.max(pc.abs(pc.if_else(pc.is_finite(values), values, 0.0))).as_py()
+        if finite_max is not None and finite_max > _F32_MAX:
+            raise InvalidInputError("E103", f"{name}: {source} with {finite_max:.3g} does not fit float32")
+    try:
+        return column.cast(target, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        raise InvalidInputError(
+            "E103", f"{name}: {source} cannot be cast losslessly to {target} ({exc})"
+        ) from exc
+
+
+def to_canonical_table(df: pl.DataFrame) -> pa.Table:
+    """`df` as an Arrow table with the §1.2 types (unknown extra columns kept as they are); E103 when lossy."""
+    arrow = df.to_arrow()
+    columns = []
+    for name in arrow.column_names:
+        column = arrow.column(name)
+        target = ROLLOUT_ARROW_TYPES.get(name)
+        if target is None and (name.endswith("_logprobs") or name.endswith("_entropy")):
+            target = ROLLOUT_ARROW_TYPES["old_logprobs"]
+        columns.append(column if target is None else _cast_column(name, column, target))
+    return pa.table(columns, names=arrow.column_names)
+
+
+def _with_seq_hash(df: pl.DataFrame) -> pl.DataFrame:
+    ids = df["input_ids"].cast(pl.List(pl.Int32)).to_arrow()
+    if isinstance(ids, pa.ChunkedArray):
+        ids = ids.combine_chunks()
+    offsets = ids.offsets.to_numpy()
+    values = ids.values.to_numpy(zero_copy_only=False)
+    hashes = seq_hashes(values[offsets[0] : offsets[-1]], offsets - offsets[0])
+    return df.with_columns(pl.Series("seq_hash", hashes, dtype=pl.UInt64))
+
+
+def _prepare_output(out: Path, *, overwrite: bool) -> None:
+    if out.exists():
+        if not overwrite:
+            raise UsageError("E502", f"{out} exists", "pass --overwrite to replace it")
+        if out.is_dir():
+            shutil.rmtree(out)
+        else:
+            out.unlink()
+
+
+def write_rollouts(
+    df: pl.DataFrame,
+    out: str | Path,
+    *,
+    label: str,
+    source: Mapping[str, Any],
+    streams_meta: Mapping[str, Any],
+    sampling: Mapping[str, Any] | None = None,
+    tokenizer: Mapping[str, Any] | None = None,
+    model: Mapping[str, Any] | None = None,
+    import_meta: Mapping[str, Any] | None = None,
+    created_by: str = "pgdiag 0.1.0",
+    overwrite: bool = False,
+) -> Path:
+    """Write `df` as canonical pgdiag.rollouts/v1 and return the run directory or file written.
+
+    `out` ending in ``.parquet`` gets one file; otherwise `out` is a run directory: one part per step under
+    ``rollouts/step=<S>/`` (``rollouts/part-00000.parquet`` when there is one step) and ``pgdiag.json``
+    written last. `run` is set to `label` when absent, `seq_hash` computed when absent, rows are sorted by
+    (step, group_id, sample_id). Existing output without `overwrite` is E502.
+    """
+    out = Path(out)
+    _prepare_output(out, overwrite=overwrite)
+    if "run" not in df.columns:
+        df = df.with_columns(pl.lit(label).alias("run"))
+    if "seq_hash" not in df.columns:
+        df = _with_seq_hash(df)
+    df = df.sort(["step", "group_id", "sample_id"], maintain_order=True)
+    footer: dict[str, Any] = {
+        "schema": ROLLOUTS_SCHEMA,
+        "alignment": "token",
+        "created_by": created_by,
+        "source": dict(source),
+        "streams": dict(streams_meta),
+    }
+    for key, value in (("sampling", sampling), ("tokenizer", tokenizer), ("model", model)):
+        if value is not None:
+            footer[key] = dict(value)
+    if import_meta is not None:
+        footer["import"] = dict(import_meta)
+    steps = sorted(int(s) for s in df["step"].unique().to_list())
+
+    def write_part(part: pl.DataFrame, path: Path) -> Path:
+        rows = sequence_row_group_rows(part.height, int(part.estimated_size()))
+        return write_parquet(to_canonical_table(part), path, metadata=footer, row_group_rows=rows)
+
+    if out.suffix == ".parquet":
+        return write_part(df, out)
+    if len(steps) == 1:
+        files = [write_part(df, out / "rollouts" / "part-00000.parquet")]
+    else:
+        files = [
+            write_part(
+                df.filter(pl.col("step") == step), out / "rollouts" / f"step={step}" / "part-00000.parquet"
+            )
+            for step in steps
+        ]
+    loss_tokens = int(df["loss_mask"].list.sum().sum()) if df.height else 0
+    sidecar = {
+        "schema": RUN_SIDECAR_SCHEMA,
+        "label": label,
+        "source": dict(source),
+        "sampling": dict(sampling or {}),
+        "tokenizer": dict(tokenizer or {}),
+        "steps": [steps[0], steps[-1]] if steps else [],
+        "n_samples": df.height,
+        "n_tokens": int(df["input_ids"].list.len().sum()) if df.height else 0,
+        "n_loss_tokens": loss_tokens,
+        "files": [str(path.relative_to(out)) for path in files],
+        "streams": dict(streams_meta),
+    }
+    write_json(sidecar, out / "pgdiag.json")
+    return out
+
+
+def stream_meta(
+    source_field: str,
+    *,
+    tempered: bool | str = "unknown",
+    logprobs_mode: str = "unknown",
+    engine: str | None = None,
+) -> dict[str, Any]:
+    """One entry of the ``pgdiag.streams`` footer (§1.3)."""
+    return {
+        "source_field": source_field,
+        "tempered": tempered,
+        "logprobs_mode": logprobs_mode,
+        "engine": engine,
+    }
+
+
+def source_meta(
+    framework: str,
+    *,
+    framework_version: str | None = None,
+    preset: str = "canonical",
+    src_files: Sequence[str] = (),
+    retokenized: bool = False,
+    unsafe_load: bool = False,
+) -> dict[str, Any]:
+    """The ``pgdiag.source`` footer object (§1.3)."""
+    return {
+        "framework": framework,
+        "framework_version": framework_version,
+        "preset": preset,
+        "src_files": list(src_files),
+        "retokenized": retokenized,
+        "unsafe_load": unsafe_load,
+    }

@@ -1,0 +1,114 @@
+"""Write small canonical rollouts files from Python lists, for tests (importable by every test module).
+
+`write_rollouts_file(path, rows, **meta)` writes one pgdiag.rollouts/v1 Parquet file exactly as given: no
+sorting and no repair, so tests can craft invalid files. Columns take their canonical types (§1.2) unless
+listed in `raw_types`; `seq_hash` is computed from `input_ids` when a row lacks it; `run` defaults to "t" and
+`group_id` to "g0". Footer entries come from `meta` (``schema=None`` drops a key).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pgdiag.schema import ROLLOUTS_SCHEMA, encode_footer
+from pgdiag.seqhash import seq_hash
+
+_FLOAT_LIST = pl.List(pl.Float32)
+POLARS_TYPES: dict[str, pl.DataType] = {
+    "run": pl.String,
+    "step": pl.Int64,
+    "sample_id": pl.String,
+    "segment_idx": pl.Int32,
+    "group_id": pl.String,
+    "seq_hash": pl.UInt64,
+    "input_ids": pl.List(pl.Int32),
+    "prompt_len": pl.Int32,
+    "loss_mask": pl.List(pl.Boolean),
+    "advantage": pl.Float32,
+    "reward": pl.Float32,
+    "env": pl.String,
+}
+
+
+def default_footer() -> dict[str, Any]:
+    return {
+        "schema": ROLLOUTS_SCHEMA,
+        "alignment": "token",
+        "created_by": "pgdiag tests",
+        "source": {"framework": "tests", "preset": "canonical", "retokenized": False, "unsafe_load": False},
+        "streams": {},
+    }
+
+
+def _polars_type(column: str) -> pl.DataType | None:
+    if column in POLARS_TYPES:
+        return POLARS_TYPES[column]
+    if column.endswith("_logprobs") or column in ("advantages", "logprobs", "entropy"):
+        return _FLOAT_LIST
+    return None
+
+
+def rollouts_frame(
+    rows: list[dict[str, Any]], *, raw_types: dict[str, pl.DataType] | None = None
+) -> pl.DataFrame:
+    """A polars frame of `rows` with canonical column types (defaults filled as the module docstring says)."""
+    filled = []
+    for row in rows:
+        row = dict(row)
+        row.setdefault("run", "t")
+        row.setdefault("group_id", "g0")
+        if "seq_hash" not in row and row.get("input_ids") is not None and None not in row["input_ids"]:
+            row["seq_hash"] = seq_hash(row["input_ids"])
+        filled.append(row)
+    columns = list(dict.fromkeys(c for row in filled for c in row))
+    schema = {}
+    for column in columns:
+        dtype = (raw_types or {}).get(column) or _polars_type(column)
+        schema[column] = dtype if dtype is not None else pl.String
+    data = {c: [row.get(c) for row in filled] for c in columns}
+    return pl.DataFrame(data, schema=schema)
+
+
+def write_rollouts_file(
+    path: str | Path,
+    rows: list[dict[str, Any]],
+    *,
+    raw_types: dict[str, pl.DataType] | None = None,
+    **meta: Any,
+) -> Path:
+    """Write `rows` to `path` as one Parquet file with a pgdiag footer (see the module docstring)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    footer = default_footer()
+    for key, value in meta.items():
+        if value is None:
+            footer.pop(key, None)
+        else:
+            footer[key] = value
+    table = rollouts_frame(rows, raw_types=raw_types).to_arrow()
+    table = table.replace_schema_metadata(encode_footer(footer))
+    pq.write_table(table, path, compression="zstd")
+    return path
+
+
+def write_logprobs_part(path: str | Path, rows: list[dict[str, Any]], **meta: Any) -> Path:
+    """Write a pgdiag.logprobs/v1 part (step, sample_id, segment_idx, seq_hash, logprobs[, entropy])."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame = pl.DataFrame(
+        {c: [row.get(c) for row in rows] for c in dict.fromkeys(c for row in rows for c in row)},
+        schema={c: _polars_type(c) or pl.String for c in dict.fromkeys(c for row in rows for c in row)},
+    )
+    footer = {
+        "schema": "pgdiag.logprobs/v1",
+        "recompute": {"settings": {"dtype": "bf16", "head_dtype": "fp32"}},
+    }
+    footer.update(meta)
+    table: pa.Table = frame.to_arrow().replace_schema_metadata(encode_footer(footer))
+    pq.write_table(table, path, compression="zstd")
+    return path
