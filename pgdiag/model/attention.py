@@ -1,0 +1,127 @@
+"""Causal attention over packed documents, with PyTorch's own kernels.
+
+What: `packed_attention(q, k, v, docs, window=..., backend=...)` attends each token only to earlier tokens of its
+own document (and, for sliding-window layers, only to the last `window` of them, itself included, as HF's
+masks do). Documents are packed back to back with no padding; `PackedDocs` holds their boundaries.
+
+Why two backends, chosen by an argument (never an env var):
+- ``"varlen"``: `torch.nn.attention.varlen.varlen_attn` (FlashAttention varlen) on CUDA, bf16/fp16. One kernel
+  for the whole packed batch, GQA and sliding windows native: no padding, no mask tensor.
+- ``"sdpa"``: `scaled_dot_product_attention` once per document (``is_causal=True``; a boolean band mask only
+  for a sliding window shorter than the document). Runs everywhere, any dtype; the CPU path and the reference.
+`resolve_attention_backend("auto", device)` picks ``varlen`` on CUDA when this torch has it, else ``sdpa``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pgdiag.errors import UsageError
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "varlen")
+
+
+@dataclass(frozen=True)
+class PackedDocs:
+    """Document boundaries of a packed batch: document d owns tokens ``bounds[d]:bounds[d + 1]``."""
+
+    cu_seqlens: Tensor  # (D + 1,) int32 on the compute device
+    bounds: tuple[int, ...]  # the same offsets as Python ints (read once per forward)
+    max_len: int
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: Tensor, n_tokens: int, device: torch.device) -> PackedDocs:
+        """Validate `cu_seqlens` (D+1,) against `n_tokens`; raises ValueError on a malformed one."""
+        bounds = tuple(int(b) for b in cu_seqlens.tolist())
+        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != n_tokens:
+            raise ValueError(
+                f"cu_seqlens must start at 0 and end at the token count {n_tokens}, got {bounds}"
+            )
+        lengths = [b - a for a, b in pairwise(bounds)]
+        if min(lengths) <= 0:
+            raise ValueError("cu_seqlens must be strictly increasing (no empty documents)")
+        return cls(cu_seqlens.to(device=device, dtype=torch.int32), bounds, max(lengths))
+
+
+def varlen_available() -> bool:
+    """True when this torch ships `torch.nn.attention.varlen.varlen_attn` and a CUDA device is present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_attention_backend(requested: str, device: torch.device) -> str:
+    """The backend that will run: ``auto`` -> ``varlen`` on CUDA when available, else ``sdpa``."""
+    if requested not in ATTENTION_BACKENDS:
+        raise UsageError(
+            "E503", f"unknown attention backend {requested!r}; choose one of {ATTENTION_BACKENDS}"
+        )
+    if requested == "auto":
+        return "varlen" if device.type == "cuda" and varlen_available() else "sdpa"
+    if requested == "varlen" and not (device.type == "cuda" and varlen_available()):
+        raise UsageError("E503", "attention backend 'varlen' needs CUDA and torch.nn.attention.varlen")
+    return requested
+
+
+def packed_attention(
+    q: Tensor, k: Tensor, v: Tensor, docs: PackedDocs, *, window: int | None, backend: str
+) -> Tensor:
+    """Causal attention within each document.
+
+    q: (N, Hq, D), k and v: (N, Hkv, D) with Hq a multiple of Hkv (GQA); returns (N, Hq, D).
+    `window`: attend to the last `window` positions of the document (self included); None = full causal.
+    """
+    if backend == "varlen":
+        return _varlen(q, k, v, docs, window)
+    return _sdpa_per_document(q, k, v, docs, window)
+
+
+def _sdpa_per_document(q: Tensor, k: Tensor, v: Tensor, docs: PackedDocs, window: int | None) -> Tensor:
+    out = torch.empty_like(q)  # (N, Hq, D)
+    gqa = q.shape[1] != k.shape[1]
+    for start, stop in pairwise(docs.bounds):
+        length = stop - start
+        qd = q[start:stop].transpose(0, 1).unsqueeze(0)  # (1, Hq, L, D)
+        kd = k[start:stop].transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
+        vd = v[start:stop].transpose(0, 1).unsqueeze(0)
+        if window is None or window >= length:
+            od = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa)
+        else:
+            i = torch.arange(length, device=q.device)
+            diff = i[:, None] - i[None, :]  # (L, L) query position minus key position
+            band = (diff >= 0) & (diff < window)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=band, enable_gqa=gqa)
+        out[start:stop] = od.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _varlen(q: Tensor, k: Tensor, v: Tensor, docs: PackedDocs, window: int | None) -> Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, object] = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1 if window is None else window - 1, 0)
+    elif window is not None:
+        return _sdpa_per_document(q, k, v, docs, window)
+    else:
+        kwargs["is_causal"] = True
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            group = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(group, dim=1)  # (N, Hq, D)
+            v = v.repeat_interleave(group, dim=1)
+    cu = docs.cu_seqlens
+    return varlen_attn(q, k, v, cu, cu, docs.max_len, docs.max_len, **kwargs)

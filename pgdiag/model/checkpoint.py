@@ -1,0 +1,297 @@
+"""Strict checkpoint loading: HF safetensors (single file or sharded index) -> a `CausalLM` on one TP rank.
+
+What: `load_model(path, dtype=, head_dtype=, device=, tp_group=)` reads ``config.json``, checks every tensor
+name and shape against what the config implies, builds the model on the meta device and fills each parameter
+with this rank's slice only (`safe_open(...).get_slice`, plan in `tp.py`), cast to the body dtype; the LM head
+(``lm_head.weight``, or the embedding when tied) is read separately in the head dtype.
+
+Why strict (design/data-and-cli.md §4): a silently missing or extra tensor is a wrong logprob. Every expected
+tensor must be present with its shape, every file tensor must be used (``rotary_emb.inv_freq`` excepted). Errors
+(`UsageError`, exit 2): E603 tensor names or shapes (missing, unexpected, wrong shape, prefixed names such as
+``_orig_mod.``, untied without ``lm_head.weight``), E604 missing file or shard, E607 unknown dtype name,
+E608 embedding rows != ``vocab_size``. Warnings on `CausalLM.load_warnings`: W606 (tied, but the file's
+``lm_head.weight`` differs from the embedding: the embedding is used, as HF does) and W607 (fp32 weights
+rounded to a 16-bit body dtype). Legacy ``pytorch_model*.bin`` is read with ``weights_only=True`` (no pickle code).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import Tensor
+
+from pgdiag.errors import UsageError
+from pgdiag.model.attention import resolve_attention_backend
+from pgdiag.model.config import ModelConfig, read_model_config
+from pgdiag.model.tp import TensorSlice, TPLayout, group_rank_size, shard_slice, tp_layout
+from pgdiag.model.transformer import CausalLM, rope_inv_freq
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+_CONVERTER_HINT = (
+    "export a plain HF checkpoint first (verl: python -m verl.model_merger; slime: "
+    "tools/convert_torch_dist_to_hf.py; NeMo-RL: examples/converters/convert_dcp_to_hf.py)"
+)
+
+
+class TensorSource:
+    """Named tensors readable one slice at a time: safetensors files (lazy) or in-memory tensors."""
+
+    def __init__(
+        self, files: Mapping[str, Path] | None = None, tensors: Mapping[str, Tensor] | None = None
+    ) -> None:
+        self._files = dict(files or {})  # tensor name -> safetensors file
+        self._tensors = dict(tensors or {})  # tensor name -> tensor (mmap'd .bin or already in memory)
+        self._stack = ExitStack()
+        self._handles: dict[Path, object] = {}
+
+    def __enter__(self) -> TensorSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def names(self) -> list[str]:
+        return sorted({*self._files, *self._tensors})
+
+    def _slice(self, name: str):  # safetensors PySafeSlice
+        file = self._files[name]
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(
+                safe_open(str(file), framework="pt", device="cpu")
+            )
+        return self._handles[file].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._tensors:
+            return tuple(self._tensors[name].shape)
+        return tuple(self._slice(name).get_shape())
+
+    def is_fp32(self, name: str) -> bool:
+        if name in self._tensors:
+            return self._tensors[name].dtype == torch.float32
+        return self._slice(name).get_dtype() == "F32"
+
+    def read(self, name: str, part: TensorSlice | None) -> Tensor:
+        """The whole tensor, or rows/columns `part.start:part.stop` along `part.dim`, without reading the rest."""
+        if name in self._tensors:
+            t = self._tensors[name]
+            return t if part is None else t.narrow(part.dim, part.start, part.stop - part.start)
+        sl = self._slice(name)
+        if part is None:
+            return sl[:]
+        return sl[part.start : part.stop] if part.dim == 0 else sl[:, part.start : part.stop]
+
+
+def open_tensor_source(path: Path) -> TensorSource:
+    """Find the weight files of a checkpoint directory; E604 when none or a shard is missing."""
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_index(index)
+        files = {name: path / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise UsageError("E604", f"{index}: shard {shard.name} listed in weight_map is missing")
+        return TensorSource(files=files)
+    if single.is_file():
+        with safe_open(str(single), framework="pt", device="cpu") as f:
+            return TensorSource(files=dict.fromkeys(f.keys(), single))
+    bins = [path / "pytorch_model.bin"] if (path / "pytorch_model.bin").is_file() else []
+    if (path / "pytorch_model.bin.index.json").is_file():
+        bin_index = path / "pytorch_model.bin.index.json"
+        bins = [path / s for s in sorted(set(_read_index(bin_index).values()))]
+        missing = [b for b in bins if not b.is_file()]
+        if missing:
+            raise UsageError("E604", f"{bin_index}: shard {missing[0].name} listed in weight_map is missing")
+    if not bins:
+        raise UsageError(
+            "E604", f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
+        )
+    tensors: dict[str, Tensor] = {}
+    for b in bins:
+        tensors.update(torch.load(b, map_location="cpu", mmap=True, weights_only=True))
+    return TensorSource(tensors=tensors)
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise UsageError("E604", f"{index}: not a valid index (needs a 'weight_map' object)") from None
+    if not isinstance(weight_map, dict):
+        raise UsageError("E604", f"{index}: 'weight_map' must map tensor names to shard files")
+    return weight_map
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the config implies, with its global shape (lm_head only when untied)."""
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for proj, rows in (("q_proj", config.q_size), ("k_proj", config.kv_size), ("v_proj", config.kv_size)):
+            shapes[f"{p}self_attn.{proj}.weight"] = (rows, h)
+            if config.qkv_bias:
+                shapes[f"{p}self_attn.{proj}.bias"] = (rows,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, config.q_size)
+        if config.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+            shapes[f"{p}mlp.{proj}.weight"] = shape
+            if config.mlp_bias:
+                shapes[f"{p}mlp.{proj}.bias"] = (shape[0],)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def check_tensor_names(config: ModelConfig, source: TensorSource, where: str) -> None:
+    """Strict name and shape check of the file tensors against the config (no tensor data is read)."""
+    names = source.names()
+    prefixed = [n for n in names if n.startswith(_WRAPPER_PREFIXES) or "._fsdp_wrapped_module." in n]
+    if prefixed:
+        raise UsageError(
+            "E603", f"{where}: tensor names carry a wrapper prefix ('{prefixed[0]}')", _CONVERTER_HINT
+        )
+    expected = expected_shapes(config)
+    present = set(names)
+    if not config.tie_word_embeddings and "lm_head.weight" not in present:
+        raise UsageError(
+            "E603", f"{where}: tie_word_embeddings is false but 'lm_head.weight' is missing", _CONVERTER_HINT
+        )
+    missing = [n for n in expected if n not in present]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UsageError("E603", f"{where}: tensor '{missing[0]}' is missing{more}", _CONVERTER_HINT)
+    allowed_extra = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unexpected = [
+        n for n in names if n not in expected and n not in allowed_extra and not n.endswith(_IGNORED_SUFFIXES)
+    ]
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise UsageError(
+            "E603",
+            f"{where}: unexpected tensor '{unexpected[0]}'{more} for {config.architecture}",
+            _CONVERTER_HINT,
+        )
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in present and source.shape(name)[0] != config.vocab_size:
+            raise UsageError(
+                "E608",
+                f"{where}: '{name}' has {source.shape(name)[0]} rows but vocab_size is {config.vocab_size}",
+            )
+    for name, shape in expected.items():
+        if source.shape(name) != shape:
+            raise UsageError(
+                "E603",
+                f"{where}: tensor '{name}' has shape {list(source.shape(name))}, config implies {list(shape)}",
+            )
+
+
+def parse_dtype(name: str, option: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise UsageError("E607", f"{option} {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: str = "bf16",
+    head_dtype: str = "fp32",
+    device: str | torch.device = "cpu",
+    tp_group: dist.ProcessGroup | None = None,
+    attention: str = "auto",
+) -> CausalLM:
+    """Load a HF checkpoint directory as this rank's `CausalLM` (see the module docstring for the checks)."""
+    path = Path(path)
+    config = read_model_config(path)
+    with open_tensor_source(path) as source:
+        return load_from_source(
+            config, source, where=str(path), dtype=dtype, head_dtype=head_dtype, device=device,
+            tp_group=tp_group, attention=attention,
+        )  # fmt: skip
+
+
+def load_from_source(
+    config: ModelConfig,
+    source: TensorSource,
+    *,
+    where: str,
+    dtype: str = "bf16",
+    head_dtype: str = "fp32",
+    device: str | torch.device = "cpu",
+    tp_group: dist.ProcessGroup | None = None,
+    attention: str = "auto",
+) -> CausalLM:
+    """Build and fill a `CausalLM` from any `TensorSource` (files, or tensors already on the device)."""
+    body, head = parse_dtype(dtype, "--dtype"), parse_dtype(head_dtype, "--head-dtype")
+    device = torch.device(device)
+    rank, size = group_rank_size(tp_group)
+    layout = tp_layout(config, size, rank)
+    backend = resolve_attention_backend(attention, device)
+    check_tensor_names(config, source, where)
+    with torch.device("meta"):
+        model = CausalLM(config, layout, tp_group=tp_group, attention=backend)
+    rounded = 0
+    for name, _ in _body_parameters(model):
+        part = shard_slice(name, source.shape(name), layout)
+        rounded += int(source.is_fp32(name) and body != torch.float32)
+        _assign(model, name, source.read(name, part).to(device=device, dtype=body))
+    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    head_part = TensorSlice(0, layout.vocab_start, layout.vocab_end)
+    _assign(model, "lm_head.weight", source.read(head_name, head_part).to(device=device, dtype=head))
+    inv_freq, _ = rope_inv_freq(config.rope, config.head_dim)
+    model.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+    model.load_warnings = tuple(_warnings(config, source, layout, where, rounded, dtype))
+    return model.eval()
+
+
+def _body_parameters(model: CausalLM) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if not n.startswith("lm_head.")]
+
+
+def _assign(model: CausalLM, name: str, value: Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    current = getattr(module, attr)
+    if tuple(current.shape) != tuple(value.shape):
+        raise UsageError(
+            "E603",
+            f"tensor '{name}' slice has shape {list(value.shape)}, model expects {list(current.shape)}",
+        )
+    setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
+
+
+def _warnings(
+    config: ModelConfig, source: TensorSource, layout: TPLayout, where: str, rounded: int, dtype: str
+) -> Iterator[tuple[str, str]]:
+    if config.tie_word_embeddings and "lm_head.weight" in source.names():
+        part = TensorSlice(0, layout.vocab_start, layout.vocab_end)
+        if not torch.equal(
+            source.read("lm_head.weight", part), source.read("model.embed_tokens.weight", part)
+        ):
+            yield (
+                "W606",
+                f"{where}: tied embeddings but 'lm_head.weight' differs from the embedding; the embedding is used",
+            )
+    if rounded:
+        yield (
+            "W607",
+            f"{where}: {rounded} fp32 tensors rounded to {dtype} for the body (--dtype fp32 keeps them)",
+        )

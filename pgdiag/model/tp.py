@@ -1,0 +1,133 @@
+"""Tensor parallelism: every sharding decision of the model, in one place.
+
+What: the shard plan (a table from HF parameter-name patterns to how the parameter is split), the per-rank
+sizes for a TP degree (`TPLayout`, all ``local_`` prefixed; global sizes never change), the slice of a tensor
+that a rank reads, and `all_reduce_sum`, the one collective the model calls (twice per layer).
+
+Why: the model stays single-GPU code with HF names (gpt-fast ``tp.py``, torchtitan ``apply_tp``); the loader
+uses this plan to read only its slices from safetensors, so no rank ever holds the full model. The LM head is
+split over the vocabulary and is never gathered: the kernel reduces per-token statistics instead.
+
+How (Megatron layout): q/k/v, gate and up are column-parallel (output rows split, so each rank owns whole
+attention heads and a slice of the MLP); o_proj and down_proj are row-parallel (input columns split), their
+partial outputs summed by `all_reduce_sum`, their bias added after the sum. Embeddings and norms are
+replicated. The vocabulary may split unevenly: the first ``vocab_size % tp`` ranks get one row more.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import Tensor
+
+from pgdiag.errors import UsageError
+from pgdiag.model.config import ModelConfig
+
+COLWISE = "colwise"  # split dim 0 (output features) evenly
+ROWWISE = "rowwise"  # split dim 1 (input features) evenly
+VOCAB = "vocab"  # split dim 0 (vocab rows), ragged
+REPLICATE = "replicate"
+
+# HF parameter name pattern -> shard kind. First match wins.
+SHARD_PLAN: tuple[tuple[str, str], ...] = (
+    ("model.layers.*.self_attn.q_proj.*", COLWISE),
+    ("model.layers.*.self_attn.k_proj.*", COLWISE),
+    ("model.layers.*.self_attn.v_proj.*", COLWISE),
+    ("model.layers.*.self_attn.o_proj.weight", ROWWISE),
+    ("model.layers.*.self_attn.o_proj.bias", REPLICATE),  # added once, after the all-reduce
+    ("model.layers.*.mlp.gate_proj.*", COLWISE),
+    ("model.layers.*.mlp.up_proj.*", COLWISE),
+    ("model.layers.*.mlp.down_proj.weight", ROWWISE),
+    ("model.layers.*.mlp.down_proj.bias", REPLICATE),  # added once, after the all-reduce
+    ("lm_head.weight", VOCAB),
+    ("*", REPLICATE),  # embeddings, input/post-attention/final norms, q_norm/k_norm (per head_dim)
+)
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """This rank's share of a model for a TP degree; global sizes stay in `ModelConfig`."""
+
+    tp_size: int
+    rank: int
+    local_num_heads: int
+    local_num_kv_heads: int
+    local_intermediate_size: int
+    vocab_start: int  # first global vocab id of this rank's head rows
+    local_vocab_size: int
+
+    @property
+    def vocab_end(self) -> int:
+        return self.vocab_start + self.local_vocab_size
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """Rows or columns ``start:stop`` along `dim` of a checkpoint tensor."""
+
+    dim: int
+    start: int
+    stop: int
+
+
+def tp_layout(config: ModelConfig, tp_size: int, rank: int) -> TPLayout:
+    """Per-rank sizes; E605 when heads, kv heads or intermediate_size do not divide by `tp_size`."""
+    if tp_size < 1 or not 0 <= rank < tp_size:
+        raise UsageError("E605", f"bad tensor-parallel rank {rank} of {tp_size}")
+    for name, value in (
+        ("num_attention_heads", config.num_attention_heads),
+        ("num_key_value_heads", config.num_key_value_heads),
+        ("intermediate_size", config.intermediate_size),
+    ):
+        if value % tp_size:
+            raise UsageError(
+                "E605",
+                f"--tp {tp_size} does not divide {name} = {value}",
+                "heads, kv heads and intermediate_size must divide by the TP size; the vocab may split unevenly",
+            )
+    base, extra = divmod(config.vocab_size, tp_size)
+    local_vocab = base + (1 if rank < extra else 0)
+    vocab_start = rank * base + min(rank, extra)
+    return TPLayout(
+        tp_size=tp_size,
+        rank=rank,
+        local_num_heads=config.num_attention_heads // tp_size,
+        local_num_kv_heads=config.num_key_value_heads // tp_size,
+        local_intermediate_size=config.intermediate_size // tp_size,
+        vocab_start=vocab_start,
+        local_vocab_size=local_vocab,
+    )
+
+
+def shard_kind(name: str) -> str:
+    """The plan entry for an HF parameter name."""
+    return next(kind for pattern, kind in SHARD_PLAN if fnmatch.fnmatchcase(name, pattern))
+
+
+def shard_slice(name: str, shape: tuple[int, ...], layout: TPLayout) -> TensorSlice | None:
+    """The part of tensor `name` (global `shape`) that this rank reads; None = the whole tensor."""
+    kind = shard_kind(name)
+    if kind == REPLICATE or (layout.tp_size == 1 and kind != VOCAB):
+        return None
+    if kind == VOCAB:
+        return TensorSlice(0, layout.vocab_start, layout.vocab_end)
+    dim = 0 if kind == COLWISE else 1
+    size = shape[dim] // layout.tp_size
+    return TensorSlice(dim, layout.rank * size, (layout.rank + 1) * size)
+
+
+def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, world size) inside `group`; (0, 1) without one."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def all_reduce_sum(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Sum the partial outputs of a row-parallel matmul over `group`; identity without one (TP=1)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x

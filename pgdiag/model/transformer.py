@@ -1,0 +1,257 @@
+"""The native decoder: one implementation for Llama 2/3, Qwen2/2.5, Qwen3 and Mistral.
+
+What: `CausalLM.hidden_states(input_ids, position_ids, cu_seqlens)` runs the trunk on a packed batch of documents
+(N tokens, no padding) and returns the final-normed hidden states (N, H). The LM head is not applied here: the
+caller gives ``hidden[positions]`` and `CausalLM.lm_head_weight` (this rank's vocab rows) to
+`pgdiag.kernels.lm_head_logprobs`, so full logits are never materialized.
+
+Why this shape: architecture differences are config fields (`qkv_bias`, `o_bias`, `mlp_bias`, `qk_norm`,
+`head_dim`, RoPE scaling, per-layer sliding windows), not forks of the model. Parameter names are the HF ones
+(``model.layers.3.self_attn.q_proj.weight``) and RoPE is HF's rotate-half form, so HF weights load as they are.
+Numerics follow HF: RMSNorm in fp32 then cast, cos/sin in fp32 then cast to the body dtype.
+
+Tensor parallelism: modules are built with this rank's local sizes (`TPLayout`); the only collectives are the
+two `all_reduce_sum` calls after the row-parallel o_proj and down_proj, visible in `forward`, identity at TP=1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pgdiag.model.attention import PackedDocs, packed_attention
+from pgdiag.model.config import ModelConfig, RopeConfig
+from pgdiag.model.tp import TPLayout, all_reduce_sum
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[Tensor, float]:
+    """Inverse frequencies (head_dim/2,) fp32 and the cos/sin scale for a RoPE config (HF semantics)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)  # (D/2,)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor, 1.0
+    if rope.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope), 1.0
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, head_dim)
+    return inv_freq, 1.0
+
+
+def _llama3_inv_freq(inv_freq: Tensor, rope: RopeConfig) -> Tensor:
+    """Llama 3.1 scaling: long wavelengths divided by `factor`, short kept, a linear blend in between."""
+    old_len = rope.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[Tensor, float]:
+    """YaRN (arXiv 2309.00071): interpolate low frequencies, keep high ones, ramp between; scale cos/sin."""
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rope.attention_factor is not None:
+        attention_factor = rope.attention_factor
+    elif rope.mscale and rope.mscale_all_dim:
+        attention_factor = mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim)
+    else:
+        attention_factor = mscale(rope.factor)
+
+    def correction_dim(rotations: float) -> float:
+        ctx = rope.original_max_position_embeddings
+        return head_dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # (D/2,)
+    pos_freqs = rope.theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attention_factor
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """y = w * (x / rms(x)), the normalization computed in fp32 and cast back before the weight (as HF)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA, optional q/k/v/o biases, optional q/k RMSNorm; local heads only."""
+
+    def __init__(self, config: ModelConfig, layout: TPLayout, window: int | None) -> None:
+        super().__init__()
+        d, h = config.head_dim, config.hidden_size
+        self.head_dim = d
+        self.local_num_heads = layout.local_num_heads
+        self.local_num_kv_heads = layout.local_num_kv_heads
+        self.window = window
+        self.q_proj = nn.Linear(h, self.local_num_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, self.local_num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, self.local_num_kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.local_num_heads * d, h, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        docs: PackedDocs,
+        backend: str,
+        group: dist.ProcessGroup | None,
+    ) -> Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.local_num_heads, self.head_dim)  # (N, Hq_local, D)
+        k = self.k_proj(x).view(n, self.local_num_kv_heads, self.head_dim)  # (N, Hkv_local, D)
+        v = self.v_proj(x).view(n, self.local_num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (N, 1, D)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = packed_attention(q, k, v, docs, window=self.window, backend=backend)  # (N, Hq_local, D)
+        out = all_reduce_sum(F.linear(out.reshape(n, -1), self.o_proj.weight), group)  # (N, H)
+        return out if self.o_proj.bias is None else out + self.o_proj.bias
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, config: ModelConfig, layout: TPLayout) -> None:
+        super().__init__()
+        h, i = config.hidden_size, layout.local_intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
+
+    def forward(self, x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+        inner = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (N, I_local)
+        out = all_reduce_sum(F.linear(inner, self.down_proj.weight), group)  # (N, H)
+        return out if self.down_proj.bias is None else out + self.down_proj.bias
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layout: TPLayout, window: int | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layout, window)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, layout)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        docs: PackedDocs,
+        backend: str,
+        group: dist.ProcessGroup | None,
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, backend, group)
+        return x + self.mlp(self.post_attention_layernorm(x), group)
+
+
+class DecoderTrunk(nn.Module):
+    """``model.*`` of the HF checkpoint: embedding, layers, final norm."""
+
+    def __init__(self, config: ModelConfig, layout: TPLayout) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, layout, config.sliding_windows[i]) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LMHeadShard(nn.Module):
+    """Holds ``lm_head.weight`` rows ``vocab_start:vocab_end`` (V_local, H); never applied inside the model."""
+
+    def __init__(self, local_vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(local_vocab_size, hidden_size))
+
+
+class CausalLM(nn.Module):
+    """A dense decoder on a packed batch; build it with `pgdiag.model.load_model` (weights filled there)."""
+
+    def __init__(
+        self, config: ModelConfig, layout: TPLayout, *, tp_group: dist.ProcessGroup | None, attention: str
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.layout = layout
+        self.tp_group = tp_group
+        self.attention_backend = attention
+        self.model = DecoderTrunk(config, layout)
+        self.lm_head = LMHeadShard(layout.local_vocab_size, config.hidden_size)
+        inv_freq, self.rope_scale = rope_inv_freq(config.rope, config.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,) fp32
+        self.load_warnings: tuple[tuple[str, str], ...] = ()  # (code, message) from the loader: W606, W607
+
+    @property
+    def vocab_start(self) -> int:
+        return self.layout.vocab_start
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        """(V_local, H) this rank's vocab rows, in the head dtype."""
+        return self.lm_head.weight
+
+    @property
+    def body_dtype(self) -> torch.dtype:
+        return self.model.norm.weight.dtype
+
+    @torch.no_grad()
+    def hidden_states(self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor) -> Tensor:
+        """Final-normed hidden states (N, H) in the body dtype for a packed batch.
+
+        input_ids (N,) int64, position_ids (N,) int64 restarting at 0 in each document, cu_seqlens (D+1,) int32
+        document boundaries. Attention is causal within each document only.
+        """
+        device = self.inv_freq.device
+        n = input_ids.shape[0]
+        if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and position_ids must both be (N,), got {input_ids.shape}, {position_ids.shape}"
+            )
+        docs = PackedDocs.from_cu_seqlens(cu_seqlens, n, device)
+        input_ids, position_ids = input_ids.to(device), position_ids.to(device)
+        freqs = position_ids.float()[:, None] * self.inv_freq[None, :]  # (N, D/2) fp32
+        angles = torch.cat((freqs, freqs), dim=-1)  # (N, D)
+        dtype = self.body_dtype
+        cos = (angles.cos() * self.rope_scale).to(dtype)
+        sin = (angles.sin() * self.rope_scale).to(dtype)
+        x = self.model.embed_tokens(input_ids)  # (N, H)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, docs, self.attention_backend, self.tp_group)
+        return self.model.norm(x)
