@@ -101,15 +101,15 @@ def plot_dlogp_hist(source: Any, *, ax: Axes | None = None, bins: int = 200) -> 
     """Histogram of Δ = lp_b − lp_a with a log y axis: from a report's `dlogp` breakdown, or from token data."""
     fig, ax = _axes(ax)
     if hasattr(source, "summary"):
-        rows = _rows(source, "dlogp", "count/tokens").sort("bucket_lo")
+        rows = _rows(source, "dlogp", "count/tokens").sort("bucket_lo", "bucket_hi")
         for pair in rows["pair"].unique(maintain_order=True).to_list():
-            part = rows.filter((pl.col("pair") == pair) & (pl.col("bucket_lo") != pl.col("bucket_hi")))
-            labels = part["bucket"].to_list()
+            part = rows.filter(pl.col("pair") == pair)
+            labels = part[
+                "bucket"
+            ].to_list()  # "0" is the exact-zero bin, between the negative and positive bins
             ax.bar(range(len(labels)), part["value"].to_numpy(), label=pair)
             ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=6)
-            zero = rows.filter((pl.col("pair") == pair) & (pl.col("bucket") == "0"))["value"]
-            if zero.len():
-                ax.set_title(f"Δ histogram ({int(zero[0]):,} tokens with Δ = 0 not shown)")
+        ax.set_title("Δ histogram (all tokens)")
         ax.legend(loc="upper right", fontsize=7)
     else:
         lp_a, lp_b, title = _token_arrays(source)

@@ -1,0 +1,125 @@
+"""`pgdiag compare` and `pgdiag plot` end to end on rollout files: exit codes, messages, JSON, report files."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from batch_factory import random_samples, write_run
+from typer.testing import CliRunner
+
+from pgdiag.cli.app import build_app
+from pgdiag.report import load_report
+
+PLOTS = ("hexbin", "dlogp-hist", "by-prob", "by-position", "by-step", "worst-trace")
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(build_app(), [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("runs")
+    samples = random_samples(11, 40)
+    tempered = random_samples(11, 40, temperature_a=0.7)
+    shifted = copy.deepcopy(samples)
+    for s in shifted:
+        lp = s["streams"]["rollout"]
+        s["streams"]["rollout"] = np.concatenate([lp[1:], lp[-1:]])
+    return {
+        "a": write_run(root / "a.parquet", samples, run="engine", streams={"rollout_logprobs": "rollout"}),
+        "same": write_run(
+            root / "b.parquet", samples, run="trainer", streams={"rollout_logprobs": "rollout"}
+        ),
+        "shifted": write_run(
+            root / "s.parquet", shifted, run="trainer", streams={"rollout_logprobs": "rollout"}
+        ),
+        "two": write_run(
+            root / "t.parquet",
+            tempered,
+            run="one",
+            streams={"rollout_logprobs": "rollout", "old_logprobs": "old"},
+        ),
+    }
+
+
+def test_identical_runs_pass_every_profile_with_zero_deltas(runs, tmp_path) -> None:
+    out = tmp_path / "report"
+    result = _invoke("compare", runs["a"], runs["same"], "--json", "--out", out, "--profile", "recommended")
+    assert result.exit_code == 0, result.output
+    obj = json.loads(result.stdout)
+    assert obj["schema"] == "pgdiag.result/v1" and obj["status"] == "ok"
+    summary = obj["summary"]["engine:rollout vs trainer:rollout"]
+    assert summary["mismatch/abs_mean"] == 0.0 and summary["mismatch/kl_k3"] == 0.0
+    assert summary["sequence.mismatch/abs_max"] == 0.0
+    assert {g["status"] for g in obj["gates"]} == {"pass"}
+    for profile in ("nemo", "verl", "slime", "deterministic"):
+        assert _invoke("compare", runs["a"], runs["same"], "--profile", profile).exit_code == 0, profile
+
+
+def test_report_files_plots_and_round_trip(runs, tmp_path) -> None:
+    out = tmp_path / "rep"
+    result = _invoke("compare", runs["two"], "--out", out, "--json", "--by", "position", "--by", "prob_bucket",
+                     "--by", "step")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    files = json.loads(result.stdout)["files"]
+    for kind in PLOTS:
+        path = Path(files["plots"][kind])
+        assert path.exists() and path.stat().st_size > 1000, kind
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = load_report(out / "compare.parquet")
+    written = pl.read_parquet(out / "compare.parquet")
+    assert report.summary.height == written.height
+    assert report.kind == "compare" and report.meta["streams"] == {"a": "rollout", "b": "old"}
+    assert report.worst_tokens is not None and report.worst_tokens.height == 20
+    assert report.worst_seqs is not None and report.worst_seqs.height == 20
+    assert report.worst_tokens["dlogp"].abs().is_sorted(descending=True)
+    assert set(report.summary["breakdown"].unique()) == {"all", "position", "prob_bucket", "step", "dlogp"}
+    assert "W401" in report.checks["code"].to_list()
+    markdown = (out / "compare.md").read_text()
+    assert "| abs_mean |" in markdown and "W401" in markdown
+    redrawn = _invoke("plot", out, "--out", tmp_path / "again", "--json")
+    assert redrawn.exit_code == 0, redrawn.output
+    again = json.loads(redrawn.stdout)["files"]["plots"]
+    assert set(again) == {"dlogp-hist", "by-prob", "by-position", "by-step", "worst-trace"}
+    assert all(Path(p).stat().st_size > 1000 for p in again.values())
+
+
+def test_token_table_redraws_token_plots(runs, tmp_path) -> None:
+    tokens = tmp_path / "tokens.parquet"
+    assert _invoke("compare", runs["two"], "--tokens-out", tokens).exit_code == 0
+    table = pl.read_parquet(tokens)
+    assert table["dlogp"].to_list() == pytest.approx((table["lp_b"] - table["lp_a"]).to_list())
+    result = _invoke("plot", tokens, "--out", tmp_path / "tok", "--json")
+    assert result.exit_code == 0, result.output
+    plots = json.loads(result.stdout)["files"]["plots"]
+    assert set(plots) == {"hexbin", "dlogp-hist"}
+
+
+def test_fail_gate_exit_1_and_exit_zero(runs) -> None:
+    result = _invoke("compare", runs["two"], "--fail-on", "k3>1e-3", "--json")
+    assert result.exit_code == 1
+    gate = json.loads(result.stdout)["gates"][0]
+    assert gate["status"] == "fail" and gate["metric"] == "mismatch/kl_k3" and gate["value"] > 1e-3
+    assert _invoke("compare", runs["two"], "--fail-on", "k3>1e-3", "--exit-zero").exit_code == 0
+    assert _invoke("compare", runs["two"], "--warn-on", "mismatch/abs_mean>0.02").exit_code == 0
+    assert _invoke("compare", runs["two"], "--strict").exit_code == 1  # W401 under --strict
+
+
+def test_shifted_run_exits_3_with_location(runs) -> None:
+    result = _invoke("compare", runs["a"], runs["shifted"], "--json")
+    assert result.exit_code == 3
+    assert "error[E302]" in result.stderr
+    assert "looks shifted by -1" in result.stderr and "step 0, sample s0" in result.stderr
+    assert json.loads(result.stdout)["error"]["code"] == "E302"
+
+
+def test_unknown_gate_is_usage_error(runs) -> None:
+    result = _invoke("compare", runs["a"], runs["same"], "--fail-on", "mismatch/nope>1")
+    assert result.exit_code == 2
+    assert "unknown metric" in result.stderr

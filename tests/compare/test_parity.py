@@ -1,0 +1,142 @@
+"""Parity table math: a hand-computed example, identities across buckets, and agreement with the metrics engine."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pgdiag.compare.parity import sequence_table, token_table
+
+
+def test_worked_example_by_hand() -> None:
+    lp_a = np.array([-1.0, -0.5, -2.0, -0.6])
+    lp_b = np.array([-0.9, -0.7, -2.0, -0.3])  # Δ = (0.1, −0.2, 0, 0.3)
+    t = token_table(lp_a, lp_b, eps_low=0.2, eps_high=0.2)
+    one = {k: float(v[0]) for k, v in t.items()}
+    # bias = (0.1 − 0.2 + 0 + 0.3) / 4 = 0.05; mean |Δ| = 0.6 / 4 = 0.15; rms = sqrt(0.14 / 4)
+    assert one["bias"] == pytest.approx(0.05, abs=1e-15)
+    assert one["kl_k1"] == pytest.approx(-0.05, abs=1e-15)
+    assert one["abs_mean"] == pytest.approx(0.15, abs=1e-15)
+    assert one["rms"] == pytest.approx(math.sqrt(0.035), rel=1e-14)
+    # sd: deviations (0.05, −0.25, −0.05, 0.25): squares sum 0.13, / 4
+    assert one["sd"] == pytest.approx(math.sqrt(0.0325), rel=1e-14)
+    # |Δ| sorted (0, 0.1, 0.2, 0.3): p50 = 0.15 (type 7: h = 1.5), max 0.3
+    assert one["abs_p50"] == pytest.approx(0.15, abs=1e-15)
+    assert one["abs_max"] == pytest.approx(0.3, abs=1e-15)
+    # bands: ρ = e^Δ = (1.105, 0.819, 1, 1.350): outside [0.8, 1.2] only the last; outside [0.9, 1.1]: 3
+    assert one["frac_out_clip"] == 0.25
+    assert one["frac_out_10pct"] == 0.75
+    assert one["frac_out_strict"] == 0.75
+    assert one["frac_out_2x"] == 0.0
+    # k3 = mean(e^Δ − 1 − Δ)
+    k3 = (math.expm1(0.1) - 0.1 + math.expm1(-0.2) + 0.2 + math.expm1(0.3) - 0.3) / 4
+    assert one["kl_k3"] == pytest.approx(k3, rel=1e-12)
+    rev_k3 = sum(1 - math.exp(d) + math.exp(d) * d for d in (0.1, -0.2, 0.0, 0.3)) / 4
+    assert one["kl_rev_k3"] == pytest.approx(rev_k3, rel=1e-12)
+    assert one["tmpe"] == pytest.approx((math.exp(0.1) + math.exp(0.2) + 1 + math.exp(0.3)) / 4, rel=1e-14)
+    chi2 = (math.exp(0.2) + math.exp(-0.4) + 1 + math.exp(0.6)) / 4 - 1
+    assert one["chi2_token"] == pytest.approx(chi2, rel=1e-12)
+    rho = [math.exp(d) for d in (0.1, -0.2, 0.0, 0.3)]
+    assert one["ess_token"] == pytest.approx(sum(rho) ** 2 / (4 * sum(r * r for r in rho)), rel=1e-14)
+    dprob = sum(abs(math.exp(b) - math.exp(a)) for a, b in zip(lp_a, lp_b, strict=True)) / 4
+    assert one["abs_dprob_mean"] == pytest.approx(dprob, rel=1e-14)
+    assert one["tokens"] == 4
+
+
+def test_fit_recovers_a_linear_relation() -> None:
+    rng = np.random.default_rng(1)
+    lp_a = -rng.exponential(2.0, size=500)
+    lp_b = 0.7 * lp_a - 0.05
+    t = token_table(lp_a, lp_b, eps_low=0.2, eps_high=0.2)
+    assert t["fit_slope"][0] == pytest.approx(0.7, rel=1e-12)
+    assert t["fit_intercept"][0] == pytest.approx(-0.05, abs=1e-12)
+    assert t["pearson_r"][0] == pytest.approx(1.0, abs=1e-12)
+    assert t["fit_resid_rms"][0] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_identical_streams_give_exact_zeros() -> None:
+    lp = -np.random.default_rng(2).exponential(1.5, size=1000)
+    t = token_table(lp, lp.copy(), eps_low=0.2, eps_high=0.2)
+    for stat in (
+        "bias",
+        "sd",
+        "rms",
+        "abs_mean",
+        "abs_p99",
+        "abs_max",
+        "kl_k1",
+        "kl_k3",
+        "kl_rev_k1",
+        "kl_rev_k3",
+    ):
+        assert t[stat][0] == 0.0, stat
+    for stat in (
+        "frac_out_strict",
+        "frac_out_clip",
+        "chi2_token",
+        "abs_dprob_mean",
+        "fit_intercept",
+        "fit_resid_rms",
+    ):
+        assert t[stat][0] == 0.0, stat
+    assert t["tmpe"][0] == 1.0
+    assert t["ess_token"][0] == 1.0
+    assert t["fit_slope"][0] == 1.0
+    assert t["pearson_r"][0] == 1.0
+
+
+def test_buckets_equal_the_table_of_each_subset() -> None:
+    rng = np.random.default_rng(3)
+    lp_a = -rng.exponential(1.0, size=3000)
+    lp_b = lp_a + rng.normal(0, 0.05, size=3000)
+    codes = rng.integers(0, 4, size=3000)
+    codes[codes == 2] = 3  # bucket 2 stays empty
+    bucketed = token_table(lp_a, lp_b, eps_low=0.2, eps_high=0.28, codes=codes, n_buckets=4, full=False)
+    for k in (0, 1, 3):
+        sub = token_table(lp_a[codes == k], lp_b[codes == k], eps_low=0.2, eps_high=0.28, full=False)
+        for stat, values in sub.items():
+            assert bucketed[stat][k] == pytest.approx(values[0], rel=1e-9, abs=1e-15), stat
+    assert bucketed["tokens"][2] == 0
+    assert np.isnan(bucketed["bias"][2])
+
+
+def test_sequence_table_uses_per_sample_means_and_product_ratios() -> None:
+    # two samples: Δ = (0.2, 0.4) and (−0.1,): means 0.3 and −0.1, sums 0.6 and −0.1
+    lp_a = np.array([-1.0, -1.0, -2.0])
+    lp_b = np.array([-0.8, -0.6, -2.1])
+    offsets = np.array([0, 2, 2, 3])  # the middle sample is empty and does not count
+    t = sequence_table(lp_a, lp_b, offsets, eps_low=0.2, eps_high=0.2)
+    assert t["samples"][0] == 2
+    assert t["bias"][0] == pytest.approx(0.1, abs=1e-15)
+    assert t["abs_mean"][0] == pytest.approx(0.2, abs=1e-15)
+    assert t["chi2_seq"][0] == pytest.approx((math.exp(1.2) + math.exp(-0.2)) / 2 - 1, rel=1e-12)
+    w = [math.exp(0.6), math.exp(-0.1)]
+    assert t["ess_seq"][0] == pytest.approx(sum(w) ** 2 / (2 * sum(x * x for x in w)), rel=1e-12)
+    assert t["seq_sum_delta_p50"][0] == pytest.approx(0.25, abs=1e-15)
+    assert t["seq_ratio_p50"][0] == pytest.approx(math.exp(0.25), rel=1e-14)
+    assert "chi2_token" not in t and "abs_dprob_mean" not in t
+
+
+def test_token_table_matches_the_metrics_engine() -> None:
+    """The `all` row of compare and `pgdiag metrics`' mismatch family are the same numbers."""
+    from pgdiag.metrics.catalog import MetricSink
+    from pgdiag.metrics.mismatch import add_mismatch_metrics
+    from pgdiag.metrics.reduce import TokenReducer
+    from pgdiag.metrics.settings import MetricSettings
+
+    rng = np.random.default_rng(4)
+    lp_a = -rng.exponential(1.0, size=400)
+    lp_b = lp_a + rng.normal(0, 0.1, size=400)
+    offsets = np.array([0, 100, 250, 400])
+    settings = MetricSettings()
+    sink = MetricSink("token")
+    reducer = TokenReducer.build(np.ones(400, dtype=bool), offsets, np.arange(3), "token")
+    add_mismatch_metrics(lp_a, lp_b, reducer, settings, sink)
+    theirs = {v.key.split("/", 1)[1]: v.value for v in sink.values if v.key.startswith("mismatch/")}
+    ours = token_table(lp_a, lp_b, eps_low=0.2, eps_high=0.2)
+    shared = [k for k in ours if k in theirs and theirs[k] is not None]
+    assert len(shared) >= 25
+    for stat in shared:
+        assert ours[stat][0] == pytest.approx(theirs[stat], rel=1e-9, abs=1e-14), stat
