@@ -1,0 +1,94 @@
+"""Distributed recompute on CPU with gloo: `--tp 2` / `--dp 2` self-launch equals one process; layout rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from test_logprobs import cli_app, make_checkpoint, make_rows, read_stream, write_run
+from typer.testing import CliRunner
+
+from pgdiag.errors import UsageError
+from pgdiag.launch import (
+    current_layout,
+    launched_by_torchrun,
+    resolve_degrees,
+    single_process_layout,
+)
+
+
+def test_resolve_degrees() -> None:
+    assert resolve_degrees(4, None, None) == (4, 1)
+    assert resolve_degrees(4, 2, None) == (2, 2)
+    assert resolve_degrees(4, None, 2) == (2, 2)
+    assert resolve_degrees(6, 3, 2) == (3, 2)
+    for world, tp, dp in ((4, 3, None), (4, 2, 3), (2, None, 4)):
+        with pytest.raises(UsageError) as error:
+            resolve_degrees(world, tp, dp)
+        assert error.value.code == "E505"
+
+
+def test_single_process_layout_and_torchrun_detection() -> None:
+    layout = current_layout(None)
+    assert layout == single_process_layout()
+    assert layout.is_main and layout.is_writer and (layout.tp_size, layout.dp_size) == (1, 1)
+    assert launched_by_torchrun({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert not launched_by_torchrun({"LOCAL_RANK": "0"})
+
+
+def _stream_values(directory: Path) -> tuple[list[str], np.ndarray]:
+    frame = read_stream(directory)
+    values = np.array(frame["logprobs"].explode().fill_null(np.nan).to_list() + frame["entropy"].explode()
+                      .fill_null(np.nan).to_list(), dtype=float)  # fmt: skip
+    return frame["sample_id"].to_list(), values
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("ckpt")
+    make_checkpoint(directory)
+    return directory
+
+
+def test_cli_tp2_and_dp2_self_launch_equal_one_process(ckpt: Path, tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", make_rows(seed=11))
+    runner = CliRunner()
+    common = [
+        "logprobs",
+        str(run),
+        "--model",
+        str(ckpt),
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "--part-samples",
+        "3",
+    ]
+    single = runner.invoke(cli_app(), [*common, "--tag", "tp1"])
+    assert single.exit_code == 0, single.output
+    tp2 = runner.invoke(cli_app(), [*common, "--tag", "tp2", "--tp", "2", "--json"])
+    assert tp2.exit_code == 0, tp2.output
+    assert '"tp": 2' in tp2.stdout and '"dp": 1' in tp2.stdout
+    dp2 = runner.invoke(cli_app(), [*common, "--tag", "dp2", "--dp", "2"])
+    assert dp2.exit_code == 0, dp2.output
+    ids1, v1 = _stream_values(run / "logprobs" / "tp1")
+    for tag in ("tp2", "dp2"):
+        ids, values = _stream_values(run / "logprobs" / tag)
+        assert ids == ids1
+        assert np.array_equal(np.isnan(values), np.isnan(v1))
+        np.testing.assert_allclose(values[~np.isnan(values)], v1[~np.isnan(v1)], atol=1e-5, rtol=0)
+    manifest = pl.read_json(run / "logprobs" / "dp2" / "_manifest.json")
+    assert manifest["complete"].item() is True and manifest["settings"].struct.field("dp").item() == 2
+
+
+def test_cli_tp_worker_error_is_one_line_with_the_worst_exit_code(ckpt: Path, tmp_path: Path) -> None:
+    rows = make_rows(seed=12, n_steps=1, groups=1)
+    rows[2]["input_ids"][1] = 10_000
+    run = write_run(tmp_path / "run", rows)
+    result = CliRunner().invoke(
+        cli_app(), ["logprobs", str(run), "--model", str(ckpt), "--device", "cpu", "--tp", "2"]
+    )
+    assert result.exit_code == 3 and "error[E208]" in result.output and "Traceback" not in result.output
