@@ -64,7 +64,10 @@ def add_group_metrics(
         sink.add("grad/group_token_share_max", None, n_groups)
         sink.add("grad/group_token_share_min", None, n_groups)
     mean_adv = None
-    if advantages is not None:
+    if advantages is not None and n_tokens == 0:
+        sink.add("advantage/group_seq_sum_absmax", None, n_groups)
+        sink.add("advantage/group_token_sum_absmax", None, n_groups)
+    elif advantages is not None:
         ne = red.nonempty
         adv_sums = red.sample_sums(advantages)  # (S,) Σ_t A
         mean_adv = adv_sums[ne] / n_i[ne]  # (S+,) Ā_i

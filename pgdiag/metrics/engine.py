@@ -121,8 +121,9 @@ def compute_step_native(batch: TokenBatch, settings: MetricSettings, *, groups_s
     adv_valid = None if advantages is None else take(advantages)  # (N,)
     # 2. policy pair, loss and gradient diagnostics
     if policy_pair:
-        add_policy_counts(lp_new, lp_old, sink)
         policy_tokens = build_policy_tokens(take(lp_new), take(lp_old), adv_valid, reducer, settings)
+        with np.errstate(invalid="ignore"):
+            add_policy_counts(policy_tokens.d if all_valid else lp_new - lp_old, sink)
         add_policy_metrics(policy_tokens, settings, sink)
         if adv_valid is not None:
             sums = loss_sums(policy_tokens, settings)

@@ -120,13 +120,15 @@ def build_policy_tokens(
     )
 
 
-def add_policy_counts(lp_new: np.ndarray, lp_old: np.ndarray, sink: MetricSink) -> None:
-    """`count/policy_*` over every loss position (valid or not): |d| > 20, NaN d, infinite d, overflow."""
+def add_policy_counts(d: np.ndarray, sink: MetricSink) -> None:
+    """`count/policy_*` over every loss position: |d| > 20, NaN d, infinite d, overflow of exp(d).
+
+    `d` (M,) is lp_new − lp_old at every loss position, valid or not.
+    """
+    n_positions = d.shape[0]
     with np.errstate(invalid="ignore"):
-        d = lp_new - lp_old  # (M,)
-        abs_d = np.abs(d)
-        n_positions = d.shape[0]
-        sink.add("count/policy_abs_logratio_gt_20", np.count_nonzero(abs_d > 20.0), n_positions)
+        big = np.count_nonzero(d > 20.0) + np.count_nonzero(d < -20.0)
+        sink.add("count/policy_abs_logratio_gt_20", big, n_positions)
         sink.add("count/policy_logratio_nan", np.count_nonzero(np.isnan(d)), n_positions)
         sink.add("count/policy_logratio_inf", np.count_nonzero(np.isinf(d)), n_positions)
         sink.add("count/policy_ratio_overflow", np.count_nonzero(d > LOG_FLOAT64_MAX), n_positions)

@@ -154,19 +154,22 @@ def segment_sums(x: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.n
 def quantiles(x: np.ndarray, qs: tuple[float, ...]) -> list[float | None]:
     """Type-7 quantiles of x (linear interpolation between order statistics, numpy's default).
 
-    One partition serves every q. Two equal order statistics give that value even when it is infinite
-    (numpy's interpolation would produce NaN from inf − inf there).
+    Exact for every input. Small arrays use one `np.partition` for every q. Large arrays first locate each
+    needed order statistic in a sorted systematic subsample, then select it among the few elements
+    between two bracketing values (one comparison pass instead of a 10M-element partition); a bracket
+    that misses the order statistic falls back to the full partition. Two equal order statistics give
+    that value even when it is infinite (numpy's interpolation would give NaN from inf − inf there).
     """
     n = x.shape[0]
     if n == 0:
         return [None] * len(qs)
     positions = [(n - 1) * q for q in qs]
-    kth = sorted({math.floor(h) for h in positions} | {math.ceil(h) for h in positions})
-    part = np.partition(x, kth)
+    needed = sorted({math.floor(h) for h in positions} | {math.ceil(h) for h in positions})
+    stats = _order_statistics(x, needed)
     out: list[float | None] = []
     for h in positions:
         lo, hi = math.floor(h), math.ceil(h)
-        a, b = float(part[lo]), float(part[hi])
+        a, b = stats[lo], stats[hi]
         t = h - lo
         if a == b or t == 0.0:
             out.append(_as_float(a))
@@ -175,6 +178,40 @@ def quantiles(x: np.ndarray, qs: tuple[float, ...]) -> list[float | None]:
         # the same two-sided lerp as numpy.quantile so both agree bit for bit on finite data
         out.append(_as_float(b - diff * (1.0 - t) if t >= 0.5 else a + diff * t))
     return out
+
+
+_BRACKET_MIN_SIZE = 1 << 18  # below this a full partition is as fast as bracketing
+_SUBSAMPLE_SIZE = 1 << 16
+
+
+def _order_statistics(x: np.ndarray, ranks: list[int]) -> dict[int, float]:
+    """{k: k-th smallest element of x (0-based)} for the sorted `ranks`."""
+    n = x.shape[0]
+    if n < _BRACKET_MIN_SIZE:
+        part = np.partition(x, ranks)
+        return {k: float(part[k]) for k in ranks}
+    sub = np.sort(x[:: n // _SUBSAMPLE_SIZE])  # (≈ 65536,) systematic subsample
+    k_sub = sub.shape[0]
+    found: dict[int, float] = {}
+    for rank in ranks:
+        if rank in found:
+            continue
+        centre = rank / (n - 1) * (k_sub - 1)
+        q = rank / (n - 1)
+        margin = int(6.0 * math.sqrt(k_sub * q * (1.0 - q))) + 16
+        lo_idx, hi_idx = math.floor(centre) - margin, math.ceil(centre) + margin
+        lo_val = -math.inf if lo_idx <= 0 else float(sub[lo_idx])
+        hi_val = math.inf if hi_idx >= k_sub - 1 else float(sub[hi_idx])
+        at_least_lo = x >= lo_val  # (n,)
+        below = n - int(np.count_nonzero(at_least_lo))
+        inside = x[at_least_lo & (x <= hi_val)]
+        group = [k for k in ranks if below <= k < below + inside.shape[0] and k not in found]
+        if rank not in group:
+            part = np.partition(x, ranks)
+            return {k: float(part[k]) for k in ranks}
+        part = np.partition(inside, [k - below for k in group])
+        found.update({k: float(part[k - below]) for k in group})
+    return found
 
 
 def extremum(x: np.ndarray, kind: str) -> float | None:
@@ -216,6 +253,8 @@ def linear_fit(x: np.ndarray, y: np.ndarray) -> LinearFit:
     """Pearson r and OLS fit of y on x, from centred sums (no subtraction of squares).
 
     r is None when either side is constant; slope, intercept and residual are None when x is constant.
+    Products go through one reused scratch buffer and pairwise `np.sum` (a 10M-token step would otherwise
+    allocate four more arrays).
     """
     n = x.shape[0]
     if n == 0:
@@ -223,15 +262,21 @@ def linear_fit(x: np.ndarray, y: np.ndarray) -> LinearFit:
     mx, my = np.sum(x) / n, np.sum(y) / n
     if not (math.isfinite(mx) and math.isfinite(my)):
         return LinearFit(None, None, None, None)
-    dx, dy = x - mx, y - my
-    sxx, syy, sxy = float(np.sum(dx * dx)), float(np.sum(dy * dy)), float(np.sum(dx * dy))
-    pearson = sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
+    dx, dy = x - mx, y - my  # (n,)
+    scratch = np.empty_like(dx)
+
+    def sum_of_products(a: np.ndarray, b: np.ndarray) -> float:
+        return float(np.sum(np.multiply(a, b, out=scratch)))
+
+    sxx, syy, sxy = sum_of_products(dx, dx), sum_of_products(dy, dy), sum_of_products(dx, dy)
+    pearson_r = sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
     if sxx == 0:
-        return LinearFit(pearson, None, None, None)
+        return LinearFit(pearson_r, None, None, None)
     slope = sxy / sxx
-    dy -= slope * dx
-    resid_rms = math.sqrt(float(np.sum(dy * dy)) / n)
-    return LinearFit(pearson, slope, float(my - slope * mx), resid_rms)
+    np.multiply(dx, slope, out=scratch)
+    dy -= scratch  # residuals
+    resid_rms = math.sqrt(sum_of_products(dy, dy) / n)
+    return LinearFit(pearson_r, slope, float(my - slope * mx), resid_rms)
 
 
 def pearson(x: np.ndarray, y: np.ndarray) -> float | None:

@@ -58,7 +58,9 @@ def make_batch(
     return TokenBatch(
         label="test",
         step=np.asarray(steps if steps is not None else [0] * n, dtype=np.int64),
-        sample_id=np.asarray(sample_ids if sample_ids is not None else [f"s{i}" for i in range(n)], dtype=object),
+        sample_id=np.asarray(
+            sample_ids if sample_ids is not None else [f"s{i}" for i in range(n)], dtype=object
+        ),
         segment_idx=np.zeros(n, dtype=np.int32),
         group=np.asarray(group_codes, dtype=np.int64).reshape(-1),
         group_names=np.asarray(group_names, dtype=object),
