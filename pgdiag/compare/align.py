@@ -70,6 +70,8 @@ class AlignedPair:
     entropy: np.ndarray | None  # (M,) float64, nats, from side b's stream (else side a's)
     reward: np.ndarray | None  # (S,) float64, side a
     env: np.ndarray | None  # (S,) object, side a
+    rows_a: np.ndarray  # (S,) int64 row of each matched sample in batch a
+    rows_b: np.ndarray  # (S,) int64 row in batch b
     n_samples_a: int
     n_samples_b: int
     n_invalid: int  # matched tokens dropped as non-finite (only when E207 is ignored)
@@ -369,6 +371,8 @@ def align_batches(
         entropy=entropy,
         reward=None if a.reward is None else np.asarray(a.reward, dtype=np.float64)[ia],
         env=None if a.env is None else a.env[ia],
+        rows_a=ia,
+        rows_b=ib,
         n_samples_a=a.n_samples,
         n_samples_b=b.n_samples,
         n_invalid=n_invalid,

@@ -396,15 +396,21 @@ def run_comparison(
                 pair.pair, "token", "all", "all", "mismatch/tau_hint", diagnosis.tau_hint, "1", "fit", n
             )
         )
+    tau = None
     if model is not None:
-        raise UsageError(
-            "E503",
-            "--model (exact best-fit temperature from logits) is not available in this build",
-            "use the logprob-only hint mismatch/tau_hint, or recompute with pgdiag logprobs and compare streams",
+        tau = _exact_tau(pair, side_b, model)
+        rows.append(
+            ReportRow(pair.pair, "token", "all", "all", "mismatch/tau_fit", tau.tau, "1", "fit", tau.n)
         )
+        rows.append(
+            ReportRow(pair.pair, "token", "all", "all", "mismatch/tau_fit_rms", tau.rms, "nats", "fit", tau.n)
+        )
+        issues_tau = _tau_warning(pair, tau.tau)
+    else:
+        issues_tau = []
     if side_by_side:
         rows += _side_by_side_rows(side_a, side_b, la, lb, one_run)
-    issues = [i for i in (*pair.issues, *diagnosis.issues) if i.code not in ignore]
+    issues = [i for i in (*pair.issues, *diagnosis.issues, *issues_tau) if i.code not in ignore]
     checks = _checks_frame(issues, [side_a.checks] if one_run else [side_a.checks, side_b.checks])
     meta = {
         "pairs": [pair.pair],
@@ -425,7 +431,8 @@ def run_comparison(
         "diagnosis": {
             pair.pair: {
                 "tau_hint": diagnosis.tau_hint,
-                "tau_source": "fit_slope (logprob-only; exact tau_fit needs logits)",
+                "tau_fit": None if tau is None else tau.tau,
+                "tau_source": "logits (--model)" if tau is not None else "fit_slope (logprob-only hint)",
                 "first_token_ratio": diagnosis.first_token_ratio,
             }
         },
@@ -439,6 +446,36 @@ def run_comparison(
         worst_seqs=worst_seqs(pair, worst_k),
     )
     return Comparison(report, pair)
+
+
+TAU_WARN = 0.02  # |tau_fit − 1| above this is reported (the `recommended` profile's tau_dev gate)
+
+
+def _exact_tau(pair: AlignedPair, side_b: Side, model: str | Path) -> Any:
+    """The exact τ fit with side b's logits; needs side b read from disk (its input_ids)."""
+    if side_b.run is None or side_b.batch.sample_row is None:
+        raise UsageError(
+            "E503", "--model needs runs read from disk (the fit recomputes logits from input_ids)"
+        )
+    from pgdiag.compare.tau import exact_tau
+
+    source_rows = np.asarray(side_b.batch.sample_row, dtype=np.int64)[pair.rows_b]
+    ids = side_b.run.collect(["input_ids"])["input_ids"]
+    return exact_tau(pair, [ids[int(r)].to_numpy() for r in source_rows], model)
+
+
+def _tau_warning(pair: AlignedPair, tau: float | None) -> list[CheckIssue]:
+    if tau is None or abs(tau - 1.0) <= TAU_WARN:
+        return []
+    return [
+        CheckIssue(
+            "W401",
+            "warning",
+            pair.n_tokens,
+            f"{pair.pair}: best-fit temperature {tau:.4g} from {pair.label_b}'s logits: {pair.label_a} looks "
+            f"sampled at T ≈ {tau:.3g} relative to {pair.label_b}; check temperature on both sides",
+        )
+    ]
 
 
 def _side_by_side_rows(side_a: Side, side_b: Side, la: str, lb: str, one_run: bool) -> list[ReportRow]:

@@ -141,7 +141,7 @@ def rollout_rows(samples: list[dict[str, Any]], *, run: str, streams: dict[str, 
 
 def write_run(path: Path, samples: list[dict[str, Any]], *, run: str, streams: dict[str, str]) -> Path:
     """A single-file run at `path` (a .parquet file) holding `samples`."""
-    from tests.rollout_factory import write_rollouts_file
+    from rollout_factory import write_rollouts_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_rollouts_file(path, rollout_rows(samples, run=run, streams=streams))

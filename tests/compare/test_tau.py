@@ -1,0 +1,84 @@
+"""`compare --model CKPT`: the exact best-fit temperature from side b's logits recovers a one-sided T = 0.7.
+
+Side a's log-probs are computed from an independent reference (HF transformers, fp32) with the logits divided by
+0.7; side b's from the plain logits. pgdiag recomputes b's logits with its own model and must find τ* ≈ 0.7.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from batch_factory import write_run
+from typer.testing import CliRunner
+
+from pgdiag.cli.app import build_app
+from pgdiag.compare.api import compare_runs
+from pgdiag.runs import read_run
+
+VOCAB = 97
+
+
+def _tiny_llama(path) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tempered_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tau")
+    model = _tiny_llama(root / "ckpt")
+    rng = np.random.default_rng(3)
+    samples = []
+    for i in range(6):
+        prompt_len, length = 3, 20
+        ids = rng.integers(0, VOCAB, size=length)
+        with torch.no_grad():
+            logits = (
+                model(torch.as_tensor(ids)[None]).logits[0].double()
+            )  # (T, V): row p predicts token p + 1
+        loss = list(range(prompt_len, length))
+        pred = logits[torch.as_tensor(loss) - 1]  # (m, V)
+        tok = torch.as_tensor(ids[loss])[:, None]
+        lp_tempered = torch.log_softmax(pred / 0.7, dim=-1).gather(1, tok).squeeze(1).numpy()
+        lp_plain = torch.log_softmax(pred, dim=-1).gather(1, tok).squeeze(1).numpy()
+        samples.append({
+            "step": 0, "sample_id": f"s{i}", "input_ids": ids.tolist(), "prompt_len": prompt_len, "loss": loss,
+            "streams": {"rollout": lp_tempered, "old": lp_plain}, "reward": 0.0, "env": "x",
+        })  # fmt: skip
+    a = write_run(root / "engine.parquet", samples, run="engine", streams={"rollout_logprobs": "rollout"})
+    b = write_run(root / "trainer.parquet", samples, run="trainer", streams={"rollout_logprobs": "old"})
+    return a, b, root / "ckpt"
+
+
+def test_exact_tau_with_model_is_within_001_of_07(tempered_runs) -> None:
+    a, b, ckpt = tempered_runs
+    report = compare_runs(read_run(a), read_run(b), stream_a="rollout", model=ckpt)
+    tau = report.value("mismatch/tau_fit", scope="token")
+    assert tau is not None and abs(tau - 0.7) < 0.01
+    assert report.value("mismatch/tau_fit_rms", scope="token") < 1e-3  # float32 storage of the log-probs
+    assert report.meta["diagnosis"][report.meta["pairs"][0]]["tau_source"] == "logits (--model)"
+    assert "best-fit temperature 0.7" in " ".join(report.checks["message"].to_list())
+
+
+def test_tau_gate_fails_through_the_cli(tempered_runs) -> None:
+    a, b, ckpt = tempered_runs
+    result = CliRunner().invoke(
+        build_app(), ["compare", str(a), str(b), "--model", str(ckpt), "--fail-on", "tau_dev>0.02", "--json"]
+    )
+    assert result.exit_code == 1, result.output
+    gate = json.loads(result.stdout)["gates"][0]
+    assert gate["metric"] == "mismatch/tau_fit" and abs(gate["value"] - 0.3) < 0.01
