@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import save_hf_model
+from hf_tiny import save_hf_model
 from safetensors.torch import load_file, save_file
 
 from pgdiag.errors import PgdiagError, UsageError

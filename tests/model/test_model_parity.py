@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import packed_inputs, save_hf_model
+from hf_tiny import packed_inputs, save_hf_model
 
 from pgdiag.model import load_model
 

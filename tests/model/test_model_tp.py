@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import packed_inputs, save_hf_model
+from hf_tiny import packed_inputs, save_hf_model
 
 from pgdiag.model import load_model
 

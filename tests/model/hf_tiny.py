@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 TINY: dict[str, Any] = {
@@ -63,14 +62,3 @@ def packed_inputs(
     pos = torch.cat([torch.arange(n) for n in lengths])
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     return ids, pos, cu
-
-
-@pytest.fixture
-def hf_checkpoint(tmp_path: Path):
-    """Factory: hf_checkpoint(arch, name=..., **config) -> (checkpoint dir, HF model)."""
-
-    def make(arch: str, name: str = "ckpt", **kwargs: Any):
-        path = tmp_path / name
-        return path, save_hf_model(path, arch, **kwargs)
-
-    return make
