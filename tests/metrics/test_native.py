@@ -10,6 +10,7 @@ from metrics_batch_factory import make_batch, worked_example
 
 from pgdiag.metrics.catalog import METRIC_CATALOG
 from pgdiag.metrics.engine import compute_native, compute_step_native, split_steps
+from pgdiag.metrics.identity import check_identity
 from pgdiag.metrics.settings import MetricSettings
 
 POLICY = MetricSettings(new="new", old="old")
@@ -399,3 +400,25 @@ def test_every_emitted_key_is_in_the_catalog_and_every_catalog_key_can_be_emitte
     )
     emitted = {v.key for v in compute_step_native(batch, settings).values}
     assert emitted == {spec.key for spec in METRIC_CATALOG}
+
+
+# ---- identity check (§9) -------------------------------------------------------------------------------------
+
+
+def test_identity_check_passes_on_policy_and_names_what_breaks():
+    lp = [[-0.3, -2.0, -1.1], [-0.7]]
+    same = compute_step_native(make_batch(new=lp, old=lp, advantages=[1.0, -1.0]), POLICY)
+    ok = check_identity(same)
+    assert ok.passed and ok.logratio_absmax == 0.0 and ok.tokens == 4 and ok.deviations == ()
+    drifted = compute_step_native(
+        make_batch(new=[[-0.3, -2.0, -1.1], [-0.7 + 1e-7]], old=lp, advantages=[1, -1]), POLICY
+    )
+    failed = check_identity(drifted)
+    assert not failed.passed
+    assert failed.logratio_absmax == pytest.approx(1e-7, rel=1e-6)
+    assert "policy/kl_k1" in failed.deviations and "policy/ratio_mean" in failed.deviations
+    assert check_identity(drifted, tolerance=1e-6).passed
+    invalid = compute_step_native(
+        make_batch(new=[[-0.3, math.nan]], old=[[-0.3, -0.1]], advantages=[1.0]), POLICY
+    )
+    assert not check_identity(invalid, tolerance=1.0).passed  # an invalid token fails whatever the tolerance
