@@ -127,8 +127,15 @@ VerboseOpt = Annotated[
 
 
 def make_console(*, quiet: bool = False) -> Console:
-    """The stderr console; honours NO_COLOR / FORCE_COLOR / TERMINAL_WIDTH through rich."""
-    return Console(stderr=True, quiet=quiet, highlight=False)
+    """The stderr console; honours NO_COLOR / FORCE_COLOR / COLUMNS / TERMINAL_WIDTH through rich.
+
+    Off a terminal (CI logs, pipes) rich would wrap tables at 80 columns and truncate metric names; there the
+    width is 160 unless COLUMNS or TERMINAL_WIDTH says otherwise.
+    """
+    width = None
+    if not sys.stderr.isatty() and not (os.environ.get("COLUMNS") or os.environ.get("TERMINAL_WIDTH")):
+        width = 160
+    return Console(stderr=True, quiet=quiet, highlight=False, width=width)
 
 
 def result_object(command: str, **fields: Any) -> dict[str, Any]:

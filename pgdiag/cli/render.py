@@ -12,6 +12,7 @@ from pgdiag.gates import GateResult
 from pgdiag.report import Report
 
 MAX_STEP_COLUMNS = 6
+FAMILY_ORDER = ("loss", "grad", "policy", "mismatch", "advantage", "entropy", "group", "count")
 
 
 def format_value(value: float | None, unit: str) -> str:
@@ -48,7 +49,11 @@ def render_metrics(
         family = metric.split("/", 1)[0] if "/" in metric else "metrics"
         families.setdefault(family, []).append((pair, metric, value, unit, reduction, n))
     statuses = {str(s["step"]): s["status"] for s in report.meta.get("steps", [])}
-    for family, rows in families.items():
+    ordered = sorted(
+        families, key=lambda f: FAMILY_ORDER.index(f) if f in FAMILY_ORDER else len(FAMILY_ORDER)
+    )
+    for family in ordered:
+        rows = families[family]
         pairs = sorted({r[0] for r in rows})
         title = f"{family}  [dim]({', '.join(pairs)})[/]"
         table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
