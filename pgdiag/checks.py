@@ -35,6 +35,7 @@ STALE_FACTOR = 3.0
 STALE_MIN = 0.005
 STALE_WINDOW = 5
 EXTREME_DELTA = 20.0
+MIN_STAT_TOKENS = 200  # fits, medians and sign fractions need this many valid tokens (W401, W403, E302)
 MASK_ERROR_FRACTION = 0.01
 
 
@@ -130,7 +131,7 @@ def semantic_checks(
     if n_valid == 0:
         return issues
     pair = f"{stream_column(b)} vs {stream_column(a)}"
-    shift = shift_check(batch, a, b, valid)
+    shift = shift_check(batch, a, b, valid) if n_valid >= MIN_STAT_TOKENS else None
     if shift is not None:
         issues.append(shift)
     for zero_side, other_side in ((a, b), (b, a)):
@@ -166,7 +167,8 @@ def semantic_checks(
         else np.zeros(0)
     )
     one_sign = max(float((seq_delta > 0).mean()), float((seq_delta < 0).mean())) if seq_delta.size else 0.0
-    if abs(slope - 1.0) > SLOPE_TOL and r > SLOPE_MIN_R:
+    enough = n_valid >= MIN_STAT_TOKENS
+    if enough and abs(slope - 1.0) > SLOPE_TOL and r > SLOPE_MIN_R:
         issues.append(
             Issue(
                 "W401",
@@ -176,7 +178,7 @@ def semantic_checks(
                 hint="check temperature on both sides",
             )
         )
-    elif ratio > FIRST_TOKEN_RATIO and one_sign > 0.8:
+    elif enough and ratio > FIRST_TOKEN_RATIO and one_sign > 0.8 and n_first >= FIRST_TOKEN_MIN_SEQS:
         issues.append(
             Issue(
                 "W401",
@@ -193,7 +195,7 @@ def semantic_checks(
                 "W406", "warning", n_first, f"{pair}: first response token carries {ratio:.3g}× the mean |Δ|"
             )
         )
-    if sampling_side_is_engine:
+    if sampling_side_is_engine and enough:
         frac_ge = float((lp_a[valid] >= lp_b[valid]).mean())
         mean_delta = float(delta[valid].mean())
         if frac_ge > 0.9 and mean_delta < -0.01:
@@ -429,7 +431,7 @@ def check_run(
     batch = build_token_batch(run, rows, bad_rows=found.bad_rows, env=True)
     if streams is not None:
         if len(pair_streams) != 2:
-            raise UsageError("E500", f"--streams needs two names, got {pair_streams}", "pass --streams A,B")
+            raise UsageError("E112", f"--streams needs two names, got {pair_streams}", "pass --streams A,B")
         pairs = [(pair_streams[0], pair_streams[1])]
     elif "rollout" in pair_streams:
         pairs = [("rollout", s) for s in pair_streams if s != "rollout"]

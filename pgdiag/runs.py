@@ -43,6 +43,7 @@ from pgdiag.validate import (
     RowTable,
     check_result,
     missing_columns,
+    subset_rows,
     validate_rows,
 )
 
@@ -62,8 +63,7 @@ class StepSpec:
 
 
 def parse_steps(spec: str | Sequence[int]) -> StepSpec:
-    """Parse ``N``, ``A-B`` (inclusive), comma lists and ``last`` (e.g. ``"0-3,7,last"``); bad specs are E501-free
-    UsageErrors with code E500."""
+    """Parse ``N``, ``A-B`` (inclusive), comma lists and ``last`` (``"0-3,7,last"``); bad specs: UsageError E112."""
     if not isinstance(spec, str):
         return StepSpec(tuple((int(s), int(s)) for s in spec))
     ranges: list[tuple[int, int]] = []
@@ -77,12 +77,12 @@ def parse_steps(spec: str | Sequence[int]) -> StepSpec:
             hi = int(match.group(2)) if match.group(2) is not None else lo
             if hi < lo:
                 raise UsageError(
-                    "E500", f"--steps {spec!r}: range {part} is empty", "write ranges as A-B with A <= B"
+                    "E112", f"--steps {spec!r}: range {part} is empty", "write ranges as A-B with A <= B"
                 )
             ranges.append((lo, hi))
         else:
             raise UsageError(
-                "E500", f"--steps {spec!r}: cannot parse {part!r}", "use N, A-B, comma lists or last"
+                "E112", f"--steps {spec!r}: cannot parse {part!r}", "use N, A-B, comma lists or last"
             )
     return StepSpec(tuple(ranges), last)
 
@@ -546,19 +546,15 @@ def build_token_batch(
     env: bool = False,
 ) -> TokenBatch:
     """The loss positions of the sound rows of `rows` as a float64 `TokenBatch` (rows in read order)."""
-    table = rows.table
-    frame = table.frame
-    keep = np.arange(table.n_rows, dtype=np.int64) if bad_rows is None else np.flatnonzero(~bad_rows)
+    keep = np.arange(rows.table.n_rows, dtype=np.int64) if bad_rows is None else np.flatnonzero(~bad_rows)
+    table = rows.table if bad_rows is None else subset_rows(rows.table, keep)
+    sub = table.frame
     ids = table.lists["input_ids"]
     loss = table.lists["loss_mask"].values.astype(bool, copy=False)
-    if bad_rows is not None:
-        loss = loss & ~np.repeat(bad_rows, ids.lengths)
     loss_index = np.flatnonzero(loss)  # (M,) flat index of every loss token
-    n_loss_all = np.diff(np.searchsorted(loss_index, ids.offsets))  # (R,)
-    n_loss = n_loss_all[keep]
-    offsets = np.zeros(keep.shape[0] + 1, dtype=np.int64)
-    np.cumsum(n_loss, out=offsets[1:])
-    pos = (loss_index - np.repeat(ids.offsets[:-1], n_loss_all)).astype(np.int32)
+    offsets = np.searchsorted(loss_index, ids.offsets).astype(np.int64)  # (S + 1,)
+    n_loss = np.diff(offsets)
+    pos = (loss_index - np.repeat(ids.offsets[:-1], n_loss)).astype(np.int32)
 
     def token_values(column: str) -> np.ndarray:
         flat = table.lists[column]
@@ -567,7 +563,6 @@ def build_token_batch(
             values[~flat.valid[loss_index]] = np.nan
         return values
 
-    sub = frame[keep.tolist()] if bad_rows is not None else frame
     group_raw = sub["group_id"].cast(pl.String).fill_null("").to_numpy().astype(object)
     group_names, group = np.unique(group_raw, return_inverse=True)
     adv: np.ndarray | None = None
@@ -586,7 +581,7 @@ def build_token_batch(
         group=group.astype(np.int64),
         group_names=group_names.astype(object),
         prompt_len=sub["prompt_len"].cast(pl.Int32).to_numpy(),
-        seq_len=ids.lengths[keep].astype(np.int32),
+        seq_len=ids.lengths.astype(np.int32),
         offsets=offsets,
         pos=pos,
         token_id=ids.values[loss_index].astype(np.int32, copy=False),

@@ -180,6 +180,26 @@ class _Locator:
         )
 
 
+def subset_rows(table: RowTable, keep: np.ndarray) -> RowTable:
+    """The rows `keep` ((K,) int64 indices, increasing) of `table`, every list column re-flattened."""
+    keep = np.asarray(keep, dtype=np.int64)
+    lists = {}
+    for column, flat in table.lists.items():
+        lengths = flat.lengths[keep]
+        offsets = np.zeros(keep.shape[0] + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        take = np.repeat(flat.offsets[:-1][keep] - offsets[:-1], lengths) + np.arange(
+            offsets[-1], dtype=np.int64
+        )
+        lists[column] = FlatList(
+            offsets,
+            flat.values[take],
+            None if flat.valid is None else flat.valid[take],
+            None if flat.row_valid is None else flat.row_valid[keep],
+        )
+    return RowTable(table.frame[keep.tolist()], lists, table.stream_columns)
+
+
 def _row_of(offsets: np.ndarray, flat_index: np.ndarray) -> np.ndarray:
     """(K,) row owning each flat index."""
     return np.searchsorted(offsets, flat_index, side="right") - 1
@@ -245,7 +265,12 @@ class _Rules:
                 self.bad |= wrong
                 if self.on("E201"):
                     rows = np.flatnonzero(wrong)
-                    notes = [f"length {flat.lengths[r]} != input_ids {lengths[r]}" for r in rows[:5]]
+                    notes = [
+                        "null list"
+                        if flat.row_valid is not None and not flat.row_valid[r]
+                        else f"length {flat.lengths[r]} != input_ids {lengths[r]}"
+                        for r in rows[:5]
+                    ]
                     self.add(
                         self.loc.issue(
                             "E201",
@@ -355,14 +380,11 @@ class _Rules:
 
     # ---- token rules ------------------------------------------------------------------------------------
     def tokens(self) -> None:
-        """Token rules on structurally sound rows: E203, E204, E205-E209, W214-W216."""
+        """Token rules (E203, E204, E205-E209, W214-W216); every row of the table must be structurally sound."""
         ids = self.table.lists["input_ids"]
         offsets = ids.offsets
         n_rows = self.table.n_rows
         loss = self.table.lists["loss_mask"].values.astype(bool, copy=False)
-        if self.bad.any():
-            loss = loss.copy()
-            loss[np.repeat(self.bad, ids.lengths)] = False
         loss_index = np.flatnonzero(loss)  # (M,) flat index of every loss token
         row_start = np.searchsorted(loss_index, offsets)  # (R + 1,) first loss token at or after each offset
         n_loss = np.diff(row_start)
@@ -619,5 +641,14 @@ def validate_rows(
     rules.structure()
     rules.scalars()
     rules.seq_hash()
-    rules.tokens()
-    return RowIssues(rules.issues, rules.bad if rules.bad.any() else None)
+    if not rules.bad.any():
+        rules.tokens()
+        return RowIssues(rules.issues, None)
+    sound = np.flatnonzero(~rules.bad)
+    if sound.size:
+        token_rules = _Rules(
+            subset_rows(table, sound), ignore=ignore, max_examples=max_examples, vocab_size=vocab_size
+        )
+        token_rules.tokens()
+        rules.issues.extend(token_rules.issues)
+    return RowIssues(rules.issues, rules.bad)

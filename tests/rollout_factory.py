@@ -74,6 +74,43 @@ def rollouts_frame(
     return pl.DataFrame(data, schema=schema)
 
 
+def valid_rows() -> list[dict[str, Any]]:
+    """Two steps x one group of two samples; position 0-1 prompt, loss on the response (one masked span)."""
+    rows = []
+    for step in (0, 1):
+        rows.append(
+            {
+                "step": step,
+                "sample_id": f"{step}:0",
+                "group_id": f"g{step}",
+                "input_ids": [11, 12, 13, 14, 15, 16],
+                "prompt_len": 2,
+                "loss_mask": [False, False, True, False, True, True],
+                "rollout_logprobs": [None, None, -0.5, None, -1.25, -0.125],
+                "old_logprobs": [None, None, -0.5, None, -1.0, -0.25],
+                "advantages": [None, None, 1.0, None, 1.0, 1.0],
+                "reward": 1.0,
+                "env": "math",
+            }
+        )
+        rows.append(
+            {
+                "step": step,
+                "sample_id": f"{step}:1",
+                "group_id": f"g{step}",
+                "input_ids": [11, 12, 21, 22],
+                "prompt_len": 2,
+                "loss_mask": [False, False, True, True],
+                "rollout_logprobs": [None, None, -2.0, -0.75],
+                "old_logprobs": [None, None, -2.5, -0.5],
+                "advantages": [None, None, -1.0, -1.0],
+                "reward": 0.0,
+                "env": "code",
+            }
+        )
+    return rows
+
+
 def write_rollouts_file(
     path: str | Path,
     rows: list[dict[str, Any]],
