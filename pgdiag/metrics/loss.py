@@ -346,3 +346,22 @@ def _add_grad_metrics(
         elasticity = linear_fit(np.log(lengths), np.log(w)).slope
     sink.add(f"grad/{mode}_length_corr", corr, n_seq)
     sink.add(f"grad/{mode}_length_elasticity", elasticity, n_seq)
+
+
+def aliases_markdown() -> str:
+    """The alias table of docs/metrics.md: framework, name, mode at token and sequence level, denominator."""
+    lines = [
+        "| `--aggregation` | framework | token level | sequence level | framework's denominator |",
+        "|---|---|---|---|---|",
+    ]
+    for rule in AGGREGATION_ALIASES:
+        spelled = f"`{rule.framework}:{rule.name}`" + (f" or `{rule.name}`" if rule.bare else "")
+        token = "—" if rule.token_mode is None else f"`{rule.token_mode}`"
+        sequence = "—" if rule.sequence_mode is None else f"`{rule.sequence_mode}`"
+        extra = ""
+        if rule.default_divisor is not None:
+            extra = f"; L defaults to {rule.default_divisor:g} with the prefix"
+        if rule.batch_size_samples:
+            extra = "; S := `--batch-size`"
+        lines.append(f"| {spelled} | {rule.framework} | {token} | {sequence} | {rule.denominator}{extra} |")
+    return "\n".join(lines) + "\n"

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 from metrics_batch_factory import make_batch, worked_example
 
-from pgdiag.metrics.catalog import METRIC_CATALOG
+from pgdiag.metrics.catalog import METRIC_CATALOG, catalog_markdown
 from pgdiag.metrics.engine import compute_native, compute_step_native, split_steps
 from pgdiag.metrics.identity import check_identity
+from pgdiag.metrics.loss import aliases_markdown
 from pgdiag.metrics.settings import MetricSettings
 
 POLICY = MetricSettings(new="new", old="old")
@@ -422,3 +424,9 @@ def test_identity_check_passes_on_policy_and_names_what_breaks():
         make_batch(new=[[-0.3, math.nan]], old=[[-0.3, -0.1]], advantages=[1.0]), POLICY
     )
     assert not check_identity(invalid, tolerance=1.0).passed  # an invalid token fails whatever the tolerance
+
+
+def test_docs_metrics_page_embeds_the_catalog_and_alias_tables():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text(encoding="utf-8")
+    assert catalog_markdown() in page
+    assert aliases_markdown() in page
