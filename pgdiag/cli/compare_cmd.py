@@ -134,6 +134,22 @@ def compare(
             "--metrics", help="Add each run's own metric set and the deltas.", rich_help_panel=METRICS
         ),
     ] = False,
+    aggregation: Annotated[
+        str | None,
+        typer.Option("--aggregation", help="With --metrics: headline loss mode.", rich_help_panel=METRICS),
+    ] = None,
+    divisor: Annotated[
+        float | None,
+        typer.Option("--divisor", help="With --metrics: L of `constant`.", rich_help_panel=METRICS),
+    ] = None,
+    key_style: Annotated[
+        str | None,
+        typer.Option(
+            "--key-style",
+            help="With --metrics: a framework's own keys (metrics.md §8).",
+            rich_help_panel=METRICS,
+        ),
+    ] = None,
     model: Annotated[
         Path | None, typer.Option("--model", help="Checkpoint for the exact tau fit.", rich_help_panel=MODEL)
     ] = None,
@@ -196,6 +212,11 @@ def compare(
             label_b=label_b,
             decode=_decoder(tokenizer),
             side_by_side=side_by_side,
+            metrics_options={
+                k: v
+                for k, v in (("aggregation", aggregation), ("divisor", divisor), ("key_style", key_style))
+                if v is not None
+            },
         )
         report = comparison.report
         gates = evaluate_gates(

@@ -12,7 +12,7 @@ report schema (§2.4); side-by-side run metrics use scope `batch`, which compare
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -332,6 +332,7 @@ def run_comparison(
     label_b: str | None = None,
     decode: Callable[[Sequence[int]], str] | None = None,
     side_by_side: bool = False,
+    metrics_options: Mapping[str, Any] | None = None,
 ) -> Comparison:
     """Parity of `a` against `b` (or of two streams of `a` when `b` is None). Δ = lp_b − lp_a.
 
@@ -339,7 +340,9 @@ def run_comparison(
     `breakdowns.available`). `ignore`: check codes to skip (E306 compares the matched samples only; E207 drops
     non-finite tokens and counts them). `model`: a checkpoint for the exact best-fit temperature (needs runs read
     from disk). `decode`: token ids -> text for the worst-token context. `side_by_side`: add each run's own
-    metric set (scope `batch`, `pgdiag.compute_metrics`) and its deltas (pair ``"<b> - <a>"``).
+    metric set (scope `batch`, `pgdiag.compute_metrics`) and its deltas (pair ``"<b> - <a>"``); `metrics_options`
+    go to `compute_metrics` (aggregation, key_style, new, old, ...; by default the compared stream is `new` and
+    `old` is ``old`` else ``rollout`` when that differs from it).
     Raises `InvalidInputError` (exit 3) on alignment errors, `UsageError` (exit 2) on bad options.
     """
     if worst_k < 0:
@@ -409,7 +412,7 @@ def run_comparison(
     else:
         issues_tau = []
     if side_by_side:
-        rows += _side_by_side_rows(side_a, side_b, la, lb, one_run)
+        rows += _side_by_side_rows(side_a, side_b, la, lb, one_run, (sa, sb), metrics_options or {})
     issues = [i for i in (*pair.issues, *diagnosis.issues, *issues_tau) if i.code not in ignore]
     checks = _checks_frame(issues, [side_a.checks] if one_run else [side_a.checks, side_b.checks])
     meta = {
@@ -478,23 +481,49 @@ def _tau_warning(pair: AlignedPair, tau: float | None) -> list[CheckIssue]:
     ]
 
 
-def _side_by_side_rows(side_a: Side, side_b: Side, la: str, lb: str, one_run: bool) -> list[ReportRow]:
+def _metric_streams(run: Any, stream: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """compute_metrics options: the compared stream as `new`, `old` the other canonical behaviour stream."""
+    chosen = dict(options)
+    if "new" not in chosen and stream != "rollout":
+        chosen["new"] = stream
+    if "old" not in chosen and "new" in chosen:
+        other = [s for s in ("old", "rollout") if s in run.streams and s != chosen["new"]]
+        if other:
+            chosen["old"] = other[0]
+    return chosen
+
+
+def _side_by_side_rows(
+    side_a: Side,
+    side_b: Side,
+    la: str,
+    lb: str,
+    one_run: bool,
+    streams: tuple[str, str],
+    options: Mapping[str, Any],
+) -> list[ReportRow]:
     """Each run's own metric set (scope `batch`) and, for two runs, the deltas b − a on `all` rows."""
     if side_a.run is None or (not one_run and side_b.run is None):
         raise UsageError("E503", "side-by-side metrics need runs read from disk, not in-memory batches")
     from pgdiag.api import compute_metrics
 
-    reports = [(la, compute_metrics(side_a.run))]
+    reports = [
+        (
+            la,
+            compute_metrics(side_a.run, **_metric_streams(side_a.run, streams[1 if one_run else 0], options)),
+        )
+    ]
     if not one_run:
-        reports.append((lb, compute_metrics(side_b.run)))
+        reports.append((lb, compute_metrics(side_b.run, **_metric_streams(side_b.run, streams[1], options))))
     rows: list[ReportRow] = []
     values: dict[str, dict[str, tuple[float | None, str, str]]] = {}
+    runs = {la: side_a.run, lb: side_b.run}
     for label, report in reports:
         frame = report.summary.filter(pl.col("breakdown").is_in(["all", "step"]))
         for r in frame.iter_rows(named=True):
             rows.append(
                 ReportRow(
-                    f"{label}: {r['pair']}",
+                    r["pair"].replace(f"{runs[label].label}:", f"{label}:"),
                     "batch",
                     r["breakdown"],
                     r["bucket"],

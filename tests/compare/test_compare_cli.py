@@ -22,6 +22,13 @@ def _invoke(*args: str):
     return CliRunner().invoke(build_app(), [str(a) for a in args])
 
 
+def _perturbed(samples):
+    out = copy.deepcopy(samples)
+    for s in out:
+        s["streams"]["old"] = s["streams"]["old"] - 0.01
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
@@ -38,6 +45,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         ),
         "shifted": write_run(
             root / "s.parquet", shifted, run="trainer", streams={"rollout_logprobs": "rollout"}
+        ),
+        "two_b": write_run(
+            root / "t2.parquet",
+            _perturbed(tempered),
+            run="other",
+            streams={"rollout_logprobs": "rollout", "old_logprobs": "old"},
         ),
         "two": write_run(
             root / "t.parquet",
@@ -123,3 +136,35 @@ def test_unknown_gate_is_usage_error(runs) -> None:
     result = _invoke("compare", runs["a"], runs["same"], "--fail-on", "mismatch/nope>1")
     assert result.exit_code == 2
     assert "unknown metric" in result.stderr
+
+
+def test_side_by_side_metrics_and_deltas(runs) -> None:
+    from pgdiag.compare.api import compare_runs
+    from pgdiag.runs import read_run
+
+    report = compare_runs(read_run(runs["two"]), read_run(runs["two_b"]), stream_a="old", side_by_side=True)
+    batch = report.summary.filter((pl.col("scope") == "batch") & (pl.col("breakdown") == "all"))
+    assert set(batch["pair"].unique()) == {
+        "one:rollout vs one:old",
+        "other:rollout vs other:old",
+        "other - one",
+    }
+
+    def value(pair: str, metric: str) -> float:
+        return batch.filter((pl.col("pair") == pair) & (pl.col("metric") == metric))["value"][0]
+
+    # run b's old stream is run a's minus 0.01 nats everywhere: policy log-ratio mean moves by exactly -0.01
+    for metric in ("policy/logratio_mean", "policy/kl_k3", "policy/clip_frac_band"):
+        delta = value("other - one", metric)
+        assert delta == pytest.approx(
+            value("other:rollout vs other:old", metric) - value("one:rollout vs one:old", metric)
+        )
+    assert value("other - one", "policy/logratio_mean") == pytest.approx(-0.01, abs=1e-6)
+    # the compare pair itself: Δ = -0.01 on every token, and the batch rows never feed compare's gates
+    assert report.value("mismatch/bias", scope="token") == pytest.approx(-0.01, abs=1e-6)
+    from pgdiag.gates import evaluate_gates
+
+    gates = evaluate_gates(
+        report, fail_on=["policy/kl_k3>0"], default_family="mismatch", known_metrics=["policy/kl_k3"]
+    )
+    assert [g.status for g in gates.gates] == ["missing"]
