@@ -139,5 +139,6 @@ def test_loss_name_entropy_and_reward() -> None:
 )
 def test_flags_fast_llm_does_not_have_are_rejected(overrides: dict) -> None:
     batch = worked_example()
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError) as excinfo:
         compute_step_style(batch, settings_for("fast-llm", batch, **overrides))
+    assert excinfo.value.code == "bad-flag"

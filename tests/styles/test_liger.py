@@ -102,5 +102,6 @@ def test_sequence_level_ratio_broadcast() -> None:
 )
 def test_flags_liger_does_not_have_are_rejected(overrides: dict) -> None:
     batch = worked_example()
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError) as excinfo:
         compute_step_style(batch, settings_for("liger", batch, **overrides))
+    assert excinfo.value.code == "bad-flag"

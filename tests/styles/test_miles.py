@@ -126,10 +126,12 @@ def test_native_default_aggregation_reads_as_sample_mean_with_a_notice() -> None
         {"aggregation": "constant"},
         {"aggregation": "seq-mean-token-mean"},
         {"tis": True},
+        {"dual_clip": 0.5},
     ],
     ids=lambda o: f"{next(iter(o))}={next(iter(o.values()))}",
 )
 def test_flags_miles_does_not_have_are_rejected(overrides: dict) -> None:
     batch = worked_example()  # no rollout stream, so --tis has nothing to weight
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError) as excinfo:
         compute_step_style(batch, settings_for("miles", batch, **overrides))
+    assert excinfo.value.code == "bad-flag"

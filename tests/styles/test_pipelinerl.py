@@ -124,5 +124,6 @@ def test_step_without_labels_logs_no_rl_stats() -> None:
 )
 def test_flags_pipelinerl_does_not_have_are_rejected(overrides: dict) -> None:
     batch = worked_example()
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError) as excinfo:
         compute_step_style(batch, settings_for("pipelinerl", batch, **overrides))
+    assert excinfo.value.code == "bad-flag"

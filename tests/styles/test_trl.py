@@ -171,5 +171,6 @@ def test_frac_reward_zero_std_uses_unbiased_group_std() -> None:
 )
 def test_flags_trl_does_not_have_are_rejected(overrides: dict) -> None:
     batch = worked_example()
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError) as excinfo:
         compute_step_style(batch, settings_for("trl", batch, **overrides))
+    assert excinfo.value.code == "bad-flag"

@@ -188,10 +188,12 @@ def test_rollout_correction_metrics_and_token_is() -> None:
         {"aggregation": "seq-mean-token-sum-norm"},
         {"rollout_is": "sequence"},
         {"aggregation": "dapo"},
+        {"dual_clip": 1.0},
     ],
     ids=lambda o: f"{next(iter(o))}={next(iter(o.values()))}",
 )
 def test_flags_verl_does_not_have_are_rejected(overrides: dict) -> None:
     batch = worked_example()
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError) as excinfo:
         compute_step_style(batch, settings_for("verl", batch, **overrides))
+    assert excinfo.value.code == "bad-flag"

@@ -91,6 +91,8 @@ def compute_verl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     notices = []
     if settings.divisor is not None and mode != "seq-mean-token-sum-norm":
         notices.append(f"verl: --divisor (loss_scale_factor) is unused by loss_agg_mode {mode}")
+    if settings.level == "sequence" and settings.dual_clip is not None:
+        notices.append("verl: loss_mode gspo has no dual clip; --dual-clip is unused")
     out = []
     if inputs.has_policy and inputs.adv is not None:
         out += _actor_policy(inputs, settings, mode)
