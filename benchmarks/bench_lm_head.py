@@ -126,15 +126,24 @@ def sweep_tiles(x: Inputs) -> list[dict]:
     local = torch.where(x.targets == IGNORE, -1, x.targets)
     shapes = [
         TritonTiles(),
-        TritonTiles(num_stages=4),
-        TritonTiles(block_v=128, num_warps=4, num_stages=4, programs_per_sm=2),
-        TritonTiles(block_v=128, num_warps=8, num_stages=4),
-        TritonTiles(block_n=256, block_v=128, num_warps=8, num_stages=3),
-        TritonTiles(n_splits=8),
-        TritonTiles(n_splits=1),
-        TritonTiles(n_splits=16, num_stages=4),
+        TritonTiles(use_tma=True),
+        TritonTiles(flatten=True),
+        TritonTiles(use_tma=True, flatten=True),
+        TritonTiles(use_tma=True, flatten=True, num_stages=4),
+        TritonTiles(use_tma=True, block_v=128, num_warps=4, num_stages=4, programs_per_sm=2),
+        TritonTiles(use_tma=True, flatten=True, block_v=128, num_warps=4, num_stages=4, programs_per_sm=2),
+        TritonTiles(use_tma=True, flatten=True, block_n=256, block_v=128),
+        TritonTiles(use_tma=True, flatten=True, n_splits=8),
+        TritonTiles(use_tma=True, flatten=True, block_k=128, num_stages=2),
     ]
     rows = []
+
+    def run_default() -> tuple:
+        partials = lm_head_partials(
+            x.hidden, x.weight, local, temperature=1.0, head_dtype="bf16", tiles=shapes[0]
+        )
+        return finish_partials(merge_partials(partials))
+
     for tiles in shapes:
 
         def run(tiles: TritonTiles = tiles) -> tuple:
@@ -144,7 +153,10 @@ def sweep_tiles(x: Inputs) -> list[dict]:
             return finish_partials(merge_partials(partials))
 
         try:
-            rows.append({"tiles": tiles.__dict__, **measure(run)})
+            got = run()
+            want = run_default() if rows else got
+            gap = max(float((got[i] - want[i]).abs().max()) for i in (0, 1))
+            rows.append({"tiles": tiles.__dict__, "max_gap_vs_first": gap, **measure(run)})
         except Exception as err:  # a launch shape that does not compile or fit is reported, not fatal
             rows.append({"tiles": tiles.__dict__, "status": f"{type(err).__name__}: {str(err)[:200]}"})
         print(rows[-1], flush=True)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pgdiag.errors import UsageError
 from pgdiag.kernels.lm_head_logprobs_ref import head_operands
@@ -56,6 +57,8 @@ class TritonTiles:
     num_stages: int = 3
     programs_per_sm: int = 1
     n_splits: int = 0
+    use_tma: bool = False  # load tiles through host-side TMA descriptors where the strides allow it
+    flatten: bool = False  # flatten the vocab x K loop nest so the load pipeline runs across vocab tiles
 
 
 def head_mode_for(head_dtype: str, weight_dtype: torch.dtype) -> str:
@@ -87,10 +90,46 @@ def choose_n_splits(n_token_blocks: int, n_vocab_tiles: int, n_slots: int) -> in
 
 
 @triton.jit
+def _fold_tile(
+    acc,
+    run_max,
+    run_sumexp,
+    run_centred,
+    target_raw,
+    tile_targets,
+    v_start,
+    vocab_local,
+    exp2_scale,
+    BLOCK_V: tl.constexpr,
+    MASK_COLS: tl.constexpr,
+):
+    """Fold one (BLOCK_N, BLOCK_V) tile of raw accumulators into the running statistics.
+
+    Everything is kept in raw accumulator units (z = acc / temperature, temperature > 0, so the max commutes);
+    exp2_scale = log2(e) / temperature turns ``acc - max`` into the exponent. Per element: one max, one
+    subtract, one multiply + ex2, one add and one FMA. The target is picked only in tiles that hold one.
+    """
+    cols = tl.arange(0, BLOCK_V)
+    if MASK_COLS:  # only the last tile of the shard has padded columns
+        acc = tl.where((v_start + cols)[None, :] < vocab_local, acc, MASKED_LOGIT)
+    new_max = tl.maximum(run_max, tl.max(acc, axis=1))
+    centred = acc - new_max[:, None]  # (BLOCK_N, BLOCK_V), <= 0
+    p = tl.math.exp2(centred * exp2_scale)
+    rescale = tl.math.exp2((run_max - new_max) * exp2_scale)
+    run_centred = rescale * (run_centred + (run_max - new_max) * run_sumexp) + tl.sum(p * centred, axis=1)
+    run_sumexp = rescale * run_sumexp + tl.sum(p, axis=1)
+    in_tile = tile_targets - v_start  # (BLOCK_N,) int32, the target's column in this tile
+    if tl.max(((in_tile >= 0) & (in_tile < BLOCK_V)).to(tl.int32), axis=0) > 0:
+        picked = tl.max(tl.where(cols[None, :] == in_tile[:, None], acc, float("-inf")), axis=1)
+        target_raw = tl.maximum(target_raw, picked)
+    return new_max, run_sumexp, run_centred, target_raw
+
+
+@triton.jit
 def _lm_head_partials_kernel(
-    hidden_ptr,  # (N, D) bf16/fp16 ("bf16" mode) or fp32 (split modes), row stride stride_hidden, READ-ONLY
-    weight_ptr,  # (V_local, D) bf16/fp16 (or fp32 for "tf32x3"), row stride stride_weight, READ-ONLY
-    targets_ptr,  # (N,) int64, the target's row in this shard or -1, READ-ONLY
+    hidden,  # (N, D) bf16/fp16 ("bf16" mode) or fp32 (split modes), READ-ONLY: pointer or TMA descriptor
+    weight,  # (V_local, D) bf16/fp16 (fp32 for "tf32x3"), READ-ONLY: pointer or TMA descriptor
+    targets_ptr,  # (N,) int32, the target's row in this shard or -1, READ-ONLY
     partials_ptr,  # (n_splits, 4, N) fp32 contiguous, OUT: max, sumexp, centred sum, target logit
     n_tokens,
     vocab_local,
@@ -106,6 +145,8 @@ def _lm_head_partials_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     HEAD_MODE: tl.constexpr,  # 0 plain dot, 1 hidden split in three 16-bit parts, 2 tf32x3
+    USE_TMA: tl.constexpr,  # hidden and weight are host-side TMA descriptors (block shapes as above)
+    FLATTEN: tl.constexpr,  # let the compiler flatten the vocab x K loop nest into one pipelined loop
 ):
     # 1. which (token block, split) this program owns: groups of `group_blocks` token blocks x all splits
     pid = tl.program_id(0)
@@ -117,36 +158,41 @@ def _lm_head_partials_kernel(
     token_block = first_block + in_group % blocks_here
     split = in_group // blocks_here
 
-    offs_n = token_block * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    row_start = token_block * BLOCK_N
+    offs_n = row_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = offs_n < n_tokens
     safe_n = tl.where(row_ok, offs_n, 0)  # padded rows read row 0 and are never stored
-    targets = tl.load(targets_ptr + safe_n)  # (BLOCK_N,) int64
+    tile_targets = tl.load(targets_ptr + safe_n)  # (BLOCK_N,) int32
     offs_k = tl.arange(0, BLOCK_K)
+    exp2_scale = inv_temperature * 1.4426950408889634  # log2(e) / temperature
 
-    # 2. running statistics per token (fp32); a finite start max keeps (m - m_new) * s free of inf * 0
+    # 2. running statistics per token in raw accumulator units; a finite start max avoids inf * 0
     run_max = tl.full([BLOCK_N], MASKED_LOGIT, tl.float32)
     run_sumexp = tl.zeros([BLOCK_N], tl.float32)
     run_centred = tl.zeros([BLOCK_N], tl.float32)
-    target_logit = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    target_raw = tl.full([BLOCK_N], float("-inf"), tl.float32)
 
     v_begin = split * tiles_per_split * BLOCK_V
     v_end = tl.minimum(v_begin + tiles_per_split * BLOCK_V, vocab_local)
-    for v_start in range(v_begin, v_end, BLOCK_V):
+    for v_start in tl.range(v_begin, v_end, BLOCK_V, flatten=FLATTEN):
         offs_v = v_start + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
-        col_ok = offs_v < vocab_local
-        safe_v = tl.where(col_ok, offs_v, 0)
-        h_ptrs = hidden_ptr + safe_n[:, None] * stride_hidden + offs_k[None, :]  # (BLOCK_N, BLOCK_K)
-        w_ptrs = weight_ptr + safe_v[None, :] * stride_weight + offs_k[:, None]  # (BLOCK_K, BLOCK_V) = W^T
+        safe_v = tl.where(offs_v < vocab_local, offs_v, 0)
         acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
         # 3. logits tile H[block] @ W[tile].T in the fp32 accumulator
         for k_start in range(0, hidden_size, BLOCK_K):
-            if EVEN_K:
-                h = tl.load(h_ptrs)
-                w = tl.load(w_ptrs)
+            if USE_TMA:  # out-of-bounds rows/columns arrive as zeros
+                h = hidden.load([row_start, k_start])  # (BLOCK_N, BLOCK_K)
+                w = weight.load([v_start, k_start]).T  # (BLOCK_K, BLOCK_V)
             else:
-                k_ok = (k_start + offs_k) < hidden_size
-                h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+                h_ptrs = hidden + safe_n[:, None] * stride_hidden + (k_start + offs_k)[None, :]
+                w_ptrs = weight + safe_v[None, :] * stride_weight + (k_start + offs_k)[:, None]
+                if EVEN_K:
+                    h = tl.load(h_ptrs)
+                    w = tl.load(w_ptrs)
+                else:
+                    k_ok = (k_start + offs_k) < hidden_size
+                    h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+                    w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
             if HEAD_MODE == 1:
                 h_hi = h.to(w.dtype)
                 rest = h - h_hi.to(tl.float32)
@@ -159,26 +205,42 @@ def _lm_head_partials_kernel(
                 acc = tl.dot(h, w, acc, input_precision="tf32x3")
             else:
                 acc = tl.dot(h, w, acc)
-            h_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        # 4. temperature on the fp32 accumulator, padded columns masked, online softmax update
-        z = tl.where(col_ok[None, :], acc * inv_temperature, MASKED_LOGIT)  # (BLOCK_N, BLOCK_V)
-        new_max = tl.maximum(run_max, tl.max(z, axis=1))
-        centred = z - new_max[:, None]
-        p = tl.exp(centred)
-        rescale = tl.exp(run_max - new_max)
-        run_centred = rescale * (run_centred + (run_max - new_max) * run_sumexp) + tl.sum(p * centred, axis=1)
-        run_sumexp = rescale * run_sumexp + tl.sum(p, axis=1)
-        run_max = new_max
-        hit = offs_v[None, :] == targets[:, None]
-        target_logit = tl.maximum(target_logit, tl.max(tl.where(hit, z, float("-inf")), axis=1))
+        # 4. padded columns masked (last tile only), online softmax update, target pick
+        if v_start + BLOCK_V > vocab_local:
+            run_max, run_sumexp, run_centred, target_raw = _fold_tile(
+                acc,
+                run_max,
+                run_sumexp,
+                run_centred,
+                target_raw,
+                tile_targets,
+                v_start,
+                vocab_local,
+                exp2_scale,
+                BLOCK_V,
+                True,
+            )
+        else:
+            run_max, run_sumexp, run_centred, target_raw = _fold_tile(
+                acc,
+                run_max,
+                run_sumexp,
+                run_centred,
+                target_raw,
+                tile_targets,
+                v_start,
+                vocab_local,
+                exp2_scale,
+                BLOCK_V,
+                False,
+            )
 
-    # 5. this split's partials
+    # 5. this split's partials, converted from accumulator units to z = acc / temperature
     out = partials_ptr + split * (4 * n_tokens) + offs_n
-    tl.store(out, run_max, mask=row_ok)
+    tl.store(out, run_max * inv_temperature, mask=row_ok)
     tl.store(out + n_tokens, run_sumexp, mask=row_ok)
-    tl.store(out + 2 * n_tokens, run_centred, mask=row_ok)
-    tl.store(out + 3 * n_tokens, target_logit, mask=row_ok)
+    tl.store(out + 2 * n_tokens, run_centred * inv_temperature, mask=row_ok)
+    tl.store(out + 3 * n_tokens, target_raw * inv_temperature, mask=row_ok)
 
 
 def lm_head_partials(
@@ -219,12 +281,17 @@ def lm_head_partials(
     n_splits = triton.cdiv(n_vocab_tiles, tiles_per_split)  # every split holds at least one real column
     group_blocks = max(1, _sm_count(hidden.device) * tiles.programs_per_sm // n_splits)
 
+    hidden_arg, weight_arg = hidden_op, weight_op
+    use_tma = tiles.use_tma and _tma_ready(hidden_op) and _tma_ready(weight_op)
+    if use_tma:
+        hidden_arg = TensorDescriptor.from_tensor(hidden_op, [tiles.block_n, tiles.block_k])
+        weight_arg = TensorDescriptor.from_tensor(weight_op, [tiles.block_v, tiles.block_k])
     partials = torch.empty(n_splits, PARTIAL_ROWS, n_tokens, dtype=torch.float32, device=hidden.device)
     grid = (n_token_blocks * n_splits,)
     _lm_head_partials_kernel[grid](
-        hidden_op,
-        weight_op,
-        local_targets,
+        hidden_arg,
+        weight_arg,
+        local_targets.to(torch.int32),
         partials,
         n_tokens,
         vocab_local,
@@ -240,10 +307,22 @@ def lm_head_partials(
         BLOCK_K=tiles.block_k,
         EVEN_K=hidden_size % tiles.block_k == 0,
         HEAD_MODE=HEAD_MODE_CODES[mode],
+        USE_TMA=use_tma,
+        FLATTEN=tiles.flatten,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
     return partials
+
+
+def _tma_ready(tensor: torch.Tensor) -> bool:
+    """True when `tensor` (2-D, rows contiguous) meets TMA's rules: on a GPU, 16-byte aligned base and rows."""
+    return (
+        tensor.is_cuda
+        and tensor.data_ptr() % 16 == 0
+        and (tensor.stride(0) * tensor.element_size()) % 16 == 0
+        and torch.cuda.get_device_capability(tensor.device)[0] >= 9
+    )
 
 
 def _sm_count(device: torch.device) -> int:

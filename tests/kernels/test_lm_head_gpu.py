@@ -73,17 +73,38 @@ def test_fp32_head_vs_fp64(
     assert not problems, problems
 
 
+@pytest.mark.parametrize("loads", ["pointers", "tma_flat"])
 @pytest.mark.parametrize("n_splits", [0, 1, 3, 7])
 @pytest.mark.parametrize(("n_tokens", "hidden_size", "vocab"), [(1, 100, 1000), (300, 128, 4099)], ids=str)
-def test_odd_shapes_and_splits(n_tokens: int, hidden_size: int, vocab: int, n_splits: int) -> None:
+def test_odd_shapes_and_splits(
+    n_tokens: int, hidden_size: int, vocab: int, n_splits: int, loads: str
+) -> None:
     case = make_case(n_tokens, hidden_size, vocab, seed=n_tokens, device="cuda")
     hidden, weight = case.hidden.bfloat16(), case.weight.bfloat16()
     local = torch.where(case.targets == IGNORE, -1, case.targets)
+    tiles = TritonTiles(n_splits=n_splits, use_tma=loads == "tma_flat", flatten=loads == "tma_flat")
     for head_dtype, hid, tol in (("bf16", hidden, 1e-3), ("fp32", case.hidden, 1e-5)):
-        partials = lm_head_partials(
-            hid, weight, local, temperature=0.7, head_dtype=head_dtype, tiles=TritonTiles(n_splits=n_splits)
-        )
+        partials = lm_head_partials(hid, weight, local, temperature=0.7, head_dtype=head_dtype, tiles=tiles)
         logprobs, entropy, _ = finish_partials(merge_partials(partials))
         want = fp64_reference(hid, weight, case.targets, 0.7)
         problems = _check(logprobs, entropy, want, tol, tol)
         assert not problems, (head_dtype, problems)
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [TritonTiles(use_tma=True), TritonTiles(use_tma=True, flatten=True), TritonTiles(flatten=True)],
+    ids=["tma", "tma_flat", "flat"],
+)
+def test_launch_variants_agree_at_full_size(qwen_sized: dict, tiles: TritonTiles) -> None:
+    hidden, weight = qwen_sized["hidden"].bfloat16(), qwen_sized["weight"].bfloat16()
+    local = torch.where(qwen_sized["targets"] == IGNORE, -1, qwen_sized["targets"])
+    base = finish_partials(
+        merge_partials(lm_head_partials(hidden, weight, local, temperature=1.0, head_dtype="bf16"))
+    )
+    other = finish_partials(
+        merge_partials(
+            lm_head_partials(hidden, weight, local, temperature=1.0, head_dtype="bf16", tiles=tiles)
+        )
+    )
+    assert float((other[0] - base[0]).abs().max()) <= 1e-5 and float((other[1] - base[1]).abs().max()) <= 1e-5
