@@ -73,6 +73,9 @@ def test_luspo_divides_by_padded_width() -> None:
     assert default_width["loss"] == pytest.approx(-7 / (3 * 5), rel=1e-12)  # T′ = longest response, 5
     given = run(_loss_type_batch(), aggregation="liger:luspo", beta=0.0, pad_width=10)
     assert given["loss"] == pytest.approx(-7 / (3 * 10), rel=1e-12)
+    batch = _loss_type_batch()
+    result = compute_step_style(batch, settings_for("liger", batch, aggregation="liger:luspo", beta=0.0))
+    assert any("padding" in n for n in result.notices)  # Liger's own sum also covers padding positions
 
 
 def test_sequence_level_ratio_broadcast() -> None:
