@@ -83,7 +83,10 @@ class TensorSource:
         """The whole tensor, or rows/columns `part.start:part.stop` along `part.dim`, without reading the rest."""
         if name in self._tensors:
             t = self._tensors[name]
-            return t if part is None else t.narrow(part.dim, part.start, part.stop - part.start)
+            if part is None or part.stop - part.start == t.shape[part.dim]:
+                return t  # shared, not copied: the caller's tensor becomes the parameter
+            # a copy, so that the full tensor can be freed once every rank has its slice
+            return t.narrow(part.dim, part.start, part.stop - part.start).clone()
         sl = self._slice(name)
         if part is None:
             return sl[:]
