@@ -168,7 +168,8 @@ def _clip_metrics(inputs: StyleInputs, settings: MetricSettings, ratio: np.ndarr
 def _importance_sampling_ratio(inputs: StyleInputs) -> np.ndarray:
     """(S,) ISR_i = exp(Σ_t Δ′) with Δ′ = Δ, NaN → 0; set to 0 outside [clip_min = None, clip_max = 3]."""
     assert inputs.lp_a is not None and inputs.lp_b is not None
-    delta = np.nan_to_num(inputs.lp_b - inputs.lp_a, nan=0.0, posinf=np.inf, neginf=-np.inf)  # (M,)
+    delta = inputs.lp_b - inputs.lp_a  # (M,)
+    delta = np.where(np.isnan(delta), 0.0, delta)
     isr = exp(inputs.sample_sum(delta))  # (S,)
     return np.where(isr > VLLM_IS_CLIP_MAX, 0.0, isr)
 
@@ -179,43 +180,15 @@ def _sampling_metrics(inputs: StyleInputs, seq_isr: np.ndarray) -> list[MetricVa
     abs_diff = np.abs(inputs.lp_b - inputs.lp_a)  # (M,)
     abs_diff = abs_diff[~np.isnan(abs_diff)]
     n_diff, s = abs_diff.shape[0], inputs.n_samples
-    return [
-        value(
-            "sampling/sampling_logp_difference/mean",
-            float(np.mean(abs_diff)) if n_diff else 0.0,
-            "nats",
-            "tok",
-            n_diff,
-        ),
-        value(
-            "sampling/sampling_logp_difference/max",
-            float(np.max(abs_diff)) if n_diff else 0.0,
-            "nats",
-            "tok",
-            n_diff,
-        ),
-        value(
-            "sampling/importance_sampling_ratio/min",
-            float(np.min(seq_isr)) if s else None,
-            "ratio",
-            "rows",
-            s,
-        ),
-        value(
-            "sampling/importance_sampling_ratio/mean",
-            float(np.mean(seq_isr)) if s else None,
-            "ratio",
-            "rows",
-            s,
-        ),
-        value(
-            "sampling/importance_sampling_ratio/max",
-            float(np.max(seq_isr)) if s else None,
-            "ratio",
-            "rows",
-            s,
-        ),
+    diff_mean, diff_max = (float(np.mean(abs_diff)), float(np.max(abs_diff))) if n_diff else (0.0, 0.0)
+    out = [
+        value("sampling/sampling_logp_difference/mean", diff_mean, "nats", "tok", n_diff),
+        value("sampling/sampling_logp_difference/max", diff_max, "nats", "tok", n_diff),
     ]
+    for stat, reduce in (("min", np.min), ("mean", np.mean), ("max", np.max)):
+        isr = float(reduce(seq_isr)) if s else None
+        out.append(value(f"sampling/importance_sampling_ratio/{stat}", isr, "ratio", "rows", s))
+    return out
 
 
 def _frac_reward_zero_std(inputs: StyleInputs) -> MetricValue:
