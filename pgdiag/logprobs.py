@@ -29,10 +29,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import torch
 
@@ -40,9 +39,21 @@ from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.kernels import lm_head_logprobs, resolve_impl
 from pgdiag.launch import ParallelLayout, barrier, current_layout
 from pgdiag.packing import PackOrder, pack_samples, plan_batches
+from pgdiag.recompute_inputs import (
+    Part,
+    RecomputeInputs,
+    plan_parts,
+    read_inputs,
+    resolve_temperature,
+    with_uniform_temperature,
+)
 from pgdiag.schema import BASE_STREAMS, LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY, TAG_PATTERN, read_footer
 from pgdiag.seqhash import input_fingerprint
 from pgdiag.writing import write_json, write_parquet
+
+if TYPE_CHECKING:
+    from pgdiag.model import CausalLM
+    from pgdiag.runs import Run
 
 DTYPES = ("bf16", "fp32")
 DEFAULT_BATCH_TOKENS = 32768
@@ -106,58 +117,14 @@ class RecomputeResult:
     warnings: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class _Inputs:
-    """The run's samples sorted by (step, group_id, sample_id, segment_idx); token arrays flat over samples."""
-
-    source: str
-    step: np.ndarray  # (S,) int64
-    sample_id: np.ndarray  # (S,) object
-    segment_idx: np.ndarray  # (S,) int32
-    seq_hash: np.ndarray  # (S,) uint64
-    offsets: np.ndarray  # (S+1,) int64
-    input_ids: np.ndarray  # (T_total,) int64
-    loss_mask: np.ndarray  # (T_total,) bool
-    temperature: np.ndarray | None  # (T_total,) float64 per-token temperature, None when uniform
-
-    def keys(self, rows: range) -> list[tuple[int, str, int, int]]:
-        return [
-            (int(self.step[r]), str(self.sample_id[r]), int(self.segment_idx[r]), int(self.seq_hash[r]))
-            for r in rows
-        ]
-
-
-@dataclass(frozen=True)
-class _Part:
-    """One output file: rows ``start:stop`` of the sorted inputs, all of one step."""
-
-    step: int
-    index: int
-    start: int
-    stop: int
-    fingerprint: str
-
-    @property
-    def relpath(self) -> str:
-        return f"step={self.step}/part-{self.index:05d}.parquet"
-
-    def plan_entry(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "index": self.index,
-            "n_samples": self.stop - self.start,
-            "keys": self.fingerprint,
-        }
-
-
 def default_tag(dtype: str, head_dtype: str) -> str:
     """``rc_<dtype>_<head_dtype>``, the tag of a recompute when none is given."""
     return f"rc_{dtype}_{head_dtype}"
 
 
 def recompute_logprobs(
-    run: Any,
-    model: Any,
+    run: Run | str | Path,
+    model: CausalLM | str | Path,
     *,
     tag: str | None = None,
     dtype: str = "bf16",
@@ -196,13 +163,13 @@ def recompute_logprobs(
         model, dtype=dtype, head_dtype=head_dtype, device=device, tp_group=tp_group
     )
     vocab_size = int(model_obj.config.vocab_size)
-    inputs = _read_inputs(run_obj, vocab_size)
-    temp_value, temp_source, temp_warnings = _resolve_temperature(run_obj, inputs, temperature)
+    inputs = read_inputs(run_obj, vocab_size)
+    temp_value, temp_source, temp_warnings = resolve_temperature(run_obj, inputs, temperature)
     warnings = (*(f"{code}: {message}" for code, message in model_obj.load_warnings), *temp_warnings)
     if temp_value is None and inputs.temperature is None:
         raise UsageError("E505", "per-token temperature requested but no temperature column found")
     if temp_value is not None:
-        inputs = _with_uniform_temperature(inputs)
+        inputs = with_uniform_temperature(inputs)
     run_device = model_obj.lm_head_weight.device
     settings = RecomputeSettings(
         dtype=dtype,
@@ -218,7 +185,7 @@ def recompute_logprobs(
         dp=layout.dp_size,
         entropy=entropy,
     )
-    parts = _plan_parts(inputs, part_samples)
+    parts = plan_parts(inputs, part_samples)
     fingerprint = f"{input_fingerprint(inputs.keys(range(len(inputs.step)))):016x}"
     manifest = {
         "schema": LOGPROBS_SCHEMA,
@@ -301,13 +268,13 @@ def _version() -> str:
     return __version__
 
 
-def _as_run(run: Any) -> Any:
+def _as_run(run: Run | str | Path) -> Run:
     from pgdiag.runs import read_run
 
     return read_run(run) if isinstance(run, (str, Path)) else run
 
 
-def _output_dir(run: Any, tag: str, out: str | Path | None) -> Path:
+def _output_dir(run: Run, tag: str, out: str | Path | None) -> Path:
     if out is not None:
         return Path(out)
     if run.root is None:
@@ -318,8 +285,13 @@ def _output_dir(run: Any, tag: str, out: str | Path | None) -> Path:
 
 
 def _as_model(
-    model: Any, *, dtype: str, head_dtype: str, device: str | torch.device | None, tp_group: Any
-) -> tuple[Any, dict[str, Any]]:
+    model: CausalLM | str | Path,
+    *,
+    dtype: str,
+    head_dtype: str,
+    device: str | torch.device | None,
+    tp_group: Any,
+) -> tuple[CausalLM, dict[str, Any]]:
     """The loaded model and its ``pgdiag.recompute.model`` metadata."""
     if isinstance(model, (str, Path)):
         from pgdiag.model import load_model
@@ -339,157 +311,13 @@ def _as_model(
     return loaded, meta
 
 
-def _flat_list(column: pl.Series) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(values, offsets (S+1,), null_rows (S,)) of a list column, through Arrow (no per-row Python)."""
-    arrow = column.to_arrow()
-    if isinstance(arrow, pa.ChunkedArray):
-        arrow = pa.concat_arrays(arrow.chunks) if arrow.num_chunks != 1 else arrow.chunk(0)
-    null_rows = arrow.is_null().to_numpy(zero_copy_only=False)
-    lengths = arrow.value_lengths().fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-    offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    flat = arrow.flatten()
-    values = flat.to_numpy(zero_copy_only=False)
-    if flat.null_count:
-        values = np.where(flat.is_null().to_numpy(zero_copy_only=False), -1, values)
-    return values, offsets, null_rows
-
-
-def _where(inputs_source: str, step: np.ndarray, sample_id: np.ndarray, row: int) -> str:
-    return f"{inputs_source}: step {int(step[row])}, sample {sample_id[row]}"
-
-
-def _read_inputs(run: Any, vocab_size: int) -> _Inputs:
-    """The columns recompute needs, sorted by the part-plan order, flattened and checked (E102/E201/E203/E208/E213)."""
-    source = str(run.root if run.root is not None else (run.paths[0] if run.paths else "RUN"))
-    names = run.lazy.collect_schema().names()
-    required = ("step", "sample_id", "group_id", "seq_hash", "input_ids", "loss_mask")
-    for name in required:
-        if name not in names:
-            raise InvalidInputError(
-                "E102", f"{source}: missing column {name}", "re-import with pgdiag import"
-            )
-    optional = [c for c in ("segment_idx", "temperature", "temperature_tok") if c in names]
-    frame = run.lazy.select([*required, *optional]).collect()
-    if "segment_idx" not in optional:
-        frame = frame.with_columns(pl.lit(0, dtype=pl.Int32).alias("segment_idx"))
-    frame = frame.with_columns(pl.col("segment_idx").fill_null(0).cast(pl.Int32))
-    frame = frame.sort(["step", "group_id", "sample_id", "segment_idx"], maintain_order=True)
-    step = frame["step"].cast(pl.Int64).to_numpy()
-    sample_id = frame["sample_id"].cast(pl.String).to_numpy().astype(object)
-    for name in ("step", "sample_id", "seq_hash"):
-        nulls = frame[name].null_count()
-        if nulls:
-            raise InvalidInputError("E213", f"{source}: {name} has {nulls} nulls")
-    ids, offsets, ids_null = _flat_list(frame["input_ids"])
-    mask, mask_offsets, mask_null = _flat_list(frame["loss_mask"])
-    bad = np.flatnonzero(ids_null | mask_null)
-    if bad.size:
-        raise InvalidInputError(
-            "E213", f"{_where(source, step, sample_id, int(bad[0]))}: null input_ids or loss_mask"
-        )
-    lengths, mask_lengths = np.diff(offsets), np.diff(mask_offsets)
-    bad = np.flatnonzero(lengths != mask_lengths)
-    if bad.size:
-        r = int(bad[0])
-        raise InvalidInputError(
-            "E201",
-            f"{_where(source, step, sample_id, r)}: loss_mask length {mask_lengths[r]} != input_ids {lengths[r]}",
-        )
-    first_is_loss = np.zeros(lengths.shape[0], dtype=bool)
-    first_is_loss[lengths > 0] = mask[offsets[:-1][lengths > 0]].astype(bool)
-    bad = np.flatnonzero((lengths == 0) | first_is_loss)
-    if bad.size:
-        r = int(bad[0])
-        raise InvalidInputError(
-            "E203",
-            f"{_where(source, step, sample_id, r)}: loss position 0 has no context (or empty input_ids)",
-        )
-    ids = ids.astype(np.int64)
-    out_of_range = np.flatnonzero((ids < 0) | (ids >= vocab_size))
-    if out_of_range.size:
-        first = int(out_of_range[0])
-        r = int(np.searchsorted(offsets, first, side="right") - 1)
-        raise InvalidInputError(
-            "E208",
-            f"{_where(source, step, sample_id, r)}, input_ids pos {first - offsets[r]}: "
-            f"token {ids[first]} outside [0, vocab_size {vocab_size}) ({out_of_range.size} such tokens)",
-            "the rollouts were made with another tokenizer or model; check --model",
-        )
-    return _Inputs(
-        source=source,
-        step=step,
-        sample_id=sample_id,
-        segment_idx=frame["segment_idx"].to_numpy(),
-        seq_hash=frame["seq_hash"].cast(pl.UInt64).to_numpy(),
-        offsets=offsets,
-        input_ids=ids,
-        loss_mask=mask.astype(bool),
-        temperature=_token_temperatures(frame, offsets),
-    )
-
-
-def _token_temperatures(frame: pl.DataFrame, offsets: np.ndarray) -> np.ndarray | None:
-    """(T_total,) per-token temperature from `temperature_tok`, else the row `temperature`; None without either."""
-    lengths = np.diff(offsets)
-    row = None
-    if "temperature" in frame.columns and frame["temperature"].null_count() < frame.height:
-        row = np.repeat(frame["temperature"].cast(pl.Float64).fill_null(np.nan).to_numpy(), lengths)
-    if "temperature_tok" not in frame.columns:
-        return row
-    values, tok_offsets, null_rows = _flat_list(frame["temperature_tok"].cast(pl.List(pl.Float64)))
-    tok = np.full(int(offsets[-1]), np.nan)
-    rows_ok = ~null_rows & (np.diff(tok_offsets) == lengths)
-    keep = np.repeat(rows_ok, lengths)
-    tok[keep] = values[np.repeat(rows_ok, np.diff(tok_offsets))].astype(np.float64)
-    if row is not None:
-        tok = np.where(np.isnan(tok), row, tok)
-    return tok if not np.all(np.isnan(tok)) else row
-
-
-def _resolve_temperature(
-    run: Any, inputs: _Inputs, temperature: float | str
-) -> tuple[float | None, str, tuple[str, ...]]:
-    """(value or None for per-token, source, warnings) following `--temperature auto` (§5.4)."""
-    if temperature != "auto":
-        return float(temperature), "option", ()
-    if inputs.temperature is not None:
-        on_loss = inputs.temperature[inputs.loss_mask]
-        if on_loss.size and not np.isnan(on_loss).any():
-            values = np.unique(on_loss)
-            if values.size == 1:
-                return float(values[0]), "column", ()
-            return None, "column", ()
-    sampling = (run.meta or {}).get("sampling") or {}
-    if isinstance(sampling, dict) and isinstance(sampling.get("temperature"), (int, float)):
-        return float(sampling["temperature"]), "sampling", ()
-    return 1.0, "default", ("W409: no temperature in the rollouts or their metadata; recomputed at T=1.0",)
-
-
-def _with_uniform_temperature(inputs: _Inputs) -> _Inputs:
-    return _Inputs(**{**inputs.__dict__, "temperature": None})
-
-
-def _plan_parts(inputs: _Inputs, part_samples: int) -> list[_Part]:
-    """Per step (inputs are sorted), consecutive chunks of `part_samples` rows."""
-    parts: list[_Part] = []
-    steps, starts = np.unique(inputs.step, return_index=True)
-    bounds = [*starts.tolist(), len(inputs.step)]
-    for s, step in enumerate(steps.tolist()):
-        for index, lo in enumerate(range(bounds[s], bounds[s + 1], part_samples)):
-            hi = min(lo + part_samples, bounds[s + 1])
-            keys = f"{input_fingerprint(inputs.keys(range(lo, hi))):016x}"
-            parts.append(_Part(step=int(step), index=index, start=lo, stop=hi, fingerprint=keys))
-    return parts
-
-
 _COMPARED = ("model", "settings", "input_fingerprint")
 
 
 def _inspect_output(
     out_dir: Path,
     manifest: dict[str, Any],
-    parts: list[_Part],
+    parts: list[Part],
     footer_base: dict[str, Any],
     *,
     resume: bool,
@@ -562,9 +390,9 @@ def _clear_output(out_dir: Path) -> None:
 
 
 def _compute_parts(
-    model: Any,
-    inputs: _Inputs,
-    parts: list[_Part],
+    model: CausalLM,
+    inputs: RecomputeInputs,
+    parts: list[Part],
     out_dir: Path,
     settings: RecomputeSettings,
     footer_base: dict[str, Any],
@@ -647,8 +475,8 @@ def _temperature_groups(
 
 
 def _write_part(
-    inputs: _Inputs,
-    part: _Part,
+    inputs: RecomputeInputs,
+    part: Part,
     logprobs: np.ndarray,
     entropy: np.ndarray,
     out_dir: Path,

@@ -1,0 +1,217 @@
+"""The samples a recompute reads: checked, ordered, flattened, with their temperatures and the part plan.
+
+What: `read_inputs` collects the columns `pgdiag logprobs` needs from a run (step, sample_id, group_id,
+segment_idx, seq_hash, input_ids, loss_mask and the optional temperature columns), sorts them in part-plan order
+(step, group_id, sample_id, segment_idx), flattens the token lists into one buffer with per-sample offsets, and
+refuses what cannot be recomputed (E102, E201, E203, E208, E213) with one line naming the step and sample.
+`resolve_temperature` applies the `--temperature auto` rule and `plan_parts` cuts the rows into output parts.
+
+Why a module of its own: these are the input rules of recompute (what is read, in which order, which rows go to
+which file); `pgdiag.logprobs` only orchestrates compute and writing on top of them.
+
+How: ``inputs = read_inputs(run, vocab_size)``; ``parts = plan_parts(inputs, 2048)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from pgdiag.errors import InvalidInputError
+from pgdiag.seqhash import input_fingerprint
+
+if TYPE_CHECKING:
+    from pgdiag.runs import Run
+
+
+@dataclass(frozen=True)
+class RecomputeInputs:
+    """The run's samples sorted by (step, group_id, sample_id, segment_idx); token arrays flat over samples."""
+
+    source: str
+    step: np.ndarray  # (S,) int64
+    sample_id: np.ndarray  # (S,) object
+    segment_idx: np.ndarray  # (S,) int32
+    seq_hash: np.ndarray  # (S,) uint64
+    offsets: np.ndarray  # (S+1,) int64
+    input_ids: np.ndarray  # (T_total,) int64
+    loss_mask: np.ndarray  # (T_total,) bool
+    temperature: np.ndarray | None  # (T_total,) float64 per-token temperature, None when uniform
+
+    def keys(self, rows: range) -> list[tuple[int, str, int, int]]:
+        return [
+            (int(self.step[r]), str(self.sample_id[r]), int(self.segment_idx[r]), int(self.seq_hash[r]))
+            for r in rows
+        ]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One output file: rows ``start:stop`` of the sorted inputs, all of one step."""
+
+    step: int
+    index: int
+    start: int
+    stop: int
+    fingerprint: str
+
+    @property
+    def relpath(self) -> str:
+        return f"step={self.step}/part-{self.index:05d}.parquet"
+
+    def plan_entry(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "index": self.index,
+            "n_samples": self.stop - self.start,
+            "keys": self.fingerprint,
+        }
+
+
+def _flat_list(column: pl.Series) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(values, offsets (S+1,), null_rows (S,)) of a list column, through Arrow (no per-row Python)."""
+    arrow = column.to_arrow()
+    if isinstance(arrow, pa.ChunkedArray):
+        arrow = pa.concat_arrays(arrow.chunks) if arrow.num_chunks != 1 else arrow.chunk(0)
+    null_rows = arrow.is_null().to_numpy(zero_copy_only=False)
+    lengths = arrow.value_lengths().fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = arrow.flatten()
+    values = flat.to_numpy(zero_copy_only=False)
+    if flat.null_count:
+        values = np.where(flat.is_null().to_numpy(zero_copy_only=False), -1, values)
+    return values, offsets, null_rows
+
+
+def _where(inputs_source: str, step: np.ndarray, sample_id: np.ndarray, row: int) -> str:
+    return f"{inputs_source}: step {int(step[row])}, sample {sample_id[row]}"
+
+
+def read_inputs(run: Run, vocab_size: int) -> RecomputeInputs:
+    """The columns recompute needs, sorted by the part-plan order, flattened and checked (E102/E201/E203/E208/E213)."""
+    source = str(run.root if run.root is not None else (run.paths[0] if run.paths else "RUN"))
+    names = run.lazy.collect_schema().names()
+    required = ("step", "sample_id", "group_id", "seq_hash", "input_ids", "loss_mask")
+    for name in required:
+        if name not in names:
+            raise InvalidInputError(
+                "E102", f"{source}: missing column {name}", "re-import with pgdiag import"
+            )
+    optional = [c for c in ("segment_idx", "temperature", "temperature_tok") if c in names]
+    frame = run.lazy.select([*required, *optional]).collect()
+    if "segment_idx" not in optional:
+        frame = frame.with_columns(pl.lit(0, dtype=pl.Int32).alias("segment_idx"))
+    frame = frame.with_columns(pl.col("segment_idx").fill_null(0).cast(pl.Int32))
+    frame = frame.sort(["step", "group_id", "sample_id", "segment_idx"], maintain_order=True)
+    step = frame["step"].cast(pl.Int64).to_numpy()
+    sample_id = frame["sample_id"].cast(pl.String).to_numpy().astype(object)
+    for name in ("step", "sample_id", "seq_hash"):
+        nulls = frame[name].null_count()
+        if nulls:
+            raise InvalidInputError("E213", f"{source}: {name} has {nulls} nulls")
+    ids, offsets, ids_null = _flat_list(frame["input_ids"])
+    mask, mask_offsets, mask_null = _flat_list(frame["loss_mask"])
+    bad = np.flatnonzero(ids_null | mask_null)
+    if bad.size:
+        raise InvalidInputError(
+            "E213", f"{_where(source, step, sample_id, int(bad[0]))}: null input_ids or loss_mask"
+        )
+    lengths, mask_lengths = np.diff(offsets), np.diff(mask_offsets)
+    bad = np.flatnonzero(lengths != mask_lengths)
+    if bad.size:
+        r = int(bad[0])
+        raise InvalidInputError(
+            "E201",
+            f"{_where(source, step, sample_id, r)}: loss_mask length {mask_lengths[r]} != input_ids {lengths[r]}",
+        )
+    first_is_loss = np.zeros(lengths.shape[0], dtype=bool)
+    first_is_loss[lengths > 0] = mask[offsets[:-1][lengths > 0]].astype(bool)
+    bad = np.flatnonzero((lengths == 0) | first_is_loss)
+    if bad.size:
+        r = int(bad[0])
+        raise InvalidInputError(
+            "E203",
+            f"{_where(source, step, sample_id, r)}: loss position 0 has no context (or empty input_ids)",
+        )
+    ids = ids.astype(np.int64)
+    out_of_range = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if out_of_range.size:
+        first = int(out_of_range[0])
+        r = int(np.searchsorted(offsets, first, side="right") - 1)
+        raise InvalidInputError(
+            "E208",
+            f"{_where(source, step, sample_id, r)}, input_ids pos {first - offsets[r]}: "
+            f"token {ids[first]} outside [0, vocab_size {vocab_size}) ({out_of_range.size} such tokens)",
+            "the rollouts were made with another tokenizer or model; check --model",
+        )
+    return RecomputeInputs(
+        source=source,
+        step=step,
+        sample_id=sample_id,
+        segment_idx=frame["segment_idx"].to_numpy(),
+        seq_hash=frame["seq_hash"].cast(pl.UInt64).to_numpy(),
+        offsets=offsets,
+        input_ids=ids,
+        loss_mask=mask.astype(bool),
+        temperature=_token_temperatures(frame, offsets),
+    )
+
+
+def _token_temperatures(frame: pl.DataFrame, offsets: np.ndarray) -> np.ndarray | None:
+    """(T_total,) per-token temperature from `temperature_tok`, else the row `temperature`; None without either."""
+    lengths = np.diff(offsets)
+    row = None
+    if "temperature" in frame.columns and frame["temperature"].null_count() < frame.height:
+        row = np.repeat(frame["temperature"].cast(pl.Float64).fill_null(np.nan).to_numpy(), lengths)
+    if "temperature_tok" not in frame.columns:
+        return row
+    values, tok_offsets, null_rows = _flat_list(frame["temperature_tok"].cast(pl.List(pl.Float64)))
+    tok = np.full(int(offsets[-1]), np.nan)
+    rows_ok = ~null_rows & (np.diff(tok_offsets) == lengths)
+    keep = np.repeat(rows_ok, lengths)
+    tok[keep] = values[np.repeat(rows_ok, np.diff(tok_offsets))].astype(np.float64)
+    if row is not None:
+        tok = np.where(np.isnan(tok), row, tok)
+    return tok if not np.all(np.isnan(tok)) else row
+
+
+def resolve_temperature(
+    run: Run, inputs: RecomputeInputs, temperature: float | str
+) -> tuple[float | None, str, tuple[str, ...]]:
+    """(value or None for per-token, source, warnings) following `--temperature auto` (§5.4)."""
+    if temperature != "auto":
+        return float(temperature), "option", ()
+    if inputs.temperature is not None:
+        on_loss = inputs.temperature[inputs.loss_mask]
+        if on_loss.size and not np.isnan(on_loss).any():
+            values = np.unique(on_loss)
+            if values.size == 1:
+                return float(values[0]), "column", ()
+            return None, "column", ()
+    sampling = (run.meta or {}).get("sampling") or {}
+    if isinstance(sampling, dict) and isinstance(sampling.get("temperature"), (int, float)):
+        return float(sampling["temperature"]), "sampling", ()
+    return 1.0, "default", ("W409: no temperature in the rollouts or their metadata; recomputed at T=1.0",)
+
+
+def with_uniform_temperature(inputs: RecomputeInputs) -> RecomputeInputs:
+    """`inputs` without per-token temperatures (one temperature applies to every token)."""
+    return replace(inputs, temperature=None)
+
+
+def plan_parts(inputs: RecomputeInputs, part_samples: int) -> list[Part]:
+    """Per step (inputs are sorted), consecutive chunks of `part_samples` rows."""
+    parts: list[Part] = []
+    steps, starts = np.unique(inputs.step, return_index=True)
+    bounds = [*starts.tolist(), len(inputs.step)]
+    for s, step in enumerate(steps.tolist()):
+        for index, lo in enumerate(range(bounds[s], bounds[s + 1], part_samples)):
+            hi = min(lo + part_samples, bounds[s + 1])
+            keys = f"{input_fingerprint(inputs.keys(range(lo, hi))):016x}"
+            parts.append(Part(step=int(step), index=index, start=lo, stop=hi, fingerprint=keys))
+    return parts
