@@ -77,11 +77,28 @@ import resource, sys, time, json
 sys.path.insert(0, {repo!r})
 t0 = time.perf_counter()
 from pgdiag.runs import read_run, read_token_batch
+t_import = time.perf_counter()
 run = read_run({path!r})
 loaded = read_token_batch(run, streams=["rollout", "old", "new"], env=True)
 t1 = time.perf_counter()
-print(json.dumps({{"seconds": t1 - t0, "tokens": loaded.batch.n_tokens, "samples": loaded.batch.n_samples,
+print(json.dumps({{"seconds": t1 - t0, "seconds_after_import": t1 - t_import, "tokens": loaded.batch.n_tokens,
+                  "samples": loaded.batch.n_samples,
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+"""
+
+PHASES_SNIPPET = """
+import sys, time, json
+sys.path.insert(0, {repo!r})
+from pgdiag.runs import build_token_batch, load_rows, read_run
+from pgdiag.validate import validate_rows
+times = {{}}
+t = time.perf_counter(); run = read_run({path!r}); times["read_run"] = time.perf_counter() - t
+t = time.perf_counter()
+rows = load_rows(run, streams=["rollout", "old", "new"], scalars=["advantage", "reward", "env"], lists=["advantages"])
+times["collect_and_flatten"] = time.perf_counter() - t
+t = time.perf_counter(); found = validate_rows(rows.table); times["validate"] = time.perf_counter() - t
+t = time.perf_counter(); build_token_batch(run, rows, found, env=True); times["build_batch"] = time.perf_counter() - t
+print(json.dumps({{k: round(v, 3) for k, v in times.items()}}))
 """
 
 PANDAS_SNIPPET = """
@@ -124,6 +141,7 @@ def main() -> None:
     for k in range(args.repeats):
         result = _run(LOAD_SNIPPET.format(repo=str(REPO), path=str(run_dir)))
         print(f"pgdiag read_run + read_token_batch #{k}: {json.dumps(result)}")
+    print(f"phases: {json.dumps(_run(PHASES_SNIPPET.format(repo=str(REPO), path=str(run_dir))))}")
     if args.baseline:
         result = _run(PANDAS_SNIPPET.format(path=str(run_dir)))
         print(f"pandas explode baseline: {json.dumps(result)}")

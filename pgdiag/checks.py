@@ -428,7 +428,7 @@ def check_run(
         return check_result([i for i in issues if i.code not in ignored], strict=strict)
     found = validate_rows(rows.table, ignore=ignored, max_examples=max_examples, vocab_size=vocab_size)
     issues += rows.issues + found.issues
-    batch = build_token_batch(run, rows, bad_rows=found.bad_rows, env=True)
+    batch = build_token_batch(run, rows, found, env=True)
     if streams is not None:
         if len(pair_streams) != 2:
             raise UsageError("E112", f"--streams needs two names, got {pair_streams}", "pass --streams A,B")

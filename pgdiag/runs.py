@@ -40,10 +40,11 @@ from pgdiag.validate import (
     CheckResult,
     FlatList,
     Issue,
+    RowIssues,
     RowTable,
     check_result,
+    loss_view,
     missing_columns,
-    subset_rows,
     validate_rows,
 )
 
@@ -367,6 +368,12 @@ class LoadedRows:
     entropy: tuple[str, ...]
 
 
+def _bits(buffer: pa.Buffer, offset: int, length: int) -> np.ndarray:
+    """(length,) bool from an Arrow bitmap buffer starting at bit `offset`."""
+    packed = np.frombuffer(buffer, dtype=np.uint8)
+    return np.unpackbits(packed, bitorder="little", count=offset + length)[offset:].view(np.bool_)
+
+
 def flat_list(series: pl.Series) -> FlatList:
     """Flatten a polars list column into offsets, values (native dtype, zero-copy) and element/row validity."""
     arrow = series.to_arrow()
@@ -376,13 +383,14 @@ def flat_list(series: pl.Series) -> FlatList:
     start, stop = int(offsets[0]), int(offsets[-1])
     child = arrow.values.slice(start, stop - start)
     row_valid = None if arrow.null_count == 0 else arrow.is_valid().to_numpy(zero_copy_only=False)
-    valid = None if child.null_count == 0 else child.is_valid().to_numpy(zero_copy_only=False)
+    validity, data = child.buffers()[0], child.buffers()[1]
+    valid = None if child.null_count == 0 else _bits(validity, child.offset, len(child))
     if pa.types.is_boolean(child.type):
-        values = child.fill_null(False).to_numpy(zero_copy_only=False)
+        values = _bits(data, child.offset, len(child))
+        if valid is not None:
+            values = values & valid
     else:
-        raw = np.frombuffer(
-            child.buffers()[1], dtype=child.type.to_pandas_dtype(), count=child.offset + len(child)
-        )
+        raw = np.frombuffer(data, dtype=child.type.to_pandas_dtype(), count=child.offset + len(child))
         values = raw[child.offset :]
     return FlatList(offsets - start, values, valid, row_valid)
 
@@ -539,29 +547,28 @@ def _recompute_issues(run: Run, frame: pl.DataFrame, hash_columns: Sequence[str]
 def build_token_batch(
     run: Run,
     rows: LoadedRows,
+    found: RowIssues,
     *,
-    bad_rows: np.ndarray | None = None,
     advantages: bool = True,
     reward: bool = True,
     env: bool = False,
 ) -> TokenBatch:
-    """The loss positions of the sound rows of `rows` as a float64 `TokenBatch` (rows in read order)."""
-    keep = np.arange(rows.table.n_rows, dtype=np.int64) if bad_rows is None else np.flatnonzero(~bad_rows)
-    table = rows.table if bad_rows is None else subset_rows(rows.table, keep)
+    """The loss positions of the structurally sound rows of `rows` (`found` = their validation) as float64."""
+    table = found.sound if found.sound is not None else rows.table
+    view = found.loss if found.loss is not None else loss_view(table)
+    keep = (
+        np.arange(rows.table.n_rows, dtype=np.int64)
+        if found.bad_rows is None
+        else np.flatnonzero(~found.bad_rows)
+    )
     sub = table.frame
     ids = table.lists["input_ids"]
-    loss = table.lists["loss_mask"].values.astype(bool, copy=False)
-    loss_index = np.flatnonzero(loss)  # (M,) flat index of every loss token
-    offsets = np.searchsorted(loss_index, ids.offsets).astype(np.int64)  # (S + 1,)
+    offsets = view.row_start  # (S + 1,)
     n_loss = np.diff(offsets)
-    pos = (loss_index - np.repeat(ids.offsets[:-1], n_loss)).astype(np.int32)
+    pos = (view.index - np.repeat(ids.offsets[:-1], n_loss)).astype(np.int32)  # (M,)
 
     def token_values(column: str) -> np.ndarray:
-        flat = table.lists[column]
-        values = flat.values[loss_index].astype(np.float64)
-        if flat.valid is not None:
-            values[~flat.valid[loss_index]] = np.nan
-        return values
+        return view.values[column].astype(np.float64)
 
     group_raw = sub["group_id"].cast(pl.String).fill_null("").to_numpy().astype(object)
     group_names, group = np.unique(group_raw, return_inverse=True)
@@ -584,7 +591,7 @@ def build_token_batch(
         seq_len=ids.lengths.astype(np.int32),
         offsets=offsets,
         pos=pos,
-        token_id=ids.values[loss_index].astype(np.int32, copy=False),
+        token_id=ids.values[view.index].astype(np.int32, copy=False),
         streams={s: token_values(stream_column(s)) for s in rows.streams},
         entropy={t: token_values(entropy_column(t)) for t in rows.entropy},
         advantages=adv,
@@ -620,9 +627,7 @@ def read_token_batch(
     errors = sorted((i for i in issues if i.severity == "error"), key=lambda i: i.code)
     if errors:
         raise InvalidInputError(errors[0].code, errors[0].message, errors[0].hint)
-    batch = build_token_batch(
-        run, rows, bad_rows=found.bad_rows, advantages=advantages, reward=reward, env=env
-    )
+    batch = build_token_batch(run, rows, found, advantages=advantages, reward=reward, env=env)
     return LoadedBatch(batch, check_result(issues))
 
 

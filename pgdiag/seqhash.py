@@ -34,10 +34,10 @@ def seq_hash(input_ids: Sequence[int] | np.ndarray) -> int:
 
 def seq_hashes(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """(R,) uint64 hashes of R rows stored as flat int32 `values` (N,) and `offsets` (R + 1,)."""
-    data = np.ascontiguousarray(values, dtype=_INT32_LE).tobytes()
+    data = np.ascontiguousarray(values, dtype=_INT32_LE)
     byte_offsets = (np.asarray(offsets, dtype=np.int64) * 4).tolist()
     out = np.empty(len(byte_offsets) - 1, dtype=np.uint64)
-    view = memoryview(data)
+    view = memoryview(data).cast("B")
     for row in range(out.shape[0]):
         digest = hashlib.blake2b(view[byte_offsets[row] : byte_offsets[row + 1]], digest_size=8).digest()
         out[row] = int.from_bytes(digest, "little")

@@ -115,11 +115,51 @@ class RowTable:
 
 
 @dataclass(frozen=True)
+class LossView:
+    """The loss positions of a structurally sound `RowTable`, with every float column gathered there.
+
+    Computed once and shared by validation and `TokenBatch` building. Values stay float32; a null on a loss
+    position is NaN in `values` and False in `valid`.
+    """
+
+    index: np.ndarray  # (M,) int64 flat index of every loss token
+    row_start: np.ndarray  # (R + 1,) int64 loss-token offsets of each row
+    values: dict[str, np.ndarray]  # column -> (M,) float32
+    valid: dict[str, np.ndarray | None]  # column -> (M,) bool validity, None = no null on a loss position
+
+    def rows_of(self, loss_token: np.ndarray) -> np.ndarray:
+        """(K,) row owning each of the given loss-token indices."""
+        return np.searchsorted(self.row_start, loss_token, side="right") - 1
+
+
+def loss_view(table: RowTable) -> LossView:
+    """Gather the loss positions of `table` (every row must be structurally sound)."""
+    ids = table.lists["input_ids"]
+    index = np.flatnonzero(table.lists["loss_mask"].values)  # (M,)
+    row_start = np.searchsorted(index, ids.offsets).astype(np.int64)  # (R + 1,)
+    values: dict[str, np.ndarray] = {}
+    valid: dict[str, np.ndarray | None] = {}
+    for column, flat in table.lists.items():
+        if column in ("input_ids", "loss_mask"):
+            continue
+        gathered = flat.values[index]
+        column_valid = None if flat.valid is None else flat.valid[index]
+        if column_valid is not None and column_valid.all():
+            column_valid = None
+        if column_valid is not None:
+            gathered[~column_valid] = np.nan
+        values[column], valid[column] = gathered, column_valid
+    return LossView(index, row_start, values, valid)
+
+
+@dataclass(frozen=True)
 class RowIssues:
-    """Issues found on a `RowTable` and the rows excluded from token rules for structural errors."""
+    """Issues found on a `RowTable`, the rows excluded for structural errors, and the sound rows' view."""
 
     issues: list[Issue] = field(default_factory=list)
     bad_rows: np.ndarray | None = None  # (R,) bool, None = all rows structurally sound
+    sound: RowTable | None = None  # the structurally sound rows (the input table when bad_rows is None)
+    loss: LossView | None = None  # loss positions of `sound`
 
 
 class _Locator:
@@ -379,22 +419,20 @@ class _Rules:
             )
 
     # ---- token rules ------------------------------------------------------------------------------------
-    def tokens(self) -> None:
+    def tokens(self, view: LossView) -> None:
         """Token rules (E203, E204, E205-E209, W214-W216); every row of the table must be structurally sound."""
         ids = self.table.lists["input_ids"]
         offsets = ids.offsets
         n_rows = self.table.n_rows
-        loss = self.table.lists["loss_mask"].values.astype(bool, copy=False)
-        loss_index = np.flatnonzero(loss)  # (M,) flat index of every loss token
-        row_start = np.searchsorted(loss_index, offsets)  # (R + 1,) first loss token at or after each offset
+        row_start = view.row_start
         n_loss = np.diff(row_start)
         good = ~self.bad
         prompt_len = self.frame["prompt_len"].fill_null(1).to_numpy().astype(np.int64)
         prompt_end = offsets[:-1] + np.clip(prompt_len, 0, ids.lengths)
-        early = (np.searchsorted(loss_index, prompt_end) - row_start[:-1] > 0) & good
+        early = (np.searchsorted(view.index, prompt_end) - row_start[:-1] > 0) & good
         if early.any() and self.on("E203"):
             rows = np.flatnonzero(early)
-            first_loss = np.array([np.flatnonzero(loss[offsets[r] : offsets[r + 1]])[0] for r in rows[:5]])
+            first_loss = view.index[row_start[rows[:5]]] - offsets[rows[:5]]
             notes = [f"prompt_len {prompt_len[r]}" for r in rows[:5]]
             self.add(
                 self.loc.issue(
@@ -439,11 +477,9 @@ class _Rules:
                     )
                 )
         self._token_ids(ids, good)
-        loss_row = np.repeat(np.arange(n_rows, dtype=np.int64), n_loss)  # (M,)
         for column, flat in self.table.lists.items():
-            if column in ("input_ids", "loss_mask"):
-                continue
-            self._float_column(column, flat, loss, loss_index, loss_row, n_loss, offsets)
+            if column not in ("input_ids", "loss_mask"):
+                self._float_column(column, flat, view)
 
     def _token_ids(self, ids: FlatList, good: np.ndarray) -> None:
         if not self.on("E208"):
@@ -473,26 +509,17 @@ class _Rules:
                 )
             )
 
-    def _float_column(
-        self,
-        column: str,
-        flat: FlatList,
-        loss: np.ndarray,
-        loss_index: np.ndarray,
-        loss_row: np.ndarray,
-        n_loss: np.ndarray,
-        offsets: np.ndarray,
-    ) -> None:
-        values = flat.values
-        valid = flat.valid
-        n_total = values.shape[0]
-        valid_at_loss = valid[loss_index] if valid is not None else None
-        n_null_loss = 0 if valid_at_loss is None else int(loss_index.size - np.count_nonzero(valid_at_loss))
+    def _float_column(self, column: str, flat: FlatList, view: LossView) -> None:
+        offsets = self.table.lists["input_ids"].offsets
         ids = self.table.lists["input_ids"].values
+        at_loss = view.values[column]
+        valid_at_loss = view.valid[column]
+        n_loss_total = view.index.size
+        n_null_loss = 0 if valid_at_loss is None else int(n_loss_total - np.count_nonzero(valid_at_loss))
         if n_null_loss and self.on("E204"):
             where = np.flatnonzero(~valid_at_loss)
-            flat_at = loss_index[where]
-            rows = loss_row[where]
+            flat_at = view.index[where]
+            rows = view.rows_of(where)
             last = flat_at == offsets[rows + 1] - 1
             notes = [
                 f"token {ids[f]}{', last' if is_last else ''}"
@@ -510,10 +537,13 @@ class _Rules:
                     hint="appended EOS or unsampled token? drop it from loss_mask",
                 )
             )
-        n_valid = n_total if valid is None else int(np.count_nonzero(valid))
-        n_outside = n_valid - (loss_index.size - n_null_loss)
+        if n_null_loss and self.on("E302"):
+            self._null_pattern_shift(column, flat, view, offsets)
+        n_valid = flat.values.shape[0] if flat.valid is None else int(np.count_nonzero(flat.valid))
+        n_outside = n_valid - (n_loss_total - n_null_loss)
         if n_outside > 0 and self.on("W214"):
-            outside = ~loss if valid is None else (valid & ~loss)
+            loss = self.table.lists["loss_mask"].values
+            outside = ~loss if flat.valid is None else (flat.valid & ~loss)
             flat_at = np.flatnonzero(outside)[:5]
             rows = _row_of(offsets, flat_at)
             self.add(
@@ -527,49 +557,68 @@ class _Rules:
                 )
             )
         if self.on("E207"):
-            finite = np.isfinite(values)
-            if not finite.all():
-                bad = ~finite if valid is None else (~finite & valid)
-                bad_index = np.flatnonzero(bad)
-                if bad_index.size:
-                    rows = _row_of(offsets, bad_index)
-                    keep = ~self.bad[rows]
-                    bad_index, rows = bad_index[keep], rows[keep]
-                if bad_index.size:
-                    bad_values = values[bad_index]
-                    n_nan = int(np.isnan(bad_values).sum())
-                    n_pos = int((bad_values == np.inf).sum())
-                    n_neg = int(bad_values.size - n_nan - n_pos)
-                    self.add(
-                        self.loc.issue(
-                            "E207",
-                            "error",
-                            f"{column}: {n_nan} NaN, {n_pos} +inf, {n_neg} -inf",
-                            rows,
-                            bad_index.size,
-                            pos=bad_index - offsets[rows],
-                        )
+            # loss positions (null ones are NaN in `at_loss`, so test them as valid only), then any
+            # non-null value outside the mask (rare: W214)
+            bad = ~np.isfinite(at_loss)
+            if n_null_loss:
+                bad &= valid_at_loss
+            bad_index = view.index[np.flatnonzero(bad)]
+            if n_outside > 0:
+                loss = self.table.lists["loss_mask"].values
+                outside_bad = ~np.isfinite(flat.values) & ~loss
+                if flat.valid is not None:
+                    outside_bad &= flat.valid
+                bad_index = np.sort(np.concatenate([bad_index, np.flatnonzero(outside_bad)]))
+            if bad_index.size:
+                rows = _row_of(offsets, bad_index)
+                bad_values = flat.values[bad_index]
+                n_nan = int(np.isnan(bad_values).sum())
+                n_pos = int((bad_values == np.inf).sum())
+                n_neg = int(bad_values.size - n_nan - n_pos)
+                self.add(
+                    self.loc.issue(
+                        "E207",
+                        "error",
+                        f"{column}: {n_nan} NaN, {n_pos} +inf, {n_neg} -inf",
+                        rows,
+                        bad_index.size,
+                        pos=bad_index - offsets[rows],
                     )
+                )
         if column in self.table.stream_columns:
-            at_loss = values[loss_index]
-            if valid_at_loss is not None and n_null_loss:
-                at_loss = np.where(valid_at_loss, at_loss, np.float32(np.nan))
-            self._logprob_values(column, at_loss, loss_index, loss_row, n_loss, offsets)
+            self._logprob_values(column, at_loss, view, offsets)
 
-    def _logprob_values(
-        self,
-        column: str,
-        at_loss: np.ndarray,
-        loss_index: np.ndarray,
-        loss_row: np.ndarray,
-        n_loss: np.ndarray,
-        offsets: np.ndarray,
-    ) -> None:
+    def _null_pattern_shift(self, column: str, flat: FlatList, view: LossView, offsets: np.ndarray) -> None:
+        """E302 by nulls: in every sample the stream is null on the last loss token and set just before the
+        first one, the signature of next-token-aligned values stored one position early."""
+        if flat.valid is None or column not in self.table.stream_columns:
+            return
+        n_loss = np.diff(view.row_start)
+        rows = np.flatnonzero(n_loss > 0)
+        first = view.index[view.row_start[rows]]
+        last_token = view.row_start[rows + 1] - 1
+        null_last = ~view.valid[column][last_token]
+        before_ok = first > offsets[rows]
+        set_before = np.zeros(rows.size, dtype=bool)
+        set_before[before_ok] = flat.valid[first[before_ok] - 1]
+        if rows.size and (null_last & set_before).all():
+            self.add(
+                self.loc.issue(
+                    "E302",
+                    "error",
+                    f"{column} looks shifted by -1: set just before each loss span and null on the last loss token",
+                    rows,
+                    rows.size,
+                    hint="next-token aligned values? re-import with --shift 1",
+                )
+            )
+
+    def _logprob_values(self, column: str, at_loss: np.ndarray, view: LossView, offsets: np.ndarray) -> None:
         positive = at_loss > LOGPROB_POSITIVE_TOL
         n_positive = int(np.count_nonzero(positive))
         if n_positive and self.on("E205"):
             where = np.flatnonzero(positive)
-            rows = loss_row[where]
+            rows = view.rows_of(where)
             self.add(
                 self.loc.issue(
                     "E205",
@@ -577,22 +626,23 @@ class _Rules:
                     f"{column}: {n_positive} positive values (max {float(at_loss[where].max()):.3g})",
                     rows,
                     n_positive,
-                    pos=loss_index[where] - offsets[rows],
+                    pos=view.index[where] - offsets[rows],
                 )
             )
         zero = np.flatnonzero(at_loss == 0.0)
         tiny = np.flatnonzero((at_loss > 0.0) & ~positive)
-        n_loss_total = at_loss.shape[0]
-        zero_per_row = np.bincount(loss_row[zero], minlength=n_loss.shape[0])
+        n_loss = np.diff(view.row_start)
+        zero_rows = view.rows_of(zero)
+        zero_per_row = np.bincount(zero_rows, minlength=n_loss.shape[0])
         all_zero_rows = np.flatnonzero((zero_per_row == n_loss) & (n_loss >= 2))
-        fraction = zero.size / n_loss_total if n_loss_total else 0.0
+        fraction = zero.size / at_loss.shape[0] if at_loss.shape[0] else 0.0
         if (fraction > ZERO_FILL_FRACTION or all_zero_rows.size) and self.on("E206"):
             if all_zero_rows.size and fraction <= ZERO_FILL_FRACTION:
                 text = f"{column}: {all_zero_rows.size} samples with every loss value exactly 0.0"
                 rows, count, pos = all_zero_rows, all_zero_rows.size, None
             else:
                 text = f"{column}: {100 * fraction:.1f} % exact 0.0 on loss positions"
-                rows, count, pos = loss_row[zero], zero.size, loss_index[zero] - offsets[loss_row[zero]]
+                rows, count, pos = zero_rows, zero.size, view.index[zero] - offsets[zero_rows]
             self.add(
                 self.loc.issue(
                     "E206",
@@ -606,7 +656,7 @@ class _Rules:
             )
         elif (zero.size or tiny.size) and self.on("W216"):
             where = np.concatenate([zero, tiny])
-            rows = loss_row[where]
+            rows = view.rows_of(where)
             self.add(
                 self.loc.issue(
                     "W216",
@@ -614,7 +664,7 @@ class _Rules:
                     f"{column}: {zero.size} exact 0.0 and {tiny.size} in (0, 1e-6] (p≈1 tokens or fills)",
                     rows,
                     where.size,
-                    pos=loss_index[where] - offsets[rows],
+                    pos=view.index[where] - offsets[rows],
                 )
             )
 
@@ -642,13 +692,13 @@ def validate_rows(
     rules.scalars()
     rules.seq_hash()
     if not rules.bad.any():
-        rules.tokens()
-        return RowIssues(rules.issues, None)
-    sound = np.flatnonzero(~rules.bad)
-    if sound.size:
-        token_rules = _Rules(
-            subset_rows(table, sound), ignore=ignore, max_examples=max_examples, vocab_size=vocab_size
-        )
-        token_rules.tokens()
+        view = loss_view(table)
+        rules.tokens(view)
+        return RowIssues(rules.issues, None, table, view)
+    sound = subset_rows(table, np.flatnonzero(~rules.bad))
+    view = loss_view(sound)
+    if sound.n_rows:
+        token_rules = _Rules(sound, ignore=ignore, max_examples=max_examples, vocab_size=vocab_size)
+        token_rules.tokens(view)
         rules.issues.extend(token_rules.issues)
-    return RowIssues(rules.issues, rules.bad)
+    return RowIssues(rules.issues, rules.bad, sound, view)

@@ -261,3 +261,16 @@ def test_max_examples_and_more_count(tmp_path: Path) -> None:
     result = _check(tmp_path, rows, max_examples=2)
     message = _only(result, "E205")["message"]
     assert message.count("sample ") == 2 and message.endswith("; 8 more")
+
+
+def test_e302_from_null_pattern(tmp_path: Path) -> None:
+    rows = valid_rows()
+    for r in rows:  # next-token aligned: value of token i stored at i - 1
+        r["rollout_logprobs"] = [*r["rollout_logprobs"][1:], None]
+        r["rollout_logprobs"][1] = -0.5
+    result = _check(tmp_path, rows)
+    issue = _only(result, "E302")
+    assert "rollout_logprobs looks shifted by -1" in issue["message"] and issue["count"] == 4
+    assert result.exit_code == EXIT_INVALID
+    single_null = _check(tmp_path, _edit(3, rollout_logprobs=[None, None, -2.0, None]))
+    assert "E302" not in single_null.issues["code"].to_list()
