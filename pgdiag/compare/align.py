@@ -20,7 +20,7 @@ their positions and the sequence length, computed vectorised; it plays the same 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +62,7 @@ class AlignedPair:
     sample_id: np.ndarray  # (S,) object, side a's ids
     sample_id_b: np.ndarray  # (S,) object, side b's ids
     offsets: np.ndarray  # (S + 1,) int64
+    token_row: np.ndarray  # (M,) int64 matched sample owning each token
     pos: np.ndarray  # (M,) int32 position in input_ids
     resp_pos: np.ndarray  # (M,) int64 pos - prompt_len (0 = first response token)
     token_id: np.ndarray  # (M,) int32
@@ -96,7 +97,7 @@ class AlignedPair:
 
     def token_sample(self) -> np.ndarray:
         """(M,) int64 index of the matched sample owning each token."""
-        return np.repeat(np.arange(self.n_samples, dtype=np.int64), self.n_loss)
+        return self.token_row
 
 
 def token_take(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -157,19 +158,25 @@ def match_samples(
     b: TokenBatch,
     *,
     join: str,
-    hash_a: np.ndarray,
-    hash_b: np.ndarray,
+    hashes: Callable[[], tuple[np.ndarray, np.ndarray]],
 ) -> tuple[np.ndarray, np.ndarray, str]:
-    """(rows of a, rows of b, resolved join) of the matched samples, in side a's row order."""
+    """(rows of a, rows of b, resolved join) of the matched samples, in side a's row order.
+
+    `hashes()` gives the per-sample hashes of a and b; it is called only when a hash join runs.
+    """
     if join not in JOIN_MODES:
         raise UsageError("E503", f"unknown --join {join!r}", f"choose one of {', '.join(JOIN_MODES)}")
-    fa, fb = _key_frame(a, hash_a, "ia"), _key_frame(b, hash_b, "ib")
     resolved = join
     if join in ("auto", "id"):
         on = ["step", "sample_id", "segment_idx"]
+        no_hash = np.zeros(0, dtype=np.uint64)
+        fa = _key_frame(a, np.zeros(a.n_samples, dtype=np.uint64) if a.n_samples else no_hash, "ia")
+        fb = _key_frame(b, np.zeros(b.n_samples, dtype=np.uint64) if b.n_samples else no_hash, "ib")
         matched = fa.join(fb.drop("hash"), on=on, how="inner")
         resolved = "hash" if join == "auto" and 2 * matched.height < a.n_samples else "id"
     if resolved in ("hash", "hash-any-step"):
+        hash_a, hash_b = hashes()
+        fa, fb = _key_frame(a, hash_a, "ia"), _key_frame(b, hash_b, "ib")
         group = ["step", "hash"] if resolved == "hash" else ["hash"]
         on = [*group, "rank"]
         matched = _ranked(fa, group).select("ia", *on).join(_ranked(fb, group).select("ib", *on), on=on)
@@ -221,9 +228,13 @@ def align_batches(
             raise UsageError("E111", f"{batch.label}: no stream {stream!r} (side {side}); streams: {listed}")
     pair_name = f"{a.label}:{stream_a} vs {b.label}:{stream_b}"
     use_seq_hash = seq_hash_a is not None and seq_hash_b is not None
-    hash_a = seq_hash_a if use_seq_hash else content_hash(a)
-    hash_b = seq_hash_b if use_seq_hash else content_hash(b)
-    ia, ib, resolved = match_samples(a, b, join=join, hash_a=hash_a, hash_b=hash_b)
+
+    def hashes() -> tuple[np.ndarray, np.ndarray]:
+        if use_seq_hash:
+            return np.asarray(seq_hash_a, dtype=np.uint64), np.asarray(seq_hash_b, dtype=np.uint64)
+        return content_hash(a), content_hash(b)
+
+    ia, ib, resolved = match_samples(a, b, join=join, hashes=hashes)
     issues: list[CheckIssue] = []
 
     # 1. samples
@@ -263,7 +274,7 @@ def align_batches(
     take_b, off_b = token_take(b.offsets, ib)
     step, sample_id = a.step[ia], a.sample_id[ia]
     if use_seq_hash and resolved == "id":
-        differs = hash_a[ia] != hash_b[ib]
+        differs = np.asarray(seq_hash_a)[ia] != np.asarray(seq_hash_b)[ib]
     else:
         differs = a.seq_len[ia] != b.seq_len[ib]
     same_layout = np.array_equal(off_a, off_b) and np.array_equal(a.pos[take_a], b.pos[take_b])
@@ -325,7 +336,7 @@ def align_batches(
     lp_b = np.asarray(b.streams[stream_b], dtype=np.float64)[idx_b]
     pos = a.pos[idx_a]
     prompt_len = a.prompt_len[ia]
-    ctx = _Context(pair_name, step, sample_id, offsets, pos, ignore, issues)
+    ctx = _Context(pair_name, step, sample_id, offsets, token_row, pos, ignore, issues)
 
     # 3. values
     _check_shift(lp_a, lp_b, ctx, a.label, b.label, stream_a, stream_b)
@@ -338,7 +349,7 @@ def align_batches(
     if entropy is None and a.entropy.get(stream_a) is not None:
         entropy = np.asarray(a.entropy[stream_a], dtype=np.float64)[idx_a]
     token_id = a.token_id[idx_a]
-    resp_pos = pos.astype(np.int64) - np.repeat(prompt_len.astype(np.int64), np.diff(offsets))
+    resp_pos = pos.astype(np.int64) - prompt_len.astype(np.int64)[token_row]
     n_invalid = 0
     if keep is not None:
         n_invalid = int((~keep).sum())
@@ -352,6 +363,7 @@ def align_batches(
             resp_pos[keep],
             token_id[keep],
         )
+        token_row = token_row[keep]
         entropy = None if entropy is None else entropy[keep]
     return AlignedPair(
         label_a=a.label,
@@ -363,6 +375,7 @@ def align_batches(
         sample_id=sample_id,
         sample_id_b=b.sample_id[ib],
         offsets=offsets,
+        token_row=token_row,
         pos=pos,
         resp_pos=resp_pos,
         token_id=token_id,
@@ -441,12 +454,13 @@ class _Context:
     step: np.ndarray
     sample_id: np.ndarray
     offsets: np.ndarray
+    token_row: np.ndarray
     pos: np.ndarray
     ignore: Collection[str]
     issues: list[CheckIssue]
 
     def locate(self, token: int) -> tuple[int, str, int, str]:
-        row = int(np.searchsorted(self.offsets, token, side="right") - 1)
+        row = int(self.token_row[token])
         pos = int(self.pos[token])
         return int(self.step[row]), str(self.sample_id[row]), pos, _where(self.step, self.sample_id, row, pos)
 
@@ -470,10 +484,7 @@ def _check_shift(
         return
     stride = max(1, m // SHIFT_SAMPLE_TOKENS)
     i = np.arange(0, m - 1, stride)
-    same = (ctx.pos[i + 1] == ctx.pos[i] + 1) & (
-        np.searchsorted(ctx.offsets, i + 1, side="right") - 1
-        == (np.searchsorted(ctx.offsets, i, side="right") - 1)
-    )
+    same = (ctx.pos[i + 1] == ctx.pos[i] + 1) & (ctx.token_row[i + 1] == ctx.token_row[i])
     i = i[same]
     if i.size == 0:
         return
@@ -541,7 +552,7 @@ def _check_zero_fill(
 ) -> None:
     """E206: > 1 % exact 0.0, a sample whose ≥ 2 loss values are all 0.0, or 0.0 where the other side < −1."""
     n_per_row = np.diff(ctx.offsets)
-    row = np.repeat(np.arange(n_per_row.shape[0]), n_per_row)
+    row = ctx.token_row
     for values, other, label, stream in ((lp_a, lp_b, label_a, sa), (lp_b, lp_a, label_b, sb)):
         zero = values == 0.0
         n_zero = int(zero.sum())

@@ -24,7 +24,7 @@ from pgdiag.batch import TokenBatch
 from pgdiag.compare import breakdowns as bd
 from pgdiag.compare.align import AlignedPair, CheckIssue, align_batches
 from pgdiag.compare.diagnose import Diagnosis, diagnose
-from pgdiag.compare.parity import sequence_table, token_table, unit_and_reduction
+from pgdiag.compare.parity import bucket_table, sequence_table, token_table, token_terms, unit_and_reduction
 from pgdiag.compare.worst import worst_seqs, worst_tokens, worst_trace
 from pgdiag.errors import UsageError
 from pgdiag.report import CHECKS_SCHEMA, Report, ReportRow, summary_frame
@@ -198,17 +198,10 @@ def parity_rows(
     rows.append(ReportRow(name, "sequence", "all", "all", "count/samples", n_seq, "count", "sum", n_seq))
 
     step_abs_mean: dict[int, float] = {}
+    terms = token_terms(pair.lp_a, pair.lp_b, eps_low=eps_low, eps_high=eps_high) if by else None
     for breakdown in by:
         buckets = bd.assign(pair, breakdown)
-        table = token_table(
-            pair.lp_a,
-            pair.lp_b,
-            eps_low=eps_low,
-            eps_high=eps_high,
-            codes=buckets.codes,
-            n_buckets=buckets.n_buckets,
-            full=False,
-        )
+        table = bucket_table(terms, buckets.codes, buckets.n_buckets)
         for k, label in enumerate(buckets.labels):
             if table["tokens"][k] == 0:
                 continue
@@ -232,7 +225,8 @@ def _dlogp_rows(pair: AlignedPair) -> list[ReportRow]:
     """Token counts per Δ bin (breakdown `dlogp`): the histogram behind the dlogp-hist plot, over all tokens."""
     edges = np.asarray(DLOGP_EDGES)
     d = pair.lp_b - pair.lp_a
-    codes = np.clip(np.searchsorted(edges, d, side="right") - 1, 0, edges.shape[0] - 2)
+    codes = np.searchsorted(edges, d, side="right")  # (M,) in [1, K]: edges span -inf..inf
+    codes -= 1
     exact_zero = d == 0.0
     counts = np.bincount(codes[~exact_zero], minlength=edges.shape[0] - 1)
     rows = []

@@ -67,8 +67,12 @@ def _numeric(
     name: str, values: np.ndarray, edges: tuple[float, ...], *, integer: bool, top_closed: bool
 ) -> Buckets:
     edge_array = np.asarray(edges, dtype=np.float64)
-    codes = np.searchsorted(edge_array, values, side="right") - 1  # (M,) bucket of [lo, hi)
-    codes = np.clip(codes, 0, edge_array.shape[0] - 2)  # top_closed: value == last edge joins the top bucket
+    codes = np.searchsorted(edge_array, values, side="right")  # (M,) bucket of [lo, hi), plus one
+    codes -= 1
+    np.minimum(
+        codes, edge_array.shape[0] - 2, out=codes
+    )  # top_closed: value == last edge joins the top bucket
+    np.maximum(codes, 0, out=codes)
     k = edge_array.shape[0] - 1
     labels = tuple(
         _interval_label(edge_array[i], edge_array[i + 1], closed=top_closed and i == k - 1, integer=integer)
@@ -101,8 +105,10 @@ def assign(pair: AlignedPair, name: str) -> Buckets:
         return _numeric(name, pair.entropy, ENTROPY_EDGES, integer=False, top_closed=False)
     sample = pair.token_sample()
     if name == "length":
-        per_sample = pair.n_loss.astype(np.float64)[sample]
-        return _numeric(name, per_sample, DOUBLING_EDGES, integer=True, top_closed=False)
+        per_sample = _numeric(
+            name, pair.n_loss.astype(np.float64), DOUBLING_EDGES, integer=True, top_closed=False
+        )
+        return Buckets(name, per_sample.codes[sample], per_sample.labels, per_sample.lo, per_sample.hi)
     if name == "step":
         return _categorical(name, pair.step, sample, numeric=True)
     if name == "env":

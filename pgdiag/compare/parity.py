@@ -3,21 +3,22 @@
 What: for Δ = lp_b − lp_a on matched tokens, the mismatch family of metrics.md §5: bias, sd, RMS, mean |Δ|, |Δ|
 quantiles and max, Pearson r and the OLS fit lp_b ≈ α + β·lp_a, the fractions of ratios outside the standard
 bands, k1/k3 in both directions, mean exp|Δ| (`tmpe`), chi-square, ESS and verl's |Δp|, with units.
-Why: one vectorised engine serves the `all` row and every breakdown, so a bucket's numbers are computed
-exactly like the headline's. Buckets are integer codes; sums are `np.bincount` (one pass each, O(M)), spreads
-subtract the bucket mean first (no subtraction of squares), quantiles (Hyndman–Fan type 7) come from one stable
-sort of the codes plus `np.quantile` on each bucket's contiguous slice. Exact-zero cases stay exact: k3 uses
-expm1(Δ) − Δ and chi-square expm1(2Δ), so identical streams give 0, not rounding noise.
-How: `token_table` gives {metric: (K,) array} for K buckets (NaN = not computable); `sequence_table` first
-reduces each sample to its mean log-probs (length-normalised, GSPO scale) and applies the same table over
-samples, plus the product-ratio keys (`chi2_seq`, `ess_seq`, `seq_sum_delta_p*`, `seq_ratio_p*`), which replace
-the token-only keys (`chi2_token`, `ess_token`, the probability-space ones). Without
-codes (K = 1) the sums are NumPy's pairwise sums.
+Why: the `all` row and the breakdowns must be computed the same way and fast (10M tokens in a few seconds on
+two cores). `token_table` computes the full set over all tokens with NumPy pairwise sums; spreads subtract the
+mean first (no subtraction of squares); quantiles are Hyndman–Fan type 7. Breakdowns use `token_terms` (the
+per-token inputs, computed once) and `bucket_table` (one `np.bincount` per statistic, quantiles from one radix
+sort of the small integer bucket codes), for a reduced set: location, spread, |Δ| quantiles, three bands, k1,
+k3, tmpe, |Δp|. Exact-zero cases stay exact: k3 uses expm1(Δ) − Δ and chi-square expm1(2Δ), so identical
+streams give 0, not rounding noise.
+How: `sequence_table` reduces each sample to its mean log-probs (length-normalised, GSPO scale) and applies
+`token_table` over samples, then adds the product-ratio keys (`chi2_seq`, `ess_seq`, `seq_sum_delta_p*`,
+`seq_ratio_p*`), which replace the token-only keys (`chi2_token`, `ess_token`, the probability-space ones).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,6 +30,8 @@ BANDS: dict[str, tuple[float, float] | None] = {
     "clip": None,
     "2x": (0.5, 2.0),
 }
+BREAKDOWN_BANDS = ("10pct", "clip", "2x")
+QUANTILE_SAMPLE_TOKENS = 2_000_000  # breakdown |Δ| quantiles above 2× this use every (M // this)-th token
 ABS_QUANTILES = {"abs_p50": 0.5, "abs_p95": 0.95, "abs_p99": 0.99}
 SEQ_SUM_QUANTILES = {"p1": 0.01, "p5": 0.05, "p50": 0.5, "p95": 0.95, "p99": 0.99}
 
@@ -80,140 +83,194 @@ def unit_and_reduction(stat: str, scope: str) -> tuple[str, str]:
     return unit, kind
 
 
-def _sum(x: np.ndarray, codes: np.ndarray | None, k: int) -> np.ndarray:
-    """(K,) sums of x per bucket; pairwise `np.sum` when there is a single bucket."""
-    if codes is None:
-        return np.array([np.sum(x)], dtype=np.float64)
-    return np.bincount(codes, weights=x, minlength=k)
-
-
-def _expand(per_bucket: np.ndarray, codes: np.ndarray | None) -> np.ndarray | float:
-    return per_bucket[0] if codes is None else per_bucket[codes]
-
-
-def bucket_order(codes: np.ndarray | None, k: int) -> tuple[np.ndarray | None, np.ndarray]:
-    """Stable order that groups tokens by bucket (None for one bucket) and the (K + 1,) bucket starts."""
-    if codes is None:
-        return None, np.array([0], dtype=np.int64)
-    order = np.argsort(codes, kind="stable")
-    starts = np.zeros(k + 1, dtype=np.int64)
-    np.cumsum(np.bincount(codes, minlength=k), out=starts[1:])
-    return order, starts
-
-
-def bucket_quantiles(
-    values: np.ndarray, order: np.ndarray | None, starts: np.ndarray, qs: list[float]
-) -> np.ndarray:
-    """(K, len(qs)) type-7 quantiles and (K,) max appended as the last column; NaN for empty buckets."""
-    if order is None:
-        if values.size == 0:
-            return np.full((1, len(qs) + 1), np.nan)
-        return np.concatenate([np.quantile(values, qs), [np.max(values)]])[None, :]
-    grouped = values[order]
-    k = starts.shape[0] - 1
-    out = np.full((k, len(qs) + 1), np.nan)
-    for bucket in range(k):
-        lo, hi = starts[bucket], starts[bucket + 1]
-        if hi > lo:
-            segment = grouped[lo:hi]
-            out[bucket, :-1] = np.quantile(segment, qs)
-            out[bucket, -1] = segment.max()
-    return out
-
-
-def _safe_div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+def _safe_div(num: np.ndarray | float, den: np.ndarray | float) -> np.ndarray:
+    num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         out = num / den
     return np.where(den > 0, out, np.nan)
 
 
-def token_table(
-    lp_a: np.ndarray,
-    lp_b: np.ndarray,
-    *,
-    eps_low: float,
-    eps_high: float,
-    codes: np.ndarray | None = None,
-    n_buckets: int = 1,
-    full: bool = True,
-) -> dict[str, np.ndarray]:
-    """{stat: (K,) float64} over the tokens of each bucket (NaN = not computable) plus "tokens".
+def _one(value: float) -> np.ndarray:
+    return np.array([value], dtype=np.float64)
 
-    `codes` (M,) int in [0, K) assigns tokens to buckets; None = one bucket. `full=False` skips the probability
-    statistics and the |Δp| quantiles (the breakdown set).
-    """
-    k = 1 if codes is None else n_buckets
+
+def _quantiles(values: np.ndarray, qs: list[float]) -> np.ndarray:
+    """Type-7 quantiles of `values` followed by its max; NaN when empty."""
+    if values.size == 0:
+        return np.full(len(qs) + 1, np.nan)
+    return np.concatenate([np.quantile(values, qs), [np.max(values)]])
+
+
+def token_table(
+    lp_a: np.ndarray, lp_b: np.ndarray, *, eps_low: float, eps_high: float
+) -> dict[str, np.ndarray]:
+    """{stat: (1,) float64} over all tokens (NaN = not computable) plus "tokens"; sums are NumPy pairwise sums."""
+    n = float(lp_a.shape[0])
     d = lp_b - lp_a  # (M,)
     abs_d = np.abs(d)
-    n = np.bincount(codes, minlength=k).astype(np.float64) if codes is not None else np.array([float(d.size)])
-    out: dict[str, np.ndarray] = {"tokens": n}
+    out: dict[str, np.ndarray] = {"tokens": _one(n)}
 
-    # 1. moments of Δ (spread around the bucket mean, never as a difference of squares)
-    bias = _safe_div(_sum(d, codes, k), n)
-    dev = d - _expand(np.nan_to_num(bias), codes)
-    out["bias"] = bias
-    out["sd"] = np.sqrt(_safe_div(_sum(dev * dev, codes, k), n))
-    out["rms"] = np.sqrt(_safe_div(_sum(d * d, codes, k), n))
-    out["abs_mean"] = _safe_div(_sum(abs_d, codes, k), n)
+    # 1. moments of Δ (spread around the mean, never as a difference of squares)
+    bias = _safe_div(np.sum(d), n)
+    dev = d - (bias[()] if np.isfinite(bias) else 0.0)
+    out["bias"] = _one(bias)
+    out["sd"] = _one(np.sqrt(_safe_div(np.dot(dev, dev), n)))
+    out["rms"] = _one(np.sqrt(_safe_div(np.dot(d, d), n)))
+    out["abs_mean"] = _one(_safe_div(np.sum(abs_d), n))
 
     # 2. quantiles and max of |Δ|
-    order, starts = bucket_order(codes, k)
-    quant = bucket_quantiles(abs_d, order, starts, list(ABS_QUANTILES.values()))
+    quant = _quantiles(abs_d, list(ABS_QUANTILES.values()))
     for j, name in enumerate(ABS_QUANTILES):
-        out[name] = quant[:, j]
-    out["abs_max"] = quant[:, -1]
+        out[name] = _one(quant[j])
+    out["abs_max"] = _one(quant[-1])
 
-    # 3. correlation and OLS fit lp_b ≈ α + β·lp_a (centred sums)
-    out.update(_fit(lp_a, lp_b, codes, k, n))
+    # 3. correlation and OLS fit lp_b ≈ α + β·lp_a
+    out.update({k: _one(v) for k, v in linear_fit(lp_a, lp_b).items()})
 
-    # 4. band fractions: ratio outside [lo, hi] tested on Δ
-    for band, edges in BANDS.items():
-        lo, hi = edges if edges is not None else (1.0 - eps_low, 1.0 + eps_high)
-        log_lo = math.log(lo) if lo > 0 else -math.inf
-        outside = (d < log_lo) | (d > math.log(hi))
-        out[f"frac_out_{band}"] = _safe_div(_sum(outside.astype(np.float64), codes, k), n)
+    # 4. band fractions: ratio outside [lo, hi], tested on Δ
+    for band, (log_lo, log_hi) in band_edges(eps_low, eps_high).items():
+        out[f"frac_out_{band}"] = _one(_safe_div(np.count_nonzero((d < log_lo) | (d > log_hi)), n))
 
-    # 5. KL estimators, tmpe, chi-square, ESS (ρ = e^Δ; exact zeros for Δ = 0)
+    # 5. KL estimators, tmpe, chi-square, ESS (ρ = e^Δ; exact zeros for Δ = 0); buffers reused in place
     with np.errstate(over="ignore", invalid="ignore"):
-        em1 = np.expm1(d)  # ρ − 1
-        rho = em1 + 1.0
-        out["kl_k1"] = 0.0 - bias
-        out["kl_k3"] = _safe_div(_sum(em1 - d, codes, k), n)
-        out["kl_rev_k1"] = _safe_div(_sum(rho * d, codes, k), n)
-        out["kl_rev_k3"] = _safe_div(_sum(rho * d - em1, codes, k), n)
-        out["tmpe"] = _safe_div(_sum(np.exp(abs_d), codes, k), n)
-        out["chi2_token"] = _safe_div(_sum(np.expm1(2.0 * d), codes, k), n)
-        sum_rho = _sum(rho, codes, k)
-        out["ess_token"] = _safe_div(sum_rho * sum_rho, n * _sum(rho * rho, codes, k))
+        em1 = np.expm1(d)  # (M,) ρ − 1
+        sum_em1 = np.sum(em1)
+        out["kl_k1"] = _one(0.0 - bias)
+        out["kl_k3"] = _one(_safe_div(sum_em1 - np.sum(d), n))
+        rho = np.add(em1, 1.0, out=em1)  # (M,) ρ, em1's buffer
+        rho_d = np.dot(rho, d)
+        out["kl_rev_k1"] = _one(_safe_div(rho_d, n))
+        out["kl_rev_k3"] = _one(_safe_div(rho_d - sum_em1, n))
+        sum_rho, sum_rho2 = np.sum(rho), np.dot(rho, rho)
+        out["ess_token"] = _one(_safe_div(sum_rho * sum_rho, n * sum_rho2))
+        scratch = np.multiply(d, 2.0, out=rho)  # (M,) rho's buffer
+        out["chi2_token"] = _one(_safe_div(np.sum(np.expm1(scratch, out=scratch)), n))
+        out["tmpe"] = _one(_safe_div(np.sum(np.exp(abs_d, out=scratch)), n))
 
     # 6. probability space (verl |Δp|)
     p_a, p_b = np.exp(lp_a), np.exp(lp_b)
-    abs_dp = np.abs(p_b - p_a)
-    out["abs_dprob_mean"] = _safe_div(_sum(abs_dp, codes, k), n)
-    out["abs_delta_gt_20"] = _sum((abs_d > 20.0).astype(np.float64), codes, k)
-    if full:
-        q = bucket_quantiles(abs_dp, order, starts, [0.99])
-        out["abs_dprob_p99"], out["abs_dprob_max"] = q[:, 0], q[:, 1]
-        out["prob_pearson_r"] = _fit(p_a, p_b, codes, k, n)["pearson_r"]
+    out["prob_pearson_r"] = _one(linear_fit(p_a, p_b)["pearson_r"])
+    abs_dp = np.abs(np.subtract(p_b, p_a, out=p_b), out=p_b)  # (M,) p_b's buffer
+    out["abs_dprob_mean"] = _one(_safe_div(np.sum(abs_dp), n))
+    q = _quantiles(abs_dp, [0.99])
+    out["abs_dprob_p99"], out["abs_dprob_max"] = _one(q[0]), _one(q[1])
+    out["abs_delta_gt_20"] = _one(np.count_nonzero(abs_d > 20.0))
     return out
 
 
-def _fit(
-    x: np.ndarray, y: np.ndarray, codes: np.ndarray | None, k: int, n: np.ndarray
-) -> dict[str, np.ndarray]:
-    """Pearson r and the OLS fit y ≈ α + β·x per bucket, on centred sums."""
-    mean_x = _safe_div(_sum(x, codes, k), n)
-    mean_y = _safe_div(_sum(y, codes, k), n)
-    cx = x - _expand(np.nan_to_num(mean_x), codes)
-    cy = y - _expand(np.nan_to_num(mean_y), codes)
-    sxx, syy, sxy = _sum(cx * cx, codes, k), _sum(cy * cy, codes, k), _sum(cx * cy, codes, k)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        r = np.where((sxx > 0) & (syy > 0), sxy / np.sqrt(sxx * syy), np.nan)
-        slope = np.where(sxx > 0, sxy / sxx, np.nan)
-    intercept = mean_y - slope * mean_x
-    resid = cy - _expand(np.nan_to_num(slope), codes) * cx
-    resid_rms = np.where(np.isfinite(slope), np.sqrt(_safe_div(_sum(resid * resid, codes, k), n)), np.nan)
-    return {"pearson_r": r, "fit_slope": slope, "fit_intercept": intercept, "fit_resid_rms": resid_rms}
+def band_edges(eps_low: float, eps_high: float) -> dict[str, tuple[float, float]]:
+    """{band: (ln lo, ln hi)} of the five ratio bands."""
+    edges = {}
+    for band, pair in BANDS.items():
+        lo, hi = pair if pair is not None else (1.0 - eps_low, 1.0 + eps_high)
+        edges[band] = (math.log(lo) if lo > 0 else -math.inf, math.log(hi))
+    return edges
+
+
+def linear_fit(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    """Pearson r and the OLS fit y ≈ α + β·x on centred sums; NaN where a variance is 0.
+
+    Two (M,) temporaries, reused in place for the residual (this runs on 10M-token arrays).
+    """
+    n = x.shape[0]
+    nan = {"pearson_r": np.nan, "fit_slope": np.nan, "fit_intercept": np.nan, "fit_resid_rms": np.nan}
+    if n == 0:
+        return nan
+    mean_x, mean_y = np.sum(x) / n, np.sum(y) / n
+    cx = np.subtract(x, mean_x)  # (M,)
+    cy = np.subtract(y, mean_y)  # (M,)
+    sxx, syy, sxy = np.dot(cx, cx), np.dot(cy, cy), np.dot(cx, cy)
+    r = sxy / np.sqrt(sxx * syy) if sxx > 0 and syy > 0 else np.nan
+    if not sxx > 0:
+        return {**nan, "pearson_r": r}
+    slope = sxy / sxx
+    cx *= slope
+    cy -= cx  # residual
+    return {
+        "pearson_r": r,
+        "fit_slope": slope,
+        "fit_intercept": mean_y - slope * mean_x,
+        "fit_resid_rms": float(np.sqrt(np.dot(cy, cy) / n)),
+    }
+
+
+@dataclass(frozen=True)
+class TokenTerms:
+    """Per-token quantities of the breakdown set, computed once and reused by every breakdown. M tokens."""
+
+    d: np.ndarray  # (M,) Δ
+    abs_d: np.ndarray  # (M,) |Δ|
+    k3: np.ndarray  # (M,) e^Δ − 1 − Δ
+    tmpe: np.ndarray  # (M,) e^|Δ|
+    abs_dprob: np.ndarray  # (M,) |e^lp_b − e^lp_a|
+    outside: dict[str, np.ndarray]  # band -> (M,) bool, ratio outside the band
+
+
+def token_terms(lp_a: np.ndarray, lp_b: np.ndarray, *, eps_low: float, eps_high: float) -> TokenTerms:
+    """The per-token inputs of `bucket_table`."""
+    d = lp_b - lp_a
+    abs_d = np.abs(d)
+    edges = band_edges(eps_low, eps_high)
+    with np.errstate(over="ignore", invalid="ignore"):
+        k3 = np.expm1(d) - d
+        tmpe = np.exp(abs_d)
+    outside = {b: (d < edges[b][0]) | (d > edges[b][1]) for b in BREAKDOWN_BANDS}
+    return TokenTerms(d, abs_d, k3, tmpe, np.abs(np.exp(lp_b) - np.exp(lp_a)), outside)
+
+
+def bucket_table(terms: TokenTerms, codes: np.ndarray, n_buckets: int) -> dict[str, np.ndarray]:
+    """{stat: (K,) float64} of the breakdown set per bucket (NaN for empty buckets) plus "tokens".
+
+    One `np.bincount` per statistic (O(M) each); quantiles from one radix sort of the codes and `np.quantile`
+    on each bucket's contiguous slice.
+    """
+    k = n_buckets
+    codes = codes.astype(np.intp, copy=False)  # bincount's own index type: no per-call conversion
+
+    def total(x: np.ndarray) -> np.ndarray:
+        return np.bincount(codes, weights=x, minlength=k)
+
+    n = np.bincount(codes, minlength=k).astype(np.float64)
+    out: dict[str, np.ndarray] = {"tokens": n}
+    bias = _safe_div(total(terms.d), n)
+    dev = terms.d - np.nan_to_num(bias)[codes]
+    out["bias"] = bias
+    out["sd"] = np.sqrt(_safe_div(total(dev * dev), n))
+    out["rms"] = np.sqrt(_safe_div(total(terms.d * terms.d), n))
+    out["abs_mean"] = _safe_div(total(terms.abs_d), n)
+    # quantiles: every stride-th token above 2 × QUANTILE_SAMPLE_TOKENS (exact below); radix sort of the codes
+    m = codes.shape[0]
+    stride = m // QUANTILE_SAMPLE_TOKENS if m > 2 * QUANTILE_SAMPLE_TOKENS else 1
+    sub_codes = codes[::stride].astype(np.int16 if k < 32768 else np.intp)
+    order = np.argsort(sub_codes, kind="stable")
+    starts = np.zeros(k + 1, dtype=np.int64)
+    np.cumsum(np.bincount(sub_codes, minlength=k), out=starts[1:])
+    grouped = terms.abs_d[::stride][order]
+    qs = list(ABS_QUANTILES.values())
+    quant = np.full((k, len(qs) + 1), np.nan)
+    for bucket in range(k):
+        if starts[bucket + 1] > starts[bucket]:
+            quant[bucket] = _quantiles(grouped[starts[bucket] : starts[bucket + 1]], qs)
+    for j, name in enumerate(ABS_QUANTILES):
+        out[name] = quant[:, j]
+    out["abs_max"] = _bucket_max(terms.abs_d, codes, k)  # exact, over all tokens
+    for band, flags in terms.outside.items():
+        out[f"frac_out_{band}"] = _safe_div(np.bincount(codes[flags], minlength=k), n)
+    out["kl_k1"] = 0.0 - bias
+    out["kl_k3"] = _safe_div(total(terms.k3), n)
+    out["tmpe"] = _safe_div(total(terms.tmpe), n)
+    out["abs_dprob_mean"] = _safe_div(total(terms.abs_dprob), n)
+    return out
+
+
+def _bucket_max(values: np.ndarray, codes: np.ndarray, k: int) -> np.ndarray:
+    """(K,) exact max of `values` per bucket (NaN for empty buckets), by a polars hash group-by (one pass)."""
+    import polars as pl
+
+    grouped = pl.DataFrame({"code": codes, "value": values}).group_by("code").agg(pl.col("value").max())
+    out = np.full(k, np.nan)
+    out[grouped["code"].to_numpy()] = grouped["value"].to_numpy()
+    return out
 
 
 def sequence_means(

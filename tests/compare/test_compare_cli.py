@@ -168,3 +168,24 @@ def test_side_by_side_metrics_and_deltas(runs) -> None:
         report, fail_on=["policy/kl_k3>0"], default_family="mismatch", known_metrics=["policy/kl_k3"]
     )
     assert [g.status for g in gates.gates] == ["missing"]
+
+
+def test_all_row_matches_pgdiag_metrics_mismatch_family(runs) -> None:
+    """compare's token-scope `all` row and `pgdiag metrics`' mismatch family are the same numbers."""
+    from pgdiag.api import compute_metrics
+    from pgdiag.compare.api import compare_runs
+    from pgdiag.runs import read_run
+
+    run = read_run(runs["two"])
+    ours = compare_runs(run, stream_a="rollout", stream_b="old")
+    theirs = compute_metrics(run, new="old", old="rollout", stream_a="rollout", stream_b="old")
+    pair = "one:rollout vs one:old"
+    mine = ours.summary.filter((pl.col("scope") == "token") & (pl.col("breakdown") == "all"))
+    other = theirs.summary.filter((pl.col("breakdown") == "all") & (pl.col("pair") == pair))
+    reference = dict(zip(other["metric"].to_list(), other["value"].to_list(), strict=True))
+    shared = [
+        (m, v) for m, v in zip(mine["metric"], mine["value"], strict=True) if reference.get(m) is not None
+    ]
+    assert len(shared) >= 25
+    for metric, value in shared:
+        assert value == pytest.approx(reference[metric], rel=1e-9, abs=1e-12), metric

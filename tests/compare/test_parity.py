@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pgdiag.compare.parity import sequence_table, token_table
+from pgdiag.compare.parity import bucket_table, sequence_table, token_table, token_terms
 
 
 def test_worked_example_by_hand() -> None:
@@ -93,13 +93,15 @@ def test_buckets_equal_the_table_of_each_subset() -> None:
     lp_b = lp_a + rng.normal(0, 0.05, size=3000)
     codes = rng.integers(0, 4, size=3000)
     codes[codes == 2] = 3  # bucket 2 stays empty
-    bucketed = token_table(lp_a, lp_b, eps_low=0.2, eps_high=0.28, codes=codes, n_buckets=4, full=False)
+    terms = token_terms(lp_a, lp_b, eps_low=0.2, eps_high=0.28)
+    bucketed = bucket_table(terms, codes, 4)
+    assert len(bucketed) == 16
     for k in (0, 1, 3):
-        sub = token_table(lp_a[codes == k], lp_b[codes == k], eps_low=0.2, eps_high=0.28, full=False)
-        for stat, values in sub.items():
-            assert bucketed[stat][k] == pytest.approx(values[0], rel=1e-9, abs=1e-15), stat
+        sub = token_table(lp_a[codes == k], lp_b[codes == k], eps_low=0.2, eps_high=0.28)
+        for stat, values in bucketed.items():
+            assert values[k] == pytest.approx(sub[stat][0], rel=1e-9, abs=1e-15), stat
     assert bucketed["tokens"][2] == 0
-    assert np.isnan(bucketed["bias"][2])
+    assert np.isnan(bucketed["bias"][2]) and np.isnan(bucketed["abs_p50"][2])
 
 
 def test_sequence_table_uses_per_sample_means_and_product_ratios() -> None:
@@ -117,26 +119,3 @@ def test_sequence_table_uses_per_sample_means_and_product_ratios() -> None:
     assert t["seq_sum_delta_p50"][0] == pytest.approx(0.25, abs=1e-15)
     assert t["seq_ratio_p50"][0] == pytest.approx(math.exp(0.25), rel=1e-14)
     assert "chi2_token" not in t and "abs_dprob_mean" not in t
-
-
-def test_token_table_matches_the_metrics_engine() -> None:
-    """The `all` row of compare and `pgdiag metrics`' mismatch family are the same numbers."""
-    from pgdiag.metrics.catalog import MetricSink
-    from pgdiag.metrics.mismatch import add_mismatch_metrics
-    from pgdiag.metrics.reduce import TokenReducer
-    from pgdiag.metrics.settings import MetricSettings
-
-    rng = np.random.default_rng(4)
-    lp_a = -rng.exponential(1.0, size=400)
-    lp_b = lp_a + rng.normal(0, 0.1, size=400)
-    offsets = np.array([0, 100, 250, 400])
-    settings = MetricSettings()
-    sink = MetricSink("token")
-    reducer = TokenReducer.build(np.ones(400, dtype=bool), offsets, np.arange(3), "token")
-    add_mismatch_metrics(lp_a, lp_b, reducer, settings, sink)
-    theirs = {v.key.split("/", 1)[1]: v.value for v in sink.values if v.key.startswith("mismatch/")}
-    ours = token_table(lp_a, lp_b, eps_low=0.2, eps_high=0.2)
-    shared = [k for k in ours if k in theirs and theirs[k] is not None]
-    assert len(shared) >= 25
-    for stat in shared:
-        assert ours[stat][0] == pytest.approx(theirs[stat], rel=1e-9, abs=1e-14), stat

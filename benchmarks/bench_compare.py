@@ -1,0 +1,177 @@
+"""Benchmark: `pgdiag compare` of two runs of ~10M response tokens each vs a hand-written pandas version.
+
+What: writes two canonical rollout files (20,000 samples, prompts 50-150 tokens, responses 300-700 tokens, so
+~10M loss tokens per run; run b's log-probs = −|run a's + N(0, 0.02)|), then times, each in a
+fresh subprocess (so peak RSS is the child's own `ru_maxrss`):
+  * pgdiag: `compare_runs(read_run(a), read_run(b))`: read, validate, align, parity at token and sequence scope,
+    breakdowns by position, prob bucket, length and step, diagnosis, worst-K;
+  * pandas: what users write by hand today: read both files, explode the list columns, keep loss tokens, merge on
+    (step, sample_id, pos), then the headline parity numbers and mean |Δ| by position / prob bucket / step.
+Why: design/performance.md §3 sets <= 10 s wall and <= 4 GB peak RSS on the 2-core CPU machine, >= 5x pandas.
+How: ``python benchmarks/bench_compare.py [--samples 20000] [--repeat 2] [--dir /tmp/pgdiag-bench-compare]``;
+files are reused when present. Prints a markdown table (median of the repeats) for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+PGDIAG_CHILD = """
+import sys, time, json
+t0 = time.perf_counter()
+from pgdiag.compare.api import compare_runs
+from pgdiag.runs import read_run
+report = compare_runs(read_run(sys.argv[1]), read_run(sys.argv[2]), by=("position", "prob_bucket", "length", "step"))
+wall = time.perf_counter() - t0
+value = report.value("mismatch/abs_mean", scope="token")
+import resource
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+print(json.dumps({"wall_s": wall, "abs_mean": value, "rows": report.summary.height, "peak_rss_mib": peak}))
+"""
+
+PANDAS_CHILD = """
+import sys, time, json
+t0 = time.perf_counter()
+import numpy as np, pandas as pd
+
+def tokens(path):
+    df = pd.read_parquet(path, columns=["step", "sample_id", "prompt_len", "loss_mask", "rollout_logprobs"])
+    df["pos"] = df["loss_mask"].map(lambda m: np.arange(len(m)))
+    ex = df.explode(["loss_mask", "rollout_logprobs", "pos"])
+    ex = ex[ex["loss_mask"].astype(bool)]
+    ex["lp"] = ex["rollout_logprobs"].astype("float64")
+    ex["pos"] = ex["pos"].astype("int64")
+    ex["resp_pos"] = ex["pos"] - ex["prompt_len"]
+    return ex[["step", "sample_id", "pos", "resp_pos", "lp"]]
+
+a, b = tokens(sys.argv[1]), tokens(sys.argv[2])
+m = a.merge(b[["step", "sample_id", "pos", "lp"]], on=["step", "sample_id", "pos"], suffixes=("_a", "_b"))
+d = m["lp_b"] - m["lp_a"]
+ad = d.abs()
+rho = np.exp(d)
+out = {
+    "bias": d.mean(), "sd": d.std(ddof=0), "rms": float(np.sqrt((d * d).mean())), "abs_mean": ad.mean(),
+    "p50": ad.quantile(0.5), "p95": ad.quantile(0.95), "p99": ad.quantile(0.99), "max": ad.max(),
+    "k3": (rho - 1 - d).mean(), "tmpe": np.exp(ad).mean(), "pearson": m["lp_a"].corr(m["lp_b"]),
+    "frac_out_clip": ((rho < 0.8) | (rho > 1.2)).mean(),
+}
+m["ad"] = ad
+m["pos_bucket"] = np.floor(np.log2(m["resp_pos"] + 1))
+m["prob_bucket"] = pd.cut(np.exp(m["lp_a"]), [0, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0], include_lowest=True)
+by_pos = m.groupby("pos_bucket")["ad"].agg(["mean", "count"])
+by_prob = m.groupby("prob_bucket", observed=True)["ad"].agg(["mean", "count"])
+by_step = m.groupby("step")["ad"].agg(["mean", "count"])
+seq = m.groupby(["step", "sample_id"]).agg(sa=("lp_a", "mean"), sb=("lp_b", "mean"))
+seq_abs = (seq["sb"] - seq["sa"]).abs().mean()
+wall = time.perf_counter() - t0
+import resource
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+rows = len(by_pos) + len(by_prob) + len(by_step)
+print(json.dumps({"wall_s": wall, "abs_mean": float(out["abs_mean"]), "rows": rows, "peak_rss_mib": peak}))
+"""
+
+
+def write_runs(directory: Path, n_samples: int, seed: int = 0) -> tuple[Path, Path]:
+    """Two canonical single-file runs with identical tokens and slightly different rollout log-probs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pgdiag.schema import ROLLOUTS_SCHEMA, encode_footer
+    from pgdiag.seqhash import seq_hashes
+
+    paths = (directory / "run_a.parquet", directory / "run_b.parquet")
+    if all(p.exists() for p in paths):
+        return paths
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(50, 151, size=n_samples)
+    response = rng.integers(300, 701, size=n_samples)
+    length = prompt + response
+    offsets = np.zeros(n_samples + 1, dtype=np.int64)
+    np.cumsum(length, out=offsets[1:])
+    total = int(offsets[-1])
+    ids = rng.integers(0, 151_000, size=total).astype(np.int32)
+    pos = np.arange(total) - np.repeat(offsets[:-1], length)
+    loss = pos >= np.repeat(prompt, length)  # (total,) response positions
+    lp_a = (-rng.exponential(0.6, size=total) - 1e-4).astype(np.float32)  # never exactly 0 (E206)
+    lp_b = (-np.abs(lp_a + rng.normal(0.0, 0.02, size=total)) - 1e-4).astype(np.float32)
+    hashes = seq_hashes(ids, offsets)
+    footer = {
+        "schema": ROLLOUTS_SCHEMA,
+        "alignment": "token",
+        "created_by": "pgdiag benchmarks",
+        "source": {"framework": "bench", "preset": "canonical", "retokenized": False, "unsafe_load": False},
+        "streams": {"rollout": {"source_field": "synthetic", "tempered": False, "logprobs_mode": "raw"}},
+    }
+
+    def lists(values: pa.Array) -> pa.ListArray:
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values)
+
+    for path, lp, run in ((paths[0], lp_a, "engine"), (paths[1], lp_b, "trainer")):
+        table = pa.table(
+            {
+                "run": pa.array([run] * n_samples).dictionary_encode(),
+                "step": pa.array(np.arange(n_samples) // (n_samples // 10), type=pa.int64()),
+                "sample_id": pa.array([f"s{i}" for i in range(n_samples)]),
+                "group_id": pa.array([f"g{i // 8}" for i in range(n_samples)]),
+                "seq_hash": pa.array(hashes, type=pa.uint64()),
+                "input_ids": lists(pa.array(ids)),
+                "prompt_len": pa.array(prompt.astype(np.int32)),
+                "loss_mask": lists(pa.array(loss)),
+                "rollout_logprobs": lists(pa.array(lp, mask=~loss)),
+            }
+        )
+        pq.write_table(table.replace_schema_metadata(encode_footer(footer)), path, compression="zstd")
+    return paths
+
+
+def run_child(code: str, a: Path, b: Path) -> dict:
+    """Run `code` in a fresh interpreter; its wall time and peak RSS (MiB, the child's own ru_maxrss)."""
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(a), str(b)], capture_output=True, text=True, check=False
+    )
+    outer = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(done.stderr[-3000:])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["process_s"] = outer
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=20_000)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/pgdiag-bench-compare"))
+    parser.add_argument("--skip-pandas", action="store_true")
+    args = parser.parse_args()
+    a, b = write_runs(args.dir, args.samples)
+    results: dict[str, list[dict]] = {"pgdiag": [], "pandas": []}
+    for _ in range(args.repeat):
+        results["pgdiag"].append(run_child(PGDIAG_CHILD, a, b))
+    if not args.skip_pandas:
+        for _ in range(args.repeat):
+            results["pandas"].append(run_child(PANDAS_CHILD, a, b))
+    print("| implementation | wall s (median) | process s (median) | peak RSS MiB | mean abs Δ |")
+    print("|---|---|---|---|---|")
+    for name, runs in results.items():
+        if not runs:
+            continue
+        wall = statistics.median(r["wall_s"] for r in runs)
+        proc = statistics.median(r["process_s"] for r in runs)
+        rss = max(r["peak_rss_mib"] for r in runs)
+        print(f"| {name} | {wall:.2f} | {proc:.2f} | {rss:.0f} | {runs[0]['abs_mean']:.6g} |")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
