@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 import polars as pl
-import pyarrow as pa
 
 from pgdiag.batch import TokenBatch
 from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.flat import FlatList, RowTable, flat_list, loss_view
 from pgdiag.schema import (
     BASE_STREAMS,
     REQUIRED_COLUMNS,
@@ -38,12 +38,9 @@ from pgdiag.schema import (
 )
 from pgdiag.validate import (
     CheckResult,
-    FlatList,
     Issue,
     RowIssues,
-    RowTable,
     check_result,
-    loss_view,
     missing_columns,
     validate_rows,
 )
@@ -366,33 +363,6 @@ class LoadedRows:
     issues: list[Issue]  # E102/E103/E305 found while reading
     streams: tuple[str, ...]
     entropy: tuple[str, ...]
-
-
-def _bits(buffer: pa.Buffer, offset: int, length: int) -> np.ndarray:
-    """(length,) bool from an Arrow bitmap buffer starting at bit `offset`."""
-    packed = np.frombuffer(buffer, dtype=np.uint8)
-    return np.unpackbits(packed, bitorder="little", count=offset + length)[offset:].view(np.bool_)
-
-
-def flat_list(series: pl.Series) -> FlatList:
-    """Flatten a polars list column into offsets, values (native dtype, zero-copy) and element/row validity."""
-    arrow = series.to_arrow()
-    if isinstance(arrow, pa.ChunkedArray):
-        arrow = arrow.combine_chunks()
-    offsets = arrow.offsets.to_numpy().astype(np.int64, copy=False)
-    start, stop = int(offsets[0]), int(offsets[-1])
-    child = arrow.values.slice(start, stop - start)
-    row_valid = None if arrow.null_count == 0 else arrow.is_valid().to_numpy(zero_copy_only=False)
-    validity, data = child.buffers()[0], child.buffers()[1]
-    valid = None if child.null_count == 0 else _bits(validity, child.offset, len(child))
-    if pa.types.is_boolean(child.type):
-        values = _bits(data, child.offset, len(child))
-        if valid is not None:
-            values = values & valid
-    else:
-        raw = np.frombuffer(data, dtype=child.type.to_pandas_dtype(), count=child.offset + len(child))
-        values = raw[child.offset :]
-    return FlatList(offsets - start, values, valid, row_valid)
 
 
 def _typed_issues(run: Run, schema: pl.Schema, columns: Sequence[str]) -> list[Issue]:

@@ -19,6 +19,7 @@ import numpy as np
 import polars as pl
 
 from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK
+from pgdiag.flat import FlatList, LossView, RowTable, loss_view, subset_rows
 from pgdiag.schema import REQUIRED_HINTS
 from pgdiag.seqhash import seq_hashes
 
@@ -87,72 +88,6 @@ def check_result(issues: Sequence[Issue], *, strict: bool = False) -> CheckResul
 
 
 @dataclass(frozen=True)
-class FlatList:
-    """A list column of R rows as flat buffers: row r owns ``values[offsets[r]:offsets[r + 1]]``."""
-
-    offsets: np.ndarray  # (R + 1,) int64, offsets[0] == 0
-    values: np.ndarray  # (N,)
-    valid: np.ndarray | None  # (N,) bool element validity; None = no null element
-    row_valid: np.ndarray | None  # (R,) bool; None = no null list
-
-    @property
-    def lengths(self) -> np.ndarray:
-        """(R,) int64 list lengths (0 for a null list)."""
-        return np.diff(self.offsets)
-
-
-@dataclass(frozen=True)
-class RowTable:
-    """Rows loaded for validation: scalar columns in `frame` (plus ``__file``), list columns flattened."""
-
-    frame: pl.DataFrame  # (R rows) scalar columns and "__file"
-    lists: dict[str, FlatList]  # column -> flat list (input_ids, loss_mask, streams, advantages, entropy)
-    stream_columns: tuple[str, ...]  # log-prob columns among `lists` (E205/E206/W216 apply to them)
-
-    @property
-    def n_rows(self) -> int:
-        return self.frame.height
-
-
-@dataclass(frozen=True)
-class LossView:
-    """The loss positions of a structurally sound `RowTable`, with every float column gathered there.
-
-    Computed once and shared by validation and `TokenBatch` building. Values stay float32; a null on a loss
-    position is NaN in `values` and False in `valid`.
-    """
-
-    index: np.ndarray  # (M,) int64 flat index of every loss token
-    row_start: np.ndarray  # (R + 1,) int64 loss-token offsets of each row
-    values: dict[str, np.ndarray]  # column -> (M,) float32
-    valid: dict[str, np.ndarray | None]  # column -> (M,) bool validity, None = no null on a loss position
-
-    def rows_of(self, loss_token: np.ndarray) -> np.ndarray:
-        """(K,) row owning each of the given loss-token indices."""
-        return np.searchsorted(self.row_start, loss_token, side="right") - 1
-
-
-def loss_view(table: RowTable) -> LossView:
-    """Gather the loss positions of `table` (every row must be structurally sound)."""
-    ids = table.lists["input_ids"]
-    index = np.flatnonzero(table.lists["loss_mask"].values)  # (M,)
-    row_start = np.searchsorted(index, ids.offsets).astype(np.int64)  # (R + 1,)
-    values: dict[str, np.ndarray] = {}
-    valid: dict[str, np.ndarray | None] = {}
-    for column, flat in table.lists.items():
-        if column in ("input_ids", "loss_mask"):
-            continue
-        gathered = flat.values[index]
-        column_valid = None if flat.valid is None else flat.valid[index]
-        if column_valid is not None and column_valid.all():
-            column_valid = None
-        if column_valid is not None:
-            gathered[~column_valid] = np.nan
-        values[column], valid[column] = gathered, column_valid
-    return LossView(index, row_start, values, valid)
-
-
-@dataclass(frozen=True)
 class RowIssues:
     """Issues found on a `RowTable`, the rows excluded for structural errors, and the sound rows' view."""
 
@@ -218,26 +153,6 @@ class _Locator:
             pos=None if pos is None or not rows.size else int(pos[0]),
             hint=hint,
         )
-
-
-def subset_rows(table: RowTable, keep: np.ndarray) -> RowTable:
-    """The rows `keep` ((K,) int64 indices, increasing) of `table`, every list column re-flattened."""
-    keep = np.asarray(keep, dtype=np.int64)
-    lists = {}
-    for column, flat in table.lists.items():
-        lengths = flat.lengths[keep]
-        offsets = np.zeros(keep.shape[0] + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        take = np.repeat(flat.offsets[:-1][keep] - offsets[:-1], lengths) + np.arange(
-            offsets[-1], dtype=np.int64
-        )
-        lists[column] = FlatList(
-            offsets,
-            flat.values[take],
-            None if flat.valid is None else flat.valid[take],
-            None if flat.row_valid is None else flat.row_valid[keep],
-        )
-    return RowTable(table.frame[keep.tolist()], lists, table.stream_columns)
 
 
 def _row_of(offsets: np.ndarray, flat_index: np.ndarray) -> np.ndarray:

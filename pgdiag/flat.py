@@ -1,0 +1,129 @@
+"""Flat buffers of rollout rows: list columns as offsets + values + validity, and their loss positions.
+
+Why: per-token rules and metrics must run as vectorised numpy over millions of tokens, never as Python loops,
+and list columns are ragged. How: `flat_list` turns a polars list column into one `FlatList` through Arrow,
+zero-copy for the values and with validity bitmaps unpacked by numpy; a `RowTable` holds a selection of rows
+(scalar columns as a polars frame, list columns flattened); `subset_rows` drops rows and re-flattens;
+`loss_view` gathers every float column at the loss positions once, for both validation and `TokenBatch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class FlatList:
+    """A list column of R rows as flat buffers: row r owns ``values[offsets[r]:offsets[r + 1]]``."""
+
+    offsets: np.ndarray  # (R + 1,) int64, offsets[0] == 0
+    values: np.ndarray  # (N,)
+    valid: np.ndarray | None  # (N,) bool element validity; None = no null element
+    row_valid: np.ndarray | None  # (R,) bool; None = no null list
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """(R,) int64 list lengths (0 for a null list)."""
+        return np.diff(self.offsets)
+
+
+@dataclass(frozen=True)
+class RowTable:
+    """Rows loaded for validation: scalar columns in `frame` (plus ``__file``), list columns flattened."""
+
+    frame: pl.DataFrame  # (R rows) scalar columns and "__file"
+    lists: dict[str, FlatList]  # column -> flat list (input_ids, loss_mask, streams, advantages, entropy)
+    stream_columns: tuple[str, ...]  # log-prob columns among `lists` (E205/E206/W216 apply to them)
+
+    @property
+    def n_rows(self) -> int:
+        return self.frame.height
+
+
+@dataclass(frozen=True)
+class LossView:
+    """The loss positions of a structurally sound `RowTable`, with every float column gathered there.
+
+    Computed once and shared by validation and `TokenBatch` building. Values stay float32; a null on a loss
+    position is NaN in `values` and False in `valid`.
+    """
+
+    index: np.ndarray  # (M,) int64 flat index of every loss token
+    row_start: np.ndarray  # (R + 1,) int64 loss-token offsets of each row
+    values: dict[str, np.ndarray]  # column -> (M,) float32
+    valid: dict[str, np.ndarray | None]  # column -> (M,) bool validity, None = no null on a loss position
+
+    def rows_of(self, loss_token: np.ndarray) -> np.ndarray:
+        """(K,) row owning each of the given loss-token indices."""
+        return np.searchsorted(self.row_start, loss_token, side="right") - 1
+
+
+def loss_view(table: RowTable) -> LossView:
+    """Gather the loss positions of `table` (every row must be structurally sound)."""
+    ids = table.lists["input_ids"]
+    index = np.flatnonzero(table.lists["loss_mask"].values)  # (M,)
+    row_start = np.searchsorted(index, ids.offsets).astype(np.int64)  # (R + 1,)
+    values: dict[str, np.ndarray] = {}
+    valid: dict[str, np.ndarray | None] = {}
+    for column, flat in table.lists.items():
+        if column in ("input_ids", "loss_mask"):
+            continue
+        gathered = flat.values[index]
+        column_valid = None if flat.valid is None else flat.valid[index]
+        if column_valid is not None and column_valid.all():
+            column_valid = None
+        if column_valid is not None:
+            gathered[~column_valid] = np.nan
+        values[column], valid[column] = gathered, column_valid
+    return LossView(index, row_start, values, valid)
+
+
+def subset_rows(table: RowTable, keep: np.ndarray) -> RowTable:
+    """The rows `keep` ((K,) int64 indices, increasing) of `table`, every list column re-flattened."""
+    keep = np.asarray(keep, dtype=np.int64)
+    lists = {}
+    for column, flat in table.lists.items():
+        lengths = flat.lengths[keep]
+        offsets = np.zeros(keep.shape[0] + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        take = np.repeat(flat.offsets[:-1][keep] - offsets[:-1], lengths) + np.arange(
+            offsets[-1], dtype=np.int64
+        )
+        lists[column] = FlatList(
+            offsets,
+            flat.values[take],
+            None if flat.valid is None else flat.valid[take],
+            None if flat.row_valid is None else flat.row_valid[keep],
+        )
+    return RowTable(table.frame[keep.tolist()], lists, table.stream_columns)
+
+
+def _bits(buffer: pa.Buffer, offset: int, length: int) -> np.ndarray:
+    """(length,) bool from an Arrow bitmap buffer starting at bit `offset`."""
+    packed = np.frombuffer(buffer, dtype=np.uint8)
+    return np.unpackbits(packed, bitorder="little", count=offset + length)[offset:].view(np.bool_)
+
+
+def flat_list(series: pl.Series) -> FlatList:
+    """Flatten a polars list column into offsets, values (native dtype, zero-copy) and element/row validity."""
+    arrow = series.to_arrow()
+    if isinstance(arrow, pa.ChunkedArray):
+        arrow = arrow.combine_chunks()
+    offsets = arrow.offsets.to_numpy().astype(np.int64, copy=False)
+    start, stop = int(offsets[0]), int(offsets[-1])
+    child = arrow.values.slice(start, stop - start)
+    row_valid = None if arrow.null_count == 0 else arrow.is_valid().to_numpy(zero_copy_only=False)
+    validity, data = child.buffers()[0], child.buffers()[1]
+    valid = None if child.null_count == 0 else _bits(validity, child.offset, len(child))
+    if pa.types.is_boolean(child.type):
+        values = _bits(data, child.offset, len(child))
+        if valid is not None:
+            values = values & valid
+    else:
+        raw = np.frombuffer(data, dtype=child.type.to_pandas_dtype(), count=child.offset + len(child))
+        values = raw[child.offset :]
+    return FlatList(offsets - start, values, valid, row_valid)
