@@ -45,6 +45,22 @@ def make_case(
     return Case(hidden.to(hidden_dtype).to(device), weight.to(weight_dtype).to(device), targets.to(device))
 
 
+def sample_targets(logits64: torch.Tensor, *, seed: int) -> torch.Tensor:
+    """(N,) int64 tokens drawn from softmax(logits64) row by row, as a sampler writes RL rollouts."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.multinomial(torch.softmax(logits64.cpu(), dim=1), 1, generator=gen)[:, 0]
+
+
+def logits_reference(
+    logits64: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 (logprobs (N,), entropy (N,)) from fp64 logits (before the temperature)."""
+    log_p = torch.log_softmax(logits64 / temperature, dim=1)
+    picked = log_p.gather(1, targets.clamp(min=0)[:, None].to(log_p.device))[:, 0]
+    logprobs = torch.where(targets.to(log_p.device) == IGNORE, 0.0, picked)
+    return logprobs, -(log_p.exp() * log_p).sum(1)
+
+
 def fp64_reference(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
