@@ -81,15 +81,16 @@ t_import = time.perf_counter()
 run = read_run({path!r})
 loaded = read_token_batch(run, streams=["rollout", "old", "new"], env=True)
 t1 = time.perf_counter()
-print(json.dumps({{"seconds": t1 - t0, "seconds_after_import": t1 - t_import, "tokens": loaded.batch.n_tokens,
-                  "samples": loaded.batch.n_samples,
-                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({{"seconds": round(t1 - t0, 3), "seconds_after_import": round(t1 - t_import, 3),
+                  "cpu_s": round(usage.ru_utime + usage.ru_stime, 3), "tokens": loaded.batch.n_tokens,
+                  "samples": loaded.batch.n_samples, "rss_mb": round(usage.ru_maxrss / 1024)}}))
 """
 
 PHASES_SNIPPET = """
 import sys, time, json
 sys.path.insert(0, {repo!r})
-from pgdiag.runs import build_token_batch, load_rows, read_run
+from pgdiag.runs import batch_inputs, build_token_batch, load_rows, read_run
 from pgdiag.validate import validate_rows
 times = {{}}
 t = time.perf_counter(); run = read_run({path!r}); times["read_run"] = time.perf_counter() - t
@@ -97,7 +98,10 @@ t = time.perf_counter()
 rows = load_rows(run, streams=["rollout", "old", "new"], scalars=["advantage", "reward", "env"], lists=["advantages"])
 times["collect_and_flatten"] = time.perf_counter() - t
 t = time.perf_counter(); found = validate_rows(rows.table); times["validate"] = time.perf_counter() - t
-t = time.perf_counter(); build_token_batch(run, rows, found, env=True); times["build_batch"] = time.perf_counter() - t
+t = time.perf_counter()
+frame, view, keep = batch_inputs(rows, found)
+build_token_batch(run, frame, view, streams=rows.streams, sample_row=keep, env=True)
+times["build_batch"] = time.perf_counter() - t
 print(json.dumps({{k: round(v, 3) for k, v in times.items()}}))
 """
 
@@ -113,8 +117,9 @@ tok = df.explode(lists)
 tok = tok[tok["loss_mask"].astype(bool)]
 arrays = {{c: tok[c].to_numpy(dtype="float64") for c in lists[2:]}}
 t1 = time.perf_counter()
-print(json.dumps({{"seconds": t1 - t0, "tokens": int(len(tok)),
-                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({{"seconds": round(t1 - t0, 3), "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
+                  "tokens": int(len(tok)), "rss_mb": round(usage.ru_maxrss / 1024)}}))
 """
 
 

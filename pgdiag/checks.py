@@ -21,7 +21,7 @@ import polars as pl
 
 from pgdiag.batch import TokenBatch
 from pgdiag.errors import InvalidInputError, UsageError
-from pgdiag.runs import Run, build_token_batch, load_rows
+from pgdiag.runs import Run, batch_inputs, build_token_batch, load_rows
 from pgdiag.schema import stream_column
 from pgdiag.validate import CheckResult, Issue, check_result, validate_rows
 
@@ -428,7 +428,10 @@ def check_run(
         return check_result([i for i in issues if i.code not in ignored], strict=strict)
     found = validate_rows(rows.table, ignore=ignored, max_examples=max_examples, vocab_size=vocab_size)
     issues += rows.issues + found.issues
-    batch = build_token_batch(run, rows, found, env=True)
+    frame, view, keep = batch_inputs(rows, found)
+    batch = build_token_batch(
+        run, frame, view, streams=rows.streams, entropy=rows.entropy, sample_row=keep, env=True
+    )
     if streams is not None:
         if len(pair_streams) != 2:
             raise UsageError("E112", f"--streams needs two names, got {pair_streams}", "pass --streams A,B")

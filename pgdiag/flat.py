@@ -56,6 +56,8 @@ class LossView:
     row_start: np.ndarray  # (R + 1,) int64 loss-token offsets of each row
     values: dict[str, np.ndarray]  # column -> (M,) float32
     valid: dict[str, np.ndarray | None]  # column -> (M,) bool validity, None = no null on a loss position
+    token_id: np.ndarray  # (M,) int32 input_ids at the loss positions
+    seq_offsets: np.ndarray  # (R + 1,) int64 offsets of the rows in the flat input_ids
 
     def rows_of(self, loss_token: np.ndarray) -> np.ndarray:
         """(K,) row owning each of the given loss-token indices."""
@@ -79,7 +81,8 @@ def loss_view(table: RowTable) -> LossView:
         if column_valid is not None:
             gathered[~column_valid] = np.nan
         values[column], valid[column] = gathered, column_valid
-    return LossView(index, row_start, values, valid)
+    token_id = ids.values[index].astype(np.int32, copy=False)
+    return LossView(index, row_start, values, valid, token_id, ids.offsets)
 
 
 def subset_rows(table: RowTable, keep: np.ndarray) -> RowTable:

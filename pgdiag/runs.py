@@ -25,7 +25,7 @@ import polars as pl
 
 from pgdiag.batch import TokenBatch
 from pgdiag.errors import InvalidInputError, UsageError
-from pgdiag.flat import FlatList, RowTable, flat_list, loss_view
+from pgdiag.flat import FlatList, LossView, RowTable, flat_list, loss_view
 from pgdiag.schema import (
     BASE_STREAMS,
     REQUIRED_COLUMNS,
@@ -468,6 +468,7 @@ def load_rows(
     flat: dict[str, FlatList] = {}
     for column in dict.fromkeys(list_cols):
         raw = flat_list(frame[column])
+        frame = frame.drop(column)  # frees polars' chunks once Arrow holds the (rechunked) buffers
         if column == "input_ids":
             problem = _range_issue(column, raw.values, "int32") if raw.values.dtype.itemsize > 4 else None
             if problem is not None:
@@ -484,8 +485,7 @@ def load_rows(
             flat[column] = FlatList(
                 raw.offsets, raw.values.astype(np.float32, copy=False), raw.valid, raw.row_valid
             )
-    scalar_frame = frame.drop([c for c in frame.columns if c in flat or c in recompute_hash])
-    table = RowTable(scalar_frame, flat, tuple(stream_cols))
+    table = RowTable(frame.drop(recompute_hash), flat, tuple(stream_cols))
     return LoadedRows(table, issues, tuple(streams), tuple(entropy))
 
 
@@ -516,61 +516,72 @@ def _recompute_issues(run: Run, frame: pl.DataFrame, hash_columns: Sequence[str]
 
 def build_token_batch(
     run: Run,
-    rows: LoadedRows,
-    found: RowIssues,
+    frame: pl.DataFrame,
+    view: LossView,
     *,
+    streams: Sequence[str],
+    entropy: Sequence[str] = (),
+    sample_row: np.ndarray | None = None,
     advantages: bool = True,
     reward: bool = True,
     env: bool = False,
 ) -> TokenBatch:
-    """The loss positions of the structurally sound rows of `rows` (`found` = their validation) as float64."""
-    table = found.sound if found.sound is not None else rows.table
-    view = found.loss if found.loss is not None else loss_view(table)
-    keep = (
-        np.arange(rows.table.n_rows, dtype=np.int64)
-        if found.bad_rows is None
-        else np.flatnonzero(~found.bad_rows)
-    )
-    sub = table.frame
-    ids = table.lists["input_ids"]
+    """A float64 `TokenBatch` from the scalar `frame` and the `view` of structurally sound rows.
+
+    Needs no list buffer, so callers can drop them first (peak memory). `sample_row` (S,) maps rows back to
+    the rows as read (default: identity).
+    """
     offsets = view.row_start  # (S + 1,)
     n_loss = np.diff(offsets)
-    pos = (view.index - np.repeat(ids.offsets[:-1], n_loss)).astype(np.int32)  # (M,)
-
-    def token_values(column: str) -> np.ndarray:
-        return view.values[column].astype(np.float64)
-
-    group_raw = sub["group_id"].cast(pl.String).fill_null("").to_numpy().astype(object)
+    n_rows = frame.height
+    pos = (view.index - np.repeat(view.seq_offsets[:-1], n_loss)).astype(np.int32)  # (M,)
+    group_raw = frame["group_id"].cast(pl.String).fill_null("").to_numpy().astype(object)
     group_names, group = np.unique(group_raw, return_inverse=True)
     adv: np.ndarray | None = None
-    if advantages and "advantages" in table.lists:
-        adv = token_values("advantages")
-    elif advantages and "advantage" in sub.columns:
-        adv = np.repeat(sub["advantage"].cast(pl.Float64).fill_null(np.nan).to_numpy(), n_loss)
+    if advantages and "advantages" in view.values:
+        adv = view.values["advantages"].astype(np.float64)
+    elif advantages and "advantage" in frame.columns:
+        adv = np.repeat(frame["advantage"].cast(pl.Float64).fill_null(np.nan).to_numpy(), n_loss)
     segment = (
-        sub["segment_idx"].fill_null(0).cast(pl.Int32).to_numpy() if "segment_idx" in sub.columns else None
+        frame["segment_idx"].fill_null(0).cast(pl.Int32).to_numpy()
+        if "segment_idx" in frame.columns
+        else np.zeros(n_rows, dtype=np.int32)
+    )
+    reward_values = (
+        frame["reward"].cast(pl.Float64).fill_null(np.nan).to_numpy()
+        if reward and "reward" in frame.columns
+        else None
     )
     return TokenBatch(
         label=run.label,
-        step=sub["step"].cast(pl.Int64).to_numpy(),
-        sample_id=sub["sample_id"].cast(pl.String).to_numpy().astype(object),
-        segment_idx=segment if segment is not None else np.zeros(keep.shape[0], dtype=np.int32),
+        step=frame["step"].cast(pl.Int64).to_numpy(),
+        sample_id=frame["sample_id"].cast(pl.String).to_numpy().astype(object),
+        segment_idx=segment,
         group=group.astype(np.int64),
         group_names=group_names.astype(object),
-        prompt_len=sub["prompt_len"].cast(pl.Int32).to_numpy(),
-        seq_len=ids.lengths.astype(np.int32),
+        prompt_len=frame["prompt_len"].cast(pl.Int32).to_numpy(),
+        seq_len=np.diff(view.seq_offsets).astype(np.int32),
         offsets=offsets,
         pos=pos,
-        token_id=ids.values[view.index].astype(np.int32, copy=False),
-        streams={s: token_values(stream_column(s)) for s in rows.streams},
-        entropy={t: token_values(entropy_column(t)) for t in rows.entropy},
+        token_id=view.token_id,
+        streams={s: view.values[stream_column(s)].astype(np.float64) for s in streams},
+        entropy={t: view.values[entropy_column(t)].astype(np.float64) for t in entropy},
         advantages=adv,
-        reward=sub["reward"].cast(pl.Float64).fill_null(np.nan).to_numpy()
-        if reward and "reward" in sub.columns
+        reward=reward_values,
+        env=frame["env"].cast(pl.String).to_numpy().astype(object)
+        if env and "env" in frame.columns
         else None,
-        env=sub["env"].cast(pl.String).to_numpy().astype(object) if env and "env" in sub.columns else None,
-        sample_row=keep,
+        sample_row=np.arange(n_rows, dtype=np.int64) if sample_row is None else sample_row,
     )
+
+
+def batch_inputs(rows: LoadedRows, found: RowIssues) -> tuple[pl.DataFrame, LossView, np.ndarray]:
+    """The scalar frame, loss view and source row indices of the sound rows, for `build_token_batch`."""
+    table = found.sound if found.sound is not None else rows.table
+    view = found.loss if found.loss is not None else loss_view(table)
+    n_rows = rows.table.n_rows
+    keep = np.arange(n_rows, dtype=np.int64) if found.bad_rows is None else np.flatnonzero(~found.bad_rows)
+    return table.frame, view, keep
 
 
 def read_token_batch(
@@ -597,7 +608,20 @@ def read_token_batch(
     errors = sorted((i for i in issues if i.severity == "error"), key=lambda i: i.code)
     if errors:
         raise InvalidInputError(errors[0].code, errors[0].message, errors[0].hint)
-    batch = build_token_batch(run, rows, found, advantages=advantages, reward=reward, env=env)
+    frame, view, keep = batch_inputs(rows, found)
+    kept_streams, kept_entropy = rows.streams, rows.entropy
+    del rows, found  # drop the list buffers before the float64 arrays are allocated
+    batch = build_token_batch(
+        run,
+        frame,
+        view,
+        streams=kept_streams,
+        entropy=kept_entropy,
+        sample_row=keep,
+        advantages=advantages,
+        reward=reward,
+        env=env,
+    )
     return LoadedBatch(batch, check_result(issues))
 
 
