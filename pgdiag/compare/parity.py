@@ -235,8 +235,10 @@ def bucket_table(terms: TokenTerms, codes: np.ndarray, n_buckets: int) -> dict[s
     bias = _safe_div(total(terms.d), n)
     dev = terms.d - np.nan_to_num(bias)[codes]
     out["bias"] = bias
-    out["sd"] = np.sqrt(_safe_div(total(dev * dev), n))
-    out["rms"] = np.sqrt(_safe_div(total(terms.d * terms.d), n))
+    np.multiply(dev, dev, out=dev)
+    sd = np.sqrt(_safe_div(total(dev), n))
+    out["sd"] = sd
+    out["rms"] = np.sqrt(sd * sd + bias * bias)  # E[Δ²] = sd² + bias²: a sum of squares, no cancellation
     out["abs_mean"] = _safe_div(total(terms.abs_d), n)
     # quantiles: every stride-th token above 2 × QUANTILE_SAMPLE_TOKENS (exact below); radix sort of the codes
     m = codes.shape[0]
