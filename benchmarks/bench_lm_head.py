@@ -130,7 +130,11 @@ def sweep_tiles(x: Inputs) -> list[dict]:
         TritonTiles(use_tma=False),
         TritonTiles(num_stages=4),
         TritonTiles(n_splits=8),
+        TritonTiles(n_splits=11),
         TritonTiles(n_splits=16),
+        TritonTiles(warp_specialize="outer"),
+        TritonTiles(warp_specialize="inner"),
+        TritonTiles(warp_specialize="outer", num_warps=4),
         TritonTiles(block_n=256, block_v=128),
         TritonTiles(block_v=128, num_warps=4, num_stages=4, programs_per_sm=2),
     ]

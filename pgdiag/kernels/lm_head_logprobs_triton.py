@@ -58,6 +58,9 @@ class TritonTiles:
     programs_per_sm: int = 1
     n_splits: int = 0
     use_tma: bool = True  # load tiles through host-side TMA descriptors where the strides allow it
+    warp_specialize: str = (
+        "none"  # "none", "outer" (vocab loop) or "inner" (K loop): Triton's warp specialization
+    )
 
 
 def head_mode_for(head_dtype: str, weight_dtype: torch.dtype) -> str:
@@ -157,6 +160,8 @@ def _lm_head_partials_kernel(
     EVEN_K: tl.constexpr,
     HEAD_MODE: tl.constexpr,  # 0 plain dot, 1 hidden split in three 16-bit parts, 2 tf32x3
     USE_TMA: tl.constexpr,  # hidden and weight are host-side TMA descriptors (block shapes as above)
+    WS_OUTER: tl.constexpr,  # warp-specialize the vocab-tile loop (loads/MMA/epilogue in separate warps)
+    WS_INNER: tl.constexpr,  # warp-specialize the K loop only
 ):
     # 1. which (token block, split) this program owns: groups of `group_blocks` token blocks x all splits
     pid = tl.program_id(0)
@@ -184,12 +189,12 @@ def _lm_head_partials_kernel(
 
     v_begin = split * tiles_per_split * BLOCK_V
     v_end = tl.minimum(v_begin + tiles_per_split * BLOCK_V, vocab_local)
-    for v_start in range(v_begin, v_end, BLOCK_V):
+    for v_start in tl.range(v_begin, v_end, BLOCK_V, warp_specialize=WS_OUTER):
         offs_v = v_start + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
         safe_v = tl.where(offs_v < vocab_local, offs_v, 0)
         acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
         # 3. logits tile H[block] @ W[tile].T in the fp32 accumulator
-        for k_start in range(0, hidden_size, BLOCK_K):
+        for k_start in tl.range(0, hidden_size, BLOCK_K, warp_specialize=WS_INNER):
             if USE_TMA:  # out-of-bounds rows/columns arrive as zeros
                 h = hidden.load([row_start, k_start])  # (BLOCK_N, BLOCK_K)
                 w = weight.load([v_start, k_start]).T  # (BLOCK_K, BLOCK_V)
@@ -322,6 +327,8 @@ def lm_head_partials(
         EVEN_K=hidden_size % tiles.block_k == 0,
         HEAD_MODE=HEAD_MODE_CODES[mode],
         USE_TMA=use_tma,
+        WS_OUTER=tiles.warp_specialize == "outer",
+        WS_INNER=tiles.warp_specialize == "inner",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
