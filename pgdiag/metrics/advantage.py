@@ -6,8 +6,9 @@ actually pushes is Σ_{i∈g} Σ_t A, which is not 0 when lengths differ (`group
 whose rewards all agree carry no signal (`group_zero_std_frac`). The counts make every exclusion visible:
 nothing is dropped silently (§0.2 rules 2-4).
 
-How: every function takes the valid-token arrays (N,) of one step and its `TokenReducer`, plus per-sample
-group codes (S,) compacted to 0..P−1, and writes into a `MetricSink`.
+How: a token phase (`build_*_tables`, once per batch) turns the valid-token arrays (N,) into per-sample
+sums; the reduce phase (`add_*`) works on the rows of one step, with per-sample group codes (S,)
+compacted to 0..P−1, and writes into a `MetricSink`.
 
 Worked example (§11): g1 = {s1: A = +1 over 3 tokens, s2: A = −1 over 4}, g2 = {s3: +0.5 over 3, s4: −0.5
 over 3}: Σ Ā_i is 0 in both groups, Σ_t A is −1 in g1 and 0 in g2, so group_token_sum_absmax = 1.
@@ -16,31 +17,66 @@ over 3}: Σ Ā_i is 0 in both groups, Σ_t A is −1 in g1 and 0 in g2, so group
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from pgdiag.metrics.catalog import MetricSink
-from pgdiag.metrics.reduce import TokenReducer, extremum, quantiles
+from pgdiag.metrics.reduce import SAMPLE_AXIS, TOKEN_AXIS, TokenReducer, extremum, quantiles
 
 
-def add_advantage_metrics(advantages: np.ndarray, reducer: TokenReducer, sink: MetricSink) -> None:
+@dataclass(frozen=True)
+class AdvantageTables:
+    """Per-sample sums (S,) of the advantage quantities on the valid tokens m'."""
+
+    reducer: TokenReducer
+    sum_adv: np.ndarray = field(metadata=SAMPLE_AXIS)  # Σ_t A
+    sum_abs: np.ndarray = field(metadata=SAMPLE_AXIS)  # Σ_t |A|
+    m2_adv: np.ndarray = field(metadata=SAMPLE_AXIS)  # Σ_t (A − Ā_i)²
+    n_pos: np.ndarray = field(metadata=SAMPLE_AXIS)
+    n_neg: np.ndarray = field(metadata=SAMPLE_AXIS)
+    n_zero: np.ndarray = field(metadata=SAMPLE_AXIS)
+    min_adv: np.ndarray = field(metadata=SAMPLE_AXIS)  # NaN for empty samples
+    max_adv: np.ndarray = field(metadata=SAMPLE_AXIS)
+
+
+def build_advantage_tables(advantages: np.ndarray, reducer: TokenReducer) -> AdvantageTables:
+    """Token phase of `advantage/*` over the valid tokens (N,) of `reducer`."""
+    sums = reducer.sample_sums
+    sum_adv = sums(advantages)
+    scratch = np.empty_like(advantages)  # float64 copy of each indicator while it is counted
+    return AdvantageTables(
+        reducer=reducer,
+        sum_adv=sum_adv,
+        sum_abs=sums(np.abs(advantages)),
+        m2_adv=reducer.centred_m2(advantages, sum_adv),
+        n_pos=sums(advantages > 0, scratch),
+        n_neg=sums(advantages < 0, scratch),
+        n_zero=sums(advantages == 0, scratch),
+        min_adv=reducer.sample_min(advantages),
+        max_adv=reducer.sample_max(advantages),
+    )
+
+
+def add_advantage_metrics(t: AdvantageTables, sink: MetricSink) -> None:
     """`advantage/mean`, `abs_mean`, `std`, `min`, `max`, `frac_pos/neg/zero` and `count/adv_nonconstant_samples`."""
-    red = reducer
+    red = t.reducer
     n_tok, n_red = red.n_tokens, red.population
-    sink.add("advantage/mean", red.mean(advantages), n_red)
-    sink.add("advantage/abs_mean", red.mean(np.abs(advantages)), n_red)
-    sink.add("advantage/std", red.spread(advantages), n_red)
-    sink.add("advantage/min", extremum(advantages, "min"), n_tok)
-    sink.add("advantage/max", extremum(advantages, "max"), n_tok)
-    sink.add("advantage/frac_pos", red.mean(advantages > 0), n_red)
-    sink.add("advantage/frac_neg", red.mean(advantages < 0), n_red)
-    sink.add("advantage/frac_zero", red.mean(advantages == 0), n_red)
-    varying = red.sample_max(advantages) != red.sample_min(advantages)  # (S+,)
+    ne = red.nonempty
+    sink.add("advantage/mean", red.mean_of_sums(t.sum_adv), n_red)
+    sink.add("advantage/abs_mean", red.mean_of_sums(t.sum_abs), n_red)
+    sink.add("advantage/std", red.spread_of_moments(t.sum_adv, t.m2_adv), n_red)
+    sink.add("advantage/min", extremum(t.min_adv[ne], "min"), n_tok)
+    sink.add("advantage/max", extremum(t.max_adv[ne], "max"), n_tok)
+    sink.add("advantage/frac_pos", red.mean_of_sums(t.n_pos), n_red)
+    sink.add("advantage/frac_neg", red.mean_of_sums(t.n_neg), n_red)
+    sink.add("advantage/frac_zero", red.mean_of_sums(t.n_zero), n_red)
+    varying = t.max_adv[ne] != t.min_adv[ne]  # (S+,)
     sink.add("count/adv_nonconstant_samples", np.count_nonzero(varying), red.n_nonempty)
 
 
 def add_group_metrics(
-    advantages: np.ndarray | None,
+    sum_adv: np.ndarray | None,
     reward: np.ndarray | None,
     reducer: TokenReducer,
     group_of_sample: np.ndarray,
@@ -50,8 +86,9 @@ def add_group_metrics(
 ) -> None:
     """`advantage/group_*` and `grad/group_token_share_*` over the P groups of the step.
 
-    The zero-std test uses the per-sample reward when `reward` (S,) is given (NaN rewards are left out),
-    else Ā_i of the samples with valid tokens; groups with fewer than two values are not tested.
+    `sum_adv` (S,) holds Σ_t A per sample (None without advantages). The zero-std test uses the per-sample
+    reward when `reward` (S,) is given (NaN rewards are left out), else Ā_i of the samples with valid
+    tokens; groups with fewer than two values are not tested.
     """
     red = reducer
     n_i = red.n_per_sample
@@ -64,12 +101,12 @@ def add_group_metrics(
         sink.add("grad/group_token_share_max", None, n_groups)
         sink.add("grad/group_token_share_min", None, n_groups)
     mean_adv = None
-    if advantages is not None and n_tokens == 0:
+    if sum_adv is not None and n_tokens == 0:
         sink.add("advantage/group_seq_sum_absmax", None, n_groups)
         sink.add("advantage/group_token_sum_absmax", None, n_groups)
-    elif advantages is not None:
+    elif sum_adv is not None:
         ne = red.nonempty
-        adv_sums = red.sample_sums(advantages)  # (S,) Σ_t A
+        adv_sums = sum_adv  # (S,) Σ_t A
         mean_adv = adv_sums[ne] / n_i[ne]  # (S+,) Ā_i
         seq_sums = np.bincount(group_of_sample[ne], weights=mean_adv, minlength=n_groups)  # (P,)
         token_sums = np.bincount(group_of_sample, weights=adv_sums, minlength=n_groups)  # (P,)
@@ -100,16 +137,33 @@ def _zero_std_fraction(
     return "advantage/group_zero_std_frac", value, n_tested
 
 
-def add_entropy_metrics(entropy: np.ndarray, reducer: TokenReducer, sink: MetricSink) -> None:
-    """`entropy/mean` (R) and its token quantiles and extrema; `entropy` (N_H,) holds finite values only."""
-    n_tok = reducer.n_tokens
-    sink.add("entropy/mean", reducer.mean(entropy), reducer.population)
-    p5, p50, p95 = quantiles(entropy, (0.05, 0.5, 0.95))
+@dataclass(frozen=True)
+class EntropyTables:
+    """Entropies (N_H,) of the tokens valid for the policy family with a finite H, and their sums (S,)."""
+
+    reducer: TokenReducer
+    entropy: np.ndarray = field(metadata=TOKEN_AXIS)
+    sum_entropy: np.ndarray = field(metadata=SAMPLE_AXIS)
+
+
+def build_entropy_tables(entropy: np.ndarray, reducer: TokenReducer) -> EntropyTables:
+    """Token phase of `entropy/*`; `entropy` (N,) holds the valid tokens of `reducer`, non-finite left out."""
+    finite = np.isfinite(entropy)
+    if not finite.all():
+        reducer, entropy = reducer.subset(finite), entropy[finite]
+    return EntropyTables(reducer, entropy, reducer.sample_sums(entropy))
+
+
+def add_entropy_metrics(t: EntropyTables, sink: MetricSink) -> None:
+    """`entropy/mean` (R) and its token quantiles and extrema."""
+    n_tok = t.reducer.n_tokens
+    sink.add("entropy/mean", t.reducer.mean_of_sums(t.sum_entropy), t.reducer.population)
+    p5, p50, p95 = quantiles(t.entropy, (0.05, 0.5, 0.95))
     sink.add("entropy/p5", p5, n_tok)
     sink.add("entropy/p50", p50, n_tok)
     sink.add("entropy/p95", p95, n_tok)
-    sink.add("entropy/min", extremum(entropy, "min"), n_tok)
-    sink.add("entropy/max", extremum(entropy, "max"), n_tok)
+    sink.add("entropy/min", extremum(t.entropy, "min"), n_tok)
+    sink.add("entropy/max", extremum(t.entropy, "max"), n_tok)
 
 
 def add_counts(

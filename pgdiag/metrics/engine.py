@@ -16,6 +16,7 @@ in `settings` are already resolved; a None name means the family is not computed
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -23,23 +24,41 @@ import numpy as np
 from pgdiag.batch import TokenBatch
 from pgdiag.errors import UsageError
 from pgdiag.metrics.advantage import (
+    AdvantageTables,
+    EntropyTables,
     add_advantage_metrics,
     add_counts,
     add_entropy_metrics,
     add_group_metrics,
+    build_advantage_tables,
+    build_entropy_tables,
     finite_fraction_notice,
 )
 from pgdiag.metrics.catalog import MetricSink
-from pgdiag.metrics.loss import add_loss_metrics, loss_sums, resolve_aggregation
-from pgdiag.metrics.mismatch import add_mismatch_counts, add_mismatch_metrics
-from pgdiag.metrics.policy import add_policy_counts, add_policy_metrics, add_ref_metrics, build_policy_tokens
-from pgdiag.metrics.reduce import REDUCTION_MODES, TokenReducer
+from pgdiag.metrics.loss import LossSums, ResolvedAggregation, add_loss_metrics, resolve_aggregation
+from pgdiag.metrics.mismatch import (
+    MismatchTables,
+    add_mismatch_counts,
+    add_mismatch_metrics,
+    build_mismatch_tables,
+)
+from pgdiag.metrics.policy import (
+    PolicyTables,
+    RefTables,
+    add_policy_counts,
+    add_policy_metrics,
+    add_ref_metrics,
+    build_policy_tables,
+    build_ref_tables,
+)
+from pgdiag.metrics.reduce import REDUCTION_MODES, TokenReducer, take_rows
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.metrics.values import MetricValue
 
 __all__ = ["StepMetrics", "compute_native", "compute_step_native", "resolve_aggregation", "split_steps"]
 
 STATUS_ORDER = ("ok", "partial", "nonfinite", "empty")  # a later status wins when two apply
+REDUCE_THREADS = 2  # steps are reduced in parallel; the CPU target machine has 2 cores
 
 
 @dataclass(frozen=True)
@@ -59,26 +78,214 @@ class StepMetrics:
         return {v.key: v for v in self.values}
 
 
+@dataclass(frozen=True)
+class BatchTables:
+    """The token phase of every family over one batch whose steps are contiguous row ranges.
+
+    Each family table holds per-sample sums (S,) plus the token arrays its token statistics need; a step
+    is reduced from the slice of its rows (`reduce_rows`), so no token is transformed twice.
+    """
+
+    base: TokenReducer  # valid tokens m' of the policy, loss and advantage families
+    offsets: np.ndarray  # (S + 1,) loss positions per sample
+    group: np.ndarray  # (S,) group codes
+    reward: np.ndarray | None  # (S,)
+    policy: PolicyTables | None
+    loss: LossSums | None
+    ref: RefTables | None
+    advantage: AdvantageTables | None
+    entropy: EntropyTables | None
+    mismatch: MismatchTables | None
+    notices: tuple[str, ...]
+
+
+def build_batch_tables(batch: TokenBatch, settings: MetricSettings) -> BatchTables:
+    """Run the token phase of every family whose inputs exist in `batch`."""
+    notices: list[str] = []
+    offsets = batch.offsets
+    doc_of_sample = batch.documents()  # (S,)
+    # 0. the mismatch pair has its own valid set (m ∧ finite(lp_a) ∧ finite(lp_b)): built in a second thread
+    # while this one builds the policy side (numpy releases the GIL inside its loops)
+    lp_a = _stream(batch, settings.stream_a, "stream-a")
+    lp_b = _stream(batch, settings.stream_b, "stream-b")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        mismatch_future = None
+        if lp_a is not None and lp_b is not None:
+            pair_valid = np.isfinite(lp_a) & np.isfinite(lp_b)  # (M,)
+            mismatch_future = pool.submit(
+                build_mismatch_tables, lp_a, lp_b, pair_valid, offsets, doc_of_sample, settings
+            )
+            notices.append(
+                "mismatch/tau_fit: needs_recompute (side b's logits are only seen by pgdiag logprobs)"
+            )
+        tables = _build_policy_side(batch, settings, offsets, doc_of_sample, notices)
+        mismatch = None if mismatch_future is None else mismatch_future.result()
+    return replace(tables, mismatch=mismatch, notices=tuple(notices))
+
+
+def _build_policy_side(
+    batch: TokenBatch,
+    settings: MetricSettings,
+    offsets: np.ndarray,
+    doc_of_sample: np.ndarray,
+    notices: list[str],
+) -> BatchTables:
+    """Token phase of the policy, loss, ref, advantage and entropy families (mismatch left None)."""
+    lp_new = _stream(batch, settings.new, "new")
+    lp_old = _stream(batch, settings.old, "old")
+    advantages = batch.advantages
+    # 1. valid tokens m' of the policy, loss and advantage families (§0.2 rule 3)
+    policy_pair = lp_new is not None and lp_old is not None
+    valid = np.ones(batch.n_tokens, dtype=bool)  # (M,)
+    for values in (lp_new, lp_old, advantages) if policy_pair else (advantages,):
+        if values is not None:
+            valid &= np.isfinite(values)
+    all_valid = bool(valid.all())
+    base = TokenReducer.build(valid, offsets, doc_of_sample, settings.metric_reduction)
+
+    def take(values: np.ndarray) -> np.ndarray:
+        return values if all_valid else values[valid]
+
+    adv_valid = None if advantages is None else take(advantages)  # (N,)
+    advantage = None if adv_valid is None else build_advantage_tables(adv_valid, base)
+    # 2. policy pair with the loss sums, and the reference KL
+    policy = loss = ref = None
+    if policy_pair:
+        with np.errstate(invalid="ignore"):
+            position_d = None if all_valid else lp_new - lp_old  # (M,)
+        policy, loss = build_policy_tables(
+            take(lp_new), take(lp_old), advantage, adv_valid, position_d, offsets, settings, base
+        )
+        if loss is None:
+            notices.append("loss/* and binding clip fractions need advantages")
+        elif settings.divisor is None:
+            notices.append("loss/constant is null: pass --divisor L")
+    else:
+        notices.append("policy family not computed: needs the new and old streams")
+    lp_ref = _stream(batch, settings.ref, "ref")
+    if lp_new is not None and lp_ref is not None:
+        ref = build_ref_tables(take(lp_new), take(lp_ref), base)
+    # 3. entropy
+    entropy = None
+    if settings.entropy is not None:
+        entropy = build_entropy_tables(take(_entropy(batch, settings.entropy)), base)
+    return BatchTables(
+        base=base,
+        offsets=offsets,
+        group=np.asarray(batch.group),
+        reward=batch.reward,
+        policy=policy,
+        loss=loss,
+        ref=ref,
+        advantage=advantage,
+        entropy=entropy,
+        mismatch=None,
+        notices=(),
+    )
+
+
+def reduce_rows(
+    tables: BatchTables,
+    lo: int,
+    hi: int,
+    settings: MetricSettings,
+    resolved: ResolvedAggregation,
+    groups_split: int,
+) -> StepMetrics:
+    """The `StepMetrics` of samples lo..hi (one step, or the whole batch) from the batch tables."""
+    sink = MetricSink(settings.metric_reduction)
+    notices = list(tables.notices)
+    if settings.key_style != "pgdiag":
+        notices.append(
+            f"native metrics computed; --key-style {settings.key_style} keys come from the style engine"
+        )
+    base = tables.base.rows(lo, hi)
+    n_positions = int(tables.offsets[hi] - tables.offsets[lo])
+    _, group_of_sample = np.unique(tables.group[lo:hi], return_inverse=True)
+    group_of_sample = group_of_sample.astype(np.int64).reshape(-1)  # (S,) codes 0..P-1
+    n_groups = int(group_of_sample.max()) + 1 if group_of_sample.shape[0] else 0
+    if tables.policy is not None:
+        policy = take_rows(tables.policy, lo, hi)
+        add_policy_counts(policy, n_positions, sink)
+        add_policy_metrics(policy, settings, sink)
+        if tables.loss is not None:
+            add_loss_metrics(
+                take_rows(tables.loss, lo, hi), group_of_sample, n_groups, settings, resolved, sink
+            )
+    if tables.ref is not None:
+        add_ref_metrics(take_rows(tables.ref, lo, hi), sink)
+    sum_adv = None
+    if tables.advantage is not None:
+        advantage = take_rows(tables.advantage, lo, hi)
+        add_advantage_metrics(advantage, sink)
+        sum_adv = advantage.sum_adv
+    reward = None if tables.reward is None else tables.reward[lo:hi]
+    add_group_metrics(sum_adv, reward, base, group_of_sample, n_groups, settings.zero_std_atol, sink)
+    if tables.entropy is not None:
+        entropy = take_rows(tables.entropy, lo, hi)
+        left_out = base.n_tokens - entropy.reducer.n_tokens
+        if left_out:
+            notices.append(finite_fraction_notice("entropy/*", left_out, base.n_tokens))
+        add_entropy_metrics(entropy, sink)
+    mismatch_invalid = 0
+    if tables.mismatch is not None:
+        mismatch = take_rows(tables.mismatch, lo, hi)
+        add_mismatch_counts(mismatch, sink)
+        add_mismatch_metrics(mismatch, settings, sink)
+        mismatch_invalid = n_positions - mismatch.reducer.n_tokens
+    add_counts(n_positions, base, group_of_sample, n_groups, groups_split, sink)
+    n_invalid = n_positions - base.n_tokens
+    if n_invalid:
+        notices.append(finite_fraction_notice("count/tokens_invalid", n_invalid, n_positions))
+    if n_positions == 0:
+        status = "empty"
+    elif n_invalid or mismatch_invalid:
+        status = "nonfinite"
+    else:
+        status = "ok"
+    return StepMetrics(tuple(sink.values), status, tuple(notices))
+
+
 def compute_native(batch: TokenBatch, settings: MetricSettings) -> list[tuple[str, StepMetrics]]:
     """Per-step rows in step order plus the ``all`` row (pooled tokens; loss/grad keys averaged over steps)."""
     _check_settings(settings)
-    steps = split_steps(batch, settings)
+    resolved = resolve_aggregation(settings.aggregation, settings)
     step_index = _step_index(batch, settings)  # (S,)
     pooled = _pooled_batch(batch, settings, step_index)
+    if step_index.shape[0] > 1 and np.any(np.diff(step_index) < 0):
+        order = np.argsort(step_index, kind="stable")
+        pooled, step_index = pooled.select(order), step_index[order]
     split_groups = _straddling_groups(pooled.group, step_index)  # (P_split,) group codes
+    tables = build_batch_tables(pooled, settings)
+    bounds = np.flatnonzero(np.diff(step_index)) + 1
+    starts = np.concatenate([[0], bounds]).astype(np.int64) if step_index.shape[0] else np.zeros(0, np.int64)
+    ends = np.concatenate([bounds, [step_index.shape[0]]]).astype(np.int64) if starts.shape[0] else starts
+    partial_last = False
+    if settings.docs_per_step is not None and batch.n_samples:
+        partial_last = (int(_doc_by_sample_id(batch)[-1]) + 1) % settings.docs_per_step != 0
+    ranges = [(int(lo), int(hi)) for lo, hi in zip(starts, ends, strict=True)] + [(0, pooled.n_samples)]
+    splits = [
+        int(np.count_nonzero(np.isin(np.unique(pooled.group[lo:hi]), split_groups))) for lo, hi in ranges
+    ]
+    splits[-1] = int(split_groups.shape[0])
+    with ThreadPoolExecutor(max_workers=REDUCE_THREADS) as pool:
+        reduced = list(
+            pool.map(
+                lambda i: reduce_rows(tables, *ranges[i], settings, resolved, splits[i]), range(len(ranges))
+            )
+        )
     rows: list[tuple[str, StepMetrics]] = []
-    for label, step_batch, split_status in steps:
-        groups_split = int(np.count_nonzero(np.isin(np.unique(step_batch.group), split_groups)))
-        metrics = compute_step_native(step_batch, settings, groups_split=groups_split)
-        if split_status == "partial":
+    for position, (lo, _) in enumerate(ranges[:-1]):
+        label = str(int(step_index[lo]))
+        metrics = reduced[position]
+        if partial_last and position == len(ranges) - 2:
             metrics = replace(
                 metrics,
                 status=_worse(metrics.status, "partial"),
                 notices=(*metrics.notices, f"step {label}: final partial step of --docs-per-step"),
             )
         rows.append((label, metrics))
-    pooled_metrics = compute_step_native(pooled, settings, groups_split=int(split_groups.shape[0]))
-    rows.append(("all", _average_loss_over_steps(pooled_metrics, [m for _, m in rows])))
+    rows.append(("all", _average_loss_over_steps(reduced[-1], [m for _, m in rows])))
     return rows
 
 
@@ -90,97 +297,8 @@ def compute_step_native(batch: TokenBatch, settings: MetricSettings, *, groups_s
     """
     _check_settings(settings)
     resolved = resolve_aggregation(settings.aggregation, settings)
-    sink = MetricSink(settings.metric_reduction)
-    notices: list[str] = []
-    if settings.key_style != "pgdiag":
-        notices.append(
-            f"native metrics computed; --key-style {settings.key_style} keys come from the style engine"
-        )
-    n_positions = batch.n_tokens
-    offsets = batch.offsets
-    doc_of_sample = batch.documents()  # (S,)
-    _, group_of_sample = np.unique(batch.group, return_inverse=True)  # (S,) codes 0..P-1
-    group_of_sample = group_of_sample.astype(np.int64).reshape(-1)
-    n_groups = int(group_of_sample.max()) + 1 if group_of_sample.shape[0] else 0
-
-    lp_new = _stream(batch, settings.new, "new")
-    lp_old = _stream(batch, settings.old, "old")
-    advantages = batch.advantages
-    # 1. valid tokens m' of the policy, loss and advantage families (§0.2 rule 3)
-    policy_pair = lp_new is not None and lp_old is not None
-    valid = np.ones(n_positions, dtype=bool)  # (M,)
-    for values in (lp_new, lp_old, advantages) if policy_pair else (advantages,):
-        if values is not None:
-            valid &= np.isfinite(values)
-    all_valid = bool(valid.all())
-    reducer = TokenReducer.build(valid, offsets, doc_of_sample, settings.metric_reduction)
-
-    def take(values: np.ndarray) -> np.ndarray:
-        return values if all_valid else values[valid]
-
-    adv_valid = None if advantages is None else take(advantages)  # (N,)
-    # 2. policy pair, loss and gradient diagnostics
-    if policy_pair:
-        policy_tokens = build_policy_tokens(take(lp_new), take(lp_old), adv_valid, reducer, settings)
-        with np.errstate(invalid="ignore"):
-            add_policy_counts(policy_tokens.d if all_valid else lp_new - lp_old, sink)
-        add_policy_metrics(policy_tokens, settings, sink)
-        if adv_valid is not None:
-            sums = loss_sums(policy_tokens, settings)
-            add_loss_metrics(sums, group_of_sample, n_groups, settings, resolved, sink)
-            if settings.divisor is None:
-                notices.append("loss/constant is null: pass --divisor L")
-        else:
-            notices.append("loss/* and binding clip fractions need advantages")
-    else:
-        notices.append("policy family not computed: needs the new and old streams")
-    lp_ref = _stream(batch, settings.ref, "ref")
-    if lp_new is not None and lp_ref is not None:
-        add_ref_metrics(take(lp_new), take(lp_ref), reducer, sink)
-    # 3. advantages, groups and entropy
-    if adv_valid is not None:
-        add_advantage_metrics(adv_valid, reducer, sink)
-    add_group_metrics(
-        adv_valid, batch.reward, reducer, group_of_sample, n_groups, settings.zero_std_atol, sink
-    )
-    if settings.entropy is not None:
-        entropy = _entropy(batch, settings.entropy)
-        h_valid = take(entropy)
-        finite_h = np.isfinite(h_valid)
-        if finite_h.all():
-            add_entropy_metrics(h_valid, reducer, sink)
-        else:
-            left_out = int(np.count_nonzero(~finite_h))
-            notices.append(finite_fraction_notice("entropy/*", left_out, h_valid.shape[0]))
-            add_entropy_metrics(h_valid[finite_h], reducer.subset(finite_h), sink)
-    # 4. mismatch pair (own valid set: m ∧ finite(lp_a) ∧ finite(lp_b))
-    lp_a = _stream(batch, settings.stream_a, "stream-a")
-    lp_b = _stream(batch, settings.stream_b, "stream-b")
-    mismatch_invalid = 0
-    if lp_a is not None and lp_b is not None:
-        pair_valid = np.isfinite(lp_a) & np.isfinite(lp_b)  # (M,)
-        add_mismatch_counts(lp_a, lp_b, pair_valid, sink)
-        mismatch_invalid = n_positions - int(np.count_nonzero(pair_valid))
-        if mismatch_invalid:
-            lp_a, lp_b = lp_a[pair_valid], lp_b[pair_valid]
-        if all_valid and not mismatch_invalid:
-            pair_reducer = reducer
-        else:
-            pair_reducer = TokenReducer.build(pair_valid, offsets, doc_of_sample, settings.metric_reduction)
-        add_mismatch_metrics(lp_a, lp_b, pair_reducer, settings, sink)
-        notices.append("mismatch/tau_fit: needs_recompute (side b's logits are only seen by pgdiag logprobs)")
-    # 5. counts and status
-    add_counts(n_positions, reducer, group_of_sample, n_groups, groups_split, sink)
-    n_invalid = n_positions - reducer.n_tokens
-    if n_invalid:
-        notices.append(finite_fraction_notice("count/tokens_invalid", n_invalid, n_positions))
-    if n_positions == 0:
-        status = "empty"
-    elif n_invalid or mismatch_invalid:
-        status = "nonfinite"
-    else:
-        status = "ok"
-    return StepMetrics(tuple(sink.values), status, tuple(notices))
+    tables = build_batch_tables(batch, settings)
+    return reduce_rows(tables, 0, batch.n_samples, settings, resolved, groups_split)
 
 
 def split_steps(batch: TokenBatch, settings: MetricSettings) -> list[tuple[str, TokenBatch, str]]:

@@ -19,14 +19,13 @@ prompt_mean 0.073046, constant (L = 4) 0.065450, seq_mean_token_sum 0.261799.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from pgdiag.errors import UsageError
 from pgdiag.metrics.catalog import MetricSink
-from pgdiag.metrics.policy import PolicyTokens
-from pgdiag.metrics.reduce import linear_fit
+from pgdiag.metrics.reduce import SAMPLE_AXIS, TokenReducer, linear_fit
 from pgdiag.metrics.settings import MetricSettings
 
 NATIVE_MODES = (
@@ -193,32 +192,49 @@ def _native_denominator(mode: str) -> str:
     }[mode]
 
 
-def token_losses(pt: PolicyTokens, dual_clip: float | None, eps_low: float, eps_high: float) -> np.ndarray:
-    """(N,) ℓ_t = max(−A r, −A clip(r)), then min(ℓ, −C·A) for A < 0 under dual clip C.
+def token_loss_sums(
+    advantages: np.ndarray,
+    r: np.ndarray,
+    positive: np.ndarray,
+    reducer: TokenReducer,
+    settings: MetricSettings,
+    scratch: np.ndarray,
+) -> np.ndarray:
+    """(S,) Σ_t ℓ_t with ℓ_t = max(−A r, −A clip(r)), and ℓ_t = min(ℓ_t, −C·A) for A < 0 under dual clip C.
 
-    A token with A = 0 has ℓ = 0 even when r overflowed to +inf (0·inf is not a loss).
+    max(−A r, −A clip(r)) is −A·min(r, 1 + ε_h) for A > 0 and −A·max(r, 1 − ε_l) for A < 0 (then capped
+    at C), so one selected factor per token suffices. A token with A = 0 has ℓ = 0 even when r overflowed
+    to +inf (0·inf is not a loss). `positive` (N,) is A > 0; `scratch` (N,) is a float64 work buffer.
     """
-    neg_adv = -pt.advantages
+    factor = np.maximum(r, 1.0 - settings.eps_low, out=scratch)  # (N,) for A < 0
+    if settings.dual_clip is not None:
+        np.minimum(factor, settings.dual_clip, out=factor)
+    np.copyto(factor, np.minimum(r, 1.0 + settings.eps_high), where=positive)
     with np.errstate(invalid="ignore"):
-        loss = np.maximum(neg_adv * pt.r, neg_adv * np.clip(pt.r, 1.0 - eps_low, 1.0 + eps_high))
-        if dual_clip is not None:
-            loss = np.where(neg_adv > 0, np.minimum(loss, dual_clip * neg_adv), loss)
-    if not np.all(np.isfinite(pt.r)):
-        loss[neg_adv == 0] = 0.0
-    return loss
+        factor *= advantages
+    if not np.all(np.isfinite(r)):
+        factor[advantages == 0] = 0.0
+    return -reducer.sample_sums(factor)
 
 
-def gspo_losses(pt: PolicyTokens, eps_low: float, eps_high: float) -> np.ndarray:
-    """(N,) ℓ^G_t = max(−A_t R_i, −A_t clip(R_i)) with the sequence ratio R_i of the token's sample."""
-    with np.errstate(over="ignore"):
-        seq_ratio = pt.seq_ratio  # (S,)
-    neg_adv = -pt.advantages
-    clipped = np.clip(seq_ratio, 1.0 - eps_low, 1.0 + eps_high)
+def scaled(factor: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """factor · weight elementwise, 0 where weight is 0 (an infinite ratio times no advantage is no loss)."""
     with np.errstate(invalid="ignore"):
-        loss = np.maximum(neg_adv * pt.reducer.broadcast(seq_ratio), neg_adv * pt.reducer.broadcast(clipped))
-    if not np.all(np.isfinite(seq_ratio)):
-        loss[neg_adv == 0] = 0.0
-    return loss
+        return np.where(weight == 0, 0.0, factor * weight)
+
+
+def gspo_loss_sums(
+    seq_ratio: np.ndarray, positive_part: np.ndarray, negative_part: np.ndarray, settings: MetricSettings
+) -> np.ndarray:
+    """(S,) Σ_t ℓ^G_t with ℓ^G_t = max(−A_t R_i, −A_t clip(R_i)).
+
+    For A > 0 the token loss is −A·min(R, clip(R)), for A < 0 it is |A|·max(R, clip(R)), so the sample sum is
+    −min(R_i, clip(R_i))·Σ_t max(A, 0) + max(R_i, clip(R_i))·Σ_t max(−A, 0) (all arguments (S,)).
+    """
+    clipped = np.clip(seq_ratio, 1.0 - settings.eps_low, 1.0 + settings.eps_high)
+    low_side = np.minimum(seq_ratio, clipped)
+    high_side = np.maximum(seq_ratio, clipped)
+    return scaled(high_side, negative_part) - scaled(low_side, positive_part)
 
 
 def sample_weights(
@@ -258,29 +274,17 @@ def sample_weights(
 class LossSums:
     """Per-sample sums (S,) that every loss mode and grad key is a weighting of."""
 
-    n_per_sample: np.ndarray  # (S,) N_i
-    loss: np.ndarray  # (S,) Σ_t ℓ_t
-    loss_seq: np.ndarray  # (S,) Σ_t ℓ^G_t
-    abs_grad: np.ndarray  # (S,) Σ_t |g_t| (token modes)
-    abs_grad_seq: np.ndarray  # (S,) Σ_t |g_t| (GSPO modes)
+    reducer: TokenReducer
+    loss: np.ndarray = field(metadata=SAMPLE_AXIS)  # Σ_t ℓ_t
+    loss_seq: np.ndarray = field(metadata=SAMPLE_AXIS)  # Σ_t ℓ^G_t
+    abs_grad: np.ndarray = field(metadata=SAMPLE_AXIS)  # Σ_t |g_t| (token modes)
+    abs_grad_seq: np.ndarray = field(metadata=SAMPLE_AXIS)  # Σ_t |g_t| (GSPO modes)
 
     def of_mode(self, mode: str) -> tuple[np.ndarray, np.ndarray]:
         """(loss sums, |g| sums) of the token or the GSPO family of `mode`."""
         if mode in GSPO_MODES:
             return self.loss_seq, self.abs_grad_seq
         return self.loss, self.abs_grad
-
-
-def loss_sums(pt: PolicyTokens, settings: MetricSettings) -> LossSums:
-    """The per-sample loss and gradient sums of one step (needs advantages)."""
-    red = pt.reducer
-    return LossSums(
-        n_per_sample=red.n_per_sample,
-        loss=red.sample_sums(token_losses(pt, settings.dual_clip, settings.eps_low, settings.eps_high)),
-        loss_seq=red.sample_sums(gspo_losses(pt, settings.eps_low, settings.eps_high)),
-        abs_grad=red.sample_sums(pt.abs_grad),
-        abs_grad_seq=red.sample_sums(pt.abs_grad_seq),
-    )
 
 
 def add_loss_metrics(
@@ -292,7 +296,7 @@ def add_loss_metrics(
     sink: MetricSink,
 ) -> None:
     """`loss/<mode>`, `loss/pg`, `grad/<mode>_*` and the `--grad-divisor` keys of §7.2-§7.5."""
-    n_i = sums.n_per_sample
+    n_i = sums.reducer.n_per_sample
     n_tokens = int(n_i.sum())
     n_samples = int(np.count_nonzero(n_i)) if settings.empty_seqs == "skip" else int(n_i.shape[0])
     for mode in NATIVE_MODES:

@@ -19,7 +19,9 @@ How: build a `TokenReducer` once per (step, valid-token mask) and call `mean`, `
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from types import MappingProxyType
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -34,17 +36,18 @@ def _as_float(value: float | np.floating) -> float | None:
 
 @dataclass(frozen=True)
 class TokenReducer:
-    """The valid-token layout of one step and the `R` reduction chosen by `--metric-reduction`.
+    """The valid-token layout of a run of samples and the `R` reduction chosen by `--metric-reduction`.
 
-    Arrays passed to the methods hold the N valid tokens in sample order (sample i owns
-    ``starts[i]:starts[i] + n_per_sample[i]``).
+    Token arrays hold the N valid tokens in sample order (sample i owns ``starts[i]:starts[i] + N_i``).
+    Every `R` value is computed from per-sample sums (S,), so a step is reduced from the slice of the
+    per-sample tables of the whole batch (`rows`) without touching its tokens again.
     """
 
     mode: str  # token | sample | document
     n_per_sample: np.ndarray  # (S,) int64 N_i, valid tokens per sample
     starts: np.ndarray  # (S,) int64 start of sample i in the valid-token arrays
-    doc_of_sample: np.ndarray  # (S,) int64 document index
-    n_docs: int  # D, documents in the step including fully masked ones
+    doc_of_sample: np.ndarray  # (S,) int64 document index, 0-based and non-decreasing
+    n_docs: int  # D, documents including fully masked ones
 
     @classmethod
     def build(
@@ -53,18 +56,28 @@ class TokenReducer:
         """Reducer for the tokens where `valid` (M,) is true; `offsets` (S+1,) delimit the samples."""
         if mode not in REDUCTION_MODES:
             raise ValueError(f"metric reduction must be one of {REDUCTION_MODES}, got {mode!r}")
-        n_samples = offsets.shape[0] - 1
-        if valid.all():
-            n_per_sample = np.diff(offsets).astype(np.int64)
-        else:
-            n_per_sample = segment_sums(valid.astype(np.int64), offsets[:-1], np.diff(offsets)).astype(
-                np.int64
-            )
-        starts = np.zeros(n_samples, dtype=np.int64)
-        if n_samples > 1:
+        lengths = np.diff(offsets).astype(np.int64)
+        n_per_sample = lengths if valid.all() else segment_sums(valid, offsets[:-1], lengths).astype(np.int64)
+        return cls.from_counts(n_per_sample, doc_of_sample, mode)
+
+    @classmethod
+    def from_counts(cls, n_per_sample: np.ndarray, doc_of_sample: np.ndarray, mode: str) -> TokenReducer:
+        """Reducer for samples with `n_per_sample` (S,) valid tokens laid out back to back."""
+        starts = np.zeros(n_per_sample.shape[0], dtype=np.int64)
+        if n_per_sample.shape[0] > 1:
             np.cumsum(n_per_sample[:-1], out=starts[1:])
-        n_docs = int(doc_of_sample.max()) + 1 if n_samples else 0
-        return cls(mode, n_per_sample, starts, doc_of_sample, n_docs)
+        n_docs = int(doc_of_sample[-1] - doc_of_sample[0]) + 1 if doc_of_sample.shape[0] else 0
+        return cls(mode, n_per_sample, starts, doc_of_sample - (doc_of_sample[0] if n_docs else 0), n_docs)
+
+    def rows(self, lo: int, hi: int) -> TokenReducer:
+        """The reducer of samples lo..hi (a step), with starts and document indices rebased."""
+        return TokenReducer.from_counts(self.n_per_sample[lo:hi], self.doc_of_sample[lo:hi], self.mode)
+
+    def token_range(self, lo: int, hi: int) -> tuple[int, int]:
+        """(first, end) position in the valid-token arrays of the tokens of samples lo..hi."""
+        ends = self.starts + self.n_per_sample
+        t_lo = int(self.starts[lo]) if lo < self.starts.shape[0] else self.n_tokens
+        return t_lo, int(ends[hi - 1]) if hi > lo else t_lo
 
     @property
     def n_tokens(self) -> int:
@@ -91,35 +104,50 @@ class TokenReducer:
     def subset(self, keep: np.ndarray) -> TokenReducer:
         """Reducer for the valid tokens where `keep` (N,) is also true (a family with an extra test)."""
         offsets = np.concatenate([self.starts, [self.n_tokens]]).astype(np.int64)
-        return TokenReducer.build(keep, offsets, self.doc_of_sample, self.mode)
+        n_per_sample = segment_sums(keep, offsets[:-1], self.n_per_sample).astype(np.int64)
+        return TokenReducer(self.mode, n_per_sample, _starts(n_per_sample), self.doc_of_sample, self.n_docs)
 
-    def sample_sums(self, x: np.ndarray) -> np.ndarray:
-        """(S,) Σ_t m' x per sample (0 for empty samples), pairwise within each sample."""
-        return segment_sums(x, self.starts, self.n_per_sample)
+    def sample_sums(self, x: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+        """(S,) float64 Σ_t m' x per sample (0 for empty samples; booleans are counted, through the float64
+        `scratch` buffer when one is given)."""
+        return segment_sums(x, self.starts, self.n_per_sample, scratch).astype(np.float64, copy=False)
+
+    def sample_means(self, sums: np.ndarray) -> np.ndarray:
+        """(S,) per-sample means from per-sample sums (0 for empty samples)."""
+        return np.divide(sums, self.n_per_sample, out=np.zeros(sums.shape[0]), where=self.nonempty)
+
+    def centred_m2(self, x: np.ndarray, sums: np.ndarray) -> np.ndarray:
+        """(S,) Σ_t (x − x̄_i)², the within-sample centred second moment."""
+        dev = x - self.broadcast(self.sample_means(sums))
+        np.multiply(dev, dev, out=dev)
+        return self.sample_sums(dev)
 
     def sample_max(self, x: np.ndarray) -> np.ndarray:
-        """(S+,) max of x within each non-empty sample."""
-        ne = self.nonempty
-        return np.maximum.reduceat(x, self.starts[ne]) if x.shape[0] else np.zeros(0)
+        """(S,) max of x within each sample; NaN for empty samples."""
+        return self._sample_extreme(np.maximum, x)
 
     def sample_min(self, x: np.ndarray) -> np.ndarray:
-        """(S+,) min of x within each non-empty sample."""
+        """(S,) min of x within each sample; NaN for empty samples."""
+        return self._sample_extreme(np.minimum, x)
+
+    def _sample_extreme(self, op: np.ufunc, x: np.ndarray) -> np.ndarray:
+        out = np.full(self.n_per_sample.shape[0], np.nan)
         ne = self.nonempty
-        return np.minimum.reduceat(x, self.starts[ne]) if x.shape[0] else np.zeros(0)
+        if ne.any():
+            out[ne] = op.reduceat(x, self.starts[ne])
+        return out
 
     def broadcast(self, per_sample: np.ndarray) -> np.ndarray:
         """(N,) the per-sample values (S,) repeated over each sample's valid tokens."""
         return np.repeat(per_sample, self.n_per_sample)
 
-    def mean(self, x: np.ndarray) -> float | None:
-        """R(x): the token, sample or document mean of metrics.md §2; None without valid tokens."""
-        n_tokens = x.shape[0]
+    def mean_of_sums(self, sums: np.ndarray) -> float | None:
+        """R(x) of metrics.md §2 from the per-sample sums (S,) of x; None without valid tokens."""
+        n_tokens = self.n_tokens
         if n_tokens == 0:
             return None
         if self.mode == "token":
-            total = np.count_nonzero(x) if x.dtype == np.bool_ else np.sum(x)
-            return _as_float(total / n_tokens)
-        sums = self.sample_sums(x.astype(np.float64) if x.dtype == np.bool_ else x)
+            return _as_float(np.sum(sums) / n_tokens)
         ne = self.nonempty
         if self.mode == "sample":
             return _as_float(np.sum(sums[ne] / self.n_per_sample[ne]) / np.count_nonzero(ne))
@@ -128,26 +156,81 @@ class TokenReducer:
         filled = doc_tokens > 0
         return _as_float(np.sum(doc_sums[filled] / doc_tokens[filled]) / self.n_docs)
 
-    def spread(self, x: np.ndarray) -> float | None:
-        """sqrt(R((x − R(x))²)), the spread under the same reduction (no subtraction of squares)."""
-        centre = self.mean(x)
+    def spread_of_moments(self, sums: np.ndarray, centred_m2: np.ndarray) -> float | None:
+        """sqrt(R((x − R(x))²)) from per-sample sums and within-sample centred moments (S,).
+
+        Σ_t (x − c)² = M2_i + N_i (x̄_i − c)² per sample: a sum of non-negative terms, so no subtraction
+        of squares and no second pass over the tokens.
+        """
+        centre = self.mean_of_sums(sums)
         if centre is None:
             return None
-        dev = x - centre
-        np.square(dev, out=dev)
-        value = self.mean(dev)
+        gap = self.sample_means(sums) - centre
+        value = self.mean_of_sums(centred_m2 + self.n_per_sample * gap * gap)
         return None if value is None else math.sqrt(value)
 
+    def mean(self, x: np.ndarray) -> float | None:
+        """R(x) from the valid-token values x (N,)."""
+        return self.mean_of_sums(self.sample_sums(x))
 
-def segment_sums(x: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    def spread(self, x: np.ndarray) -> float | None:
+        """sqrt(R((x − R(x))²)) from the valid-token values x (N,)."""
+        sums = self.sample_sums(x)
+        return self.spread_of_moments(sums, self.centred_m2(x, sums))
+
+
+def _starts(n_per_sample: np.ndarray) -> np.ndarray:
+    """(S,) start of each sample's run when runs of `n_per_sample` lie back to back."""
+    starts = np.zeros(n_per_sample.shape[0], dtype=np.int64)
+    if n_per_sample.shape[0] > 1:
+        np.cumsum(n_per_sample[:-1], out=starts[1:])
+    return starts
+
+
+SAMPLE_AXIS = MappingProxyType({"axis": "sample"})  # field metadata: a per-sample (S,) array of a table
+TOKEN_AXIS = MappingProxyType({"axis": "token"})  # field metadata: a per-token (N,) array of a table
+
+
+TableT = TypeVar("TableT")
+
+
+def take_rows(table: TableT, lo: int, hi: int) -> TableT:
+    """The family table of samples lo..hi: its reducer, per-sample fields and per-token fields sliced.
+
+    `table` is a frozen dataclass with a `reducer` field and fields whose metadata is SAMPLE_AXIS or TOKEN_AXIS.
+    Slices are views: reducing a step costs nothing per token except its token statistics.
+    """
+    reducer: TokenReducer = table.reducer  # type: ignore[attr-defined]
+    t_lo, t_hi = reducer.token_range(lo, hi)
+    updates: dict[str, Any] = {"reducer": reducer.rows(lo, hi)}
+    for spec in fields(table):  # type: ignore[arg-type]
+        axis = spec.metadata.get("axis")
+        value = getattr(table, spec.name)
+        if axis is None or value is None:
+            continue
+        updates[spec.name] = value[lo:hi] if axis == "sample" else value[t_lo:t_hi]
+    return replace(table, **updates)  # type: ignore[type-var]
+
+
+def segment_sums(
+    x: np.ndarray, starts: np.ndarray, lengths: np.ndarray, scratch: np.ndarray | None = None
+) -> np.ndarray:
     """(S,) sums of the runs ``x[starts[i]:starts[i] + lengths[i]]``; empty runs give 0.
 
-    `np.add.reduceat` returns ``x[start]`` for an empty run, so only non-empty runs are reduced.
+    `np.add.reduceat` returns ``x[start]`` for an empty run, so only non-empty runs are reduced. Booleans
+    and integers are summed as int64 counts, or, given a float64 `scratch` buffer at least as long as x,
+    copied into it and summed as float64 (exact below 2^53, and 2x faster: numpy's integer reduceat does
+    not vectorise).
     """
-    out = np.zeros(lengths.shape[0], dtype=np.int64 if np.issubdtype(x.dtype, np.integer) else np.float64)
+    if x.dtype == np.bool_ and scratch is not None:
+        flags = scratch[: x.shape[0]]
+        np.copyto(flags, x)
+        x = flags
+    counting = x.dtype == np.bool_ or np.issubdtype(x.dtype, np.integer)
+    out = np.zeros(lengths.shape[0], dtype=np.int64 if counting else np.float64)
     nonempty = lengths > 0
     if x.shape[0] and nonempty.any():
-        out[nonempty] = np.add.reduceat(x, starts[nonempty])
+        out[nonempty] = np.add.reduceat(x, starts[nonempty], dtype=out.dtype)
     return out
 
 

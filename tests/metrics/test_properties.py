@@ -121,7 +121,25 @@ def test_engine_matches_slow_reference(samples, mode):
         ),
         "policy/clip_frac_low": r_mean(per_sample, lambda d, r, a: float(a < 0 and r < low), mode),
         "policy/clip_frac_high": r_mean(per_sample, lambda d, r, a: float(a > 0 and r > high), mode),
+        "policy/zero_grad_frac": r_mean(
+            per_sample, lambda d, r, a: float(a == 0 or (a > 0 and r > high) or (a < 0 and r < low)), mode
+        ),
     }
+    # token-level vs sequence-level clip decisions, and the gradient magnitudes of §7.5 (uniform weights)
+    agree, grad_tok, grad_seq = [], 0.0, 0.0
+    for s in per_sample:
+        seq_r = math.exp(math.fsum(d for d, _, _ in s) / len(s)) if s else 1.0
+        for _, r, a in s:
+            bind = (a > 0 and r > high) or (a < 0 and r < low)
+            bind_seq = (a > 0 and seq_r > high) or (a < 0 and seq_r < low)
+            agree.append(float(bind == bind_seq))
+            grad_tok += 0.0 if bind else abs(a) * r
+            grad_seq += 0.0 if bind_seq else abs(a) * seq_r
+    if agree and mode == "token":
+        expected["policy/seq_token_clip_agreement"] = math.fsum(agree) / len(agree)
+    if agree:
+        expected["grad/token_sum_scale"] = grad_tok
+        expected["grad/gspo_length_prop_scale"] = grad_seq / len(per_sample)
     for key, want in expected.items():
         assert close(got[key], want), (key, got[key], want)
     groups = [s[3] for s in samples]
