@@ -249,7 +249,7 @@ def read_run(
             raise UsageError(
                 "E501", f"--run {run}: no rows with that run label in {path}", f"labels: {labels}"
             )
-        if run is None and len(labels) > 1 and label is None:
+        if run is None and len(labels) > 1:
             raise UsageError("E505", f"{path} holds several runs {labels}", "pick one with --run NAME")
     if steps is not None:
         conditions.append(_step_condition(parse_steps(steps), base))
@@ -286,7 +286,7 @@ def _recompute_frame(run: Run, tag: str, want_logprobs: bool, want_entropy: bool
     directory = run.recompute.get(tag)
     if directory is None:
         raise UsageError(
-            "E501", f"stream {tag!r} not found in {run.label}", f"streams: {', '.join(run.streams)}"
+            "E111", f"stream {tag!r} not found in {run.label}", f"streams: {', '.join(run.streams)}"
         )
     manifest = directory / "_manifest.json"
     complete = False
@@ -413,12 +413,12 @@ def load_rows(
     for stream in streams:
         if stream not in run.streams:
             raise UsageError(
-                "E501", f"{run.label}: no stream {stream!r}", f"streams: {', '.join(run.streams) or 'none'}"
+                "E111", f"{run.label}: no stream {stream!r}", f"streams: {', '.join(run.streams) or 'none'}"
             )
     for tag in entropy:
         if tag not in run.entropy_streams:
             raise UsageError(
-                "E501",
+                "E111",
                 f"{run.label}: no entropy for {tag!r}",
                 f"entropy: {', '.join(run.entropy_streams) or 'none'}",
             )

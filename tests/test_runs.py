@@ -100,9 +100,10 @@ def test_bad_footers(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
 def test_run_labels_filter_and_override(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
     mixed = [{**r, "run": "a"} for r in rows] + [{**r, "run": "b"} for r in rows]
     path = write_rollouts_file(tmp_path / "m.parquet", mixed)
-    with pytest.raises(UsageError) as several:
-        read_run(path)
-    assert several.value.code == "E505" and "['a', 'b']" in several.value.message
+    for label in (None, "mine"):  # a label never licenses mixing two runs
+        with pytest.raises(UsageError) as several:
+            read_run(path, label=label)
+        assert several.value.code == "E505" and "['a', 'b']" in several.value.message
     run_b = read_run(path, run="b")
     assert run_b.label == "b" and run_b.collect(["run"])["run"].cast(pl.String).unique().to_list() == ["b"]
     assert read_run(path, run="a", label="mine").label == "mine"
@@ -121,7 +122,7 @@ def test_projection_ignores_unneeded_missing_columns(tmp_path: Path, rows: list[
     assert loaded.batch.n_tokens == 10
     with pytest.raises(UsageError) as no_stream:
         read_token_batch(run, streams=["old"])
-    assert no_stream.value.code == "E501"
+    assert no_stream.value.code == "E111" and "streams: rollout" in no_stream.value.hint
 
 
 def test_token_batch_values(valid_file: Path) -> None:
