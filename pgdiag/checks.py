@@ -39,8 +39,16 @@ MIN_STAT_TOKENS = 200  # fits, medians and sign fractions need this many valid t
 MASK_ERROR_FRACTION = 0.01
 
 
-def _strided(n: int, limit: int) -> slice:
-    return slice(None, None, max(1, -(-n // limit)))
+def _stride(n: int) -> int:
+    """Step between the tokens used for statistics, so that at most STAT_SAMPLE_TOKENS are used."""
+    return max(1, -(-n // STAT_SAMPLE_TOKENS))
+
+
+def _sample_sums(batch: TokenBatch, x: np.ndarray) -> np.ndarray:
+    """(S,) sum of the token array `x` over each sample (via one cumulative sum; empty samples give 0)."""
+    cumulative = np.zeros(x.shape[0] + 1, dtype=np.float64)
+    np.cumsum(x, out=cumulative[1:])
+    return cumulative[batch.offsets[1:]] - cumulative[batch.offsets[:-1]]
 
 
 def _examples(batch: TokenBatch, token_index: np.ndarray, max_examples: int) -> tuple[str, dict[str, Any]]:
@@ -68,36 +76,43 @@ def _median_abs(x: np.ndarray) -> float:
 def shift_check(batch: TokenBatch, a: str, b: str, valid: np.ndarray) -> Issue | None:
     """E302: b looks shifted by ±1 position against a (medians of |a_i − b_{i+k}|, k ∈ {−1, 0, +1}).
 
-    Only pairs where position i+k is also a loss position of the same sample are used.
+    Only pairs where position i+k is also a loss position of the same sample are used; medians run over
+    at most STAT_SAMPLE_TOKENS evenly strided tokens.
     """
     lp_a, lp_b = batch.streams[a], batch.streams[b]
-    pick = _strided(int(valid.sum()), STAT_SAMPLE_TOKENS)
-    m0 = _median_abs((lp_a - lp_b)[valid][pick])
+    stride = _stride(lp_a.shape[0])
+    sub_valid = valid[::stride]
+    m0 = _median_abs(lp_a[::stride][sub_valid] - lp_b[::stride][sub_valid])
     if not m0 > SHIFT_MIN_MEDIAN:
         return None
-    sample = batch.token_sample()
-    adjacent = (batch.pos[1:] == batch.pos[:-1] + 1) & (sample[1:] == sample[:-1]) & valid[1:] & valid[:-1]
-    pick = _strided(int(adjacent.sum()), STAT_SAMPLE_TOKENS)
-    m_plus = _median_abs((lp_a[:-1] - lp_b[1:])[adjacent][pick])  # b_{i+1} against a_i
-    m_minus = _median_abs((lp_a[1:] - lp_b[:-1])[adjacent][pick])  # b_{i-1} against a_i
+    starts = np.zeros(lp_a.shape[0] + 1, dtype=bool)
+    starts[batch.offsets] = True
+    here = np.arange(0, lp_a.shape[0] - 1, stride)  # token i; i + 1 is the next loss token
+    adjacent = (
+        (batch.pos[here + 1] == batch.pos[here] + 1) & ~starts[here + 1] & valid[here] & valid[here + 1]
+    )
+    here = here[adjacent]
+    m_plus = _median_abs(lp_a[here] - lp_b[here + 1])  # b_{i+1} against a_i
+    m_minus = _median_abs(lp_a[here + 1] - lp_b[here])  # b_{i-1} against a_i
     best, k = (m_plus, "+1") if not m_minus < m_plus else (m_minus, "-1")
     if not best < m0 / 2:
         return None
     return Issue(
         "E302",
         "error",
-        int(valid.sum()),
+        int(np.count_nonzero(valid)),
         f"{stream_column(b)} looks shifted by {k} vs {stream_column(a)} (median |Δ| {best:.3g} at {k}, {m0:.3g} at 0)",
         hint="next-token vs token alignment: re-import with --shift",
     )
 
 
 def first_token_ratio(batch: TokenBatch, delta_abs: np.ndarray, valid: np.ndarray) -> tuple[float, int]:
-    """Mean |Δ| on the first loss token of each sample over the mean |Δ| of all tokens, and the sample count."""
-    n_loss = batch.n_loss
-    firsts = batch.offsets[:-1][n_loss > 0]
+    """Mean |Δ| on the first loss token of each sample over the mean |Δ| of all valid tokens, and the number
+    of samples whose first token is valid."""
+    firsts = batch.offsets[:-1][batch.n_loss > 0]
     firsts = firsts[valid[firsts]]
-    overall = float(delta_abs[valid].mean()) if valid.any() else 0.0
+    n_valid = int(np.count_nonzero(valid))
+    overall = float(np.sum(delta_abs, where=valid)) / n_valid if n_valid else 0.0
     if firsts.size == 0 or overall == 0.0:
         return float("nan"), int(firsts.size)
     return float(delta_abs[firsts].mean()) / overall, int(firsts.size)
@@ -106,10 +121,12 @@ def first_token_ratio(batch: TokenBatch, delta_abs: np.ndarray, valid: np.ndarra
 def _per_step_abs_mean(
     batch: TokenBatch, delta_abs: np.ndarray, valid: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
+    """Steps (sorted) and their mean |Δ| over valid tokens (`delta_abs` must be 0 where not valid)."""
     steps, step_code = np.unique(batch.step, return_inverse=True)
-    token_step = np.repeat(step_code, batch.n_loss)[valid]
-    sums = np.bincount(token_step, weights=delta_abs[valid], minlength=steps.size)
-    counts = np.bincount(token_step, minlength=steps.size)
+    sums = np.bincount(step_code, weights=_sample_sums(batch, delta_abs), minlength=steps.size)
+    counts = np.bincount(
+        step_code, weights=_sample_sums(batch, valid.astype(np.float64)), minlength=steps.size
+    )
     with np.errstate(invalid="ignore", divide="ignore"):
         return steps, sums / counts
 
@@ -126,7 +143,7 @@ def semantic_checks(
     """
     lp_a, lp_b = batch.streams[a], batch.streams[b]
     valid = np.isfinite(lp_a) & np.isfinite(lp_b)
-    n_valid = int(valid.sum())
+    n_valid = int(np.count_nonzero(valid))
     issues: list[Issue] = []
     if n_valid == 0:
         return issues
@@ -135,9 +152,8 @@ def semantic_checks(
     if shift is not None:
         issues.append(shift)
     for zero_side, other_side in ((a, b), (b, a)):
-        filled = np.flatnonzero(
-            valid & (batch.streams[zero_side] == 0.0) & (batch.streams[other_side] < -1.0)
-        )
+        zero = np.flatnonzero(batch.streams[zero_side] == 0.0)
+        filled = zero[batch.streams[other_side][zero] < -1.0]
         if filled.size:
             where, first = _examples(batch, filled, max_examples)
             issues.append(
@@ -151,21 +167,20 @@ def semantic_checks(
                     **first,
                 )
             )
-    delta = lp_b - lp_a
+    delta = lp_b - lp_a  # (M,), 0 where not valid
+    if n_valid < delta.shape[0]:
+        delta[~valid] = 0.0
     delta_abs = np.abs(delta)
-    pick = _strided(n_valid, STAT_SAMPLE_TOKENS)
-    xa, xb = lp_a[valid][pick], lp_b[valid][pick]
+    stride = _stride(delta.shape[0])
+    sub_valid = valid[::stride]
+    xa, xb = lp_a[::stride][sub_valid], lp_b[::stride][sub_valid]
     slope = r = float("nan")
     if xa.size > 2 and np.std(xa) > 0 and np.std(xb) > 0:
         xa_c, xb_c = xa - xa.mean(), xb - xb.mean()
         slope = float((xa_c * xb_c).sum() / (xa_c * xa_c).sum())
         r = float((xa_c * xb_c).sum() / np.sqrt((xa_c * xa_c).sum() * (xb_c * xb_c).sum()))
     ratio, n_first = first_token_ratio(batch, delta_abs, valid)
-    seq_delta = (
-        np.add.reduceat(np.where(valid, delta, 0.0), batch.offsets[:-1][batch.n_loss > 0])
-        if n_first
-        else np.zeros(0)
-    )
+    seq_delta = _sample_sums(batch, delta)[batch.n_loss > 0]
     one_sign = max(float((seq_delta > 0).mean()), float((seq_delta < 0).mean())) if seq_delta.size else 0.0
     enough = n_valid >= MIN_STAT_TOKENS
     if enough and abs(slope - 1.0) > SLOPE_TOL and r > SLOPE_MIN_R:
@@ -196,8 +211,8 @@ def semantic_checks(
             )
         )
     if sampling_side_is_engine and enough:
-        frac_ge = float((lp_a[valid] >= lp_b[valid]).mean())
-        mean_delta = float(delta[valid].mean())
+        frac_ge = int(np.count_nonzero((delta <= 0.0) & valid)) / n_valid
+        mean_delta = float(delta.sum()) / n_valid
         if frac_ge > 0.9 and mean_delta < -0.01:
             issues.append(
                 Issue(
@@ -224,7 +239,7 @@ def semantic_checks(
                     step=int(steps[k]),
                 )
             )
-    extreme = np.flatnonzero(valid & (delta_abs > EXTREME_DELTA))
+    extreme = np.flatnonzero(delta_abs > EXTREME_DELTA)
     if extreme.size:
         where, first = _examples(batch, extreme, max_examples)
         issues.append(
@@ -270,17 +285,17 @@ def metadata_checks(
             continue
         if not isinstance(info, Mapping):
             continue
-        for key in ("tempered", "logprobs_mode"):
-            if info.get(key) == "unknown":
-                issues.append(
-                    Issue(
-                        "W409",
-                        "warning",
-                        1,
-                        f"{stream_column(stream)}: {key} unknown",
-                        hint="pass --tempered / --logprobs-mode at import",
-                    )
+        unknown = [key for key in ("tempered", "logprobs_mode") if info.get(key) == "unknown"]
+        if unknown:
+            issues.append(
+                Issue(
+                    "W409",
+                    "warning",
+                    1,
+                    f"{stream_column(stream)}: {' and '.join(unknown)} unknown",
+                    hint="pass --tempered / --logprobs-mode at import",
                 )
+            )
         mode = info.get("logprobs_mode") or sampling.get("logprobs_mode")
         if mode == "processed" and truncated:
             issues.append(

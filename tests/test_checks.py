@@ -173,6 +173,7 @@ def test_metadata_checks() -> None:
         meta, ["rollout", "rc"], {"rc": {"head_dtype": "fp32", "temperature_source": "fallback"}}
     )
     assert _codes(issues) == ["W403", "W405", "W409", "W409", "W411"]
+    assert any(i.message == "rollout_logprobs: tempered unknown" for i in issues)
     assert any("rollout head bf16 vs rc head fp32" in i.message for i in issues)
     clean = {"streams": {"rollout": {"tempered": False, "logprobs_mode": "raw"}}, "sampling": {"top_p": 1.0}}
     assert metadata_checks(clean, ["rollout"], {}) == []
