@@ -251,29 +251,52 @@ def main() -> None:
                 p.normal_(0.0, 0.02)
     times, hf_out, peak = timed(partial(hf_pass, hf, rollouts, args.hf_batch), device, args.repeats)
     row(f"HF transformers sdpa bf16, padded x{args.hf_batch}", times, peak)
-
-    # 2. pgdiag on the same tensors
-    tensors = dict(hf.state_dict())
-    del hf
-    reset_peak(device)
-    model = load_from_source(cfg, TensorSource(tensors=tensors), where="HF state dict", dtype="bf16",
-                             head_dtype="fp32", device=device, attention=args.attention)  # fmt: skip
-    head_bf16 = tensors.pop("lm_head.weight")
-    del tensors
-    batches = pack(rollouts, args.batch_tokens)
-    for head_dtype, weight in (("fp32", model.lm_head_weight), ("bf16", head_bf16)):
-        times, out, peak = timed(
-            partial(ours_pass, model, batches, weight, head_dtype, args.impl), device, args.repeats
-        )
-        ours, impl, mode = out
-        diff = torch.cat([(a - b).abs() for a, b in zip(ours, hf_out, strict=True)], dim=1)  # (2, M)
-        row(f"pgdiag packed {args.batch_tokens}, {model.attention_backend}, head {head_dtype}", times, peak,
-            impl=impl, head_mode=mode, batches=len(batches),
-            max_abs_diff_logprob_vs_hf=float(diff[0].max()), mean_abs_diff_logprob_vs_hf=float(diff[0].mean()),
-            max_abs_diff_entropy_vs_hf=float(diff[1].max()))  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+
+    # 2. pgdiag on the same tensors (shared, not copied); the fp32 head is a 2.5 GB copy made per variant
+    tensors = dict(hf.state_dict())
+    del hf
+    batches = pack(rollouts, args.batch_tokens)
+    variants = [  # (fuse_pointwise, head_dtype)
+        (False, "bf16"),
+        (True, "bf16"),
+        (True, "fp32"),
+    ]
+    for fused, head_dtype in variants:
+        reset_peak(device)
+        model = load_from_source(cfg, TensorSource(tensors=tensors), where="HF state dict", dtype="bf16",
+                                 head_dtype=head_dtype, device=device, attention=args.attention,
+                                 fuse_pointwise=fused)  # fmt: skip
+        name = f"pgdiag {model.attention_backend}{' fused' if fused else ''}, head {head_dtype}"
+        for impl in dict.fromkeys([args.impl, "torch"]):
+            try:
+                run = partial(ours_pass, model, batches, model.lm_head_weight, head_dtype, impl)
+                times, out, peak = timed(run, device, args.repeats)
+            except Exception as exc:  # a kernel that cannot launch here is a finding, not the end of the run
+                results["rows"].append({"name": name, "impl": impl, "error": repr(exc)[:300]})
+                print(f"{name} impl={impl}: FAILED {exc!r:.200}", flush=True)
+                continue
+            ours, ran, mode = out
+            diff = torch.cat([(a - b).abs() for a, b in zip(ours, hf_out, strict=True)], dim=1)  # (2, M)
+            row(name, times, peak, impl=ran, head_mode=mode, batches=len(batches),
+                max_abs_diff_logprob_vs_hf=float(diff[0].max()), mean_abs_diff_logprob_vs_hf=float(diff[0].mean()),
+                max_abs_diff_entropy_vs_hf=float(diff[1].max()))  # fmt: skip
+            break
+        del model
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    print("\nsummary:", flush=True)
+    for r in results["rows"]:
+        if "error" in r:
+            print(f"  {r['name']} [{r['impl']}]: {r['error'][:120]}")
+        else:
+            print(f"  {r['name']:40s} {r['tokens_per_s']:8.0f} tok/s  MFU {r['mfu_measured_peak']:6.1%}  "
+                  f"peak {r['peak_gib']:5.1f} GiB  {r.get('impl', '')} {r.get('head_mode', '')} "
+                  f"dlogp max {r.get('max_abs_diff_logprob_vs_hf', 0):.3g} mean {r.get('mean_abs_diff_logprob_vs_hf', 0):.2g}")  # fmt: skip
+    print(f"  real tokens {n_tokens}, HF padding {results['hf_padding_fraction']:.0%}", flush=True)
 
 
 if __name__ == "__main__":

@@ -220,14 +220,19 @@ def load_model(
     device: str | torch.device = "cpu",
     tp_group: dist.ProcessGroup | None = None,
     attention: str = "auto",
+    fuse_pointwise: bool = False,
 ) -> CausalLM:
-    """Load a HF checkpoint directory as this rank's `CausalLM` (see the module docstring for the checks)."""
+    """Load a HF checkpoint directory as this rank's `CausalLM` (see the module docstring for the checks).
+
+    `attention`: "auto", "sdpa" or "varlen" (`pgdiag.model.attention`); `fuse_pointwise`: fuse RMSNorm, RoPE
+    and SwiGLU with `torch.compile` (a one-time compile; worth it on a GPU).
+    """
     path = Path(path)
     config = read_model_config(path)
     with open_tensor_source(path) as source:
         return load_from_source(
             config, source, where=str(path), dtype=dtype, head_dtype=head_dtype, device=device,
-            tp_group=tp_group, attention=attention,
+            tp_group=tp_group, attention=attention, fuse_pointwise=fuse_pointwise,
         )  # fmt: skip
 
 
@@ -241,6 +246,7 @@ def load_from_source(
     device: str | torch.device = "cpu",
     tp_group: dist.ProcessGroup | None = None,
     attention: str = "auto",
+    fuse_pointwise: bool = False,
 ) -> CausalLM:
     """Build and fill a `CausalLM` from any `TensorSource` (files, or tensors already on the device)."""
     body, head = parse_dtype(dtype, "--dtype"), parse_dtype(head_dtype, "--head-dtype")
@@ -250,7 +256,7 @@ def load_from_source(
     backend = resolve_attention_backend(attention, device)
     check_tensor_names(config, source, where)
     with torch.device("meta"):
-        model = CausalLM(config, layout, tp_group=tp_group, attention=backend)
+        model = CausalLM(config, layout, tp_group=tp_group, attention=backend, fuse_pointwise=fuse_pointwise)
     rounded = 0
     for name, _ in _body_parameters(model):
         part = shard_slice(name, source.shape(name), layout)

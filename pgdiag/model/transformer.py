@@ -10,6 +10,9 @@ Why this shape: architecture differences are config fields (`qkv_bias`, `o_bias`
 (``model.layers.3.self_attn.q_proj.weight``) and RoPE is HF's rotate-half form, so HF weights load as they are.
 Numerics follow HF: RMSNorm in fp32 then cast, cos/sin in fp32 then cast to the body dtype.
 
+Speed: matmuls and attention are PyTorch's own kernels; ``fuse_pointwise=True`` runs the memory-bound steps
+(RMSNorm, RoPE, SwiGLU) through `torch.compile`, one fused kernel each (`PointwiseOps`), same math.
+
 Tensor parallelism: modules are built with this rank's local sizes (`TPLayout`); the only collectives are the
 two `all_reduce_sum` calls after the row-parallel o_proj and down_proj, visible in `forward`, identity at TP=1.
 """
@@ -17,6 +20,9 @@ two `all_reduce_sum` calls after the row-parallel o_proj and down_proj, visible 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -89,26 +95,58 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-class RMSNorm(nn.Module):
-    """y = w * (x / rms(x)), the normalization computed in fp32 and cast back before the weight (as HF)."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """w * (x / rms(x)), the normalization in fp32 and cast back before the weight (as HF)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
-    def __init__(self, dim: int, eps: float) -> None:
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE: x (N, heads, D), cos/sin (N, 1, D)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class PointwiseOps:
+    """The memory-bound steps of a layer: the eager functions above, or the same functions fused by
+    `torch.compile` (one kernel each instead of 3-6; same math, fp32 where HF computes in fp32)."""
+
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    rope: Callable[[Tensor, Tensor, Tensor], Tensor]
+    swiglu: Callable[[Tensor, Tensor], Tensor]
+
+
+def pointwise_ops(fused: bool) -> PointwiseOps:
+    if not fused:
+        return PointwiseOps(rms_norm, apply_rope, swiglu)
+    # emulate_precision_casts: round at every bf16 cast as eager (and HF) does, not once at the end
+    fuse = partial(torch.compile, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
+    return PointwiseOps(fuse(rms_norm), fuse(apply_rope), fuse(swiglu))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, ops: PointwiseOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
     """Multi-head attention with GQA, optional q/k/v/o biases, optional q/k RMSNorm; local heads only."""
 
-    def __init__(self, config: ModelConfig, layout: TPLayout, window: int | None) -> None:
+    def __init__(self, config: ModelConfig, layout: TPLayout, window: int | None, ops: PointwiseOps) -> None:
         super().__init__()
         d, h = config.head_dim, config.hidden_size
+        self.ops = ops
         self.head_dim = d
         self.local_num_heads = layout.local_num_heads
         self.local_num_kv_heads = layout.local_num_kv_heads
@@ -118,8 +156,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.local_num_kv_heads * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.local_num_heads * d, h, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, ops)
 
     def forward(
         self,
@@ -137,8 +175,7 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (N, 1, D)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = self.ops.rope(q, cos, sin), self.ops.rope(k, cos, sin)
         out = packed_attention(q, k, v, docs, window=self.window, backend=backend)  # (N, Hq_local, D)
         out = all_reduce_sum(F.linear(out.reshape(n, -1), self.o_proj.weight), group)  # (N, H)
         return out if self.o_proj.bias is None else out + self.o_proj.bias
@@ -147,26 +184,27 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel."""
 
-    def __init__(self, config: ModelConfig, layout: TPLayout) -> None:
+    def __init__(self, config: ModelConfig, layout: TPLayout, ops: PointwiseOps) -> None:
         super().__init__()
         h, i = config.hidden_size, layout.local_intermediate_size
+        self.ops = ops
         self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
 
     def forward(self, x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-        inner = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (N, I_local)
+        inner = self.ops.swiglu(self.gate_proj(x), self.up_proj(x))  # (N, I_local)
         out = all_reduce_sum(F.linear(inner, self.down_proj.weight), group)  # (N, H)
         return out if self.down_proj.bias is None else out + self.down_proj.bias
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layout: TPLayout, window: int | None) -> None:
+    def __init__(self, config: ModelConfig, layout: TPLayout, window: int | None, ops: PointwiseOps) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layout, window)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, layout)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = Attention(config, layout, window, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = MLP(config, layout, ops)
 
     def forward(
         self,
@@ -184,13 +222,13 @@ class DecoderLayer(nn.Module):
 class DecoderTrunk(nn.Module):
     """``model.*`` of the HF checkpoint: embedding, layers, final norm."""
 
-    def __init__(self, config: ModelConfig, layout: TPLayout) -> None:
+    def __init__(self, config: ModelConfig, layout: TPLayout, ops: PointwiseOps) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layout, config.sliding_windows[i]) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, layout, window, ops) for window in config.sliding_windows
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
 class LMHeadShard(nn.Module):
@@ -205,14 +243,21 @@ class CausalLM(nn.Module):
     """A dense decoder on a packed batch; build it with `pgdiag.model.load_model` (weights filled there)."""
 
     def __init__(
-        self, config: ModelConfig, layout: TPLayout, *, tp_group: dist.ProcessGroup | None, attention: str
+        self,
+        config: ModelConfig,
+        layout: TPLayout,
+        *,
+        tp_group: dist.ProcessGroup | None,
+        attention: str,
+        fuse_pointwise: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
         self.layout = layout
         self.tp_group = tp_group
         self.attention_backend = attention
-        self.model = DecoderTrunk(config, layout)
+        self.fuse_pointwise = fuse_pointwise
+        self.model = DecoderTrunk(config, layout, pointwise_ops(fuse_pointwise))
         self.lm_head = LMHeadShard(layout.local_vocab_size, config.hidden_size)
         inv_freq, self.rope_scale = rope_inv_freq(config.rope, config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,) fp32

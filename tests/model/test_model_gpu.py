@@ -46,3 +46,15 @@ def test_fp32_matches_transformers_on_gpu(tmp_path: Path) -> None:
             ref = hf(ids[start : start + n][None].cuda()).logits[0].double().log_softmax(-1)
             assert (ours[start : start + n] - ref).abs().max().item() < 1e-4
             start += n
+
+
+@needs_cuda
+def test_fused_pointwise_equals_eager(tmp_path: Path) -> None:
+    save_hf_model(tmp_path, "Qwen3ForCausalLM", head_dim=64, hidden_size=128)
+    ids, pos, cu = packed_inputs(LENGTHS, 251)
+    ids, pos = ids.cuda(), pos.cuda()
+    eager = load_model(tmp_path, dtype="bf16", device="cuda")
+    fused = load_model(tmp_path, dtype="bf16", device="cuda", fuse_pointwise=True)
+    a = eager.hidden_states(ids, pos, cu).float()
+    b = fused.hidden_states(ids, pos, cu).float()
+    assert ((a - b).norm() / a.norm()).item() < 1e-3  # the same roundings; only FMA contraction may differ
