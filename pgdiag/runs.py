@@ -370,7 +370,7 @@ def _typed_issues(run: Run, schema: pl.Schema, columns: Sequence[str]) -> list[I
     for column in columns:
         problem = cast_problem(column, schema[column]) if column in schema else None
         if problem is not None:
-            issues.append(Issue("E103", "error", 1, f"{run.label}: {problem}"))
+            issues.append(Issue("E103", "error", 1, f"{run.display_path(run.paths[0])}: {problem}"))
     return issues
 
 
@@ -450,7 +450,10 @@ def load_rows(
         FILE_COLUMN,
     ]
     try:
-        frame = lazy.select(wanted).collect()
+        fixed_size = {c for c in wanted if isinstance(schema.get(c), pl.Array)}
+        frame = lazy.select(
+            pl.col(c).cast(pl.List(schema[c].inner)) if c in fixed_size else pl.col(c) for c in wanted
+        ).collect()
     except pl.exceptions.PolarsError as exc:
         raise InvalidInputError(
             "E103", f"{run.label}: cannot read rollouts ({exc})", "re-import with pgdiag import"

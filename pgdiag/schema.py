@@ -142,7 +142,7 @@ def cast_problem(name: str, dtype: pl.DataType) -> str | None:
         "int64": lambda: _is_dtype(dtype, _INTS),
         "int32": lambda: _is_dtype(dtype, _INTS),
         "uint64": lambda: dtype in (pl.UInt64, pl.UInt32, pl.UInt16, pl.UInt8),
-        "float": lambda: _is_dtype(dtype, _FLOATS),
+        "float": lambda: _is_dtype(dtype, _FLOATS) or _is_dtype(dtype, _INTS),
         "int32_list": lambda: inner is not None and _is_dtype(inner, _INTS),
         "bool_list": lambda: inner is not None and inner == pl.Boolean,
         "float_list": lambda: inner is not None and _is_dtype(inner, _FLOATS),

@@ -380,17 +380,19 @@ class _Rules:
                 pl.DataFrame({"step": steps[good], "n": n_loss[good]}).group_by("step").agg(pl.col("n").sum())
             )
             dry = per_step.filter(pl.col("n") == 0).sort("step")["step"].to_list()
-            if dry or (n_rows and not good.any()):
+            if dry:
                 shown = ", ".join(str(s) for s in dry[: self.loc.max_examples])
                 self.add(
                     Issue(
                         "E209",
                         "error",
-                        max(1, len(dry)),
+                        len(dry),
                         f"loss_mask: step {shown} has no loss tokens",
-                        step=int(dry[0]) if dry else None,
+                        step=int(dry[0]),
                     )
                 )
+        if self.on("E209") and view.index.size == 0 and not any(i.code == "E209" for i in self.issues):
+            self.add(Issue("E209", "error", 1, f"the selection ({n_rows} samples) has no loss tokens"))
         self._token_ids(ids, good)
         for column, flat in self.table.lists.items():
             if column not in ("input_ids", "loss_mask"):

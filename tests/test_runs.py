@@ -265,3 +265,31 @@ def test_flattening_matches_python_reference(tmp_path_factory, spec, seed) -> No
     assert batch.offsets.tolist() == ref_off
     empty = sum(1 for r in rows if not any(r["loss_mask"]))
     assert (loaded.checks.issues["code"].to_list() == ["W215"]) == (empty > 0)
+
+
+def test_integer_reward_and_fixed_size_lists_are_read(tmp_path: Path) -> None:
+    rows = [{**r, "reward": int(r["reward"])} for r in valid_rows()]
+    path = write_rollouts_file(tmp_path / "int.parquet", rows, raw_types={"reward": pl.Int64})
+    assert read_token_batch(read_run(path), streams=["rollout"]).batch.reward.tolist() == [1.0, 0.0, 1.0, 0.0]
+    short = []
+    for r in valid_rows():
+        r = {k: (v[:4] if isinstance(v, list) else v) for k, v in r.items()}
+        r["seq_hash"] = seq_hash(r["input_ids"])
+        short.append(r)
+    fixed = write_rollouts_file(
+        tmp_path / "fixed.parquet", short, raw_types={"input_ids": pl.Array(pl.Int32, 4)}
+    )
+    batch = read_token_batch(read_run(fixed), streams=["rollout"]).batch
+    assert batch.token_id.tolist() == [13, 21, 22, 13, 21, 22] and batch.pos.tolist() == [2, 2, 3] * 2
+
+
+def test_uncastable_scalar_and_empty_selection(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
+    text_steps = [{**r, "step": str(r["step"])} for r in rows]
+    path = write_rollouts_file(tmp_path / "s.parquet", text_steps, raw_types={"step": pl.String})
+    with pytest.raises(InvalidInputError) as e103:
+        read_token_batch(read_run(path), streams=["rollout"])
+    assert e103.value.code == "E103" and "s.parquet: step" in e103.value.message
+    valid = write_rollouts_file(tmp_path / "v.parquet", rows)
+    with pytest.raises(InvalidInputError) as e209:
+        read_token_batch(read_run(valid, steps="7"), streams=["rollout"])
+    assert e209.value.code == "E209" and "(0 samples) has no loss tokens" in e209.value.message
