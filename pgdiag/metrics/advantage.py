@@ -87,8 +87,8 @@ def add_group_metrics(
     """`advantage/group_*` and `grad/group_token_share_*` over the P groups of the step.
 
     `sum_adv` (S,) holds Σ_t A per sample (None without advantages). The zero-std test uses the per-sample
-    reward when `reward` (S,) is given (NaN rewards are left out), else Ā_i of the samples with valid
-    tokens; groups with fewer than two values are not tested.
+    reward when `reward` (S,) has any non-null value (null rewards are left out), else Ā_i of the samples
+    with valid tokens; groups with fewer than two values are not tested.
     """
     red = reducer
     n_i = red.n_per_sample
@@ -112,8 +112,8 @@ def add_group_metrics(
         token_sums = np.bincount(group_of_sample, weights=adv_sums, minlength=n_groups)  # (P,)
         sink.add("advantage/group_seq_sum_absmax", extremum(np.abs(seq_sums), "max"), n_groups)
         sink.add("advantage/group_token_sum_absmax", extremum(np.abs(token_sums), "max"), n_groups)
-    if reward is not None:
-        known = ~np.isnan(reward)
+    known = None if reward is None else ~np.isnan(reward)
+    if known is not None and known.any():
         values, groups = reward[known], group_of_sample[known]
     elif mean_adv is not None:
         values, groups = mean_adv, group_of_sample[red.nonempty]

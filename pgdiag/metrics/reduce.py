@@ -265,31 +265,42 @@ def quantiles(x: np.ndarray, qs: tuple[float, ...]) -> list[float | None]:
 
 _BRACKET_MIN_SIZE = 1 << 18  # below this a full partition is as fast as bracketing
 _SUBSAMPLE_SIZE = 1 << 16
+_MERGE_SPAN = 0.08  # brackets closer than this share of the subsample are selected in one pass
 
 
 def _order_statistics(x: np.ndarray, ranks: list[int]) -> dict[int, float]:
-    """{k: k-th smallest element of x (0-based)} for the sorted `ranks`."""
+    """{k: k-th smallest element of x (0-based)} for the sorted `ranks`.
+
+    Large arrays: each rank's position in a sorted systematic subsample gives a value bracket wide
+    enough (6 binomial standard deviations) to hold it; nearby brackets are merged; one comparison pass
+    per bracket counts the elements below it and extracts those inside, which are then partitioned. The
+    count proves the bracket holds the rank, otherwise the full partition is used, so the result is exact.
+    """
     n = x.shape[0]
     if n < _BRACKET_MIN_SIZE:
         part = np.partition(x, ranks)
         return {k: float(part[k]) for k in ranks}
     sub = np.sort(x[:: n // _SUBSAMPLE_SIZE])  # (≈ 65536,) systematic subsample
     k_sub = sub.shape[0]
-    found: dict[int, float] = {}
+    brackets: list[list] = []  # [first subsample index, last subsample index, ranks]
     for rank in ranks:
-        if rank in found:
-            continue
-        centre = rank / (n - 1) * (k_sub - 1)
         q = rank / (n - 1)
+        centre = q * (k_sub - 1)
         margin = int(6.0 * math.sqrt(k_sub * q * (1.0 - q))) + 16
-        lo_idx, hi_idx = math.floor(centre) - margin, math.ceil(centre) + margin
-        lo_val = -math.inf if lo_idx <= 0 else float(sub[lo_idx])
-        hi_val = math.inf if hi_idx >= k_sub - 1 else float(sub[hi_idx])
+        first, last = max(math.floor(centre) - margin, 0), min(math.ceil(centre) + margin, k_sub - 1)
+        if brackets and last - brackets[-1][0] <= _MERGE_SPAN * k_sub:
+            brackets[-1][1] = max(brackets[-1][1], last)
+            brackets[-1][2].append(rank)
+        else:
+            brackets.append([first, last, [rank]])
+    found: dict[int, float] = {}
+    for first, last, group in brackets:
+        lo_val = -math.inf if first == 0 else float(sub[first])
+        hi_val = math.inf if last == k_sub - 1 else float(sub[last])
         at_least_lo = x >= lo_val  # (n,)
         below = n - int(np.count_nonzero(at_least_lo))
         inside = x[at_least_lo & (x <= hi_val)]
-        group = [k for k in ranks if below <= k < below + inside.shape[0] and k not in found]
-        if rank not in group:
+        if not all(below <= k < below + inside.shape[0] for k in group):
             part = np.partition(x, ranks)
             return {k: float(part[k]) for k in ranks}
         part = np.partition(inside, [k - below for k in group])

@@ -430,3 +430,25 @@ def test_docs_metrics_page_embeds_the_catalog_and_alias_tables():
     page = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text(encoding="utf-8")
     assert catalog_markdown() in page
     assert aliases_markdown() in page
+
+
+def test_batch_without_samples_gives_one_empty_all_row():
+    batch = make_batch(new=[], old=[], advantages=[], lengths=[])
+    rows = compute_native(batch, POLICY)
+    assert [label for label, _ in rows] == ["all"]
+    assert rows[0][1].status == "empty"
+    assert all(v.value is None or not math.isnan(v.value) for v in rows[0][1].values)
+
+
+def test_unsorted_step_column_gives_the_same_steps_as_sorted():
+    kwargs = dict(
+        new=[[-1.0], [-0.5, -0.2], [-1.0], [-0.2]],
+        old=[[-1.2], [-0.7, -0.1], [-1.5], [-0.2]],
+        advantages=[1.0, -1.0, 1.0, -1.0],
+        groups=["a", "b", "a", "b"],
+    )
+    shuffled = compute_native(make_batch(steps=[1, 0, 1, 0], **kwargs), POLICY)
+    labels = [label for label, _ in shuffled]
+    assert labels == ["0", "1", "all"]
+    step0 = compute_step_native(make_batch(**{k: [v[1], v[3]] for k, v in kwargs.items()}), POLICY)
+    assert shuffled[0][1].by_key()["loss/token_mean"].value == step0.by_key()["loss/token_mean"].value
