@@ -2,7 +2,8 @@
 
 Why: a file can be valid (§1.5) and still be wrong in ways only the numbers reveal: a stream shifted by one
 position, zero-filled values, a temperature applied on one side, processed (renormalised) engine log-probs,
-stale weights after a resume. How: `semantic_checks` works on one `TokenBatch` and two of its (M,) streams
+stale weights after a resume. How: `check_frame` validates an in-memory frame (for
+importers, before anything is written). `semantic_checks` works on one `TokenBatch` and two of its (M,) streams
 a (sampling side) and b, with Δ = lp_b − lp_a on the loss positions where both are finite; statistics
 (medians, fits) use at most 2M evenly strided tokens, counts use all of them. `compare` reuses it on two aligned
 runs by putting both sides into one batch. `metadata_checks` reads footers (W403 by metadata, W405, W409,
@@ -21,9 +22,10 @@ import polars as pl
 
 from pgdiag.batch import TokenBatch
 from pgdiag.errors import InvalidInputError, UsageError
-from pgdiag.runs import Run, batch_inputs, build_token_batch, load_rows
-from pgdiag.schema import stream_column
-from pgdiag.validate import CheckResult, Issue, check_result, validate_rows
+from pgdiag.flat import FlatList, RowTable, flat_list
+from pgdiag.runs import FILE_COLUMN, Run, batch_inputs, build_token_batch, load_rows
+from pgdiag.schema import REQUIRED_COLUMNS, cast_problem, stream_column
+from pgdiag.validate import CheckResult, Issue, check_result, missing_columns, validate_rows
 
 STAT_SAMPLE_TOKENS = 2_000_000
 SHIFT_MIN_MEDIAN = 0.05
@@ -409,6 +411,62 @@ def _cross_run_issues(run: Run, other: Run, max_examples: int) -> list[Issue]:
             if issue is not None:
                 issues.append(issue)
     return issues
+
+
+def check_frame(
+    frame: pl.DataFrame,
+    *,
+    source: str = "<frame>",
+    ignore: Sequence[str] = (),
+    max_examples: int = 5,
+    vocab_size: int | None = None,
+    strict: bool = False,
+) -> CheckResult:
+    """§1.5 validation of an in-memory rollouts frame (e.g. before `write_rollouts` in an import).
+
+    `source` names the data in messages in place of a file. Stream columns are every ``*_logprobs`` column.
+    """
+    ignored = set(ignore)
+    issues = missing_columns(frame.columns, [c for c in REQUIRED_COLUMNS if c != "seq_hash"])
+    issues += [
+        Issue("E103", "error", 1, f"{source}: {problem}")
+        for c in frame.columns
+        if (problem := cast_problem(c, frame.schema[c])) is not None
+    ]
+    if issues:
+        return check_result([i for i in issues if i.code not in ignored], strict=strict)
+    stream_cols = tuple(c for c in frame.columns if c.endswith("_logprobs"))
+    list_cols = [
+        "input_ids",
+        "loss_mask",
+        *stream_cols,
+        *(["advantages"] if "advantages" in frame.columns else []),
+    ]
+    lists = {}
+    for column in list_cols:
+        values = frame[column]
+        if isinstance(values.dtype, pl.Array):
+            values = values.cast(pl.List(values.dtype.inner))
+        raw = flat_list(values)
+        if column == "input_ids" and raw.values.size and raw.values.dtype.itemsize > 4:
+            low, high = int(raw.values.min()), int(raw.values.max())
+            if low < np.iinfo(np.int32).min or high > np.iinfo(np.int32).max:
+                problem = Issue("E103", "error", 1, f"{source}: input_ids: value {high} does not fit int32")
+                return check_result([problem] if "E103" not in ignored else [], strict=strict)
+        numpy_type = (
+            np.int32 if column == "input_ids" else (np.bool_ if column == "loss_mask" else np.float32)
+        )
+        lists[column] = FlatList(
+            raw.offsets, raw.values.astype(numpy_type, copy=False), raw.valid, raw.row_valid
+        )
+    scalars = frame.drop(list_cols).with_columns(pl.lit(source).alias(FILE_COLUMN))
+    found = validate_rows(
+        RowTable(scalars, lists, stream_cols),
+        ignore=ignored,
+        max_examples=max_examples,
+        vocab_size=vocab_size,
+    )
+    return check_result([i for i in found.issues if i.code not in ignored], strict=strict)
 
 
 def check_run(

@@ -188,6 +188,13 @@ def write_rollouts(
     (step, group_id, sample_id). Existing output without `overwrite` is E502.
     """
     out = Path(out)
+    missing = [
+        c
+        for c in ("step", "sample_id", "group_id", "input_ids", "prompt_len", "loss_mask")
+        if c not in df.columns
+    ]
+    if missing:
+        raise InvalidInputError("E102", f"{out}: missing column {missing[0]}", "re-import with pgdiag import")
     _prepare_output(out, overwrite=overwrite)
     if "run" not in df.columns:
         df = df.with_columns(pl.lit(label).alias("run"))

@@ -223,3 +223,22 @@ def test_sample_runs_pass_cleanly() -> None:
     assert run_a.streams == ("rollout", "old", "new") and run_a.label == "run_a"
     for result in (check_run(run_a), check_run(run_b), check_run(run_a, run_b)):
         assert result.issues.height == 0 and result.exit_code == EXIT_OK
+
+
+def test_check_frame_before_writing() -> None:
+    from rollout_factory import rollouts_frame
+
+    from pgdiag.checks import check_frame
+
+    assert check_frame(rollouts_frame(valid_rows())).issues.height == 0
+    rows = valid_rows()
+    rows[2]["old_logprobs"] = [None, None, -0.5, None, 0.5, -0.25]
+    result = check_frame(rollouts_frame(rows), source="import:verl")
+    issue = result.issues.row(0, named=True)
+    assert issue["code"] == "E205" and issue["message"].startswith("import:verl: old_logprobs: 1 positive")
+    assert "step 1, sample 1:0, pos 4" in issue["message"] and result.exit_code == EXIT_INVALID
+    wide = rollouts_frame(valid_rows()).with_columns(pl.col("input_ids").cast(pl.List(pl.Int64)))
+    wide = wide.with_columns(pl.col("input_ids").list.eval(pl.element() + 2**31))
+    assert check_frame(wide).issues["code"].to_list() == ["E103"]
+    missing = check_frame(rollouts_frame(valid_rows()).drop("group_id"))
+    assert missing.issues["code"].to_list() == ["E102"]

@@ -189,6 +189,13 @@ def test_write_rollouts_single_step_and_file(tmp_path: Path) -> None:
     assert pq.read_table(single).num_rows == 2
 
 
+def test_write_rollouts_requires_columns(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInputError) as e102:
+        write_rollouts(_frame([0]).drop("group_id"), tmp_path / "run", label="x", source={}, streams_meta={})
+    assert e102.value.code == "E102" and "group_id" in e102.value.message
+    assert not (tmp_path / "run").exists()
+
+
 def test_write_rollouts_refuses_float32_overflow(tmp_path: Path) -> None:
     frame = _frame([0]).with_columns(pl.Series("rollout_logprobs", [[None, -3e38, -1.0]]))
     frame = frame.with_columns(pl.col("rollout_logprobs").list.eval(pl.element() * 2))
