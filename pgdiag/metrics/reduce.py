@@ -265,6 +265,7 @@ def quantiles(x: np.ndarray, qs: tuple[float, ...]) -> list[float | None]:
 
 _BRACKET_MIN_SIZE = 1 << 18  # below this a full partition is as fast as bracketing
 _SUBSAMPLE_SIZE = 1 << 16
+_MIN_STRIDE = 64  # a subsample of at least 1/64 of the array costs more to sort than it saves
 _MERGE_SPAN = 0.08  # brackets closer than this share of the subsample are selected in one pass
 
 
@@ -280,7 +281,7 @@ def _order_statistics(x: np.ndarray, ranks: list[int]) -> dict[int, float]:
     if n < _BRACKET_MIN_SIZE:
         part = np.partition(x, ranks)
         return {k: float(part[k]) for k in ranks}
-    sub = np.sort(x[:: n // _SUBSAMPLE_SIZE])  # (≈ 65536,) systematic subsample
+    sub = np.sort(x[:: max(n // _SUBSAMPLE_SIZE, _MIN_STRIDE)])  # (≤ 65536,) systematic subsample
     k_sub = sub.shape[0]
     brackets: list[list] = []  # [first subsample index, last subsample index, ranks]
     for rank in ranks:
