@@ -33,7 +33,7 @@ JOIN_MODES = ("auto", "id", "hash", "hash-any-step")
 ZERO_FILL_FRACTION = 0.01  # E206: share of exact 0.0 on loss positions
 MASK_ERROR_FRACTION = 0.01  # E303 above, W303 below
 SHIFT_MIN_MEDIAN = 0.05  # E302: median |Δ| at offset 0 must exceed this (nats)
-SHIFT_SAMPLE_TOKENS = 2_000_000  # E302 statistics on up to this many tokens (strided sample)
+SHIFT_SAMPLE_TOKENS = 262_144  # E302 medians on up to about this many tokens (strided sample; §7 allows 2M)
 
 
 @dataclass(frozen=True)
@@ -100,15 +100,29 @@ class AlignedPair:
         return self.token_row
 
 
-def token_take(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Token indices of samples `rows` (in that order) and the offsets of the gathered layout."""
+def token_take(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """Token indices of samples `rows` (in that order) and the offsets of the gathered layout.
+
+    The indices are None when `rows` is every sample in order (the common case: no gather, no copy).
+    """
     rows = np.asarray(rows, dtype=np.int64)
+    if rows.shape[0] == offsets.shape[0] - 1 and np.array_equal(rows, np.arange(rows.shape[0])):
+        return None, np.asarray(offsets, dtype=np.int64)
     starts = offsets[rows]
     counts = offsets[rows + 1] - starts
     new_offsets = np.zeros(rows.shape[0] + 1, dtype=np.int64)
     np.cumsum(counts, out=new_offsets[1:])
     take = np.repeat(starts - new_offsets[:-1], counts) + np.arange(new_offsets[-1], dtype=np.int64)
     return take, new_offsets
+
+
+def _gather(values: np.ndarray, take: np.ndarray | None) -> np.ndarray:
+    """values[take], or `values` itself when take is None (identity)."""
+    return values if take is None else values[take]
+
+
+def _indices(take: np.ndarray | None, n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.int64) if take is None else take
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -277,10 +291,13 @@ def align_batches(
         differs = np.asarray(seq_hash_a)[ia] != np.asarray(seq_hash_b)[ib]
     else:
         differs = a.seq_len[ia] != b.seq_len[ib]
-    same_layout = np.array_equal(off_a, off_b) and np.array_equal(a.pos[take_a], b.pos[take_b])
+    same_layout = np.array_equal(off_a, off_b) and np.array_equal(
+        _gather(a.pos, take_a), _gather(b.pos, take_b)
+    )
     if same_layout:
         idx_a, idx_b, offsets = take_a, take_b, off_a
     else:
+        take_a, take_b = _indices(take_a, a.n_tokens), _indices(take_b, b.n_tokens)
         idx_a, idx_b, offsets = _intersect_positions(a, b, take_a, off_a, take_b, off_b)
         n_a, n_b, n_both = take_a.shape[0], take_b.shape[0], idx_a.shape[0]
         only_frac = max((n_a - n_both) / max(n_a, 1), (n_b - n_both) / max(n_b, 1))
@@ -302,7 +319,8 @@ def align_batches(
             ignore,
             issues,
         )
-    tok_diff = a.token_id[idx_a] != b.token_id[idx_b]
+    token_id = _gather(a.token_id, idx_a)
+    tok_diff = token_id != _gather(b.token_id, idx_b)
     token_row = np.repeat(np.arange(ia.shape[0]), np.diff(offsets))
     differs = differs.copy()
     differs[token_row[tok_diff]] = True
@@ -311,9 +329,11 @@ def align_batches(
         bad = np.flatnonzero(tok_diff & (token_row == first_row))
         if bad.size:
             t = int(bad[0])
+            ta = t if idx_a is None else int(idx_a[t])
+            tb = t if idx_b is None else int(idx_b[t])
             detail = (
-                f"first at {_where(step, sample_id, first_row, int(a.pos[idx_a[t]]))}: "
-                f"{int(a.token_id[idx_a[t]])} vs {int(b.token_id[idx_b[t]])}"
+                f"first at {_where(step, sample_id, first_row, int(a.pos[ta]))}: "
+                f"{int(a.token_id[ta])} vs {int(b.token_id[tb])}"
             )
         else:
             detail = (
@@ -332,9 +352,9 @@ def align_batches(
             issues,
         )
 
-    lp_a = np.asarray(a.streams[stream_a], dtype=np.float64)[idx_a]
-    lp_b = np.asarray(b.streams[stream_b], dtype=np.float64)[idx_b]
-    pos = a.pos[idx_a]
+    lp_a = _gather(np.asarray(a.streams[stream_a], dtype=np.float64), idx_a)
+    lp_b = _gather(np.asarray(b.streams[stream_b], dtype=np.float64), idx_b)
+    pos = _gather(a.pos, idx_a)
     prompt_len = a.prompt_len[ia]
     ctx = _Context(pair_name, step, sample_id, offsets, token_row, pos, ignore, issues)
 
@@ -345,10 +365,9 @@ def align_batches(
     _check_zero_fill(lp_a, lp_b, ctx, a.label, b.label, stream_a, stream_b)
 
     entropy_src = b.entropy.get(stream_b)
-    entropy = None if entropy_src is None else np.asarray(entropy_src, dtype=np.float64)[idx_b]
+    entropy = None if entropy_src is None else _gather(np.asarray(entropy_src, dtype=np.float64), idx_b)
     if entropy is None and a.entropy.get(stream_a) is not None:
-        entropy = np.asarray(a.entropy[stream_a], dtype=np.float64)[idx_a]
-    token_id = a.token_id[idx_a]
+        entropy = _gather(np.asarray(a.entropy[stream_a], dtype=np.float64), idx_a)
     resp_pos = pos.astype(np.int64) - prompt_len.astype(np.int64)[token_row]
     n_invalid = 0
     if keep is not None:

@@ -67,7 +67,10 @@ def _numeric(
     name: str, values: np.ndarray, edges: tuple[float, ...], *, integer: bool, top_closed: bool
 ) -> Buckets:
     edge_array = np.asarray(edges, dtype=np.float64)
-    codes = np.searchsorted(edge_array, values, side="right")  # (M,) bucket of [lo, hi), plus one
+    search = edge_array
+    if np.issubdtype(values.dtype, np.integer):  # integer edges: no float copy of 10M values
+        search = np.where(np.isinf(edge_array), np.iinfo(values.dtype).max, edge_array).astype(values.dtype)
+    codes = np.searchsorted(search, values, side="right")  # (M,) bucket of [lo, hi), plus one
     codes -= 1
     np.minimum(
         codes, edge_array.shape[0] - 2, out=codes

@@ -95,10 +95,23 @@ def _one(value: float) -> np.ndarray:
 
 
 def _quantiles(values: np.ndarray, qs: list[float]) -> np.ndarray:
-    """Type-7 quantiles of `values` followed by its max; NaN when empty."""
-    if values.size == 0:
+    """Type-7 quantiles of `values` followed by its max; NaN when empty. Partitions `values` IN PLACE.
+
+    One `ndarray.partition` on the order statistics the interpolation needs (no copy: callers pass their
+    own temporaries), then h = (n − 1)q, x[⌊h⌋] + (h − ⌊h⌋)(x[⌊h⌋ + 1] − x[⌊h⌋]), NumPy's default method.
+    """
+    n = values.shape[0]
+    if n == 0:
         return np.full(len(qs) + 1, np.nan)
-    return np.concatenate([np.quantile(values, qs), [np.max(values)]])
+    h = [(n - 1) * q for q in qs]
+    lows = [math.floor(x) for x in h]
+    kth = sorted({k for lo in lows for k in (lo, min(lo + 1, n - 1))} | {n - 1})
+    values.partition(kth)
+    out = [
+        values[lo] + (x - lo) * (values[min(lo + 1, n - 1)] - values[lo])
+        for x, lo in zip(h, lows, strict=True)
+    ]
+    return np.array([*out, values[n - 1]], dtype=np.float64)
 
 
 def token_table(
@@ -117,12 +130,6 @@ def token_table(
     out["sd"] = _one(np.sqrt(_safe_div(np.dot(dev, dev), n)))
     out["rms"] = _one(np.sqrt(_safe_div(np.dot(d, d), n)))
     out["abs_mean"] = _one(_safe_div(np.sum(abs_d), n))
-
-    # 2. quantiles and max of |Δ|
-    quant = _quantiles(abs_d, list(ABS_QUANTILES.values()))
-    for j, name in enumerate(ABS_QUANTILES):
-        out[name] = _one(quant[j])
-    out["abs_max"] = _one(quant[-1])
 
     # 3. correlation and OLS fit lp_b ≈ α + β·lp_a
     out.update({k: _one(v) for k, v in linear_fit(lp_a, lp_b).items()})
@@ -144,17 +151,23 @@ def token_table(
         sum_rho, sum_rho2 = np.sum(rho), np.dot(rho, rho)
         out["ess_token"] = _one(_safe_div(sum_rho * sum_rho, n * sum_rho2))
         scratch = np.multiply(d, 2.0, out=rho)  # (M,) rho's buffer
-        out["chi2_token"] = _one(_safe_div(np.sum(np.expm1(scratch, out=scratch)), n))
+        out["chi2_token"] = _one(_safe_div(np.sum(np.expm1(scratch, out=scratch)), n))  # ρ² − 1
         out["tmpe"] = _one(_safe_div(np.sum(np.exp(abs_d, out=scratch)), n))
+    out["abs_delta_gt_20"] = _one(np.count_nonzero(abs_d > 20.0))
 
-    # 6. probability space (verl |Δp|)
+    # 6. quantiles and max of |Δ| (partitions abs_d in place: last use)
+    quant = _quantiles(abs_d, list(ABS_QUANTILES.values()))
+    for j, name in enumerate(ABS_QUANTILES):
+        out[name] = _one(quant[j])
+    out["abs_max"] = _one(quant[-1])
+
+    # 7. probability space (verl |Δp|)
     p_a, p_b = np.exp(lp_a), np.exp(lp_b)
     out["prob_pearson_r"] = _one(linear_fit(p_a, p_b)["pearson_r"])
     abs_dp = np.abs(np.subtract(p_b, p_a, out=p_b), out=p_b)  # (M,) p_b's buffer
     out["abs_dprob_mean"] = _one(_safe_div(np.sum(abs_dp), n))
     q = _quantiles(abs_dp, [0.99])
     out["abs_dprob_p99"], out["abs_dprob_max"] = _one(q[0]), _one(q[1])
-    out["abs_delta_gt_20"] = _one(np.count_nonzero(abs_d > 20.0))
     return out
 
 
@@ -247,7 +260,7 @@ def bucket_table(terms: TokenTerms, codes: np.ndarray, n_buckets: int) -> dict[s
     order = np.argsort(sub_codes, kind="stable")
     starts = np.zeros(k + 1, dtype=np.int64)
     np.cumsum(np.bincount(sub_codes, minlength=k), out=starts[1:])
-    grouped = terms.abs_d[::stride][order]
+    grouped = terms.abs_d[::stride][order]  # own copy: partitioned in place per bucket
     qs = list(ABS_QUANTILES.values())
     quant = np.full((k, len(qs) + 1), np.nan)
     for bucket in range(k):

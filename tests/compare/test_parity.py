@@ -119,3 +119,13 @@ def test_sequence_table_uses_per_sample_means_and_product_ratios() -> None:
     assert t["seq_sum_delta_p50"][0] == pytest.approx(0.25, abs=1e-15)
     assert t["seq_ratio_p50"][0] == pytest.approx(math.exp(0.25), rel=1e-14)
     assert "chi2_token" not in t and "abs_dprob_mean" not in t
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 1001])
+def test_in_place_quantiles_match_numpy_type_7(n: int) -> None:
+    from pgdiag.compare.parity import _quantiles
+
+    values = np.random.default_rng(n).normal(size=n)
+    qs = [0.01, 0.5, 0.95, 0.99]
+    expected = [*np.quantile(values, qs), values.max()]
+    assert _quantiles(values.copy(), qs) == pytest.approx(expected, rel=1e-15, abs=1e-15)
