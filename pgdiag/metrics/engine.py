@@ -268,11 +268,11 @@ def compute_native(batch: TokenBatch, settings: MetricSettings) -> list[tuple[st
     partial_last = False
     if settings.docs_per_step is not None and batch.n_samples:
         partial_last = (int(_doc_by_sample_id(batch)[-1]) + 1) % settings.docs_per_step != 0
-    ranges = [(int(lo), int(hi)) for lo, hi in zip(starts, ends, strict=True)] + [(0, pooled.n_samples)]
-    splits = [
-        int(np.count_nonzero(np.isin(np.unique(pooled.group[lo:hi]), split_groups))) for lo, hi in ranges
+    # the pooled row first: it is the largest task, so the two workers finish together
+    ranges = [(0, pooled.n_samples)] + [(int(lo), int(hi)) for lo, hi in zip(starts, ends, strict=True)]
+    splits = [int(split_groups.shape[0])] + [
+        int(np.count_nonzero(np.isin(np.unique(pooled.group[lo:hi]), split_groups))) for lo, hi in ranges[1:]
     ]
-    splits[-1] = int(split_groups.shape[0])
     with ThreadPoolExecutor(max_workers=REDUCE_THREADS) as pool:
         reduced = list(
             pool.map(
@@ -280,17 +280,17 @@ def compute_native(batch: TokenBatch, settings: MetricSettings) -> list[tuple[st
             )
         )
     rows: list[tuple[str, StepMetrics]] = []
-    for position, (lo, _) in enumerate(ranges[:-1]):
+    for position, (lo, _) in enumerate(ranges[1:], start=1):
         label = str(int(step_index[lo]))
         metrics = reduced[position]
-        if partial_last and position == len(ranges) - 2:
+        if partial_last and position == len(ranges) - 1:
             metrics = replace(
                 metrics,
                 status=_worse(metrics.status, "partial"),
                 notices=(*metrics.notices, f"step {label}: final partial step of --docs-per-step"),
             )
         rows.append((label, metrics))
-    rows.append(("all", _average_loss_over_steps(reduced[-1], [m for _, m in rows])))
+    rows.append(("all", _average_loss_over_steps(reduced[0], [m for _, m in rows])))
     return rows
 
 

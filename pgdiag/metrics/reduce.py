@@ -12,8 +12,9 @@ clamped and no epsilon is added: a zero denominator gives None (rule 2), and an 
 infinite (rule 4). Quantiles are Hyndman-Fan type 7 (numpy's default "linear"), computed from one
 `np.partition` per array so that several quantiles cost one selection.
 
-How: build a `TokenReducer` once per (step, valid-token mask) and call `mean`, `spread`, `sample_sums`,
-... on arrays that hold the valid tokens only, in sample order.
+How: build a `TokenReducer` once per (batch, valid-token mask); turn token arrays (valid tokens only, in
+sample order) into per-sample sums with `sample_sums`/`centred_m2`; then `rows(lo, hi)` gives the reducer of
+one step and `mean_of_sums`/`spread_of_moments` its `R` values (`take_rows` slices a whole family table).
 """
 
 from __future__ import annotations
@@ -63,9 +64,7 @@ class TokenReducer:
     @classmethod
     def from_counts(cls, n_per_sample: np.ndarray, doc_of_sample: np.ndarray, mode: str) -> TokenReducer:
         """Reducer for samples with `n_per_sample` (S,) valid tokens laid out back to back."""
-        starts = np.zeros(n_per_sample.shape[0], dtype=np.int64)
-        if n_per_sample.shape[0] > 1:
-            np.cumsum(n_per_sample[:-1], out=starts[1:])
+        starts = _starts(n_per_sample)
         n_docs = int(doc_of_sample[-1] - doc_of_sample[0]) + 1 if doc_of_sample.shape[0] else 0
         return cls(mode, n_per_sample, starts, doc_of_sample - (doc_of_sample[0] if n_docs else 0), n_docs)
 
@@ -168,15 +167,6 @@ class TokenReducer:
         gap = self.sample_means(sums) - centre
         value = self.mean_of_sums(centred_m2 + self.n_per_sample * gap * gap)
         return None if value is None else math.sqrt(value)
-
-    def mean(self, x: np.ndarray) -> float | None:
-        """R(x) from the valid-token values x (N,)."""
-        return self.mean_of_sums(self.sample_sums(x))
-
-    def spread(self, x: np.ndarray) -> float | None:
-        """sqrt(R((x − R(x))²)) from the valid-token values x (N,)."""
-        sums = self.sample_sums(x)
-        return self.spread_of_moments(sums, self.centred_m2(x, sums))
 
 
 def _starts(n_per_sample: np.ndarray) -> np.ndarray:
@@ -374,11 +364,6 @@ def linear_fit(x: np.ndarray, y: np.ndarray) -> LinearFit:
     return LinearFit(pearson_r, slope, float(my - slope * mx), resid_rms)
 
 
-def pearson(x: np.ndarray, y: np.ndarray) -> float | None:
-    """Pearson correlation of x and y; None when either is constant or empty."""
-    return linear_fit(x, y).pearson_r
-
-
 def log_sum_exp(x: np.ndarray) -> float:
     """ln Σ exp(x), shifted by the maximum; −inf for an empty array."""
     if x.shape[0] == 0:
@@ -399,14 +384,3 @@ def ess_from_log_weights(log_w: np.ndarray) -> float | None:
     if n == 0 or not np.all(np.isfinite(log_w)):
         return None
     return _as_float(math.exp(2.0 * log_sum_exp(log_w) - math.log(n) - log_sum_exp(2.0 * log_w)))
-
-
-def ess_from_weights(w: np.ndarray) -> float | None:
-    """Normalised Kish ESS (Σw)² / (n Σw²) of explicit weights; None when empty or undefined."""
-    n = w.shape[0]
-    if n == 0:
-        return None
-    sum_sq = float(np.sum(w * w))
-    if sum_sq == 0.0:
-        return None
-    return _as_float(float(np.sum(w)) ** 2 / (n * sum_sq))
