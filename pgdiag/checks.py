@@ -469,6 +469,41 @@ def check_frame(
     return check_result([i for i in found.issues if i.code not in ignored], strict=strict)
 
 
+def _single_run_issues(
+    run: Run, streams: Sequence[str] | None, ignored: set[str], max_examples: int, vocab_size: int | None
+) -> tuple[list[Issue], bool]:
+    """§1.5 and §7 issues of one run, and whether it loaded well enough for cross-run checks."""
+    pair_streams = list(streams) if streams is not None else list(run.streams)
+    if streams is not None and len(pair_streams) != 2:
+        raise UsageError("E112", f"--streams needs two names, got {pair_streams}", "pass --streams A,B")
+    try:
+        rows = load_rows(
+            run,
+            streams=list(dict.fromkeys(pair_streams)),
+            entropy=run.entropy_streams,
+            scalars=["advantage", "reward", "env"],
+            lists=["advantages"],
+        )
+    except InvalidInputError as exc:
+        return [Issue(exc.code, "error", 1, exc.message, hint=exc.hint)], False
+    found = validate_rows(rows.table, ignore=ignored, max_examples=max_examples, vocab_size=vocab_size)
+    issues = rows.issues + found.issues
+    frame, view, keep = batch_inputs(rows, found)
+    batch = build_token_batch(
+        run, frame, view, streams=rows.streams, entropy=rows.entropy, sample_row=keep, env=True
+    )
+    if streams is not None:
+        pairs = [(pair_streams[0], pair_streams[1])]
+    else:
+        pairs = [("rollout", s) for s in pair_streams if s != "rollout"] if "rollout" in pair_streams else []
+    for a, b in pairs:
+        issues += semantic_checks(
+            batch, a, b, max_examples=max_examples, sampling_side_is_engine=a == "rollout"
+        )
+    issues += metadata_checks(run.meta, pair_streams, _recompute_settings(run))
+    return issues, found.bad_rows is None
+
+
 def check_run(
     run: Run,
     other: Run | None = None,
@@ -479,45 +514,18 @@ def check_run(
     vocab_size: int | None = None,
     strict: bool = False,
 ) -> CheckResult:
-    """Run §1.5 validation and the §7 checks on `run` (and minimal cross-run checks against `other`).
+    """Run §1.5 validation and the §7 checks on `run`, and on `other` plus minimal cross-run checks.
 
-    Bad data never raises here: every finding is an issue of the result. `streams=[a, b]` restricts the
-    semantic checks to that pair; by default every pair (rollout, s) is checked. Codes in `ignore` are
-    dropped. Usage errors (no such stream, incomplete recompute dataset) still raise.
+    Bad data never raises here: every finding is an issue of the result (messages name the file, so the
+    two runs' issues are told apart). `streams=[a, b]` restricts the semantic checks to that pair; by default
+    every pair (rollout, s) is checked. Codes in `ignore` are dropped. Usage errors (no such stream,
+    incomplete recompute dataset) still raise.
     """
     ignored = set(ignore)
-    pair_streams = list(streams) if streams is not None else list(run.streams)
-    issues: list[Issue] = []
-    try:
-        rows = load_rows(
-            run,
-            streams=list(dict.fromkeys(pair_streams)),
-            entropy=run.entropy_streams,
-            scalars=["advantage", "reward", "env"],
-            lists=["advantages"],
-        )
-    except InvalidInputError as exc:
-        issues.append(Issue(exc.code, "error", 1, exc.message, hint=exc.hint))
-        return check_result([i for i in issues if i.code not in ignored], strict=strict)
-    found = validate_rows(rows.table, ignore=ignored, max_examples=max_examples, vocab_size=vocab_size)
-    issues += rows.issues + found.issues
-    frame, view, keep = batch_inputs(rows, found)
-    batch = build_token_batch(
-        run, frame, view, streams=rows.streams, entropy=rows.entropy, sample_row=keep, env=True
-    )
-    if streams is not None:
-        if len(pair_streams) != 2:
-            raise UsageError("E112", f"--streams needs two names, got {pair_streams}", "pass --streams A,B")
-        pairs = [(pair_streams[0], pair_streams[1])]
-    elif "rollout" in pair_streams:
-        pairs = [("rollout", s) for s in pair_streams if s != "rollout"]
-    else:
-        pairs = []
-    for a, b in pairs:
-        issues += semantic_checks(
-            batch, a, b, max_examples=max_examples, sampling_side_is_engine=a == "rollout"
-        )
-    issues += metadata_checks(run.meta, pair_streams, _recompute_settings(run))
+    issues, sound = _single_run_issues(run, streams, ignored, max_examples, vocab_size)
     if other is not None:
-        issues += _cross_run_issues(run, other, max_examples)
+        other_issues, other_sound = _single_run_issues(other, streams, ignored, max_examples, vocab_size)
+        issues += other_issues
+        if sound and other_sound:
+            issues += _cross_run_issues(run, other, max_examples)
     return check_result([i for i in issues if i.code not in ignored], strict=strict)

@@ -242,3 +242,11 @@ def test_check_frame_before_writing() -> None:
     assert check_frame(wide).issues["code"].to_list() == ["E103"]
     missing = check_frame(rollouts_frame(valid_rows()).drop("group_id"))
     assert missing.issues["code"].to_list() == ["E102"]
+
+
+def test_cross_run_validates_the_second_run(tmp_path: Path) -> None:
+    base = read_run(write_rollouts_file(tmp_path / "a.parquet", valid_rows()))
+    broken = valid_rows()
+    broken[0]["old_logprobs"] = [None, None, -0.5, None, -1.0]
+    result = check_run(base, read_run(write_rollouts_file(tmp_path / "b.parquet", broken)))
+    assert result.issues["code"].to_list() == ["E201"] and "b.parquet" in result.issues["message"][0]
