@@ -74,14 +74,15 @@ class SyntheticSource(TensorSource):
         return values if len(shape) == 2 else values[:, 0]
 
 
-def run_pass(model, batches, head_dtype: str, group) -> list[torch.Tensor]:
+def run_pass(model, batches, head_dtype: str, impl: str, group) -> list[torch.Tensor]:
     out = []
     with torch.no_grad():
         for b in batches:
             hidden = model.hidden_states(b.input_ids, b.position_ids, b.cu_seqlens)  # (N, H) bf16
             h = hidden[b.head_positions]
             res = lm_head_logprobs(h.float() if head_dtype == "fp32" else h, model.lm_head_weight, b.targets,
-                                   head_dtype=head_dtype, tp_group=group, vocab_start=model.vocab_start)  # fmt: skip
+                                   head_dtype=head_dtype, impl=impl, tp_group=group,
+                                   vocab_start=model.vocab_start)  # fmt: skip
             out.append(res.logprobs)
     return out
 
@@ -110,6 +111,8 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=32768)
     parser.add_argument("--head-dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--impl", default="auto", help="lm_head_logprobs impl (auto, torch, triton)")
+    parser.add_argument("--fuse-pointwise", action="store_true", help="torch.compile RMSNorm/RoPE/SwiGLU")
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -131,9 +134,10 @@ def main() -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         model = load_from_source(cfg, SyntheticSource(cfg, device), where="synthetic", dtype="bf16",
-                                 head_dtype=args.head_dtype, device=device, tp_group=group)  # fmt: skip
-        times, logprobs = timed(lambda m=model, g=group: run_pass(m, batches, args.head_dtype, g), device,
-                                args.repeats)  # fmt: skip
+                                 head_dtype=args.head_dtype, device=device, tp_group=group,
+                                 fuse_pointwise=args.fuse_pointwise)  # fmt: skip
+        times, logprobs = timed(lambda m=model, g=group: run_pass(m, batches, args.head_dtype, args.impl, g),
+                                device, args.repeats)  # fmt: skip
         t = float(np.median(times))
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
         row = {"tp": tp, "seconds": times, "tokens_per_s": n_tokens / t, "peak_gib_per_gpu": peak,
@@ -153,7 +157,8 @@ def main() -> None:
         result = {
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "world": world, "date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": args.commit,
-            "torch": torch.__version__, "real_tokens": n_tokens, "head_dtype": args.head_dtype, "rows": rows,
+            "torch": torch.__version__, "real_tokens": n_tokens, "head_dtype": args.head_dtype, "impl": args.impl,
+            "fuse_pointwise": args.fuse_pointwise, "rows": rows,
             "speedup_tp_vs_tp1": speedup,
         }  # fmt: skip
         print(f"TP={world} vs TP=1: {speedup:.2f}x tokens/s", flush=True)
