@@ -452,3 +452,21 @@ def test_unsorted_step_column_gives_the_same_steps_as_sorted():
     assert labels == ["0", "1", "all"]
     step0 = compute_step_native(make_batch(**{k: [v[1], v[3]] for k, v in kwargs.items()}), POLICY)
     assert shuffled[0][1].by_key()["loss/token_mean"].value == step0.by_key()["loss/token_mean"].value
+
+
+def test_document_reduction_joins_segments_of_one_document():
+    # rows 0 and 1 are two segments of document "a" (same step and sample_id); row 2 is document "b"
+    batch = make_batch(
+        new=[[-0.9, -0.8], [-0.7], [-1.1]],
+        old=[[-1.0, -1.0], [-1.0], [-1.0]],
+        sample_ids=["a", "a", "b"],
+    )
+
+    def logratio_mean(reduction):
+        settings = MetricSettings(new="new", old="old", metric_reduction=reduction)
+        return values(batch, settings)["policy/logratio_mean"]
+
+    assert logratio_mean("token") == pytest.approx((0.1 + 0.2 + 0.3 - 0.1) / 4, abs=1e-15)
+    assert logratio_mean("sample") == pytest.approx((0.15 + 0.3 - 0.1) / 3, abs=1e-15)
+    assert logratio_mean("document") == pytest.approx((0.2 - 0.1) / 2, abs=1e-15)
+    assert values(batch)["count/docs"] == 2
