@@ -48,14 +48,14 @@ class RowTable:
 class LossView:
     """The loss positions of a structurally sound `RowTable`, with every float column gathered there.
 
-    Computed once and shared by validation and `TokenBatch` building (which takes the arrays as they are).
-    Values are float64 from the gather on (float32 until then); a null on a loss position is NaN in `values`
-    and False in `valid`.
+    Computed once and shared by validation and `TokenBatch` building. Values stay float32 (half the memory
+    while the list buffers are alive; the batch converts to float64); a null on a loss position is NaN in
+    `values` and False in `valid`.
     """
 
     index: np.ndarray  # (M,) int64 flat index of every loss token
     row_start: np.ndarray  # (R + 1,) int64 loss-token offsets of each row
-    values: dict[str, np.ndarray]  # column -> (M,) float64
+    values: dict[str, np.ndarray]  # column -> (M,) float32
     valid: dict[str, np.ndarray | None]  # column -> (M,) bool validity, None = no null on a loss position
     token_id: np.ndarray  # (M,) int32 input_ids at the loss positions
     seq_offsets: np.ndarray  # (R + 1,) int64 offsets of the rows in the flat input_ids
@@ -76,7 +76,7 @@ def loss_view(table: RowTable) -> LossView:
     for column, flat in table.lists.items():
         if column in ("input_ids", "loss_mask"):
             continue
-        gathered = flat.values[index].astype(np.float64)  # (M,) float64 from here on
+        gathered = flat.values[index].astype(np.float32, copy=False)  # (M,) float32 until the batch
         column_valid = None
         if flat.valid is not None and np.count_nonzero(flat.valid & mask) != index.size:
             column_valid = flat.valid[index]

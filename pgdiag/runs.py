@@ -542,7 +542,7 @@ def build_token_batch(
     group_names, group = np.unique(group_raw, return_inverse=True)
     adv: np.ndarray | None = None
     if advantages and "advantages" in view.values:
-        adv = view.values["advantages"]
+        adv = view.values["advantages"].astype(np.float64)
     elif advantages and "advantage" in frame.columns:
         adv = np.repeat(frame["advantage"].cast(pl.Float64).fill_null(np.nan).to_numpy(), n_loss)
     segment = (
@@ -567,8 +567,8 @@ def build_token_batch(
         offsets=offsets,
         pos=pos,
         token_id=view.token_id,
-        streams={s: view.values[stream_column(s)] for s in streams},
-        entropy={t: view.values[entropy_column(t)] for t in entropy},
+        streams={s: view.values[stream_column(s)].astype(np.float64) for s in streams},
+        entropy={t: view.values[entropy_column(t)].astype(np.float64) for t in entropy},
         advantages=adv,
         reward=reward_values,
         env=frame["env"].cast(pl.String).to_numpy().astype(object)
