@@ -6,25 +6,29 @@ by one forward-only kernel. The caller merges the S splits (and the TP ranks) wi
 `vocab_parallel.merge_partials`.
 
 How: the grid has one program per (token block, vocab split). A program keeps a (BLOCK_N, BLOCK_V) fp32
-accumulator, runs the K loop of ``H[block] @ W[tile].T`` with `tl.dot` for each vocab tile of its split,
-divides the accumulator by the temperature (fp32, after the matmul: pre-scaling bf16 H or W would add
-~0.03 nats at |z| ~ 30), masks padded and out-of-shard columns, and folds the tile into running per-token
-statistics (online softmax, with the entropy sum kept centred on the running max). Programs are numbered
-so that the ~#SM programs running at once cover a few token blocks times all splits, which keeps the W and H
-panels they share in L2. The split count is chosen to fill whole waves of the GPU (`choose_n_splits`).
+accumulator, runs the K loop of ``H[block] @ W[tile].T`` with `tl.dot` for each vocab tile of its split (tiles
+arrive through host-side TMA descriptors on Hopper, through pointer loads elsewhere), masks the padded columns
+of the shard's last tile, and folds the tile into running per-token statistics (online softmax in raw
+accumulator units with exp2, the entropy sum kept centred on the running max). Temperature acts on the fp32
+accumulator (pre-scaling bf16 H or W would add ~0.03 nats at |z| ~ 30). Programs are numbered so that the
+~#SM programs running at once cover a few token blocks times all splits, which keeps the W and H panels they
+share in L2. The split count is chosen to fill whole waves of the GPU (`choose_n_splits`).
 
 Head precision (`head_mode`):
-  "bf16"   plain 16-bit dot (bf16 or fp16 operands), fp32 accumulation.
-  "bf16x3" fp32 hidden with a 16-bit W (the usual "fp32 head": engines upcast the stored bf16 W): each hidden
-           tile is split into three 16-bit parts h = hi + mid + lo (residual 2^-24 |h|) and three MMAs are
-           issued per W tile; the products of 16-bit numbers are exact in fp32, so this matches an fp32 GEMM.
-  "tf32x3" fp32 hidden and fp32 W: Triton's 3-pass tf32 dot (~fp32 accuracy, twice the cost of bf16x3).
+  "bf16"   plain 16-bit dot (bf16 or fp16 operands), fp32 accumulation chained over K as cuBLAS does.
+  "bf16x3" fp32 hidden with a bf16 W (the usual "fp32 head": engines upcast the stored bf16 W): each hidden
+           tile is split into three bf16 parts h = hi + mid + lo (residual 2^-24 |h|) and three MMAs are
+           issued per W tile; products of bf16 numbers are exact in fp32. ("fp16x3" is the same with fp16.)
+  "tf32x3" fp32 hidden and fp32 W: Triton's 3-pass tf32 dot.
+  The tensor cores add into their accumulator with truncation; over a K = 4096 chain that biases logits by
+  ~5e-6 relative (cuBLAS bf16 GEMMs too). The split modes therefore sum every K step into a fresh accumulator
+  and add it to the running one with a rounded fp32 add (accuracy and cost in docs/kernels.md).
 
 Memory math (why nothing of size N x V exists): the only outputs are the partials, 16 bytes per token and
-split: T = 65536 tokens x S = 33 splits -> 34.6 MB, against 65536 x 151936 x 4 B = 39.8 GB for one fp32 logits
-tensor. Inputs are read in tiles; per program the registers hold the (BLOCK_N, BLOCK_V) accumulator (128 x 256
+split: T = 65536 tokens x S = 17 splits -> 17.8 MB, against 65536 x 151936 x 4 B = 39.8 GB for one fp32 logits
+tensor. Inputs are read in tiles; per program the registers hold the (BLOCK_N, BLOCK_V) accumulator (256 x 128
 fp32 = 128 KB over 256 threads) and shared memory holds `num_stages` (BLOCK_N + BLOCK_V) x BLOCK_K input tiles
-(3 x 384 x 64 x 2 B = 144 KB).
+(3 x 384 x 64 x 2 B = 144 KB). Peak extra memory measured at T = 65536: 0.02 GiB.
 """
 
 from __future__ import annotations
@@ -48,19 +52,16 @@ MAX_SPLITS = 64
 
 @dataclass(frozen=True)
 class TritonTiles:
-    """Launch shape of the partials kernel. `n_splits` 0 means: choose it with `choose_n_splits`."""
+    """Launch shape of the partials kernel (defaults: the bf16 one). `n_splits` 0: see `choose_n_splits`."""
 
-    block_n: int = 128
-    block_v: int = 256
+    block_n: int = 256
+    block_v: int = 128
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
     programs_per_sm: int = 1
     n_splits: int = 0
     use_tma: bool = True  # load tiles through host-side TMA descriptors where the strides allow it
-    warp_specialize: str = (
-        "none"  # "none", "outer" (vocab loop) or "inner" (K loop): Triton's warp specialization
-    )
 
 
 def head_mode_for(head_dtype: str, weight_dtype: torch.dtype) -> str:
@@ -73,15 +74,16 @@ def head_mode_for(head_dtype: str, weight_dtype: torch.dtype) -> str:
 
 
 def default_tiles(head_mode: str) -> TritonTiles:
-    """Launch shape per head mode, from the H100 sweep in docs/benchmarks.md.
+    """Launch shape per head mode, from the H100 sweep recorded in docs/benchmarks.md.
 
-    bf16: 128 x 256 tiles, K step 64, TMA loads (31.9 ms vs 33.9 ms with pointer loads at 16k x 4096 x 151936).
-    Split modes: K step 32 (fp32 hidden tiles are twice as wide in bytes; smaller fresh partial sums are also
-    more accurate), four stages.
+    bf16: 256 x 128 tiles, K step 64, TMA loads: 30.4 ms at 16384 x 4096 x 151936, against 31.6 ms for 128 x 256
+    tiles and 34.6 ms for 128 x 256 with pointer loads (cuBLAS alone: 28.3 ms).
+    Split modes: 128 x 256 tiles, K step 32 (fp32 hidden tiles are twice as wide in bytes, and each K step is
+    summed into a fresh accumulator, see the kernel), four stages.
     """
     if head_mode == "bf16":
         return TritonTiles()
-    return TritonTiles(block_k=32, num_stages=4)
+    return TritonTiles(block_n=128, block_v=256, block_k=32, num_stages=4)
 
 
 def choose_n_splits(n_token_blocks: int, n_vocab_tiles: int, n_slots: int) -> int:
@@ -160,8 +162,6 @@ def _lm_head_partials_kernel(
     EVEN_K: tl.constexpr,
     HEAD_MODE: tl.constexpr,  # 0 plain dot, 1 hidden split in three 16-bit parts, 2 tf32x3
     USE_TMA: tl.constexpr,  # hidden and weight are host-side TMA descriptors (block shapes as above)
-    WS_OUTER: tl.constexpr,  # warp-specialize the vocab-tile loop (loads/MMA/epilogue in separate warps)
-    WS_INNER: tl.constexpr,  # warp-specialize the K loop only
 ):
     # 1. which (token block, split) this program owns: groups of `group_blocks` token blocks x all splits
     pid = tl.program_id(0)
@@ -189,12 +189,12 @@ def _lm_head_partials_kernel(
 
     v_begin = split * tiles_per_split * BLOCK_V
     v_end = tl.minimum(v_begin + tiles_per_split * BLOCK_V, vocab_local)
-    for v_start in tl.range(v_begin, v_end, BLOCK_V, warp_specialize=WS_OUTER):
+    for v_start in range(v_begin, v_end, BLOCK_V):
         offs_v = v_start + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
         safe_v = tl.where(offs_v < vocab_local, offs_v, 0)
         acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
         # 3. logits tile H[block] @ W[tile].T in the fp32 accumulator
-        for k_start in tl.range(0, hidden_size, BLOCK_K, warp_specialize=WS_INNER):
+        for k_start in range(0, hidden_size, BLOCK_K):
             if USE_TMA:  # out-of-bounds rows/columns arrive as zeros
                 h = hidden.load([row_start, k_start])  # (BLOCK_N, BLOCK_K)
                 w = weight.load([v_start, k_start]).T  # (BLOCK_K, BLOCK_V)
@@ -327,8 +327,6 @@ def lm_head_partials(
         EVEN_K=hidden_size % tiles.block_k == 0,
         HEAD_MODE=HEAD_MODE_CODES[mode],
         USE_TMA=use_tma,
-        WS_OUTER=tiles.warp_specialize == "outer",
-        WS_INNER=tiles.warp_specialize == "inner",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
