@@ -13,6 +13,7 @@ the data supports. Edges are half-open [lo, hi); the top probability bucket is c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -98,8 +99,11 @@ def assign(pair: AlignedPair, name: str) -> Buckets:
         return _numeric(
             name, pair.resp_pos.astype(np.float64), DOUBLING_EDGES, integer=True, top_closed=False
         )
-    if name == "prob_bucket":
-        return _numeric(name, np.exp(pair.lp_a), PROB_EDGES, integer=False, top_closed=True)
+    if name == "prob_bucket":  # bucket on lp_a against ln(edges): no exp over M tokens
+        log_edges = (-np.inf, *(float(np.log(e)) for e in PROB_EDGES[1:]))
+        buckets = _numeric(name, pair.lp_a, log_edges, integer=False, top_closed=True)
+        labels = tuple(_interval_label(lo, hi, closed=hi == 1.0) for lo, hi in pairwise(PROB_EDGES))
+        return Buckets(name, buckets.codes, labels, np.array(PROB_EDGES[:-1]), np.array(PROB_EDGES[1:]))
     if name == "entropy_bucket":
         if pair.entropy is None:
             raise UsageError(

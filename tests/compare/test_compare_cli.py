@@ -189,3 +189,18 @@ def test_all_row_matches_pgdiag_metrics_mismatch_family(runs) -> None:
     assert len(shared) >= 25
     for metric, value in shared:
         assert value == pytest.approx(reference[metric], rel=1e-9, abs=1e-12), metric
+
+
+def test_tokenizer_decodes_worst_token_context(runs, tmp_path) -> None:
+    from tokenizers import Tokenizer, models
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(40)}, unk_token="w0"))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    out = tmp_path / "rep"
+    result = _invoke("compare", runs["two"], "--tokenizer", tmp_path, "--out", out, "--worst-k", "3")
+    assert result.exit_code == 0, result.output
+    worst = pl.read_parquet(out / "compare.worst_tokens.parquet")
+    row = worst.row(0, named=True)
+    words = row["context"].split()
+    assert f"w{row['token_id']}" in words and all(w.startswith("w") for w in words)
+    assert 1 <= len(words) <= 17  # ±8 loss tokens of the same sample
