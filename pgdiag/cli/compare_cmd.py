@@ -227,6 +227,8 @@ def compare(
             default_family="mismatch",
         )
         render_parity(console, report, verbose=verbose)
+        if verbose:
+            render_breakdowns(console, report)
         render_checks(console, report.checks)
         render_gates(console, gates)
         warned = report.checks.filter(report.checks["severity"] == "warning").height > 0
@@ -326,4 +328,27 @@ def render_parity(console: Console, report: Any, *, verbose: bool = False) -> No
         n_tok = cells.get(("token", "count/mismatch_tokens"), (None, ""))[0]
         n_seq = cells.get(("sequence", "count/samples"), (None, ""))[0]
         table.caption = f"{format_value(n_tok, 'count')} tokens, {format_value(n_seq, 'count')} sequences"
+        console.print(table)
+
+
+def render_breakdowns(console: Console, report: Any) -> None:
+    """One table per token-scope breakdown: n, mean |Δ|, p99 |Δ|, max |Δ|, k3 and the clip-band share per bucket."""
+    import polars as pl
+    from rich.table import Table
+
+    from pgdiag.cli.render import format_value
+
+    stats = ("abs_mean", "abs_p99", "abs_max", "bias", "kl_k3", "frac_out_clip")
+    rows = report.summary.filter(
+        (pl.col("scope") == "token") & ~pl.col("breakdown").is_in(["all", "dlogp"]) & (pl.col("pair") != "")
+    )
+    for (pair, breakdown), part in rows.group_by(["pair", "breakdown"], maintain_order=True):
+        wide = part.pivot(on="metric", index=["bucket", "bucket_lo", "n"], values="value").sort("bucket_lo")
+        table = Table(title=f"by {breakdown}  [dim]{pair}[/]", title_justify="left", show_edge=False)
+        for name in ("bucket", "n", *stats):
+            table.add_column(name, justify="left" if name == "bucket" else "right")
+        for row in wide.iter_rows(named=True):
+            cells = [str(row["bucket"]), format_value(row["n"], "count")]
+            cells += [format_value(row.get(f"mismatch/{s}"), "") for s in stats]
+            table.add_row(*cells)
         console.print(table)
