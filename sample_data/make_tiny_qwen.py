@@ -2,7 +2,7 @@
 
 What: a seeded script that (1) generates text in a small word-level language (arithmetic questions, some
 answered through a calculator tool call, and templated stories), (2) trains a 4-layer Qwen3 (hidden 96, GQA
-4/2 heads, head_dim 32 != hidden/heads, tied embeddings, vocab 512 of which 339 are used) on it for a few
+4/2 heads, head_dim 32 != hidden/heads, tied embeddings, vocab 512 of which 308 are used) on it for a few
 hundred steps on the CPU, so its next-token distributions are peaked like a real LM's, (3) saves it as
 ``sample_data/tiny-qwen/`` (config.json with ``architectures: ["Qwen3ForCausalLM"]``, model.safetensors, fp32,
 plus the vocabulary as vocab.json), and (4) plays a small GRPO loop with it: 4 steps x 8 prompt groups x 4
@@ -22,9 +22,10 @@ sample_data/tiny-qwen` recomputes the run in seconds on a CPU, and every stream 
 The recompute at ``--dtype fp32`` therefore matches run_a's ``old`` to ~1e-5 nats, and ``--dtype bf16`` sits
 between them.
 
-How: ``PYTHONPATH=. python sample_data/make_tiny_qwen.py`` from the repository root (about 1-2 minutes on two
-CPU cores; needs torch and transformers, a dev dependency). Seeded: a rerun on the same machine and library
-versions gives the same files; other BLAS builds may round differently.
+How: ``PYTHONPATH=. python sample_data/make_tiny_qwen.py`` from the repository root (needs torch and transformers,
+a dev dependency; 400 training steps, about 12 minutes measured on two CPU cores shared with other jobs, a few
+minutes on idle ones). Seeded: a rerun on the same machine and library versions gives the same files; other
+BLAS builds may round differently.
 """
 
 from __future__ import annotations
@@ -54,15 +55,120 @@ CLIP_EPS = 0.2
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<q>", "<a>", "<call>", "</call>", "<obs>", "</obs>"]
 SYMBOLS = ["+", "*", "=", ".", "?"]
-NAMES = "alice bob carol dave erin frank grace heidi ivan judy nia oscar peggy quinn sybil trent uma victor".split()
-VERBS = "sees likes finds takes brings makes holds paints reads feeds helps calls meets follows visits builds".split()
-NOUNS = (
-    "cat dog bird fish tree house car book ball cup hat box door river hill road garden apple bread lamp chair "
-    "table bell kite boat train clock key coin"
-).split()
-ADJECTIVES = "red blue green small big old new happy quiet loud bright dark warm cold soft fast slow tall".split()
-FUNCTION_WORDS = "the then near under with tell me a story about what is and".split()
-WORDS = [*SPECIALS, *SYMBOLS, *(str(n) for n in range(200)), *NAMES, *VERBS, *NOUNS, *ADJECTIVES, *FUNCTION_WORDS]
+NAMES = [
+    "alice",
+    "bob",
+    "carol",
+    "dave",
+    "erin",
+    "frank",
+    "grace",
+    "heidi",
+    "ivan",
+    "judy",
+    "nia",
+    "oscar",
+    "peggy",
+    "quinn",
+    "sybil",
+    "trent",
+    "uma",
+    "victor",
+]
+VERBS = [
+    "sees",
+    "likes",
+    "finds",
+    "takes",
+    "brings",
+    "makes",
+    "holds",
+    "paints",
+    "reads",
+    "feeds",
+    "helps",
+    "calls",
+    "meets",
+    "follows",
+    "visits",
+    "builds",
+]
+NOUNS = [
+    "cat",
+    "dog",
+    "bird",
+    "fish",
+    "tree",
+    "house",
+    "car",
+    "book",
+    "ball",
+    "cup",
+    "hat",
+    "box",
+    "door",
+    "river",
+    "hill",
+    "road",
+    "garden",
+    "apple",
+    "bread",
+    "lamp",
+    "chair",
+    "table",
+    "bell",
+    "kite",
+    "boat",
+    "train",
+    "clock",
+    "key",
+    "coin",
+]
+ADJECTIVES = [
+    "red",
+    "blue",
+    "green",
+    "small",
+    "big",
+    "old",
+    "new",
+    "happy",
+    "quiet",
+    "loud",
+    "bright",
+    "dark",
+    "warm",
+    "cold",
+    "soft",
+    "fast",
+    "slow",
+    "tall",
+]
+FUNCTION_WORDS = [
+    "the",
+    "then",
+    "near",
+    "under",
+    "with",
+    "tell",
+    "me",
+    "a",
+    "story",
+    "about",
+    "what",
+    "is",
+    "and",
+]
+WORDS = [
+    *SPECIALS,
+    *SYMBOLS,
+    *(str(n) for n in range(200)),
+    *NAMES,
+    *VERBS,
+    *NOUNS,
+    *ADJECTIVES,
+    *FUNCTION_WORDS,
+]
 TOKEN = {w: i for i, w in enumerate(WORDS)}
 
 
@@ -92,7 +198,11 @@ def make_task(rng: random.Random) -> Task:
     if kind == "tool":
         a, b, c = rng.randint(0, 50), rng.randint(2, 12), rng.randint(2, 12)
         prompt = f"<bos> <q> what is {a} + {b} * {c} ? <a>"
-        return Task("tool", prompt, f"<call> {b} * {c} </call> <obs> {b * c} </obs> {a} + {b * c} = {a + b * c} . <eos>")
+        return Task(
+            "tool",
+            prompt,
+            f"<call> {b} * {c} </call> <obs> {b * c} </obs> {a} + {b * c} = {a + b * c} . <eos>",
+        )
     name = rng.choice(NAMES)
     first = f"{name} {rng.choice(VERBS)} the {rng.choice(ADJECTIVES)} {rng.choice(NOUNS)} ."
     second = f"then {name} {rng.choice(VERBS)} the {rng.choice(NOUNS)} near the {rng.choice(NOUNS)} ."
@@ -140,7 +250,9 @@ def build_model() -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(config).float()
 
 
-def train(model: Qwen3ForCausalLM, rng: random.Random, steps: int = 700, batch: int = 48, seq: int = 64) -> None:
+def train(
+    model: Qwen3ForCausalLM, rng: random.Random, steps: int = 400, batch: int = 32, seq: int = 48
+) -> None:
     """Next-token training on a stream of concatenated task texts, chunked into `seq`-token rows."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.98))
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=steps, pct_start=0.1)
@@ -228,7 +340,9 @@ def teacher_forced(model: Qwen3ForCausalLM, samples: list[Sample]) -> list[list[
     return out
 
 
-def policy_step(model: Qwen3ForCausalLM, samples: list[Sample], old: list[list], advantages: list[float]) -> Qwen3ForCausalLM:
+def policy_step(
+    model: Qwen3ForCausalLM, samples: list[Sample], old: list[list], advantages: list[float]
+) -> Qwen3ForCausalLM:
     """A copy of `model` after one clipped policy-gradient step (token-mean, eps 0.2) on `samples`."""
     updated = copy.deepcopy(model).train()
     optimizer = torch.optim.Adam(updated.parameters(), lr=4e-4)
@@ -308,9 +422,20 @@ def main() -> None:
                 "finish_reason": s.finish_reason, "policy_version": step,
                 "advantages": [advantages[k] if m else None for m in s.loss_mask],
             }  # fmt: skip
-            rows_a.append({**base, "rollout_logprobs": s.rollout_logprobs, "old_logprobs": old_a[k], "new_logprobs": new_a[k]})
-            rows_b.append({**base, "rollout_logprobs": old_a[k], "old_logprobs": old_b[k], "new_logprobs": new_b[k]})
-        print(f"step {step}: mean reward {np.mean(rewards):.2f}, {sum(sum(s.loss_mask) for s in samples)} loss tokens")
+            rows_a.append(
+                {
+                    **base,
+                    "rollout_logprobs": s.rollout_logprobs,
+                    "old_logprobs": old_a[k],
+                    "new_logprobs": new_a[k],
+                }
+            )
+            rows_b.append(
+                {**base, "rollout_logprobs": old_a[k], "old_logprobs": old_b[k], "new_logprobs": new_b[k]}
+            )
+        print(
+            f"step {step}: mean reward {np.mean(rewards):.2f}, {sum(sum(s.loss_mask) for s in samples)} loss tokens"
+        )
 
     config_sha = __import__("hashlib").sha256((ckpt / "config.json").read_bytes()).hexdigest()
     common = {
@@ -325,7 +450,9 @@ def main() -> None:
         ("run_b", rows_b, "fp32 engine", "bf16 trainer"),
     ):
         streams = {
-            "rollout": stream_meta("rollout_logprobs", tempered=True, logprobs_mode="processed", engine=engine_name),
+            "rollout": stream_meta(
+                "rollout_logprobs", tempered=True, logprobs_mode="processed", engine=engine_name
+            ),
             "old": stream_meta("old_logprobs", tempered=True, logprobs_mode="processed", engine=old_name),
             "new": stream_meta("new_logprobs", tempered=True, logprobs_mode="processed", engine=old_name),
         }
