@@ -41,7 +41,27 @@ class AdvantageTables:
 
 
 def build_advantage_tables(advantages: np.ndarray, reducer: TokenReducer) -> AdvantageTables:
-    """Token phase of `advantage/*` over the valid tokens (N,) of `reducer`."""
+    """Token phase of `advantage/*` over the valid tokens (N,) of `reducer`.
+
+    When every sample has a single advantage value (a per-sequence advantage broadcast over its tokens,
+    the common case) the sums follow from A_i and N_i without further token passes.
+    """
+    min_adv, max_adv = reducer.sample_min(advantages), reducer.sample_max(advantages)  # (S,)
+    ne = reducer.nonempty
+    n_i = reducer.n_per_sample.astype(np.float64)
+    if np.all(min_adv[ne] == max_adv[ne]):
+        adv = np.where(ne, max_adv, 0.0)  # (S,) A_i
+        return AdvantageTables(
+            reducer=reducer,
+            sum_adv=adv * n_i,
+            sum_abs=np.abs(adv) * n_i,
+            m2_adv=np.zeros_like(n_i),
+            n_pos=np.where(adv > 0, n_i, 0.0),
+            n_neg=np.where(adv < 0, n_i, 0.0),
+            n_zero=np.where(ne & (adv == 0), n_i, 0.0),
+            min_adv=min_adv,
+            max_adv=max_adv,
+        )
     sums = reducer.sample_sums
     sum_adv = sums(advantages)
     scratch = np.empty_like(advantages)  # float64 copy of each indicator while it is counted
@@ -53,8 +73,8 @@ def build_advantage_tables(advantages: np.ndarray, reducer: TokenReducer) -> Adv
         n_pos=sums(advantages > 0, scratch),
         n_neg=sums(advantages < 0, scratch),
         n_zero=sums(advantages == 0, scratch),
-        min_adv=reducer.sample_min(advantages),
-        max_adv=reducer.sample_max(advantages),
+        min_adv=min_adv,
+        max_adv=max_adv,
     )
 
 

@@ -181,28 +181,24 @@ def build_policy_tables(
             )
         )
         return PolicyTables(**tables, **none), None
-    # 3. token-level clip decisions and the gradient that passes them
-    positive = advantages > 0  # (N,) bool
-    clip_high = positive & band_high
-    clip_low = (advantages < 0) & band_low
-    n_clip_high, n_clip_low = count_flags(clip_high), count_flags(clip_low)
-    stopped = clip_high | clip_low  # binding B_t
-    if settings.dual_clip is None:
-        n_dual = np.zeros(n_samples)
-    else:
-        dual = (advantages < 0) & (np.maximum(r, np.clip(r, low_edge, high_edge)) > settings.dual_clip)
-        n_dual = count_flags(dual)
-        stopped |= dual
-    overflow = not np.all(np.isfinite(r))
-    with np.errstate(invalid="ignore"):
-        abs_grad = np.abs(advantages, out=scratch)
-        abs_grad *= r
-        abs_grad[stopped] = 0.0  # |g_t| = |A| r where the gradient passes
-        if overflow:
-            abs_grad[advantages == 0] = 0.0  # 0·inf: no gradient on A = 0
-        grad_pass = sums(abs_grad)
-        grad_pass_band = sums(np.where(band_low | band_high, abs_grad, 0.0))
-        loss = token_loss_sums(advantages, r, positive, reducer, settings, scratch)
+    # 3. clip decisions and the gradient that passes them: per sample when every sample has one advantage
+    # value and no ratio overflowed (the common case, no token pass over A), else per token
+    ne = reducer.nonempty
+    constant = bool(np.all(advantage.min_adv[ne] == advantage.max_adv[ne])) and bool(np.all(np.isfinite(r)))
+    clip_sums = _sample_level_clip if constant else _token_level_clip
+    n_clip_low, n_clip_high, n_dual, grad_pass, grad_pass_band, loss = clip_sums(
+        advantages,
+        advantage,
+        r,
+        band_low,
+        band_high,
+        n_band_low,
+        n_band_high,
+        sum_r,
+        reducer,
+        settings,
+        scratch,
+    )
     # 4. sequence level from per-sample algebra: with S_i± = Σ_t max(±A, 0) and the sample's band side,
     # B^G, the GSPO gradient and the GSPO loss need no token pass
     seq_ratio = _sequence_ratio(sum_d, reducer)  # (S,)
@@ -233,6 +229,105 @@ def build_policy_tables(
         abs_grad_seq=scaled(seq_ratio, passing_seq),
     )
     return PolicyTables(**tables), sums_of_loss
+
+
+ClipSums = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _token_level_clip(
+    advantages: np.ndarray,
+    advantage: AdvantageTables,
+    r: np.ndarray,
+    band_low: np.ndarray,
+    band_high: np.ndarray,
+    n_band_low: np.ndarray,
+    n_band_high: np.ndarray,
+    sum_r: np.ndarray,
+    reducer: TokenReducer,
+    settings: MetricSettings,
+    scratch: np.ndarray,
+) -> ClipSums:
+    """(S,) counts of binding-low, binding-high and dual-clip tokens, Σ|g_t|, Σ|g_t|·O_t and Σ ℓ_t, per token.
+
+    |g_t| = |A| r where neither the clip binds nor the dual clip fires (§7.5); ℓ_t as in `token_loss_sums`.
+    """
+    flag_scratch = np.empty_like(r)
+
+    def count_flags(flags: np.ndarray) -> np.ndarray:
+        return reducer.sample_sums(flags, flag_scratch)
+
+    positive = advantages > 0  # (N,) bool
+    clip_high = positive & band_high
+    clip_low = (advantages < 0) & band_low
+    n_clip_high, n_clip_low = count_flags(clip_high), count_flags(clip_low)
+    stopped = clip_high | clip_low  # binding B_t
+    if settings.dual_clip is None:
+        n_dual = np.zeros(reducer.n_per_sample.shape[0])
+    else:
+        dual = (advantages < 0) & (
+            np.maximum(r, np.clip(r, 1.0 - settings.eps_low, 1.0 + settings.eps_high)) > settings.dual_clip
+        )
+        n_dual = count_flags(dual)
+        stopped |= dual
+    with np.errstate(invalid="ignore"):
+        abs_grad = np.abs(advantages, out=scratch)
+        abs_grad *= r
+        abs_grad[stopped] = 0.0  # |g_t| = |A| r where the gradient passes
+        if not np.all(np.isfinite(r)):
+            abs_grad[advantages == 0] = 0.0  # 0·inf: no gradient on A = 0
+        grad_pass = reducer.sample_sums(abs_grad)
+        grad_pass_band = reducer.sample_sums(np.where(band_low | band_high, abs_grad, 0.0))
+        loss = token_loss_sums(advantages, r, positive, reducer, settings, scratch)
+    return n_clip_low, n_clip_high, n_dual, grad_pass, grad_pass_band, loss
+
+
+def _sample_level_clip(
+    advantages: np.ndarray,
+    advantage: AdvantageTables,
+    r: np.ndarray,
+    band_low: np.ndarray,
+    band_high: np.ndarray,
+    n_band_low: np.ndarray,
+    n_band_high: np.ndarray,
+    sum_r: np.ndarray,
+    reducer: TokenReducer,
+    settings: MetricSettings,
+    scratch: np.ndarray,
+) -> ClipSums:
+    """The sums of `_token_level_clip` when each sample has one advantage A_i and every r is finite.
+
+    With ρ_hi = Σ_t r·1[r > 1 + ε_h], ρ_lo = Σ_t r·1[r < 1 − ε_l] and ρ_C = Σ_t r·1[r > C] (dual clip C > 1;
+    for A < 0, max(r, clip(r)) > C is r > C):
+      A_i > 0: binding = high; Σ|g| = A_i (Σr − ρ_hi); Σ|g|·O = A_i ρ_lo; Σℓ = −A_i (Σr − ρ_hi + (1 + ε_h) n_hi)
+      A_i < 0: binding = low, dual = r > C; Σ|g| = |A_i| (Σr − ρ_lo − ρ_C); Σ|g|·O = |A_i| Σ_t r·1[hi ∧ r ≤ C];
+               Σℓ = |A_i| (Σr − ρ_lo + (1 − ε_l) n_lo − (ρ_C − C n_C))
+    (no overflow: the differences of finite sums are exact up to rounding).
+    """
+    high_edge, low_edge = 1.0 + settings.eps_high, 1.0 - settings.eps_low
+    adv = np.where(reducer.nonempty, advantage.max_adv, 0.0)  # (S,) A_i
+    positive, negative = adv > 0, adv < 0
+    abs_adv = np.abs(adv)
+    r_high = reducer.sample_sums(np.multiply(r, band_high, out=scratch))  # ρ_hi (S,)
+    r_low = reducer.sample_sums(np.multiply(r, band_low, out=scratch))  # ρ_lo (S,)
+    zeros = np.zeros_like(adv)
+    if settings.dual_clip is None:
+        n_over, r_over, r_high_live = zeros, zeros, r_high
+    else:
+        over = r > settings.dual_clip  # (N,) bool
+        n_over = reducer.sample_sums(over, scratch)
+        r_over = reducer.sample_sums(np.multiply(r, over, out=scratch))
+        # out-of-band-high tokens that the dual clip leaves alive: r in (1 + ε_h, C]
+        r_high_live = r_high - r_over if settings.dual_clip >= high_edge else zeros
+    n_clip_high = np.where(positive, n_band_high, 0.0)
+    n_clip_low = np.where(negative, n_band_low, 0.0)
+    n_dual = np.where(negative, n_over, 0.0)
+    grad_pass = abs_adv * np.where(positive, sum_r - r_high, np.where(negative, sum_r - r_low - r_over, 0.0))
+    grad_pass_band = abs_adv * np.where(positive, r_low, np.where(negative, r_high_live, 0.0))
+    dual_cut = r_over - (settings.dual_clip or 0.0) * n_over
+    loss_pos = -adv * (sum_r - r_high + high_edge * n_band_high)
+    loss_neg = abs_adv * (sum_r - r_low + low_edge * n_band_low - dual_cut)
+    loss = np.where(positive, loss_pos, np.where(negative, loss_neg, 0.0))
+    return n_clip_low, n_clip_high, n_dual, grad_pass, grad_pass_band, loss
 
 
 def _position_counter(offsets: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:

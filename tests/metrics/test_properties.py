@@ -33,12 +33,13 @@ sample_strategy = st.integers(min_value=0, max_value=5).flatmap(
 batch_strategy = st.lists(sample_strategy, min_size=1, max_size=7)
 
 
-def build(samples):
+def build(samples, constant_advantages=False):
+    """The batch; with `constant_advantages` each sample keeps its first advantage on every token (the
+    per-sequence case, which the engine reduces per sample)."""
     old = [list(s[0]) for s in samples]
     new = [[o + d for o, d in zip(s[0], s[1], strict=True)] for s in samples]
-    return make_batch(
-        new=new, old=old, advantages=[list(s[2]) for s in samples], groups=[s[3] for s in samples]
-    )
+    adv = [[s[2][0]] * len(s[2]) if constant_advantages and s[2] else list(s[2]) for s in samples]
+    return make_batch(new=new, old=old, advantages=adv, groups=[s[3] for s in samples])
 
 
 def reference_tokens(batch):
@@ -57,6 +58,15 @@ def clip(x):
     return min(max(x, 1 - EPS_LOW), 1 + EPS_HIGH)
 
 
+def is_dual(r, a, dual_clip):
+    return dual_clip is not None and a < 0 and max(r, clip(r)) > dual_clip
+
+
+def token_loss(r, a, dual_clip):
+    loss = max(-a * r, -a * clip(r))
+    return min(loss, -dual_clip * a) if dual_clip is not None and a < 0 else loss
+
+
 def r_mean(per_sample, f, mode):
     """R(f) of §2 by loops (one document per sample here)."""
     tokens = [f(*tok) for s in per_sample for tok in s]
@@ -69,10 +79,10 @@ def r_mean(per_sample, f, mode):
     return math.fsum(means) / denominator
 
 
-def reference_losses(per_sample, groups, divisor):
+def reference_losses(per_sample, groups, divisor, dual_clip):
     n_i = [len(s) for s in per_sample]
     n, n_samples = sum(n_i), len(per_sample)
-    tok = [math.fsum(max(-a * r, -a * clip(r)) for _, r, a in s) for s in per_sample]
+    tok = [math.fsum(token_loss(r, a, dual_clip) for _, r, a in s) for s in per_sample]
     seq = []
     for s in per_sample:
         ratio = math.exp(math.fsum(d for d, _, _ in s) / len(s)) if s else 1.0
@@ -101,12 +111,23 @@ def close(got, want, tol=1e-11):
     return got is not None and math.isclose(got, want, rel_tol=tol, abs_tol=tol)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(batch_strategy, st.sampled_from(["token", "sample", "document"]))
-def test_engine_matches_slow_reference(samples, mode):
-    batch = build(samples)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batch_strategy,
+    st.sampled_from(["token", "sample", "document"]),
+    st.booleans(),
+    st.sampled_from([None, 1.1, 3.0]),
+)
+def test_engine_matches_slow_reference(samples, mode, constant_advantages, dual_clip):
+    batch = build(samples, constant_advantages)
     config = MetricSettings(
-        new="new", old="old", eps_low=EPS_LOW, eps_high=EPS_HIGH, divisor=3.0, metric_reduction=mode
+        new="new",
+        old="old",
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        divisor=3.0,
+        metric_reduction=mode,
+        dual_clip=dual_clip,
     )
     got = {v.key: v.value for v in compute_step_native(batch, config).values}
     per_sample = reference_tokens(batch)
@@ -122,28 +143,40 @@ def test_engine_matches_slow_reference(samples, mode):
         "policy/clip_frac_low": r_mean(per_sample, lambda d, r, a: float(a < 0 and r < low), mode),
         "policy/clip_frac_high": r_mean(per_sample, lambda d, r, a: float(a > 0 and r > high), mode),
         "policy/zero_grad_frac": r_mean(
-            per_sample, lambda d, r, a: float(a == 0 or (a > 0 and r > high) or (a < 0 and r < low)), mode
+            per_sample,
+            lambda d, r, a: float(
+                a == 0 or (a > 0 and r > high) or (a < 0 and r < low) or is_dual(r, a, dual_clip)
+            ),
+            mode,
         ),
     }
+    if dual_clip is not None:
+        expected["policy/dual_clip_frac"] = r_mean(
+            per_sample, lambda d, r, a: float(is_dual(r, a, dual_clip)), mode
+        )
     # token-level vs sequence-level clip decisions, and the gradient magnitudes of §7.5 (uniform weights)
-    agree, grad_tok, grad_seq = [], 0.0, 0.0
+    agree, grad_tok, grad_band, grad_seq = [], [], [], []
     for s in per_sample:
         seq_r = math.exp(math.fsum(d for d, _, _ in s) / len(s)) if s else 1.0
         for _, r, a in s:
             bind = (a > 0 and r > high) or (a < 0 and r < low)
             bind_seq = (a > 0 and seq_r > high) or (a < 0 and seq_r < low)
             agree.append(float(bind == bind_seq))
-            grad_tok += 0.0 if bind else abs(a) * r
-            grad_seq += 0.0 if bind_seq else abs(a) * seq_r
+            passing = 0.0 if bind or is_dual(r, a, dual_clip) else abs(a) * r
+            grad_tok.append(passing)
+            grad_band.append(passing if (r < low or r > high) else 0.0)
+            grad_seq.append(0.0 if bind_seq else abs(a) * seq_r)
     if agree and mode == "token":
         expected["policy/seq_token_clip_agreement"] = math.fsum(agree) / len(agree)
     if agree:
-        expected["grad/token_sum_scale"] = grad_tok
-        expected["grad/gspo_length_prop_scale"] = grad_seq / len(per_sample)
+        expected["grad/token_sum_scale"] = math.fsum(grad_tok)
+        expected["grad/gspo_length_prop_scale"] = math.fsum(grad_seq) / len(per_sample)
+        total = math.fsum(grad_tok)
+        expected["policy/band_nonbinding_grad_share"] = math.fsum(grad_band) / total if total > 0 else None
     for key, want in expected.items():
         assert close(got[key], want), (key, got[key], want)
     groups = [s[3] for s in samples]
-    for name, want in reference_losses(per_sample, groups, 3.0).items():
+    for name, want in reference_losses(per_sample, groups, 3.0, dual_clip).items():
         assert close(got[f"loss/{name}"], want), (name, got[f"loss/{name}"], want)
 
 
