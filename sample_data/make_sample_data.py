@@ -1,8 +1,9 @@
-"""Generate the sample runs `sample_data/run_a` and `sample_data/run_b` (seeded; reruns reproduce them exactly).
+"""Generate the synthetic runs `sample_data/synthetic_a` and `synthetic_b` (seeded; reruns reproduce them exactly).
 
 What: two canonical pgdiag run directories (design/data-and-cli.md §2.2) of 4 steps x 8 prompt groups x 4
-samples, for the README examples, the docs and end-to-end tests. Why synthetic: real rollouts are large and
-licensed; these have the statistical features pgdiag looks at. How (all numpy, seed 20261121):
+samples, for tests and examples that need controlled statistics without a model (``run_a``/``run_b`` come
+from a real tiny model, see ``make_tiny_qwen.py``). Why synthetic: every distribution below is known, so a
+test can assert what pgdiag must find. How (all numpy, seed 20261121):
 
 * prompts of 24-160 tokens; responses log-normal in length (median ~120, tail to 700 tokens);
 * half the groups are ``tool`` env samples whose responses hold 1-3 tool-observation spans (loss_mask false
@@ -13,11 +14,12 @@ licensed; these have the statistical features pgdiag looks at. How (all numpy, s
 * ``new_logprobs`` = old + an update step correlated with the advantage sign (ratios around 1, a few percent
   outside the 0.8-1.2 band);
 * ``reward`` in [0, 1] and group-normalised ``advantages`` (constant per sample, null off the loss mask);
-* run_b is a second trainer on the same rollouts: identical ids, masks, rollout log-probs and rewards, but its
-  own old/new numerics (bf16-rounded trainer log-probs), so ``pgdiag compare run_a run_b`` has a real, small
+* synthetic_b is a second trainer on the same rollouts: identical ids, masks, rollout log-probs and rewards, but its
+  own old/new numerics (bf16-rounded trainer log-probs), so ``pgdiag compare synthetic_a synthetic_b`` has a real, small
   difference to find. Both runs pass ``pgdiag check`` cleanly.
 
 Run: ``python sample_data/make_sample_data.py`` from the repository root (overwrites both runs).
+Only numpy, polars and pyarrow are used (no torch).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def _with_nulls(values: np.ndarray, mask: np.ndarray) -> list[float | None]:
 
 
 def build_frames(seed: int = SEED) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """The rows of run_a and run_b as polars frames (same tokens, different trainer numerics)."""
+    """The rows of synthetic_a and synthetic_b as polars frames (same tokens, different trainer numerics)."""
     rng = np.random.default_rng(seed)
     rows_a: list[dict] = []
     rows_b: list[dict] = []
@@ -167,7 +169,8 @@ def main() -> None:
         "new": stream_meta("new_logprobs", tempered=False, logprobs_mode="raw"),
     }
     tokenizer = {"name": "synthetic", "vocab_size": VOCAB, "tokenizer_len": VOCAB, "sha256": None}
-    for label, frame, engine in (("run_a", frame_a, "trainer-a fp32"), ("run_b", frame_b, "trainer-b bf16")):
+    runs = (("synthetic_a", frame_a, "trainer-a fp32"), ("synthetic_b", frame_b, "trainer-b bf16"))
+    for label, frame, engine in runs:
         out = HERE / label
         write_rollouts(
             frame,

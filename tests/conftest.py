@@ -18,10 +18,10 @@ from rollout_factory import valid_rows, write_rollouts_file
 
 
 @pytest.fixture
-def rows() -> list[dict[str, Any]]:
+def rollout_rows() -> list[dict[str, Any]]:
     return valid_rows()
 
 
 @pytest.fixture
-def valid_file(tmp_path: Path, rows: list[dict[str, Any]]) -> Path:
-    return write_rollouts_file(tmp_path / "valid.parquet", rows)
+def valid_rollouts_file(tmp_path: Path, rollout_rows: list[dict[str, Any]]) -> Path:
+    return write_rollouts_file(tmp_path / "valid.parquet", rollout_rows)

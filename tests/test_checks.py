@@ -218,11 +218,32 @@ def test_cross_run_checks(tmp_path: Path) -> None:
 
 
 def test_sample_runs_pass_cleanly() -> None:
-    run_a = read_run(REPO / "sample_data" / "run_a")
-    run_b = read_run(REPO / "sample_data" / "run_b")
-    assert run_a.streams == ("rollout", "old", "new") and run_a.label == "run_a"
-    for result in (check_run(run_a), check_run(run_b), check_run(run_a, run_b)):
+    synthetic_a = read_run(REPO / "sample_data" / "synthetic_a")
+    synthetic_b = read_run(REPO / "sample_data" / "synthetic_b")
+    assert synthetic_a.streams == ("rollout", "old", "new") and synthetic_a.label == "synthetic_a"
+    for result in (check_run(synthetic_a), check_run(synthetic_b), check_run(synthetic_a, synthetic_b)):
         assert result.issues.height == 0 and result.exit_code == EXIT_OK
+
+
+def test_synthetic_runs_have_the_documented_statistics() -> None:
+    from pgdiag.runs import read_token_batch
+
+    a = read_token_batch(
+        read_run(REPO / "sample_data" / "synthetic_a"), streams=["rollout", "old", "new"], env=True
+    ).batch
+    b = read_token_batch(read_run(REPO / "sample_data" / "synthetic_b"), streams=["rollout", "old"]).batch
+    assert a.n_samples == 128 and a.n_tokens == 15201
+    np.testing.assert_array_equal(a.token_id, b.token_id)
+    np.testing.assert_array_equal(a.streams["rollout"], b.streams["rollout"])
+    mismatch = np.abs(a.streams["old"] - a.streams["rollout"])
+    assert 0.005 < mismatch.mean() < 0.012 and np.quantile(mismatch, 0.99) < 0.05
+    assert a.streams["rollout"].min() < -10.0 and np.median(a.streams["rollout"]) > -0.2
+    outside = np.abs(a.streams["new"] - a.streams["old"]) > np.log(1.2)
+    assert 0.002 < outside.mean() < 0.05
+    assert 0 < np.abs(a.streams["old"] - b.streams["old"]).max() < 0.1
+    tool = a.env == "tool"
+    gaps = [np.any(np.diff(a.pos[a.offsets[i] : a.offsets[i + 1]]) > 1) for i in np.flatnonzero(tool)]
+    assert np.mean(gaps) > 0.5  # masked tool spans inside responses
 
 
 def test_check_frame_before_writing() -> None:

@@ -36,11 +36,11 @@ def test_parse_steps() -> None:
         assert err.value.code == "E112"
 
 
-def test_single_file(valid_file: Path) -> None:
-    run = read_run(valid_file)
+def test_single_file(valid_rollouts_file: Path) -> None:
+    run = read_run(valid_rollouts_file)
     assert run.label == "t"
     assert run.streams == ("rollout", "old")
-    assert run.paths == (valid_file,) and run.root is None
+    assert run.paths == (valid_rollouts_file,) and run.root is None
     assert run.meta["schema"] == "pgdiag.rollouts/v1"
     assert run.collect(["step"]).height == 4
 
@@ -82,8 +82,8 @@ def test_nothing_matched_is_e501(tmp_path: Path) -> None:
         assert err.value.code == "E501" and str(tmp_path) in err.value.message
 
 
-def test_bad_footers(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
-    no_schema = write_rollouts_file(tmp_path / "a.parquet", rows, schema=None)
+def test_bad_footers(tmp_path: Path, rollout_rows: list[dict[str, Any]]) -> None:
+    no_schema = write_rollouts_file(tmp_path / "a.parquet", rollout_rows, schema=None)
     with pytest.raises(InvalidInputError) as e101:
         read_run(no_schema)
     assert e101.value.code == "E101" and "a.parquet" in e101.value.message
@@ -91,14 +91,14 @@ def test_bad_footers(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
     with pytest.raises(InvalidInputError) as unreadable:
         read_run(tmp_path / "junk.parquet")
     assert unreadable.value.code == "E101"
-    response = write_rollouts_file(tmp_path / "b.parquet", rows, alignment="response")
+    response = write_rollouts_file(tmp_path / "b.parquet", rollout_rows, alignment="response")
     with pytest.raises(InvalidInputError) as e104:
         read_run(response)
     assert e104.value.code == "E104"
 
 
-def test_run_labels_filter_and_override(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
-    mixed = [{**r, "run": "a"} for r in rows] + [{**r, "run": "b"} for r in rows]
+def test_run_labels_filter_and_override(tmp_path: Path, rollout_rows: list[dict[str, Any]]) -> None:
+    mixed = [{**r, "run": "a"} for r in rollout_rows] + [{**r, "run": "b"} for r in rollout_rows]
     path = write_rollouts_file(tmp_path / "m.parquet", mixed)
     for label in (None, "mine"):  # a label never licenses mixing two runs
         with pytest.raises(UsageError) as several:
@@ -111,9 +111,12 @@ def test_run_labels_filter_and_override(tmp_path: Path, rows: list[dict[str, Any
         read_run(path, run="c")
 
 
-def test_projection_ignores_unneeded_missing_columns(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
+def test_projection_ignores_unneeded_missing_columns(
+    tmp_path: Path, rollout_rows: list[dict[str, Any]]
+) -> None:
     slim = [
-        {k: v for k, v in r.items() if k not in ("old_logprobs", "reward", "env", "advantages")} for r in rows
+        {k: v for k, v in r.items() if k not in ("old_logprobs", "reward", "env", "advantages")}
+        for r in rollout_rows
     ]
     run = read_run(write_rollouts_file(tmp_path / "slim.parquet", slim))
     assert run.streams == ("rollout",)
@@ -125,8 +128,8 @@ def test_projection_ignores_unneeded_missing_columns(tmp_path: Path, rows: list[
     assert no_stream.value.code == "E111" and "streams: rollout" in no_stream.value.hint
 
 
-def test_token_batch_values(valid_file: Path) -> None:
-    loaded = read_token_batch(read_run(valid_file), streams=["rollout", "old"], env=True)
+def test_token_batch_values(valid_rollouts_file: Path) -> None:
+    loaded = read_token_batch(read_run(valid_rollouts_file), streams=["rollout", "old"], env=True)
     batch = loaded.batch
     assert loaded.checks.n_errors == 0 and loaded.checks.n_warnings == 0
     assert batch.offsets.tolist() == [0, 3, 5, 8, 10]
@@ -143,10 +146,10 @@ def test_token_batch_values(valid_file: Path) -> None:
     assert batch.segment_idx.tolist() == [0, 0, 0, 0] and batch.sample_row.tolist() == [0, 1, 2, 3]
 
 
-def test_scalar_advantage_is_broadcast(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
+def test_scalar_advantage_is_broadcast(tmp_path: Path, rollout_rows: list[dict[str, Any]]) -> None:
     scalar = [
         {**{k: v for k, v in r.items() if k != "advantages"}, "advantage": 0.5 * (i + 1)}
-        for i, r in enumerate(rows)
+        for i, r in enumerate(rollout_rows)
     ]
     batch = read_token_batch(
         read_run(write_rollouts_file(tmp_path / "s.parquet", scalar)), streams=["rollout"]
@@ -154,9 +157,9 @@ def test_scalar_advantage_is_broadcast(tmp_path: Path, rows: list[dict[str, Any]
     assert batch.advantages.tolist() == [0.5] * 3 + [1.0] * 2 + [1.5] * 3 + [2.0] * 2
 
 
-def test_float64_and_int64_inputs_cast_losslessly(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
+def test_float64_and_int64_inputs_cast_losslessly(tmp_path: Path, rollout_rows: list[dict[str, Any]]) -> None:
     raw = {"rollout_logprobs": pl.List(pl.Float64), "input_ids": pl.List(pl.Int64)}
-    path = write_rollouts_file(tmp_path / "wide.parquet", rows, raw_types=raw)
+    path = write_rollouts_file(tmp_path / "wide.parquet", rollout_rows, raw_types=raw)
     batch = read_token_batch(read_run(path), streams=["rollout"]).batch
     assert batch.streams["rollout"].tolist()[:3] == [-0.5, -1.25, -0.125]
     assert batch.token_id.dtype == np.int32
@@ -185,13 +188,15 @@ def _manifest(directory: Path, complete: bool) -> None:
     (directory / "_manifest.json").write_text(json.dumps({"tag": directory.name, "complete": complete}))
 
 
-def test_recompute_join(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
-    root = _write_run_dir(tmp_path / "run", rows)
+def test_recompute_join(tmp_path: Path, rollout_rows: list[dict[str, Any]]) -> None:
+    root = _write_run_dir(tmp_path / "run", rollout_rows)
     tag_dir = root / "logprobs" / "rc_test"
     _manifest(tag_dir, complete=True)
     # parts written in another order than the rollouts: the join must follow the rollouts' order
-    write_logprobs_part(tag_dir / "step=1" / "part-00000.parquet", _recompute_rows(rows[2:], -0.125)[::-1])
-    write_logprobs_part(tag_dir / "step=0" / "part-00000.parquet", _recompute_rows(rows[:2], -0.125))
+    write_logprobs_part(
+        tag_dir / "step=1" / "part-00000.parquet", _recompute_rows(rollout_rows[2:], -0.125)[::-1]
+    )
+    write_logprobs_part(tag_dir / "step=0" / "part-00000.parquet", _recompute_rows(rollout_rows[:2], -0.125))
     run = read_run(root)
     assert run.streams == ("rollout", "old", "rc_test") and run.entropy_streams == ("rc_test",)
     batch = read_token_batch(run, streams=["rollout", "rc_test"], entropy=["rc_test"]).batch
@@ -205,11 +210,11 @@ def test_recompute_join(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
     ]
 
 
-def test_recompute_attach_stale_and_incomplete(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
-    path = write_rollouts_file(tmp_path / "r.parquet", rows)
+def test_recompute_attach_stale_and_incomplete(tmp_path: Path, rollout_rows: list[dict[str, Any]]) -> None:
+    path = write_rollouts_file(tmp_path / "r.parquet", rollout_rows)
     attached = tmp_path / "out" / "rc_x"
     _manifest(attached, complete=True)
-    stale = _recompute_rows(rows, 0.0)
+    stale = _recompute_rows(rollout_rows, 0.0)
     stale[3]["seq_hash"] = 12345
     write_logprobs_part(attached / "part-00000.parquet", stale)
     run = read_run(path, attach=[attached])
@@ -283,13 +288,13 @@ def test_integer_reward_and_fixed_size_lists_are_read(tmp_path: Path) -> None:
     assert batch.token_id.tolist() == [13, 21, 22, 13, 21, 22] and batch.pos.tolist() == [2, 2, 3] * 2
 
 
-def test_uncastable_scalar_and_empty_selection(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
-    text_steps = [{**r, "step": str(r["step"])} for r in rows]
+def test_uncastable_scalar_and_empty_selection(tmp_path: Path, rollout_rows: list[dict[str, Any]]) -> None:
+    text_steps = [{**r, "step": str(r["step"])} for r in rollout_rows]
     path = write_rollouts_file(tmp_path / "s.parquet", text_steps, raw_types={"step": pl.String})
     with pytest.raises(InvalidInputError) as e103:
         read_token_batch(read_run(path), streams=["rollout"])
     assert e103.value.code == "E103" and "s.parquet: step" in e103.value.message
-    valid = write_rollouts_file(tmp_path / "v.parquet", rows)
+    valid = write_rollouts_file(tmp_path / "v.parquet", rollout_rows)
     with pytest.raises(InvalidInputError) as e209:
         read_token_batch(read_run(valid, steps="7"), streams=["rollout"])
     assert e209.value.code == "E209" and "(0 samples) has no loss tokens" in e209.value.message
