@@ -4,8 +4,8 @@ Per-token losses (§7.1), valid tokens only:
     token level  ℓ_t   = max(−A_t r_t, −A_t clip(r_t));  with --dual-clip C and A_t < 0: ℓ_t = min(ℓ_t, −C·A_t)
     GSPO level   ℓ^G_t = max(−A_t R_i, −A_t clip(R_i)),  R_i = exp(mean_t d) of the token's sample.
 Every mode is a per-sample weighting: the token weight w_t is constant within a sample (c_i), so
-`loss/<mode> = Σ_i c_i Σ_t ℓ_t` and `grad/<mode>_scale = Σ_i c_i Σ_t |g_t|` come from three per-sample sums
-computed once per step. `resolve_aggregation` maps the framework spellings of §7.3 to a native mode plus its
+`loss/<mode> = Σ_i c_i Σ_t ℓ_t` and `grad/<mode>_scale = Σ_i c_i Σ_t |g_t|` come from four per-sample sums
+(`LossSums`: token and GSPO loss, token and GSPO |g|) built once per batch; a step only re-weights its rows. `resolve_aggregation` maps the framework spellings of §7.3 to a native mode plus its
 divisor semantics; `loss/pg` repeats the selected mode.
 
 Why report every mode: the same tokens give different losses under verl `token-mean`, TRL `grpo` and miles

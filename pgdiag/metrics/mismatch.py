@@ -4,11 +4,13 @@ Definitions on the tokens valid for the pair (m ∧ finite(lp_a) ∧ finite(lp_b
     Δ_t = lp_b − lp_a,   ρ_t = exp(Δ_t) = π_b / π_a  (π_train / π_rollout with the default pair),
     δ̄^Δ_i = Σ_t Δ / N_i (GSPO scale),   Σ_t Δ = log of the sequence importance ratio.
 A bit-identical recompute gives Δ = 0 everywhere: bias, sd, every KL and every `frac_out_*` are 0, both
-ESS are 1. Typical healthy bf16 engine-vs-trainer pairs show `abs_mean` around 1e-3 to 1e-2 nats.
+ESS are 1. The `recommended` gate profile warns at `abs_mean` > 0.01 nats and fails at > 0.02
+(design/data-and-cli.md §5.3).
 
 Why so many views of one Δ: frameworks and papers gate on different ones (verl `rollout_corr/k3_kl`,
 NeMo-RL `token_mult_prob_error`, probability differences, sequence IS ratios). All are computed from Δ and
-ρ once; nothing is clamped, `|Δ| > 20` is counted.
+ρ once, in a token phase over the whole batch that leaves per-sample sums and centred co-moments; a step
+is reduced from the slice of its rows. Nothing is clamped, `|Δ| > 20` is counted.
 
 The best-fit temperature needs side b's logits, which only `pgdiag logprobs` sees: the metric keys are null
 here (`status = needs_recompute`) and `fit_temperature` is the pure function the recompute path calls.
