@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+import pyarrow.parquet as pq
 
 from pgdiag.batch import TokenBatch
 from pgdiag.errors import InvalidInputError, UsageError
@@ -115,14 +116,8 @@ class Run:
             ) from exc
 
     def display_path(self, path: str | Path) -> str:
-        """`path` relative to the run directory when there is one (for messages)."""
-        path = Path(path)
-        if self.root is not None:
-            try:
-                return str(path.resolve().relative_to(self.root.resolve()))
-            except ValueError:
-                return str(path)
-        return str(path)
+        """`path` as messages show it: as reached from the RUN argument the user gave."""
+        return str(Path(path))
 
 
 def _visible(path: Path, base: Path) -> bool:
@@ -198,18 +193,17 @@ def _recompute_dirs(root: Path | None, attach: Sequence[str | Path]) -> dict[str
         tag = directory.name
         manifest = directory / "_manifest.json"
         if manifest.is_file():
-            tag = str(json.loads(manifest.read_text(encoding="utf-8")).get("tag", tag))
+            try:
+                tag = str(json.loads(manifest.read_text(encoding="utf-8")).get("tag", tag))
+            except (json.JSONDecodeError, AttributeError):
+                tag = directory.name
         found[tag] = directory
     return found
 
 
 def _part_schema_has_entropy(directory: Path) -> bool:
     parts = _parquet_under(directory)
-    if not parts:
-        return False
-    import pyarrow.parquet as pq
-
-    return "entropy" in pq.read_schema(parts[0]).names
+    return bool(parts) and "entropy" in pq.read_schema(parts[0]).names
 
 
 def read_run(
@@ -340,6 +334,7 @@ def _with_recompute(run: Run, lazy: pl.LazyFrame, columns: Sequence[str]) -> pl.
                 left_on=["step", "__sid", "__seg"],
                 right_on=list(RECOMPUTE_KEYS),
                 how="left",
+                validate="m:1",
                 maintain_order="left",
             )
             .drop("__sid", "__seg")
@@ -456,7 +451,9 @@ def load_rows(
         ).collect()
     except pl.exceptions.PolarsError as exc:
         raise InvalidInputError(
-            "E103", f"{run.label}: cannot read rollouts ({exc})", "re-import with pgdiag import"
+            "E103",
+            f"{run.label}: cannot read the rollouts or join the recompute parts ({exc})",
+            "re-import with pgdiag import, or rerun pgdiag logprobs --overwrite",
         ) from exc
     shown = {f: run.display_path(f) for f in frame[FILE_COLUMN].unique().to_list()}
     frame = frame.with_columns(pl.col(FILE_COLUMN).replace_strict(shown, return_dtype=pl.String))

@@ -298,3 +298,14 @@ def test_uncastable_scalar_and_empty_selection(tmp_path: Path, rollout_rows: lis
     with pytest.raises(InvalidInputError) as e209:
         read_token_batch(read_run(valid, steps="7"), streams=["rollout"])
     assert e209.value.code == "E209" and "(0 samples) has no loss tokens" in e209.value.message
+
+
+def test_recompute_duplicate_keys_refused(tmp_path: Path, rollout_rows: list[dict[str, Any]]) -> None:
+    path = write_rollouts_file(tmp_path / "r.parquet", rollout_rows)
+    attached = tmp_path / "out" / "rc_dup"
+    _manifest(attached, complete=True)
+    parts = _recompute_rows(rollout_rows, 0.0)
+    write_logprobs_part(attached / "part-00000.parquet", [*parts, parts[0]])
+    with pytest.raises(InvalidInputError) as dup:
+        read_token_batch(read_run(path, attach=[attached]), streams=["rc_dup"])
+    assert dup.value.code == "E103" and "join the recompute parts" in dup.value.message
