@@ -418,13 +418,7 @@ def load_rows(
                 f"entropy: {', '.join(run.entropy_streams) or 'none'}",
             )
     file_cols = [c for c in (*REQUIRED_COLUMNS, "segment_idx", *scalars, *lists, *stream_cols) if c in schema]
-    issues = missing_columns(set(schema) | {stream_column(t) for t in run.recompute}, REQUIRED_COLUMNS)
-    issues += [
-        i
-        for c in stream_cols
-        if c not in schema and c not in {stream_column(t) for t in run.recompute}
-        for i in missing_columns((), [c])
-    ]
+    issues = missing_columns(set(schema), REQUIRED_COLUMNS)
     if issues:
         raise InvalidInputError(
             issues[0].code, f"{run.display_path(run.paths[0])}: {issues[0].message}", issues[0].hint
