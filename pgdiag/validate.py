@@ -224,7 +224,7 @@ class _Rules:
                         "null list"
                         if flat.row_valid is not None and not flat.row_valid[r]
                         else f"length {flat.lengths[r]} != input_ids {lengths[r]}"
-                        for r in rows[:5]
+                        for r in rows[: self.loc.max_examples]
                     ]
                     self.add(
                         self.loc.issue(
@@ -243,7 +243,9 @@ class _Rules:
                 self.bad |= outside
                 if self.on("E202"):
                     rows = np.flatnonzero(outside)
-                    notes = [f"prompt_len {prompt_len[r]}, T {lengths[r]}" for r in rows[:5]]
+                    notes = [
+                        f"prompt_len {prompt_len[r]}, T {lengths[r]}" for r in rows[: self.loc.max_examples]
+                    ]
                     self.add(
                         self.loc.issue(
                             "E202", "error", "prompt_len outside [1, T]", rows, rows.size, notes=notes
@@ -347,8 +349,10 @@ class _Rules:
         early = (np.searchsorted(view.index, prompt_end) - row_start[:-1] > 0) & good
         if early.any() and self.on("E203"):
             rows = np.flatnonzero(early)
-            first_loss = view.index[row_start[rows[:5]]] - offsets[rows[:5]]
-            notes = [f"prompt_len {prompt_len[r]}" for r in rows[:5]]
+            first_loss = (
+                view.index[row_start[rows[: self.loc.max_examples]]] - offsets[rows[: self.loc.max_examples]]
+            )
+            notes = [f"prompt_len {prompt_len[r]}" for r in rows[: self.loc.max_examples]]
             self.add(
                 self.loc.issue(
                     "E203",
@@ -422,7 +426,7 @@ class _Rules:
                     rows,
                     bad_index.size,
                     pos=bad_index - ids.offsets[rows],
-                    notes=[f"token {values[i]}" for i in bad_index[:5]],
+                    notes=[f"token {values[i]}" for i in bad_index[: self.loc.max_examples]],
                 )
             )
 
@@ -440,7 +444,9 @@ class _Rules:
             last = flat_at == offsets[rows + 1] - 1
             notes = [
                 f"token {ids[f]}{', last' if is_last else ''}"
-                for f, is_last in zip(flat_at[:5], last[:5], strict=True)
+                for f, is_last in zip(
+                    flat_at[: self.loc.max_examples], last[: self.loc.max_examples], strict=True
+                )
             ]
             self.add(
                 self.loc.issue(
@@ -461,7 +467,7 @@ class _Rules:
         if n_outside > 0 and self.on("W214"):
             loss = self.table.lists["loss_mask"].values
             outside = ~loss if flat.valid is None else (flat.valid & ~loss)
-            flat_at = np.flatnonzero(outside)[:5]
+            flat_at = np.flatnonzero(outside)[: self.loc.max_examples]
             rows = _row_of(offsets, flat_at)
             self.add(
                 self.loc.issue(

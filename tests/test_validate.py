@@ -274,3 +274,18 @@ def test_e302_from_null_pattern(tmp_path: Path) -> None:
     assert result.exit_code == EXIT_INVALID
     single_null = _check(tmp_path, _edit(3, rollout_logprobs=[None, None, -2.0, None]))
     assert "E302" not in single_null.issues["code"].to_list()
+
+
+def test_more_examples_than_five(tmp_path: Path) -> None:
+    rows = [
+        {
+            **r,
+            "sample_id": f"{r['step']}:{k}{r['sample_id']}",
+            "rollout_logprobs": [None] * len(r["input_ids"]),
+        }
+        for k in range(4)
+        for r in valid_rows()
+    ]
+    result = _check(tmp_path, rows, max_examples=8)
+    message = _only(result, "E204")["message"]
+    assert message.count("token ") == 8 and message.endswith("; 32 more")
