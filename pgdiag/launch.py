@@ -164,6 +164,7 @@ def run_workers(entry: Callable[[T], Any], job: T, *, nproc: int) -> dict[int, A
     `entry` must be a module-level function and `job` picklable. Ctrl-C stops every worker. A worker that
     dies (signal, uncaught exception) raises `WorkerCrashedError` with the worst exit code.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -182,6 +183,8 @@ def run_workers(entry: Callable[[T], Any], job: T, *, nproc: int) -> dict[int, A
     )
     try:
         return dict(elastic_launch(config, entry)(job))
+    except SignalException:  # Ctrl-C or SIGTERM: the agent has already stopped the workers
+        raise KeyboardInterrupt from None
     except ChildFailedError as failed:
         codes = [int(f.exitcode) for f in failed.failures.values()]
         worst = max(codes, key=abs)

@@ -297,6 +297,10 @@ def _as_model(
         from pgdiag.model import load_model
 
         where = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        if str(where).startswith("cuda") and not torch.cuda.is_available():
+            raise UsageError(
+                "E505", f"device {where} requested but CUDA is not available", "use --device cpu"
+            )
         loaded = load_model(model, dtype=dtype, head_dtype=head_dtype, device=where, tp_group=tp_group)
         path: str | None = str(Path(model).resolve())
     else:

@@ -19,8 +19,8 @@ sample_data/tiny-qwen` recomputes the run in seconds on a CPU, and every stream 
     run_b  the same samples (tokens, masks, rewards, advantages) seen by a second stack:
            rollout = the fp32 trainer's log-probs (an fp32 engine), old/new = a bf16 trainer (bf16 body and head)
 
-The recompute at ``--dtype fp32`` therefore matches run_a's ``old`` to ~1e-5 nats, and ``--dtype bf16`` sits
-between them.
+The recompute at ``--dtype fp32`` therefore matches run_a's ``old`` within 1e-6 nats (measured max 9.5e-7),
+and ``--dtype bf16`` sits between them.
 
 How: ``PYTHONPATH=. python sample_data/make_tiny_qwen.py`` from the repository root (needs torch and transformers,
 a dev dependency; 400 training steps, about 12 minutes measured on two CPU cores shared with other jobs, a few

@@ -13,7 +13,6 @@ object on stdout. Examples::
 from __future__ import annotations
 
 import os
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -193,7 +192,7 @@ def logprobs(
         result = _run_job(job)
         if result is None:  # a non-zero rank of a torchrun job: rank 0 reports
             return result_object("logprobs")
-        _render_summary(console, result)
+        _render_summary(console, result, verbose=verbose)
         return _result_json(result, run)
 
     execute("logprobs", body, json_out=json_out and rank == 0, quiet=quiet or rank != 0)
@@ -337,7 +336,7 @@ class ProgressRenderer:
             )
 
 
-def _render_summary(console: Console, result: RecomputeResult) -> None:
+def _render_summary(console: Console, result: RecomputeResult, *, verbose: bool) -> None:
     rate = result.n_tokens / result.seconds if result.seconds > 0 else 0.0
     settings = result.settings
     console.print(
@@ -356,6 +355,8 @@ def _render_summary(console: Console, result: RecomputeResult) -> None:
     )
     for warning in result.warnings:
         console.print(f"[yellow]warning[/] {warning}", soft_wrap=True)
+    if verbose:
+        console.print(f"settings: {result.settings.as_dict()}", markup=False, soft_wrap=True)
 
 
 def _result_json(result: RecomputeResult, run: str) -> dict[str, Any]:
@@ -372,7 +373,6 @@ def _result_json(result: RecomputeResult, run: str) -> dict[str, Any]:
     ]
     return result_object(
         "logprobs",
-        argv=sys.argv[1:],
         inputs={"runs": [run], "n_samples": result.n_samples, "n_tokens": result.n_tokens},
         summary={
             result.tag: {
