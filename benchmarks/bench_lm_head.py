@@ -9,7 +9,8 @@ inputs. The cuBLAS floor is timed again right before each provider and the ratio
 the GPU's clocks drift while it heats up. Baselines that are not installed or run out of memory are reported as such.
 
 How: ``python benchmarks/bench_lm_head.py --tokens 16384 65536 --shapes 4096x151936 8192x128256
---json out.json`` (CUDA only). ``--sweep`` also times a few Triton launch shapes at the first size.
+--json out.json`` (CUDA only). ``--sweep`` also times a few Triton launch shapes at the first size, and
+``--sweep-fp32`` the fp32-head accumulation schemes (time and max error against fp64).
 Liger (`liger-kernel`) and CCE (`cut-cross-entropy`) are optional, benchmark-only dependencies.
 """
 
@@ -28,7 +29,7 @@ import triton
 import triton.testing
 
 from pgdiag.kernels import lm_head_logprobs
-from pgdiag.kernels.lm_head_logprobs_triton import TritonTiles, lm_head_partials
+from pgdiag.kernels.lm_head_logprobs_triton import TritonTiles, default_tiles, lm_head_partials
 from pgdiag.kernels.vocab_parallel import finish_partials, merge_partials
 
 IGNORE = -100
@@ -161,6 +162,52 @@ def sweep_tiles(x: Inputs) -> list[dict]:
     return rows
 
 
+def sweep_fp32_head(x: Inputs, n_check: int = 256) -> list[dict]:
+    """fp32 head (bf16x3) speed and accuracy for a few K-accumulation schemes (`TritonTiles.k_chunk`).
+
+    Accuracy: max |error| of logprob and entropy on the first `n_check` tokens, targets sampled from the fp64
+    distribution, against fp64 logits computed on the CPU from the same inputs.
+    """
+    hidden_check = x.hidden_fp32[:n_check]
+    logits64 = hidden_check.double().cpu() @ x.weight.double().cpu().T  # (n_check, V)
+    gen = torch.Generator().manual_seed(0)
+    targets = torch.multinomial(torch.softmax(logits64, dim=1), 1, generator=gen)[:, 0]
+    log_p = torch.log_softmax(logits64, dim=1)
+    want_logprobs = log_p.gather(1, targets[:, None])[:, 0]
+    want_entropy = -(log_p.exp() * log_p).sum(1)
+    local = torch.where(x.targets == IGNORE, -1, x.targets)
+    shapes = [
+        default_tiles("bf16x3"),
+        TritonTiles(block_n=128, block_v=256, block_k=64, num_stages=3, k_chunk=64),
+        TritonTiles(block_n=128, block_v=256, block_k=64, num_stages=3, k_chunk=128),
+        TritonTiles(block_n=128, block_v=256, block_k=64, num_stages=3, k_chunk=256),
+        TritonTiles(block_n=128, block_v=256, block_k=64, num_stages=3, k_chunk=0),
+    ]
+    rows = []
+    for tiles in shapes:
+
+        def run(tiles: TritonTiles = tiles) -> tuple:
+            partials = lm_head_partials(
+                x.hidden_fp32, x.weight, local, temperature=1.0, head_dtype="fp32", tiles=tiles
+            )
+            return finish_partials(merge_partials(partials))
+
+        try:
+            check = lm_head_partials(
+                hidden_check, x.weight, targets.cuda(), temperature=1.0, head_dtype="fp32", tiles=tiles
+            )
+            logprobs, entropy, _ = finish_partials(merge_partials(check))
+            errors = {
+                "max_err_logprobs": float((logprobs.cpu().double() - want_logprobs).abs().max()),
+                "max_err_entropy": float((entropy.cpu().double() - want_entropy).abs().max()),
+            }
+            rows.append({"tiles": tiles.__dict__, **errors, **measure(run)})
+        except Exception as err:  # a launch shape that does not compile or fit is reported, not fatal
+            rows.append({"tiles": tiles.__dict__, "status": f"{type(err).__name__}: {str(err)[:200]}"})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def environment() -> dict[str, str]:
     try:
         commit = subprocess.run(
@@ -192,13 +239,15 @@ def main() -> None:
     torch.set_grad_enabled(False)
     env = environment()
     print(env, flush=True)
-    results: dict[str, object] = {"env": env, "rows": [], "sweep": []}
+    results: dict[str, object] = {"env": env, "rows": [], "sweep": [], "sweep_fp32": []}
     for n_tokens in args.tokens:
         for shape in args.shapes:
             hidden_size, vocab = (int(v) for v in shape.split("x"))
             x = make_inputs(n_tokens, hidden_size, vocab)
             if args.sweep and not results["sweep"]:
                 results["sweep"] = sweep_tiles(x)
+            if args.sweep_fp32 and not results["sweep_fp32"]:
+                results["sweep_fp32"] = sweep_fp32_head(x)
             tflop = 2 * n_tokens * hidden_size * vocab / 1e12
             runs = providers(x)
             for name, fn in runs.items():

@@ -62,6 +62,8 @@ class TritonTiles:
     programs_per_sm: int = 1
     n_splits: int = 0
     use_tma: bool = True  # load tiles through host-side TMA descriptors where the strides allow it
+    # 0: chain the accumulator over all of K; else sum every k_chunk columns afresh (a multiple of block_k)
+    k_chunk: int = 0
 
 
 def head_mode_for(head_dtype: str, weight_dtype: torch.dtype) -> str:
@@ -83,7 +85,7 @@ def default_tiles(head_mode: str) -> TritonTiles:
     """
     if head_mode == "bf16":
         return TritonTiles()
-    return TritonTiles(block_n=128, block_v=256, block_k=32, num_stages=4)
+    return TritonTiles(block_n=128, block_v=256, block_k=32, num_stages=4, k_chunk=32)
 
 
 def choose_n_splits(n_token_blocks: int, n_vocab_tiles: int, n_slots: int) -> int:
@@ -142,6 +144,57 @@ def _fold_tile(
 
 
 @triton.jit
+def _load_tiles(
+    hidden,
+    weight,
+    row_start,
+    v_start,
+    k_start,
+    safe_n,
+    safe_v,
+    offs_k,
+    hidden_size,
+    stride_hidden,
+    stride_weight,
+    USE_TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """The (BLOCK_N, BLOCK_K) hidden tile and the (BLOCK_K, BLOCK_V) W^T tile at column `k_start`."""
+    if USE_TMA:  # out-of-bounds rows/columns arrive as zeros
+        h = hidden.load([row_start, k_start])
+        w = weight.load([v_start, k_start]).T
+    else:
+        h_ptrs = hidden + safe_n[:, None] * stride_hidden + (k_start + offs_k)[None, :]
+        w_ptrs = weight + safe_v[None, :] * stride_weight + (k_start + offs_k)[:, None]
+        if EVEN_K:
+            h = tl.load(h_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = (k_start + offs_k) < hidden_size
+            h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+    return h, w
+
+
+@triton.jit
+def _mma(h, w, acc, HEAD_MODE: tl.constexpr):
+    """acc + h @ w in the head mode's arithmetic (0 plain dot, 1 hidden split in three 16-bit parts, 2 tf32x3)."""
+    if HEAD_MODE == 1:
+        h_hi = h.to(w.dtype)
+        rest = h - h_hi.to(tl.float32)
+        h_mid = rest.to(w.dtype)
+        h_lo = (rest - h_mid.to(tl.float32)).to(w.dtype)
+        acc = tl.dot(h_lo, w, acc)
+        acc = tl.dot(h_mid, w, acc)
+        acc = tl.dot(h_hi, w, acc)
+    elif HEAD_MODE == 2:
+        acc = tl.dot(h, w, acc, input_precision="tf32x3")
+    else:
+        acc = tl.dot(h, w, acc)
+    return acc
+
+
+@triton.jit
 def _lm_head_partials_kernel(
     hidden,  # (N, D) bf16/fp16 ("bf16" mode) or fp32 (split modes), READ-ONLY: pointer or TMA descriptor
     weight,  # (V_local, D) bf16/fp16 (fp32 for "tf32x3"), READ-ONLY: pointer or TMA descriptor
@@ -162,6 +215,7 @@ def _lm_head_partials_kernel(
     EVEN_K: tl.constexpr,
     HEAD_MODE: tl.constexpr,  # 0 plain dot, 1 hidden split in three 16-bit parts, 2 tf32x3
     USE_TMA: tl.constexpr,  # hidden and weight are host-side TMA descriptors (block shapes as above)
+    K_CHUNK: tl.constexpr,  # 0: one accumulator chained over K; else a fresh one every K_CHUNK columns
 ):
     # 1. which (token block, split) this program owns: groups of `group_blocks` token blocks x all splits
     pid = tl.program_id(0)
@@ -193,37 +247,67 @@ def _lm_head_partials_kernel(
         offs_v = v_start + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
         safe_v = tl.where(offs_v < vocab_local, offs_v, 0)
         acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-        # 3. logits tile H[block] @ W[tile].T in the fp32 accumulator
-        for k_start in range(0, hidden_size, BLOCK_K):
-            if USE_TMA:  # out-of-bounds rows/columns arrive as zeros
-                h = hidden.load([row_start, k_start])  # (BLOCK_N, BLOCK_K)
-                w = weight.load([v_start, k_start]).T  # (BLOCK_K, BLOCK_V)
-            else:
-                h_ptrs = hidden + safe_n[:, None] * stride_hidden + (k_start + offs_k)[None, :]
-                w_ptrs = weight + safe_v[None, :] * stride_weight + (k_start + offs_k)[:, None]
-                if EVEN_K:
-                    h = tl.load(h_ptrs)
-                    w = tl.load(w_ptrs)
-                else:
-                    k_ok = (k_start + offs_k) < hidden_size
-                    h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
-                    w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-            # The tensor cores add into their accumulator with truncation (round toward zero), a bias of
-            # ~5e-6 relative over a K = 4096 chain, as in cuBLAS. The fp32 modes therefore sum each K step
-            # into a fresh accumulator and add it to `acc` with a rounded fp32 add: the truncations then
-            # act on small partial sums of either sign and average out.
-            if HEAD_MODE == 1:
-                h_hi = h.to(w.dtype)
-                rest = h - h_hi.to(tl.float32)
-                h_mid = rest.to(w.dtype)
-                h_lo = (rest - h_mid.to(tl.float32)).to(w.dtype)
-                part = tl.dot(h_lo, w)
-                part = tl.dot(h_mid, w, part)
-                acc += tl.dot(h_hi, w, part)
-            elif HEAD_MODE == 2:
-                acc += tl.dot(h, w, input_precision="tf32x3")
-            else:
-                acc = tl.dot(h, w, acc)
+        # 3. logits tile H[block] @ W[tile].T in the fp32 accumulator. The tensor cores add into their
+        # accumulator with truncation (a bias of ~5e-6 relative over a K = 4096 chain, as in cuBLAS), so
+        # K_CHUNK > 0 sums every K_CHUNK columns into a fresh accumulator and adds it to `acc` with a
+        # rounded fp32 add: the truncations then act on small partial sums of either sign and average out.
+        if K_CHUNK == 0:
+            for k_start in range(0, hidden_size, BLOCK_K):
+                h, w = _load_tiles(
+                    hidden,
+                    weight,
+                    row_start,
+                    v_start,
+                    k_start,
+                    safe_n,
+                    safe_v,
+                    offs_k,
+                    hidden_size,
+                    stride_hidden,
+                    stride_weight,
+                    USE_TMA,
+                    EVEN_K,
+                )
+                acc = _mma(h, w, acc, HEAD_MODE)
+        elif K_CHUNK == BLOCK_K:
+            for k_start in range(0, hidden_size, BLOCK_K):
+                h, w = _load_tiles(
+                    hidden,
+                    weight,
+                    row_start,
+                    v_start,
+                    k_start,
+                    safe_n,
+                    safe_v,
+                    offs_k,
+                    hidden_size,
+                    stride_hidden,
+                    stride_weight,
+                    USE_TMA,
+                    EVEN_K,
+                )
+                acc += _mma(h, w, tl.zeros([BLOCK_N, BLOCK_V], tl.float32), HEAD_MODE)
+        else:
+            for chunk_start in range(0, hidden_size, K_CHUNK):
+                part = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+                for k_start in range(chunk_start, tl.minimum(chunk_start + K_CHUNK, hidden_size), BLOCK_K):
+                    h, w = _load_tiles(
+                        hidden,
+                        weight,
+                        row_start,
+                        v_start,
+                        k_start,
+                        safe_n,
+                        safe_v,
+                        offs_k,
+                        hidden_size,
+                        stride_hidden,
+                        stride_weight,
+                        USE_TMA,
+                        EVEN_K,
+                    )
+                    part = _mma(h, w, part, HEAD_MODE)
+                acc += part
         # 4. padded columns masked (last tile only), online softmax update, target pick
         if v_start + BLOCK_V > vocab_local:
             run_max, run_sumexp, run_centred, target_raw = _fold_tile(
@@ -277,6 +361,8 @@ def lm_head_partials(
     """
     mode = head_mode_for(head_dtype, weight.dtype)
     tiles = tiles or default_tiles(mode)
+    if tiles.k_chunk % tiles.block_k:
+        raise UsageError("E503", f"k_chunk {tiles.k_chunk} is not a multiple of block_k {tiles.block_k}")
     if hidden.device.type != "cuda" and not triton.knobs.runtime.interpret:
         raise UsageError("E503", f"impl='triton' needs CUDA tensors (got {hidden.device}); use impl='torch'")
     n_tokens, vocab_local = hidden.shape[0], weight.shape[0]
@@ -327,6 +413,7 @@ def lm_head_partials(
         EVEN_K=hidden_size % tiles.block_k == 0,
         HEAD_MODE=HEAD_MODE_CODES[mode],
         USE_TMA=use_tma,
+        K_CHUNK=tiles.k_chunk,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -7,6 +7,8 @@ fp16 and fp32 only: the interpreter's bf16 dot is not trustworthy.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import triton
@@ -29,6 +31,7 @@ def test_interpreter_is_on() -> None:
     [(torch.float16, "bf16", "bf16"), (torch.float16, "fp32", "fp16x3"), (torch.float32, "fp32", "tf32x3")],
     ids=["fp16_plain", "fp16_split3", "fp32_tf32x3"],
 )
+@pytest.mark.parametrize("k_chunk", [0, 16, 32], ids=lambda c: f"k_chunk={c}")
 @pytest.mark.parametrize(
     ("n_tokens", "hidden_size", "vocab", "n_splits"),
     [(1, 16, 5, 0), (37, 40, 131, 3), (20, 32, 80, 2)],
@@ -39,6 +42,7 @@ def test_triton_matches_fp64(
     hidden_size: int,
     vocab: int,
     n_splits: int,
+    k_chunk: int,
     dtype: torch.dtype,
     head_dtype: str,
     mode: str,
@@ -49,7 +53,7 @@ def test_triton_matches_fp64(
         n_tokens, hidden_size, vocab, seed=vocab + n_tokens, hidden_dtype=hidden_dtype, weight_dtype=dtype
     )
     local = torch.where(case.targets == IGNORE, -1, case.targets)
-    tiles = TritonTiles(**{**SMALL_TILES.__dict__, "n_splits": n_splits})
+    tiles = replace(SMALL_TILES, n_splits=n_splits, k_chunk=k_chunk)
     partials = lm_head_partials(
         case.hidden, case.weight, local, temperature=temperature, head_dtype=head_dtype, tiles=tiles
     )
