@@ -203,6 +203,9 @@ def main() -> None:
     parser.add_argument("--impl", default="auto", help="lm_head_logprobs impl")
     parser.add_argument("--attention", default="auto", help="pgdiag attention backend")
     parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--check-fp32", action="store_true",
+                        help="also run an fp32 body + fp32 head reference on the first HF batch and report each "
+                             "side's logprob error against it")  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -259,6 +262,22 @@ def main() -> None:
     tensors = dict(hf.state_dict())
     del hf
     batches = pack(rollouts, args.batch_tokens)
+    reference = None
+    if args.check_fp32:  # fp32 everything (no TF32), SDPA per document: the accuracy yardstick for both sides
+        first = rollouts[: args.hf_batch]
+        ref_model = load_from_source(cfg, TensorSource(tensors=tensors), where="HF state dict", dtype="fp32",
+                                     head_dtype="fp32", device=device, attention="sdpa")  # fmt: skip
+        reference = ours_pass(
+            ref_model, pack(first, args.batch_tokens), ref_model.lm_head_weight, "fp32", "torch"
+        )[0]
+        del ref_model
+        reset_peak(device)
+        hf_err = torch.cat([(a - b).abs() for a, b in zip(hf_out, reference, strict=False)], dim=1)
+        results["hf_vs_fp32_reference"] = {"max": float(hf_err[0].max()), "mean": float(hf_err[0].mean())}
+        print(
+            f"HF bf16 vs fp32 reference: |dlogp| max {hf_err[0].max():.3g} mean {hf_err[0].mean():.3g}",
+            flush=True,
+        )
     variants = [  # (fuse_pointwise, head_dtype)
         (False, "bf16"),
         (True, "bf16"),
@@ -280,9 +299,14 @@ def main() -> None:
                 continue
             ours, ran, mode = out
             diff = torch.cat([(a - b).abs() for a, b in zip(ours, hf_out, strict=True)], dim=1)  # (2, M)
+            extra = {}
+            if reference is not None:
+                err = torch.cat([(a - b).abs() for a, b in zip(ours, reference, strict=False)], dim=1)
+                extra = {"max_abs_diff_logprob_vs_fp32": float(err[0].max()),
+                         "mean_abs_diff_logprob_vs_fp32": float(err[0].mean())}  # fmt: skip
             row(name, times, peak, impl=ran, head_mode=mode, batches=len(batches),
                 max_abs_diff_logprob_vs_hf=float(diff[0].max()), mean_abs_diff_logprob_vs_hf=float(diff[0].mean()),
-                max_abs_diff_entropy_vs_hf=float(diff[1].max()))  # fmt: skip
+                max_abs_diff_entropy_vs_hf=float(diff[1].max()), **extra)  # fmt: skip
             break
         del model
         if args.out:
