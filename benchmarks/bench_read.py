@@ -87,6 +87,19 @@ print(json.dumps({{"seconds": round(t1 - t0, 3), "seconds_after_import": round(t
                   "samples": loaded.batch.n_samples, "rss_mb": round(usage.ru_maxrss / 1024)}}))
 """
 
+CHECK_SNIPPET = """
+import resource, sys, time, json
+sys.path.insert(0, {repo!r})
+from pgdiag.checks import check_run
+from pgdiag.runs import read_run
+t0 = time.perf_counter()
+result = check_run(read_run({path!r}))
+t1 = time.perf_counter()
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({{"seconds": round(t1 - t0, 3), "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
+                  "issues": result.issues["code"].to_list(), "rss_mb": round(usage.ru_maxrss / 1024)}}))
+"""
+
 PHASES_SNIPPET = """
 import sys, time, json
 sys.path.insert(0, {repo!r})
@@ -147,6 +160,9 @@ def main() -> None:
         result = _run(LOAD_SNIPPET.format(repo=str(REPO), path=str(run_dir)))
         print(f"pgdiag read_run + read_token_batch #{k}: {json.dumps(result)}")
     print(f"phases: {json.dumps(_run(PHASES_SNIPPET.format(repo=str(REPO), path=str(run_dir))))}")
+    print(
+        f"check_run (all streams, semantic checks): {json.dumps(_run(CHECK_SNIPPET.format(repo=str(REPO), path=str(run_dir))))}"
+    )
     if args.baseline:
         result = _run(PANDAS_SNIPPET.format(path=str(run_dir)))
         print(f"pandas explode baseline: {json.dumps(result)}")
