@@ -8,6 +8,8 @@ fresh subprocess (so peak RSS is the child's own `ru_maxrss`):
   * pandas: what users write by hand today: read both files, explode the list columns, keep loss tokens, merge on
     (step, sample_id, pos), then the headline parity numbers and mean |Δ| by position / prob bucket / step.
 Why: design/performance.md §3 sets <= 10 s wall and <= 4 GB peak RSS on the 2-core CPU machine, >= 5x pandas.
+Each child also reports its CPU seconds (user + system): on a shared machine wall time swings with the load, CPU
+time much less; the load average is printed beside the table.
 How: ``python benchmarks/bench_compare.py [--samples 20000] [--repeat 2] [--dir /tmp/pgdiag-bench-compare]``;
 files are reused when present. Prints a markdown table (median of the repeats) for docs/benchmarks.md.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -29,12 +32,13 @@ import sys, time, json
 t0 = time.perf_counter()
 from pgdiag.compare.api import compare_runs
 from pgdiag.runs import read_run
-report = compare_runs(read_run(sys.argv[1]), read_run(sys.argv[2]), by=("position", "prob_bucket", "length", "step"))
+report = compare_runs(read_run(sys.argv[1]), read_run(sys.argv[2]))  # default breakdowns
 wall = time.perf_counter() - t0
 value = report.value("mismatch/abs_mean", scope="token")
 import resource
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-print(json.dumps({"wall_s": wall, "abs_mean": value, "rows": report.summary.height, "peak_rss_mib": peak}))
+usage = resource.getrusage(resource.RUSAGE_SELF)
+peak, cpu = usage.ru_maxrss / 1024.0, usage.ru_utime + usage.ru_stime
+print(json.dumps({"wall_s": wall, "cpu_s": cpu, "abs_mean": value, "rows": report.summary.height, "peak_rss_mib": peak}))
 """
 
 PANDAS_CHILD = """
@@ -73,9 +77,10 @@ seq = m.groupby(["step", "sample_id"]).agg(sa=("lp_a", "mean"), sb=("lp_b", "mea
 seq_abs = (seq["sb"] - seq["sa"]).abs().mean()
 wall = time.perf_counter() - t0
 import resource
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+usage = resource.getrusage(resource.RUSAGE_SELF)
+peak, cpu = usage.ru_maxrss / 1024.0, usage.ru_utime + usage.ru_stime
 rows = len(by_pos) + len(by_prob) + len(by_step)
-print(json.dumps({"wall_s": wall, "abs_mean": float(out["abs_mean"]), "rows": rows, "peak_rss_mib": peak}))
+print(json.dumps({"wall_s": wall, "cpu_s": cpu, "abs_mean": float(out["abs_mean"]), "rows": rows, "peak_rss_mib": peak}))
 """
 
 
@@ -155,21 +160,29 @@ def main() -> None:
     parser.add_argument("--skip-pandas", action="store_true")
     args = parser.parse_args()
     a, b = write_runs(args.dir, args.samples)
+    load_before = os.getloadavg()
     results: dict[str, list[dict]] = {"pgdiag": [], "pandas": []}
     for _ in range(args.repeat):
         results["pgdiag"].append(run_child(PGDIAG_CHILD, a, b))
     if not args.skip_pandas:
         for _ in range(args.repeat):
             results["pandas"].append(run_child(PANDAS_CHILD, a, b))
-    print("| implementation | wall s (median) | process s (median) | peak RSS MiB | mean abs Δ |")
-    print("|---|---|---|---|---|")
+    print(
+        "| implementation | wall s (median; min) | CPU s (median) | process s (median) | peak RSS MiB | mean abs Δ |"
+    )
+    print("|---|---|---|---|---|---|")
     for name, runs in results.items():
         if not runs:
             continue
         wall = statistics.median(r["wall_s"] for r in runs)
+        fastest = min(r["wall_s"] for r in runs)
+        cpu = statistics.median(r["cpu_s"] for r in runs)
         proc = statistics.median(r["process_s"] for r in runs)
         rss = max(r["peak_rss_mib"] for r in runs)
-        print(f"| {name} | {wall:.2f} | {proc:.2f} | {rss:.0f} | {runs[0]['abs_mean']:.6g} |")
+        print(
+            f"| {name} | {wall:.2f}; {fastest:.2f} | {cpu:.2f} | {proc:.2f} | {rss:.0f} | {runs[0]['abs_mean']:.6g} |"
+        )
+    print(f"load average before/after: {load_before} / {os.getloadavg()}")
     print(json.dumps(results))
 
 

@@ -110,9 +110,9 @@ def resolve_streams(
 def _read_side(source: Any, streams: Sequence[str], *, ignore: Collection[str], max_examples: int) -> Side:
     if isinstance(source, TokenBatch):
         return Side(source, None, None, None)
-    from pgdiag.runs import Run, read_run, read_token_batch
+    from pgdiag.runs import read_token_batch
 
-    run = source if isinstance(source, Run) else read_run(Path(source))
+    run = source
     entropy = [s for s in streams if s in run.entropy_streams]
     loaded = read_token_batch(
         run,
@@ -142,13 +142,17 @@ def _seq_hashes(run: Any, batch: TokenBatch) -> np.ndarray | None:
     return picked["seq_hash"].cast(pl.UInt64).to_numpy() if same else None
 
 
-def _streams_of(source: Any) -> list[str]:
+def _as_source(source: Any) -> Any:
+    """A `TokenBatch` or `Run` as given; a path is read once with `read_run`."""
     if isinstance(source, TokenBatch):
-        return list(source.streams)
+        return source
     from pgdiag.runs import Run, read_run
 
-    run = source if isinstance(source, Run) else read_run(Path(source))
-    return list(run.streams)
+    return source if isinstance(source, Run) else read_run(Path(source))
+
+
+def _streams_of(source: Any) -> list[str]:
+    return list(source.streams)
 
 
 def _rows(
@@ -346,6 +350,8 @@ def run_comparison(
             "E112", f"clip band needs 0 <= eps-low < 1 and eps-high >= 0 (got {eps_low}, {eps_high})"
         )
     one_run = b is None
+    a = _as_source(a)
+    b = None if one_run else _as_source(b)
     streams_a = _streams_of(a)
     streams_b = None if one_run else _streams_of(b)
     sa, sb = resolve_streams(streams_a, streams_b, stream_a, stream_b)

@@ -21,7 +21,6 @@ from pgdiag.compare.align import AlignedPair
 from pgdiag.errors import UsageError
 
 BREAKDOWNS = ("position", "prob_bucket", "entropy_bucket", "length", "step", "env")
-DEFAULT_BREAKDOWNS = BREAKDOWNS
 PROB_EDGES = (0.0, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0)
 ENTROPY_EDGES = (0.0, 0.01, 0.1, 0.5, 1.0, 2.0, 4.0, np.inf)  # nats
 DOUBLING_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, np.inf)
