@@ -259,7 +259,8 @@ def semantic_checks(
 def metadata_checks(
     meta: Mapping[str, Any], streams: Sequence[str], recompute_settings: Mapping[str, Mapping]
 ) -> list[Issue]:
-    """Footer checks: W403 (processed with truncation), W405 (retokenized), W409 (unknown), W411 (dtypes).
+    """Footer checks: W402 (temperature), W403 (processed with truncation), W405 (retokenized), W408 (TRL
+    without old), W409 (unknown semantics), W411 (dtypes).
 
     `meta` is a decoded rollouts footer; `recompute_settings` maps recompute tags to their ``settings``.
     """
@@ -280,8 +281,23 @@ def metadata_checks(
         info = stream_meta.get(stream) or stream_meta.get(stream_column(stream))
         if stream in recompute_settings:
             settings = recompute_settings[stream]
-            if settings.get("temperature_source") == "fallback":
+            if settings.get("temperature_source") == "default":
                 issues.append(Issue("W409", "warning", 1, f"{stream}: recompute fell back to T = 1"))
+            sampled_t, recompute_t = sampling.get("temperature"), settings.get("temperature")
+            if (
+                isinstance(sampled_t, int | float)
+                and isinstance(recompute_t, int | float)
+                and sampled_t != recompute_t
+            ):
+                issues.append(
+                    Issue(
+                        "W402",
+                        "warning",
+                        1,
+                        f"rollout sampled at T={sampled_t:g} but {stream} used T={recompute_t:g}",
+                        hint="recompute with --temperature auto or the sampling temperature",
+                    )
+                )
             if settings.get("head_dtype"):
                 dtypes[stream] = str(settings["head_dtype"])
             continue
@@ -311,6 +327,25 @@ def metadata_checks(
             )
         if info.get("head_dtype"):
             dtypes[stream] = str(info["head_dtype"])
+    tempered = {s: (stream_meta.get(s) or {}).get("tempered") for s in streams if s not in recompute_settings}
+    known = {s: t for s, t in tempered.items() if isinstance(t, bool)}
+    sampled_t = sampling.get("temperature")
+    if isinstance(sampled_t, int | float) and sampled_t != 1 and len(set(known.values())) > 1:
+        text = ", ".join(f"{stream_column(s)} tempered={t}" for s, t in known.items())
+        issues.append(
+            Issue(
+                "W402", "warning", 1, f"sampled at T={sampled_t:g} but streams disagree on tempering: {text}"
+            )
+        )
+    if (meta.get("source") or {}).get("framework") == "trl" and "old" not in streams:
+        issues.append(
+            Issue(
+                "W408",
+                "warning",
+                1,
+                "old_logprobs absent: with one iteration only sampling log-probs describe the behaviour policy",
+            )
+        )
     if len(set(dtypes.values())) > 1:
         text = " vs ".join(f"{s} head {d}" for s, d in dtypes.items())
         issues.append(Issue("W411", "warning", 1, f"precision mismatch: {text}"))
@@ -499,6 +534,17 @@ def _single_run_issues(
     for a, b in pairs:
         issues += semantic_checks(
             batch, a, b, max_examples=max_examples, sampling_side_is_engine=a == "rollout"
+        )
+    if {"old", "new"} <= set(batch.streams) and np.array_equal(
+        batch.streams["old"], batch.streams["new"], equal_nan=True
+    ):
+        issues.append(
+            Issue(
+                "W408",
+                "warning",
+                batch.n_tokens,
+                "old_logprobs identical to new_logprobs: one iteration only?",
+            )
         )
     issues += metadata_checks(run.meta, pair_streams, _recompute_settings(run))
     return issues, found.bad_rows is None

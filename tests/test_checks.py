@@ -170,11 +170,20 @@ def test_metadata_checks() -> None:
         "source": {"retokenized": True},
     }
     issues = metadata_checks(
-        meta, ["rollout", "rc"], {"rc": {"head_dtype": "fp32", "temperature_source": "fallback"}}
+        meta, ["rollout", "rc"], {"rc": {"head_dtype": "fp32", "temperature_source": "default"}}
     )
     assert _codes(issues) == ["W403", "W405", "W409", "W409", "W411"]
     assert any(i.message == "rollout_logprobs: tempered unknown" for i in issues)
     assert any("rollout head bf16 vs rc head fp32" in i.message for i in issues)
+    tempered = {
+        "streams": {"rollout": {"tempered": True, "logprobs_mode": "raw"}, "old": {"tempered": False}},
+        "sampling": {"temperature": 0.6},
+        "source": {"framework": "trl"},
+    }
+    issues = metadata_checks(tempered, ["rollout", "old", "rc"], {"rc": {"temperature": 1.0}})
+    assert _codes(issues) == ["W402", "W402"]
+    assert any(i.message == "rollout sampled at T=0.6 but rc used T=1" for i in issues)
+    assert _codes(metadata_checks(tempered, ["rollout"], {})) == ["W408"]
     clean = {"streams": {"rollout": {"tempered": False, "logprobs_mode": "raw"}}, "sampling": {"top_p": 1.0}}
     assert metadata_checks(clean, ["rollout"], {}) == []
 
@@ -271,3 +280,10 @@ def test_cross_run_validates_the_second_run(tmp_path: Path) -> None:
     broken[0]["old_logprobs"] = [None, None, -0.5, None, -1.0]
     result = check_run(base, read_run(write_rollouts_file(tmp_path / "b.parquet", broken)))
     assert result.issues["code"].to_list() == ["E201"] and "b.parquet" in result.issues["message"][0]
+
+
+def test_identical_old_and_new(tmp_path: Path) -> None:
+    rows = [{**r, "new_logprobs": list(r["old_logprobs"])} for r in valid_rows()]
+    result = check_run(read_run(write_rollouts_file(tmp_path / "same.parquet", rows)))
+    w408 = result.issues.filter(pl.col("code") == "W408").to_dicts()
+    assert len(w408) == 1 and w408[0]["count"] == 10 and result.exit_code == EXIT_OK
