@@ -14,7 +14,6 @@ from typing import Any
 
 from pgdiag.errors import UsageError
 from pgdiag.metrics.settings import EMPTY_SEQS, KEY_STYLES, LEVELS, METRIC_REDUCTIONS, MetricSettings
-from pgdiag.metrics.values import MetricValue
 from pgdiag.report import Report, ReportRow, summary_frame
 from pgdiag.runs import Run, read_token_batch
 
@@ -112,23 +111,6 @@ def _pair_names(label: str, settings: MetricSettings) -> tuple[str, str | None]:
     return policy, mismatch
 
 
-def _pooled_modes(per_step: list[tuple[str, Any]], pooled: Any) -> tuple[MetricValue, ...]:
-    """Pooled-row values where every ``mode``-reduced value (a loss) is the unweighted mean over steps."""
-    by_key: dict[str, list[float]] = {}
-    for _, step in per_step:
-        for v in step.values:
-            if v.reduction == "mode" and v.value is not None:
-                by_key.setdefault(v.key, []).append(v.value)
-    out = []
-    for v in pooled.values:
-        if v.reduction == "mode":
-            values = by_key.get(v.key, [])
-            mean = sum(values) / len(values) if values else None
-            v = MetricValue(v.key, mean, v.unit, "step-mean", len(values))
-        out.append(v)
-    return tuple(out)
-
-
 def compute_metrics(
     run: Run,
     *,
@@ -143,8 +125,8 @@ def compute_metrics(
     ``compute_metrics(run, aggregation="constant", divisor=40960)``; `settings` may be given whole instead.
     Every aggregation mode is always reported (``loss/<mode>``); `aggregation` picks the headline ``loss/pg``.
     """
-    from pgdiag.metrics.engine import compute_native, split_steps
-    from pgdiag.metrics.styles import compute_step_style
+    from pgdiag.metrics.engine import compute_by_step, compute_native
+    from pgdiag.metrics.styles import check_style_settings, compute_step_style
 
     if settings is None:
         unknown = set(options) - set(MetricSettings.__dataclass_fields__)
@@ -154,6 +136,8 @@ def compute_metrics(
     elif options:
         settings = replace(settings, **options)
     _validate_settings(settings)
+    if settings.key_style != "pgdiag":
+        check_style_settings(settings)
     settings = resolve_streams(run, settings)
 
     streams = [
@@ -175,16 +159,9 @@ def compute_metrics(
     if settings.key_style == "pgdiag":
         results = compute_native(batch, settings)
     else:
-        parts = split_steps(batch, settings)
-        per_step = []
-        for label, step_batch, status in parts:
-            step = compute_step_style(step_batch, settings)
-            if status != "ok" and step.status == "ok":
-                step = replace(step, status=status)
-            per_step.append((label, step))
-        pooled = compute_step_style(batch, settings)
-        pooled = replace(pooled, values=_pooled_modes(per_step, pooled))
-        results = [*per_step, ("all", pooled)]
+        results = compute_by_step(
+            batch, settings, lambda step, s, n_split: compute_step_style(step, s, groups_split=n_split)
+        )
 
     policy_pair, mismatch_pair = _pair_names(run.label, settings)
     rows: list[ReportRow] = []

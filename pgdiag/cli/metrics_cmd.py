@@ -118,9 +118,9 @@ def metrics(
         str | None, typer.Option(help="Recompute tag whose entropy feeds entropy/*.", rich_help_panel=STREAMS)
     ] = None,
     aggregation: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help="Headline loss/pg mode: token_mean, sample_mean, prompt_mean, constant, seq_mean_token_sum, token_sum, gspo_seq_mean, gspo_length_prop, gspo_token_mean, or a framework alias (verl seq-mean-token-sum-norm, TRL dr_grpo, fast-llm:grpo, ...). All modes are always reported.",
+            help="Headline loss/pg mode: token_mean, sample_mean, prompt_mean, constant, seq_mean_token_sum, token_sum, gspo_seq_mean, gspo_length_prop, gspo_token_mean, or a framework alias (verl seq-mean-token-sum-norm, TRL dr_grpo, fast-llm:grpo, ...). All modes are always reported. Default: token_mean; under --key-style, the framework's own default.",
             rich_help_panel=METRICS,
         ),
     ] = _DEFAULTS.aggregation,

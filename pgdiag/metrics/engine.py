@@ -21,6 +21,7 @@ in `settings` are already resolved; a None name means the family is not computed
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -60,7 +61,14 @@ from pgdiag.metrics.reduce import REDUCTION_MODES, TokenReducer, take_rows
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.metrics.values import MetricValue
 
-__all__ = ["StepMetrics", "compute_native", "compute_step_native", "resolve_aggregation", "split_steps"]
+__all__ = [
+    "StepMetrics",
+    "compute_by_step",
+    "compute_native",
+    "compute_step_native",
+    "resolve_aggregation",
+    "split_steps",
+]
 
 STATUS_ORDER = ("ok", "partial", "nonfinite", "empty")  # a later status wins when two apply
 REDUCE_THREADS = 2  # steps are reduced in parallel; the CPU target machine has 2 cores
@@ -306,6 +314,40 @@ def compute_step_native(batch: TokenBatch, settings: MetricSettings, *, groups_s
     return reduce_rows(tables, 0, batch.n_samples, settings, resolved, groups_split)
 
 
+def compute_by_step(
+    batch: TokenBatch,
+    settings: MetricSettings,
+    compute_step: Callable[[TokenBatch, MetricSettings, int], StepMetrics],
+) -> list[tuple[str, StepMetrics]]:
+    """Per-step rows plus the ``all`` row for any per-step function (the key styles of §8).
+
+    `compute_step(step_batch, settings, groups_split)` computes one step; the steps, their statuses, the
+    groups straddling a `--docs-per-step` cut and the pooled batch are the same as `compute_native`'s, and the
+    pooled row's ``mode``-reduced values (losses) are the unweighted mean over the steps (§0.2 rule 7).
+    """
+    parts = split_steps(batch, settings)
+    step_index = _step_index(batch, settings)
+    pooled = _pooled_batch(batch, settings, step_index)
+    if settings.docs_per_step is None:
+        split_groups = np.zeros(0, dtype=np.int64)  # groups are prompts within a step: none can straddle
+    else:
+        split_groups = _straddling_groups(pooled.group, step_index)
+    rows: list[tuple[str, StepMetrics]] = []
+    for label, step_batch, status in parts:
+        n_split = int(np.count_nonzero(np.isin(np.unique(step_batch.group), split_groups)))
+        metrics = compute_step(step_batch, settings, n_split)
+        if status == "partial":
+            metrics = replace(
+                metrics,
+                status=_worse(metrics.status, "partial"),
+                notices=(*metrics.notices, f"step {label}: final partial step of --docs-per-step"),
+            )
+        rows.append((label, metrics))
+    pooled_metrics = compute_step(pooled, settings, int(split_groups.shape[0]))
+    rows.append(("all", _average_loss_over_steps(pooled_metrics, [m for _, m in rows])))
+    return rows
+
+
 def split_steps(batch: TokenBatch, settings: MetricSettings) -> list[tuple[str, TokenBatch, str]]:
     """(step label, step batch, status) in step order.
 
@@ -449,11 +491,12 @@ def _straddling_groups(group: np.ndarray, step_index: np.ndarray) -> np.ndarray:
 
 
 def _average_loss_over_steps(pooled: StepMetrics, steps: list[StepMetrics]) -> StepMetrics:
-    """Replace `loss/*` and `grad/*` of the pooled row by their unweighted mean over the steps with a value."""
+    """Replace the ``mode``-reduced values of the pooled row (`loss/*`, `grad/*`, a style's loss keys) by their
+    unweighted mean over the steps with a value."""
     per_step = [s.by_key() for s in steps]
     values = []
     for value in pooled.values:
-        if value.key.startswith(("loss/", "grad/")):
+        if value.reduction == "mode" or value.key.startswith(("loss/", "grad/")):
             found = [row[value.key].value for row in per_step if value.key in row]
             numbers = [v for v in found if v is not None]
             if not numbers:

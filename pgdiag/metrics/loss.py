@@ -105,12 +105,16 @@ class ResolvedAggregation:
     denominator: str  # the framework's exact denominator (docs and report header)
 
 
-def resolve_aggregation(name: str, settings: MetricSettings) -> ResolvedAggregation:
+def resolve_aggregation(name: str | None, settings: MetricSettings) -> ResolvedAggregation:
     """Map a native mode or a framework alias of §7.3 (``verl:seq-mean-token-mean``, ``dr_grpo``) to a mode.
+
+    None (no `--aggregation`) is the native default, ``token_mean``.
 
     Raises UsageError for an unknown name, a prefix-only alias given bare, an alias with no native mode at
     `settings.level`, or `constant` without a positive `--divisor`.
     """
+    if name is None:
+        name = "token_mean"
     if name in NATIVE_MODES:
         rule = None
         mode = name

@@ -28,7 +28,9 @@ class MetricSettings:
     ref: str | None = None
     entropy: str | None = None  # recompute tag whose entropy feeds entropy/*
     # loss and clipping
-    aggregation: str = "token_mean"  # headline loss/pg; a native mode or a framework alias (§7.3)
+    aggregation: str | None = (
+        None  # headline loss/pg; a native mode or alias (§7.3); None = the style's default
+    )
     divisor: float | None = None  # L of `constant`; loss_scale_factor / max_completion_length for aliases
     grad_divisor: float | None = None
     eps_low: float = 0.2

@@ -107,12 +107,13 @@ def test_rollout_pair_keys_and_tis() -> None:
     assert tis["train/tis_abs"] == pytest.approx((E(0.5) - 1 + E(1.0) - 1) / 2, rel=1e-12)
 
 
-def test_native_default_aggregation_reads_as_sample_mean_with_a_notice() -> None:
+def test_default_aggregation_is_miles_sample_mean_and_token_mean_is_honoured() -> None:
     batch = worked_example()
-    result = compute_step_style(batch, settings_for("miles", batch))  # aggregation = "token_mean" default
-    assert any("miles:token_mean" in n for n in result.notices)
+    default = values_of(compute_step_style(batch, settings_for("miles", batch)))  # no --aggregation
     explicit = values_of(compute_step_style(batch, settings_for("miles", batch, aggregation="sample_mean")))
-    assert values_of(result)["train/pg_loss"] == explicit["train/pg_loss"]
+    assert default["train/pg_loss"] == explicit["train/pg_loss"] == pytest.approx(0.001114, abs=1e-6)
+    token = values_of(compute_step_style(batch, settings_for("miles", batch, aggregation="token_mean")))
+    assert token["train/pg_loss"] == pytest.approx(0.080553, abs=1e-6)
 
 
 @pytest.mark.parametrize(

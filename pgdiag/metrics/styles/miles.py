@@ -49,8 +49,8 @@ TIS_CLIP_LOW, TIS_CLIP_HIGH = 0.0, 2.0
 
 
 def loss_aggregation(settings: MetricSettings) -> str:
-    """miles' `--loss-aggregation` for these settings (the native default token_mean → sample_mean)."""
-    if settings.aggregation is None or settings.aggregation == "token_mean":
+    """miles' `--loss-aggregation` for these settings (no `--aggregation`: miles' default sample_mean)."""
+    if settings.aggregation is None:
         return "sample_mean"
     return resolve_alias("miles", settings.aggregation, _LOSS_AGGREGATIONS, "sample_mean")
 
@@ -75,10 +75,6 @@ def compute_miles(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     agg = loss_aggregation(settings)
     s = inputs.n_samples
     notices = []
-    if settings.aggregation == "token_mean":
-        notices.append(
-            "miles: --aggregation token_mean read as miles' default sample_mean; use miles:token_mean"
-        )
     if s and int(np.max(np.bincount(inputs.document))) > 1:
         notices.append("miles: documents with several rows (multi-sample rollouts) are not reproduced in v1")
     if settings.tis and not inputs.has_pair:
