@@ -38,7 +38,7 @@ import torch
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.kernels import lm_head_logprobs, resolve_impl
 from pgdiag.launch import ParallelLayout, barrier, current_layout
-from pgdiag.packing import PackOrder, pack_samples, plan_batches
+from pgdiag.packing import PackOrder, pack_samples, plan_batches, plan_micro_batches
 from pgdiag.recompute_inputs import (
     Part,
     RecomputeInputs,
@@ -71,7 +71,7 @@ class RecomputeSettings:
     head_dtype: str
     temperature: float | None  # None: per-token values from `temperature_tok` / `temperature` columns
     temperature_source: str  # option, temperature_tok, temperature, sampling, default
-    softmax_vocab: int
+    softmax_vocab: int  # rows of the head the softmax runs over (the config's vocab_size unless restricted)
     impl: str  # resolved: triton or torch
     batch_tokens: int
     order: str
@@ -79,9 +79,9 @@ class RecomputeSettings:
     tp: int
     dp: int
     entropy: bool
-    attn: str = "sdpa"
+    attn: str  # resolved attention backend of the model body
+    micro_batch: int | None  # fixed samples per forward; None = pack into batch_tokens
     pack: bool = True
-    micro_batch: int | None = None
     deterministic: bool = False
 
     def as_dict(self) -> dict[str, Any]:
@@ -133,6 +133,9 @@ def recompute_logprobs(
     impl: str = "auto",
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     order: PackOrder = "length",
+    micro_batch: int | None = None,
+    softmax_vocab: int | Literal["config", "tokenizer"] = "config",
+    attn: str = "auto",
     tp_group: torch.distributed.ProcessGroup | None = None,
     out: str | Path | None = None,
     resume: bool = True,
@@ -148,10 +151,15 @@ def recompute_logprobs(
     Raises UsageError E505 (bad option), E502 (output exists: complete, or without resume; pass `overwrite`), E503
     (the output under this tag was made with other settings or inputs), InvalidInputError E102/E201/E203/E208/E213
     (bad rollouts: missing column, length mismatch, loss at position 0, token id outside the vocabulary, nulls).
+    `softmax_vocab` restricts the softmax to the first N head rows (``"tokenizer"``: the run's recorded
+    tokenizer length), to test the padded-vocabulary gotcha; `micro_batch` forwards a fixed number of samples at a
+    time instead of packing into `batch_tokens`; `attn` picks the body's attention backend (docs/models.md).
     Under torch.distributed every rank calls this with the same arguments and its own `tp_group`.
     """
     start_time = time.perf_counter()
     _check_options(dtype, head_dtype, impl, batch_tokens, part_samples, temperature)
+    if micro_batch is not None and micro_batch < 1:
+        raise UsageError("E505", f"micro_batch must be >= 1, got {micro_batch}")
     tag = tag or default_tag(dtype, head_dtype)
     if not TAG_PATTERN.fullmatch(tag) or tag in BASE_STREAMS:
         raise UsageError("E505", f"invalid tag {tag!r}", "use [a-z][a-z0-9_]{0,39}, not rollout/old/ref/new")
@@ -160,9 +168,9 @@ def recompute_logprobs(
     out_dir = _output_dir(run_obj, tag, out)
 
     model_obj, model_meta = _as_model(
-        model, dtype=dtype, head_dtype=head_dtype, device=device, tp_group=tp_group
+        model, dtype=dtype, head_dtype=head_dtype, device=device, tp_group=tp_group, attn=attn
     )
-    vocab_size = int(model_obj.config.vocab_size)
+    vocab_size = _softmax_vocab(softmax_vocab, run_obj, int(model_obj.config.vocab_size))
     inputs = read_inputs(run_obj, vocab_size)
     temp_value, temp_source, temp_warnings = resolve_temperature(run_obj, inputs, temperature)
     warnings = (*(f"{code}: {message}" for code, message in model_obj.load_warnings), *temp_warnings)
@@ -184,6 +192,8 @@ def recompute_logprobs(
         tp=layout.tp_size,
         dp=layout.dp_size,
         entropy=entropy,
+        attn=str(model_obj.attention_backend),
+        micro_batch=micro_batch,
     )
     parts = plan_parts(inputs, part_samples)
     fingerprint = f"{input_fingerprint(inputs.keys(range(len(inputs.step)))):016x}"
@@ -291,6 +301,7 @@ def _as_model(
     head_dtype: str,
     device: str | torch.device | None,
     tp_group: Any,
+    attn: str,
 ) -> tuple[CausalLM, dict[str, Any]]:
     """The loaded model and its ``pgdiag.recompute.model`` metadata."""
     if isinstance(model, (str, Path)):
@@ -301,7 +312,9 @@ def _as_model(
             raise UsageError(
                 "E505", f"device {where} requested but CUDA is not available", "use --device cpu"
             )
-        loaded = load_model(model, dtype=dtype, head_dtype=head_dtype, device=where, tp_group=tp_group)
+        loaded = load_model(
+            model, dtype=dtype, head_dtype=head_dtype, device=where, tp_group=tp_group, attention=attn
+        )
         path: str | None = str(Path(model).resolve())
     else:
         loaded, path = model, None
@@ -313,6 +326,32 @@ def _as_model(
         "storage_dtype": config.storage_dtype,
     }
     return loaded, meta
+
+
+def _softmax_vocab(option: int | str, run: Run, config_vocab: int) -> int:
+    """The number of head rows the softmax runs over: the config's vocab_size, the run's tokenizer length, or N."""
+    if option == "config":
+        return config_vocab
+    if option == "tokenizer":
+        tokenizer = (run.meta or {}).get("tokenizer") or {}
+        length = tokenizer.get("tokenizer_len") if isinstance(tokenizer, dict) else None
+        if not isinstance(length, int):
+            raise UsageError(
+                "E505", "--softmax-vocab tokenizer: the run records no tokenizer length", "pass a number"
+            )
+        option = length
+    if not isinstance(option, int) or not 1 <= option <= config_vocab:
+        raise UsageError(
+            "E505", f"softmax_vocab must be 'config', 'tokenizer' or 1..{config_vocab}, got {option!r}"
+        )
+    return option
+
+
+def _head_rows(model: CausalLM, softmax_vocab: int) -> torch.Tensor:
+    """(V_used, H) this rank's head rows below `softmax_vocab` (all of them unless the softmax is restricted)."""
+    weight = model.lm_head_weight  # (V_local, H)
+    keep = min(max(softmax_vocab - int(model.vocab_start), 0), weight.shape[0])
+    return weight if keep == weight.shape[0] else weight[:keep]
 
 
 _COMPARED = ("model", "settings", "input_fingerprint")
@@ -415,6 +454,7 @@ def _compute_parts(
     tokens_total = int(sum(lengths[rows].sum() for _, rows in active))
     samples_total = sum(p.stop - p.start for p in parts)
     tokens_done = samples_done = loss_done = 0
+    head = _head_rows(model, settings.softmax_vocab)  # (V_used, H)
     ids_rows = [inputs.input_ids[inputs.offsets[r] : inputs.offsets[r + 1]] for r in range(len(lengths))]
     mask_rows = [inputs.loss_mask[inputs.offsets[r] : inputs.offsets[r + 1]] for r in range(len(lengths))]
     for done_parts, (part, rows) in enumerate(active):
@@ -422,7 +462,11 @@ def _compute_parts(
         entropy = np.zeros_like(logprobs)
         base = int(inputs.offsets[part.start])
         with torch.inference_mode():
-            for batch in plan_batches(lengths[rows], settings.batch_tokens, order=settings.order):
+            if settings.micro_batch is None:
+                batches = plan_batches(lengths[rows], settings.batch_tokens, order=settings.order)
+            else:
+                batches = plan_micro_batches(lengths[rows], settings.micro_batch, order=settings.order)
+            for batch in batches:
                 packed = pack_samples(ids_rows, mask_rows, rows[batch])
                 hidden = model.hidden_states(
                     packed.input_ids.to(device), packed.position_ids.to(device), packed.cu_seqlens.to(device)
@@ -435,7 +479,7 @@ def _compute_parts(
                 for temp, select in _temperature_groups(settings.temperature, inputs.temperature, flat):
                     result = lm_head_logprobs(
                         hidden if select is None else hidden[select.to(device)],
-                        model.lm_head_weight,
+                        head,
                         targets if select is None else targets[select.to(device)],
                         temperature=temp,
                         head_dtype=settings.head_dtype,

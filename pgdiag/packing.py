@@ -13,6 +13,8 @@ every loss position ``t`` (``loss_mask[t]`` true, ``t >= 1``) `pack_samples` emi
 ``hidden_index = start + t - 1`` and ``targets = input_ids[start + t]``. Callers gather
 ``hidden[hidden_index]`` and never reason about offsets themselves.
 
+`plan_micro_batches` instead cuts a fixed number of samples per forward, to mimic a trainer's batch shape.
+
 How: ``batches = plan_batches(lengths, 32768)`` then ``pack_samples(ids, masks, batches[0])``.
 """
 
@@ -80,6 +82,26 @@ def plan_batches(
             batches[slot].append(idx)
             room[slot] -= n
     return [np.asarray(b, dtype=np.int64) for b in batches]
+
+
+def plan_micro_batches(
+    lengths: Sequence[int], micro_batch: int, *, order: PackOrder = "length"
+) -> list[np.ndarray]:
+    """Batches of exactly `micro_batch` samples (the last may be smaller), ignoring the token budget.
+
+    Mimics a trainer that feeds a fixed number of samples per forward (``--micro-batch``): samples are taken
+    longest first (``order="length"``, ties in input order) or in input order, and cut into consecutive chunks.
+    """
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+    lens = np.asarray(lengths, dtype=np.int64)  # (S,)
+    if order == "length":
+        ordered = np.argsort(-lens, kind="stable")
+    elif order == "source":
+        ordered = np.arange(lens.shape[0], dtype=np.int64)
+    else:
+        raise ValueError(f"order must be 'length' or 'source', got {order!r}")
+    return [ordered[i : i + micro_batch] for i in range(0, ordered.shape[0], micro_batch)]
 
 
 def _next_fit(lens: np.ndarray, batch_tokens: int) -> list[np.ndarray]:

@@ -50,7 +50,9 @@ def make_checkpoint(directory: Path) -> torch.nn.Module:
     return model
 
 
-def make_rows(seed: int = 0, n_steps: int = 2, groups: int = 2, per_group: int = 3) -> list[dict]:
+def make_rows(
+    seed: int = 0, n_steps: int = 2, groups: int = 2, per_group: int = 3, vocab: int = VOCAB
+) -> list[dict]:
     """Samples with prompts, masked tool spans in the middle, one sample without loss tokens."""
     rng = np.random.default_rng(seed)
     rows = []
@@ -70,7 +72,7 @@ def make_rows(seed: int = 0, n_steps: int = 2, groups: int = 2, per_group: int =
                         "step": step,
                         "sample_id": f"{step}:{g}:{k}",
                         "group_id": f"g{step}{g}",
-                        "input_ids": rng.integers(0, VOCAB, size=n).tolist(),
+                        "input_ids": rng.integers(0, vocab, size=n).tolist(),
                         "prompt_len": prompt_len,
                         "loss_mask": mask,
                         "rollout_logprobs": [-0.5 if m else None for m in mask],
@@ -89,11 +91,11 @@ def write_run(directory: Path, rows: list[dict], temperature: float | None = TEM
 
 
 def naive_reference(
-    model: torch.nn.Module, ids: list[int], temperature: float
+    model: torch.nn.Module, ids: list[int], temperature: float, softmax_vocab: int = VOCAB
 ) -> tuple[np.ndarray, np.ndarray]:
     """(T,) log-prob and entropy of each token t given tokens < t (NaN at t = 0), fp64, one sample alone."""
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].double() / temperature  # (T, V)
+        logits = model(torch.tensor([ids])).logits[0, :, :softmax_vocab].double() / temperature  # (T, V)
     logp = torch.log_softmax(logits, dim=-1)
     lp, ent = np.full(len(ids), np.nan), np.full(len(ids), np.nan)
     for t in range(1, len(ids)):
@@ -167,13 +169,17 @@ def test_packed_equals_one_sample_per_forward(checkpoint, tmp_path: Path) -> Non
     run = write_run(tmp_path / "run", make_rows(seed=3))
     alone = recompute_logprobs(run, ckpt, dtype="fp32", tag="alone", batch_tokens=1, device="cpu")
     packed = recompute_logprobs(run, ckpt, dtype="fp32", tag="packed", batch_tokens=4096, device="cpu")
-    a, b = read_stream(alone.path), read_stream(packed.path)
-    assert a["sample_id"].to_list() == b["sample_id"].to_list()
-    for col in ("logprobs", "entropy"):
-        x = np.array(a[col].explode().fill_null(np.nan).to_list(), dtype=float)
-        y = np.array(b[col].explode().fill_null(np.nan).to_list(), dtype=float)
-        assert np.array_equal(np.isnan(x), np.isnan(y))
-        np.testing.assert_allclose(x[~np.isnan(x)], y[~np.isnan(y)], atol=1e-5, rtol=0)
+    micro = recompute_logprobs(run, ckpt, dtype="fp32", tag="micro", micro_batch=2, device="cpu")
+    assert (packed.settings.micro_batch, micro.settings.micro_batch) == (None, 2)
+    a = read_stream(alone.path)
+    for other in (packed, micro):
+        b = read_stream(other.path)
+        assert a["sample_id"].to_list() == b["sample_id"].to_list()
+        for col in ("logprobs", "entropy"):
+            x = np.array(a[col].explode().fill_null(np.nan).to_list(), dtype=float)
+            y = np.array(b[col].explode().fill_null(np.nan).to_list(), dtype=float)
+            assert np.array_equal(np.isnan(x), np.isnan(y))
+            np.testing.assert_allclose(x[~np.isnan(x)], y[~np.isnan(y)], atol=1e-5, rtol=0)
 
 
 def test_temperature_option_and_column(checkpoint, tmp_path: Path) -> None:
@@ -198,6 +204,28 @@ def test_temperature_option_and_column(checkpoint, tmp_path: Path) -> None:
     assert [w[:4] for w in default.warnings] == ["W409"]
     forced = recompute_logprobs(plain, ckpt, dtype="fp32", tag="forced", temperature=2.0, device="cpu")
     assert forced.settings.temperature == 2.0 and forced.settings.temperature_source == "option"
+
+
+def test_softmax_vocab_restricts_the_head(checkpoint, tmp_path: Path) -> None:
+    ckpt, hf_model = checkpoint
+    rows = make_rows(seed=9, n_steps=1, groups=1, per_group=2, vocab=80)
+    run = write_run(tmp_path / "run", rows)
+    result = recompute_logprobs(run, ckpt, dtype="fp32", softmax_vocab=80, device="cpu")
+    assert result.settings.softmax_vocab == 80
+    for row in read_stream(result.path).iter_rows(named=True):
+        src = next(r for r in rows if r["sample_id"] == row["sample_id"])
+        lp_ref, ent_ref = naive_reference(hf_model, src["input_ids"], TEMPERATURE, softmax_vocab=80)
+        mask = np.array(src["loss_mask"])
+        lp = np.array([np.nan if v is None else v for v in row["logprobs"]])
+        ent = np.array([np.nan if v is None else v for v in row["entropy"]])
+        np.testing.assert_allclose(lp[mask], lp_ref[mask], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(ent[mask], ent_ref[mask], atol=1e-4, rtol=0)
+    with pytest.raises(InvalidInputError) as error:  # a token id >= 40 exists in these rows
+        recompute_logprobs(run, ckpt, dtype="fp32", softmax_vocab=40, tag="small", device="cpu")
+    assert error.value.code == "E208" and "vocab_size 40" in error.value.message
+    with pytest.raises(UsageError) as no_tokenizer:
+        recompute_logprobs(run, ckpt, softmax_vocab="tokenizer", tag="tok", device="cpu")
+    assert no_tokenizer.value.code == "E505"
 
 
 class _StopAfter:

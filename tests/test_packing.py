@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pgdiag.packing import pack_samples, plan_batches
+from pgdiag.packing import pack_samples, plan_batches, plan_micro_batches
 
 
 def test_plan_first_fit_decreasing_worked_example() -> None:
@@ -24,6 +24,17 @@ def test_plan_source_order_worked_example() -> None:
 def test_plan_oversized_sample_gets_its_own_batch() -> None:
     batches = plan_batches([3, 20, 4], 8)
     assert [b.tolist() for b in batches] == [[1], [2, 0]]
+
+
+def test_plan_micro_batches_fixed_sample_count() -> None:
+    assert [b.tolist() for b in plan_micro_batches([5, 3, 4, 2, 6], 2)] == [[4, 0], [2, 1], [3]]
+    assert [b.tolist() for b in plan_micro_batches([5, 3, 4, 2, 6], 2, order="source")] == [
+        [0, 1],
+        [2, 3],
+        [4],
+    ]
+    with pytest.raises(ValueError, match="micro_batch"):
+        plan_micro_batches([1], 0)
 
 
 def test_plan_rejects_bad_arguments() -> None:

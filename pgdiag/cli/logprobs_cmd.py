@@ -60,6 +60,12 @@ class Order(StrEnum):
     source = "source"
 
 
+class Attention(StrEnum):
+    auto = "auto"
+    sdpa = "sdpa"
+    varlen = "varlen"
+
+
 class Device(StrEnum):
     cuda = "cuda"
     cpu = "cpu"
@@ -80,6 +86,18 @@ def _parse_temperature(value: str) -> float | str:
         raise typer.BadParameter(f"{value!r} is not 'auto' or a number") from None
     if not number > 0:
         raise typer.BadParameter(f"{value!r} must be > 0")
+    return number
+
+
+def _parse_softmax_vocab(value: str) -> int | str:
+    if value in ("config", "tokenizer"):
+        return value
+    try:
+        number = int(value)
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not 'config', 'tokenizer' or a number") from None
+    if number < 1:
+        raise typer.BadParameter(f"{value!r} must be >= 1")
     return number
 
 
@@ -106,6 +124,22 @@ def logprobs(
             rich_help_panel=MODEL,
         ),
     ] = "auto",
+    softmax_vocab: Annotated[
+        str,
+        typer.Option(
+            "--softmax-vocab",
+            help="Softmax over the config's vocab_size, the run's tokenizer length, or the first N rows "
+            "(tests the padded-vocabulary gotcha).",
+            rich_help_panel=MODEL,
+        ),
+    ] = "config",
+    attn: Annotated[
+        Attention,
+        typer.Option(
+            help="Attention backend of the body: auto = varlen on CUDA when available, else sdpa.",
+            rich_help_panel=MODEL,
+        ),
+    ] = Attention.auto,
     impl: Annotated[
         Impl,
         typer.Option(help="LM-head kernel: auto = triton on CUDA, else torch.", rich_help_panel=PERFORMANCE),
@@ -116,6 +150,16 @@ def logprobs(
             "--batch-tokens", min=1, help="Tokens per forward per replica.", rich_help_panel=PERFORMANCE
         ),
     ] = DEFAULT_BATCH_TOKENS,
+    micro_batch: Annotated[
+        int | None,
+        typer.Option(
+            "--micro-batch",
+            min=1,
+            help="Forward a fixed number of samples at a time (mimics a trainer's batch shape) instead of "
+            "packing into --batch-tokens.",
+            rich_help_panel=PERFORMANCE,
+        ),
+    ] = None,
     order: Annotated[
         Order,
         typer.Option(help="Pack longest first (length) or in stored order.", rich_help_panel=PERFORMANCE),
@@ -175,6 +219,9 @@ def logprobs(
             "impl": impl.value,
             "batch_tokens": batch_tokens,
             "order": order.value,
+            "micro_batch": micro_batch,
+            "softmax_vocab": _parse_softmax_vocab(softmax_vocab),
+            "attn": attn.value,
             "out": out,
             "resume": resume,
             "overwrite": overwrite,
