@@ -25,8 +25,9 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.skipif(not varlen_available(), reason="torch.nn.attention.varlen not in this torch")
 @pytest.mark.parametrize("window", [None, 40])
 def test_varlen_and_sdpa_are_bf16_close_to_fp32(tmp_path: Path, window: int | None) -> None:
-    """Both bf16 backends against the fp32 SDPA path (which matches HF within 1e-4): bf16-sized errors only,
-    and varlen no worse than per-document SDPA (a masking bug would be O(1))."""
+    """Both bf16 backends against the fp32 SDPA path (which matches HF within 1e-4): varlen no worse than
+    per-document SDPA. These random 0.2-std weights amplify bf16 rounding (measured on an H100: 4-5% relative
+    for both backends), so the bound is relative to SDPA's own error; a masking bug would be O(1)."""
     save_hf_model(tmp_path, "MistralForCausalLM", sliding_window=window, num_key_value_heads=1, head_dim=64,
                   hidden_size=128, num_attention_heads=4)  # fmt: skip
     ids, pos, cu = packed_inputs(LENGTHS, 251)
@@ -37,8 +38,8 @@ def test_varlen_and_sdpa_are_bf16_close_to_fp32(tmp_path: Path, window: int | No
         model = load_model(tmp_path, dtype="bf16", device="cuda", attention=backend)
         errors[backend] = rel_err(model.hidden_states(ids, pos, cu), ref)
     print(f"window={window} relative error vs fp32: {errors}")
-    assert errors["sdpa"] < 2e-2 and errors["varlen"] < 2e-2
-    assert errors["varlen"] < 2 * errors["sdpa"] + 1e-3
+    assert errors["sdpa"] < 0.1 and errors["varlen"] < 0.1
+    assert errors["varlen"] < 1.25 * errors["sdpa"]
 
 
 @needs_cuda
