@@ -104,6 +104,9 @@ def providers(x: Inputs) -> dict[str, Callable[[], object]]:
         runs[f"pgdiag_triton_fp32head_tau{tau}"] = lambda tau=tau: lm_head_logprobs(
             x.hidden_fp32, x.weight, x.targets, temperature=tau, impl="triton", head_dtype="fp32"
         )
+    runs["pgdiag_triton_fp32head_bf16hidden_tau1.0"] = lambda: lm_head_logprobs(
+        x.hidden, x.weight, x.targets, impl="triton", head_dtype="fp32"
+    )  # bf16x1: the fp32 head of a bf16 trunk
     return runs
 
 

@@ -40,8 +40,8 @@ class TokenLogprobs:
     logprobs (N,) fp32: log p(target) under the tempered distribution; 0.0 where the target is ignored.
     entropy (N,) fp32: entropy in nats of the tempered distribution.
     impl: the implementation that ran ("torch" or "triton"); head_dtype: "bf16" or "fp32";
-    head_mode: the head arithmetic that ran ("bf16", "bf16x3", "fp16x3", "tf32x3" for triton; "bf16"/"fp32"
-    for torch).
+    head_mode: the head arithmetic that ran ("bf16", "bf16x1", "bf16x3", "fp16x1", "fp16x3", "tf32x3" for
+    triton; "bf16"/"fp32" for torch).
     """
 
     logprobs: torch.Tensor
@@ -76,7 +76,8 @@ def lm_head_logprobs(
 
     hidden (N, d) bf16/fp16/fp32; weight (V_local, d), this rank's rows ``[vocab_start, vocab_start +
     V_local)`` of the head; targets (N,) integer global token ids, or `ignore_index`. head_dtype "bf16": 16-bit
-    operands with fp32 products and sums; "fp32": fp32 hidden (accurate to fp32 rounding). With `tp_group`,
+    operands with fp32 products and sums; "fp32": the fp32 head of an engine (fp32 hidden, or a bf16 hidden
+    passed as is: its values are exact, and the kernel then needs one MMA per tile instead of three). With `tp_group`,
     every rank of the group calls this with its own shard and the same hidden/targets; one all-gather of
     16 bytes a token merges the shards. Without it, W is the whole head (or one shard used alone).
     """
@@ -117,7 +118,7 @@ def lm_head_logprobs(
             f"token id {int(targets[row])} at token {row} is not in the vocabulary (no head row holds it)",
             "token ids must be < the head's vocab size; was the rollout tokenized for another model?",
         )
-    head_mode = backend.head_mode_for(head_dtype, weight.dtype)
+    head_mode = backend.head_mode_for(head_dtype, weight.dtype, hidden.dtype)
     return TokenLogprobs(logprobs, entropy, resolved, head_dtype, head_mode)
 
 

@@ -39,7 +39,7 @@ def head_operands(
     return hidden.to(low), weight.to(low)
 
 
-def head_mode_for(head_dtype: str, weight_dtype: torch.dtype) -> str:
+def head_mode_for(head_dtype: str, weight_dtype: torch.dtype, hidden_dtype: torch.dtype) -> str:
     """The head arithmetic this implementation runs: the plain `head_dtype` ("bf16" or "fp32")."""
     return head_dtype
 

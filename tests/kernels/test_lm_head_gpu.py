@@ -82,15 +82,25 @@ def test_bf16_head_vs_fp64(qwen_sized: dict, impl: str, temperature: float) -> N
         assert float(out.logprobs[1]) == 0.0 and targets[1] == IGNORE
 
 
-@pytest.mark.parametrize(("weights", "mode"), [("bf16w", "bf16x3"), ("fp32w", "tf32x3")])
+@pytest.mark.parametrize(
+    ("hidden_key", "weights", "logits_key", "mode"),
+    [
+        ("hidden", "bf16w", "fp32_bf16w", "bf16x3"),
+        ("hidden", "fp32w", "fp32_fp32w", "tf32x3"),
+        ("hidden_bf16", "bf16w", "bf16", "bf16x1"),
+    ],
+)
 @pytest.mark.parametrize("temperature", [1.0, 0.7], ids=lambda t: f"tau={t}")
-def test_fp32_head_vs_fp64(qwen_sized: dict, weights: str, mode: str, temperature: float) -> None:
+def test_fp32_head_vs_fp64(
+    qwen_sized: dict, hidden_key: str, weights: str, logits_key: str, mode: str, temperature: float
+) -> None:
     weight = qwen_sized["weight_bf16"] if weights == "bf16w" else qwen_sized["weight"]
+    hidden = qwen_sized[hidden_key]
     targets = qwen_sized["sampled"][temperature]
-    want = logits_reference(qwen_sized[f"logits_fp32_{weights}"], targets, temperature)
+    want = logits_reference(qwen_sized[f"logits_{logits_key}"], targets, temperature)
     kwargs = {"temperature": temperature, "head_dtype": "fp32"}
-    out = lm_head_logprobs(qwen_sized["hidden"], weight, targets.cuda(), impl="triton", **kwargs)
-    torch_fp32 = lm_head_logprobs(qwen_sized["hidden"], weight, targets.cuda(), impl="torch", **kwargs)
+    out = lm_head_logprobs(hidden, weight, targets.cuda(), impl="triton", **kwargs)
+    torch_fp32 = lm_head_logprobs(hidden, weight, targets.cuda(), impl="torch", **kwargs)
     assert (out.impl, out.head_mode, torch_fp32.head_mode) == ("triton", mode, "fp32")
     label = f"fp32 head {mode} tau={temperature} sampled"
     torch_errors = [
@@ -120,7 +130,9 @@ def test_odd_shapes_and_splits(
     local = torch.where(case.targets == IGNORE, -1, case.targets)
     for head_dtype, hid, tol in (("bf16", case.hidden.bfloat16(), 1e-3), ("fp32", case.hidden, 5e-5)):
         tiles = replace(
-            default_tiles(head_mode_for(head_dtype, weight.dtype)), n_splits=n_splits, use_tma=use_tma
+            default_tiles(head_mode_for(head_dtype, weight.dtype, hid.dtype)),
+            n_splits=n_splits,
+            use_tma=use_tma,
         )
         partials = lm_head_partials(hid, weight, local, temperature=0.7, head_dtype=head_dtype, tiles=tiles)
         logprobs, entropy, _ = finish_partials(merge_partials(partials))

@@ -15,7 +15,7 @@ import triton
 from lm_head_cases import IGNORE, fp64_reference, make_case, worst_mismatch
 
 from pgdiag.kernels import lm_head_logprobs
-from pgdiag.kernels.lm_head_logprobs_triton import TritonTiles, lm_head_partials
+from pgdiag.kernels.lm_head_logprobs_triton import TritonTiles, head_mode_for, lm_head_partials
 from pgdiag.kernels.vocab_parallel import finish_partials, merge_partials
 
 SMALL_TILES = TritonTiles(block_n=16, block_v=16, block_k=16, num_warps=4, num_stages=1)
@@ -28,8 +28,13 @@ def test_interpreter_is_on() -> None:
 @pytest.mark.parametrize("temperature", [1.0, 0.7], ids=lambda t: f"tau={t}")
 @pytest.mark.parametrize(
     ("dtype", "head_dtype", "mode"),
-    [(torch.float16, "bf16", "bf16"), (torch.float16, "fp32", "fp16x3"), (torch.float32, "fp32", "tf32x3")],
-    ids=["fp16_plain", "fp16_split3", "fp32_tf32x3"],
+    [
+        (torch.float16, "bf16", "bf16"),
+        (torch.float16, "fp32", "fp16x3"),
+        (torch.float16, "fp32", "fp16x1"),
+        (torch.float32, "fp32", "tf32x3"),
+    ],
+    ids=["fp16_plain", "fp16_split3", "fp16_exact_hidden", "fp32_tf32x3"],
 )
 @pytest.mark.parametrize("k_chunk", [0, 16, 32], ids=lambda c: f"k_chunk={c}")
 @pytest.mark.parametrize(
@@ -48,7 +53,7 @@ def test_triton_matches_fp64(
     mode: str,
     temperature: float,
 ) -> None:
-    hidden_dtype = torch.float32 if head_dtype == "fp32" else dtype
+    hidden_dtype = torch.float32 if mode in ("fp16x3", "tf32x3") else dtype
     case = make_case(
         n_tokens, hidden_size, vocab, seed=vocab + n_tokens, hidden_dtype=hidden_dtype, weight_dtype=dtype
     )
@@ -58,6 +63,7 @@ def test_triton_matches_fp64(
         case.hidden, case.weight, local, temperature=temperature, head_dtype=head_dtype, tiles=tiles
     )
     assert partials.shape == (max(n_splits, 1), 4, n_tokens)
+    assert head_mode_for(head_dtype, case.weight.dtype, case.hidden.dtype) == mode
     logprobs, entropy, _ = finish_partials(merge_partials(partials))
     want_logprobs, want_entropy = fp64_reference(case.hidden, case.weight, case.targets, temperature)
     problems = [
@@ -75,3 +81,10 @@ def test_public_api_runs_the_kernel_and_reports_it() -> None:
     torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=0, atol=2e-5)
     torch.testing.assert_close(out.entropy, ref.entropy, rtol=0, atol=2e-5)
     assert out.logprobs[1] == 0.0  # ignored
+    exact = lm_head_logprobs(case.hidden.half(), case.weight, case.targets, impl="triton", head_dtype="fp32")
+    exact_ref = lm_head_logprobs(
+        case.hidden.half(), case.weight, case.targets, impl="torch", head_dtype="fp32"
+    )
+    assert exact.head_mode == "fp16x1"
+    torch.testing.assert_close(exact.logprobs, exact_ref.logprobs, rtol=0, atol=2e-5)
+    torch.testing.assert_close(exact.entropy, exact_ref.entropy, rtol=0, atol=2e-5)
