@@ -413,7 +413,11 @@ def run_comparison(
         issues_tau = []
     if side_by_side:
         rows += _side_by_side_rows(side_a, side_b, la, lb, one_run, (sa, sb), metrics_options or {})
-    issues = [i for i in (*pair.issues, *diagnosis.issues, *issues_tau) if i.code not in ignore]
+    if one_run:
+        issues_meta = _metadata_issues(side_a, [sa, sb])
+    else:
+        issues_meta = _metadata_issues(side_a, [sa]) + _metadata_issues(side_b, [sb])
+    issues = [i for i in (*pair.issues, *diagnosis.issues, *issues_tau, *issues_meta) if i.code not in ignore]
     checks = _checks_frame(issues, [side_a.checks] if one_run else [side_a.checks, side_b.checks])
     meta = {
         "pairs": [pair.pair],
@@ -449,6 +453,18 @@ def run_comparison(
         worst_seqs=worst_seqs(pair, worst_k),
     )
     return Comparison(report, pair)
+
+
+def _metadata_issues(side: Side, streams: list[str]) -> list[CheckIssue]:
+    """Footer checks of the compared streams (`pgdiag.checks.metadata_checks`: W402, W403, W405, W409, W411)."""
+    if side.run is None:
+        return []
+    from pgdiag.checks import metadata_checks
+
+    return [
+        CheckIssue(i.code, i.severity, i.count, f"{side.run.label}: {i.message}", i.step, i.sample_id, i.pos)
+        for i in metadata_checks(side.run.meta, streams, {})
+    ]
 
 
 TAU_WARN = 0.02  # |tau_fit − 1| above this is reported (the `recommended` profile's tau_dev gate)

@@ -204,3 +204,38 @@ def test_tokenizer_decodes_worst_token_context(runs, tmp_path) -> None:
     words = row["context"].split()
     assert f"w{row['token_id']}" in words and all(w.startswith("w") for w in words)
     assert 1 <= len(words) <= 17  # ±8 loss tokens of the same sample
+
+
+def test_footer_semantics_reach_the_checks(tmp_path) -> None:
+    from batch_factory import rollout_rows
+    from rollout_factory import write_rollouts_file
+
+    samples = random_samples(12, 6)
+    streams = {
+        "rollout_logprobs": {
+            "source_field": "x",
+            "tempered": "unknown",
+            "logprobs_mode": "raw",
+            "head_dtype": "bf16",
+        },
+        "old_logprobs": {
+            "source_field": "y",
+            "tempered": False,
+            "logprobs_mode": "raw",
+            "head_dtype": "fp32",
+        },
+    }
+    path = write_rollouts_file(
+        tmp_path / "r.parquet",
+        rollout_rows(samples, run="r", streams={"rollout_logprobs": "rollout", "old_logprobs": "old"}),
+        streams=streams,
+    )
+    result = _invoke("compare", path, "--json")
+    assert result.exit_code == 0, result.output
+    checks = {c["code"]: c["message"] for c in json.loads(result.stdout)["checks"]}
+    assert "tempered unknown" in checks["W409"]
+    assert (
+        "rollout_logprobs head bf16 vs old_logprobs head fp32"
+        in checks["W411"].replace("rollout ", "rollout_logprobs ").replace("old ", "old_logprobs ")
+        or "bf16" in checks["W411"]
+    )
