@@ -203,7 +203,7 @@ def _mma(h, w, acc, HEAD_MODE: tl.constexpr):
 
 @triton.jit
 def _lm_head_partials_kernel(
-    hidden,  # (N, D) bf16/fp16 ("bf16" mode) or fp32 (split modes), READ-ONLY: pointer or TMA descriptor
+    hidden,  # (N, D) bf16/fp16 ("bf16", "x1" modes) or fp32 ("x3" modes), READ-ONLY: pointer or TMA descriptor
     weight,  # (V_local, D) bf16/fp16 (fp32 for "tf32x3"), READ-ONLY: pointer or TMA descriptor
     targets_ptr,  # (N,) int32, the target's row in this shard or -1, READ-ONLY
     partials_ptr,  # (n_splits, 4, N) fp32 contiguous, OUT: max, sumexp, centred sum, target logit
