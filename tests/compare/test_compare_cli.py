@@ -168,6 +168,12 @@ def test_side_by_side_metrics_and_deltas(runs) -> None:
         report, fail_on=["policy/kl_k3>0"], default_family="mismatch", known_metrics=["policy/kl_k3"]
     )
     assert [g.status for g in gates.gates] == ["missing"]
+    # the per-step plot draws the metric of both runs
+    from pgdiag.plots import plot_by_step
+
+    lines = plot_by_step(report, metric="policy/kl_k3").axes[0].lines
+    assert [line.get_label() for line in lines] == ["one:rollout vs one:old", "other:rollout vs other:old"]
+    assert all(len(line.get_xdata()) == 2 for line in lines)
 
 
 def test_all_row_matches_pgdiag_metrics_mismatch_family(runs) -> None:
