@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -269,8 +271,15 @@ def main() -> None:
             del x
             torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+        write_json_atomic(results, args.json)
+
+
+def write_json_atomic(obj: object, path: str) -> None:
+    """Write `obj` as JSON to `path` through a temporary file in the same folder and an atomic rename."""
+    folder = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as fh:
+        json.dump(obj, fh, indent=1)
+    os.replace(fh.name, path)
 
 
 def _format(row: dict) -> str:

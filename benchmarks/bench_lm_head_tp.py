@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 import torch
 import torch.distributed as dist
 import triton
+from bench_lm_head import write_json_atomic
 
 from pgdiag.kernels import lm_head_logprobs
 from pgdiag.kernels.vocab_parallel import vocab_shard_range
@@ -92,8 +93,7 @@ def main() -> None:
         }
         print(json.dumps(result, indent=1))
         if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(result, fh, indent=1)
+            write_json_atomic(result, args.json)
     dist.destroy_process_group()
 
 
