@@ -3,8 +3,9 @@
 What: writes two canonical rollout files (20,000 samples, prompts 50-150 tokens, responses 300-700 tokens, so
 ~10M loss tokens per run; run b's log-probs = −|run a's + N(0, 0.02)|), then times, each in a
 fresh subprocess (so peak RSS is the child's own `ru_maxrss`):
-  * pgdiag: `compare_runs(read_run(a), read_run(b))`: read, validate, align, parity at token and sequence scope,
-    breakdowns by position, prob bucket, length and step, diagnosis, worst-K;
+  * pgdiag: `compare_runs(read_run(a), read_run(b))` with its defaults: read, validate (§1.5), align and check,
+    parity at token and sequence scope, every breakdown the data supports (position, prob bucket, length, step),
+    the Δ histogram, diagnosis, worst-K;
   * pandas: what users write by hand today: read both files, explode the list columns, keep loss tokens, merge on
     (step, sample_id, pos), then the headline parity numbers and mean |Δ| by position / prob bucket / step.
 Why: design/performance.md §3 sets <= 10 s wall and <= 4 GB peak RSS on the 2-core CPU machine, >= 5x pandas.
