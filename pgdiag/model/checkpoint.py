@@ -42,7 +42,11 @@ _CONVERTER_HINT = (
 
 
 class TensorSource:
-    """Named tensors readable one slice at a time: safetensors files (lazy) or in-memory tensors."""
+    """Named tensors readable one slice at a time: safetensors files (lazy) or in-memory tensors.
+
+    The loader only calls `names`, `shape`, `is_fp32` and `read`; a subclass overriding those four can feed
+    weights from anywhere (benchmarks/bench_recompute_tp.py generates each rank's slice on the fly).
+    """
 
     def __init__(
         self, files: Mapping[str, Path] | None = None, tensors: Mapping[str, Tensor] | None = None
@@ -264,7 +268,11 @@ def load_from_source(
         _assign(model, name, source.read(name, part).to(device=device, dtype=body))
     head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     head_part = TensorSlice(0, layout.vocab_start, layout.vocab_end)
-    _assign(model, "lm_head.weight", source.read(head_name, head_part).to(device=device, dtype=head))
+    if config.tie_word_embeddings and layout.tp_size == 1 and head == body:
+        head_weight = model.model.embed_tokens.weight.data  # the same rows in the same dtype: share, not copy
+    else:
+        head_weight = source.read(head_name, head_part).to(device=device, dtype=head)
+    _assign(model, "lm_head.weight", head_weight)
     inv_freq, _ = rope_inv_freq(config.rope, config.head_dim)
     model.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
     model.load_warnings = tuple(_warnings(config, source, layout, where, rounded, dtype))

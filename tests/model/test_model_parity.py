@@ -130,6 +130,15 @@ def test_bf16_export_matches_transformers_in_fp32(tmp_path: Path) -> None:
     assert diff.abs().max().item() < 1e-4
 
 
+def test_tied_head_shares_the_embedding_when_dtypes_match(tmp_path: Path) -> None:
+    save_hf_model(tmp_path, "Qwen3ForCausalLM", tie_word_embeddings=True)
+    shared = load_model(tmp_path, dtype="fp32", head_dtype="fp32")
+    assert shared.lm_head_weight.data_ptr() == shared.model.embed_tokens.weight.data_ptr()
+    separate = load_model(tmp_path, dtype="bf16", head_dtype="fp32")
+    assert separate.lm_head_weight.dtype == torch.float32
+    assert torch.equal(separate.lm_head_weight, shared.lm_head_weight)  # read from the file, not from bf16
+
+
 def test_fp32_export_in_bf16_body_warns_and_stays_close(tmp_path: Path) -> None:
     hf = save_hf_model(tmp_path, "LlamaForCausalLM")
     model = load_model(tmp_path, dtype="bf16", head_dtype="fp32")
