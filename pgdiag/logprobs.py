@@ -15,14 +15,14 @@ their TP rank 0 writes them; the vocab-parallel head is never gathered.
 How, per part: samples are packed into ``batch_tokens`` budgets (`pgdiag.packing`, which owns the next-token
 shift), the model body returns hidden states ``(N, H)``, the rows that predict loss tokens ``(K, H)`` go with the
 head shard to `pgdiag.kernels.lm_head_logprobs` (fp32 statistics, temperature applied in the accumulator), and the
-``(K,)`` results are scattered back into per-sample lists.
+``(K,)`` results are scattered back into per-sample lists. What is read and in which order lives in
+`pgdiag.recompute_inputs`; the part files, the manifest and the resume decision in `pgdiag.recompute_output`.
 
     result = recompute_logprobs("sample_data/run_a", "sample_data/tiny-qwen", dtype="fp32")
 """
 
 from __future__ import annotations
 
-import json
 import platform
 import resource
 import time
@@ -32,10 +32,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import pyarrow as pa
 import torch
 
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import UsageError
 from pgdiag.kernels import lm_head_logprobs, resolve_impl
 from pgdiag.launch import ParallelLayout, barrier, current_layout
 from pgdiag.packing import PackOrder, pack_samples, plan_batches, plan_micro_batches
@@ -47,19 +46,19 @@ from pgdiag.recompute_inputs import (
     resolve_temperature,
     with_uniform_temperature,
 )
-from pgdiag.schema import BASE_STREAMS, LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY, TAG_PATTERN, read_footer
+from pgdiag.recompute_output import MANIFEST_NAME, clear_output, inspect_output, write_part
+from pgdiag.schema import BASE_STREAMS, LOGPROBS_SCHEMA, TAG_PATTERN
 from pgdiag.seqhash import input_fingerprint
-from pgdiag.writing import write_json, write_parquet
+from pgdiag.writing import write_json
 
 if TYPE_CHECKING:
-    from pgdiag.model import CausalLM
+    from pgdiag.model import CausalLM, ModelConfig
     from pgdiag.runs import Run
 
 DTYPES = ("bf16", "fp32")
 DEFAULT_BATCH_TOKENS = 32768
 DEFAULT_PART_SAMPLES = 2048
 IMPLS = ("auto", "triton", "torch")
-MANIFEST_NAME = "_manifest.json"
 _IGNORED = -100
 
 
@@ -167,34 +166,32 @@ def recompute_logprobs(
     run_obj = _as_run(run)
     out_dir = _output_dir(run_obj, tag, out)
 
-    model_obj, model_meta = _as_model(
-        model, dtype=dtype, head_dtype=head_dtype, device=device, tp_group=tp_group, attn=attn
-    )
-    vocab_size = _softmax_vocab(softmax_vocab, run_obj, int(model_obj.config.vocab_size))
+    # 0. everything that needs no weights first, so a refusal (E208, E502, E503) costs no model load
+    spec = _model_spec(model, device=device, attn=attn)
+    vocab_size = _softmax_vocab(softmax_vocab, run_obj, int(spec.config.vocab_size))
     inputs = read_inputs(run_obj, vocab_size)
-    temp_value, temp_source, temp_warnings = resolve_temperature(run_obj, inputs, temperature)
-    warnings = (*(f"{code}: {message}" for code, message in model_obj.load_warnings), *temp_warnings)
+    temp_value, temp_source, warnings = resolve_temperature(run_obj, inputs, temperature)
     if temp_value is None and inputs.temperature is None:
         raise UsageError("E505", "per-token temperature requested but no temperature column found")
     if temp_value is not None:
         inputs = with_uniform_temperature(inputs)
-    run_device = model_obj.lm_head_weight.device
     settings = RecomputeSettings(
         dtype=dtype,
         head_dtype=head_dtype,
         temperature=temp_value,
         temperature_source=temp_source,
         softmax_vocab=vocab_size,
-        impl=resolve_impl(impl, run_device),
+        impl=resolve_impl(impl, spec.device),
         batch_tokens=batch_tokens,
         order=order,
         part_samples=part_samples,
         tp=layout.tp_size,
         dp=layout.dp_size,
         entropy=entropy,
-        attn=str(model_obj.attention_backend),
+        attn=spec.attn,
         micro_batch=micro_batch,
     )
+    model_meta = spec.meta()
     parts = plan_parts(inputs, part_samples)
     fingerprint = f"{input_fingerprint(inputs.keys(range(len(inputs.step)))):016x}"
     manifest = {
@@ -211,25 +208,38 @@ def recompute_logprobs(
     footer_base = {
         "model": model_meta,
         "settings": settings.as_dict(),
-        "env": _environment(run_device),
+        "env": _environment(spec.device),
         "input_fingerprint": fingerprint,
     }
 
     # 1. decide (every rank, before anyone writes): fresh, resume, or refuse
-    done = _inspect_output(out_dir, manifest, parts, footer_base, resume=resume, overwrite=overwrite, tag=tag)
+    done = inspect_output(out_dir, manifest, parts, footer_base, resume=resume, overwrite=overwrite, tag=tag)
     barrier()
     if layout.is_main:
         if overwrite:
-            _clear_output(out_dir)
+            clear_output(out_dir)
         write_json(manifest, out_dir / MANIFEST_NAME)
     barrier()
 
     # 2. compute this replica's pending parts; TP rank 0 writes them
     mine = [p for i, p in enumerate(parts) if i % layout.dp_size == layout.dp_rank and p.relpath not in done]
-    counts = _compute_parts(
-        model_obj, inputs, mine, out_dir, settings, footer_base, layout, progress, tp_group=tp_group, tag=tag
-    )
-    counts = _sum_over_ranks(counts, layout, run_device)
+    counts = [0, 0, 0]
+    if mine:  # the same for every TP rank of a replica, so a skipped load skips no collective
+        model_obj = spec.load(dtype=dtype, head_dtype=head_dtype, tp_group=tp_group)
+        warnings = (*(f"{code}: {message}" for code, message in model_obj.load_warnings), *warnings)
+        counts = _compute_parts(
+            model_obj,
+            inputs,
+            mine,
+            out_dir,
+            settings,
+            footer_base,
+            layout,
+            progress,
+            tp_group=tp_group,
+            tag=tag,
+        )
+    counts = _sum_over_ranks(counts, layout, spec.device)
     barrier()
 
     # 3. the marker, last: global rank 0 checks every planned part is on disk
@@ -249,7 +259,7 @@ def recompute_logprobs(
         settings=settings,
         parts_computed=counts[2],
         parts_skipped=len(done),
-        peak_memory_bytes=_peak_memory(run_device),
+        peak_memory_bytes=_peak_memory(spec.device),
         warnings=warnings,
     )
 
@@ -294,38 +304,52 @@ def _output_dir(run: Run, tag: str, out: str | Path | None) -> Path:
     return Path(run.root) / "logprobs" / tag
 
 
-def _as_model(
-    model: CausalLM | str | Path,
-    *,
-    dtype: str,
-    head_dtype: str,
-    device: str | torch.device | None,
-    tp_group: Any,
-    attn: str,
-) -> tuple[CausalLM, dict[str, Any]]:
-    """The loaded model and its ``pgdiag.recompute.model`` metadata."""
-    if isinstance(model, (str, Path)):
+@dataclass(frozen=True)
+class _ModelSpec:
+    """The model before its weights are read: config, resolved device and attention backend, how to load it."""
+
+    source: CausalLM | Path
+    config: ModelConfig
+    device: torch.device
+    attn: str
+
+    def meta(self) -> dict[str, Any]:
+        """The ``pgdiag.recompute.model`` metadata."""
+        return {
+            "path": str(self.source.resolve()) if isinstance(self.source, Path) else None,
+            "architecture": self.config.architecture,
+            "config_sha256": self.config.config_sha256,
+            "storage_dtype": self.config.storage_dtype,
+        }
+
+    def load(self, *, dtype: str, head_dtype: str, tp_group: Any) -> CausalLM:
+        """This rank's shard of the model (a model passed in already loaded is returned as it is)."""
+        if not isinstance(self.source, Path):
+            return self.source
         from pgdiag.model import load_model
 
-        where = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-        if str(where).startswith("cuda") and not torch.cuda.is_available():
-            raise UsageError(
-                "E505", f"device {where} requested but CUDA is not available", "use --device cpu"
-            )
-        loaded = load_model(
-            model, dtype=dtype, head_dtype=head_dtype, device=where, tp_group=tp_group, attention=attn
+        return load_model(
+            self.source,
+            dtype=dtype,
+            head_dtype=head_dtype,
+            device=self.device,
+            tp_group=tp_group,
+            attention=self.attn,
         )
-        path: str | None = str(Path(model).resolve())
-    else:
-        loaded, path = model, None
-    config = loaded.config
-    meta = {
-        "path": path,
-        "architecture": config.architecture,
-        "config_sha256": config.config_sha256,
-        "storage_dtype": config.storage_dtype,
-    }
-    return loaded, meta
+
+
+def _model_spec(model: CausalLM | str | Path, *, device: str | torch.device | None, attn: str) -> _ModelSpec:
+    """Read the checkpoint's config (not its weights) and resolve the device and attention backend."""
+    if not isinstance(model, (str, Path)):
+        return _ModelSpec(model, model.config, model.lm_head_weight.device, str(model.attention_backend))
+    from pgdiag.model import read_model_config
+    from pgdiag.model.attention import resolve_attention_backend
+
+    where = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("E505", f"device {where} requested but CUDA is not available", "use --device cpu")
+    config = read_model_config(model)
+    return _ModelSpec(Path(model), config, where, resolve_attention_backend(attn, where))
 
 
 def _softmax_vocab(option: int | str, run: Run, config_vocab: int) -> int:
@@ -352,84 +376,6 @@ def _head_rows(model: CausalLM, softmax_vocab: int) -> torch.Tensor:
     weight = model.lm_head_weight  # (V_local, H)
     keep = min(max(softmax_vocab - int(model.vocab_start), 0), weight.shape[0])
     return weight if keep == weight.shape[0] else weight[:keep]
-
-
-_COMPARED = ("model", "settings", "input_fingerprint")
-
-
-def _inspect_output(
-    out_dir: Path,
-    manifest: dict[str, Any],
-    parts: list[Part],
-    footer_base: dict[str, Any],
-    *,
-    resume: bool,
-    overwrite: bool,
-    tag: str,
-) -> set[str]:
-    """The relative paths of parts already done; raises E502/E503 when the existing output may not be touched."""
-    if overwrite:
-        return set()
-    manifest_path = out_dir / MANIFEST_NAME
-    if not manifest_path.is_file():
-        if out_dir.is_dir() and any(out_dir.iterdir()):
-            raise UsageError(
-                "E502", f"{out_dir} exists and is not a pgdiag recompute output", "pass --overwrite"
-            )
-        return set()
-    try:
-        old = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UsageError("E503", f"{manifest_path} is unreadable ({exc})", "pass --overwrite") from exc
-    for key in _COMPARED:
-        if old.get(key) != manifest[key]:
-            raise UsageError(
-                "E503",
-                f"{out_dir} holds tag {tag} made with other {key} ({_first_difference(old.get(key), manifest[key])})",
-                "pass --overwrite to replace it, or choose another --tag",
-            )
-    if old.get("complete") is True:
-        raise UsageError(
-            "E502", f"{out_dir} is complete", "pass --overwrite to recompute, or choose another --tag"
-        )
-    if not resume:
-        raise UsageError(
-            "E502", f"{out_dir} exists (incomplete)", "--no-resume recomputes everything: add --overwrite"
-        )
-    done = set()
-    for part in parts:
-        path = out_dir / part.relpath
-        if not path.is_file():
-            continue
-        try:
-            footer = read_footer(path).get(RECOMPUTE_FOOTER_KEY) or {}
-        except InvalidInputError:
-            continue
-        expected = {**footer_base, "part": part.plan_entry()}
-        if all(footer.get(k) == expected[k] for k in (*_COMPARED, "part")):
-            done.add(part.relpath)
-    return done
-
-
-def _first_difference(old: Any, new: Any) -> str:
-    if isinstance(old, dict) and isinstance(new, dict):
-        for key in sorted(set(old) | set(new)):
-            if old.get(key) != new.get(key):
-                return f"{key}: {old.get(key)!r} on disk vs {new.get(key)!r} now"
-    return f"{old!r} on disk vs {new!r} now"
-
-
-def _clear_output(out_dir: Path) -> None:
-    """Remove a previous recompute's files (manifest, parts, temp files) and nothing else."""
-    for path in [
-        *out_dir.glob("step=*/part-*.parquet"),
-        *out_dir.glob("step=*/.part-*.tmp-*"),
-        out_dir / MANIFEST_NAME,
-    ]:
-        path.unlink(missing_ok=True)
-    for step_dir in out_dir.glob("step=*"):
-        if step_dir.is_dir() and not any(step_dir.iterdir()):
-            step_dir.rmdir()
 
 
 def _compute_parts(
@@ -501,7 +447,9 @@ def _compute_parts(
                         )
                     )
         if layout.is_writer:
-            _write_part(inputs, part, logprobs, entropy, out_dir, settings, footer_base, tag)
+            write_part(
+                inputs, part, logprobs, entropy, out_dir, footer_base, with_entropy=settings.entropy, tag=tag
+            )
         samples_done += (part.stop - part.start) - len(rows)
         if progress is not None:
             progress(
@@ -520,42 +468,6 @@ def _temperature_groups(
         return [(1.0 if uniform is None else uniform, None)]
     temps = per_token[flat]  # (K,)
     return [(float(t), torch.from_numpy(np.flatnonzero(temps == t))) for t in np.unique(temps)]
-
-
-def _write_part(
-    inputs: RecomputeInputs,
-    part: Part,
-    logprobs: np.ndarray,
-    entropy: np.ndarray,
-    out_dir: Path,
-    settings: RecomputeSettings,
-    footer_base: dict[str, Any],
-    tag: str,
-) -> None:
-    """One pgdiag.logprobs/v1 file: full-length lists, null off the loss positions (§2.3)."""
-    rows = slice(part.start, part.stop)
-    base = int(inputs.offsets[part.start])
-    offsets = (inputs.offsets[part.start : part.stop + 1] - base).astype(np.int32)  # (n+1,)
-    valid = inputs.loss_mask[base : int(inputs.offsets[part.stop])]  # (T_part,)
-    if not np.isfinite(logprobs[valid]).all() or not np.isfinite(entropy[valid]).all():
-        raise RuntimeError(
-            f"non-finite log-probs in {tag} step {part.step} part {part.index}: model or head overflow"
-        )
-
-    def tokens(values: np.ndarray) -> pa.ListArray:
-        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.float32(), mask=~valid))
-
-    columns = {
-        "step": pa.array(inputs.step[rows], type=pa.int64()),
-        "sample_id": pa.array(inputs.sample_id[rows].tolist(), type=pa.string()),
-        "segment_idx": pa.array(inputs.segment_idx[rows], type=pa.int32()),
-        "seq_hash": pa.array(inputs.seq_hash[rows], type=pa.uint64()),
-        "logprobs": tokens(logprobs),
-    }
-    if settings.entropy:
-        columns["entropy"] = tokens(entropy)
-    footer = {"schema": LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY: {**footer_base, "part": part.plan_entry()}}
-    write_parquet(pa.table(columns), out_dir / part.relpath, metadata=footer)
 
 
 def _sum_over_ranks(counts: list[int], layout: ParallelLayout, device: torch.device) -> list[int]:

@@ -1,0 +1,149 @@
+"""The on-disk recompute stream: part files, the manifest, and the resume decision (design/data-and-cli.md §2.3, §2.6).
+
+What: `inspect_output` decides, before anything is written, whether a recompute under a tag starts fresh,
+resumes (and which parts are already done), or must refuse: E502 when the output exists (complete, or
+incomplete without resume) and `overwrite` is not given, E503 when it was made with other settings, another
+model or other input. `clear_output` removes a previous recompute's files and nothing else. `write_part` writes
+one `pgdiag.logprobs/v1` file: full-length, token-aligned ``logprobs``/``entropy`` lists, null off the loss
+positions, with the ``pgdiag.recompute`` footer.
+
+Why here: these are the rules that make an interrupted job safe to rerun; `pgdiag.logprobs` only orchestrates.
+A part is "done" when its file exists and its footer carries the same model, settings, input fingerprint and
+plan entry, so a part written by other settings is recomputed rather than trusted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.schema import LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY, read_footer
+from pgdiag.writing import write_parquet
+
+if TYPE_CHECKING:
+    from pgdiag.recompute_inputs import Part, RecomputeInputs
+
+MANIFEST_NAME = "_manifest.json"
+
+
+_COMPARED = ("model", "settings", "input_fingerprint")
+
+
+def inspect_output(
+    out_dir: Path,
+    manifest: dict[str, Any],
+    parts: list[Part],
+    footer_base: dict[str, Any],
+    *,
+    resume: bool,
+    overwrite: bool,
+    tag: str,
+) -> set[str]:
+    """The relative paths of parts already done; raises E502/E503 when the existing output may not be touched."""
+    if overwrite:
+        return set()
+    manifest_path = out_dir / MANIFEST_NAME
+    if not manifest_path.is_file():
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            raise UsageError(
+                "E502", f"{out_dir} exists and is not a pgdiag recompute output", "pass --overwrite"
+            )
+        return set()
+    try:
+        old = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError("E503", f"{manifest_path} is unreadable ({exc})", "pass --overwrite") from exc
+    for key in _COMPARED:
+        if old.get(key) != manifest[key]:
+            raise UsageError(
+                "E503",
+                f"{out_dir} holds tag {tag} made with other {key} ({_first_difference(old.get(key), manifest[key])})",
+                "pass --overwrite to replace it, or choose another --tag",
+            )
+    if old.get("complete") is True:
+        raise UsageError(
+            "E502", f"{out_dir} is complete", "pass --overwrite to recompute, or choose another --tag"
+        )
+    if not resume:
+        raise UsageError(
+            "E502", f"{out_dir} exists (incomplete)", "--no-resume recomputes everything: add --overwrite"
+        )
+    done = set()
+    for part in parts:
+        path = out_dir / part.relpath
+        if not path.is_file():
+            continue
+        try:
+            footer = read_footer(path).get(RECOMPUTE_FOOTER_KEY) or {}
+        except InvalidInputError:
+            continue
+        expected = {**footer_base, "part": part.plan_entry()}
+        if all(footer.get(k) == expected[k] for k in (*_COMPARED, "part")):
+            done.add(part.relpath)
+    return done
+
+
+def _first_difference(old: Any, new: Any) -> str:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                return f"{key}: {old.get(key)!r} on disk vs {new.get(key)!r} now"
+    return f"{old!r} on disk vs {new!r} now"
+
+
+def clear_output(out_dir: Path) -> None:
+    """Remove a previous recompute's files (manifest, parts, temp files) and nothing else."""
+    for path in [
+        *out_dir.glob("step=*/part-*.parquet"),
+        *out_dir.glob("step=*/.part-*.tmp-*"),
+        out_dir / MANIFEST_NAME,
+    ]:
+        path.unlink(missing_ok=True)
+    for step_dir in out_dir.glob("step=*"):
+        if step_dir.is_dir() and not any(step_dir.iterdir()):
+            step_dir.rmdir()
+
+
+def write_part(
+    inputs: RecomputeInputs,
+    part: Part,
+    logprobs: np.ndarray,
+    entropy: np.ndarray,
+    out_dir: Path,
+    footer_base: dict[str, Any],
+    *,
+    with_entropy: bool,
+    tag: str,
+) -> None:
+    """One pgdiag.logprobs/v1 file: full-length lists, null off the loss positions (§2.3).
+
+    `logprobs` and `entropy` are (T_part,) float32 over the part's tokens; values off the loss mask are ignored.
+    """
+    rows = slice(part.start, part.stop)
+    base = int(inputs.offsets[part.start])
+    offsets = (inputs.offsets[part.start : part.stop + 1] - base).astype(np.int32)  # (n+1,)
+    valid = inputs.loss_mask[base : int(inputs.offsets[part.stop])]  # (T_part,)
+    if not np.isfinite(logprobs[valid]).all() or not np.isfinite(entropy[valid]).all():
+        raise RuntimeError(
+            f"non-finite log-probs in {tag} step {part.step} part {part.index}: model or head overflow"
+        )
+
+    def tokens(values: np.ndarray) -> pa.ListArray:
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.float32(), mask=~valid))
+
+    columns = {
+        "step": pa.array(inputs.step[rows], type=pa.int64()),
+        "sample_id": pa.array(inputs.sample_id[rows].tolist(), type=pa.string()),
+        "segment_idx": pa.array(inputs.segment_idx[rows], type=pa.int32()),
+        "seq_hash": pa.array(inputs.seq_hash[rows], type=pa.uint64()),
+        "logprobs": tokens(logprobs),
+    }
+    if with_entropy:
+        columns["entropy"] = tokens(entropy)
+    footer = {"schema": LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY: {**footer_base, "part": part.plan_entry()}}
+    write_parquet(pa.table(columns), out_dir / part.relpath, metadata=footer)
