@@ -7,7 +7,9 @@ fresh subprocess (so peak RSS is the child's own `ru_maxrss`):
     parity at token and sequence scope, every breakdown the data supports (position, prob bucket, length, step),
     the Δ histogram, diagnosis, worst-K;
   * pandas: what users write by hand today: read both files, explode the list columns, keep loss tokens, merge on
-    (step, sample_id, pos), then the headline parity numbers and mean |Δ| by position / prob bucket / step.
+    (step, sample_id, pos), then the headline parity numbers and mean |Δ| by position / prob bucket / step;
+  * pandas-full: the same start, then what pgdiag reports: the token and sequence tables and four breakdowns
+    with the same statistics (like for like).
 Why: design/performance.md §3 sets <= 10 s wall and <= 4 GB peak RSS on the 2-core CPU machine, >= 5x pandas.
 Each child also reports its CPU seconds (user + system): on a shared machine wall time swings with the load, CPU
 time much less; the load average is printed beside the table.
@@ -83,6 +85,59 @@ peak, cpu = usage.ru_maxrss / 1024.0, usage.ru_utime + usage.ru_stime
 rows = len(by_pos) + len(by_prob) + len(by_step)
 print(json.dumps({"wall_s": wall, "cpu_s": cpu, "abs_mean": float(out["abs_mean"]), "rows": rows, "peak_rss_mib": peak}))
 """
+
+
+# The same outputs as pgdiag (token and sequence tables, four breakdowns with the same statistics), by hand.
+PANDAS_FULL_CHILD = (
+    PANDAS_CHILD.split("out = {")[0]
+    + """
+def table(lp_a, lp_b):
+    d = lp_b - lp_a
+    ad = d.abs()
+    rho = np.exp(d)
+    pa, pb = np.exp(lp_a), np.exp(lp_b)
+    slope = np.cov(lp_a, lp_b, ddof=0)[0, 1] / lp_a.var(ddof=0)
+    out = {"bias": d.mean(), "sd": d.std(ddof=0), "rms": float(np.sqrt((d * d).mean())), "abs_mean": ad.mean(),
+           "abs_p50": ad.quantile(0.5), "abs_p95": ad.quantile(0.95), "abs_p99": ad.quantile(0.99),
+           "abs_max": ad.max(), "pearson_r": lp_a.corr(lp_b), "fit_slope": slope,
+           "fit_intercept": lp_b.mean() - slope * lp_a.mean(), "kl_k1": -d.mean(), "kl_k3": (rho - 1 - d).mean(),
+           "kl_rev_k1": (rho * d).mean(), "kl_rev_k3": (1 - rho + rho * d).mean(), "tmpe": np.exp(ad).mean(),
+           "chi2": (rho * rho).mean() - 1, "ess": rho.sum() ** 2 / (len(d) * (rho * rho).sum()),
+           "abs_dprob_mean": (pb - pa).abs().mean(), "abs_dprob_p99": (pb - pa).abs().quantile(0.99),
+           "prob_pearson_r": pa.corr(pb)}
+    for name, lo, hi in (("strict", 0.999, 1.002), ("1pct", 0.99, 1.01), ("10pct", 0.9, 1.1),
+                         ("clip", 0.8, 1.2), ("2x", 0.5, 2.0)):
+        out["frac_out_" + name] = ((rho < lo) | (rho > hi)).mean()
+    return out
+
+tok = table(m["lp_a"], m["lp_b"])
+seq = m.groupby(["step", "sample_id"]).agg(a=("lp_a", "mean"), b=("lp_b", "mean"), n=("lp_a", "size"))
+seq_table = table(seq["a"], seq["b"])
+m["d"] = m["lp_b"] - m["lp_a"]
+m["ad"] = m["d"].abs()
+m["k3"] = np.exp(m["d"]) - 1 - m["d"]
+m["tmpe"] = np.exp(m["ad"])
+m["adp"] = (np.exp(m["lp_b"]) - np.exp(m["lp_a"])).abs()
+for name, lo, hi in (("10pct", 0.9, 1.1), ("clip", 0.8, 1.2), ("2x", 0.5, 2.0)):
+    m["out_" + name] = (m["d"] < np.log(lo)) | (m["d"] > np.log(hi))
+m["pos_bucket"] = np.floor(np.log2(m["resp_pos"] + 1))
+m["prob_bucket"] = pd.cut(np.exp(m["lp_a"]), [0, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0], include_lowest=True)
+m["len_bucket"] = np.floor(np.log2(m.groupby(["step", "sample_id"])["d"].transform("size")))
+rows = 0
+for key in ("pos_bucket", "prob_bucket", "len_bucket", "step"):
+    g = m.groupby(key, observed=True)
+    agg = g.agg(n=("d", "size"), bias=("d", "mean"), sd=("d", "std"), rms=("d", lambda x: np.sqrt((x * x).mean())),
+                abs_mean=("ad", "mean"), abs_max=("ad", "max"), kl_k3=("k3", "mean"), tmpe=("tmpe", "mean"),
+                adp=("adp", "mean"), o10=("out_10pct", "mean"), oclip=("out_clip", "mean"), o2x=("out_2x", "mean"))
+    q = g["ad"].quantile([0.5, 0.95, 0.99]).unstack()
+    rows += agg.size + q.size
+wall = time.perf_counter() - t0
+import resource
+usage = resource.getrusage(resource.RUSAGE_SELF)
+peak, cpu = usage.ru_maxrss / 1024.0, usage.ru_utime + usage.ru_stime
+print(json.dumps({"wall_s": wall, "cpu_s": cpu, "abs_mean": float(tok["abs_mean"]), "rows": rows, "peak_rss_mib": peak}))
+"""
+)
 
 
 def write_runs(directory: Path, n_samples: int, seed: int = 0) -> tuple[Path, Path]:
@@ -162,12 +217,13 @@ def main() -> None:
     args = parser.parse_args()
     a, b = write_runs(args.dir, args.samples)
     load_before = os.getloadavg()
-    results: dict[str, list[dict]] = {"pgdiag": [], "pandas": []}
+    results: dict[str, list[dict]] = {"pgdiag": [], "pandas": [], "pandas-full": []}
     for _ in range(args.repeat):
         results["pgdiag"].append(run_child(PGDIAG_CHILD, a, b))
     if not args.skip_pandas:
         for _ in range(args.repeat):
             results["pandas"].append(run_child(PANDAS_CHILD, a, b))
+            results["pandas-full"].append(run_child(PANDAS_FULL_CHILD, a, b))
     print(
         "| implementation | wall s (median; min) | CPU s (median) | process s (median) | peak RSS MiB | mean abs Δ |"
     )
