@@ -523,10 +523,14 @@ def _single_run_issues(
         return [Issue(exc.code, "error", 1, exc.message, hint=exc.hint)], False
     found = validate_rows(rows.table, ignore=ignored, max_examples=max_examples, vocab_size=vocab_size)
     issues = rows.issues + found.issues
+    sound = found.bad_rows is None
     frame, view, keep = batch_inputs(rows, found)
+    loaded_streams, loaded_entropy = rows.streams, rows.entropy
+    del rows, found  # drop the list buffers before the float64 arrays are allocated
     batch = build_token_batch(
-        run, frame, view, streams=rows.streams, entropy=rows.entropy, sample_row=keep, env=True
+        run, frame, view, streams=loaded_streams, entropy=loaded_entropy, sample_row=keep, env=True
     )
+    del view
     if streams is not None:
         pairs = [(pair_streams[0], pair_streams[1])]
     else:
@@ -547,7 +551,7 @@ def _single_run_issues(
             )
         )
     issues += metadata_checks(run.meta, pair_streams, _recompute_settings(run))
-    return issues, found.bad_rows is None
+    return issues, sound
 
 
 def check_run(
