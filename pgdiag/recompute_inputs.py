@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
-import pyarrow as pa
 
 from pgdiag.errors import InvalidInputError
+from pgdiag.flat import flat_list
 from pgdiag.seqhash import input_fingerprint
 
 if TYPE_CHECKING:
@@ -72,22 +72,6 @@ class Part:
         }
 
 
-def _flat_list(column: pl.Series) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(values, offsets (S+1,), null_rows (S,)) of a list column, through Arrow (no per-row Python)."""
-    arrow = column.to_arrow()
-    if isinstance(arrow, pa.ChunkedArray):
-        arrow = pa.concat_arrays(arrow.chunks) if arrow.num_chunks != 1 else arrow.chunk(0)
-    null_rows = arrow.is_null().to_numpy(zero_copy_only=False)
-    lengths = arrow.value_lengths().fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-    offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    flat = arrow.flatten()
-    values = flat.to_numpy(zero_copy_only=False)
-    if flat.null_count:
-        values = np.where(flat.is_null().to_numpy(zero_copy_only=False), -1, values)
-    return values, offsets, null_rows
-
-
 def _where(inputs_source: str, step: np.ndarray, sample_id: np.ndarray, row: int) -> str:
     return f"{inputs_source}: step {int(step[row])}, sample {sample_id[row]}"
 
@@ -110,18 +94,29 @@ def read_inputs(run: Run, vocab_size: int) -> RecomputeInputs:
     frame = frame.sort(["step", "group_id", "sample_id", "segment_idx"], maintain_order=True)
     step = frame["step"].cast(pl.Int64).to_numpy()
     sample_id = frame["sample_id"].cast(pl.String).to_numpy().astype(object)
-    for name in ("step", "sample_id", "seq_hash"):
+    for name in ("step", "sample_id"):
         nulls = frame[name].null_count()
         if nulls:
             raise InvalidInputError("E213", f"{source}: {name} has {nulls} nulls")
-    ids, offsets, ids_null = _flat_list(frame["input_ids"])
-    mask, mask_offsets, mask_null = _flat_list(frame["loss_mask"])
-    bad = np.flatnonzero(ids_null | mask_null)
-    if bad.size:
+    null_hash = np.flatnonzero(frame["seq_hash"].is_null().to_numpy())
+    if null_hash.size:
+        where = _where(source, step, sample_id, int(null_hash[0]))
         raise InvalidInputError(
-            "E213", f"{_where(source, step, sample_id, int(bad[0]))}: null input_ids or loss_mask"
+            "E213", f"{where}: seq_hash is null ({null_hash.size} rows)", "re-import the run"
         )
-    lengths, mask_lengths = np.diff(offsets), np.diff(mask_offsets)
+    ids_flat, mask_flat = flat_list(frame["input_ids"]), flat_list(frame["loss_mask"])
+    for name, flat in (("input_ids", ids_flat), ("loss_mask", mask_flat)):
+        null_rows = np.zeros(frame.height, dtype=bool) if flat.row_valid is None else ~flat.row_valid
+        if flat.valid is not None:  # a null element marks its row
+            nulls = np.concatenate([[0], np.cumsum(~flat.valid, dtype=np.int64)])  # (N+1,)
+            null_rows |= (nulls[flat.offsets[1:]] - nulls[flat.offsets[:-1]]) > 0
+        bad = np.flatnonzero(null_rows)
+        if bad.size:
+            raise InvalidInputError(
+                "E213", f"{_where(source, step, sample_id, int(bad[0]))}: {name} has nulls"
+            )
+    offsets, mask = ids_flat.offsets, mask_flat.values.astype(bool)
+    lengths, mask_lengths = ids_flat.lengths, mask_flat.lengths
     bad = np.flatnonzero(lengths != mask_lengths)
     if bad.size:
         r = int(bad[0])
@@ -138,7 +133,7 @@ def read_inputs(run: Run, vocab_size: int) -> RecomputeInputs:
             "E203",
             f"{_where(source, step, sample_id, r)}: loss position 0 has no context (or empty input_ids)",
         )
-    ids = ids.astype(np.int64)
+    ids = ids_flat.values.astype(np.int64)
     out_of_range = np.flatnonzero((ids < 0) | (ids >= vocab_size))
     if out_of_range.size:
         first = int(out_of_range[0])
@@ -157,7 +152,7 @@ def read_inputs(run: Run, vocab_size: int) -> RecomputeInputs:
         seq_hash=frame["seq_hash"].cast(pl.UInt64).to_numpy(),
         offsets=offsets,
         input_ids=ids,
-        loss_mask=mask.astype(bool),
+        loss_mask=mask,
         temperature=_token_temperatures(frame, offsets),
     )
 
@@ -170,11 +165,13 @@ def _token_temperatures(frame: pl.DataFrame, offsets: np.ndarray) -> np.ndarray 
         row = np.repeat(frame["temperature"].cast(pl.Float64).fill_null(np.nan).to_numpy(), lengths)
     if "temperature_tok" not in frame.columns:
         return row
-    values, tok_offsets, null_rows = _flat_list(frame["temperature_tok"].cast(pl.List(pl.Float64)))
+    flat = flat_list(frame["temperature_tok"].cast(pl.List(pl.Float64)))
+    values = flat.values if flat.valid is None else np.where(flat.valid, flat.values, np.nan)  # (N_tok,)
+    rows_ok = flat.lengths == lengths  # null or short lists fall back to the row temperature
+    if flat.row_valid is not None:
+        rows_ok &= flat.row_valid
     tok = np.full(int(offsets[-1]), np.nan)
-    rows_ok = ~null_rows & (np.diff(tok_offsets) == lengths)
-    keep = np.repeat(rows_ok, lengths)
-    tok[keep] = values[np.repeat(rows_ok, np.diff(tok_offsets))].astype(np.float64)
+    tok[np.repeat(rows_ok, lengths)] = values[np.repeat(rows_ok, flat.lengths)]
     if row is not None:
         tok = np.where(np.isnan(tok), row, tok)
     return tok if not np.all(np.isnan(tok)) else row

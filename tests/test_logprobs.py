@@ -7,10 +7,12 @@ packed samples or a wrong temperature all show up as differences far above the 1
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 import torch
 import typer
@@ -278,16 +280,43 @@ def test_existing_output_needs_overwrite_and_same_settings(checkpoint, run_dir: 
     assert lp_bf16.size == first.n_loss_tokens
 
 
-def test_token_id_outside_vocabulary_is_e208(checkpoint, tmp_path: Path) -> None:
+def test_token_id_outside_vocabulary_is_e208_before_any_weight_is_read(checkpoint, tmp_path: Path) -> None:
     ckpt, _ = checkpoint
+    config_only = tmp_path / "config_only"  # no weights: the input check must not need them
+    config_only.mkdir()
+    shutil.copy(ckpt / "config.json", config_only / "config.json")
     rows = make_rows(seed=1, n_steps=1, groups=1, per_group=2)
     rows[1]["input_ids"][3] = VOCAB + 5
     run = write_run(tmp_path / "run", rows)
     with pytest.raises(InvalidInputError) as error:
-        recompute_logprobs(run, ckpt, device="cpu")
+        recompute_logprobs(run, config_only, device="cpu")
     assert error.value.code == "E208"
     assert f"sample {rows[1]['sample_id']}" in error.value.message and "pos 3" in error.value.message
     assert f"token {VOCAB + 5}" in error.value.message and "\n" not in error.value.message
+    assert not (run / "logprobs").exists()
+
+
+@pytest.mark.parametrize("defect", ["E201", "E203", "E213", "E102"])
+def test_bad_rollouts_are_one_line_input_errors(defect: str, checkpoint, tmp_path: Path) -> None:
+    ckpt, _ = checkpoint
+    rows = make_rows(seed=4, n_steps=1, groups=1, per_group=3)
+    if defect == "E201":
+        rows[2]["loss_mask"] = rows[2]["loss_mask"][:-1]
+    elif defect == "E203":
+        rows[2]["loss_mask"][0] = True
+    elif defect == "E213":
+        rows[2]["input_ids"][1] = None
+        rows[2]["seq_hash"] = 12345  # the factory cannot hash ids with a null
+    run = write_run(tmp_path / "run", rows)
+    if defect == "E102":
+        path = run / "rollouts" / "part-00000.parquet"
+        table = pq.read_table(path)
+        pq.write_table(table.drop_columns(["group_id"]).replace_schema_metadata(table.schema.metadata), path)
+    with pytest.raises(InvalidInputError) as error:
+        recompute_logprobs(run, ckpt, device="cpu")
+    assert error.value.code == defect and error.value.exit_code == 3 and "\n" not in error.value.message
+    if defect != "E102":
+        assert f"sample {rows[2]['sample_id']}" in error.value.message
     assert not (run / "logprobs").exists()
 
 
