@@ -212,8 +212,15 @@ def recompute_logprobs(
         "input_fingerprint": fingerprint,
     }
 
-    # 1. decide (every rank, before anyone writes): fresh, resume, or refuse
+    # 1. decide (every rank, before anyone writes): fresh, resume, or refuse; then load the weights, so that a
+    #    refused checkpoint (E60x) leaves no output behind. Every rank loads when any part is pending, so a load
+    #    error is raised on all ranks alike and none waits at a barrier.
     done = inspect_output(out_dir, manifest, parts, footer_base, resume=resume, overwrite=overwrite, tag=tag)
+    model_obj = (
+        spec.load(dtype=dtype, head_dtype=head_dtype, tp_group=tp_group) if len(done) < len(parts) else None
+    )
+    if model_obj is not None:
+        warnings = (*(f"{code}: {message}" for code, message in model_obj.load_warnings), *warnings)
     barrier()
     if layout.is_main:
         if overwrite:
@@ -224,9 +231,7 @@ def recompute_logprobs(
     # 2. compute this replica's pending parts; TP rank 0 writes them
     mine = [p for i, p in enumerate(parts) if i % layout.dp_size == layout.dp_rank and p.relpath not in done]
     counts = [0, 0, 0]
-    if mine:  # the same for every TP rank of a replica, so a skipped load skips no collective
-        model_obj = spec.load(dtype=dtype, head_dtype=head_dtype, tp_group=tp_group)
-        warnings = (*(f"{code}: {message}" for code, message in model_obj.load_warnings), *warnings)
+    if mine and model_obj is not None:
         counts = _compute_parts(
             model_obj,
             inputs,

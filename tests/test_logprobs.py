@@ -294,6 +294,11 @@ def test_token_id_outside_vocabulary_is_e208_before_any_weight_is_read(checkpoin
     assert f"sample {rows[1]['sample_id']}" in error.value.message and "pos 3" in error.value.message
     assert f"token {VOCAB + 5}" in error.value.message and "\n" not in error.value.message
     assert not (run / "logprobs").exists()
+    # valid rollouts, refused checkpoint (no weights): the error leaves no output behind
+    good = write_run(tmp_path / "good", make_rows(seed=1, n_steps=1, groups=1, per_group=2))
+    with pytest.raises(UsageError) as refused:
+        recompute_logprobs(good, config_only, device="cpu")
+    assert refused.value.code == "E604" and not (good / "logprobs").exists()
 
 
 @pytest.mark.parametrize("defect", ["E201", "E203", "E213", "E102"])
