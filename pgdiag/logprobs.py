@@ -69,7 +69,7 @@ class RecomputeSettings:
     dtype: str
     head_dtype: str
     temperature: float | None  # None: per-token values from `temperature_tok` / `temperature` columns
-    temperature_source: str  # option, temperature_tok, temperature, sampling, default
+    temperature_source: str  # option, column (temperature_tok or temperature), sampling, default
     softmax_vocab: int  # rows of the head the softmax runs over (the config's vocab_size unless restricted)
     impl: str  # resolved: triton or torch
     batch_tokens: int
