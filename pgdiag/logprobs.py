@@ -424,9 +424,7 @@ def _compute_parts(
                 )  # (N, H)
                 hidden = hidden.index_select(0, packed.hidden_index.to(device))  # (K, H)
                 targets = packed.targets.to(device)  # (K,)
-                flat = (
-                    inputs.offsets[packed.target_sample] + packed.target_pos
-                )  # (K,) index into the run's tokens
+                flat = inputs.offsets[packed.target_sample] + packed.target_pos  # (K,) run token index
                 for temp, select in _temperature_groups(settings.temperature, inputs.temperature, flat):
                     result = lm_head_logprobs(
                         hidden if select is None else hidden[select.to(device)],
