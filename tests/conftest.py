@@ -1,7 +1,8 @@
 """Shared fixtures for the data-layer tests: a small valid row list and a file written from it.
 
 `tests/rollout_factory.py` holds the row list and the file writers (importable by any test module, as
-``from rollout_factory import ...``); these fixtures wrap it.
+``from rollout_factory import ...``); these fixtures wrap it. The factory is imported inside the fixtures so
+that GPU-only test runs on machines without polars can still load this conftest.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout_factory import valid_rows, write_rollouts_file
-
 
 @pytest.fixture
 def rollout_rows() -> list[dict[str, Any]]:
+    from rollout_factory import valid_rows
+
     return valid_rows()
 
 
 @pytest.fixture
 def valid_rollouts_file(tmp_path: Path, rollout_rows: list[dict[str, Any]]) -> Path:
+    from rollout_factory import write_rollouts_file
+
     return write_rollouts_file(tmp_path / "valid.parquet", rollout_rows)
