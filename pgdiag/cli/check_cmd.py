@@ -94,7 +94,7 @@ def check(
             vocab_size=vocab_size,
             strict=strict,
         )
-        render_checks(console, result.issues)
+        render_checks(console, result.issues, result.hints)
         verdict = "errors" if result.n_errors else ("warnings" if result.n_warnings else "clean")
         colour = {"errors": "red", "warnings": "yellow", "clean": "green"}[verdict]
         console.print(

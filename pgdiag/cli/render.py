@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import polars as pl
 from rich.console import Console
@@ -80,12 +81,16 @@ def render_metrics(
         console.print(f"[yellow]note:[/] {notice}", soft_wrap=True)
 
 
-def render_checks(console: Console, checks: pl.DataFrame) -> None:
-    """Check findings, one line each: ``warning[W215] message``."""
-    for code, severity, message in checks.select("code", "severity", "message").iter_rows():
+def render_checks(console: Console, checks: pl.DataFrame, hints: Sequence[str | None] = ()) -> None:
+    """Check findings, one line each (``warning[W215] message``), each followed by its ``hint:`` if any."""
+    rows = checks.select("code", "severity", "message").iter_rows()
+    for index, (code, severity, message) in enumerate(rows):
         colour = "red" if severity == "error" else "yellow"
         console.print(f"[{colour}]{severity}[{code}][/] ", end="")
         console.print(message, markup=False, soft_wrap=True)
+        hint = hints[index] if index < len(hints) else None
+        if hint:
+            console.print(f"  hint: {hint}", markup=False, soft_wrap=True)
 
 
 def render_gates(console: Console, gates: GateResult) -> None:
