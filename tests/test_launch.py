@@ -52,7 +52,6 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-@pytest.mark.slow  # two self-launches of 2 spawned workers each: ~20-40 s on 2 cores
 def test_cli_tp2_and_dp2_self_launch_equal_one_process(ckpt: Path, tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", make_rows(seed=11))
     runner = CliRunner()
