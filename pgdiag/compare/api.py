@@ -24,7 +24,15 @@ from pgdiag.batch import TokenBatch
 from pgdiag.compare import breakdowns as bd
 from pgdiag.compare.align import AlignedPair, CheckIssue, align_batches
 from pgdiag.compare.diagnose import Diagnosis, diagnose
-from pgdiag.compare.parity import bucket_table, sequence_table, token_table, token_terms, unit_and_reduction
+from pgdiag.compare.parity import (
+    bucket_table,
+    sample_bucket_table,
+    sample_terms,
+    sequence_table,
+    token_table,
+    token_terms,
+    unit_and_reduction,
+)
 from pgdiag.compare.worst import worst_seqs, worst_tokens, worst_trace
 from pgdiag.errors import UsageError
 from pgdiag.report import CHECKS_SCHEMA, Report, ReportRow, summary_frame
@@ -203,9 +211,17 @@ def parity_rows(
 
     step_abs_mean: dict[int, float] = {}
     terms = token_terms(pair.lp_a, pair.lp_b, eps_low=eps_low, eps_high=eps_high) if by else None
+    per_sample = None
     for breakdown in by:
         buckets = bd.assign(pair, breakdown)
-        table = bucket_table(terms, buckets.codes, buckets.n_buckets)
+        if buckets.sample_codes is None:
+            table = bucket_table(terms, buckets.codes, buckets.n_buckets)
+        else:  # constant within each sample: reduce tokens to samples once, then bucket the samples
+            if per_sample is None:
+                per_sample = sample_terms(terms, pair.offsets, pair.token_row)
+            table = sample_bucket_table(
+                per_sample, terms, buckets.sample_codes, pair.token_row, buckets.n_buckets
+            )
         for k, label in enumerate(buckets.labels):
             if table["tokens"][k] == 0:
                 continue

@@ -35,6 +35,7 @@ class Buckets:
     labels: tuple[str, ...]  # (K,)
     lo: np.ndarray  # (K,) float64, None-like NaN for categorical buckets
     hi: np.ndarray  # (K,) float64
+    sample_codes: np.ndarray | None = None  # (S,) int64 when the bucket is constant within each sample
 
     @property
     def n_buckets(self) -> int:
@@ -69,7 +70,8 @@ def _numeric(
     edge_array = np.asarray(edges, dtype=np.float64)
     search = edge_array
     if np.issubdtype(values.dtype, np.integer):  # integer edges: no float copy of 10M values
-        search = np.where(np.isinf(edge_array), np.iinfo(values.dtype).max, edge_array).astype(values.dtype)
+        top = np.iinfo(values.dtype).max
+        search = np.array([top if np.isinf(e) else int(e) for e in edges], dtype=values.dtype)
     codes = np.searchsorted(search, values, side="right")  # (M,) bucket of [lo, hi), plus one
     codes -= 1
     np.minimum(
@@ -89,15 +91,14 @@ def _categorical(name: str, per_sample: np.ndarray, sample: np.ndarray, *, numer
     uniques, codes = np.unique(per_sample, return_inverse=True)
     labels = tuple(str(u) for u in uniques)
     edges = uniques.astype(np.float64) if numeric else np.full(uniques.shape[0], np.nan)
-    return Buckets(name, codes.astype(np.int64).reshape(-1)[sample], labels, edges, edges.copy())
+    sample_codes = codes.astype(np.int64).reshape(-1)
+    return Buckets(name, sample_codes[sample], labels, edges, edges.copy(), sample_codes)
 
 
 def assign(pair: AlignedPair, name: str) -> Buckets:
     """Bucket codes of breakdown `name` for the tokens of `pair`."""
     if name == "position":
-        return _numeric(
-            name, pair.resp_pos.astype(np.float64), DOUBLING_EDGES, integer=True, top_closed=False
-        )
+        return _numeric(name, pair.resp_pos, DOUBLING_EDGES, integer=True, top_closed=False)
     if name == "prob_bucket":  # bucket on lp_a against ln(edges): no exp over M tokens
         log_edges = (-np.inf, *(float(np.log(e)) for e in PROB_EDGES[1:]))
         buckets = _numeric(name, pair.lp_a, log_edges, integer=False, top_closed=True)
@@ -114,7 +115,9 @@ def assign(pair: AlignedPair, name: str) -> Buckets:
         per_sample = _numeric(
             name, pair.n_loss.astype(np.float64), DOUBLING_EDGES, integer=True, top_closed=False
         )
-        return Buckets(name, per_sample.codes[sample], per_sample.labels, per_sample.lo, per_sample.hi)
+        return Buckets(
+            name, per_sample.codes[sample], per_sample.labels, per_sample.lo, per_sample.hi, per_sample.codes
+        )
     if name == "step":
         return _categorical(name, pair.step, sample, numeric=True)
     if name == "env":

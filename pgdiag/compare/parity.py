@@ -18,6 +18,7 @@ How: `sequence_table` reduces each sample to its mean log-probs (length-normalis
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -234,8 +235,7 @@ def token_terms(lp_a: np.ndarray, lp_b: np.ndarray, *, eps_low: float, eps_high:
 def bucket_table(terms: TokenTerms, codes: np.ndarray, n_buckets: int) -> dict[str, np.ndarray]:
     """{stat: (K,) float64} of the breakdown set per bucket (NaN for empty buckets) plus "tokens".
 
-    One `np.bincount` per statistic (O(M) each); quantiles from one radix sort of the codes and `np.quantile`
-    on each bucket's contiguous slice.
+    One `np.bincount` per statistic (O(M) each); quantiles from `_bucket_quantiles`.
     """
     k = n_buckets
     codes = codes.astype(np.intp, copy=False)  # bincount's own index type: no per-call conversion
@@ -247,27 +247,9 @@ def bucket_table(terms: TokenTerms, codes: np.ndarray, n_buckets: int) -> dict[s
     out: dict[str, np.ndarray] = {"tokens": n}
     bias = _safe_div(total(terms.d), n)
     dev = terms.d - np.nan_to_num(bias)[codes]
-    out["bias"] = bias
     np.multiply(dev, dev, out=dev)
-    sd = np.sqrt(_safe_div(total(dev), n))
-    out["sd"] = sd
-    out["rms"] = np.sqrt(sd * sd + bias * bias)  # E[Δ²] = sd² + bias²: a sum of squares, no cancellation
-    out["abs_mean"] = _safe_div(total(terms.abs_d), n)
-    # quantiles: every stride-th token above 2 × QUANTILE_SAMPLE_TOKENS (exact below); radix sort of the codes
-    m = codes.shape[0]
-    stride = m // QUANTILE_SAMPLE_TOKENS if m > 2 * QUANTILE_SAMPLE_TOKENS else 1
-    sub_codes = codes[::stride].astype(np.int16 if k < 32768 else np.intp)
-    order = np.argsort(sub_codes, kind="stable")
-    starts = np.zeros(k + 1, dtype=np.int64)
-    np.cumsum(np.bincount(sub_codes, minlength=k), out=starts[1:])
-    grouped = terms.abs_d[::stride][order]  # own copy: partitioned in place per bucket
-    qs = list(ABS_QUANTILES.values())
-    quant = np.full((k, len(qs) + 1), np.nan)
-    for bucket in range(k):
-        if starts[bucket + 1] > starts[bucket]:
-            quant[bucket] = _quantiles(grouped[starts[bucket] : starts[bucket + 1]], qs)
-    for j, name in enumerate(ABS_QUANTILES):
-        out[name] = quant[:, j]
+    _moments(out, bias, _safe_div(total(dev), n), _safe_div(total(terms.abs_d), n))
+    out.update(_bucket_quantiles(terms.abs_d, lambda stride: codes[::stride], k))
     out["abs_max"] = _bucket_max(terms.abs_d, codes, k)  # exact, over all tokens
     for band, flags in terms.outside.items():
         out[f"frac_out_{band}"] = _safe_div(np.bincount(codes[flags], minlength=k), n)
@@ -275,6 +257,115 @@ def bucket_table(terms: TokenTerms, codes: np.ndarray, n_buckets: int) -> dict[s
     out["kl_k3"] = _safe_div(total(terms.k3), n)
     out["tmpe"] = _safe_div(total(terms.tmpe), n)
     out["abs_dprob_mean"] = _safe_div(total(terms.abs_dprob), n)
+    return out
+
+
+def _moments(
+    out: dict[str, np.ndarray], bias: np.ndarray, variance: np.ndarray, abs_mean: np.ndarray
+) -> None:
+    sd = np.sqrt(variance)
+    out["bias"] = bias
+    out["sd"] = sd
+    out["rms"] = np.sqrt(sd * sd + bias * bias)  # E[Δ²] = sd² + bias²: a sum of squares, no cancellation
+    out["abs_mean"] = abs_mean
+
+
+def _bucket_quantiles(
+    abs_d: np.ndarray, codes_every: Callable[[int], np.ndarray], k: int
+) -> dict[str, np.ndarray]:
+    """|Δ| quantiles per bucket: every stride-th token above 2 × QUANTILE_SAMPLE_TOKENS (exact below).
+
+    `codes_every(stride)` gives the bucket codes of tokens 0, stride, 2·stride, ...; one radix sort of those small
+    integer codes groups the buckets into contiguous slices, each partitioned in place.
+    """
+    m = abs_d.shape[0]
+    stride = m // QUANTILE_SAMPLE_TOKENS if m > 2 * QUANTILE_SAMPLE_TOKENS else 1
+    sub_codes = codes_every(stride).astype(np.int16 if k < 32768 else np.intp)
+    order = np.argsort(sub_codes, kind="stable")
+    starts = np.zeros(k + 1, dtype=np.int64)
+    np.cumsum(np.bincount(sub_codes, minlength=k), out=starts[1:])
+    grouped = abs_d[::stride][order]  # own copy: partitioned in place per bucket
+    qs = list(ABS_QUANTILES.values())
+    quant = np.full((k, len(qs) + 1), np.nan)
+    for bucket in range(k):
+        if starts[bucket + 1] > starts[bucket]:
+            quant[bucket] = _quantiles(grouped[starts[bucket] : starts[bucket + 1]], qs)
+    return {name: quant[:, j] for j, name in enumerate(ABS_QUANTILES)}
+
+
+@dataclass(frozen=True)
+class SampleTerms:
+    """Per-sample sums of the breakdown terms, for breakdowns constant within a sample (step, length, env)."""
+
+    n: np.ndarray  # (S,) tokens
+    sums: dict[str, np.ndarray]  # term -> (S,) Σ_t over the sample's tokens
+    centred: np.ndarray  # (S,) Σ_t (Δ − Δ̄_i)², the within-sample sum of squares
+    max_abs: np.ndarray  # (S,) max |Δ| (0 for empty samples)
+
+
+def sample_terms(terms: TokenTerms, offsets: np.ndarray, token_row: np.ndarray) -> SampleTerms:
+    """Reduce the token terms to per-sample sums with `np.add.reduceat` (contiguous, one pass per term)."""
+    counts = np.diff(offsets)
+    s = counts.shape[0]
+    nonempty = counts > 0
+    starts = offsets[:-1][nonempty]
+
+    def per_sample(x: np.ndarray, reduce: np.ufunc = np.add) -> np.ndarray:
+        out = np.zeros(s, dtype=np.float64)
+        if starts.size:
+            out[nonempty] = reduce.reduceat(x, starts)
+        return out
+
+    sums = {
+        "d": per_sample(terms.d),
+        "abs_d": per_sample(terms.abs_d),
+        "k3": per_sample(terms.k3),
+        "tmpe": per_sample(terms.tmpe),
+        "abs_dprob": per_sample(terms.abs_dprob),
+    }
+    for band, flags in terms.outside.items():
+        sums[f"out_{band}"] = per_sample(flags.astype(np.float64))
+    n = counts.astype(np.float64)
+    mean = np.divide(sums["d"], n, out=np.zeros(s), where=nonempty)
+    dev = terms.d - mean[token_row]
+    np.multiply(dev, dev, out=dev)
+    return SampleTerms(n, sums, per_sample(dev), per_sample(terms.abs_d, np.maximum))
+
+
+def sample_bucket_table(
+    st: SampleTerms, terms: TokenTerms, sample_codes: np.ndarray, token_row: np.ndarray, n_buckets: int
+) -> dict[str, np.ndarray]:
+    """`bucket_table` for a breakdown given per sample (codes (S,)): bincounts over S samples, not M tokens.
+
+    The spread combines within-sample sums of squares and each sample's offset from its bucket's mean
+    (Σ_i [C_i + N_i (Δ̄_i − b)²]): every term is non-negative, so nothing cancels.
+    """
+    k = n_buckets
+    codes = sample_codes.astype(np.intp, copy=False)
+
+    def total(x: np.ndarray) -> np.ndarray:
+        return np.bincount(codes, weights=x, minlength=k)
+
+    n = total(st.n)
+    out: dict[str, np.ndarray] = {"tokens": n}
+    bias = _safe_div(total(st.sums["d"]), n)
+    mean = np.divide(st.sums["d"], st.n, out=np.zeros_like(st.n), where=st.n > 0)
+    offset = mean - np.nan_to_num(bias)[codes]
+    _moments(
+        out,
+        bias,
+        _safe_div(total(st.centred + st.n * offset * offset), n),
+        _safe_div(total(st.sums["abs_d"]), n),
+    )
+    out.update(_bucket_quantiles(terms.abs_d, lambda stride: codes[token_row[::stride]], k))
+    nonempty = st.n > 0
+    out["abs_max"] = _bucket_max(st.max_abs[nonempty], codes[nonempty], k)
+    for band in terms.outside:
+        out[f"frac_out_{band}"] = _safe_div(total(st.sums[f"out_{band}"]), n)
+    out["kl_k1"] = 0.0 - bias
+    out["kl_k3"] = _safe_div(total(st.sums["k3"]), n)
+    out["tmpe"] = _safe_div(total(st.sums["tmpe"]), n)
+    out["abs_dprob_mean"] = _safe_div(total(st.sums["abs_dprob"]), n)
     return out
 
 

@@ -129,3 +129,27 @@ def test_in_place_quantiles_match_numpy_type_7(n: int) -> None:
     qs = [0.01, 0.5, 0.95, 0.99]
     expected = [*np.quantile(values, qs), values.max()]
     assert _quantiles(values.copy(), qs) == pytest.approx(expected, rel=1e-15, abs=1e-15)
+
+
+def test_sample_level_buckets_equal_token_level_buckets() -> None:
+    """step / length / env buckets reduced through per-sample sums give the token-level numbers."""
+    from pgdiag.compare.parity import sample_bucket_table, sample_terms
+
+    rng = np.random.default_rng(5)
+    counts = rng.integers(0, 30, size=60)  # some samples are empty
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    m = int(offsets[-1])
+    token_row = np.repeat(np.arange(60), counts)
+    lp_a = -rng.exponential(1.0, size=m)
+    lp_b = lp_a + rng.normal(0.3, 0.2, size=m)  # a large bias: the spread must not cancel
+    sample_codes = rng.integers(0, 5, size=60)
+    sample_codes[sample_codes == 3] = 4  # bucket 3 stays empty
+    terms = token_terms(lp_a, lp_b, eps_low=0.2, eps_high=0.2)
+    by_token = bucket_table(terms, sample_codes[token_row], 5)
+    by_sample = sample_bucket_table(
+        sample_terms(terms, offsets, token_row), terms, sample_codes, token_row, 5
+    )
+    assert set(by_token) == set(by_sample)
+    for stat, values in by_token.items():
+        np.testing.assert_allclose(by_sample[stat], values, rtol=1e-12, atol=1e-15, err_msg=stat)
+    assert by_sample["tokens"][3] == 0 and np.isnan(by_sample["sd"][3])
