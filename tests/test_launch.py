@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +21,8 @@ from pgdiag.launch import (
     resolve_degrees,
     single_process_layout,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_resolve_degrees() -> None:
@@ -82,6 +88,25 @@ def test_cli_tp2_and_dp2_self_launch_equal_one_process(ckpt: Path, tmp_path: Pat
         np.testing.assert_allclose(values[~np.isnan(values)], v1[~np.isnan(v1)], atol=1e-5, rtol=0)
     manifest = pl.read_json(run / "logprobs" / "dp2" / "_manifest.json")
     assert manifest["complete"].item() is True and manifest["settings"].struct.field("dp").item() == 2
+
+
+def test_torchrun_two_ranks_write_one_stream_and_one_json_object(ckpt: Path, tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", make_rows(seed=13, n_steps=1))
+    args = ["logprobs", str(run), "--model", str(ckpt), "--dtype", "fp32", "--device", "cpu"]
+    single = CliRunner().invoke(cli_app(), [*args, "--tag", "one"])
+    assert single.exit_code == 0, single.output
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "pgdiag"]
+    done = subprocess.run(
+        [*torchrun, *args, "--tag", "two", "--json"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    objects = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    assert len(objects) == 1 and objects[0]["summary"]["two"]["settings"]["tp"] == 2  # torchrun: tp = world
+    ids1, v1 = _stream_values(run / "logprobs" / "one")
+    ids2, v2 = _stream_values(run / "logprobs" / "two")
+    assert ids1 == ids2 and np.array_equal(np.isnan(v1), np.isnan(v2))
+    np.testing.assert_allclose(v2[~np.isnan(v2)], v1[~np.isnan(v1)], atol=1e-5, rtol=0)
 
 
 def test_cli_tp_worker_error_is_one_line_with_the_worst_exit_code(ckpt: Path, tmp_path: Path) -> None:
