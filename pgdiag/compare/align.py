@@ -68,6 +68,7 @@ class AlignedPair:
     token_id: np.ndarray  # (M,) int32
     lp_a: np.ndarray  # (M,) float64
     lp_b: np.ndarray  # (M,) float64
+    delta: np.ndarray  # (M,) float64 Δ = lp_b − lp_a, computed once (read-only for every consumer)
     entropy: np.ndarray | None  # (M,) float64, nats, from side b's stream (else side a's)
     reward: np.ndarray | None  # (S,) float64, side a
     env: np.ndarray | None  # (S,) object, side a
@@ -400,6 +401,7 @@ def align_batches(
         token_id=token_id,
         lp_a=lp_a,
         lp_b=lp_b,
+        delta=lp_b - lp_a,
         entropy=entropy,
         reward=None if a.reward is None else np.asarray(a.reward, dtype=np.float64)[ia],
         env=None if a.env is None else a.env[ia],

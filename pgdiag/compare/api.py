@@ -195,7 +195,7 @@ def parity_rows(
     """Every summary row of one pair; also the `all` token stats by name and the per-step mean |Δ|."""
     name = pair.pair
     rows: list[ReportRow] = []
-    tokens = token_table(pair.lp_a, pair.lp_b, eps_low=eps_low, eps_high=eps_high)
+    tokens = token_table(pair.lp_a, pair.lp_b, eps_low=eps_low, eps_high=eps_high, delta=pair.delta)
     rows += _rows(name, "token", "all", tokens, 0, "all", None, None, "tokens")
     n_tok = pair.n_tokens
     rows.append(ReportRow(name, "token", "all", "all", "count/mismatch_tokens", n_tok, "count", "sum", n_tok))
@@ -210,7 +210,11 @@ def parity_rows(
     rows.append(ReportRow(name, "sequence", "all", "all", "count/samples", n_seq, "count", "sum", n_seq))
 
     step_abs_mean: dict[int, float] = {}
-    terms = token_terms(pair.lp_a, pair.lp_b, eps_low=eps_low, eps_high=eps_high) if by else None
+    terms = (
+        token_terms(pair.lp_a, pair.lp_b, eps_low=eps_low, eps_high=eps_high, delta=pair.delta)
+        if by
+        else None
+    )
     per_sample = None
     for breakdown in by:
         buckets = bd.assign(pair, breakdown)
@@ -231,7 +235,7 @@ def parity_rows(
                 step_abs_mean[int(buckets.lo[k])] = float(table["abs_mean"][k])
     if "step" not in by:
         buckets = bd.assign(pair, "step")
-        sums = np.bincount(buckets.codes, weights=np.abs(pair.lp_b - pair.lp_a), minlength=buckets.n_buckets)
+        sums = np.bincount(buckets.codes, weights=np.abs(pair.delta), minlength=buckets.n_buckets)
         counts = np.bincount(buckets.codes, minlength=buckets.n_buckets)
         for k in range(buckets.n_buckets):
             if counts[k]:
@@ -244,7 +248,7 @@ def parity_rows(
 def _dlogp_rows(pair: AlignedPair) -> list[ReportRow]:
     """Token counts per Δ bin (breakdown `dlogp`): the histogram behind the dlogp-hist plot, over all tokens."""
     edges = np.asarray(DLOGP_EDGES)
-    d = pair.lp_b - pair.lp_a
+    d = pair.delta
     codes = np.searchsorted(edges, d, side="right")  # (M,) in [1, K]: edges span -inf..inf
     codes -= 1
     exact_zero = d == 0.0

@@ -47,7 +47,7 @@ def first_token_stats(pair: AlignedPair) -> tuple[float | None, float]:
     firsts = pair.offsets[:-1][counts > 0]
     if firsts.size == 0:
         return None, 0.0
-    d = pair.lp_b - pair.lp_a
+    d = pair.delta
     overall = float(np.mean(np.abs(d)))
     first_d = d[firsts]
     first_mean = float(np.mean(np.abs(first_d)))
@@ -98,7 +98,7 @@ def diagnose(
             )
         )
 
-    d = pair.lp_b - pair.lp_a
+    d = pair.delta
     bias = token_stats.get("bias")
     if d.size and bias is not None:
         share = float(np.mean(pair.lp_a >= pair.lp_b))

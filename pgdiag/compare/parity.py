@@ -116,56 +116,65 @@ def _quantiles(values: np.ndarray, qs: list[float]) -> np.ndarray:
 
 
 def token_table(
-    lp_a: np.ndarray, lp_b: np.ndarray, *, eps_low: float, eps_high: float
+    lp_a: np.ndarray,
+    lp_b: np.ndarray,
+    *,
+    eps_low: float,
+    eps_high: float,
+    delta: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """{stat: (1,) float64} over all tokens (NaN = not computable) plus "tokens"; sums are NumPy pairwise sums."""
+    """{stat: (1,) float64} over all tokens (NaN = not computable) plus "tokens"; sums are NumPy pairwise sums.
+
+    `delta` (lp_b − lp_a, read only) saves recomputing it. Large temporaries are four (M,) buffers reused in
+    place: on 10M tokens, first-touch page faults of fresh arrays cost as much as the arithmetic.
+    """
     n = float(lp_a.shape[0])
-    d = lp_b - lp_a  # (M,)
-    abs_d = np.abs(d)
+    d = lp_b - lp_a if delta is None else delta  # (M,) read only
+    abs_d = np.abs(d)  # (M,) ours: partitioned in place at the end
+    b1, b2 = np.empty_like(abs_d), np.empty_like(abs_d)  # (M,) scratch
     out: dict[str, np.ndarray] = {"tokens": _one(n)}
 
     # 1. moments of Δ (spread around the mean, never as a difference of squares)
     bias = _safe_div(np.sum(d), n)
-    dev = d - (bias[()] if np.isfinite(bias) else 0.0)
+    dev = np.subtract(d, bias[()] if np.isfinite(bias) else 0.0, out=b1)
     out["bias"] = _one(bias)
     out["sd"] = _one(np.sqrt(_safe_div(np.dot(dev, dev), n)))
     out["rms"] = _one(np.sqrt(_safe_div(np.dot(d, d), n)))
     out["abs_mean"] = _one(_safe_div(np.sum(abs_d), n))
 
-    # 3. correlation and OLS fit lp_b ≈ α + β·lp_a
-    out.update({k: _one(v) for k, v in linear_fit(lp_a, lp_b).items()})
+    # 2. correlation and OLS fit lp_b ≈ α + β·lp_a
+    out.update({k: _one(v) for k, v in linear_fit(lp_a, lp_b, scratch=(b1, b2)).items()})
 
-    # 4. band fractions: ratio outside [lo, hi], tested on Δ
+    # 3. band fractions: ratio outside [lo, hi], tested on Δ
     for band, (log_lo, log_hi) in band_edges(eps_low, eps_high).items():
         out[f"frac_out_{band}"] = _one(_safe_div(np.count_nonzero((d < log_lo) | (d > log_hi)), n))
 
-    # 5. KL estimators, tmpe, chi-square, ESS (ρ = e^Δ; exact zeros for Δ = 0); buffers reused in place
+    # 4. KL estimators, tmpe, chi-square, ESS (ρ = e^Δ; exact zeros for Δ = 0)
     with np.errstate(over="ignore", invalid="ignore"):
-        em1 = np.expm1(d)  # (M,) ρ − 1
+        em1 = np.expm1(d, out=b1)  # (M,) ρ − 1
         sum_em1 = np.sum(em1)
         out["kl_k1"] = _one(0.0 - bias)
         out["kl_k3"] = _one(_safe_div(sum_em1 - np.sum(d), n))
-        rho = np.add(em1, 1.0, out=em1)  # (M,) ρ, em1's buffer
+        rho = np.add(em1, 1.0, out=b1)  # (M,) ρ
         rho_d = np.dot(rho, d)
         out["kl_rev_k1"] = _one(_safe_div(rho_d, n))
         out["kl_rev_k3"] = _one(_safe_div(rho_d - sum_em1, n))
         sum_rho, sum_rho2 = np.sum(rho), np.dot(rho, rho)
         out["ess_token"] = _one(_safe_div(sum_rho * sum_rho, n * sum_rho2))
-        scratch = np.multiply(d, 2.0, out=rho)  # (M,) rho's buffer
+        scratch = np.multiply(d, 2.0, out=b2)
         out["chi2_token"] = _one(_safe_div(np.sum(np.expm1(scratch, out=scratch)), n))  # ρ² − 1
-        out["tmpe"] = _one(_safe_div(np.sum(np.exp(abs_d, out=scratch)), n))
+        out["tmpe"] = _one(_safe_div(np.sum(np.exp(abs_d, out=b2)), n))
     out["abs_delta_gt_20"] = _one(np.count_nonzero(abs_d > 20.0))
 
-    # 6. quantiles and max of |Δ| (partitions abs_d in place: last use)
+    # 5. probability space (verl |Δp|); abs_d becomes scratch once its quantiles are taken
+    p_a, p_b = np.exp(lp_a, out=b1), np.exp(lp_b, out=b2)
     quant = _quantiles(abs_d, list(ABS_QUANTILES.values()))
     for j, name in enumerate(ABS_QUANTILES):
         out[name] = _one(quant[j])
     out["abs_max"] = _one(quant[-1])
-
-    # 7. probability space (verl |Δp|)
-    p_a, p_b = np.exp(lp_a), np.exp(lp_b)
-    out["prob_pearson_r"] = _one(linear_fit(p_a, p_b)["pearson_r"])
-    abs_dp = np.abs(np.subtract(p_b, p_a, out=p_b), out=p_b)  # (M,) p_b's buffer
+    second = d if delta is None else np.empty_like(abs_d)  # d is ours to overwrite only when computed here
+    out["prob_pearson_r"] = _one(linear_fit(p_a, p_b, scratch=(abs_d, second))["pearson_r"])
+    abs_dp = np.abs(np.subtract(p_b, p_a, out=b2), out=b2)  # (M,)
     out["abs_dprob_mean"] = _one(_safe_div(np.sum(abs_dp), n))
     q = _quantiles(abs_dp, [0.99])
     out["abs_dprob_p99"], out["abs_dprob_max"] = _one(q[0]), _one(q[1])
@@ -181,18 +190,20 @@ def band_edges(eps_low: float, eps_high: float) -> dict[str, tuple[float, float]
     return edges
 
 
-def linear_fit(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+def linear_fit(
+    x: np.ndarray, y: np.ndarray, *, scratch: tuple[np.ndarray, np.ndarray] | None = None
+) -> dict[str, float]:
     """Pearson r and the OLS fit y ≈ α + β·x on centred sums; NaN where a variance is 0.
 
-    Two (M,) temporaries, reused in place for the residual (this runs on 10M-token arrays).
+    Two (M,) temporaries (`scratch`, overwritten, when given), reused in place for the residual.
     """
     n = x.shape[0]
     nan = {"pearson_r": np.nan, "fit_slope": np.nan, "fit_intercept": np.nan, "fit_resid_rms": np.nan}
     if n == 0:
         return nan
     mean_x, mean_y = np.sum(x) / n, np.sum(y) / n
-    cx = np.subtract(x, mean_x)  # (M,)
-    cy = np.subtract(y, mean_y)  # (M,)
+    cx = np.subtract(x, mean_x, out=None if scratch is None else scratch[0])  # (M,)
+    cy = np.subtract(y, mean_y, out=None if scratch is None else scratch[1])  # (M,)
     sxx, syy, sxy = np.dot(cx, cx), np.dot(cy, cy), np.dot(cx, cy)
     r = sxy / np.sqrt(sxx * syy) if sxx > 0 and syy > 0 else np.nan
     if not sxx > 0:
@@ -220,9 +231,11 @@ class TokenTerms:
     outside: dict[str, np.ndarray]  # band -> (M,) bool, ratio outside the band
 
 
-def token_terms(lp_a: np.ndarray, lp_b: np.ndarray, *, eps_low: float, eps_high: float) -> TokenTerms:
-    """The per-token inputs of `bucket_table`."""
-    d = lp_b - lp_a
+def token_terms(
+    lp_a: np.ndarray, lp_b: np.ndarray, *, eps_low: float, eps_high: float, delta: np.ndarray | None = None
+) -> TokenTerms:
+    """The per-token inputs of `bucket_table`; `delta` (lp_b − lp_a) is used as is when given."""
+    d = lp_b - lp_a if delta is None else delta
     abs_d = np.abs(d)
     edges = band_edges(eps_low, eps_high)
     with np.errstate(over="ignore", invalid="ignore"):

@@ -22,7 +22,7 @@ TOKEN_TABLE_SCHEMA_ID = "pgdiag.compare-tokens/v1"
 def token_frame(pair: AlignedPair) -> pl.DataFrame:
     """The token table of `pair` as a polars frame."""
     sample = pair.token_sample()
-    d = pair.lp_b - pair.lp_a
+    d = pair.delta
     with np.errstate(over="ignore"):
         ratio = np.exp(d)
         k3 = np.expm1(d) - d

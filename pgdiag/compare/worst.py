@@ -57,7 +57,7 @@ def worst_tokens(
     pair: AlignedPair, k: int, *, decode: Callable[[Sequence[int]], str] | None = None
 ) -> pl.DataFrame:
     """The k matched tokens with the largest |Δ|, largest first."""
-    d = pair.lp_b - pair.lp_a
+    d = pair.delta
     top = _top_k(np.abs(d), k)
     row = np.searchsorted(pair.offsets, top, side="right") - 1
     context: list[str | None] = [None] * top.shape[0]
@@ -90,7 +90,7 @@ def sequence_deltas(pair: AlignedPair) -> tuple[np.ndarray, np.ndarray, np.ndarr
     if rows.size == 0:
         empty = np.zeros(0)
         return rows, empty, empty
-    d = pair.lp_b - pair.lp_a
+    d = pair.delta
     starts = pair.offsets[:-1][rows]
     return rows, np.add.reduceat(d, starts), np.maximum.reduceat(np.abs(d), starts)
 

@@ -153,3 +153,20 @@ def test_sample_level_buckets_equal_token_level_buckets() -> None:
     for stat, values in by_token.items():
         np.testing.assert_allclose(by_sample[stat], values, rtol=1e-12, atol=1e-15, err_msg=stat)
     assert by_sample["tokens"][3] == 0 and np.isnan(by_sample["sd"][3])
+
+
+def test_token_table_leaves_its_inputs_untouched() -> None:
+    rng = np.random.default_rng(6)
+    lp_a = -rng.exponential(1.0, size=2000)
+    lp_b = lp_a + rng.normal(0, 0.1, size=2000)
+    delta = lp_b - lp_a
+    copies = (lp_a.copy(), lp_b.copy(), delta.copy())
+    given = token_table(lp_a, lp_b, eps_low=0.2, eps_high=0.2, delta=delta)
+    computed = token_table(lp_a, lp_b, eps_low=0.2, eps_high=0.2)
+    for before, after in zip(copies, (lp_a, lp_b, delta), strict=True):
+        assert np.array_equal(before, after)
+    assert given.keys() == computed.keys()
+    for stat in given:
+        assert given[stat][0] == computed[stat][0] or (
+            np.isnan(given[stat][0]) and np.isnan(computed[stat][0])
+        )
