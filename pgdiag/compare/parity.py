@@ -326,7 +326,10 @@ def sample_terms(terms: TokenTerms, offsets: np.ndarray, token_row: np.ndarray) 
     def per_sample(x: np.ndarray, reduce: np.ufunc = np.add) -> np.ndarray:
         out = np.zeros(s, dtype=np.float64)
         if starts.size:
-            out[nonempty] = reduce.reduceat(x, starts)
+            if x.dtype == np.bool_:  # count flags without a float copy of M values
+                out[nonempty] = np.add.reduceat(x.view(np.uint8), starts, dtype=np.int64)
+            else:
+                out[nonempty] = reduce.reduceat(x, starts)
         return out
 
     sums = {
@@ -337,7 +340,7 @@ def sample_terms(terms: TokenTerms, offsets: np.ndarray, token_row: np.ndarray) 
         "abs_dprob": per_sample(terms.abs_dprob),
     }
     for band, flags in terms.outside.items():
-        sums[f"out_{band}"] = per_sample(flags.astype(np.float64))
+        sums[f"out_{band}"] = per_sample(flags)
     n = counts.astype(np.float64)
     mean = np.divide(sums["d"], n, out=np.zeros(s), where=nonempty)
     dev = terms.d - mean[token_row]
