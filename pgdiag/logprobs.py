@@ -39,6 +39,8 @@ from pgdiag.kernels import lm_head_logprobs, resolve_impl
 from pgdiag.launch import ParallelLayout, barrier, current_layout
 from pgdiag.packing import PackOrder, pack_samples, plan_batches, plan_micro_batches
 from pgdiag.recompute_inputs import (
+    DEFAULT_BATCH_TOKENS,
+    DEFAULT_PART_SAMPLES,
     Part,
     RecomputeInputs,
     plan_parts,
@@ -56,8 +58,6 @@ if TYPE_CHECKING:
     from pgdiag.runs import Run
 
 DTYPES = ("bf16", "fp32")
-DEFAULT_BATCH_TOKENS = 32768
-DEFAULT_PART_SAMPLES = 2048
 IMPLS = ("auto", "triton", "torch")
 _IGNORED = -100
 

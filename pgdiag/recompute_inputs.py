@@ -27,6 +27,10 @@ from pgdiag.seqhash import input_fingerprint
 if TYPE_CHECKING:
     from pgdiag.runs import Run
 
+# Defaults of `recompute_logprobs`, kept in this torch-free module so the CLI can show them without importing torch.
+DEFAULT_BATCH_TOKENS = 32768
+DEFAULT_PART_SAMPLES = 2048
+
 
 @dataclass(frozen=True)
 class RecomputeInputs:

@@ -18,7 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -39,7 +39,10 @@ from pgdiag.cli.common import (
     result_object,
 )
 from pgdiag.errors import EXIT_INTERNAL, EXIT_INVALID, InvalidInputError, PgdiagError, UsageError
-from pgdiag.logprobs import DEFAULT_BATCH_TOKENS, DEFAULT_PART_SAMPLES, ProgressUpdate, RecomputeResult
+from pgdiag.recompute_inputs import DEFAULT_BATCH_TOKENS, DEFAULT_PART_SAMPLES
+
+if TYPE_CHECKING:
+    from pgdiag.logprobs import ProgressUpdate, RecomputeResult
 
 _PLAIN_PROGRESS_EVERY_S = 30.0
 
