@@ -538,7 +538,8 @@ def _side_by_side_rows(
     streams: tuple[str, str],
     options: Mapping[str, Any],
 ) -> list[ReportRow]:
-    """Each run's own metric set (scope `batch`) and, for two runs, the deltas b − a on `all` rows."""
+    """Each run's own metric set (scope `batch`, without its `mismatch/*` keys) and, for two runs, the deltas
+    b − a on `all` rows."""
     if side_a.run is None or (not one_run and side_b.run is None):
         raise UsageError("E503", "side-by-side metrics need runs read from disk, not in-memory batches")
     from pgdiag.api import compute_metrics
@@ -555,7 +556,10 @@ def _side_by_side_rows(
     values: dict[str, dict[str, tuple[float | None, str, str]]] = {}
     runs = {la: side_a.run, lb: side_b.run}
     for label, report in reports:
-        frame = report.summary.filter(pl.col("breakdown").is_in(["all", "step"]))
+        # each run's own mismatch pair is left out: the compared pair's rows are the mismatch of this command
+        frame = report.summary.filter(
+            pl.col("breakdown").is_in(["all", "step"]) & ~pl.col("metric").str.starts_with("mismatch/")
+        )
         for r in frame.iter_rows(named=True):
             rows.append(
                 ReportRow(

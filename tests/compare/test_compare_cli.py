@@ -245,3 +245,26 @@ def test_footer_semantics_reach_the_checks(tmp_path) -> None:
         in checks["W411"].replace("rollout ", "rollout_logprobs ").replace("old ", "old_logprobs ")
         or "bf16" in checks["W411"]
     )
+
+
+def test_side_by_side_rows_do_not_change_the_profile_verdict(runs) -> None:
+    plain = _invoke(
+        "compare", runs["two"], runs["two_b"], "--stream-a", "old", "--profile", "recommended", "--json"
+    )
+    with_metrics = _invoke(
+        "compare",
+        runs["two"],
+        runs["two_b"],
+        "--stream-a",
+        "old",
+        "--profile",
+        "recommended",
+        "--metrics",
+        "--json",
+    )
+    first, second = json.loads(plain.stdout), json.loads(with_metrics.stdout)
+    assert plain.exit_code == with_metrics.exit_code
+    assert [(g["expr"], g["status"]) for g in first["gates"]] == [
+        (g["expr"], g["status"]) for g in second["gates"]
+    ]
+    assert "policy/kl_k3" in second["summary"]["other - one"]
