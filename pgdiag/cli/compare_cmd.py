@@ -9,6 +9,7 @@ Exit 0 pass (warnings allowed), 1 a fail gate (or a warning under `--strict`; `-
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,6 +18,7 @@ from rich.console import Console
 
 from pgdiag.cli.common import (
     ALIGNMENT,
+    INPUTS,
     METRICS,
     MODEL,
     OUTPUT,
@@ -42,7 +44,23 @@ from pgdiag.cli.common import (
     result_object,
 )
 
-PLOT_KINDS = ("hexbin", "dlogp-hist", "by-prob", "by-position", "by-step", "worst-trace")
+
+class Join(StrEnum):
+    auto = "auto"
+    id = "id"
+    hash = "hash"
+    hash_any_step = "hash-any-step"
+
+
+class Breakdown(StrEnum):
+    position = "position"
+    prob_bucket = "prob_bucket"
+    entropy_bucket = "entropy_bucket"
+    length = "length"
+    step = "step"
+    env = "env"
+
+
 TABLE_STATS = (
     "bias",
     "sd",
@@ -88,8 +106,12 @@ def compare(
     *,
     steps: StepsOpt = None,
     run_name: RunNameOpt = None,
-    label_a: Annotated[str | None, typer.Option("--label-a", help="Label of run a in reports.")] = None,
-    label_b: Annotated[str | None, typer.Option("--label-b", help="Label of run b in reports.")] = None,
+    label_a: Annotated[
+        str | None, typer.Option("--label-a", help="Label of run a in reports.", rich_help_panel=INPUTS)
+    ] = None,
+    label_b: Annotated[
+        str | None, typer.Option("--label-b", help="Label of run b in reports.", rich_help_panel=INPUTS)
+    ] = None,
     attach: AttachOpt = None,
     stream_a: Annotated[
         str | None,
@@ -108,8 +130,13 @@ def compare(
         ),
     ] = None,
     join: Annotated[
-        str, typer.Option("--join", help="auto | id | hash | hash-any-step.", rich_help_panel=ALIGNMENT)
-    ] = "auto",
+        Join,
+        typer.Option(
+            "--join",
+            help="auto: (step, sample_id), else (step, seq_hash) when fewer than half the ids match.",
+            rich_help_panel=ALIGNMENT,
+        ),
+    ] = Join.auto,
     ignore: IgnoreOpt = None,
     strict: StrictOpt = False,
     max_examples: MaxExamplesOpt = 5,
@@ -120,11 +147,10 @@ def compare(
         float, typer.Option("--eps-high", help="Clip band high.", rich_help_panel=METRICS)
     ] = 0.2,
     by: Annotated[
-        list[str] | None,
+        list[Breakdown] | None,
         typer.Option(
             "--by",
-            help="Breakdown: position, prob_bucket, entropy_bucket, length, step, env "
-            "(repeatable; default all the data supports).",
+            help="Breakdown (repeatable; default: every one the data supports).",
             rich_help_panel=METRICS,
         ),
     ] = None,
@@ -200,8 +226,8 @@ def compare(
             source_b,
             stream_a=stream_a,
             stream_b=stream_b,
-            join=join,
-            by=None if not by else tuple(by),
+            join=join.value,
+            by=None if not by else tuple(b.value for b in by),
             worst_k=worst_k,
             eps_low=eps_low,
             eps_high=eps_high,

@@ -8,6 +8,7 @@ lp_b columns) for `hexbin` and `dlogp-hist`. Figures are written atomically with
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,6 +16,23 @@ import typer
 from rich.console import Console
 
 from pgdiag.cli.common import OUTPUT, JsonOpt, QuietOpt, execute, result_object
+
+
+class PlotKind(StrEnum):
+    hexbin = "hexbin"
+    dlogp_hist = "dlogp-hist"
+    by_prob = "by-prob"
+    by_position = "by-position"
+    by_step = "by-step"
+    worst_trace = "worst-trace"
+    all = "all"
+
+
+class PlotFormat(StrEnum):
+    png = "png"
+    svg = "svg"
+    pdf = "pdf"
+
 
 REPORT_KINDS = ("dlogp-hist", "by-prob", "by-position", "by-step", "worst-trace")
 TOKEN_KINDS = ("hexbin", "dlogp-hist")
@@ -31,18 +49,17 @@ def plot(
     ],
     *,
     kind: Annotated[
-        list[str] | None,
+        list[PlotKind] | None,
         typer.Option(
-            "--kind",
-            help="hexbin, dlogp-hist, by-prob, by-position, by-step, worst-trace, all "
-            "(repeatable; default all the source supports).",
-            rich_help_panel=OUTPUT,
+            "--kind", help="Plot kind (repeatable; default: all the source supports).", rich_help_panel=OUTPUT
         ),
     ] = None,
     out: Annotated[
         Path, typer.Option("--out", help="Directory for the figures.", rich_help_panel=OUTPUT)
     ] = Path("plots"),
-    fmt: Annotated[str, typer.Option("--format", help="png, svg or pdf.", rich_help_panel=OUTPUT)] = "png",
+    fmt: Annotated[
+        PlotFormat, typer.Option("--format", help="Figure format.", rich_help_panel=OUTPUT)
+    ] = PlotFormat.png,
     dpi: Annotated[
         int, typer.Option("--dpi", min=10, help="Resolution of raster figures.", rich_help_panel=OUTPUT)
     ] = 120,
@@ -66,7 +83,7 @@ def plot(
         if source.is_file():
             footer = pq.read_schema(source).metadata or {}
             is_tokens = footer.get(b"pgdiag.schema", b"").strip(b'"') == TOKEN_TABLE_SCHEMA_ID.encode()
-        wanted = tuple(kind or ("all",))
+        wanted = tuple(k.value for k in kind) if kind else ("all",)
         if is_tokens:
             tokens = pl.read_parquet(source)
             kinds = TOKEN_KINDS if "all" in wanted else wanted
@@ -80,7 +97,7 @@ def plot(
 
             for k in kinds:
                 fig = plots.plot_hexbin(tokens) if k == "hexbin" else plots.plot_dlogp_hist(tokens)
-                written[k] = str(plots.save_figure(fig, out / f"{k}.{fmt}", dpi=dpi))
+                written[k] = str(plots.save_figure(fig, out / f"{k}.{fmt.value}", dpi=dpi))
         else:
             report = load_report(source)
             report_file = (
@@ -99,7 +116,7 @@ def plot(
                 )
             else:
                 kinds = wanted
-            written = draw_plots(report, trace, None, out, kinds=kinds, fmt=fmt, dpi=dpi)
+            written = draw_plots(report, trace, None, out, kinds=kinds, fmt=fmt.value, dpi=dpi)
         for k, path in written.items():
             console.print(f"{k}: {path}", markup=False)
         return result_object("plot", files={"plots": written})

@@ -101,6 +101,9 @@ def test_report_files_plots_and_round_trip(runs, tmp_path) -> None:
     again = json.loads(redrawn.stdout)["files"]["plots"]
     assert set(again) == {"dlogp-hist", "by-prob", "by-position", "by-step", "worst-trace"}
     assert all(Path(p).stat().st_size > 1000 for p in again.values())
+    svg = _invoke("plot", out, "--kind", "by-prob", "--format", "svg", "--out", tmp_path / "svg")
+    assert svg.exit_code == 0, svg.output
+    assert (tmp_path / "svg" / "by-prob.svg").read_text().lstrip().startswith("<?xml")
 
 
 def test_token_table_redraws_token_plots(runs, tmp_path) -> None:
