@@ -62,9 +62,9 @@ class AlignedPair:
     sample_id: np.ndarray  # (S,) object, side a's ids
     sample_id_b: np.ndarray  # (S,) object, side b's ids
     offsets: np.ndarray  # (S + 1,) int64
-    token_row: np.ndarray  # (M,) int64 matched sample owning each token
+    token_row: np.ndarray  # (M,) int32 matched sample owning each token
     pos: np.ndarray  # (M,) int32 position in input_ids
-    resp_pos: np.ndarray  # (M,) int64 pos - prompt_len (0 = first response token)
+    resp_pos: np.ndarray  # (M,) int32 pos - prompt_len (0 = first response token)
     token_id: np.ndarray  # (M,) int32
     lp_a: np.ndarray  # (M,) float64
     lp_b: np.ndarray  # (M,) float64
@@ -97,7 +97,7 @@ class AlignedPair:
         return np.diff(self.offsets)
 
     def token_sample(self) -> np.ndarray:
-        """(M,) int64 index of the matched sample owning each token."""
+        """(M,) int32 index of the matched sample owning each token."""
         return self.token_row
 
 
@@ -322,7 +322,7 @@ def align_batches(
         )
     token_id = _gather(a.token_id, idx_a)
     tok_diff = token_id != _gather(b.token_id, idx_b)
-    token_row = np.repeat(np.arange(ia.shape[0]), np.diff(offsets))
+    token_row = np.repeat(np.arange(ia.shape[0], dtype=np.int32), np.diff(offsets))  # S < 2^31
     differs = differs.copy()
     differs[token_row[tok_diff]] = True
     if differs.any():
@@ -369,7 +369,7 @@ def align_batches(
     entropy = None if entropy_src is None else _gather(np.asarray(entropy_src, dtype=np.float64), idx_b)
     if entropy is None and a.entropy.get(stream_a) is not None:
         entropy = _gather(np.asarray(a.entropy[stream_a], dtype=np.float64), idx_a)
-    resp_pos = pos.astype(np.int64) - prompt_len.astype(np.int64)[token_row]
+    resp_pos = pos - prompt_len.astype(pos.dtype)[token_row]  # (M,) int32
     n_invalid = 0
     if keep is not None:
         n_invalid = int((~keep).sum())

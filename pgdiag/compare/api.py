@@ -195,7 +195,8 @@ def parity_rows(
     """Every summary row of one pair; also the `all` token stats by name and the per-step mean |Δ|."""
     name = pair.pair
     rows: list[ReportRow] = []
-    tokens = token_table(pair.lp_a, pair.lp_b, eps_low=eps_low, eps_high=eps_high, delta=pair.delta)
+    terms = token_terms(pair.lp_a, pair.lp_b, eps_low=eps_low, eps_high=eps_high, delta=pair.delta)
+    tokens = token_table(pair.lp_a, pair.lp_b, eps_low=eps_low, eps_high=eps_high, terms=terms)
     rows += _rows(name, "token", "all", tokens, 0, "all", None, None, "tokens")
     n_tok = pair.n_tokens
     rows.append(ReportRow(name, "token", "all", "all", "count/mismatch_tokens", n_tok, "count", "sum", n_tok))
@@ -210,11 +211,6 @@ def parity_rows(
     rows.append(ReportRow(name, "sequence", "all", "all", "count/samples", n_seq, "count", "sum", n_seq))
 
     step_abs_mean: dict[int, float] = {}
-    terms = (
-        token_terms(pair.lp_a, pair.lp_b, eps_low=eps_low, eps_high=eps_high, delta=pair.delta)
-        if by
-        else None
-    )
     per_sample = None
     for breakdown in by:
         buckets = bd.assign(pair, breakdown)

@@ -122,16 +122,18 @@ def token_table(
     eps_low: float,
     eps_high: float,
     delta: np.ndarray | None = None,
+    terms: TokenTerms | None = None,
 ) -> dict[str, np.ndarray]:
     """{stat: (1,) float64} over all tokens (NaN = not computable) plus "tokens"; sums are NumPy pairwise sums.
 
-    `delta` (lp_b − lp_a, read only) saves recomputing it. Large temporaries are four (M,) buffers reused in
-    place: on 10M tokens, first-touch page faults of fresh arrays cost as much as the arithmetic.
+    `delta` (lp_b − lp_a) and `terms` (from `token_terms`, shared with the breakdowns) are read only and save
+    recomputing them. Two (M,) scratch buffers are reused for everything else (see `token_terms` on memory).
     """
+    if terms is None:
+        terms = token_terms(lp_a, lp_b, eps_low=eps_low, eps_high=eps_high, delta=delta)
     n = float(lp_a.shape[0])
-    d = lp_b - lp_a if delta is None else delta  # (M,) read only
-    abs_d = np.abs(d)  # (M,) ours: partitioned in place at the end
-    b1, b2 = np.empty_like(abs_d), np.empty_like(abs_d)  # (M,) scratch
+    d, abs_d = terms.d, terms.abs_d  # (M,) read only
+    b1, b2 = np.empty_like(d), np.empty_like(d)  # (M,) scratch
     out: dict[str, np.ndarray] = {"tokens": _one(n)}
 
     # 1. moments of Δ (spread around the mean, never as a difference of squares)
@@ -147,36 +149,41 @@ def token_table(
 
     # 3. band fractions: ratio outside [lo, hi], tested on Δ
     for band, (log_lo, log_hi) in band_edges(eps_low, eps_high).items():
-        out[f"frac_out_{band}"] = _one(_safe_div(np.count_nonzero((d < log_lo) | (d > log_hi)), n))
+        flags = terms.outside.get(band)
+        count = np.count_nonzero(flags if flags is not None else (d < log_lo) | (d > log_hi))
+        out[f"frac_out_{band}"] = _one(_safe_div(count, n))
 
-    # 4. KL estimators, tmpe, chi-square, ESS (ρ = e^Δ; exact zeros for Δ = 0)
+    # 4. KL estimators, tmpe, chi-square, ESS (ρ = 1 + expm1(Δ); exact zeros for Δ = 0)
     with np.errstate(over="ignore", invalid="ignore"):
         em1 = np.expm1(d, out=b1)  # (M,) ρ − 1
         sum_em1 = np.sum(em1)
+        chi2 = np.add(em1, 2.0, out=b2)
+        chi2 *= em1  # ρ² − 1 = expm1(Δ)·(expm1(Δ) + 2)
+        out["chi2_token"] = _one(_safe_div(np.sum(chi2), n))
         out["kl_k1"] = _one(0.0 - bias)
-        out["kl_k3"] = _one(_safe_div(sum_em1 - np.sum(d), n))
+        out["kl_k3"] = _one(_safe_div(np.sum(terms.k3), n))
         rho = np.add(em1, 1.0, out=b1)  # (M,) ρ
         rho_d = np.dot(rho, d)
         out["kl_rev_k1"] = _one(_safe_div(rho_d, n))
         out["kl_rev_k3"] = _one(_safe_div(rho_d - sum_em1, n))
         sum_rho, sum_rho2 = np.sum(rho), np.dot(rho, rho)
         out["ess_token"] = _one(_safe_div(sum_rho * sum_rho, n * sum_rho2))
-        scratch = np.multiply(d, 2.0, out=b2)
-        out["chi2_token"] = _one(_safe_div(np.sum(np.expm1(scratch, out=scratch)), n))  # ρ² − 1
-        out["tmpe"] = _one(_safe_div(np.sum(np.exp(abs_d, out=b2)), n))
+        out["tmpe"] = _one(_safe_div(np.sum(terms.tmpe), n))
     out["abs_delta_gt_20"] = _one(np.count_nonzero(abs_d > 20.0))
 
-    # 5. probability space (verl |Δp|); abs_d becomes scratch once its quantiles are taken
-    p_a, p_b = np.exp(lp_a, out=b1), np.exp(lp_b, out=b2)
-    quant = _quantiles(abs_d, list(ABS_QUANTILES.values()))
+    # 5. quantiles and max of |Δ| (on a copy: the breakdowns keep reading abs_d)
+    np.copyto(b1, abs_d)
+    quant = _quantiles(b1, list(ABS_QUANTILES.values()))
     for j, name in enumerate(ABS_QUANTILES):
         out[name] = _one(quant[j])
     out["abs_max"] = _one(quant[-1])
-    second = d if delta is None else np.empty_like(abs_d)  # d is ours to overwrite only when computed here
-    out["prob_pearson_r"] = _one(linear_fit(p_a, p_b, scratch=(abs_d, second))["pearson_r"])
-    abs_dp = np.abs(np.subtract(p_b, p_a, out=b2), out=b2)  # (M,)
-    out["abs_dprob_mean"] = _one(_safe_div(np.sum(abs_dp), n))
-    q = _quantiles(abs_dp, [0.99])
+
+    # 6. probability space (verl |Δp|)
+    p_a, p_b = np.exp(lp_a, out=b1), np.exp(lp_b, out=b2)
+    out["prob_pearson_r"] = _one(linear_fit(p_a, p_b, scratch=(p_a, p_b))["pearson_r"])  # centred in place
+    out["abs_dprob_mean"] = _one(_safe_div(np.sum(terms.abs_dprob), n))
+    np.copyto(b1, terms.abs_dprob)
+    q = _quantiles(b1, [0.99])
     out["abs_dprob_p99"], out["abs_dprob_max"] = _one(q[0]), _one(q[1])
     return out
 
@@ -195,7 +202,8 @@ def linear_fit(
 ) -> dict[str, float]:
     """Pearson r and the OLS fit y ≈ α + β·x on centred sums; NaN where a variance is 0.
 
-    Two (M,) temporaries (`scratch`, overwritten, when given), reused in place for the residual.
+    Two (M,) temporaries (`scratch`, overwritten, when given; they may be x and y themselves, which are then
+    centred in place), reused for the residual.
     """
     n = x.shape[0]
     nan = {"pearson_r": np.nan, "fit_slope": np.nan, "fit_intercept": np.nan, "fit_resid_rms": np.nan}
@@ -221,28 +229,39 @@ def linear_fit(
 
 @dataclass(frozen=True)
 class TokenTerms:
-    """Per-token quantities of the breakdown set, computed once and reused by every breakdown. M tokens."""
+    """Per-token quantities, computed once and shared by the `all` table and every breakdown. M tokens."""
 
-    d: np.ndarray  # (M,) Δ
+    d: np.ndarray  # (M,) Δ (the caller's array)
     abs_d: np.ndarray  # (M,) |Δ|
     k3: np.ndarray  # (M,) e^Δ − 1 − Δ
-    tmpe: np.ndarray  # (M,) e^|Δ|
+    tmpe: np.ndarray  # (M,) e^|Δ| = max(ρ, 1/ρ)
     abs_dprob: np.ndarray  # (M,) |e^lp_b − e^lp_a|
-    outside: dict[str, np.ndarray]  # band -> (M,) bool, ratio outside the band
+    outside: dict[str, np.ndarray]  # band -> (M,) bool, ratio outside the band (BREAKDOWN_BANDS)
 
 
 def token_terms(
     lp_a: np.ndarray, lp_b: np.ndarray, *, eps_low: float, eps_high: float, delta: np.ndarray | None = None
 ) -> TokenTerms:
-    """The per-token inputs of `bucket_table`; `delta` (lp_b − lp_a) is used as is when given."""
+    """The per-token terms; `delta` (lp_b − lp_a) is used as is when given.
+
+    Four (M,) arrays are kept and one scratch buffer is reused: on this machine a process grows at about
+    2 ms per MiB of first-touched memory, so new 10M-element arrays cost more than the arithmetic on them.
+    """
     d = lp_b - lp_a if delta is None else delta
     abs_d = np.abs(d)
     edges = band_edges(eps_low, eps_high)
-    with np.errstate(over="ignore", invalid="ignore"):
-        k3 = np.expm1(d) - d
-        tmpe = np.exp(abs_d)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        scratch = np.expm1(d)  # (M,) ρ − 1
+        k3 = np.subtract(scratch, d)
+        scratch += 1.0  # ρ
+        tmpe = np.reciprocal(scratch)
+        np.maximum(scratch, tmpe, out=tmpe)  # e^|Δ| without another exponential
+    prob_a = np.exp(lp_a, out=scratch)
+    abs_dprob = np.exp(lp_b)
+    abs_dprob -= prob_a
+    np.abs(abs_dprob, out=abs_dprob)
     outside = {b: (d < edges[b][0]) | (d > edges[b][1]) for b in BREAKDOWN_BANDS}
-    return TokenTerms(d, abs_d, k3, tmpe, np.abs(np.exp(lp_b) - np.exp(lp_a)), outside)
+    return TokenTerms(d, abs_d, k3, tmpe, abs_dprob, outside)
 
 
 def bucket_table(terms: TokenTerms, codes: np.ndarray, n_buckets: int) -> dict[str, np.ndarray]:

@@ -45,12 +45,26 @@ WORST_SEQS_SCHEMA: dict[str, pl.DataType] = {
 
 
 def _top_k(score: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest scores, largest first (ties by index)."""
-    k = min(k, score.shape[0])
-    if k <= 0:
+    """Indices of the k largest scores, largest first, ties by index (a full sort: callers pass per-sample
+    scores or the few candidate tokens, never all M tokens)."""
+    if k <= 0 or score.shape[0] == 0:
         return np.zeros(0, dtype=np.int64)
-    part = np.argpartition(-score, k - 1)[:k] if k < score.shape[0] else np.arange(score.shape[0])
-    return part[np.lexsort((part, -score[part]))]
+    return np.lexsort((np.arange(score.shape[0]), -score))[:k]
+
+
+def _top_k_tokens(pair: AlignedPair, k: int) -> np.ndarray:
+    """Token indices of the k largest |Δ|, largest first, without an (M,) temporary.
+
+    With u = the k-th largest per-sample max |Δ|, at least k tokens reach u, so every top-k token lies in a
+    sample whose max reaches u: only those samples' tokens are ranked.
+    """
+    rows, _, absmax = sequence_deltas(pair)
+    if rows.size == 0 or k <= 0:
+        return np.zeros(0, dtype=np.int64)
+    threshold = absmax[_top_k(absmax, k)[-1]]
+    candidates = rows[absmax >= threshold]
+    take = np.concatenate([np.arange(pair.offsets[r], pair.offsets[r + 1]) for r in candidates.tolist()])
+    return take[_top_k(np.abs(pair.delta[take]), k)]
 
 
 def worst_tokens(
@@ -58,7 +72,7 @@ def worst_tokens(
 ) -> pl.DataFrame:
     """The k matched tokens with the largest |Δ|, largest first."""
     d = pair.delta
-    top = _top_k(np.abs(d), k)
+    top = _top_k_tokens(pair, k)
     row = np.searchsorted(pair.offsets, top, side="right") - 1
     context: list[str | None] = [None] * top.shape[0]
     if decode is not None:
@@ -92,7 +106,8 @@ def sequence_deltas(pair: AlignedPair) -> tuple[np.ndarray, np.ndarray, np.ndarr
         return rows, empty, empty
     d = pair.delta
     starts = pair.offsets[:-1][rows]
-    return rows, np.add.reduceat(d, starts), np.maximum.reduceat(np.abs(d), starts)
+    absmax = np.maximum(np.maximum.reduceat(d, starts), -np.minimum.reduceat(d, starts))  # no (M,) |Δ| copy
+    return rows, np.add.reduceat(d, starts), absmax
 
 
 def worst_seqs(pair: AlignedPair, k: int) -> pl.DataFrame:

@@ -161,10 +161,14 @@ def test_token_table_leaves_its_inputs_untouched() -> None:
     lp_b = lp_a + rng.normal(0, 0.1, size=2000)
     delta = lp_b - lp_a
     copies = (lp_a.copy(), lp_b.copy(), delta.copy())
-    given = token_table(lp_a, lp_b, eps_low=0.2, eps_high=0.2, delta=delta)
+    terms = token_terms(lp_a, lp_b, eps_low=0.2, eps_high=0.2, delta=delta)
+    term_copies = {k: v.copy() for k, v in vars(terms).items() if isinstance(v, np.ndarray)}
+    given = token_table(lp_a, lp_b, eps_low=0.2, eps_high=0.2, terms=terms)
     computed = token_table(lp_a, lp_b, eps_low=0.2, eps_high=0.2)
     for before, after in zip(copies, (lp_a, lp_b, delta), strict=True):
         assert np.array_equal(before, after)
+    for name, before in term_copies.items():
+        assert np.array_equal(before, getattr(terms, name)), name
     assert given.keys() == computed.keys()
     for stat in given:
         assert given[stat][0] == computed[stat][0] or (
