@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
@@ -37,38 +37,12 @@ from pgdiag.compare.worst import worst_seqs, worst_tokens, worst_trace
 from pgdiag.errors import UsageError
 from pgdiag.report import CHECKS_SCHEMA, Report, ReportRow, summary_frame
 
+if TYPE_CHECKING:
+    from pgdiag.metrics.mismatch import TemperatureFit
+
 _CANONICAL = ("rollout", "old", "ref", "new")
-DLOGP_EDGES = (
-    -np.inf,
-    -20.0,
-    -5.0,
-    -2.0,
-    -1.0,
-    -0.5,
-    -0.2,
-    -0.1,
-    -0.05,
-    -0.02,
-    -0.01,
-    -0.001,
-    -1e-4,
-    -1e-6,
-    0.0,
-    1e-6,
-    1e-4,
-    0.001,
-    0.01,
-    0.02,
-    0.05,
-    0.1,
-    0.2,
-    0.5,
-    1.0,
-    2.0,
-    5.0,
-    20.0,
-    np.inf,
-)
+_DLOGP_STEPS = (1e-6, 1e-4, 1e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 20.0)  # nats
+DLOGP_EDGES = (-np.inf, *(-x for x in reversed(_DLOGP_STEPS)), 0.0, *_DLOGP_STEPS, np.inf)  # Δ histogram bins
 
 
 @dataclass(frozen=True)
@@ -486,7 +460,7 @@ def _metadata_issues(side: Side, streams: list[str]) -> list[CheckIssue]:
 TAU_WARN = 0.02  # |tau_fit − 1| above this is reported (the `recommended` profile's tau_dev gate)
 
 
-def _exact_tau(pair: AlignedPair, side_b: Side, model: str | Path) -> Any:
+def _exact_tau(pair: AlignedPair, side_b: Side, model: str | Path) -> TemperatureFit:
     """The exact τ fit with side b's logits; needs side b read from disk (its input_ids)."""
     if side_b.run is None or side_b.batch.sample_row is None:
         raise UsageError(
