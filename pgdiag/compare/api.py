@@ -407,7 +407,12 @@ def run_comparison(
         issues_meta = _metadata_issues(side_a, [sa, sb])
     else:
         issues_meta = _metadata_issues(side_a, [sa]) + _metadata_issues(side_b, [sb])
-    issues = [i for i in (*pair.issues, *diagnosis.issues, *issues_tau, *issues_meta) if i.code not in ignore]
+    hints = diagnosis.issues
+    if tau is not None:  # the exact fit supersedes the slope hint's temperature warning
+        hints = tuple(
+            i for i in hints if not (i.code == "W401" and i.message.startswith(f"{pair.pair}: slope"))
+        )
+    issues = [i for i in (*pair.issues, *hints, *issues_tau, *issues_meta) if i.code not in ignore]
     checks = _checks_frame(issues, [side_a.checks] if one_run else [side_a.checks, side_b.checks])
     meta = {
         "pairs": [pair.pair],
