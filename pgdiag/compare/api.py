@@ -297,9 +297,47 @@ class Comparison:
         return worst_trace(self.pair)
 
 
-def compare_runs(a: Any, b: Any = None, **options: Any) -> Report:
-    """Parity report of `a` against `b` (or of two streams of `a`); options as `run_comparison`."""
-    return run_comparison(a, b, **options).report
+def compare_runs(
+    a: Any,
+    b: Any = None,
+    *,
+    stream_a: str | None = None,
+    stream_b: str | None = None,
+    join: str = "auto",
+    by: Sequence[str] | None = None,
+    worst_k: int = 20,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    model: str | Path | None = None,
+    ignore: Collection[str] = (),
+    max_examples: int = 5,
+    label_a: str | None = None,
+    label_b: str | None = None,
+    decode: Callable[[Sequence[int]], str] | None = None,
+    side_by_side: bool = False,
+    metrics_options: Mapping[str, Any] | None = None,
+) -> Report:
+    """Parity report of `a` against `b` (or of two streams of `a`); the options are `run_comparison`'s."""
+    comparison = run_comparison(
+        a,
+        b,
+        stream_a=stream_a,
+        stream_b=stream_b,
+        join=join,
+        by=by,
+        worst_k=worst_k,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        model=model,
+        ignore=ignore,
+        max_examples=max_examples,
+        label_a=label_a,
+        label_b=label_b,
+        decode=decode,
+        side_by_side=side_by_side,
+        metrics_options=metrics_options,
+    )
+    return comparison.report
 
 
 def run_comparison(
