@@ -440,7 +440,10 @@ def run_comparison(
     else:
         issues_tau = []
     if side_by_side:
-        rows += _side_by_side_rows(side_a, side_b, la, lb, one_run, (sa, sb), metrics_options or {})
+        from pgdiag.compare.side_by_side import side_by_side_rows
+
+        runs = (side_a.run, None if one_run else side_b.run)
+        rows += side_by_side_rows(runs, (la, lb), (sa, sb), metrics_options or {})
     if one_run:
         issues_meta = _metadata_issues(side_a, [sa, sb])
     else:
@@ -528,72 +531,3 @@ def _tau_warning(pair: AlignedPair, tau: float | None) -> list[CheckIssue]:
             f"sampled at T ≈ {tau:.3g} relative to {pair.label_b}; check temperature on both sides",
         )
     ]
-
-
-def _metric_streams(run: Any, stream: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """compute_metrics options: the compared stream as `new`, `old` the other canonical behaviour stream."""
-    chosen = dict(options)
-    if "new" not in chosen and stream != "rollout":
-        chosen["new"] = stream
-    if "old" not in chosen and "new" in chosen:
-        other = [s for s in ("old", "rollout") if s in run.streams and s != chosen["new"]]
-        if other:
-            chosen["old"] = other[0]
-    return chosen
-
-
-def _side_by_side_rows(
-    side_a: Side,
-    side_b: Side,
-    la: str,
-    lb: str,
-    one_run: bool,
-    streams: tuple[str, str],
-    options: Mapping[str, Any],
-) -> list[ReportRow]:
-    """Each run's own metric set (scope `batch`, without its `mismatch/*` keys) and, for two runs, the deltas
-    b − a on `all` rows."""
-    if side_a.run is None or (not one_run and side_b.run is None):
-        raise UsageError("E503", "side-by-side metrics need runs read from disk, not in-memory batches")
-    from pgdiag.api import compute_metrics
-
-    reports = [
-        (
-            la,
-            compute_metrics(side_a.run, **_metric_streams(side_a.run, streams[1 if one_run else 0], options)),
-        )
-    ]
-    if not one_run:
-        reports.append((lb, compute_metrics(side_b.run, **_metric_streams(side_b.run, streams[1], options))))
-    rows: list[ReportRow] = []
-    values: dict[str, dict[str, tuple[float | None, str, str]]] = {}
-    runs = {la: side_a.run, lb: side_b.run}
-    for label, report in reports:
-        # each run's own mismatch pair is left out: the compared pair's rows are the mismatch of this command
-        frame = report.summary.filter(
-            pl.col("breakdown").is_in(["all", "step"]) & ~pl.col("metric").str.starts_with("mismatch/")
-        )
-        for r in frame.iter_rows(named=True):
-            rows.append(
-                ReportRow(
-                    r["pair"].replace(f"{runs[label].label}:", f"{label}:"),
-                    "batch",
-                    r["breakdown"],
-                    r["bucket"],
-                    r["metric"],
-                    r["value"],
-                    r["unit"],
-                    r["reduction"],
-                    r["n"],
-                    r["bucket_lo"],
-                    r["bucket_hi"],
-                )
-            )
-            if r["breakdown"] == "all":
-                values.setdefault(label, {})[r["metric"]] = (r["value"], r["unit"], r["reduction"])
-    if len(reports) == 2:
-        for metric, (vb, unit, reduction) in values.get(lb, {}).items():
-            va = values.get(la, {}).get(metric, (None,))[0]
-            delta = None if va is None or vb is None else vb - va
-            rows.append(ReportRow(f"{lb} - {la}", "batch", "all", "all", metric, delta, unit, reduction, 0))
-    return rows
