@@ -108,7 +108,7 @@ def providers(x: Inputs) -> dict[str, Callable[[], object]]:
         )
     runs["pgdiag_triton_fp32head_bf16hidden_tau1.0"] = lambda: lm_head_logprobs(
         x.hidden, x.weight, x.targets, impl="triton", head_dtype="fp32"
-    )  # bf16x1: the fp32 head of a bf16 trunk
+    )  # the fp32 head of a bf16 trunk (bf16x3 with zero lower parts)
     return runs
 
 
@@ -237,6 +237,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="provider names to run (default: all)")
     parser.add_argument(
         "--sweep", action="store_true", help="also sweep Triton launch shapes at the first size"
+    )
+    parser.add_argument(
+        "--sweep-fp32", action="store_true", help="also sweep the fp32 head's k_chunk at the first size"
     )
     parser.add_argument("--json", default=None, help="write all results to this file")
     args = parser.parse_args()

@@ -19,8 +19,9 @@ Head precision (`head_mode`):
   "bf16x3" fp32 hidden with a bf16 W (the usual "fp32 head": engines upcast the stored bf16 W): each hidden
            tile is split into three bf16 parts h = hi + mid + lo (residual 2^-24 |h|) and three MMAs are
            issued per W tile; products of bf16 numbers are exact in fp32. ("fp16x3" is the same with fp16.)
-  "bf16x1" fp32 head over a bf16 hidden state (a bf16 trunk; fp16: "fp16x1"): the values are exact in bf16,
-           so one MMA per tile gives the fp32 products; only the accumulation differs from "bf16".
+           A 16-bit hidden state (a bf16 trunk) takes the same path: its lower parts are zero. A one-MMA path
+           for it measured exactly the bf16 head's error on an H200 (max 7e-5 nats, the accumulator's
+           truncation), so it was removed: the fp32 head's accuracy comes from the per-step accumulators.
   "tf32x3" fp32 hidden and fp32 W: Triton's 3-pass tf32 dot.
   The tensor cores add into their accumulator with truncation; over a K = 4096 chain that biases logits by
   ~5e-6 relative (cuBLAS bf16 GEMMs too). The split modes therefore sum every K step into a fresh accumulator
@@ -46,7 +47,7 @@ from pgdiag.errors import UsageError
 from pgdiag.kernels.lm_head_logprobs_ref import head_operands
 from pgdiag.kernels.vocab_parallel import PARTIAL_ROWS, empty_partials
 
-HEAD_MODE_CODES = {"bf16": 0, "bf16x1": 0, "fp16x1": 0, "bf16x3": 1, "fp16x3": 1, "tf32x3": 2}
+HEAD_MODE_CODES = {"bf16": 0, "bf16x3": 1, "fp16x3": 1, "tf32x3": 2}
 # a padded column's logit: exp() underflows to 0 and 0 * (z - m) stays 0 (no inf * 0)
 MASKED_LOGIT = tl.constexpr(-1.0e30)
 MAX_SPLITS = 64
@@ -74,8 +75,7 @@ def head_mode_for(head_dtype: str, weight_dtype: torch.dtype, hidden_dtype: torc
         return "bf16"
     if weight_dtype not in (torch.bfloat16, torch.float16):
         return "tf32x3"
-    low = "bf16" if weight_dtype == torch.bfloat16 else "fp16"
-    return f"{low}x1" if hidden_dtype == weight_dtype else f"{low}x3"
+    return "bf16x3" if weight_dtype == torch.bfloat16 else "fp16x3"
 
 
 def default_tiles(head_mode: str) -> TritonTiles:
@@ -84,14 +84,10 @@ def default_tiles(head_mode: str) -> TritonTiles:
     bf16: 256 x 128 tiles, K step 64, TMA loads: 30.4 ms at 16384 x 4096 x 151936, against 31.6 ms for 128 x 256
     tiles and 34.6 ms for 128 x 256 with pointer loads (cuBLAS alone: 28.3 ms).
     Split modes: 128 x 256 tiles, K step 32 (fp32 hidden tiles are twice as wide in bytes, and each K step is
-    summed into a fresh accumulator, see the kernel), four stages. "x1" modes (fp32 head over a 16-bit hidden
-    state): the bf16 shape with a fresh accumulator every 64 columns (4 truncating MMA steps per partial, fewer
-    than the 6 of the split modes' 32-column steps, so at least as accurate; not yet timed on a GPU).
+    summed into a fresh accumulator, see the kernel), four stages.
     """
     if head_mode == "bf16":
         return TritonTiles()
-    if head_mode in ("bf16x1", "fp16x1"):
-        return TritonTiles(k_chunk=64)
     return TritonTiles(block_n=128, block_v=256, block_k=32, num_stages=4, k_chunk=32)
 
 
@@ -203,7 +199,7 @@ def _mma(h, w, acc, HEAD_MODE: tl.constexpr):
 
 @triton.jit
 def _lm_head_partials_kernel(
-    hidden,  # (N, D) bf16/fp16 ("bf16", "x1" modes) or fp32 ("x3" modes), READ-ONLY: pointer or TMA descriptor
+    hidden,  # (N, D) bf16/fp16 ("bf16" mode) or fp32 ("x3" modes), READ-ONLY: pointer or TMA descriptor
     weight,  # (V_local, D) bf16/fp16 (fp32 for "tf32x3"), READ-ONLY: pointer or TMA descriptor
     targets_ptr,  # (N,) int32, the target's row in this shard or -1, READ-ONLY
     partials_ptr,  # (n_splits, 4, N) fp32 contiguous, OUT: max, sumexp, centred sum, target logit
@@ -375,10 +371,7 @@ def lm_head_partials(
     n_tokens, vocab_local = hidden.shape[0], weight.shape[0]
     if vocab_local == 0 or n_tokens == 0:
         return empty_partials(n_tokens, hidden.device)
-    if mode in ("bf16x1", "fp16x1"):  # 16-bit hidden and W: exact products, no split needed
-        hidden_op, weight_op = hidden, weight
-    else:
-        hidden_op, weight_op = head_operands(hidden, weight, head_dtype)
+    hidden_op, weight_op = head_operands(hidden, weight, head_dtype)
     if mode == "tf32x3":
         weight_op = weight_op.float()
     hidden_op = hidden_op if hidden_op.stride(1) == 1 else hidden_op.contiguous()

@@ -87,7 +87,7 @@ def test_bf16_head_vs_fp64(qwen_sized: dict, impl: str, temperature: float) -> N
     [
         ("hidden", "bf16w", "fp32_bf16w", "bf16x3"),
         ("hidden", "fp32w", "fp32_fp32w", "tf32x3"),
-        ("hidden_bf16", "bf16w", "bf16", "bf16x1"),
+        ("hidden_bf16", "bf16w", "bf16", "bf16x3"),
     ],
 )
 @pytest.mark.parametrize("temperature", [1.0, 0.7], ids=lambda t: f"tau={t}")

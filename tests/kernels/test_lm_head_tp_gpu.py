@@ -41,8 +41,9 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         for head_dtype, vocab, temperature in SETTINGS:
             case = make_case(4096, 4096, vocab, seed=vocab, device=f"cuda:{rank}")
             start, stop = vocab_shard_range(vocab, rank, WORLD)
-            targets = case.targets.clone()
-            targets[2:6] = torch.tensor([start, stop - 1, 0, vocab - 1])  # shard edges on both ranks
+            boundary = vocab_shard_range(vocab, 0, WORLD)[1]  # first row of rank 1's shard
+            targets = case.targets.clone()  # the same on every rank, as TP requires
+            targets[2:6] = torch.tensor([boundary - 1, boundary, 0, vocab - 1])  # shard edges on both ranks
             hidden = case.hidden if head_dtype == "fp32" else case.hidden.bfloat16()
             weight = case.weight.bfloat16()
             kwargs = {"temperature": temperature, "head_dtype": head_dtype, "impl": "triton"}

@@ -41,7 +41,7 @@ def test_head_modes() -> None:
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     assert head_mode_for("bf16", bf16, f32) == "bf16"
     assert head_mode_for("fp32", bf16, f32) == "bf16x3"
-    assert head_mode_for("fp32", bf16, bf16) == "bf16x1"
+    assert head_mode_for("fp32", bf16, bf16) == "bf16x3"
     assert head_mode_for("fp32", f16, f32) == "fp16x3"
-    assert head_mode_for("fp32", f16, f16) == "fp16x1"
+    assert head_mode_for("fp32", f16, f16) == "fp16x3"
     assert head_mode_for("fp32", f32, bf16) == "tf32x3"

@@ -31,7 +31,7 @@ def test_interpreter_is_on() -> None:
     [
         (torch.float16, "bf16", "bf16"),
         (torch.float16, "fp32", "fp16x3"),
-        (torch.float16, "fp32", "fp16x1"),
+        (torch.float16, "fp32", "fp16x3"),
         (torch.float32, "fp32", "tf32x3"),
     ],
     ids=["fp16_plain", "fp16_split3", "fp16_exact_hidden", "fp32_tf32x3"],
@@ -85,6 +85,6 @@ def test_public_api_runs_the_kernel_and_reports_it() -> None:
     exact_ref = lm_head_logprobs(
         case.hidden.half(), case.weight, case.targets, impl="torch", head_dtype="fp32"
     )
-    assert exact.head_mode == "fp16x1"
+    assert exact.head_mode == "fp16x3"
     torch.testing.assert_close(exact.logprobs, exact_ref.logprobs, rtol=0, atol=2e-5)
     torch.testing.assert_close(exact.entropy, exact_ref.entropy, rtol=0, atol=2e-5)
