@@ -271,3 +271,22 @@ def test_side_by_side_rows_do_not_change_the_profile_verdict(runs) -> None:
         (g["expr"], g["status"]) for g in second["gates"]
     ]
     assert "policy/kl_k3" in second["summary"]["other - one"]
+
+
+def test_runs_with_different_sample_ids_join_on_seq_hash(tmp_path) -> None:
+    samples = random_samples(13, 20)
+    renamed = copy.deepcopy(samples)
+    for i, s in enumerate(renamed):
+        s["sample_id"] = f"fastllm-{i}"
+    a = write_run(tmp_path / "a.parquet", samples, run="ds", streams={"rollout_logprobs": "rollout"})
+    b = write_run(
+        tmp_path / "b.parquet", renamed[::-1], run="fastllm", streams={"rollout_logprobs": "rollout"}
+    )
+    result = _invoke("compare", a, b, "--json", "--out", tmp_path / "rep")
+    assert result.exit_code == 0, result.output
+    obj = json.loads(result.stdout)
+    assert obj["inputs"]["n_samples"] == 20
+    assert obj["summary"]["ds:rollout vs fastllm:rollout"]["mismatch/abs_max"] == 0.0
+    assert load_report(tmp_path / "rep" / "compare.parquet").meta["join"] == "hash"
+    forced = _invoke("compare", a, b, "--join", "id")
+    assert forced.exit_code == 3 and "error[E304]" in forced.stderr
