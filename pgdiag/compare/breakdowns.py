@@ -18,11 +18,12 @@ from itertools import pairwise
 import numpy as np
 
 from pgdiag.compare.align import AlignedPair
-from pgdiag.errors import UsageError
+from pgdiag.errors import InvalidInputError, UsageError
 
 BREAKDOWNS = ("position", "prob_bucket", "entropy_bucket", "length", "step", "env")
 PROB_EDGES = (0.0, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0)
 ENTROPY_EDGES = (0.0, 0.01, 0.1, 0.5, 1.0, 2.0, 4.0, np.inf)  # nats
+LOOKUP_LIMIT = 1 << 16  # integer buckets up to this edge use a lookup table
 DOUBLING_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, np.inf)
 
 
@@ -67,23 +68,30 @@ def _interval_label(lo: float, hi: float, *, closed: bool = False, integer: bool
 def _numeric(
     name: str, values: np.ndarray, edges: tuple[float, ...], *, integer: bool, top_closed: bool
 ) -> Buckets:
+    """Half-open [lo, hi) buckets of `values` (the top one closed when `top_closed`); codes (M,) intp."""
     edge_array = np.asarray(edges, dtype=np.float64)
-    search = edge_array
-    if np.issubdtype(values.dtype, np.integer):  # integer edges: no float copy of 10M values
-        top = np.iinfo(values.dtype).max
-        search = np.array([top if np.isinf(e) else int(e) for e in edges], dtype=values.dtype)
-    codes = np.searchsorted(search, values, side="right")  # (M,) bucket of [lo, hi), plus one
-    codes -= 1
-    np.minimum(
-        codes, edge_array.shape[0] - 2, out=codes
-    )  # top_closed: value == last edge joins the top bucket
-    np.maximum(codes, 0, out=codes)
     k = edge_array.shape[0] - 1
+    finite_top = float(edge_array[np.isfinite(edge_array)].max())
+    if np.issubdtype(values.dtype, np.integer) and edge_array[0] == 0 and finite_top <= LOOKUP_LIMIT:
+        # small non-negative integers (positions, lengths): one table lookup instead of a binary search
+        if values.size and values.min() < 0:
+            raise InvalidInputError(
+                "E203", f"{name}: a loss position lies before prompt_len (value {values.min()})", None
+            )
+        lookup = np.searchsorted(edge_array, np.arange(finite_top + 1), side="right") - 1  # (top + 1,)
+        codes = lookup[np.minimum(values, int(finite_top))]
+    else:
+        codes = np.searchsorted(edge_array, values, side="right")  # (M,) bucket of [lo, hi), plus one
+        codes -= 1
+        np.minimum(codes, k - 1, out=codes)  # top_closed: a value on the last edge joins the top bucket
+        np.maximum(codes, 0, out=codes)
     labels = tuple(
         _interval_label(edge_array[i], edge_array[i + 1], closed=top_closed and i == k - 1, integer=integer)
         for i in range(k)
     )
-    return Buckets(name, codes.astype(np.int64), labels, edge_array[:-1].copy(), edge_array[1:].copy())
+    return Buckets(
+        name, codes.astype(np.intp, copy=False), labels, edge_array[:-1].copy(), edge_array[1:].copy()
+    )
 
 
 def _categorical(name: str, per_sample: np.ndarray, sample: np.ndarray, *, numeric: bool) -> Buckets:
