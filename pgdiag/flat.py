@@ -112,12 +112,34 @@ def _bits(buffer: pa.Buffer, offset: int, length: int) -> np.ndarray:
     return np.unpackbits(packed, bitorder="little", count=offset + length)[offset:].view(np.bool_)
 
 
+def _numpy_dtype(arrow_type: pa.DataType) -> np.dtype:
+    """The numpy dtype of a fixed-width Arrow type, without pyarrow's pandas shim (importing pandas costs 0.3 s)."""
+    for kind, dtype in _NUMPY_DTYPES:
+        if arrow_type == kind:
+            return np.dtype(dtype)
+    return np.dtype(arrow_type.to_pandas_dtype())
+
+
+_NUMPY_DTYPES = (
+    (pa.float32(), np.float32),
+    (pa.float64(), np.float64),
+    (pa.int32(), np.int32),
+    (pa.int64(), np.int64),
+    (pa.int16(), np.int16),
+    (pa.int8(), np.int8),
+    (pa.uint64(), np.uint64),
+    (pa.uint32(), np.uint32),
+)
+
+
 def flat_list(series: pl.Series) -> FlatList:
     """Flatten a polars list column into offsets, values (native dtype, zero-copy) and element/row validity."""
     arrow = series.to_arrow()
     if isinstance(arrow, pa.ChunkedArray):
         arrow = arrow.combine_chunks()
-    offsets = arrow.offsets.to_numpy().astype(np.int64, copy=False)
+    offset_dtype = np.int64 if pa.types.is_large_list(arrow.type) else np.int32
+    raw_offsets = np.frombuffer(arrow.buffers()[1], dtype=offset_dtype, count=arrow.offset + len(arrow) + 1)
+    offsets = raw_offsets[arrow.offset :].astype(np.int64)
     start, stop = int(offsets[0]), int(offsets[-1])
     child = arrow.values.slice(start, stop - start)
     row_valid = None if arrow.null_count == 0 else arrow.is_valid().to_numpy(zero_copy_only=False)
@@ -128,6 +150,6 @@ def flat_list(series: pl.Series) -> FlatList:
         if valid is not None:
             values = values & valid
     else:
-        raw = np.frombuffer(data, dtype=child.type.to_pandas_dtype(), count=child.offset + len(child))
+        raw = np.frombuffer(data, dtype=_numpy_dtype(child.type), count=child.offset + len(child))
         values = raw[child.offset :]
     return FlatList(offsets - start, values, valid, row_valid)
