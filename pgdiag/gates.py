@@ -175,8 +175,9 @@ def evaluate_gates(
             gate = Gate(gate.expr, kind, gate.scope, gate.name, gate.op, gate.threshold, profile)
             if (gate.name, gate.scope, gate.kind) in taken:
                 continue
-            keys = _resolve(gate, present, default_family)
-            if keys is None:  # the command does not produce this family: skipped
+            at_scope = rows.filter(pl.col("scope") == gate.scope)["metric"].unique().to_list()
+            keys = _resolve(gate, at_scope, default_family)
+            if keys is None:  # the command does not produce this metric at this scope: skipped
                 continue
             gates.append((gate, keys))
 

@@ -126,3 +126,12 @@ def test_profile_skips_absent_families_and_explicit_wins() -> None:
 def test_unknown_profile() -> None:
     with pytest.raises(UsageError, match="unknown profile"):
         evaluate_gates(_report({}), profile="strictest")
+
+
+def test_profile_gate_absent_at_its_scope_is_skipped() -> None:
+    # mismatch/tmpe exists only at batch scope here (e.g. a side-by-side row): the token-scope profile gate
+    # on it is skipped, not "missing"
+    token = _report({"mismatch/abs_mean": 0.001})
+    batch = _report({"mismatch/tmpe": 9.0}, scope="batch")
+    result = evaluate_gates(Report("compare", token.summary.vstack(batch.summary)), profile="nemo")
+    assert [g.expr for g in result.gates] == [] and result.exit_code == 0
