@@ -50,9 +50,9 @@ def render_metrics(
         family = metric.split("/", 1)[0] if "/" in metric else "metrics"
         families.setdefault(family, []).append((pair, metric, value, unit, reduction, n))
     statuses = {str(s["step"]): s["status"] for s in report.meta.get("steps", [])}
-    ordered = sorted(
-        families, key=lambda f: FAMILY_ORDER.index(f) if f in FAMILY_ORDER else len(FAMILY_ORDER)
-    )
+    # native families in their order; a key style's own families (actor/, rollout_corr/, ...) before count/
+    count_at = FAMILY_ORDER.index("count")
+    ordered = sorted(families, key=lambda f: FAMILY_ORDER.index(f) if f in FAMILY_ORDER else count_at - 0.5)
     for family in ordered:
         rows = families[family]
         pairs = sorted({r[0] for r in rows})
