@@ -28,25 +28,13 @@ import polars as pl
 
 from pgdiag.batch import TokenBatch
 from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.validate import Issue
 
 JOIN_MODES = ("auto", "id", "hash", "hash-any-step")
 ZERO_FILL_FRACTION = 0.01  # E206: share of exact 0.0 on loss positions
 MASK_ERROR_FRACTION = 0.01  # E303 above, W303 below
 SHIFT_MIN_MEDIAN = 0.05  # E302: median |Δ| at offset 0 must exceed this (nats)
 SHIFT_SAMPLE_TOKENS = 262_144  # E302 medians on up to about this many tokens (strided sample; §7 allows 2M)
-
-
-@dataclass(frozen=True)
-class CheckIssue:
-    """One finding of the alignment checks; `step`, `sample_id`, `pos` locate the first example."""
-
-    code: str
-    severity: str  # "error" | "warning"
-    count: int
-    message: str
-    step: int | None = None
-    sample_id: str | None = None
-    pos: int | None = None
 
 
 @dataclass(frozen=True)
@@ -77,7 +65,7 @@ class AlignedPair:
     n_samples_a: int
     n_samples_b: int
     n_invalid: int  # matched tokens dropped as non-finite (only when E207 is ignored)
-    issues: tuple[CheckIssue, ...]
+    issues: tuple[Issue, ...]
 
     @property
     def pair(self) -> str:
@@ -199,7 +187,7 @@ def match_samples(
     return matched["ia"].to_numpy(), matched["ib"].to_numpy(), resolved
 
 
-def _raise_or_record(issue: CheckIssue, ignore: Collection[str], issues: list[CheckIssue]) -> None:
+def _raise_or_record(issue: Issue, ignore: Collection[str], issues: list[Issue]) -> None:
     if issue.code in ignore:
         return
     if issue.severity == "error":
@@ -250,7 +238,7 @@ def align_batches(
         return content_hash(a), content_hash(b)
 
     ia, ib, resolved = match_samples(a, b, join=join, hashes=hashes)
-    issues: list[CheckIssue] = []
+    issues: list[Issue] = []
 
     # 1. samples
     if ia.shape[0] == 0:
@@ -270,7 +258,7 @@ def align_batches(
         )
         loc = (a, int(only_a[0])) if only_a.size else (b, int(only_b[0]))
         _raise_or_record(
-            CheckIssue(
+            Issue(
                 "E306",
                 "error",
                 int(only_a.size + only_b.size),
@@ -306,7 +294,7 @@ def align_batches(
         severity = "error" if only_frac > MASK_ERROR_FRACTION else "warning"
         code = "E303" if severity == "error" else "W303"
         _raise_or_record(
-            CheckIssue(
+            Issue(
                 code,
                 severity,
                 int(n_a - n_both + n_b - n_both),
@@ -341,7 +329,7 @@ def align_batches(
                 f"first: {_where(step, sample_id, first_row)}, outside the loss positions (prompt or length)"
             )
         _raise_or_record(
-            CheckIssue(
+            Issue(
                 "E301",
                 "error",
                 int(differs.sum()),
@@ -478,7 +466,7 @@ class _Context:
     token_row: np.ndarray
     pos: np.ndarray
     ignore: Collection[str]
-    issues: list[CheckIssue]
+    issues: list[Issue]
 
     def locate(self, token: int) -> tuple[int, str, int, str]:
         row = int(self.token_row[token])
@@ -487,10 +475,10 @@ class _Context:
 
     def report(self, code: str, severity: str, count: int, message: str, token: int | None) -> None:
         if token is None:
-            issue = CheckIssue(code, severity, count, f"{self.pair}: {message}")
+            issue = Issue(code, severity, count, f"{self.pair}: {message}")
         else:
             step, sample, pos, where = self.locate(token)
-            issue = CheckIssue(
+            issue = Issue(
                 code, severity, count, f"{self.pair}: {message} (first: {where})", step, sample, pos
             )
         _raise_or_record(issue, self.ignore, self.issues)

@@ -22,7 +22,7 @@ import polars as pl
 
 from pgdiag.batch import TokenBatch
 from pgdiag.compare import breakdowns as bd
-from pgdiag.compare.align import AlignedPair, CheckIssue, align_batches
+from pgdiag.compare.align import AlignedPair, align_batches
 from pgdiag.compare.diagnose import Diagnosis, diagnose
 from pgdiag.compare.parity import (
     bucket_table,
@@ -36,6 +36,7 @@ from pgdiag.compare.parity import (
 from pgdiag.compare.worst import worst_seqs, worst_tokens, worst_trace
 from pgdiag.errors import UsageError
 from pgdiag.report import CHECKS_SCHEMA, Report, ReportRow, summary_frame
+from pgdiag.validate import Issue
 
 if TYPE_CHECKING:
     from pgdiag.metrics.mismatch import TemperatureFit
@@ -259,7 +260,7 @@ def _dlogp_rows(pair: AlignedPair) -> list[ReportRow]:
     return rows
 
 
-def _checks_frame(issues: Sequence[CheckIssue], reader_checks: Sequence[pl.DataFrame | None]) -> pl.DataFrame:
+def _checks_frame(issues: Sequence[Issue], reader_checks: Sequence[pl.DataFrame | None]) -> pl.DataFrame:
     own = pl.DataFrame(
         {
             "code": [i.code for i in issues],
@@ -491,14 +492,14 @@ def run_comparison(
     return Comparison(report, pair)
 
 
-def _metadata_issues(side: Side, streams: list[str]) -> list[CheckIssue]:
+def _metadata_issues(side: Side, streams: list[str]) -> list[Issue]:
     """Footer checks of the compared streams (`pgdiag.checks.metadata_checks`: W402, W403, W405, W409, W411)."""
     if side.run is None:
         return []
     from pgdiag.checks import metadata_checks
 
     return [
-        CheckIssue(i.code, i.severity, i.count, f"{side.run.label}: {i.message}", i.step, i.sample_id, i.pos)
+        Issue(i.code, i.severity, i.count, f"{side.run.label}: {i.message}", i.step, i.sample_id, i.pos)
         for i in metadata_checks(side.run.meta, streams, {})
     ]
 
@@ -519,11 +520,11 @@ def _exact_tau(pair: AlignedPair, side_b: Side, model: str | Path) -> Temperatur
     return exact_tau(pair, [ids[int(r)].to_numpy() for r in source_rows], model)
 
 
-def _tau_warning(pair: AlignedPair, tau: float | None) -> list[CheckIssue]:
+def _tau_warning(pair: AlignedPair, tau: float | None) -> list[Issue]:
     if tau is None or abs(tau - 1.0) <= TAU_WARN:
         return []
     return [
-        CheckIssue(
+        Issue(
             "W401",
             "warning",
             pair.n_tokens,

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pgdiag.compare.align import AlignedPair, CheckIssue
+from pgdiag.compare.align import AlignedPair
+from pgdiag.validate import Issue
 
 SLOPE_TOLERANCE = 0.05  # W401: |fit_slope − 1| above this ...
 SLOPE_MIN_PEARSON = 0.9  # ... with pearson_r above this
@@ -38,7 +39,7 @@ class Diagnosis:
 
     first_token_ratio: float | None  # mean |Δ| on each sample's first loss token / mean |Δ| overall
     tau_hint: float | None  # OLS slope of lp_b on lp_a: τ ≈ slope when side a is b's logits divided by τ
-    issues: tuple[CheckIssue, ...]
+    issues: tuple[Issue, ...]
 
 
 def first_token_stats(pair: AlignedPair) -> tuple[float | None, float]:
@@ -62,7 +63,7 @@ def diagnose(
 ) -> Diagnosis:
     """W401, W403, W406, W407, W410 for `pair`; `token_stats` holds the `all` token-scope values by stat name,
     `step_abs_mean` the per-step mean |Δ| (step order)."""
-    issues: list[CheckIssue] = []
+    issues: list[Issue] = []
     name = pair.pair
     slope, r = token_stats.get("fit_slope"), token_stats.get("pearson_r")
     ratio, sign_share = first_token_stats(pair)
@@ -70,7 +71,7 @@ def diagnose(
 
     if slope is not None and r is not None and abs(slope - 1.0) > SLOPE_TOLERANCE and r > SLOPE_MIN_PEARSON:
         issues.append(
-            CheckIssue(
+            Issue(
                 "W401",
                 "warning",
                 pair.n_tokens,
@@ -80,7 +81,7 @@ def diagnose(
         )
     elif ratio is not None and ratio > FIRST_TOKEN_RATIO and sign_share > FIRST_TOKEN_SIGN_SHARE:
         issues.append(
-            CheckIssue(
+            Issue(
                 "W401",
                 "warning",
                 n_seqs,
@@ -90,7 +91,7 @@ def diagnose(
         )
     if ratio is not None and ratio > FIRST_TOKEN_RATIO and n_seqs >= FIRST_TOKEN_MIN_SEQS:
         issues.append(
-            CheckIssue(
+            Issue(
                 "W406",
                 "warning",
                 n_seqs,
@@ -104,7 +105,7 @@ def diagnose(
         share = float(np.mean(pair.lp_a >= pair.lp_b))
         if share > PROCESSED_SHARE and bias < PROCESSED_MEAN_DELTA:
             issues.append(
-                CheckIssue(
+                Issue(
                     "W403",
                     "warning",
                     int(np.count_nonzero(pair.lp_a >= pair.lp_b)),
@@ -120,7 +121,7 @@ def diagnose(
         now = step_abs_mean[step]
         if now > STALE_FACTOR * before and now > STALE_MIN:
             issues.append(
-                CheckIssue(
+                Issue(
                     "W407",
                     "warning",
                     1,
@@ -132,7 +133,7 @@ def diagnose(
     extreme = int(np.count_nonzero(np.abs(d) > EXTREME_DELTA))
     if extreme:
         issues.append(
-            CheckIssue(
+            Issue(
                 "W410", "warning", extreme, f"{name}: {extreme} tokens with |Δ| > 20 (counted, not clamped)"
             )
         )
