@@ -167,7 +167,7 @@ def recompute_logprobs(
     out_dir = _output_dir(run_obj, tag, out)
 
     # 0. everything that needs no weights first, so a refusal (E208, E502, E503) costs no model load
-    spec = _model_spec(model, device=device, attn=attn)
+    spec = _model_spec(model, device=device, attn=attn, dtype=dtype)
     vocab_size = _softmax_vocab(softmax_vocab, run_obj, int(spec.config.vocab_size))
     inputs = read_inputs(run_obj, vocab_size)
     temp_value, temp_source, warnings = resolve_temperature(run_obj, inputs, temperature)
@@ -345,18 +345,22 @@ class _ModelSpec:
         )
 
 
-def _model_spec(model: CausalLM | str | Path, *, device: str | torch.device | None, attn: str) -> _ModelSpec:
+def _model_spec(
+    model: CausalLM | str | Path, *, device: str | torch.device | None, attn: str, dtype: str
+) -> _ModelSpec:
     """Read the checkpoint's config (not its weights) and resolve the device and attention backend."""
     if not isinstance(model, (str, Path)):
         return _ModelSpec(model, model.config, model.lm_head_weight.device, str(model.attention_backend))
     from pgdiag.model import read_model_config
     from pgdiag.model.attention import resolve_attention_backend
+    from pgdiag.model.checkpoint import parse_dtype
 
     where = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if where.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("E505", f"device {where} requested but CUDA is not available", "use --device cpu")
     config = read_model_config(model)
-    return _ModelSpec(Path(model), config, where, resolve_attention_backend(attn, where))
+    backend = resolve_attention_backend(attn, where, parse_dtype(dtype, "--dtype"))
+    return _ModelSpec(Path(model), config, where, backend)
 
 
 def _softmax_vocab(option: int | str, run: Run, config_vocab: int) -> int:

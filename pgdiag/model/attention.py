@@ -9,7 +9,8 @@ Why two backends, chosen by an argument (never an env var):
   for the whole packed batch, GQA and sliding windows native: no padding, no mask tensor.
 - ``"sdpa"``: `scaled_dot_product_attention` once per document (``is_causal=True``; a boolean band mask only
   for a sliding window shorter than the document). Runs everywhere, any dtype; the CPU path and the reference.
-`resolve_attention_backend("auto", device)` picks ``varlen`` on CUDA when this torch has it, else ``sdpa``.
+`resolve_attention_backend("auto", device, dtype)` picks ``varlen`` on CUDA for a bf16/fp16 body when this torch
+has it, else ``sdpa``.
 """
 
 from __future__ import annotations
@@ -60,16 +61,22 @@ def varlen_available() -> bool:
     return True
 
 
-def resolve_attention_backend(requested: str, device: torch.device) -> str:
-    """The backend that will run: ``auto`` -> ``varlen`` on CUDA when available, else ``sdpa``."""
+def resolve_attention_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend that will run for a body in `dtype`: ``auto`` -> ``varlen`` on CUDA when available and the
+    body is 16-bit (FlashAttention has no fp32 kernel), else ``sdpa``."""
     if requested not in ATTENTION_BACKENDS:
         raise UsageError(
             "E503", f"unknown attention backend {requested!r}; choose one of {ATTENTION_BACKENDS}"
         )
+    varlen_ok = device.type == "cuda" and varlen_available() and dtype in (torch.bfloat16, torch.float16)
     if requested == "auto":
-        return "varlen" if device.type == "cuda" and varlen_available() else "sdpa"
-    if requested == "varlen" and not (device.type == "cuda" and varlen_available()):
-        raise UsageError("E503", "attention backend 'varlen' needs CUDA and torch.nn.attention.varlen")
+        return "varlen" if varlen_ok else "sdpa"
+    if requested == "varlen" and not varlen_ok:
+        raise UsageError(
+            "E503",
+            f"attention backend 'varlen' needs CUDA, torch.nn.attention.varlen and a 16-bit body (got {dtype})",
+            "use --attn sdpa or auto",
+        )
     return requested
 
 

@@ -257,7 +257,7 @@ def load_from_source(
     device = torch.device(device)
     rank, size = group_rank_size(tp_group)
     layout = tp_layout(config, size, rank)
-    backend = resolve_attention_backend(attention, device)
+    backend = resolve_attention_backend(attention, device, body)
     check_tensor_names(config, source, where)
     with torch.device("meta"):
         model = CausalLM(config, layout, tp_group=tp_group, attention=backend, fuse_pointwise=fuse_pointwise)
