@@ -76,13 +76,13 @@ def loss_view(table: RowTable) -> LossView:
     for column, flat in table.lists.items():
         if column in ("input_ids", "loss_mask"):
             continue
-        gathered = flat.values[index].astype(np.float32, copy=False)  # (M,) float32 until the batch
+        gathered = flat.values[mask].astype(np.float32, copy=False)  # (M,) float32 until the batch
         column_valid = None
         if flat.valid is not None and np.count_nonzero(flat.valid & mask) != index.size:
             column_valid = flat.valid[index]
             gathered[~column_valid] = np.nan
         values[column], valid[column] = gathered, column_valid
-    token_id = ids.values[index].astype(np.int32, copy=False)
+    token_id = ids.values[mask].astype(np.int32, copy=False)
     return LossView(index, row_start, values, valid, token_id, ids.offsets)
 
 

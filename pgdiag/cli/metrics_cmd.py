@@ -339,9 +339,10 @@ def metrics(
             exit_code = max(exit_code, 1)
         if exit_zero and exit_code == 1:
             exit_code = 0
-        render_checks(console, report.checks)
-        render_metrics(console, report, all_steps=all_steps, verbose=verbose)
-        render_gates(console, gates)
+        if not quiet:  # rich lays tables out even on a quiet console: skip the work
+            render_checks(console, report.checks)
+            render_metrics(console, report, all_steps=all_steps, verbose=verbose)
+            render_gates(console, gates)
         inputs = report.meta["inputs"]
         result = result_object(
             "metrics",
