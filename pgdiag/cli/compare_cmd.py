@@ -252,11 +252,12 @@ def compare(
             profile=profile,
             default_family="mismatch",
         )
-        render_parity(console, report, verbose=verbose)
-        if verbose:
-            render_breakdowns(console, report)
-        render_checks(console, report.checks)
-        render_gates(console, gates)
+        if not quiet:  # rich lays tables out even on a quiet console: skip the work
+            render_parity(console, report, verbose=verbose)
+            if verbose:
+                render_breakdowns(console, report)
+            render_checks(console, report.checks)
+            render_gates(console, gates)
         warned = report.checks.filter(report.checks["severity"] == "warning").height > 0
         exit_code = gates.exit_code
         if strict and warned:
