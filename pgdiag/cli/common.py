@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from pgdiag.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, PgdiagError
 from pgdiag.report import _jsonable
@@ -163,7 +164,8 @@ def result_object(command: str, **fields: Any) -> dict[str, Any]:
 
 
 def print_error(console: Console, error: PgdiagError) -> None:
-    console.print(f"[bold red]error[{error.code}][/] {error.message}", markup=True, soft_wrap=True)
+    console.print(f"[bold red]error{escape(f'[{error.code}]')}[/] ", end="", markup=True)
+    console.print(error.message, markup=False, soft_wrap=True)
     if error.hint:
         console.print(f"hint: {error.hint}", markup=False, soft_wrap=True)
 
