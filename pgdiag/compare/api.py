@@ -180,7 +180,9 @@ def parity_rows(
             name, "token", "all", "all", "count/mismatch_invalid", pair.n_invalid, "count", "sum", n_tok
         )
     )
-    seqs = sequence_table(pair.lp_a, pair.lp_b, pair.offsets, eps_low=eps_low, eps_high=eps_high)
+    seqs = sequence_table(
+        pair.lp_a, pair.lp_b, pair.offsets, eps_low=eps_low, eps_high=eps_high, delta=pair.delta
+    )
     rows += _rows(name, "sequence", "all", seqs, 0, "all", None, None, "samples")
     n_seq = int(seqs["samples"][0])
     rows.append(ReportRow(name, "sequence", "all", "all", "count/samples", n_seq, "count", "sum", n_seq))
@@ -204,10 +206,12 @@ def parity_rows(
             rows += _rows(name, "token", breakdown, table, k, label, lo, hi, "tokens")
             if breakdown == "step":
                 step_abs_mean[int(buckets.lo[k])] = float(table["abs_mean"][k])
+        del buckets  # its (M,) codes go before the next breakdown allocates its own
     if "step" not in by:
         buckets = bd.assign(pair, "step")
-        sums = np.bincount(buckets.codes, weights=np.abs(pair.delta), minlength=buckets.n_buckets)
-        counts = np.bincount(buckets.codes, minlength=buckets.n_buckets)
+        codes = buckets.codes  # (M,)
+        sums = np.bincount(codes, weights=np.abs(pair.delta), minlength=buckets.n_buckets)
+        counts = np.bincount(codes, minlength=buckets.n_buckets)
         for k in range(buckets.n_buckets):
             if counts[k]:
                 step_abs_mean[int(buckets.lo[k])] = float(sums[k] / counts[k])
@@ -222,8 +226,10 @@ def _dlogp_rows(pair: AlignedPair) -> list[ReportRow]:
     d = pair.delta
     codes = np.searchsorted(edges, d, side="right")  # (M,) in [1, K]: edges span -inf..inf
     codes -= 1
-    exact_zero = d == 0.0
-    counts = np.bincount(codes[~exact_zero], minlength=edges.shape[0] - 1)
+    n_zero = int(np.count_nonzero(d == 0.0))
+    counts = np.bincount(codes, minlength=edges.shape[0] - 1)
+    # exact zeros have their own row: take them out of the bin holding 0.0 (no (M,) compressed copy of codes)
+    counts[np.searchsorted(edges, 0.0, side="right") - 1] -= n_zero
     rows = []
     for k in range(edges.shape[0] - 1):
         lo, hi = float(edges[k]), float(edges[k + 1])
@@ -249,7 +255,7 @@ def _dlogp_rows(pair: AlignedPair) -> list[ReportRow]:
             "dlogp",
             "0",
             "count/tokens",
-            int(exact_zero.sum()),
+            n_zero,
             "count",
             "sum",
             pair.n_tokens,

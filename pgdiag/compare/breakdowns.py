@@ -6,7 +6,7 @@ numeric edges: `position` (response position: the first token alone, then doubli
 present), `length` (matched loss tokens of the sample, doubling buckets), `step`, and `env`.
 Why: the same parity engine (`parity.token_table`) then computes every bucket in one vectorised pass, so
 "where do the two sides disagree" costs O(tokens) per breakdown, never a Python loop over tokens.
-How: `assign(pair, name)` returns `Buckets(name, codes, labels, lo, hi)`; `available(pair)` lists the breakdowns
+How: `assign(pair, name)` returns `Buckets` (codes, labels, lo, hi); `available(pair)` lists the breakdowns
 the data supports. Edges are half-open [lo, hi); the top probability bucket is closed at 1.
 """
 
@@ -29,18 +29,31 @@ DOUBLING_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 
 @dataclass(frozen=True)
 class Buckets:
-    """Token bucket codes of one breakdown. K buckets; `codes` (M,) int64 in [0, K)."""
+    """Token bucket codes of one breakdown. K buckets; `codes` (M,) int64 in [0, K).
+
+    A breakdown constant within each sample keeps only its (S,) `sample_codes` and the (M,) `token_sample`
+    it already has (the pair's `token_row`): `codes` gathers them on access, since the parity tables bucket
+    such breakdowns per sample and never need the (M,) array (80 MB at 10M tokens).
+    """
 
     name: str
-    codes: np.ndarray  # (M,) int64
+    token_codes: np.ndarray | None  # (M,) intp; None when given by sample_codes[token_sample]
     labels: tuple[str, ...]  # (K,)
     lo: np.ndarray  # (K,) float64, None-like NaN for categorical buckets
     hi: np.ndarray  # (K,) float64
     sample_codes: np.ndarray | None = None  # (S,) int64 when the bucket is constant within each sample
+    token_sample: np.ndarray | None = None  # (M,) sample owning each token, with sample_codes
 
     @property
     def n_buckets(self) -> int:
         return len(self.labels)
+
+    @property
+    def codes(self) -> np.ndarray:
+        """(M,) bucket of every token (a new array on each access for per-sample breakdowns)."""
+        if self.token_codes is not None:
+            return self.token_codes
+        return self.sample_codes[self.token_sample]
 
 
 def available(pair: AlignedPair) -> tuple[str, ...]:
@@ -100,7 +113,7 @@ def _categorical(name: str, per_sample: np.ndarray, sample: np.ndarray, *, numer
     labels = tuple(str(u) for u in uniques)
     edges = uniques.astype(np.float64) if numeric else np.full(uniques.shape[0], np.nan)
     sample_codes = codes.astype(np.int64).reshape(-1)
-    return Buckets(name, sample_codes[sample], labels, edges, edges.copy(), sample_codes)
+    return Buckets(name, None, labels, edges, edges.copy(), sample_codes, sample)
 
 
 def assign(pair: AlignedPair, name: str) -> Buckets:
@@ -123,9 +136,7 @@ def assign(pair: AlignedPair, name: str) -> Buckets:
         per_sample = _numeric(
             name, pair.n_loss.astype(np.float64), DOUBLING_EDGES, integer=True, top_closed=False
         )
-        return Buckets(
-            name, per_sample.codes[sample], per_sample.labels, per_sample.lo, per_sample.hi, per_sample.codes
-        )
+        return Buckets(name, None, per_sample.labels, per_sample.lo, per_sample.hi, per_sample.codes, sample)
     if name == "step":
         return _categorical(name, pair.step, sample, numeric=True)
     if name == "env":

@@ -127,13 +127,13 @@ def token_table(
     """{stat: (1,) float64} over all tokens (NaN = not computable) plus "tokens"; sums are NumPy pairwise sums.
 
     `delta` (lp_b − lp_a) and `terms` (from `token_terms`, shared with the breakdowns) are read only and save
-    recomputing them. Two (M,) scratch buffers are reused for everything else (see `token_terms` on memory).
+    recomputing them. The two (M,) scratch buffers of `terms` hold everything else (see `TokenTerms` on memory).
     """
     if terms is None:
         terms = token_terms(lp_a, lp_b, eps_low=eps_low, eps_high=eps_high, delta=delta)
     n = float(lp_a.shape[0])
     d, abs_d = terms.d, terms.abs_d  # (M,) read only
-    b1, b2 = np.empty_like(d), np.empty_like(d)  # (M,) scratch
+    b1, b2 = terms.scratch  # (M,) overwritten here
     out: dict[str, np.ndarray] = {"tokens": _one(n)}
 
     # 1. moments of Δ (spread around the mean, never as a difference of squares)
@@ -161,14 +161,16 @@ def token_table(
         chi2 *= em1  # ρ² − 1 = expm1(Δ)·(expm1(Δ) + 2)
         out["chi2_token"] = _one(_safe_div(np.sum(chi2), n))
         out["kl_k1"] = _one(0.0 - bias)
-        out["kl_k3"] = _one(_safe_div(np.sum(terms.k3), n))
+        k3 = np.subtract(em1, d, out=b2)  # (M,) ρ − 1 − Δ, as `TokenTerms.k3`
+        out["kl_k3"] = _one(_safe_div(np.sum(k3), n))
         rho = np.add(em1, 1.0, out=b1)  # (M,) ρ
         rho_d = np.dot(rho, d)
         out["kl_rev_k1"] = _one(_safe_div(rho_d, n))
         out["kl_rev_k3"] = _one(_safe_div(rho_d - sum_em1, n))
         sum_rho, sum_rho2 = np.sum(rho), np.dot(rho, rho)
         out["ess_token"] = _one(_safe_div(sum_rho * sum_rho, n * sum_rho2))
-        out["tmpe"] = _one(_safe_div(np.sum(terms.tmpe), n))
+        tmpe = np.maximum(rho, np.reciprocal(rho, out=b2), out=b2)  # (M,) as `TokenTerms.tmpe`
+        out["tmpe"] = _one(_safe_div(np.sum(tmpe), n))
     out["abs_delta_gt_20"] = _one(np.count_nonzero(abs_d > 20.0))
 
     # 5. quantiles and max of |Δ| (on a copy: the breakdowns keep reading abs_d)
@@ -178,12 +180,13 @@ def token_table(
         out[name] = _one(quant[j])
     out["abs_max"] = _one(quant[-1])
 
-    # 6. probability space (verl |Δp|)
+    # 6. probability space (verl |Δp|); |Δp| first, as the fit then centres p_a and p_b in the same buffers
+    abs_dprob = terms.abs_dprob()  # (M,) in b2
+    dprob_mean = _safe_div(np.sum(abs_dprob), n)
+    q = _quantiles(abs_dprob, [0.99])
     p_a, p_b = np.exp(lp_a, out=b1), np.exp(lp_b, out=b2)
     out["prob_pearson_r"] = _one(linear_fit(p_a, p_b, scratch=(p_a, p_b))["pearson_r"])  # centred in place
-    out["abs_dprob_mean"] = _one(_safe_div(np.sum(terms.abs_dprob), n))
-    np.copyto(b1, terms.abs_dprob)
-    q = _quantiles(b1, [0.99])
+    out["abs_dprob_mean"] = _one(dprob_mean)
     out["abs_dprob_p99"], out["abs_dprob_max"] = _one(q[0]), _one(q[1])
     return out
 
@@ -229,39 +232,71 @@ def linear_fit(
 
 @dataclass(frozen=True)
 class TokenTerms:
-    """Per-token quantities, computed once and shared by the `all` table and every breakdown. M tokens."""
+    """Per-token quantities shared by the `all` table and every breakdown. M tokens.
 
+    Why only Δ, |Δ| and the band flags are kept: on this machine a process grows at about 2 ms per MiB of
+    first-touched memory, so a kept or temporary 10M-element float64 array (76 MiB, ~0.15 s) costs more than
+    the arithmetic on it (an exp or expm1 over 10M values takes 10-20 ms into an existing buffer). So k3, tmpe
+    and |Δp| are recomputed by each consumer into the two scratch buffers, which every consumer also uses for
+    its own temporaries: the values are the same operations on the same inputs, hence bit for bit the same.
+    """
+
+    lp_a: np.ndarray  # (M,) the caller's array
+    lp_b: np.ndarray  # (M,) the caller's array
     d: np.ndarray  # (M,) Δ (the caller's array)
     abs_d: np.ndarray  # (M,) |Δ|
-    k3: np.ndarray  # (M,) e^Δ − 1 − Δ
-    tmpe: np.ndarray  # (M,) e^|Δ| = max(ρ, 1/ρ)
-    abs_dprob: np.ndarray  # (M,) |e^lp_b − e^lp_a|
     outside: dict[str, np.ndarray]  # band -> (M,) bool, ratio outside the band (BREAKDOWN_BANDS)
+    # two (M,) float64 buffers with no meaning: each consumer overwrites them (one at a time), so the tables
+    # and breakdowns need no (M,) temporaries of their own; the methods below return one of them
+    scratch: tuple[np.ndarray, np.ndarray]
+
+    def k3(self) -> np.ndarray:
+        """(M,) e^Δ − 1 − Δ = expm1(Δ) − Δ in scratch[0] (exact 0 for Δ = 0)."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            em1 = np.expm1(self.d, out=self.scratch[0])
+            return np.subtract(em1, self.d, out=em1)
+
+    def tmpe(self) -> np.ndarray:
+        """(M,) e^|Δ| = max(ρ, 1/ρ) in scratch[1], without another exponential (scratch[0] holds ρ)."""
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            rho = np.expm1(self.d, out=self.scratch[0])
+            rho += 1.0
+            inverse = np.reciprocal(rho, out=self.scratch[1])
+            return np.maximum(rho, inverse, out=inverse)
+
+    def abs_dprob(self) -> np.ndarray:
+        """(M,) |e^lp_b − e^lp_a| in scratch[1] (scratch[0] holds e^lp_a)."""
+        prob_a = np.exp(self.lp_a, out=self.scratch[0])
+        out = np.exp(self.lp_b, out=self.scratch[1])
+        out -= prob_a
+        return np.abs(out, out=out)
 
 
 def token_terms(
     lp_a: np.ndarray, lp_b: np.ndarray, *, eps_low: float, eps_high: float, delta: np.ndarray | None = None
 ) -> TokenTerms:
-    """The per-token terms; `delta` (lp_b − lp_a) is used as is when given.
-
-    Four (M,) arrays are kept and one scratch buffer is reused: on this machine a process grows at about
-    2 ms per MiB of first-touched memory, so new 10M-element arrays cost more than the arithmetic on them.
-    """
+    """The per-token terms; `delta` (lp_b − lp_a) is used as is when given (see `TokenTerms` on memory)."""
     d = lp_b - lp_a if delta is None else delta
     abs_d = np.abs(d)
     edges = band_edges(eps_low, eps_high)
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        scratch = np.expm1(d)  # (M,) ρ − 1
-        k3 = np.subtract(scratch, d)
-        scratch += 1.0  # ρ
-        tmpe = np.reciprocal(scratch)
-        np.maximum(scratch, tmpe, out=tmpe)  # e^|Δ| without another exponential
-    prob_a = np.exp(lp_a, out=scratch)
-    abs_dprob = np.exp(lp_b)
-    abs_dprob -= prob_a
-    np.abs(abs_dprob, out=abs_dprob)
     outside = {b: (d < edges[b][0]) | (d > edges[b][1]) for b in BREAKDOWN_BANDS}
-    return TokenTerms(d, abs_d, k3, tmpe, abs_dprob, outside)
+    return TokenTerms(lp_a, lp_b, d, abs_d, outside, (np.empty_like(d), np.empty_like(d)))
+
+
+GATHER_CHUNK = 1 << 20  # tokens per `np.take` in `_deviation`: its intp copy of int32 indices stays small
+
+
+def _deviation(d: np.ndarray, mean: np.ndarray, owner: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """(M,) (Δ − mean[owner])² written into `out` (a scratch buffer): no (M,) temporaries of its own.
+
+    `np.take` converts non-intp indices (the int32 `token_row`) to an intp copy, so those go in chunks.
+    """
+    m = owner.shape[0]
+    step = m if owner.dtype == np.intp else GATHER_CHUNK
+    for start in range(0, m, max(step, 1)):
+        np.take(mean, owner[start : start + step], out=out[start : start + step])
+    np.subtract(d, out, out=out)
+    return np.multiply(out, out, out=out)
 
 
 def bucket_table(terms: TokenTerms, codes: np.ndarray, n_buckets: int) -> dict[str, np.ndarray]:
@@ -278,17 +313,16 @@ def bucket_table(terms: TokenTerms, codes: np.ndarray, n_buckets: int) -> dict[s
     n = np.bincount(codes, minlength=k).astype(np.float64)
     out: dict[str, np.ndarray] = {"tokens": n}
     bias = _safe_div(total(terms.d), n)
-    dev = terms.d - np.nan_to_num(bias)[codes]
-    np.multiply(dev, dev, out=dev)
+    dev = _deviation(terms.d, np.nan_to_num(bias), codes, terms.scratch[0])
     _moments(out, bias, _safe_div(total(dev), n), _safe_div(total(terms.abs_d), n))
     out.update(_bucket_quantiles(terms.abs_d, lambda stride: codes[::stride], k))
     out["abs_max"] = _bucket_max(terms.abs_d, codes, k)  # exact, over all tokens
     for band, flags in terms.outside.items():
         out[f"frac_out_{band}"] = _safe_div(np.bincount(codes[flags], minlength=k), n)
     out["kl_k1"] = 0.0 - bias
-    out["kl_k3"] = _safe_div(total(terms.k3), n)
-    out["tmpe"] = _safe_div(total(terms.tmpe), n)
-    out["abs_dprob_mean"] = _safe_div(total(terms.abs_dprob), n)
+    out["kl_k3"] = _safe_div(total(terms.k3()), n)
+    out["tmpe"] = _safe_div(total(terms.tmpe()), n)
+    out["abs_dprob_mean"] = _safe_div(total(terms.abs_dprob()), n)
     return out
 
 
@@ -354,16 +388,15 @@ def sample_terms(terms: TokenTerms, offsets: np.ndarray, token_row: np.ndarray) 
     sums = {
         "d": per_sample(terms.d),
         "abs_d": per_sample(terms.abs_d),
-        "k3": per_sample(terms.k3),
-        "tmpe": per_sample(terms.tmpe),
-        "abs_dprob": per_sample(terms.abs_dprob),
+        "k3": per_sample(terms.k3()),
+        "tmpe": per_sample(terms.tmpe()),
+        "abs_dprob": per_sample(terms.abs_dprob()),
     }
     for band, flags in terms.outside.items():
         sums[f"out_{band}"] = per_sample(flags)
     n = counts.astype(np.float64)
     mean = np.divide(sums["d"], n, out=np.zeros(s), where=nonempty)
-    dev = terms.d - mean[token_row]
-    np.multiply(dev, dev, out=dev)
+    dev = _deviation(terms.d, mean, token_row, terms.scratch[0])
     return SampleTerms(n, sums, per_sample(dev), per_sample(terms.abs_d, np.maximum))
 
 
@@ -415,9 +448,12 @@ def _bucket_max(values: np.ndarray, codes: np.ndarray, k: int) -> np.ndarray:
 
 
 def sequence_means(
-    lp_a: np.ndarray, lp_b: np.ndarray, offsets: np.ndarray
+    lp_a: np.ndarray, lp_b: np.ndarray, offsets: np.ndarray, *, delta: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per non-empty sample: (mean lp_a, mean lp_b, Σ Δ, rows) — the inputs of the sequence scope."""
+    """Per non-empty sample: (mean lp_a, mean lp_b, Σ Δ, rows) — the inputs of the sequence scope.
+
+    `delta` (lp_b − lp_a, read only) saves an (M,) temporary when the caller already has it.
+    """
     counts = np.diff(offsets)
     rows = np.flatnonzero(counts > 0)
     starts = offsets[:-1][rows]
@@ -426,7 +462,7 @@ def sequence_means(
         return empty, empty, empty, rows
     sum_a = np.add.reduceat(lp_a, starts)
     sum_b = np.add.reduceat(lp_b, starts)
-    sum_d = np.add.reduceat(lp_b - lp_a, starts)
+    sum_d = np.add.reduceat(lp_b - lp_a if delta is None else delta, starts)
     n = counts[rows].astype(np.float64)
     return sum_a / n, sum_b / n, sum_d, rows
 
@@ -438,9 +474,13 @@ def sequence_table(
     *,
     eps_low: float,
     eps_high: float,
+    delta: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """The token table over samples (one value per non-empty sample) plus the product-ratio keys; K = 1."""
-    mean_a, mean_b, sum_d, rows = sequence_means(lp_a, lp_b, offsets)
+    """The token table over samples (one value per non-empty sample) plus the product-ratio keys; K = 1.
+
+    `delta`: lp_b − lp_a when the caller has it (read only; saves an (M,) temporary).
+    """
+    mean_a, mean_b, sum_d, rows = sequence_means(lp_a, lp_b, offsets, delta=delta)
     out = token_table(mean_a, mean_b, eps_low=eps_low, eps_high=eps_high)
     out["samples"] = out.pop("tokens")
     for token_only in (
