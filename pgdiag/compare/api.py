@@ -50,10 +50,21 @@ DLOGP_EDGES = (-np.inf, *(-x for x in reversed(_DLOGP_STEPS)), 0.0, *_DLOGP_STEP
 class Side:
     """One side of a comparison once read: its token batch, the seq_hash per sample when known, reader checks."""
 
-    batch: TokenBatch
+    batch: TokenBatch | None  # None once aligned (`_aligned`)
     seq_hash: np.ndarray | None
     checks: pl.DataFrame | None
     run: Any  # the `Run`, or None for an in-memory batch
+    sample_row: np.ndarray | None = None  # (S,) the batch's `sample_row`, kept when the batch is dropped
+
+
+def _aligned(side: Side) -> Side:
+    """`side` without its batch, once the pair is built (peak memory).
+
+    The pair holds views of the arrays the tables read, so side b's own positions and token ids (80 MB at 10M
+    tokens) are freed before the parity tables allocate theirs (new memory costs ~2 ms per MiB on this machine;
+    see `parity.TokenTerms`).
+    """
+    return replace(side, batch=None, sample_row=None if side.batch is None else side.batch.sample_row)
 
 
 def auto_stream(streams: Sequence[str], *, exclude: str | None = None) -> str | None:
@@ -409,6 +420,9 @@ def run_comparison(
         seq_hash_b=side_b.seq_hash,
         ignore=ignore,
     )
+    del batch_a, batch_b
+    side_a = _aligned(side_a)
+    side_b = side_a if one_run else _aligned(side_b)
 
     chosen = bd.available(pair) if by is None else tuple(by)
     rows, stats, step_abs_mean = parity_rows(pair, by=chosen, eps_low=eps_low, eps_high=eps_high)
@@ -515,13 +529,13 @@ TAU_WARN = 0.02  # |tau_fit − 1| above this is reported (the `recommended` pro
 
 def _exact_tau(pair: AlignedPair, side_b: Side, model: str | Path) -> TemperatureFit:
     """The exact τ fit with side b's logits; needs side b read from disk (its input_ids)."""
-    if side_b.run is None or side_b.batch.sample_row is None:
+    if side_b.run is None or side_b.sample_row is None:
         raise UsageError(
             "E503", "--model needs runs read from disk (the fit recomputes logits from input_ids)"
         )
     from pgdiag.compare.tau import exact_tau
 
-    source_rows = np.asarray(side_b.batch.sample_row, dtype=np.int64)[pair.rows_b]
+    source_rows = np.asarray(side_b.sample_row, dtype=np.int64)[pair.rows_b]
     ids = side_b.run.collect(["input_ids"])["input_ids"]
     return exact_tau(pair, [ids[int(r)].to_numpy() for r in source_rows], model)
 
