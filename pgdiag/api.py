@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from pgdiag.errors import UsageError
-from pgdiag.metrics.settings import EMPTY_SEQS, KEY_STYLES, LEVELS, METRIC_REDUCTIONS, MetricSettings
+from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report import Report, ReportRow, summary_frame
 from pgdiag.runs import Run, read_token_batch
 
@@ -76,33 +76,6 @@ def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
     return replace(settings, new=new, old=old, stream_a=stream_a, stream_b=stream_b, ref=ref, entropy=entropy)
 
 
-def _validate_settings(settings: MetricSettings) -> None:
-    choices = {
-        "key_style": KEY_STYLES,
-        "metric_reduction": METRIC_REDUCTIONS,
-        "level": LEVELS,
-        "empty_seqs": EMPTY_SEQS,
-    }
-    for name, allowed in choices.items():
-        if getattr(settings, name) not in allowed:
-            raise UsageError(
-                "E112", f"--{name.replace('_', '-')} {getattr(settings, name)!r}: choose {'|'.join(allowed)}"
-            )
-    for name in ("divisor", "grad_divisor"):
-        value = getattr(settings, name)
-        if value is not None and not value > 0:
-            raise UsageError("E112", f"--{name.replace('_', '-')} must be > 0 (got {value})")
-    if settings.eps_low < 0 or settings.eps_high < 0 or settings.eps_low >= 1:
-        raise UsageError(
-            "E112",
-            f"clip band needs 0 <= eps-low < 1 and eps-high >= 0 (got {settings.eps_low}, {settings.eps_high})",
-        )
-    if settings.dual_clip is not None and not settings.dual_clip > 1:
-        raise UsageError("E112", f"--dual-clip must be > 1 (got {settings.dual_clip})")
-    if settings.docs_per_step is not None and settings.docs_per_step < 1:
-        raise UsageError("E112", f"--docs-per-step must be >= 1 (got {settings.docs_per_step})")
-
-
 def _pair_names(label: str, settings: MetricSettings) -> tuple[str, str | None]:
     policy = f"{label}:{settings.old} vs {label}:{settings.new}"
     mismatch = (
@@ -135,7 +108,7 @@ def compute_metrics(
         settings = MetricSettings(**options)
     elif options:
         settings = replace(settings, **options)
-    _validate_settings(settings)
+    settings.check()
     if settings.key_style != "pgdiag":
         check_style_settings(settings)
     settings = resolve_streams(run, settings)

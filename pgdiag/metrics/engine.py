@@ -57,7 +57,7 @@ from pgdiag.metrics.policy import (
     build_policy_tables,
     build_ref_tables,
 )
-from pgdiag.metrics.reduce import REDUCTION_MODES, TokenReducer, take_rows
+from pgdiag.metrics.reduce import TokenReducer, take_rows
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.metrics.values import MetricValue
 
@@ -261,7 +261,7 @@ def reduce_rows(
 
 def compute_native(batch: TokenBatch, settings: MetricSettings) -> list[tuple[str, StepMetrics]]:
     """Per-step rows in step order plus the ``all`` row (pooled tokens; loss/grad keys averaged over steps)."""
-    _check_settings(settings)
+    settings.check()
     resolved = resolve_aggregation(settings.aggregation, settings)
     step_index = _step_index(batch, settings)  # (S,)
     pooled = _pooled_batch(batch, settings, step_index)
@@ -308,7 +308,7 @@ def compute_step_native(batch: TokenBatch, settings: MetricSettings, *, groups_s
     `groups_split` is `count/groups_split` (groups straddling a step boundary), known only to the caller
     that cut the steps; `compute_native` passes it.
     """
-    _check_settings(settings)
+    settings.check()
     resolved = resolve_aggregation(settings.aggregation, settings)
     tables = build_batch_tables(batch, settings)
     return reduce_rows(tables, 0, batch.n_samples, settings, resolved, groups_split)
@@ -356,7 +356,7 @@ def split_steps(batch: TokenBatch, settings: MetricSettings) -> list[tuple[str, 
     document; the `step` column is ignored and replaced by the step index); a final step with fewer than N
     documents has status ``partial``.
     """
-    _check_settings(settings)
+    settings.check()
     if batch.n_samples == 0:
         return []
     step_index = _step_index(batch, settings)
@@ -373,27 +373,6 @@ def split_steps(batch: TokenBatch, settings: MetricSettings) -> list[tuple[str, 
         partial = settings.docs_per_step is not None and position == len(labels) - 1 and n_docs_last != 0
         out.append((str(int(step)), step_batch, "partial" if partial else "ok"))
     return out
-
-
-def _check_settings(settings: MetricSettings) -> None:
-    """Reject settings the engine cannot honour (exit 2)."""
-    if settings.metric_reduction not in REDUCTION_MODES:
-        raise UsageError("E503", f"--metric-reduction must be one of {', '.join(REDUCTION_MODES)}", None)
-    if settings.empty_seqs not in ("count", "skip"):
-        raise UsageError("E503", "--empty-seqs must be count or skip", None)
-    if settings.level not in ("token", "sequence"):
-        raise UsageError("E503", "--level must be token or sequence", None)
-    if settings.docs_per_step is not None and settings.docs_per_step < 1:
-        raise UsageError("E503", f"--docs-per-step must be at least 1, got {settings.docs_per_step}", None)
-    if not (0.0 <= settings.eps_low < 1.0 and settings.eps_high >= 0.0):
-        raise UsageError(
-            "E503",
-            f"clip band needs 0 <= --eps-low < 1 and --eps-high >= 0, got "
-            f"{settings.eps_low}, {settings.eps_high}",
-            None,
-        )
-    if settings.dual_clip is not None and not settings.dual_clip > 1.0:
-        raise UsageError("E503", f"--dual-clip C must be > 1, got {settings.dual_clip}", None)
 
 
 def _stream(batch: TokenBatch, name: str | None, role: str) -> np.ndarray | None:

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-REDUCTION_MODES = ("token", "sample", "document")
+from pgdiag.metrics.settings import METRIC_REDUCTIONS
 
 
 def _as_float(value: float | np.floating) -> float | None:
@@ -55,8 +55,8 @@ class TokenReducer:
         cls, valid: np.ndarray, offsets: np.ndarray, doc_of_sample: np.ndarray, mode: str
     ) -> TokenReducer:
         """Reducer for the tokens where `valid` (M,) is true; `offsets` (S+1,) delimit the samples."""
-        if mode not in REDUCTION_MODES:
-            raise ValueError(f"metric reduction must be one of {REDUCTION_MODES}, got {mode!r}")
+        if mode not in METRIC_REDUCTIONS:
+            raise ValueError(f"metric reduction must be one of {METRIC_REDUCTIONS}, got {mode!r}")
         lengths = np.diff(offsets).astype(np.int64)
         n_per_sample = lengths if valid.all() else segment_sums(valid, offsets[:-1], lengths).astype(np.int64)
         return cls.from_counts(n_per_sample, doc_of_sample, mode)

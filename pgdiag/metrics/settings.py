@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pgdiag.errors import UsageError
+
 KEY_STYLES = ("pgdiag", "fast-llm", "verl", "trl", "liger", "miles", "pipelinerl")
 METRIC_REDUCTIONS = ("token", "sample", "document")
 LEVELS = ("token", "sequence")
@@ -59,3 +61,29 @@ class MetricSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def check(self) -> None:
+        """Reject values no computation can honour (UsageError E503, exit 2); called before any data is read."""
+        choices = {
+            "key_style": KEY_STYLES,
+            "metric_reduction": METRIC_REDUCTIONS,
+            "level": LEVELS,
+            "empty_seqs": EMPTY_SEQS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError("E503", f"{flag} {getattr(self, name)!r}: choose {'|'.join(allowed)}")
+        for name in ("divisor", "grad_divisor"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise UsageError("E503", f"--{name.replace('_', '-')} must be > 0 (got {value})")
+        if not (0.0 <= self.eps_low < 1.0 and self.eps_high >= 0.0):
+            raise UsageError(
+                "E503",
+                f"clip band needs 0 <= --eps-low < 1 and --eps-high >= 0, got {self.eps_low}, {self.eps_high}",
+            )
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise UsageError("E503", f"--dual-clip C must be > 1, got {self.dual_clip}")
+        if self.docs_per_step is not None and self.docs_per_step < 1:
+            raise UsageError("E503", f"--docs-per-step must be at least 1, got {self.docs_per_step}")
