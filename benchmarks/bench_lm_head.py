@@ -10,7 +10,7 @@ the GPU's clocks drift while it heats up. Baselines that are not installed or ru
 
 How: ``python benchmarks/bench_lm_head.py --tokens 16384 65536 --shapes 4096x151936 8192x128256
 --json out.json`` (CUDA only). ``--sweep`` also times a few Triton launch shapes at the first size, and
-``--sweep-fp32`` the fp32-head accumulation schemes (time and max error against fp64).
+``--sweep-fp32`` the fp32 head's launch shapes and accumulation (time, and error against fp64).
 Liger (`liger-kernel`) and CCE (`cut-cross-entropy`) are optional, benchmark-only dependencies.
 """
 
@@ -23,7 +23,7 @@ import platform
 import subprocess
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 import torch
@@ -31,7 +31,8 @@ import triton
 import triton.testing
 
 from pgdiag.kernels import lm_head_logprobs
-from pgdiag.kernels.lm_head_logprobs_triton import TritonTiles, default_tiles, lm_head_partials
+from pgdiag.kernels.lm_head_logprobs_triton import default_tiles, lm_head_partials
+from pgdiag.kernels.triton_shared import TritonTiles
 from pgdiag.kernels.vocab_parallel import finish_partials, merge_partials
 
 IGNORE = -100
@@ -108,7 +109,7 @@ def providers(x: Inputs) -> dict[str, Callable[[], object]]:
         )
     runs["pgdiag_triton_fp32head_bf16hidden_tau1.0"] = lambda: lm_head_logprobs(
         x.hidden, x.weight, x.targets, impl="triton", head_dtype="fp32"
-    )  # the fp32 head of a bf16 trunk (bf16x3 with zero lower parts)
+    )  # the fp32 head of a bf16 trunk (bf16x1: one MMA per K step)
     return runs
 
 
@@ -168,47 +169,93 @@ def sweep_tiles(x: Inputs) -> list[dict]:
 
 
 def sweep_fp32_head(x: Inputs, n_check: int = 256) -> list[dict]:
-    """fp32 head (bf16x3) speed and accuracy for a few K-accumulation schemes (`TritonTiles.k_chunk`).
-
-    Accuracy: max |error| of logprob and entropy on the first `n_check` tokens, targets sampled from the fp64
-    distribution, against fp64 logits computed on the CPU from the same inputs.
+    """fp32-head launch shapes and accumulation schemes: time (with the bf16 kernel's time beside them) and
+    max |error| of logprob and entropy against fp64 logits of the same inputs, on the first `n_check` tokens,
+    for targets sampled from the fp64 distribution (as in rollouts) and for uniform targets (logprob ~ -45).
     """
-    hidden_check = x.hidden_fp32[:n_check]
-    logits64 = hidden_check.double().cpu() @ x.weight.double().cpu().T  # (n_check, V)
-    gen = torch.Generator().manual_seed(0)
-    targets = torch.multinomial(torch.softmax(logits64, dim=1), 1, generator=gen)[:, 0]
-    log_p = torch.log_softmax(logits64, dim=1)
-    want_logprobs = log_p.gather(1, targets[:, None])[:, 0]
-    want_entropy = -(log_p.exp() * log_p).sum(1)
-    local = torch.where(x.targets == IGNORE, -1, x.targets)
-    shapes = [
-        default_tiles("bf16x3"),
-        TritonTiles(block_n=128, block_v=256, block_k=64, num_stages=3, k_chunk=64),
-        TritonTiles(block_n=128, block_v=256, block_k=64, num_stages=3, k_chunk=128),
-        TritonTiles(block_n=128, block_v=256, block_k=64, num_stages=3, k_chunk=256),
-        TritonTiles(block_n=128, block_v=256, block_k=64, num_stages=3, k_chunk=0),
+    weight32 = x.weight.float()
+    x3 = default_tiles("bf16x3")
+    cases = [  # (label, hidden, weight, tiles)
+        ("bf16 head (reference time)", x.hidden, x.weight, default_tiles("bf16")),
+        ("bf16x3 default", x.hidden_fp32, x.weight, x3),
+        ("bf16x3 5 stages", x.hidden_fp32, x.weight, replace(x3, num_stages=5)),
+        ("bf16x3 3 stages", x.hidden_fp32, x.weight, replace(x3, num_stages=3)),
+        ("bf16x3 no group sum", x.hidden_fp32, x.weight, replace(x3, fresh_per_group=1)),
+        (
+            "bf16x3 fresh 1 step, group 8",
+            x.hidden_fp32,
+            x.weight,
+            replace(x3, fresh_steps=1, fresh_per_group=8),
+        ),
+        (
+            "bf16x3 fresh 4 steps, group 2",
+            x.hidden_fp32,
+            x.weight,
+            replace(x3, fresh_steps=4, fresh_per_group=2),
+        ),
+        (
+            "bf16x3 fresh 4 steps, no group",
+            x.hidden_fp32,
+            x.weight,
+            replace(x3, fresh_steps=4, fresh_per_group=1),
+        ),
+        (
+            "bf16x3 K 128, 3 stages, group 4",
+            x.hidden_fp32,
+            x.weight,
+            replace(x3, block_k=128, num_stages=3, fresh_steps=1),
+        ),
+        ("bf16x3 64 x 256", x.hidden_fp32, x.weight, replace(x3, block_n=64, block_v=256)),
+        ("bf16x1 default (bf16 hidden)", x.hidden, x.weight, default_tiles("bf16x1")),
+        (
+            "bf16x1 fresh 1 step",
+            x.hidden,
+            x.weight,
+            replace(default_tiles("bf16x1"), fresh_steps=1, fresh_per_group=8),
+        ),
+        ("tf32x3 default (fp32 W)", x.hidden_fp32, weight32, default_tiles("tf32x3")),
     ]
+    local = torch.where(x.targets == IGNORE, -1, x.targets)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    references = {}
     rows = []
-    for tiles in shapes:
+    for label, hidden, weight, tiles in cases:
+        head_dtype = "bf16" if label.startswith("bf16 head") else "fp32"
+        key = (hidden.dtype, weight.dtype, head_dtype)
+        if key not in references:  # fp64 logits of exactly the operands this head multiplies
+            h64 = (hidden[:n_check].bfloat16() if head_dtype == "bf16" else hidden[:n_check]).double()
+            log_p = torch.log_softmax(h64 @ weight.double().T, dim=1)  # (n_check, V) fp64
+            sampled = torch.multinomial(log_p.exp(), 1, generator=gen)[:, 0]
+            uniform = torch.randint(0, weight.shape[0], (n_check,), device="cuda", generator=gen)
+            references[key] = {
+                kind: (t, log_p.gather(1, t[:, None])[:, 0], -(log_p.exp() * log_p).sum(1))
+                for kind, t in (("sampled", sampled), ("uniform", uniform))
+            }
+            del log_p
 
-        def run(tiles: TritonTiles = tiles) -> tuple:
+        def run(hidden=hidden, weight=weight, tiles=tiles, head_dtype=head_dtype) -> tuple:
             partials = lm_head_partials(
-                x.hidden_fp32, x.weight, local, temperature=1.0, head_dtype="fp32", tiles=tiles
+                hidden, weight, local, temperature=1.0, head_dtype=head_dtype, tiles=tiles
             )
             return finish_partials(merge_partials(partials))
 
         try:
-            check = lm_head_partials(
-                hidden_check, x.weight, targets.cuda(), temperature=1.0, head_dtype="fp32", tiles=tiles
-            )
-            logprobs, entropy, _ = finish_partials(merge_partials(check))
-            errors = {
-                "max_err_logprobs": float((logprobs.cpu().double() - want_logprobs).abs().max()),
-                "max_err_entropy": float((entropy.cpu().double() - want_entropy).abs().max()),
-            }
-            rows.append({"tiles": tiles.__dict__, **errors, **measure(run)})
+            errors = {}
+            for kind, (targets, want_logprobs, want_entropy) in references[key].items():
+                check = lm_head_partials(
+                    hidden[:n_check], weight, targets, temperature=1.0, head_dtype=head_dtype, tiles=tiles
+                )
+                logprobs, entropy, _ = finish_partials(merge_partials(check))
+                errors[f"max_err_logprobs_{kind}"] = float((logprobs.double() - want_logprobs).abs().max())
+                errors[f"mean_err_logprobs_{kind}"] = float((logprobs.double() - want_logprobs).abs().mean())
+                errors[f"max_err_entropy_{kind}"] = float((entropy.double() - want_entropy).abs().max())
+            rows.append({"label": label, "tiles": tiles.__dict__, **errors, **measure(run)})
         except Exception as err:  # a launch shape that does not compile or fit is reported, not fatal
-            rows.append({"tiles": tiles.__dict__, "status": f"{type(err).__name__}: {str(err)[:200]}"})
+            rows.append(
+                {"label": label, "tiles": tiles.__dict__, "status": f"{type(err).__name__}: {str(err)[:200]}"}
+            )
+        if "ms" in rows[-1] and "ms" in rows[0]:
+            rows[-1]["x_bf16_head"] = rows[-1]["ms"] / rows[0]["ms"]
         print(rows[-1], flush=True)
     return rows
 
@@ -239,7 +286,9 @@ def main() -> None:
         "--sweep", action="store_true", help="also sweep Triton launch shapes at the first size"
     )
     parser.add_argument(
-        "--sweep-fp32", action="store_true", help="also sweep the fp32 head's k_chunk at the first size"
+        "--sweep-fp32",
+        action="store_true",
+        help="also sweep the fp32 head's launch shapes and accumulation at the first size",
     )
     parser.add_argument("--json", default=None, help="write all results to this file")
     args = parser.parse_args()

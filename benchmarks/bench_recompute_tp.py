@@ -53,6 +53,9 @@ class SyntheticSource(TensorSource):
     def is_fp32(self, name: str) -> bool:
         return False
 
+    def dtype(self, name: str) -> torch.dtype:
+        return torch.bfloat16
+
     def read(self, name: str, part: TensorSlice | None) -> torch.Tensor:
         shape = self._shapes[name]
         if "norm" in name:

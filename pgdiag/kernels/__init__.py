@@ -40,8 +40,8 @@ class TokenLogprobs:
     logprobs (N,) fp32: log p(target) under the tempered distribution; 0.0 where the target is ignored.
     entropy (N,) fp32: entropy in nats of the tempered distribution.
     impl: the implementation that ran ("torch" or "triton"); head_dtype: "bf16" or "fp32";
-    head_mode: the head arithmetic that ran ("bf16", "bf16x3", "fp16x3", "tf32x3" for
-    triton; "bf16"/"fp32" for torch).
+    head_mode: the head arithmetic that ran ("bf16", "bf16x3", "fp16x3", "bf16x1", "fp16x1",
+    "tf32x3" for triton; "bf16"/"fp32" for torch).
     """
 
     logprobs: torch.Tensor

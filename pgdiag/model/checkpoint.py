@@ -41,10 +41,13 @@ _CONVERTER_HINT = (
 )
 
 
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
 class TensorSource:
     """Named tensors readable one slice at a time: safetensors files (lazy) or in-memory tensors.
 
-    The loader only calls `names`, `shape`, `is_fp32` and `read`; a subclass overriding those four can feed
+    The loader only calls `names`, `shape`, `is_fp32`, `dtype` and `read`; a subclass overriding those can feed
     weights from anywhere (benchmarks/bench_recompute_tp.py generates each rank's slice on the fly).
     """
 
@@ -82,6 +85,12 @@ class TensorSource:
         if name in self._tensors:
             return self._tensors[name].dtype == torch.float32
         return self._slice(name).get_dtype() == "F32"
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of `name` (safetensors names mapped to torch dtypes; float32 when unknown)."""
+        if name in self._tensors:
+            return self._tensors[name].dtype
+        return _SAFETENSORS_DTYPES.get(self._slice(name).get_dtype(), torch.float32)
 
     def read(self, name: str, part: TensorSlice | None) -> Tensor:
         """The whole tensor, or rows/columns `part.start:part.stop` along `part.dim`, without reading the rest."""
@@ -268,15 +277,25 @@ def load_from_source(
         _assign(model, name, source.read(name, part).to(device=device, dtype=body))
     head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     head_part = TensorSlice(0, layout.vocab_start, layout.vocab_end)
-    if config.tie_word_embeddings and layout.tp_size == 1 and head == body:
+    head_store = _head_storage_dtype(head, source.is_fp32(head_name), source.dtype(head_name))
+    if config.tie_word_embeddings and layout.tp_size == 1 and head_store == body:
         head_weight = model.model.embed_tokens.weight.data  # the same rows in the same dtype: share, not copy
     else:
-        head_weight = source.read(head_name, head_part).to(device=device, dtype=head)
+        head_weight = source.read(head_name, head_part).to(device=device, dtype=head_store)
     _assign(model, "lm_head.weight", head_weight)
     inv_freq, _ = rope_inv_freq(config.rope, config.head_dim)
     model.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
     model.load_warnings = tuple(_warnings(config, source, layout, where, rounded, dtype))
     return model.eval()
+
+
+def _head_storage_dtype(head: torch.dtype, stored_fp32: bool, stored: torch.dtype) -> torch.dtype:
+    """The dtype the LM head is kept in: `head`, except that an fp32 head of a 16-bit checkpoint keeps its
+    16-bit values (exact; the kernel's fp32 head upcasts them, `kernels.lm_head_logprobs_triton.head_mode_for`),
+    which halves its memory and lets the kernel multiply 16-bit W tiles instead of tf32x3 on an fp32 copy."""
+    if head == torch.float32 and not stored_fp32 and stored in (torch.bfloat16, torch.float16):
+        return stored
+    return head
 
 
 def _body_parameters(model: CausalLM) -> list[tuple[str, torch.nn.Parameter]]:

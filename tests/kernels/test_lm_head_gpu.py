@@ -21,7 +21,8 @@ import torch
 from lm_head_cases import IGNORE, fp64_reference, logits_reference, make_case, sample_targets, worst_mismatch
 
 from pgdiag.kernels import lm_head_logprobs
-from pgdiag.kernels.lm_head_logprobs_triton import TritonTiles, default_tiles, head_mode_for, lm_head_partials
+from pgdiag.kernels.lm_head_logprobs_triton import default_tiles, head_mode_for, lm_head_partials
+from pgdiag.kernels.triton_shared import TritonTiles
 from pgdiag.kernels.vocab_parallel import finish_partials, merge_partials
 
 pytestmark = [
@@ -87,7 +88,7 @@ def test_bf16_head_vs_fp64(qwen_sized: dict, impl: str, temperature: float) -> N
     [
         ("hidden", "bf16w", "fp32_bf16w", "bf16x3"),
         ("hidden", "fp32w", "fp32_fp32w", "tf32x3"),
-        ("hidden_bf16", "bf16w", "bf16", "bf16x3"),
+        ("hidden_bf16", "bf16w", "bf16", "bf16x1"),
     ],
 )
 @pytest.mark.parametrize("temperature", [1.0, 0.7], ids=lambda t: f"tau={t}")
@@ -96,27 +97,23 @@ def test_fp32_head_vs_fp64(
 ) -> None:
     weight = qwen_sized["weight_bf16"] if weights == "bf16w" else qwen_sized["weight"]
     hidden = qwen_sized[hidden_key]
-    targets = qwen_sized["sampled"][temperature]
-    want = logits_reference(qwen_sized[f"logits_{logits_key}"], targets, temperature)
     kwargs = {"temperature": temperature, "head_dtype": "fp32"}
-    out = lm_head_logprobs(hidden, weight, targets.cuda(), impl="triton", **kwargs)
-    torch_fp32 = lm_head_logprobs(hidden, weight, targets.cuda(), impl="torch", **kwargs)
-    assert (out.impl, out.head_mode, torch_fp32.head_mode) == ("triton", mode, "fp32")
-    label = f"fp32 head {mode} tau={temperature} sampled"
-    torch_errors = [
-        float((got.cpu().double() - ref).abs().max())
-        for got, ref in ((torch_fp32.logprobs, want[0]), (torch_fp32.entropy, want[1]))
-    ]
-    print(
-        f"torch fp32 matmul tau={temperature}: max logprobs {torch_errors[0]:.3g} entropy {torch_errors[1]:.3g}"
-    )
-    problems = _problems(out, want, 2.5e-5, 3e-6, label)
-    assert not problems, problems
-    kernel_errors = [
-        float((got.cpu().double() - ref).abs().max())
-        for got, ref in ((out.logprobs, want[0]), (out.entropy, want[1]))
-    ]
-    assert kernel_errors[0] <= torch_errors[0] and kernel_errors[1] <= max(torch_errors[1], 1e-5)
+    for kind in ("sampled", "uniform"):
+        targets = qwen_sized["sampled"][temperature] if kind == "sampled" else qwen_sized["uniform"]
+        want = logits_reference(qwen_sized[f"logits_{logits_key}"], targets, temperature)
+        out = lm_head_logprobs(hidden, weight, targets.cuda(), impl="triton", **kwargs)
+        assert (out.impl, out.head_mode) == ("triton", mode)
+        torch_fp32 = lm_head_logprobs(hidden, weight, targets.cuda(), impl="torch", **kwargs)
+        torch_errors = [
+            float((got.cpu().double() - ref).abs().max())
+            for got, ref in ((torch_fp32.logprobs, want[0]), (torch_fp32.entropy, want[1]))
+        ]
+        print(
+            f"torch fp32 matmul tau={temperature} {kind}: max logprobs {torch_errors[0]:.3g} "
+            f"entropy {torch_errors[1]:.3g}"
+        )
+        problems = _problems(out, want, 1e-5, 2e-6, f"fp32 head {mode} tau={temperature} {kind}")
+        assert not problems, problems
 
 
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])

@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pgdiag.kernels.lm_head_logprobs_triton import choose_n_splits, head_mode_for
+from pgdiag.kernels.lm_head_logprobs_triton import head_mode_for
+from pgdiag.kernels.triton_shared import choose_n_splits
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,7 +42,21 @@ def test_head_modes() -> None:
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     assert head_mode_for("bf16", bf16, f32) == "bf16"
     assert head_mode_for("fp32", bf16, f32) == "bf16x3"
-    assert head_mode_for("fp32", bf16, bf16) == "bf16x3"
+    assert head_mode_for("fp32", bf16, bf16) == "bf16x1"
+    assert head_mode_for("fp32", bf16, f16) == "bf16x3"
     assert head_mode_for("fp32", f16, f32) == "fp16x3"
-    assert head_mode_for("fp32", f16, f16) == "fp16x3"
+    assert head_mode_for("fp32", f16, f16) == "fp16x1"
     assert head_mode_for("fp32", f32, bf16) == "tf32x3"
+
+
+def test_pieces_chunk_splits_tokens_evenly_within_the_budget() -> None:
+    from pgdiag.kernels.fp32_head_triton import PIECES_BUDGET_BYTES, pieces_chunk
+
+    assert PIECES_BUDGET_BYTES == 384 << 20
+    # 384 MiB / (6 B x 4096) = 16384 tokens: one launch at 16k, four equal ones at 64k
+    assert pieces_chunk(16384, 4096, 128) == 16384
+    assert pieces_chunk(65536, 4096, 128) == 16384
+    assert pieces_chunk(65536, 8192, 128) == 8192
+    # 20000 tokens -> 2 chunks of 10112 (79 token blocks) rather than 16384 + 3616
+    assert pieces_chunk(20000, 4096, 128) == 10112
+    assert pieces_chunk(100, 4096, 128) == 128  # never below one token block

@@ -14,8 +14,9 @@ import torch
 import triton
 from lm_head_cases import IGNORE, fp64_reference, make_case, worst_mismatch
 
-from pgdiag.kernels import lm_head_logprobs
-from pgdiag.kernels.lm_head_logprobs_triton import TritonTiles, head_mode_for, lm_head_partials
+from pgdiag.kernels import fp32_head_triton, lm_head_logprobs
+from pgdiag.kernels.lm_head_logprobs_triton import head_mode_for, lm_head_partials
+from pgdiag.kernels.triton_shared import TritonTiles
 from pgdiag.kernels.vocab_parallel import finish_partials, merge_partials
 
 SMALL_TILES = TritonTiles(block_n=16, block_v=16, block_k=16, num_warps=4, num_stages=1)
@@ -27,16 +28,16 @@ def test_interpreter_is_on() -> None:
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7], ids=lambda t: f"tau={t}")
 @pytest.mark.parametrize(
-    ("dtype", "head_dtype", "mode"),
+    ("hidden_dtype", "weight_dtype", "head_dtype", "mode"),
     [
-        (torch.float16, "bf16", "bf16"),
-        (torch.float16, "fp32", "fp16x3"),
-        (torch.float16, "fp32", "fp16x3"),
-        (torch.float32, "fp32", "tf32x3"),
+        (torch.float16, torch.float16, "bf16", "bf16"),
+        (torch.float32, torch.float16, "fp32", "fp16x3"),
+        (torch.float16, torch.float16, "fp32", "fp16x1"),
+        (torch.float32, torch.float32, "fp32", "tf32x3"),
     ],
     ids=["fp16_plain", "fp16_split3", "fp16_exact_hidden", "fp32_tf32x3"],
 )
-@pytest.mark.parametrize("k_chunk", [0, 16, 32], ids=lambda c: f"k_chunk={c}")
+@pytest.mark.parametrize(("fresh_steps", "fresh_per_group"), [(1, 1), (1, 2), (2, 2)], ids=lambda v: str(v))
 @pytest.mark.parametrize(
     ("n_tokens", "hidden_size", "vocab", "n_splits"),
     [(1, 16, 5, 0), (37, 40, 131, 3), (20, 32, 80, 2)],
@@ -47,18 +48,24 @@ def test_triton_matches_fp64(
     hidden_size: int,
     vocab: int,
     n_splits: int,
-    k_chunk: int,
-    dtype: torch.dtype,
+    fresh_steps: int,
+    fresh_per_group: int,
+    hidden_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
     head_dtype: str,
     mode: str,
     temperature: float,
 ) -> None:
-    hidden_dtype = torch.float32 if mode in ("fp16x3", "tf32x3") else dtype
     case = make_case(
-        n_tokens, hidden_size, vocab, seed=vocab + n_tokens, hidden_dtype=hidden_dtype, weight_dtype=dtype
+        n_tokens,
+        hidden_size,
+        vocab,
+        seed=vocab + n_tokens,
+        hidden_dtype=hidden_dtype,
+        weight_dtype=weight_dtype,
     )
     local = torch.where(case.targets == IGNORE, -1, case.targets)
-    tiles = replace(SMALL_TILES, n_splits=n_splits, k_chunk=k_chunk)
+    tiles = replace(SMALL_TILES, n_splits=n_splits, fresh_steps=fresh_steps, fresh_per_group=fresh_per_group)
     partials = lm_head_partials(
         case.hidden, case.weight, local, temperature=temperature, head_dtype=head_dtype, tiles=tiles
     )
@@ -73,6 +80,36 @@ def test_triton_matches_fp64(
     assert not any(problems), problems
 
 
+def test_fp32_head_in_token_chunks_equals_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pieces budget of one token block per chunk (37 tokens -> 3 launches) gives the same partials."""
+    case = make_case(37, 40, 131, seed=11, weight_dtype=torch.float16)
+    local = torch.where(case.targets == IGNORE, -1, case.targets)
+    tiles = replace(SMALL_TILES, n_splits=2)
+    whole = lm_head_partials(case.hidden, case.weight, local, temperature=0.7, head_dtype="fp32", tiles=tiles)
+    monkeypatch.setattr(fp32_head_triton, "PIECES_BUDGET_BYTES", 6 * 40 * 16)
+    chunked = lm_head_partials(
+        case.hidden, case.weight, local, temperature=0.7, head_dtype="fp32", tiles=tiles
+    )
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("low_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_split_hidden_parts_sum_to_the_hidden_state(low_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(37, 40, generator=gen) * torch.logspace(-3, 3, 40)  # (37, 40), six decades
+    scale = fp32_head_triton.fp16_scale(hidden) if low_dtype == torch.float16 else 1.0
+    parts = fp32_head_triton.split_hidden(hidden, low_dtype, scale)  # (3 * 37, 40)
+    assert parts.dtype == low_dtype and parts.shape == (3 * 37, 40)
+    hi, mid, lo = parts.double().split(37)
+    error = ((hi + mid + lo) / scale - hidden.double()).abs()
+    if low_dtype == torch.bfloat16:  # 3 x 8 bits hold the 24 bits of an fp32 number exactly
+        assert float(error.max()) == 0.0
+    else:  # scaled to max |h| ~ 2^14: absolute error at most 2^-38 max |h|
+        assert float(error.max()) <= 2.0**-38 * float(hidden.abs().max())
+        assert 2.0**13 <= float(hidden.abs().max()) * scale < 2.0**14
+    assert bool((mid.abs() <= hi.abs() * 2.0**-7).all()) and bool((lo.abs() <= mid.abs() * 2.0**-7).all())
+
+
 def test_public_api_runs_the_kernel_and_reports_it() -> None:
     case = make_case(12, 32, 300, seed=4, weight_dtype=torch.float16)
     out = lm_head_logprobs(case.hidden, case.weight, case.targets, impl="triton", head_dtype="fp32")
@@ -85,6 +122,6 @@ def test_public_api_runs_the_kernel_and_reports_it() -> None:
     exact_ref = lm_head_logprobs(
         case.hidden.half(), case.weight, case.targets, impl="torch", head_dtype="fp32"
     )
-    assert exact.head_mode == "fp16x3"
+    assert exact.head_mode == "fp16x1"
     torch.testing.assert_close(exact.logprobs, exact_ref.logprobs, rtol=0, atol=2e-5)
     torch.testing.assert_close(exact.entropy, exact_ref.entropy, rtol=0, atol=2e-5)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hf_tiny import packed_inputs, save_hf_model
 
+from pgdiag.kernels import lm_head_logprobs
 from pgdiag.model import load_model
 
 LENGTHS = [13, 7, 1, 10]  # packed documents, one of length 1
@@ -137,6 +138,28 @@ def test_tied_head_shares_the_embedding_when_dtypes_match(tmp_path: Path) -> Non
     separate = load_model(tmp_path, dtype="bf16", head_dtype="fp32")
     assert separate.lm_head_weight.dtype == torch.float32
     assert torch.equal(separate.lm_head_weight, shared.lm_head_weight)  # read from the file, not from bf16
+
+
+def test_fp32_head_of_a_bf16_checkpoint_keeps_the_stored_values(tmp_path: Path) -> None:
+    """head_dtype fp32 on a bf16 export: the head stays bf16 (exact values; the kernel upcasts them), is shared
+    with a tied bf16 embedding, and the fp32-head logprobs equal fp64 math on the upcast weights."""
+    hf = save_hf_model(tmp_path / "src", "Qwen3ForCausalLM", tie_word_embeddings=True)
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    model = load_model(tmp_path / "bf16", dtype="bf16", head_dtype="fp32")
+    assert model.lm_head_weight.dtype == torch.bfloat16
+    assert model.lm_head_weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    fp32_body = load_model(tmp_path / "bf16", dtype="fp32", head_dtype="fp32")
+    assert fp32_body.lm_head_weight.dtype == torch.bfloat16
+    assert torch.equal(fp32_body.lm_head_weight.float(), model.lm_head_weight.float())
+    ids, pos, cu = packed_inputs(LENGTHS, 251)
+    hidden = fp32_body.hidden_states(ids, pos, cu)  # (T, H) fp32
+    targets = torch.randint(0, 251, (hidden.shape[0],), generator=torch.Generator().manual_seed(0))
+    out = lm_head_logprobs(hidden, fp32_body.lm_head_weight, targets, head_dtype="fp32", impl="torch")
+    want = (hidden.double() @ fp32_body.lm_head_weight.double().T).log_softmax(-1)
+    assert out.head_mode == "fp32"
+    torch.testing.assert_close(
+        out.logprobs.double(), want.gather(1, targets[:, None])[:, 0], rtol=0, atol=2e-6
+    )
 
 
 def test_fp32_export_in_bf16_body_warns_and_stays_close(tmp_path: Path) -> None:

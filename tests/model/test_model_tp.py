@@ -46,6 +46,7 @@ def worker(rank: int, world: int, port: int, paths: list[str], out: str) -> None
     torch.set_num_threads(1)
     try:
         torch.save([local_logits(Path(p), dist.group.WORLD) for p in paths], f"{out}.{rank}")
+        dist.barrier()  # no rank tears gloo down while another still talks to it (a rare SIGABRT otherwise)
     finally:
         dist.destroy_process_group()
 

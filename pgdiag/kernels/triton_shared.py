@@ -1,0 +1,249 @@
+"""Pieces shared by pgdiag's two Triton LM-head kernels (bf16 head, fp32 head): launch shape, program
+numbering, tile loads, the online-softmax fold of a logits tile, and the store of the per-token partials.
+
+Both kernels compute the same (S, 4, N) fp32 partials (max, sum of exponentials, centred weighted sum,
+target logit per token and vocab split; see `vocab_parallel`); they differ only in how a (BLOCK_N, BLOCK_V)
+tile of raw logits ``H[block] @ W[tile].T`` is accumulated over the hidden dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# a padded column's logit: exp() underflows to 0 and 0 * (z - m) stays 0 (no inf * 0)
+MASKED_LOGIT = tl.constexpr(-1.0e30)
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class TritonTiles:
+    """Launch shape of a partials kernel. `n_splits` 0: see `choose_n_splits`.
+
+    fp32 head only (see `fp32_head_triton`): `fresh_steps` K steps are summed by the tensor cores into one
+    fresh accumulator, and `fresh_per_group` such sums into a group sum before it joins the tile's sum.
+    """
+
+    block_n: int = 256
+    block_v: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    programs_per_sm: int = 1
+    n_splits: int = 0
+    use_tma: bool = True  # load tiles through host-side TMA descriptors where the strides allow it
+    fresh_steps: int = 1
+    fresh_per_group: int = 8
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How the vocab tiles of a shard are dealt to programs: `n_splits` splits of `tiles_per_split` tiles;
+    `group_blocks` token blocks share their W panels in L2 (see `program_tile`)."""
+
+    n_splits: int
+    tiles_per_split: int
+    group_blocks: int
+
+
+def choose_n_splits(n_token_blocks: int, n_vocab_tiles: int, n_slots: int) -> int:
+    """Vocab splits that make the programs fill whole waves of `n_slots` concurrent programs.
+
+    Cost model: a wave costs as long as one program, ``tiles_per_split + 0.25`` tile times (the 0.25 covers a
+    program's start and its partials store); total = waves x that. Ties go to fewer splits.
+    Example: 128 token blocks x 594 vocab tiles on 132 SMs: 1 split -> 1 wave of 594.25; 33 splits of 18
+    tiles -> 32 waves of 18.25 = 584 (the floor is 128 x 594 / 132 = 576).
+    """
+    best_splits, best_cost = 1, float("inf")
+    for wanted in range(1, min(n_vocab_tiles, MAX_SPLITS) + 1):
+        tiles_per_split = triton.cdiv(n_vocab_tiles, wanted)
+        n_splits = triton.cdiv(n_vocab_tiles, tiles_per_split)
+        waves = triton.cdiv(n_token_blocks * n_splits, n_slots)
+        cost = waves * (tiles_per_split + 0.25)
+        if cost < best_cost - 1e-9:
+            best_splits, best_cost = n_splits, cost
+    return best_splits
+
+
+def plan_splits(n_tokens: int, vocab_local: int, tiles: TritonTiles, device: torch.device) -> SplitPlan:
+    """The split plan for `n_tokens` tokens over a shard of `vocab_local` rows on `device`."""
+    n_token_blocks = triton.cdiv(n_tokens, tiles.block_n)
+    n_vocab_tiles = triton.cdiv(vocab_local, tiles.block_v)
+    n_slots = sm_count(device) * tiles.programs_per_sm
+    if tiles.n_splits > 0:
+        wanted = min(tiles.n_splits, n_vocab_tiles)
+    else:
+        wanted = choose_n_splits(n_token_blocks, n_vocab_tiles, n_slots)
+    tiles_per_split = triton.cdiv(n_vocab_tiles, wanted)
+    n_splits = triton.cdiv(n_vocab_tiles, tiles_per_split)  # every split holds at least one real column
+    return SplitPlan(n_splits, tiles_per_split, max(1, n_slots // n_splits))
+
+
+def tma_ready(tensor: torch.Tensor) -> bool:
+    """True when `tensor` (2-D, rows contiguous) meets TMA's rules: on a GPU, 16-byte aligned base and rows."""
+    return (
+        tensor.is_cuda
+        and tensor.data_ptr() % 16 == 0
+        and (tensor.stride(0) * tensor.element_size()) % 16 == 0
+        and torch.cuda.get_device_capability(tensor.device)[0] >= 9
+    )
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of `device` (1 on the CPU, where only the Triton interpreter runs these kernels)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit
+def program_tile(n_tokens, n_splits, group_blocks, BLOCK_N: tl.constexpr):
+    """(token_block, split) of this program. Programs are numbered in groups of `group_blocks` token blocks x
+    all splits, so that the ~#SM programs running at once share a few H panels and all W panels in L2."""
+    pid = tl.program_id(0)
+    n_token_blocks = tl.cdiv(n_tokens, BLOCK_N)
+    programs_per_group = group_blocks * n_splits
+    first_block = (pid // programs_per_group) * group_blocks
+    blocks_here = tl.minimum(n_token_blocks - first_block, group_blocks)
+    in_group = pid % programs_per_group
+    return first_block + in_group % blocks_here, in_group // blocks_here
+
+
+@triton.jit
+def load_tiles(
+    hidden,
+    weight,
+    h_row,
+    safe_rows,
+    v_start,
+    safe_v,
+    k_start,
+    offs_k,
+    hidden_size,
+    stride_hidden,
+    stride_weight,
+    USE_TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """The (BLOCK_N, BLOCK_K) hidden tile at row `h_row` (TMA) or rows `safe_rows` (pointers) and the
+    (BLOCK_K, BLOCK_V) W^T tile of vocab rows from `v_start` (TMA) or `safe_v` (pointers), at column `k_start`."""
+    if USE_TMA:  # out-of-bounds rows/columns arrive as zeros
+        h = hidden.load([h_row, k_start])
+        w = weight.load([v_start, k_start]).T
+    else:
+        h_ptrs = hidden + safe_rows[:, None] * stride_hidden + (k_start + offs_k)[None, :]
+        w_ptrs = weight + safe_v[None, :] * stride_weight + (k_start + offs_k)[:, None]
+        if EVEN_K:
+            h = tl.load(h_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = (k_start + offs_k) < hidden_size
+            h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+    return h, w
+
+
+@triton.jit
+def fold_tile(
+    acc,
+    run_max,
+    run_sumexp,
+    run_centred,
+    target_raw,
+    tile_targets,
+    v_start,
+    vocab_local,
+    exp2_scale,
+    BLOCK_V: tl.constexpr,
+    MASK_COLS: tl.constexpr,
+):
+    """Fold one (BLOCK_N, BLOCK_V) tile of raw accumulators into the running statistics.
+
+    Everything is kept in raw accumulator units (z = acc / temperature, temperature > 0, so the max commutes);
+    exp2_scale = log2(e) / temperature turns ``acc - max`` into the exponent. Per element: one max, one
+    subtract, one multiply + ex2, one add and one FMA. The target is picked only in tiles that hold one.
+    """
+    cols = tl.arange(0, BLOCK_V)
+    if MASK_COLS:  # only the last tile of the shard has padded columns
+        acc = tl.where((v_start + cols)[None, :] < vocab_local, acc, MASKED_LOGIT)
+    new_max = tl.maximum(run_max, tl.max(acc, axis=1))
+    centred = acc - new_max[:, None]  # (BLOCK_N, BLOCK_V), <= 0
+    p = tl.math.exp2(centred * exp2_scale)
+    rescale = tl.math.exp2((run_max - new_max) * exp2_scale)
+    run_centred = rescale * (run_centred + (run_max - new_max) * run_sumexp) + tl.sum(p * centred, axis=1)
+    run_sumexp = rescale * run_sumexp + tl.sum(p, axis=1)
+    in_tile = tile_targets - v_start  # (BLOCK_N,) int32, the target's column in this tile
+    if tl.max(((in_tile >= 0) & (in_tile < BLOCK_V)).to(tl.int32), axis=0) > 0:
+        picked = tl.max(tl.where(cols[None, :] == in_tile[:, None], acc, float("-inf")), axis=1)
+        target_raw = tl.maximum(target_raw, picked)
+    return new_max, run_sumexp, run_centred, target_raw
+
+
+@triton.jit
+def fold_any_tile(
+    acc,
+    run_max,
+    run_sumexp,
+    run_centred,
+    target_raw,
+    tile_targets,
+    v_start,
+    vocab_local,
+    exp2_scale,
+    BLOCK_V: tl.constexpr,
+):
+    """`fold_tile`, masking the padded columns only in the shard's last (ragged) tile."""
+    if v_start + BLOCK_V > vocab_local:
+        run_max, run_sumexp, run_centred, target_raw = fold_tile(
+            acc,
+            run_max,
+            run_sumexp,
+            run_centred,
+            target_raw,
+            tile_targets,
+            v_start,
+            vocab_local,
+            exp2_scale,
+            BLOCK_V,
+            True,
+        )
+    else:
+        run_max, run_sumexp, run_centred, target_raw = fold_tile(
+            acc,
+            run_max,
+            run_sumexp,
+            run_centred,
+            target_raw,
+            tile_targets,
+            v_start,
+            vocab_local,
+            exp2_scale,
+            BLOCK_V,
+            False,
+        )
+    return run_max, run_sumexp, run_centred, target_raw
+
+
+@triton.jit
+def store_partials(
+    partials_ptr,
+    split,
+    offs_n,
+    row_ok,
+    stride_split,
+    stride_stat,
+    run_max,
+    run_sumexp,
+    run_centred,
+    target_raw,
+    inv_temperature,
+):
+    """Store this split's partials, converted from accumulator units to z = acc / temperature."""
+    out = partials_ptr + split * stride_split + offs_n
+    tl.store(out, run_max * inv_temperature, mask=row_ok)
+    tl.store(out + stride_stat, run_sumexp, mask=row_ok)
+    tl.store(out + 2 * stride_stat, run_centred * inv_temperature, mask=row_ok)
+    tl.store(out + 3 * stride_stat, target_raw * inv_temperature, mask=row_ok)
