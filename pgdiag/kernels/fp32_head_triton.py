@@ -75,19 +75,20 @@ def _split_hidden_kernel(
     tl.store(parts_ptr + 2 * n_elements + offs, lo, mask=ok)
 
 
-def split_hidden(hidden: torch.Tensor, low_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """(3 * C, d) `low_dtype` parts of ``scale * hidden`` (fp32 (C, d)): rows [0, C) hi, [C, 2C) mid, [2C, 3C) lo.
+def split_hidden(hidden: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Write the three pieces of ``scale * hidden`` (fp32 (C, d)) into `out` (>= 3C rows, 16-bit): rows [0, C)
+    hi, [C, 2C) mid, [2C, 3C) lo; returns the (3C, d) view that holds them.
 
-    bf16 parts hold all 24 bits of an fp32 number (hi + mid + lo == scale * hidden exactly); fp16 parts keep
+    bf16 pieces hold all 24 bits of an fp32 number (hi + mid + lo == scale * hidden exactly); fp16 pieces keep
     ~33 bits but can underflow, which `fp16_scale` makes harmless (absolute error <= 2^-38 max |hidden|).
     """
     chunk, hidden_size = hidden.shape
-    parts = torch.empty(3 * chunk, hidden_size, dtype=low_dtype, device=hidden.device)
+    pieces = out[: 3 * chunk]
     n_elements = chunk * hidden_size
     _split_hidden_kernel[(triton.cdiv(n_elements, SPLIT_BLOCK),)](
-        hidden.contiguous(), parts, n_elements, scale, BLOCK=SPLIT_BLOCK
+        hidden.contiguous(), pieces, n_elements, scale, BLOCK=SPLIT_BLOCK
     )
-    return parts
+    return pieces
 
 
 def pieces_chunk(n_tokens: int, hidden_size: int, block_n: int) -> int:
@@ -248,9 +249,15 @@ def fp32_head_partials(
         hidden = hidden.to(weight.dtype).contiguous()  # "x1": already W's dtype; "tf32x3": fp32
     plan = plan_splits(chunk, weight.shape[0], tiles, hidden.device)
     partials = torch.empty(plan.n_splits, PARTIAL_ROWS, n_tokens, dtype=torch.float32, device=hidden.device)
+    # one pieces buffer for all chunks: launches on one stream run in order, so reuse is safe
+    buffer = (
+        torch.empty(3 * chunk, hidden_size, dtype=weight.dtype, device=hidden.device)
+        if n_pieces == 3
+        else None
+    )
     for start in range(0, n_tokens, chunk):
         stop = min(start + chunk, n_tokens)
-        operand = split_hidden(hidden[start:stop], weight.dtype, scale) if n_pieces == 3 else hidden
+        operand = split_hidden(hidden[start:stop], buffer, scale) if buffer is not None else hidden
         _launch(
             operand,
             weight,

@@ -7,9 +7,10 @@ test, as in RL rollouts; targets drawn uniformly from the vocabulary (|logprob| 
 only, because the tensor cores' truncating accumulation biases logits by ~5e-6 relative (cuBLAS included),
 ~2e-4 nats at logprob -45 (measured: mean 1.0e-4 to 1.4e-4 for cuBLAS and the kernel alike).
 
-fp32 head: measured max 1.1e-5 to 1.9e-5 (H100, 2026-11-21), above the 1e-5 target and 4-5x below the
-error of torch's own fp32 matmul on the same inputs (6.5e-5 to 9.2e-5). The test asserts what holds: at
-most 2.5e-5, and no worse than torch fp32. Every test prints its measured errors (pytest -rP).
+fp32 head (bf16x3, bf16x1, tf32x3): max <= 1e-5 and mean <= 1e-6 on sampled targets; on uniform targets the
+short tensor-core chains leave a small truncation bias, so max <= 1.5e-5 and mean <= 4e-6 (measured on an H100,
+2026-11-21: sampled max 2.9e-6 to 8.4e-6; uniform max 7.9e-6 to 1.35e-5, mean 2.4e-6 to 3.3e-6; torch's own fp32
+matmul on the same inputs: 4e-5 to 1.2e-4). Every test prints its measured errors (pytest -rP).
 """
 
 from __future__ import annotations
@@ -112,7 +113,10 @@ def test_fp32_head_vs_fp64(
             f"torch fp32 matmul tau={temperature} {kind}: max logprobs {torch_errors[0]:.3g} "
             f"entropy {torch_errors[1]:.3g}"
         )
-        problems = _problems(out, want, 1e-5, 2e-6, f"fp32 head {mode} tau={temperature} {kind}")
+        # sampled: the target (max 1e-5); uniform targets (logprob ~ -45) also see the truncation bias of the
+        # short tensor-core chains, measured max 0.8e-5 to 1.35e-5 (tf32x3), mean 2.4e-6 to 3.3e-6
+        max_tol, mean_tol = (1e-5, 1e-6) if kind == "sampled" else (1.5e-5, 4e-6)
+        problems = _problems(out, want, max_tol, mean_tol, f"fp32 head {mode} tau={temperature} {kind}")
         assert not problems, problems
 
 

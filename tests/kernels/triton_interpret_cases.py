@@ -98,8 +98,9 @@ def test_split_hidden_parts_sum_to_the_hidden_state(low_dtype: torch.dtype) -> N
     gen = torch.Generator().manual_seed(3)
     hidden = torch.randn(37, 40, generator=gen) * torch.logspace(-3, 3, 40)  # (37, 40), six decades
     scale = fp32_head_triton.fp16_scale(hidden) if low_dtype == torch.float16 else 1.0
-    parts = fp32_head_triton.split_hidden(hidden, low_dtype, scale)  # (3 * 37, 40)
-    assert parts.dtype == low_dtype and parts.shape == (3 * 37, 40)
+    buffer = torch.full((3 * 37 + 5, 40), float("nan"), dtype=low_dtype)
+    parts = fp32_head_triton.split_hidden(hidden, buffer, scale)  # (3 * 37, 40), the buffer's first rows
+    assert parts.dtype == low_dtype and parts.shape == (3 * 37, 40) and parts.data_ptr() == buffer.data_ptr()
     hi, mid, lo = parts.double().split(37)
     error = ((hi + mid + lo) / scale - hidden.double()).abs()
     if low_dtype == torch.bfloat16:  # 3 x 8 bits hold the 24 bits of an fp32 number exactly
