@@ -68,6 +68,8 @@ def lm_head_partials(
     if vocab_local == 0 or n_tokens == 0:
         return empty_partials(n_tokens, hidden.device)
     hidden_op, weight_op = head_operands(hidden, weight, head_dtype)
+    if head_dtype == "fp32":  # a 16-bit head (kept so by the loader) is upcast once, not once per chunk
+        weight_op = weight_op.float()
     chunk = max(1, LOGITS_BUDGET_BYTES // (TEMPORARIES_PER_LOGIT * 4 * vocab_local))
     inv_temperature = 1.0 / temperature
     partials = torch.empty(1, PARTIAL_ROWS, n_tokens, dtype=torch.float32, device=hidden.device)

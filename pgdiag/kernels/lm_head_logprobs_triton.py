@@ -27,7 +27,7 @@ Memory math (why nothing of size N x V exists): the only outputs are the partial
 split: T = 65536 tokens x S = 17 splits -> 17.8 MB, against 65536 x 151936 x 4 B = 39.8 GB for one fp32 logits
 tensor. Inputs are read in tiles; per program the registers hold the (BLOCK_N, BLOCK_V) accumulator (256 x 128
 fp32 = 128 KB over 256 threads) and shared memory holds `num_stages` (BLOCK_N + BLOCK_V) x BLOCK_K input tiles
-(3 x 384 x 64 x 2 B = 144 KB). Peak extra memory measured at T = 65536: 0.02 GiB.
+(3 x 384 x 64 x 2 B = 144 KB). Peak extra memory measured at T = 65536: 0.04 GiB.
 """
 
 from __future__ import annotations
