@@ -130,15 +130,17 @@ def measure(fn: Callable[[], object]) -> dict[str, float | str]:
 
 
 def sweep_tiles(x: Inputs) -> list[dict]:
-    """Time the Triton partials kernel (bf16, tau 1) for a few launch shapes on `x` (the first is the default)."""
+    """Time the Triton partials kernel (bf16, tau 1) for a few launch shapes and split plans on `x` (the first
+    is the default for x's hidden size; "aligned" = L2-aligned groups, see `triton_shared.choose_plan`)."""
     local = torch.where(x.targets == IGNORE, -1, x.targets)
     shapes = [
+        default_tiles("bf16", x.hidden.shape[1]),
+        TritonTiles(aligned_group_blocks=6),
         TritonTiles(),
+        TritonTiles(block_n=128, block_v=256, aligned_group_blocks=12),
         TritonTiles(block_n=128, block_v=256),
-        TritonTiles(block_n=128, block_v=256, use_tma=False),
-        TritonTiles(block_n=128, block_v=256, num_stages=4),
-        TritonTiles(block_n=128, block_v=256, n_splits=8),
-        TritonTiles(block_n=128, block_v=256, n_splits=16),
+        TritonTiles(num_stages=4, aligned_group_blocks=6),
+        TritonTiles(block_n=128, block_v=256, use_tma=False, aligned_group_blocks=12),
         TritonTiles(block_n=128, block_v=128, num_warps=4, num_stages=4, programs_per_sm=2),
     ]
     rows = []
@@ -174,9 +176,10 @@ def sweep_fp32_head(x: Inputs, n_check: int = 256) -> list[dict]:
     for targets sampled from the fp64 distribution (as in rollouts) and for uniform targets (logprob ~ -45).
     """
     weight32 = x.weight.float()
-    x3 = default_tiles("bf16x3")
+    d = x.hidden.shape[1]
+    x3 = default_tiles("bf16x3", d)
     cases = [  # (label, hidden, weight, tiles)
-        ("bf16 head (reference time)", x.hidden, x.weight, default_tiles("bf16")),
+        ("bf16 head (reference time)", x.hidden, x.weight, default_tiles("bf16", d)),
         ("bf16x3 default", x.hidden_fp32, x.weight, x3),
         ("bf16x3 5 stages", x.hidden_fp32, x.weight, replace(x3, num_stages=5)),
         ("bf16x3 3 stages", x.hidden_fp32, x.weight, replace(x3, num_stages=3)),
@@ -206,14 +209,14 @@ def sweep_fp32_head(x: Inputs, n_check: int = 256) -> list[dict]:
             replace(x3, block_k=128, num_stages=3, fresh_steps=1),
         ),
         ("bf16x3 64 x 256", x.hidden_fp32, x.weight, replace(x3, block_n=64, block_v=256)),
-        ("bf16x1 default (bf16 hidden)", x.hidden, x.weight, default_tiles("bf16x1")),
+        ("bf16x1 default (bf16 hidden)", x.hidden, x.weight, default_tiles("bf16x1", d)),
         (
             "bf16x1 fresh 1 step",
             x.hidden,
             x.weight,
-            replace(default_tiles("bf16x1"), fresh_steps=1, fresh_per_group=8),
+            replace(default_tiles("bf16x1", d), fresh_steps=1, fresh_per_group=8),
         ),
-        ("tf32x3 default (fp32 W)", x.hidden_fp32, weight32, default_tiles("tf32x3")),
+        ("tf32x3 default (fp32 W)", x.hidden_fp32, weight32, default_tiles("tf32x3", d)),
     ]
     local = torch.where(x.targets == IGNORE, -1, x.targets)
     gen = torch.Generator(device="cuda").manual_seed(0)

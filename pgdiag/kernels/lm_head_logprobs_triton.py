@@ -13,8 +13,8 @@ the padded columns of the shard's last tile, and folds the tile into running per
 softmax in raw accumulator units with exp2, the entropy sum kept centred on the running max). Temperature acts
 on the fp32 accumulator (pre-scaling bf16 H or W would add ~0.03 nats at |z| ~ 30). The accumulator is
 chained over all of K as in cuBLAS: the tensor cores' truncating adds bias logits by ~5e-6 relative over
-K = 4096, far below the bf16 rounding of the inputs. The split count is chosen to fill whole waves of the GPU
-(`triton_shared.choose_n_splits`).
+K = 4096, far below the bf16 rounding of the inputs. The split count and the order of the programs are chosen
+for L2 reuse and whole waves of the GPU (`triton_shared.choose_plan`).
 
 Head precision (`head_mode`, see `head_mode_for`):
   "bf16"          plain 16-bit dot (bf16 or fp16 operands), this module's kernel.
@@ -24,10 +24,10 @@ Head precision (`head_mode`, see `head_mode_for`):
   The fp32 modes run `fp32_head_triton` (fresh accumulator per K step, fp32 sums).
 
 Memory math (why nothing of size N x V exists): the only outputs are the partials, 16 bytes per token and
-split: T = 65536 tokens x S = 17 splits -> 17.8 MB, against 65536 x 151936 x 4 B = 39.8 GB for one fp32 logits
+split: T = 65536 tokens x S = 44 splits -> 46 MB, against 65536 x 151936 x 4 B = 39.8 GB for one fp32 logits
 tensor. Inputs are read in tiles; per program the registers hold the (BLOCK_N, BLOCK_V) accumulator (256 x 128
-fp32 = 128 KB over 256 threads) and shared memory holds `num_stages` (BLOCK_N + BLOCK_V) x BLOCK_K input tiles
-(3 x 384 x 64 x 2 B = 144 KB). Peak extra memory measured at T = 65536: 0.04 GiB.
+or 128 x 256 fp32 = 128 KB over 256 threads) and shared memory holds `num_stages` (BLOCK_N + BLOCK_V) x BLOCK_K
+input tiles (3 x 384 x 64 x 2 B = 144 KB).
 """
 
 from __future__ import annotations
@@ -64,16 +64,20 @@ def head_mode_for(head_dtype: str, weight_dtype: torch.dtype, hidden_dtype: torc
     return f"{low}x1" if hidden_dtype == weight_dtype else f"{low}x3"
 
 
-def default_tiles(head_mode: str) -> TritonTiles:
-    """Launch shape per head mode, from the H100 sweeps recorded in docs/benchmarks.md.
+def default_tiles(head_mode: str, hidden_size: int) -> TritonTiles:
+    """Launch shape per head mode and hidden size, from the H100 sweeps recorded in docs/benchmarks.md.
 
-    bf16: 256 x 128 tiles, K step 64, TMA loads: 30.4 ms at 16384 x 4096 x 151936, against 31.6 ms for 128 x 256
-    tiles and 34.6 ms for 128 x 256 with pointer loads (cuBLAS alone: 28.3 ms).
+    bf16, d <= 4096: 256 x 128 tiles, K step 64, TMA loads, L2-aligned groups of 6 token blocks (44 splits):
+    1.08-1.09x cuBLAS at T = 16k / 64k, d = 4096 (128 x 256 tiles: 1.10-1.13x). d > 4096: 128 x 256 tiles in
+    groups of 12 token blocks (22 splits): 1.10 / 1.11x at T = 16k / 64k, d = 8192 (256 x 128: 1.14 / 1.18x).
     fp32 modes: 128 x 128 tiles (three fp32 accumulators must fit in the registers), K step 64, 8 K steps per
-    middle sum; tf32x3 takes K steps of 32 (its fp32 tiles are twice as wide in bytes).
+    middle sum; tf32x3 takes K steps of 32 (its fp32 tiles are twice as wide in bytes). Their split count made
+    no difference beyond 1-2 % in the sweep, so they keep the wave-filling plan.
     """
     if head_mode == "bf16":
-        return TritonTiles()
+        if hidden_size > 4096:
+            return TritonTiles(block_n=128, block_v=256, aligned_group_blocks=12)
+        return TritonTiles(aligned_group_blocks=6)
     if head_mode == "tf32x3":
         return TritonTiles(
             block_n=128, block_v=128, block_k=32, num_stages=3, fresh_steps=1, fresh_per_group=8
@@ -186,7 +190,7 @@ def lm_head_partials(
     Same contract as `lm_head_logprobs_ref.lm_head_partials`; `tiles` overrides the launch shape (benchmarks).
     """
     mode = head_mode_for(head_dtype, weight.dtype, hidden.dtype)
-    tiles = tiles or default_tiles(mode)
+    tiles = tiles or default_tiles(mode, hidden.shape[1])
     if hidden.device.type != "cuda" and not triton.knobs.runtime.interpret:
         raise UsageError("E503", f"impl='triton' needs CUDA tensors (got {hidden.device}); use impl='torch'")
     n_tokens, vocab_local = hidden.shape[0], weight.shape[0]

@@ -131,7 +131,7 @@ def test_odd_shapes_and_splits(
     local = torch.where(case.targets == IGNORE, -1, case.targets)
     for head_dtype, hid, tol in (("bf16", case.hidden.bfloat16(), 1e-3), ("fp32", case.hidden, 5e-5)):
         tiles = replace(
-            default_tiles(head_mode_for(head_dtype, weight.dtype, hid.dtype)),
+            default_tiles(head_mode_for(head_dtype, weight.dtype, hid.dtype), hidden_size),
             n_splits=n_splits,
             use_tma=use_tma,
         )
@@ -165,3 +165,40 @@ def test_tma_and_pointer_loads_agree_at_full_size(qwen_sized: dict) -> None:
     ]
     assert float((outs[0][0] - outs[1][0]).abs().max()) <= 1e-5
     assert float((outs[0][1] - outs[1][1]).abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize("hidden_size", [1024, 4608], ids=lambda d: f"d={d}")
+def test_l2_aligned_plan_vs_fp64(hidden_size: int) -> None:
+    """Many token blocks (the L2-aligned split plan, a ragged last group) with both default tile shapes:
+    256 x 128 in groups of 6 at d <= 4096, 128 x 256 in groups of 12 above."""
+    from pgdiag.kernels.triton_shared import plan_splits
+
+    n_tokens, vocab = 30000, 40000  # 235 / 118 token blocks: aligned plans (40 / 20 splits)
+    case = make_case(n_tokens, hidden_size, vocab, seed=3, device="cuda")
+    hidden, weight = case.hidden.bfloat16(), case.weight.bfloat16()
+    tiles = default_tiles("bf16", hidden_size)
+    plan = plan_splits(n_tokens, vocab, tiles, hidden.device)
+    if (
+        torch.cuda.get_device_properties(0).multi_processor_count == 132
+    ):  # H100 SXM / H200: aligned plan taken
+        assert plan.group_blocks == tiles.aligned_group_blocks, plan
+    local = torch.where(case.targets == IGNORE, -1, case.targets)
+    partials = lm_head_partials(hidden, weight, local, temperature=0.7, head_dtype="bf16")
+    assert partials.shape[0] == plan.n_splits
+    logprobs, entropy, _ = finish_partials(merge_partials(partials))
+    want_logprobs, want_entropy = (
+        torch.empty(n_tokens, dtype=torch.float64, device="cuda"),
+        torch.empty_like(logprobs, dtype=torch.float64),
+    )
+    for start in range(0, n_tokens, 4096):  # fp64 logits on the GPU, 4096 tokens at a time
+        rows = slice(start, start + 4096)
+        log_p = torch.log_softmax((hidden[rows].double() @ weight.double().T) / 0.7, dim=1)  # (n, V) fp64
+        picked = log_p.gather(1, case.targets[rows].clamp(min=0)[:, None])[:, 0]
+        want_logprobs[rows] = torch.where(case.targets[rows] == IGNORE, 0.0, picked)
+        want_entropy[rows] = -(log_p.exp() * log_p).sum(1)
+    for name, got, want in (("logprobs", logprobs, want_logprobs), ("entropy", entropy, want_entropy)):
+        delta = (got.double() - want).abs()
+        print(
+            f"d={hidden_size} {name}: max {float(delta.max()):.3g} mean {float(delta.mean()):.3g} plan {plan}"
+        )
+        assert float(delta.max()) <= 1e-3, name
