@@ -18,6 +18,10 @@ import triton.language as tl
 MASKED_LOGIT = tl.constexpr(-1.0e30)
 MAX_SPLITS = 64
 ALIGNED_SLACK = 1.05  # see choose_plan
+# at most this many token blocks in flight at once (groups of n_slots // n_splits blocks): each re-reads its H panel
+# for every vocab tile, and more panels than this thrash L2 (fp32 head at TP = 2, 16k x 8192: 2 splits in groups
+# of 66 blocks ran 0.57x the TP = 1 time instead of ~0.5x)
+MAX_GROUP_BLOCKS = 12
 
 
 @dataclass(frozen=True)
@@ -67,13 +71,15 @@ def plan_cost(n_token_blocks: int, n_vocab_tiles: int, n_slots: int, wanted_spli
 
 
 def choose_n_splits(n_token_blocks: int, n_vocab_tiles: int, n_slots: int) -> int:
-    """Vocab splits that make the programs fill whole waves of `n_slots` concurrent programs (`plan_cost`).
+    """Vocab splits that make the programs fill whole waves of `n_slots` concurrent programs (`plan_cost`),
+    with at least ``n_slots / MAX_GROUP_BLOCKS`` splits where the shard has that many tiles.
 
     Ties go to fewer splits. Example: 128 token blocks x 594 vocab tiles on 132 SMs: 1 split -> 1 wave of
     594.25; 33 splits of 18 tiles -> 32 waves of 18.25 = 584 (the floor is 128 x 594 / 132 = 576).
     """
-    best_splits, best_cost = 1, float("inf")
-    for wanted in range(1, min(n_vocab_tiles, MAX_SPLITS) + 1):
+    fewest = min(n_vocab_tiles, triton.cdiv(n_slots, MAX_GROUP_BLOCKS))
+    best_splits, best_cost = fewest, float("inf")
+    for wanted in range(fewest, min(n_vocab_tiles, MAX_SPLITS) + 1):
         cost, n_splits = plan_cost(n_token_blocks, n_vocab_tiles, n_slots, wanted)
         if cost < best_cost - 1e-9:
             best_splits, best_cost = n_splits, cost

@@ -34,18 +34,22 @@ def test_choose_n_splits_fills_whole_waves() -> None:
     assert choose_n_splits(1, 1, 132) == 1
     # one token block: as many splits as there are slots (capped by the tile count)
     assert choose_n_splits(1, 40, 8) == 8
+    # 64 blocks x 501 tiles (fp32 head, TP = 2, d = 8192): 2 splits of 251 would fill one wave (cost 251.25) with
+    # 64 token blocks in flight; from 11 splits up the best is 39 splits of 13 tiles: 19 waves x 13.25 = 251.75
+    assert choose_n_splits(64, 501, 132) == 39
 
 
 def test_choose_plan_prefers_l2_aligned_groups_unless_waves_are_lost() -> None:
     # 512 token blocks x 501 vocab tiles, 132 slots, groups of 12: 2 x 132 // 12 = 22 splits of cdiv(501, 22) = 23
-    # tiles; 512 x 22 = 11264 programs = 86 waves x 23.25 = 1999.5, against 35 waves x 56.25 = 1968.75 for the
-    # wave-filling 9 splits (1.6 % more, within the 5 % slack): aligned, in groups of 12
+    # tiles; 512 x 22 = 11264 programs = 86 waves x 23.25 = 1999.5, against 70 waves x 28.25 = 1977.5 for the
+    # wave-filling 18 splits (1.1 % more, within the 5 % slack): aligned, in groups of 12
     assert choose_plan(512, 501, 132, 12) == SplitPlan(22, 23, 12)
     # 16 blocks x 594 tiles: aligned 22 splits of 27 -> 3 waves x 27.25 = 81.75; wave-filling 33 splits of 18
     # -> 4 waves x 18.25 = 73.0 (12 % less): wave-filling, in groups of 132 // 33 = 4
     assert choose_plan(16, 594, 132, 12) == SplitPlan(33, 18, 4)
-    # no aligned group size: the wave-filling plan
-    assert choose_plan(512, 501, 132) == SplitPlan(9, 56, 14)
+    # no aligned group size: the wave-filling plan (9 splits of 56 would cost 1968.75, but put 14 token blocks
+    # in flight; at least cdiv(132, 12) = 11 splits are taken)
+    assert choose_plan(512, 501, 132) == SplitPlan(18, 28, 7)
     # T = 65536, V = 151936 at 256 x 128 tiles, groups of 6: 44 splits of 27 tiles, 86 waves x 27.25 = 2343.5
     # against 2318.25 for 17 wave-filling splits (1.1 % more): aligned
     assert choose_plan(256, 1187, 132, 6) == SplitPlan(44, 27, 6)
