@@ -93,24 +93,27 @@ def choose_plan(
 
     Two candidates:
     * wave-filling: `choose_n_splits`, groups of ``n_slots // n_splits`` token blocks;
-    * L2-aligned (when `aligned_group_blocks` G > 0): ``2 * (n_slots // G)`` splits in groups of G token blocks,
-      so that each wave covers G token blocks x ``n_slots // G`` splits and no wave straddles two groups. On an
-      H100 this ran 6-20 % faster at T >= 16k tokens (docs/benchmarks.md): the programs that share an H panel
-      or a W tile in L2 then run at the same time, as neighbours.
+    * L2-aligned (when `aligned_group_blocks` G > 0): groups of G token blocks and ``2 * (n_slots // G)`` splits
+      (a group spans exactly two waves), or ``n_slots // G`` splits (one wave) where the tiles do not deal into
+      the first count exactly; either way each wave covers G token blocks x ``n_slots // G`` splits and no wave
+      straddles two groups. On an H100 this ran 6-20 % faster at T >= 16k tokens (docs/benchmarks.md): the
+      programs that share an H panel or a W tile in L2 then run at the same time, as neighbours.
     The aligned plan is taken unless its wave quantization costs more than `ALIGNED_SLACK` over the
     wave-filling one (small batches: T <= 4096 tokens at 132 SMs).
     Example: 512 token blocks x 501 vocab tiles, 132 slots, G = 12: aligned 22 splits of 23 tiles, 86 waves,
-    cost 1999.5 against 1968.75 for 9 splits (1.6 % more): aligned. 16 blocks x 594 tiles: 81.75 against 73.0
-    for 33 splits (12 % more): wave-filling.
+    cost 1999.5 against 1977.5 for 18 wave-filling splits (1.1 % more): aligned. 16 blocks x 594 tiles: 81.75
+    against 73.0 for 33 splits (12 % more): wave-filling.
     """
     fill_splits = choose_n_splits(n_token_blocks, n_vocab_tiles, n_slots)
     fill_cost, _ = plan_cost(n_token_blocks, n_vocab_tiles, n_slots, fill_splits)
     if aligned_group_blocks > 0:
-        aligned_cost, aligned_splits = plan_cost(
-            n_token_blocks, n_vocab_tiles, n_slots, 2 * max(1, n_slots // aligned_group_blocks)
-        )
-        if aligned_cost <= ALIGNED_SLACK * fill_cost:
-            return SplitPlan(aligned_splits, triton.cdiv(n_vocab_tiles, aligned_splits), aligned_group_blocks)
+        per_wave = max(1, n_slots // aligned_group_blocks)
+        for wanted in (2 * per_wave, per_wave):
+            aligned_cost, aligned_splits = plan_cost(n_token_blocks, n_vocab_tiles, n_slots, wanted)
+            if aligned_splits == wanted:
+                if aligned_cost <= ALIGNED_SLACK * fill_cost:
+                    return SplitPlan(wanted, triton.cdiv(n_vocab_tiles, wanted), aligned_group_blocks)
+                break
     return SplitPlan(fill_splits, triton.cdiv(n_vocab_tiles, fill_splits), max(1, n_slots // fill_splits))
 
 

@@ -47,6 +47,9 @@ def test_choose_plan_prefers_l2_aligned_groups_unless_waves_are_lost() -> None:
     # 16 blocks x 594 tiles: aligned 22 splits of 27 -> 3 waves x 27.25 = 81.75; wave-filling 33 splits of 18
     # -> 4 waves x 18.25 = 73.0 (12 % less): wave-filling, in groups of 132 // 33 = 4
     assert choose_plan(16, 594, 132, 12) == SplitPlan(33, 18, 4)
+    # 128 blocks x 251 tiles (bf16, TP = 2, d = 8192): 22 splits would be dealt as 21 of 12 tiles (not aligned), so
+    # 11 splits of 23 tiles, one wave per group: 11 waves x 23.25 = 255.75 against 253.75 (36 wave-filling splits; 0.8 % more)
+    assert choose_plan(128, 251, 132, 12) == SplitPlan(11, 23, 12)
     # no aligned group size: the wave-filling plan (9 splits of 56 would cost 1968.75, but put 14 token blocks
     # in flight; at least cdiv(132, 12) = 11 splits are taken)
     assert choose_plan(512, 501, 132) == SplitPlan(18, 28, 7)
