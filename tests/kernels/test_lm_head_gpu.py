@@ -173,7 +173,8 @@ def test_l2_aligned_plan_vs_fp64(hidden_size: int) -> None:
     256 x 128 in groups of 6 at d <= 4096, 128 x 256 in groups of 12 above."""
     from pgdiag.kernels.triton_shared import plan_splits
 
-    n_tokens, vocab = 30000, 40000  # 235 / 118 token blocks: aligned plans (40 / 20 splits)
+    # 118 token blocks at d = 1024, 235 at d = 4608: aligned plans of 21 / 11 splits (one wave a group)
+    n_tokens, vocab = 30000, 40000
     case = make_case(n_tokens, hidden_size, vocab, seed=3, device="cuda")
     hidden, weight = case.hidden.bfloat16(), case.weight.bfloat16()
     tiles = default_tiles("bf16", hidden_size)
