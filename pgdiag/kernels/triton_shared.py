@@ -29,7 +29,7 @@ class TritonTiles:
     """Launch shape of a partials kernel. `n_splits` 0: chosen by `choose_plan`.
 
     `aligned_group_blocks` > 0 lets `choose_plan` prefer the L2-aligned plan (groups of that many token blocks
-    spanning exactly two waves of the GPU); 0: the wave-filling plan only.
+    spanning exactly two waves of the GPU, or one); 0: the wave-filling plan only.
     fp32 head only (see `fp32_head_triton`): `fresh_steps` K steps are summed by the tensor cores into one
     fresh accumulator, and `fresh_per_group` such sums into a group sum before it joins the tile's sum.
     """
