@@ -69,7 +69,7 @@ def default_tiles(head_mode: str, hidden_size: int) -> TritonTiles:
 
     bf16, d <= 4096: 256 x 128 tiles, K step 64, TMA loads, L2-aligned groups of 6 token blocks (44 splits):
     1.08-1.09x cuBLAS at T = 16k / 64k, d = 4096 (128 x 256 tiles: 1.10-1.13x). d > 4096: 128 x 256 tiles in
-    groups of 12 token blocks (22 splits): 1.10 / 1.11x at T = 16k / 64k, d = 8192 (256 x 128: 1.14 / 1.18x).
+    groups of 12 token blocks (22 splits): 1.10 / 1.11-1.12x at T = 16k / 64k, d = 8192 (256 x 128: 1.14 / 1.18-1.25x).
     fp32 modes: 128 x 128 tiles (three fp32 accumulators must fit in the registers), K step 64, 8 K steps per
     middle sum; tf32x3 takes K steps of 32 (its fp32 tiles are twice as wide in bytes). Their split count made
     no difference beyond 1-2 % in the sweep, so they keep the wave-filling plan.
