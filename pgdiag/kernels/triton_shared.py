@@ -112,9 +112,15 @@ def choose_plan(
             aligned_cost, aligned_splits = plan_cost(n_token_blocks, n_vocab_tiles, n_slots, wanted)
             if aligned_splits == wanted:
                 if aligned_cost <= ALIGNED_SLACK * fill_cost:
-                    return SplitPlan(wanted, triton.cdiv(n_vocab_tiles, wanted), aligned_group_blocks)
+                    return _split_plan(n_vocab_tiles, wanted, aligned_group_blocks)
                 break
-    return SplitPlan(fill_splits, triton.cdiv(n_vocab_tiles, fill_splits), max(1, n_slots // fill_splits))
+    return _split_plan(n_vocab_tiles, fill_splits, max(1, n_slots // fill_splits))
+
+
+def _split_plan(n_vocab_tiles: int, n_splits: int, group_blocks: int) -> SplitPlan:
+    """The plan of `n_splits` (already dealt by `plan_cost`, every split holding a tile) in groups of
+    `group_blocks` token blocks."""
+    return SplitPlan(n_splits, triton.cdiv(n_vocab_tiles, n_splits), group_blocks)
 
 
 def plan_splits(n_tokens: int, vocab_local: int, tiles: TritonTiles, device: torch.device) -> SplitPlan:
@@ -125,9 +131,8 @@ def plan_splits(n_tokens: int, vocab_local: int, tiles: TritonTiles, device: tor
     n_slots = sm_count(device) * tiles.programs_per_sm
     if tiles.n_splits <= 0:
         return choose_plan(n_token_blocks, n_vocab_tiles, n_slots, tiles.aligned_group_blocks)
-    tiles_per_split = triton.cdiv(n_vocab_tiles, min(tiles.n_splits, n_vocab_tiles))
-    n_splits = triton.cdiv(n_vocab_tiles, tiles_per_split)  # every split holds at least one real column
-    return SplitPlan(n_splits, tiles_per_split, max(1, n_slots // n_splits))
+    _, n_splits = plan_cost(n_token_blocks, n_vocab_tiles, n_slots, min(tiles.n_splits, n_vocab_tiles))
+    return _split_plan(n_vocab_tiles, n_splits, max(1, n_slots // n_splits))
 
 
 def tma_ready(tensor: torch.Tensor) -> bool:
