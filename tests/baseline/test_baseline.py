@@ -1,0 +1,27 @@
+"""The refactor baseline: `metrics` and `compare` summary frames on `sample_data/` equal the saved ones."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import polars as pl
+import pytest
+from polars.testing import assert_frame_equal
+
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("make_baseline", HERE / "make_baseline.py")
+make_baseline = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_baseline)
+CASES = make_baseline.cases()
+
+
+def test_every_case_has_a_saved_frame() -> None:
+    saved = {p.stem for p in HERE.glob("*.parquet")}
+    assert saved == set(CASES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_summary_frame_equals_baseline(name: str) -> None:
+    expected = pl.read_parquet(HERE / f"{name}.parquet")
+    assert_frame_equal(CASES[name](), expected, check_exact=True)
