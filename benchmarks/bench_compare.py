@@ -34,7 +34,7 @@ PGDIAG_CHILD = """
 import sys, time, json
 t0 = time.perf_counter()
 from pgdiag.compare.api import compare_runs
-from pgdiag.runs import read_run
+from pgdiag.data.runs import read_run
 report = compare_runs(read_run(sys.argv[1]), read_run(sys.argv[2]))  # default breakdowns
 wall = time.perf_counter() - t0
 value = report.value("mismatch/abs_mean", scope="token")
@@ -145,8 +145,8 @@ def write_runs(directory: Path, n_samples: int, seed: int = 0) -> tuple[Path, Pa
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pgdiag.schema import ROLLOUTS_SCHEMA, encode_footer
-    from pgdiag.seqhash import seq_hashes
+    from pgdiag.data.schema import ROLLOUTS_SCHEMA, encode_footer
+    from pgdiag.data.seqhash import seq_hashes
 
     paths = (directory / "run_a.parquet", directory / "run_b.parquet")
     if all(p.exists() for p in paths):

@@ -32,7 +32,7 @@ import pyarrow as pa
 
 def make_run(out: Path, *, n_tokens: int, n_steps: int, seed: int = 0) -> dict[str, float]:
     """Write a canonical run with about `n_tokens` response tokens; returns its shape."""
-    from pgdiag.writing import source_meta, stream_meta, write_rollouts
+    from pgdiag.data.writing import source_meta, stream_meta, write_rollouts
 
     rng = np.random.default_rng(seed)
     mean_response, group_size = 500, 8

@@ -25,7 +25,7 @@ import pyarrow as pa
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pgdiag.writing import source_meta, stream_meta, write_rollouts  # noqa: E402
+from pgdiag.data.writing import source_meta, stream_meta, write_rollouts  # noqa: E402
 
 
 def _list_series(name: str, values: np.ndarray, offsets: np.ndarray, valid: np.ndarray | None) -> pl.Series:
@@ -76,7 +76,7 @@ LOAD_SNIPPET = """
 import resource, sys, time, json
 sys.path.insert(0, {repo!r})
 t0 = time.perf_counter()
-from pgdiag.runs import read_run, read_token_batch
+from pgdiag.data.runs import read_run, read_token_batch
 t_import = time.perf_counter()
 run = read_run({path!r})
 loaded = read_token_batch(run, streams=["rollout", "old", "new"], env=True)
@@ -90,8 +90,8 @@ print(json.dumps({{"seconds": round(t1 - t0, 3), "seconds_after_import": round(t
 CHECK_SNIPPET = """
 import resource, sys, time, json
 sys.path.insert(0, {repo!r})
-from pgdiag.checks import check_run
-from pgdiag.runs import read_run
+from pgdiag.checks.semantic import check_run
+from pgdiag.data.runs import read_run
 t0 = time.perf_counter()
 result = check_run(read_run({path!r}))
 t1 = time.perf_counter()
@@ -103,8 +103,8 @@ print(json.dumps({{"seconds": round(t1 - t0, 3), "cpu_s": round(usage.ru_utime +
 PHASES_SNIPPET = """
 import sys, time, json
 sys.path.insert(0, {repo!r})
-from pgdiag.runs import batch_inputs, build_token_batch, load_rows, read_run
-from pgdiag.validate import validate_rows
+from pgdiag.data.runs import batch_inputs, build_token_batch, load_rows, read_run
+from pgdiag.data.validate import validate_rows
 times = {{}}
 t = time.perf_counter(); run = read_run({path!r}); times["read_run"] = time.perf_counter() - t
 t = time.perf_counter()

@@ -34,7 +34,7 @@ import pyarrow as pa
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from pgdiag.writing import source_meta, stream_meta, write_rollouts  # noqa: E402
+from pgdiag.data.writing import source_meta, stream_meta, write_rollouts  # noqa: E402
 
 SEED = 20261121
 STEPS = 4

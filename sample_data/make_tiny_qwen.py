@@ -43,7 +43,7 @@ import polars as pl
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from pgdiag.writing import source_meta, stream_meta, write_rollouts
+from pgdiag.data.writing import source_meta, stream_meta, write_rollouts
 
 HERE = Path(__file__).resolve().parent
 SEED = 1234

@@ -15,8 +15,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pgdiag.schema import ROLLOUTS_SCHEMA, encode_footer
-from pgdiag.seqhash import seq_hash
+from pgdiag.data.schema import ROLLOUTS_SCHEMA, encode_footer
+from pgdiag.data.seqhash import seq_hash
 
 _FLOAT_LIST = pl.List(pl.Float32)
 POLARS_TYPES: dict[str, pl.DataType] = {

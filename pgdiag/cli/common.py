@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from pgdiag.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, PgdiagError
-from pgdiag.report import _jsonable
+from pgdiag.report.report import _jsonable
 
 RESULT_SCHEMA = "pgdiag.result/v1"
 

@@ -215,9 +215,9 @@ def compare(
     def body(console: Console) -> dict[str, Any]:
         from pgdiag.cli.render import render_checks, render_gates
         from pgdiag.compare.api import run_comparison
+        from pgdiag.data.runs import read_run
         from pgdiag.errors import EXIT_GATE, EXIT_OK
-        from pgdiag.gates import evaluate_gates
-        from pgdiag.runs import read_run
+        from pgdiag.report.gates import evaluate_gates
 
         source_a = read_run(run_a, attach=list_option(attach), steps=steps, run=run_name)
         source_b = None if run_b is None else read_run(run_b, steps=steps, run=run_name)

@@ -1,7 +1,7 @@
 """`pgdiag logprobs RUN --model CKPT` (alias `recompute`): recompute log-probs and entropy beside a run.
 
-Thin shell over `pgdiag.logprobs.recompute_logprobs`: parse options, pick how to run (one process; every rank of
-a ``torchrun`` job; or ``--tp N [--dp M]`` local workers started through `pgdiag.launch.run_workers`), render a
+Thin shell over `pgdiag.recompute.logprobs.recompute_logprobs`: parse options, pick how to run (one process; every rank of
+a ``torchrun`` job; or ``--tp N [--dp M]`` local workers started through `pgdiag.recompute.launch.run_workers`), render a
 progress bar with tokens/s and ETA on stderr (global rank 0 only) and a summary; ``--json`` prints the result
 object on stdout. Examples::
 
@@ -39,10 +39,10 @@ from pgdiag.cli.common import (
     result_object,
 )
 from pgdiag.errors import EXIT_INTERNAL, EXIT_INVALID, InvalidInputError, PgdiagError, UsageError
-from pgdiag.recompute_inputs import DEFAULT_BATCH_TOKENS, DEFAULT_PART_SAMPLES
+from pgdiag.recompute.inputs import DEFAULT_BATCH_TOKENS, DEFAULT_PART_SAMPLES
 
 if TYPE_CHECKING:
-    from pgdiag.logprobs import ProgressUpdate, RecomputeResult
+    from pgdiag.recompute.logprobs import ProgressUpdate, RecomputeResult
 
 _PLAIN_PROGRESS_EVERY_S = 30.0
 
@@ -272,7 +272,7 @@ class WorkerOutcome:
 
 def _run_job(job: RecomputeJob) -> RecomputeResult | None:
     """Run in this process (plain or torchrun) or start tp x dp local workers; None on non-zero torchrun ranks."""
-    from pgdiag.launch import launched_by_torchrun, run_workers, teardown_distributed
+    from pgdiag.recompute.launch import launched_by_torchrun, run_workers, teardown_distributed
 
     if launched_by_torchrun():
         try:
@@ -293,7 +293,7 @@ def _run_job(job: RecomputeJob) -> RecomputeResult | None:
 
 
 def _run_ranked(job: RecomputeJob) -> RecomputeResult | None:
-    from pgdiag.launch import setup_distributed
+    from pgdiag.recompute.launch import setup_distributed
 
     setup = setup_distributed(tp=job.tp, dp=job.dp, device=job.device)
     result = _recompute(
@@ -307,7 +307,7 @@ def _run_ranked(job: RecomputeJob) -> RecomputeResult | None:
 
 def _worker(job: RecomputeJob) -> WorkerOutcome:
     """Entry point of a self-launched worker: never raises, so the parent can report the worst exit code."""
-    from pgdiag.launch import teardown_distributed
+    from pgdiag.recompute.launch import teardown_distributed
 
     try:
         return WorkerOutcome(0, _run_ranked(job))
@@ -325,7 +325,7 @@ def _worker(job: RecomputeJob) -> WorkerOutcome:
 def _recompute(
     job: RecomputeJob, *, tp_group: Any, device: str | None, show_progress: bool
 ) -> RecomputeResult:
-    from pgdiag.logprobs import recompute_logprobs
+    from pgdiag.recompute.logprobs import recompute_logprobs
 
     options = dict(job.options)
     with ProgressRenderer(make_console(quiet=not show_progress)) as renderer:

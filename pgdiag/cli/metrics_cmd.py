@@ -1,6 +1,6 @@
 """`pgdiag metrics RUN`: the policy-gradient metric set and the pg loss under every aggregation mode.
 
-Thin shell over `pgdiag.api.compute_metrics`: parse options -> compute -> gates -> render (rich table on
+Thin shell over `pgdiag.metrics.api.compute_metrics`: parse options -> compute -> gates -> render (rich table on
 stderr, `--json` on stdout, `--out` report files). Example::
 
     pgdiag metrics sample_data/run_a --aggregation constant --divisor 40960 --fail-on 'policy/clip_frac_binding>0.2'
@@ -314,11 +314,11 @@ def metrics(
     )
 
     def body(console: Console) -> dict[str, Any]:
-        from pgdiag.api import compute_metrics
         from pgdiag.cli.render import render_checks, render_gates, render_metrics
-        from pgdiag.gates import evaluate_gates
+        from pgdiag.data.runs import read_run
+        from pgdiag.metrics.api import compute_metrics
         from pgdiag.metrics.catalog import METRIC_CATALOG
-        from pgdiag.runs import read_run
+        from pgdiag.report.gates import evaluate_gates
 
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
         report = compute_metrics(

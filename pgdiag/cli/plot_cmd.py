@@ -75,7 +75,7 @@ def plot(
         from pgdiag.compare.output import draw_plots, trace_path
         from pgdiag.compare.tokens import TOKEN_TABLE_SCHEMA_ID
         from pgdiag.errors import UsageError
-        from pgdiag.report import load_report
+        from pgdiag.report.report import load_report
 
         if not source.exists():
             raise UsageError("E501", f"{source}: no such file or directory")
@@ -93,7 +93,7 @@ def plot(
                     "E503", f"a token table draws {', '.join(TOKEN_KINDS)}, not {', '.join(bad)}"
                 )
             written = {}
-            from pgdiag import plots
+            from pgdiag.report import plots
 
             for k in kinds:
                 fig = plots.plot_hexbin(tokens) if k == "hexbin" else plots.plot_dlogp_hist(tokens)

@@ -9,8 +9,8 @@ import polars as pl
 from rich.console import Console
 from rich.table import Table
 
-from pgdiag.gates import GateResult
-from pgdiag.report import Report
+from pgdiag.report.gates import GateResult
+from pgdiag.report.report import Report
 
 MAX_STEP_COLUMNS = 6
 FAMILY_ORDER = ("loss", "grad", "policy", "mismatch", "advantage", "entropy", "group", "count")

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from pgdiag.batch import TokenBatch
+from pgdiag.data.batch import TokenBatch
+from pgdiag.data.validate import Issue
 from pgdiag.errors import InvalidInputError, UsageError
-from pgdiag.validate import Issue
 
 JOIN_MODES = ("auto", "id", "hash", "hash-any-step")
 ZERO_FILL_FRACTION = 0.01  # E206: share of exact 0.0 on loss positions

@@ -4,7 +4,7 @@ What: reads two runs (or two streams of one run), aligns them (`align`), compute
 sequence scope (`parity`), the breakdowns (`breakdowns`), the logprob-only diagnosis (`diagnose`), the worst-K
 tables (`worst`) and, on request, each run's own metric set side by side; returns one `Report`.
 Why: the CLI, notebooks and tests all get the same numbers from one call; nothing here prints.
-How: inputs are `Run`s, paths (read with `pgdiag.runs.read_run`) or in-memory `TokenBatch`es. Streams resolve as
+How: inputs are `Run`s, paths (read with `pgdiag.data.runs.read_run`) or in-memory `TokenBatch`es. Streams resolve as
 §5.4 says: one run, a = `rollout`, b = first present of `new`, `old`, the only recompute tag, `rollout`
 (excluding a); two runs, a = first present of that list in run a, b = the same name. Rows follow the tidy
 report schema (§2.4); side-by-side run metrics use scope `batch`, which compare's gates never read.
@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
-from pgdiag.batch import TokenBatch
 from pgdiag.compare import breakdowns as bd
 from pgdiag.compare.align import AlignedPair, align_batches
 from pgdiag.compare.diagnose import Diagnosis, diagnose
@@ -34,9 +33,10 @@ from pgdiag.compare.parity import (
     unit_and_reduction,
 )
 from pgdiag.compare.worst import worst_seqs, worst_tokens, worst_trace
+from pgdiag.data.batch import TokenBatch
+from pgdiag.data.validate import Issue
 from pgdiag.errors import UsageError
-from pgdiag.report import CHECKS_SCHEMA, Report, ReportRow, summary_frame
-from pgdiag.validate import Issue
+from pgdiag.report.report import CHECKS_SCHEMA, Report, ReportRow, summary_frame
 
 if TYPE_CHECKING:
     from pgdiag.metrics.mismatch import TemperatureFit
@@ -104,7 +104,7 @@ def resolve_streams(
 def _read_side(source: Any, streams: Sequence[str], *, ignore: Collection[str], max_examples: int) -> Side:
     if isinstance(source, TokenBatch):
         return Side(source, None, None, None)
-    from pgdiag.runs import read_token_batch
+    from pgdiag.data.runs import read_token_batch
 
     run = source
     entropy = [s for s in streams if s in run.entropy_streams]
@@ -140,7 +140,7 @@ def _as_source(source: Any) -> Any:
     """A `TokenBatch` or `Run` as given; a path is read once with `read_run`."""
     if isinstance(source, TokenBatch):
         return source
-    from pgdiag.runs import Run, read_run
+    from pgdiag.data.runs import Run, read_run
 
     return source if isinstance(source, Run) else read_run(Path(source))
 
@@ -513,10 +513,10 @@ def run_comparison(
 
 
 def _metadata_issues(side: Side, streams: list[str]) -> list[Issue]:
-    """Footer checks of the compared streams (`pgdiag.checks.metadata_checks`: W402, W403, W405, W409, W411)."""
+    """Footer checks of the compared streams (`pgdiag.checks.semantic.metadata_checks`: W402, W403, W405, W409, W411)."""
     if side.run is None:
         return []
-    from pgdiag.checks import metadata_checks
+    from pgdiag.checks.semantic import metadata_checks
 
     return [
         Issue(i.code, i.severity, i.count, f"{side.run.label}: {i.message}", i.step, i.sample_id, i.pos)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pgdiag.compare.align import AlignedPair
-from pgdiag.validate import Issue
+from pgdiag.data.validate import Issue
 
 SLOPE_TOLERANCE = 0.05  # W401: |fit_slope − 1| above this ...
 SLOPE_MIN_PEARSON = 0.9  # ... with pearson_r above this

@@ -17,8 +17,8 @@ from typing import Any
 import polars as pl
 
 from pgdiag.errors import UsageError
-from pgdiag.gates import GateResult
-from pgdiag.report import REPORT_SCHEMA_ID, Report
+from pgdiag.report.gates import GateResult
+from pgdiag.report.report import REPORT_SCHEMA_ID, Report
 
 SUMMARY_STATS = (
     "abs_mean",
@@ -62,7 +62,7 @@ def draw_plots(
 ) -> dict[str, str]:
     """Draw `kinds` into `directory`; token plots need `tokens` (an AlignedPair or token frame), the trace plot
     `trace`. Returns {kind: path}; a kind whose data is absent raises UsageError."""
-    from pgdiag import plots
+    from pgdiag.report import plots
 
     drawers = {
         "hexbin": lambda: plots.plot_hexbin(_need(tokens, "hexbin", "token data (--tokens-out table)")),
@@ -137,7 +137,7 @@ def write_outputs(
     overwrite: bool = False,
 ) -> dict[str, Any]:
     """Write every output of `comparison` (a `compare.api.Comparison`) under `out`; returns the JSON `files`."""
-    from pgdiag.writing import atomic_write, write_parquet
+    from pgdiag.data.writing import atomic_write, write_parquet
 
     directory, name = output_paths(out)
     md_path, trace_file, plot_dir = (

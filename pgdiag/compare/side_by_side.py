@@ -17,7 +17,7 @@ from typing import Any
 import polars as pl
 
 from pgdiag.errors import UsageError
-from pgdiag.report import ReportRow
+from pgdiag.report.report import ReportRow
 
 
 def metric_streams(run: Any, stream: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -46,7 +46,7 @@ def side_by_side_rows(
     run_a, run_b = runs
     if run_a is None:
         raise UsageError("E503", "side-by-side metrics need runs read from disk, not in-memory batches")
-    from pgdiag.api import compute_metrics
+    from pgdiag.metrics.api import compute_metrics
 
     one_run = run_b is None
     sides: Sequence[tuple[str, Any, str]] = (

@@ -50,7 +50,7 @@ def token_frame(pair: AlignedPair) -> pl.DataFrame:
 
 def write_token_table(pair: AlignedPair, path: str | Path, *, overwrite: bool = False) -> Path:
     """Write the token table of `pair` to `path` (a .parquet file) atomically."""
-    from pgdiag.writing import write_parquet
+    from pgdiag.data.writing import write_parquet
 
     path = Path(path)
     if path.suffix != ".parquet":

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pgdiag.batch import TokenBatch
+from pgdiag.data.batch import TokenBatch
 from pgdiag.errors import UsageError
 from pgdiag.metrics.advantage import (
     AdvantageTables,

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pgdiag.batch import TokenBatch
+from pgdiag.data.batch import TokenBatch
 
 
 def make_batch(samples: list[dict[str, Any]], *, label: str = "a") -> TokenBatch:

@@ -150,7 +150,7 @@ def test_masks_differ_error_above_one_percent_warning_below() -> None:
 
 
 def test_compare_runs_identical_gives_exact_zero_and_passes_every_gate() -> None:
-    from pgdiag.gates import PROFILES, evaluate_gates
+    from pgdiag.report.gates import PROFILES, evaluate_gates
 
     sa, sb = _pair(n=30)
     report = compare_runs(make_batch(sa, label="a"), make_batch(sb, label="b"), stream_a="rollout")

@@ -13,7 +13,7 @@ from batch_factory import random_samples, write_run
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
-from pgdiag.report import load_report
+from pgdiag.report.report import load_report
 
 PLOTS = ("hexbin", "dlogp-hist", "by-prob", "by-position", "by-step", "worst-trace")
 
@@ -143,7 +143,7 @@ def test_unknown_gate_is_usage_error(runs) -> None:
 
 def test_side_by_side_metrics_and_deltas(runs) -> None:
     from pgdiag.compare.api import compare_runs
-    from pgdiag.runs import read_run
+    from pgdiag.data.runs import read_run
 
     report = compare_runs(read_run(runs["two"]), read_run(runs["two_b"]), stream_a="old", side_by_side=True)
     batch = report.summary.filter((pl.col("scope") == "batch") & (pl.col("breakdown") == "all"))
@@ -165,14 +165,14 @@ def test_side_by_side_metrics_and_deltas(runs) -> None:
     assert value("other - one", "policy/logratio_mean") == pytest.approx(-0.01, abs=1e-6)
     # the compare pair itself: Δ = -0.01 on every token, and the batch rows never feed compare's gates
     assert report.value("mismatch/bias", scope="token") == pytest.approx(-0.01, abs=1e-6)
-    from pgdiag.gates import evaluate_gates
+    from pgdiag.report.gates import evaluate_gates
 
     gates = evaluate_gates(
         report, fail_on=["policy/kl_k3>0"], default_family="mismatch", known_metrics=["policy/kl_k3"]
     )
     assert [g.status for g in gates.gates] == ["missing"]
     # the per-step plot draws the metric of both runs
-    from pgdiag.plots import plot_by_step
+    from pgdiag.report.plots import plot_by_step
 
     lines = plot_by_step(report, metric="policy/kl_k3").axes[0].lines
     assert [line.get_label() for line in lines] == ["one:rollout vs one:old", "other:rollout vs other:old"]
@@ -181,9 +181,9 @@ def test_side_by_side_metrics_and_deltas(runs) -> None:
 
 def test_all_row_matches_pgdiag_metrics_mismatch_family(runs) -> None:
     """compare's token-scope `all` row and `pgdiag metrics`' mismatch family are the same numbers."""
-    from pgdiag.api import compute_metrics
     from pgdiag.compare.api import compare_runs
-    from pgdiag.runs import read_run
+    from pgdiag.data.runs import read_run
+    from pgdiag.metrics.api import compute_metrics
 
     run = read_run(runs["two"])
     ours = compare_runs(run, stream_a="rollout", stream_b="old")

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
 from pgdiag.compare.api import compare_runs
-from pgdiag.runs import read_run
+from pgdiag.data.runs import read_run
 
 VOCAB = 97
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pgdiag.batch import TokenBatch
+from pgdiag.data.batch import TokenBatch
 
 Tokens = Sequence[Sequence[float]]
 

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from pgdiag.batch import TokenBatch
+from pgdiag.data.batch import TokenBatch
 from pgdiag.errors import UsageError
 from pgdiag.metrics.engine import StepMetrics, compute_step_native
 from pgdiag.metrics.settings import MetricSettings

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pgdiag.batch import TokenBatch
+from pgdiag.data.batch import TokenBatch
 from pgdiag.errors import UsageError
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.metrics.values import MetricValue

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rollout_factory import valid_rows, write_logprobs_part, write_rollouts_file
 
+from pgdiag.data.runs import StepSpec, parse_steps, read_run, read_token_batch
+from pgdiag.data.seqhash import seq_hash
 from pgdiag.errors import InvalidInputError, UsageError
-from pgdiag.runs import StepSpec, parse_steps, read_run, read_token_batch
-from pgdiag.seqhash import seq_hash
 
 
 def _write_run_dir(root: Path, rows: list[dict[str, Any]]) -> Path:

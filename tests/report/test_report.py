@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pgdiag.errors import InvalidInputError, UsageError
-from pgdiag.report import REPORT_SCHEMA, Report, ReportRow, load_report, summary_frame
+from pgdiag.report.report import REPORT_SCHEMA, Report, ReportRow, load_report, summary_frame
 
 
 def _report() -> Report:

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from pgdiag.cli import logprobs_cmd
 from pgdiag.errors import InvalidInputError, UsageError
-from pgdiag.logprobs import ProgressUpdate, recompute_logprobs
+from pgdiag.recompute.logprobs import ProgressUpdate, recompute_logprobs
 
 VOCAB = 97  # odd, so a TP split is uneven
 TEMPERATURE = 0.7
@@ -251,7 +251,7 @@ def test_resume_after_interruption_loses_and_duplicates_nothing(checkpoint, tmp_
     assert len(list(out_dir.glob("step=*/part-*.parquet"))) == 3
     assert not list(out_dir.rglob(".*tmp*"))
     with pytest.raises(UsageError) as incomplete:  # readers refuse the incomplete stream
-        from pgdiag.runs import read_run
+        from pgdiag.data.runs import read_run
 
         read_run(run).collect(["rc_fp32_fp32_logprobs"])
     assert incomplete.value.code == "E504"
@@ -342,7 +342,7 @@ def test_bad_options_are_usage_errors(checkpoint, run_dir: Path) -> None:
 def test_metrics_reads_the_recomputed_stream(checkpoint, run_dir: Path) -> None:
     ckpt, _ = checkpoint
     result = recompute_logprobs(run_dir, ckpt, dtype="fp32", device="cpu")
-    from pgdiag.runs import read_run
+    from pgdiag.data.runs import read_run
 
     frame = read_run(run_dir).collect(
         ["sample_id", "loss_mask", "rc_fp32_fp32_logprobs", "rc_fp32_fp32_entropy"]

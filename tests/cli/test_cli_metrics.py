@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
-from pgdiag.report import load_report
+from pgdiag.report.report import load_report
 from tests.rollout_factory import write_rollouts_file
 
 # metrics.md §11: two groups x two samples; one prompt token each, then the response; s3's third response

@@ -1,7 +1,7 @@
 """Validation of loaded rollout rows against design/data-and-cli.md §1.5 (E102-E103, E201-E213, W214-W217).
 
 Why: bad input must never turn into a wrong number, so every reader validates before it computes. How: the
-reader (`pgdiag.runs`) hands over a `RowTable`, the scalar columns as a polars frame plus every list column
+reader (`pgdiag.data.runs`) hands over a `RowTable`, the scalar columns as a polars frame plus every list column
 flattened into one `FlatList` (offsets + values + element validity). Each rule is a handful of vectorised numpy
 operations over those flat buffers and per-row offsets (cumulative sums, bincount, repeat), never a Python loop
 over tokens. Every violation becomes one `Issue` whose one-line message names the file, step, sample, position
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
+from pgdiag.data.flat import FlatList, LossView, RowTable, loss_view, subset_rows
+from pgdiag.data.schema import REQUIRED_HINTS
+from pgdiag.data.seqhash import seq_hashes
 from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK
-from pgdiag.flat import FlatList, LossView, RowTable, loss_view, subset_rows
-from pgdiag.schema import REQUIRED_HINTS
-from pgdiag.seqhash import seq_hashes
 
 LOGPROB_POSITIVE_TOL = 1e-6
 ZERO_FILL_FRACTION = 0.01

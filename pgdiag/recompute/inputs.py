@@ -7,7 +7,7 @@ refuses what cannot be recomputed (E102, E201, E203, E208, E213) with one line n
 `resolve_temperature` applies the `--temperature auto` rule and `plan_parts` cuts the rows into output parts.
 
 Why a module of its own: these are the input rules of recompute (what is read, in which order, which rows go to
-which file); `pgdiag.logprobs` only orchestrates compute and writing on top of them.
+which file); `pgdiag.recompute.logprobs` only orchestrates compute and writing on top of them.
 
 How: ``inputs = read_inputs(run, vocab_size)``; ``parts = plan_parts(inputs, 2048)``.
 """
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
+from pgdiag.data.flat import flat_list
+from pgdiag.data.seqhash import input_fingerprint
 from pgdiag.errors import InvalidInputError
-from pgdiag.flat import flat_list
-from pgdiag.seqhash import input_fingerprint
 
 if TYPE_CHECKING:
-    from pgdiag.runs import Run
+    from pgdiag.data.runs import Run
 
 # Defaults of `recompute_logprobs`, kept in this torch-free module so the CLI can show them without importing torch.
 DEFAULT_BATCH_TOKENS = 32768

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from pgdiag.errors import EXIT_GATE, EXIT_OK, UsageError
-from pgdiag.report import Report
+from pgdiag.report.report import Report
 
 _OPS: dict[str, Callable[[float, float], bool]] = {
     ">=": operator.ge,

@@ -7,7 +7,7 @@ model or other input. `clear_output` removes a previous recompute's files and no
 one `pgdiag.logprobs/v1` file: full-length, token-aligned ``logprobs``/``entropy`` lists, null off the loss
 positions, with the ``pgdiag.recompute`` footer.
 
-Why here: these are the rules that make an interrupted job safe to rerun; `pgdiag.logprobs` only orchestrates.
+Why here: these are the rules that make an interrupted job safe to rerun; `pgdiag.recompute.logprobs` only orchestrates.
 A part is "done" when its file exists and its footer carries the same model, settings, input fingerprint and
 plan entry, so a part written by other settings is recomputed rather than trusted.
 """
@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from pgdiag.data.schema import LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY, read_footer
+from pgdiag.data.writing import write_parquet
 from pgdiag.errors import InvalidInputError, UsageError
-from pgdiag.schema import LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY, read_footer
-from pgdiag.writing import write_parquet
 
 if TYPE_CHECKING:
-    from pgdiag.recompute_inputs import Part, RecomputeInputs
+    from pgdiag.recompute.inputs import Part, RecomputeInputs
 
 MANIFEST_NAME = "_manifest.json"
 

@@ -15,14 +15,14 @@ from test_logprobs import cli_app, make_checkpoint, make_rows, read_stream, writ
 from typer.testing import CliRunner
 
 from pgdiag.errors import UsageError
-from pgdiag.launch import (
+from pgdiag.recompute.launch import (
     current_layout,
     launched_by_torchrun,
     resolve_degrees,
     single_process_layout,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_resolve_degrees() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pgdiag.errors import UsageError
-from pgdiag.gates import PROFILES, evaluate_gates, parse_gate
-from pgdiag.report import Report, ReportRow, summary_frame
+from pgdiag.report.gates import PROFILES, evaluate_gates, parse_gate
+from pgdiag.report.report import Report, ReportRow, summary_frame
 
 
 def _report(

@@ -25,8 +25,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pgdiag.data.schema import decode_footer
 from pgdiag.errors import InvalidInputError, UsageError
-from pgdiag.schema import decode_footer
 
 REPORT_SCHEMA_ID = "pgdiag.report/v1"
 
@@ -211,7 +211,7 @@ class Report:
         `path` is a directory (files ``<dir>/<kind>.*``) or a ``.parquet`` file name. `result` is the command's
         `--json` object, stored as ``<name>.json`` (default: `to_json_dict()`).
         """
-        from pgdiag.writing import write_json, write_parquet
+        from pgdiag.data.writing import write_json, write_parquet
 
         path = Path(path)
         if path.suffix == ".parquet":

@@ -41,7 +41,7 @@ def save_figure(fig: Figure, path: str | Path, *, dpi: int = 120) -> Path:
     """Write `fig` atomically; the format comes from the suffix (png, svg, pdf)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from pgdiag.writing import atomic_write
+    from pgdiag.data.writing import atomic_write
 
     path = Path(path)
     fmt = path.suffix.lstrip(".")

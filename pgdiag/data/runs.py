@@ -7,7 +7,7 @@ tags under ``RUN/logprobs/<tag>/`` or ``--attach`` directories) and returns a `R
 polars ``scan_parquet`` (hive ``step=`` partitions, step and run filters pushed down). `read_token_batch`
 selects only the needed columns, joins recompute parts on (step, sample_id, segment_idx) (E305 on a seq_hash
 disagreement, E504 on an incomplete dataset), flattens list columns to numpy buffers through Arrow, validates
-them (`pgdiag.validate`) and keeps the loss positions as float64 in a `TokenBatch`.
+them (`pgdiag.data.validate`) and keeps the loss positions as float64 in a `TokenBatch`.
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
-from pgdiag.batch import TokenBatch
-from pgdiag.errors import InvalidInputError, UsageError
-from pgdiag.flat import FlatList, LossView, RowTable, flat_list, loss_view
-from pgdiag.schema import (
+from pgdiag.data.batch import TokenBatch
+from pgdiag.data.flat import FlatList, LossView, RowTable, flat_list, loss_view
+from pgdiag.data.schema import (
     BASE_STREAMS,
     REQUIRED_COLUMNS,
     cast_problem,
@@ -37,7 +36,7 @@ from pgdiag.schema import (
     read_footer,
     stream_column,
 )
-from pgdiag.validate import (
+from pgdiag.data.validate import (
     CheckResult,
     Issue,
     RowIssues,
@@ -45,6 +44,7 @@ from pgdiag.validate import (
     missing_columns,
     validate_rows,
 )
+from pgdiag.errors import InvalidInputError, UsageError
 
 FILE_COLUMN = "__file"
 RECOMPUTE_KEYS = ("step", "sample_id", "segment_idx")

@@ -1,14 +1,14 @@
 """Small explicit `TokenBatch`es for the key-style tests, and the worked example of design/metrics.md §11.
 
 Token-level inputs are given per sample as Python lists (loss positions only, so a masked token is simply
-left out); `make_batch` flattens them the way `pgdiag.runs.read_token_batch` lays out a real batch.
+left out); `make_batch` flattens them the way `pgdiag.data.runs.read_token_batch` lays out a real batch.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from pgdiag.batch import TokenBatch
+from pgdiag.data.batch import TokenBatch
 from pgdiag.metrics.settings import MetricSettings
 
 Rows = list[list[float]]

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from pgdiag.batch import TokenBatch
+from pgdiag.data.batch import TokenBatch
+from pgdiag.data.flat import FlatList, RowTable, flat_list
+from pgdiag.data.runs import FILE_COLUMN, Run, batch_inputs, build_token_batch, load_rows
+from pgdiag.data.schema import REQUIRED_COLUMNS, cast_problem, stream_column
+from pgdiag.data.validate import CheckResult, Issue, check_result, missing_columns, validate_rows
 from pgdiag.errors import InvalidInputError, UsageError
-from pgdiag.flat import FlatList, RowTable, flat_list
-from pgdiag.runs import FILE_COLUMN, Run, batch_inputs, build_token_batch, load_rows
-from pgdiag.schema import REQUIRED_COLUMNS, cast_problem, stream_column
-from pgdiag.validate import CheckResult, Issue, check_result, missing_columns, validate_rows
 
 STAT_SAMPLE_TOKENS = 2_000_000
 SHIFT_MIN_MEDIAN = 0.05
@@ -369,7 +369,7 @@ def mask_issue(n_only_a: int, n_a: int, what: str) -> Issue | None:
 def _recompute_settings(run: Run) -> dict[str, Mapping]:
     import pyarrow.parquet as pq
 
-    from pgdiag.schema import decode_footer
+    from pgdiag.data.schema import decode_footer
 
     out: dict[str, Mapping] = {}
     for tag, directory in run.recompute.items():

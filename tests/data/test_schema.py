@@ -14,8 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pgdiag.errors import InvalidInputError, UsageError
-from pgdiag.schema import (
+from pgdiag.data.schema import (
     cast_problem,
     check_rollouts_footer,
     decode_footer,
@@ -23,8 +22,8 @@ from pgdiag.schema import (
     entropy_column,
     stream_column,
 )
-from pgdiag.seqhash import input_fingerprint, seq_hash, seq_hashes
-from pgdiag.writing import (
+from pgdiag.data.seqhash import input_fingerprint, seq_hash, seq_hashes
+from pgdiag.data.writing import (
     atomic_write,
     sequence_row_group_rows,
     source_meta,
@@ -33,6 +32,7 @@ from pgdiag.writing import (
     write_parquet,
     write_rollouts,
 )
+from pgdiag.errors import InvalidInputError, UsageError
 
 
 def test_seq_hash_known_answer() -> None:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pgdiag.packing import pack_samples, plan_batches, plan_micro_batches
+from pgdiag.recompute.packing import pack_samples, plan_batches, plan_micro_batches
 
 
 def test_plan_first_fit_decreasing_worked_example() -> None:

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from pgdiag.data.runs import Run, read_token_batch
 from pgdiag.errors import UsageError
 from pgdiag.metrics.settings import MetricSettings
-from pgdiag.report import Report, ReportRow, summary_frame
-from pgdiag.runs import Run, read_token_batch
+from pgdiag.report.report import Report, ReportRow, summary_frame
 
 _CANONICAL = ("rollout", "old", "ref", "new")
 

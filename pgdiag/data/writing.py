@@ -24,14 +24,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pgdiag.errors import InvalidInputError, UsageError
-from pgdiag.schema import (
+from pgdiag.data.schema import (
     ROLLOUT_ARROW_TYPES,
     ROLLOUTS_SCHEMA,
     RUN_SIDECAR_SCHEMA,
     encode_footer,
 )
-from pgdiag.seqhash import seq_hashes
+from pgdiag.data.seqhash import seq_hashes
+from pgdiag.errors import InvalidInputError, UsageError
 
 ZSTD_LEVEL = 3
 ROW_GROUP_TARGET_BYTES = 128 * 1024 * 1024

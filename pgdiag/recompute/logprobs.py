@@ -12,11 +12,11 @@ computed and written atomically on its own, so ``resume`` skips parts whose foot
 loses at most the parts in flight. Data-parallel replicas own whole parts (part i goes to replica i mod dp) and
 their TP rank 0 writes them; the vocab-parallel head is never gathered.
 
-How, per part: samples are packed into ``batch_tokens`` budgets (`pgdiag.packing`, which owns the next-token
+How, per part: samples are packed into ``batch_tokens`` budgets (`pgdiag.recompute.packing`, which owns the next-token
 shift), the model body returns hidden states ``(N, H)``, the rows that predict loss tokens ``(K, H)`` go with the
 head shard to `pgdiag.kernels.lm_head_logprobs` (fp32 statistics, temperature applied in the accumulator), and the
 ``(K,)`` results are scattered back into per-sample lists. What is read and in which order lives in
-`pgdiag.recompute_inputs`; the part files, the manifest and the resume decision in `pgdiag.recompute_output`.
+`pgdiag.recompute.inputs`; the part files, the manifest and the resume decision in `pgdiag.recompute.output`.
 
     result = recompute_logprobs("sample_data/run_a", "sample_data/tiny-qwen", dtype="fp32")
 """
@@ -34,11 +34,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from pgdiag.data.schema import BASE_STREAMS, LOGPROBS_SCHEMA, TAG_PATTERN
+from pgdiag.data.seqhash import input_fingerprint
+from pgdiag.data.writing import write_json
 from pgdiag.errors import UsageError
 from pgdiag.kernels import lm_head_logprobs, resolve_impl
-from pgdiag.launch import ParallelLayout, barrier, current_layout
-from pgdiag.packing import PackOrder, pack_samples, plan_batches, plan_micro_batches
-from pgdiag.recompute_inputs import (
+from pgdiag.recompute.inputs import (
     DEFAULT_BATCH_TOKENS,
     DEFAULT_PART_SAMPLES,
     Part,
@@ -48,14 +49,13 @@ from pgdiag.recompute_inputs import (
     resolve_temperature,
     with_uniform_temperature,
 )
-from pgdiag.recompute_output import MANIFEST_NAME, clear_output, inspect_output, write_part
-from pgdiag.schema import BASE_STREAMS, LOGPROBS_SCHEMA, TAG_PATTERN
-from pgdiag.seqhash import input_fingerprint
-from pgdiag.writing import write_json
+from pgdiag.recompute.launch import ParallelLayout, barrier, current_layout
+from pgdiag.recompute.output import MANIFEST_NAME, clear_output, inspect_output, write_part
+from pgdiag.recompute.packing import PackOrder, pack_samples, plan_batches, plan_micro_batches
 
 if TYPE_CHECKING:
+    from pgdiag.data.runs import Run
     from pgdiag.model import CausalLM, ModelConfig
-    from pgdiag.runs import Run
 
 DTYPES = ("bf16", "fp32")
 IMPLS = ("auto", "triton", "torch")
@@ -294,7 +294,7 @@ def _version() -> str:
 
 
 def _as_run(run: Run | str | Path) -> Run:
-    from pgdiag.runs import read_run
+    from pgdiag.data.runs import read_run
 
     return read_run(run) if isinstance(run, (str, Path)) else run
 

@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 from rollout_factory import valid_rows, write_rollouts_file
 
-from pgdiag.checks import check_run
+from pgdiag.checks.semantic import check_run
+from pgdiag.data.runs import read_run, read_token_batch
+from pgdiag.data.validate import CheckResult
 from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK, InvalidInputError
-from pgdiag.runs import read_run, read_token_batch
-from pgdiag.validate import CheckResult
 
 
 def _check(tmp_path: Path, rows: list[dict[str, Any]], **kwargs: Any) -> CheckResult:

@@ -10,12 +10,12 @@ import polars as pl
 import pytest
 from rollout_factory import valid_rows, write_rollouts_file
 
-from pgdiag.batch import TokenBatch
-from pgdiag.checks import check_run, first_token_ratio, metadata_checks, semantic_checks
+from pgdiag.checks.semantic import check_run, first_token_ratio, metadata_checks, semantic_checks
+from pgdiag.data.batch import TokenBatch
+from pgdiag.data.runs import read_run
 from pgdiag.errors import EXIT_INVALID, EXIT_OK
-from pgdiag.runs import read_run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_batch(streams: dict[str, np.ndarray], n_samples: int, steps: np.ndarray | None = None) -> TokenBatch:
@@ -235,7 +235,7 @@ def test_sample_runs_pass_cleanly() -> None:
 
 
 def test_synthetic_runs_have_the_documented_statistics() -> None:
-    from pgdiag.runs import read_token_batch
+    from pgdiag.data.runs import read_token_batch
 
     a = read_token_batch(
         read_run(REPO / "sample_data" / "synthetic_a"), streams=["rollout", "old", "new"], env=True
@@ -258,7 +258,7 @@ def test_synthetic_runs_have_the_documented_statistics() -> None:
 def test_check_frame_before_writing() -> None:
     from rollout_factory import rollouts_frame
 
-    from pgdiag.checks import check_frame
+    from pgdiag.checks.semantic import check_frame
 
     assert check_frame(rollouts_frame(valid_rows())).issues.height == 0
     rows = valid_rows()

@@ -1,0 +1,1 @@
+"""Reports (tidy long tables), gates and the status/exit rule, and plots."""
