@@ -180,7 +180,7 @@ def test_hostile_pickle_is_e701_and_runs_nothing(tmp_path: Path) -> None:
     dump = _dump(tmp_path, train=False, overrides={0: {"extra": {"metadata": {"x": Hostile(marker)}}}})
     with pytest.raises(UsageError) as err:
         _read(dump)
-    assert err.value.code == "E701" and "builtins.open" in err.value.message
+    assert err.value.code == "E701" and "io.open" in err.value.message
     assert not marker.exists()
 
 
