@@ -114,12 +114,32 @@ def write_json(obj: Any, path: str | Path) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
+def _is_key_value_list(dtype: pa.DataType) -> bool:
+    """A list of {key, value} structs: how polars, which has no map type, holds a map column."""
+    if not (pa.types.is_list(dtype) or pa.types.is_large_list(dtype)) or not pa.types.is_struct(
+        dtype.value_type
+    ):
+        return False
+    return [dtype.value_type.field(i).name for i in range(dtype.value_type.num_fields)] == ["key", "value"]
+
+
+def _key_value_map(chunk: pa.Array, target: pa.MapType) -> pa.MapArray:
+    """A list<struct<key, value>> chunk as a map<key, value> array (same offsets, nulls kept)."""
+    entries = chunk.values
+    keys = entries.field("key").cast(target.key_type)
+    items = entries.field("value").cast(target.item_type, safe=True)
+    offsets = pa.array(chunk.offsets.to_numpy().astype("int32"), type=pa.int32())
+    return pa.MapArray.from_arrays(offsets, keys, items, mask=chunk.is_null() if chunk.null_count else None)
+
+
 def _cast_column(name: str, column: pa.ChunkedArray, target: pa.DataType) -> pa.ChunkedArray:
     if pa.types.is_dictionary(target):
         strings = pc.cast(column, pa.string())
         encoded = pc.dictionary_encode(strings.combine_chunks())
         return pa.chunked_array([encoded.cast(target)])
     source = column.type
+    if pa.types.is_map(target) and _is_key_value_list(source):
+        return pa.chunked_array([_key_value_map(chunk, target) for chunk in column.chunks], type=target)
     if pa.types.is_list(target) and pa.types.is_floating(target.value_type):
         values = pc.list_flatten(column)
         finite_max = pc.max(pc.abs(pc.if_else(pc.is_finite(values), values, 0.0))).as_py()

@@ -14,6 +14,8 @@ import torch
 
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.importers.base import ImportOptions, load_preset
+from tests.importers.cli_import import import_cli, read_rows
+from tests.importers.conftest import assert_nothing_written
 from tests.importers.slime_dumps import Hostile, sample_record, tensor, write_rollout_dump
 
 PROMPTS = [[5, 6], [5, 6], [7, 8, 9]]
@@ -220,3 +222,16 @@ def test_dashboard_columns_alone(tmp_path: Path) -> None:
     assert [row[len(PROMPTS[r]) :] for r, row in enumerate(out["rollout_logprobs"].to_list())] == ROLLOUT_LP
     assert out["sample_id"].to_list() == ["40", "41", "42"]
     assert "reward" not in out.columns and "finish_reason" not in out.columns
+
+
+def test_cli_import_and_zero_filled_refusal(tmp_path: Path, miles_types: types.ModuleType) -> None:
+    out = tmp_path / "run"
+    result = import_cli("miles", _dump(tmp_path, miles_types), out)
+    assert result.exit_code == 0, result.stderr
+    rows = read_rows(out)
+    assert rows["ref_logprobs"].to_list()[2] == [None] * 3 + REF_LP[2]
+    zeros = {i: {"rollout_log_probs": [0.0] * len(RESPONSES[i])} for i in range(3)}
+    out2 = tmp_path / "run2"
+    result = import_cli("miles", _dump(tmp_path / "z", miles_types, zeros), out2)
+    assert result.exit_code == 3 and "error[E206]" in result.stderr
+    assert_nothing_written(out2)

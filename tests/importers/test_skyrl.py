@@ -9,6 +9,8 @@ import pytest
 
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.importers.base import ImportOptions, load_preset
+from tests.importers.cli_import import import_cli, read_rows
+from tests.importers.conftest import assert_nothing_written
 from tests.importers.skyrl_batch import build_batch, install_module
 from tests.importers.slime_dumps import Hostile
 
@@ -127,3 +129,16 @@ def test_non_left_padded_sequences_are_e703(tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError) as err:
         _read(tmp_path)
     assert err.value.code == "E703" and "attention_mask" in err.value.message
+
+
+def test_cli_import_and_zero_filled_refusal(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = import_cli("skyrl", _write(tmp_path), out)
+    assert result.exit_code == 0, result.stderr
+    rows = read_rows(out)
+    assert rows["old_logprobs"].to_list()[1] == [None] * 3 + [-1.25, None, None, -2.0]
+    zeros = dict(STREAMS, rollout_logprobs=[[0.0] * len(r) for r in RESPONSES])
+    out2 = tmp_path / "run2"
+    result = import_cli("skyrl", _write(tmp_path / "z", streams=zeros), out2)
+    assert result.exit_code == 3 and "error[E206]" in result.stderr
+    assert_nothing_written(out2)

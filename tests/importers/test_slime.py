@@ -10,6 +10,8 @@ import torch
 
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.importers.base import ImportOptions, load_preset
+from tests.importers.cli_import import import_cli, read_rows
+from tests.importers.conftest import assert_nothing_written
 from tests.importers.slime_dumps import (
     Hostile,
     sample_record,
@@ -208,3 +210,57 @@ def test_zero_values_on_loss_positions_are_kept(tmp_path: Path) -> None:
     (step,) = _read(_dump(tmp_path, train=False, overrides={3: {"rollout_log_probs": [0.0, 0.0, 0.0]}}))
     assert step.rows["rollout_logprobs"].to_list()[3][2:] == [0.0, 0.0, 0.0]
     assert not any(math.isnan(v) for v in step.rows["rollout_logprobs"].to_list()[3][2:])
+
+
+# ------------------------------------------------------------------------------------------ through the CLI
+
+
+def test_cli_import_writes_masked_values(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = import_cli("slime", _dump(tmp_path), out)
+    assert result.exit_code == 0, result.stderr
+    assert "step 5: 4 samples" in result.stderr
+    rows = read_rows(out)
+    assert rows["step"].to_list() == [5] * 4 and rows["group_id"].to_list() == ["7", "7", "8", "8"]
+    old = rows["old_logprobs"].to_list()
+    # masks, not values: the tool token's -9.0 and the removed sample's values are nulled
+    assert old[0] == [None] * 3 + [-0.5, -0.375, None, -1.25]
+    assert old[2] == [None] * 4
+    assert rows["rollout_logprobs"].to_list()[1] == [None] * 3 + ROLLOUT_LP[1]
+
+
+def test_cli_zero_filled_stream_is_e206_and_writes_nothing(tmp_path: Path) -> None:
+    zeros = {i: {"rollout_log_probs": [0.0] * len(RESPONSES[i])} for i in range(4)}
+    out = tmp_path / "run"
+    result = import_cli("slime", _dump(tmp_path, overrides=zeros, train=False), out)
+    assert result.exit_code == 3 and "error[E206]" in result.stderr
+    assert_nothing_written(out)
+
+
+def test_cli_hostile_pickle_exits_2_with_e701(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    out = tmp_path / "run"
+    result = import_cli(
+        "slime", _dump(tmp_path, overrides={0: {"extra": {"metadata": Hostile(marker)}}}), out
+    )
+    assert result.exit_code == 2 and "error[E701]" in result.stderr and "io.open" in result.stderr
+    assert not marker.exists()
+    assert_nothing_written(out)
+
+
+def test_cli_truncated_train_file_exits_3_with_e703(tmp_path: Path) -> None:
+    dump = _dump(tmp_path)
+    path = dump / "train_data" / "5.pt"
+    path.write_bytes(path.read_bytes()[:100])
+    out = tmp_path / "run"
+    result = import_cli("slime", dump, out)
+    assert result.exit_code == 3 and "error[E703]" in result.stderr and "train_data/5.pt" in result.stderr
+    assert_nothing_written(out)
+
+
+def test_cli_w703_is_printed_and_old_kept(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = import_cli("slime", _dump(tmp_path, global_batch_sizes=(2, 2)), out, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert "W703" in result.stderr
+    assert "old_logprobs" in read_rows(out).columns
