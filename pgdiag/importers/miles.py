@@ -24,7 +24,8 @@ import polars as pl
 from pgdiag.data.flat import FlatList
 from pgdiag.importers.alignment import from_rows
 from pgdiag.importers.base import ImportedStep, ImportOptions, Preset, bad_layout
-from pgdiag.importers.safe_load import load_pt, numpy_allow_list, record_shim
+from pgdiag.importers.pt_reader import load_pt_lists
+from pgdiag.importers.safe_load import numpy_allow_list, record_shim
 from pgdiag.importers.slime import (
     RolloutSamples,
     base_rows,
@@ -70,7 +71,7 @@ def _train_rows(
     unsafe = False
     raw_reward = None
     for path in paths:
-        loaded = load_pt(path, allow_list(), allow_unsafe=options.allow_unsafe_pickle)
+        loaded = load_pt_lists(path, allow_list(), allow_unsafe=options.allow_unsafe_pickle)
         unsafe = unsafe or loaded.unsafe_load
         payload = loaded.value
         data = payload.get("rollout_data") if isinstance(payload, Mapping) else None
@@ -127,7 +128,7 @@ def _train_rows(
 
 def _read_pt(dump_dir: Path, files: list[tuple[int, Path]], options: ImportOptions) -> Iterator[ImportedStep]:
     for file_id, path in files:
-        loaded = load_pt(path, allow_list(), allow_unsafe=options.allow_unsafe_pickle)
+        loaded = load_pt_lists(path, allow_list(), allow_unsafe=options.allow_unsafe_pickle)
         step = rollout_id_of(loaded.value, path, file_id)
         samples = read_rollout_samples(path, loaded.value, step)
         train_paths = sorted(

@@ -28,7 +28,8 @@ import polars as pl
 from pgdiag.data.flat import FlatList
 from pgdiag.importers.alignment import from_rows, response_aligned, to_series
 from pgdiag.importers.base import ImportedStep, ImportOptions, ImportWarning, Preset, bad_layout
-from pgdiag.importers.safe_load import load_pt, numpy_allow_list
+from pgdiag.importers.pt_reader import load_pt_lists
+from pgdiag.importers.safe_load import numpy_allow_list
 
 FINISH_REASONS = {"completed": "stop", "truncated": "length", "aborted": "abort", "failed": "error"}
 _ROLLOUT_NAME = re.compile(r"^(\d+)\.pt$")
@@ -338,7 +339,7 @@ def _read(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
     dump_dir, files = rollout_files(src)
     allow = numpy_allow_list()
     for file_id, path in files:
-        loaded = load_pt(path, allow, allow_unsafe=options.allow_unsafe_pickle)
+        loaded = load_pt_lists(path, allow, allow_unsafe=options.allow_unsafe_pickle)
         step = rollout_id_of(loaded.value, path, file_id)
         samples = read_rollout_samples(path, loaded.value, step)
         src_files = [str(path)]
@@ -348,7 +349,7 @@ def _read(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
         train_path = dump_dir / "train_data" / path.name
         train_payload: Mapping[str, Any] = {}
         if train_path.is_file():
-            train_loaded = load_pt(train_path, allow, allow_unsafe=options.allow_unsafe_pickle)
+            train_loaded = load_pt_lists(train_path, allow, allow_unsafe=options.allow_unsafe_pickle)
             unsafe = unsafe or train_loaded.unsafe_load
             train_payload = train_loaded.value
             train = _train_samples(train_path, train_payload)
