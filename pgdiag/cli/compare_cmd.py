@@ -1,6 +1,6 @@
 """`pgdiag compare RUN_A [RUN_B]`: the parity of two runs (or two streams of one), with CI gates.
 
-Thin shell over `pgdiag.compare.api.run_comparison` (design/data-and-cli.md §5.4): parse options, compare,
+Thin shell over `pgdiag.compare.api.run_comparison` (docs/compare.md): parse options, compare,
 render the parity table on stderr, evaluate `--fail-on`/`--warn-on`/`--profile` (default family `mismatch`),
 and with `--out` write the report, the worst-K tables, the worst trace, the plots and a markdown summary.
 Exit 0 pass (warnings allowed), 1 a fail gate (or a warning under `--strict`; `--exit-zero` turns 1 into 0),
@@ -172,7 +172,7 @@ def compare(
         str | None,
         typer.Option(
             "--key-style",
-            help="With --metrics: a framework's own keys (metrics.md §8).",
+            help="With --metrics: a framework's own keys (docs/key-styles.md).",
             rich_help_panel=METRICS,
         ),
     ] = None,

@@ -273,7 +273,7 @@ def metrics(
 ) -> None:
     """Compute the policy-gradient metric set and the pg loss under every aggregation mode.
 
-    Per optimizer step plus a pooled [bold]all[/] row, exactly as design/metrics.md defines them: the policy family
+    Per optimizer step plus a pooled [bold]all[/] row, exactly as docs/metrics.md defines them: the policy family
     on (old, new), the mismatch family on (rollout, old) when both exist, advantage, entropy, group and count metrics,
     [bold]loss/<mode>[/] for every aggregation mode and [bold]grad/<mode>_*[/] gradient diagnostics. The input is
     validated first (exit 3 on invalid data). Example:
@@ -326,7 +326,7 @@ def metrics(
         )
         fail = list(list_option(fail_on))
         if settings.key_style == "pgdiag":
-            fail.append("count/tokens_invalid>0")  # the default gate of metrics.md §0.2 rule 3
+            fail.append("count/tokens_invalid>0")  # the default gate of docs/metrics.md
             if identity:
                 fail.append(f"policy/logratio_absmax>{identity_tol!r}")
         known = [spec.key for spec in METRIC_CATALOG] if settings.key_style == "pgdiag" else []

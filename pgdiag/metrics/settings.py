@@ -1,4 +1,4 @@
-"""Every setting of design/metrics.md §3, after alias resolution, as one frozen dataclass.
+"""Every setting of docs/metrics.md, after alias resolution, as one frozen dataclass.
 
 The CLI builds it from options and `compute_metrics` from keyword arguments; the defaults here are the
 only place the defaults live (the CLI imports them). The resolved settings are written into every report
@@ -20,7 +20,7 @@ EMPTY_SEQS = ("count", "skip")
 
 @dataclass(frozen=True)
 class MetricSettings:
-    """Settings of one `compute_metrics` call (metrics.md §3)."""
+    """Settings of one `compute_metrics` call (docs/metrics.md)."""
 
     # streams (None = not used / resolved by the reader)
     new: str | None = None
@@ -30,9 +30,7 @@ class MetricSettings:
     ref: str | None = None
     entropy: str | None = None  # recompute tag whose entropy feeds entropy/*
     # loss and clipping
-    aggregation: str | None = (
-        None  # headline loss/pg; a native mode or alias (§7.3); None = the style's default
-    )
+    aggregation: str | None = None  # headline loss/pg; a native mode or alias; None = the style's default
     divisor: float | None = None  # L of `constant`; loss_scale_factor / max_completion_length for aliases
     grad_divisor: float | None = None
     eps_low: float = 0.2
@@ -47,7 +45,7 @@ class MetricSettings:
     zero_std_atol: float = 0.0
     identity: bool = False
     identity_tol: float = 0.0
-    # style-only settings (§8); None = the framework's default
+    # style-only settings; None = the framework's default
     loss_name: str | None = None  # fast-llm key prefix (default "grpo")
     rollout_is: str | None = None  # verl rollout IS level ("token"); None = off
     rollout_is_threshold: float | None = None  # verl (2.0)

@@ -1,11 +1,11 @@
-"""`--key-style trl`: TRL 1.16's GRPOTrainer loss and logged metrics (design/metrics.md §8.3).
+"""`--key-style trl`: TRL 1.16's GRPOTrainer loss and logged metrics (docs/key-styles.md).
 
 What: `loss`, `clip_ratio/*`, `entropy`, `kl` from `trl/trainer/grpo_trainer.py::GRPOTrainer._compute_loss`,
 and `sampling/*`, `frac_reward_zero_std` from `::_generate_and_score_completions`.
 
-Why: TRL takes **one advantage per sample** (pgdiag passes Ā_i, §10 trap 8), never clamps the ratio, guards
+Why: TRL takes **one advantage per sample** (pgdiag passes Ā_i), never clamps the ratio, guards
 every token mean with max(Σ m, 1), and picks its loss denominator by `loss_type` (grpo, bnpo, dr_grpo,
-dapo, luspo). Worked example (§11): `loss` = 0.080553 under `dapo` (the default) and 0.001114 under `grpo`.
+dapo, luspo). Worked example: `loss` = 0.080553 under `dapo` (the default) and 0.001114 under `grpo`.
 When a rollout stream is present the vLLM importance-sampling correction (`sequence_mask`, clip_max 3)
 multiplies the policy term per sample, as TRL does before adding β·KL.
 
@@ -102,7 +102,7 @@ def compute_trl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
 
 
 def aggregate_loss_type(inputs: StyleInputs, token_loss: np.ndarray, loss_type: str, divisor: float) -> float:
-    """The TRL/Liger loss-type denominators for one whole step (metrics.md §7.3); B counts empty rows."""
+    """The TRL/Liger loss-type denominators for one whole step (docs/metrics.md); B counts empty rows."""
     b = inputs.n_samples
     if loss_type == "grpo":
         per_sample = inputs.sample_sum(token_loss) / np.maximum(inputs.n_loss, 1)  # (S,)
