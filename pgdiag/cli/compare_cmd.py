@@ -239,9 +239,13 @@ def compare(
             decode=_decoder(tokenizer),
             side_by_side=side_by_side,
             metrics_options={
-                k: v
-                for k, v in (("aggregation", aggregation), ("divisor", divisor), ("key_style", key_style))
-                if v is not None
+                "eps_low": eps_low,
+                "eps_high": eps_high,
+                **{
+                    k: v
+                    for k, v in (("aggregation", aggregation), ("divisor", divisor), ("key_style", key_style))
+                    if v is not None
+                },
             },
         )
         report = comparison.report

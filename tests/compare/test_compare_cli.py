@@ -290,3 +290,22 @@ def test_runs_with_different_sample_ids_join_on_seq_hash(tmp_path) -> None:
     assert load_report(tmp_path / "rep" / "compare.parquet").meta["join"] == "hash"
     forced = _invoke("compare", a, b, "--join", "id")
     assert forced.exit_code == 3 and "error[E304]" in forced.stderr
+
+
+SAMPLE_DATA = Path(__file__).resolve().parents[2] / "sample_data"
+
+
+def _json_summary(*args: str) -> dict:
+    result = _invoke(*args, "--json")
+    return json.loads(result.stdout)["summary"]
+
+
+def test_clip_band_reaches_the_side_by_side_metrics() -> None:
+    """`--eps-low/--eps-high` move the side-by-side policy clip band exactly as `pgdiag metrics` computes it."""
+    run_a, run_b = SAMPLE_DATA / "run_a", SAMPLE_DATA / "run_b"
+    narrow = ("--eps-low", "0.05", "--eps-high", "0.05")
+    side = _json_summary("compare", run_a, run_b, "--metrics", *narrow)["run_a:old vs run_a:new"]
+    own = _json_summary("metrics", run_a, "--new", "new", "--old", "old", *narrow)["run_a:old vs run_a:new"]
+    wide = _json_summary("metrics", run_a, "--new", "new", "--old", "old")["run_a:old vs run_a:new"]
+    assert side["policy/clip_frac_band"] == own["policy/clip_frac_band"]
+    assert side["policy/clip_frac_band"] > wide["policy/clip_frac_band"]  # a narrower band holds fewer tokens
