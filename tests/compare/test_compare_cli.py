@@ -13,6 +13,7 @@ from batch_factory import random_samples, write_run
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
+from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import load_report
 
 PLOTS = ("hexbin", "dlogp-hist", "by-prob", "by-position", "by-step", "worst-trace")
@@ -145,7 +146,9 @@ def test_side_by_side_metrics_and_deltas(runs) -> None:
     from pgdiag.compare.api import compare_runs
     from pgdiag.data.runs import read_run
 
-    report = compare_runs(read_run(runs["two"]), read_run(runs["two_b"]), stream_a="old", side_by_side=True)
+    report = compare_runs(
+        read_run(runs["two"]), read_run(runs["two_b"]), stream_a="old", metrics=MetricSettings()
+    ).report
     batch = report.summary.filter((pl.col("scope") == "batch") & (pl.col("breakdown") == "all"))
     assert set(batch["pair"].unique()) == {
         "one:rollout vs one:old",
@@ -186,7 +189,7 @@ def test_all_row_matches_pgdiag_metrics_mismatch_family(runs) -> None:
     from pgdiag.metrics.api import compute_metrics
 
     run = read_run(runs["two"])
-    ours = compare_runs(run, stream_a="rollout", stream_b="old")
+    ours = compare_runs(run, stream_a="rollout", stream_b="old").report
     theirs = compute_metrics(run, new="old", old="rollout", stream_a="rollout", stream_b="old")
     pair = "one:rollout vs one:old"
     mine = ours.summary.filter((pl.col("scope") == "token") & (pl.col("breakdown") == "all"))
