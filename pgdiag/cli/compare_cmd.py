@@ -132,7 +132,7 @@ def compare(
         str | None,
         typer.Option(
             "--stream-b",
-            help="Side b stream (one run: auto excluding a; two runs: same as a).",
+            help="Side b stream (one run: old, else new or the only tag; two runs: same as a).",
             rich_help_panel=STREAMS,
         ),
     ] = None,

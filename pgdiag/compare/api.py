@@ -5,8 +5,8 @@ sequence scope (`parity`), the breakdowns (`breakdowns`), the logprob-only diagn
 tables (`worst`) and, on request, each run's own metric set side by side; returns one `Report`.
 Why: the CLI, notebooks and tests all get the same numbers from one call; nothing here prints.
 How: inputs are `Run`s, paths (read with `pgdiag.data.runs.read_run`) or in-memory `TokenBatch`es. Streams resolve as
-§5.4 says: one run, a = `rollout`, b = first present of `new`, `old`, the only recompute tag, `rollout`
-(excluding a); two runs, a = first present of that list in run a, b = the same name. Rows follow the tidy
+docs/compare.md says: one run, a = `rollout`, b = `old` (engine vs trainer), else the first present of `new`, the
+only recompute tag, `rollout` (excluding a); two runs, a = first present of that list in run a, b = the same name. Rows follow the tidy
 report schema (§2.4); side-by-side run metrics use scope `batch`, which compare's gates never read.
 """
 
@@ -91,8 +91,12 @@ def resolve_streams(
         raise UsageError(
             "E111", f"cannot choose --stream-a among {list(streams_a)}", "name one with --stream-a"
         )
-    if stream_b is None:
-        stream_b = auto_stream(streams_a, exclude=stream_a) if one_run else stream_a
+    if stream_b is None and one_run:  # engine vs trainer: old, else the recomputed policy
+        stream_b = (
+            "old" if "old" in streams_a and stream_a != "old" else auto_stream(streams_a, exclude=stream_a)
+        )
+    elif stream_b is None:
+        stream_b = stream_a
     if stream_b is None or (one_run and stream_b == stream_a):
         raise UsageError(
             "E111",

@@ -312,3 +312,24 @@ def test_clip_band_reaches_the_side_by_side_metrics() -> None:
     wide = _json_summary("metrics", run_a, "--new", "new", "--old", "old")["run_a:old vs run_a:new"]
     assert side["policy/clip_frac_band"] == own["policy/clip_frac_band"]
     assert side["policy/clip_frac_band"] > wide["policy/clip_frac_band"]  # a narrower band holds fewer tokens
+
+
+def test_one_run_defaults_to_the_engine_vs_trainer_pair(tmp_path) -> None:
+    """`compare RUN` pairs rollout with old (engine vs trainer, as `metrics` does), not with the updated policy."""
+    run_a = SAMPLE_DATA / "run_a"
+    result = json.loads(_invoke("compare", run_a, "--json").stdout)
+    assert result["inputs"]["streams"] == ["rollout", "old"]
+    explicit = _json_summary("compare", run_a, "--stream-a", "rollout", "--stream-b", "old")
+    assert result["summary"] == explicit
+    metrics = _json_summary("metrics", run_a)["run_a:rollout vs run_a:old"]
+    pair = result["summary"]["run_a:rollout vs run_a:old"]
+    assert pair["mismatch/abs_mean"] == pytest.approx(metrics["mismatch/abs_mean"], rel=1e-12)
+    # without an old stream, the trainer side is the recomputed (new) policy
+    samples = random_samples(3, 8)
+    no_old = write_run(
+        tmp_path / "n.parquet",
+        samples,
+        run="r",
+        streams={"rollout_logprobs": "rollout", "new_logprobs": "old"},
+    )
+    assert json.loads(_invoke("compare", no_old, "--json").stdout)["inputs"]["streams"] == ["rollout", "new"]
