@@ -196,4 +196,6 @@ def test_flags_verl_does_not_have_are_rejected(overrides: dict) -> None:
     batch = worked_example()
     with pytest.raises(UsageError) as excinfo:
         compute_step_style(batch, settings_for("verl", batch, **overrides))
-    assert excinfo.value.code == "bad-flag"
+    assert excinfo.value.code == (
+        "E503" if "dual_clip" in overrides else "bad-flag"
+    )  # ClipBand rejects C <= 1
