@@ -43,7 +43,7 @@ def test_import_then_compare_has_zero_deltas(tmp_path):
     src = REPO / "sample_data" / "run_a"
     a = pgdiag.import_run("canonical", src, tmp_path / "a")
     b = pgdiag.import_run("canonical", src, tmp_path / "b")
-    report = pgdiag.compare_runs(pgdiag.read_run(a.path), pgdiag.read_run(b.path))
+    report = pgdiag.compare_runs(pgdiag.read_run(a.path), pgdiag.read_run(b.path)).report
     summary = report.summary.filter(
         (pl.col("breakdown") == "all")
         & pl.col("metric").is_in(["mismatch/abs_mean", "mismatch/rms", "mismatch/bias"])
@@ -195,3 +195,12 @@ def test_existing_output_needs_overwrite(tmp_path):
         "out",
         "r.jsonl",
     ]
+
+
+def test_import_run_takes_options_as_keywords(tmp_path):
+    src = _jsonl(tmp_path / "r.jsonl", ROWS)
+    pgdiag.import_run("canonical", src, tmp_path / "out", temperature=0.6, label="kw")
+    run = pgdiag.read_run(tmp_path / "out")
+    assert run.meta["sampling"]["temperature"] == 0.6 and run.label == "kw"
+    with pytest.raises(UsageError):
+        pgdiag.import_run("canonical", src, tmp_path / "o2", tempreature=0.6)
