@@ -11,7 +11,8 @@ A gate is evaluated on the ``breakdown = all`` rows of every pair of a report; a
 it. A null value fails a `--fail-on` gate as ``missing``. Aliases: ``k1`` = ``kl_k1``, ``k3`` = ``kl_k3``,
 ``tau`` = ``tau_fit``, ``tau_dev`` = |tau_fit - 1|. A stat without a family is accepted when exactly one family has
 it (in `compare` the default family is ``mismatch``). Profiles add gates; an explicit flag on the same name and
-scope wins, and profile gates on metrics the report does not have are skipped.
+scope wins, and a profile gate whose metric the report lacks or could not compute is reported as ``skipped``
+(the same in `metrics` and `compare`).
 """
 
 from __future__ import annotations
@@ -85,7 +86,9 @@ class GateOutcome:
     pair: str | None
     metric: str | None
     value: float | None
-    status: str  # "pass" | "fail" | "warn" | "missing"
+    status: (
+        str  # "pass" | "fail" | "warn" | "missing" (explicit fail gate, no value) | "skipped" (profile gate)
+    )
 
 
 @dataclass(frozen=True)
@@ -176,23 +179,22 @@ def evaluate_gates(
             if (gate.name, gate.scope, gate.kind) in taken:
                 continue
             at_scope = rows.filter(pl.col("scope") == gate.scope)["metric"].unique().to_list()
-            keys = _resolve(gate, at_scope, default_family)
-            if keys is None:  # the command does not produce this metric at this scope: skipped
-                continue
-            gates.append((gate, keys))
+            gates.append((gate, _resolve(gate, at_scope, default_family)))
 
     outcomes: list[GateOutcome] = []
     for gate, keys in gates:
         compare = _OPS[gate.op]
+        # a value the report lacks: an explicit fail gate fails as `missing`; a profile gate is `skipped`
+        absent = "skipped" if gate.from_profile else ("missing" if gate.kind == "fail" else "pass")
         cells = rows.filter(pl.col("metric").is_in(keys or []) & (pl.col("scope") == gate.scope))
         if cells.height == 0:
-            outcomes.append(GateOutcome(gate.expr, gate.kind, None, (keys or [None])[0], None, "missing"))
+            outcomes.append(GateOutcome(gate.expr, gate.kind, None, (keys or [None])[0], None, absent))
             continue
         for pair, metric, value in cells.select("pair", "metric", "value").iter_rows():
             if value is not None and gate.name == "tau_dev":
                 value = abs(value - 1.0)
             if value is None:
-                status = "missing" if gate.kind == "fail" else "pass"
+                status = absent
             elif compare(value, gate.threshold):
                 status = gate.kind
             else:

@@ -71,7 +71,9 @@ def test_identical_runs_pass_every_profile_with_zero_deltas(runs, tmp_path) -> N
     summary = obj["summary"]["engine:rollout vs trainer:rollout"]
     assert summary["mismatch/abs_mean"] == 0.0 and summary["mismatch/kl_k3"] == 0.0
     assert summary["sequence.mismatch/abs_max"] == 0.0
-    assert {g["status"] for g in obj["gates"]} == {"pass"}
+    assert {g["expr"]: g["status"] for g in obj["gates"] if g["status"] != "pass"} == {
+        "tau_dev>0.02": "skipped"
+    }
     for profile in ("nemo", "verl", "slime", "deterministic"):
         assert _invoke("compare", runs["a"], runs["same"], "--profile", profile).exit_code == 0, profile
 
@@ -333,3 +335,23 @@ def test_one_run_defaults_to_the_engine_vs_trainer_pair(tmp_path) -> None:
         streams={"rollout_logprobs": "rollout", "new_logprobs": "old"},
     )
     assert json.loads(_invoke("compare", no_old, "--json").stdout)["inputs"]["streams"] == ["rollout", "new"]
+
+
+def test_metrics_and_compare_agree_on_a_profile_verdict() -> None:
+    """Same pair, same profile: the same exit code, and `tau_dev` (no logits) skipped in both."""
+    run_a = SAMPLE_DATA / "run_a"
+    loose = (
+        "--profile",
+        "recommended",
+        "--fail-on",
+        "mismatch/abs_mean>1",
+        "--fail-on",
+        "mismatch/frac_out_2x>1",
+    )
+    results = [json.loads(_invoke(cmd, run_a, *loose, "--json").stdout) for cmd in ("metrics", "compare")]
+    assert [r["exit_code"] for r in results] == [0, 0]
+    for r in results:
+        tau = [g for g in r["gates"] if g["expr"] == "tau_dev>0.02"]
+        assert [g["status"] for g in tau] == ["skipped"]
+    strict = [_invoke(cmd, run_a, "--profile", "recommended").exit_code for cmd in ("metrics", "compare")]
+    assert strict == [1, 1]  # abs_mean 0.026 > 0.02 fails in both
