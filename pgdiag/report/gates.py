@@ -205,3 +205,67 @@ def evaluate_gates(
     warned = any(o.status == "warn" for o in outcomes)
     status = "fail" if failed else ("warn" if warned else "pass")
     return GateResult(status, tuple(outcomes), EXIT_GATE if failed else EXIT_OK)
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """The user's gates and exit rule: `--fail-on`, `--warn-on`, `--profile`, `--strict`, `--exit-zero`."""
+
+    fail_on: tuple[str, ...] = ()
+    warn_on: tuple[str, ...] = ()
+    profile: str | None = None
+    strict: bool = False  # a check warning exits 1
+    exit_zero: bool = False  # a triggered gate exits 0 (the status stays "fail")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fail_on", tuple(self.fail_on))
+        object.__setattr__(self, "warn_on", tuple(self.warn_on))
+        for expr in (*self.fail_on, *self.warn_on):
+            parse_gate(expr)
+        if self.profile is not None and self.profile not in PROFILES:
+            raise UsageError(
+                "E110", f"unknown profile {self.profile!r}", f"choose one of {', '.join(PROFILES)}"
+            )
+
+
+def gate_policy(
+    *, fail_on: Sequence[str] = (), default_family: str | None = None, known_metrics: Sequence[str] = ()
+) -> dict[str, object]:
+    """The gates a command always applies, kept in `Report.meta["gate_policy"]` so `outcome` (and a saved
+    report loaded later) applies them too: default fail gates, the family of a bare stat name, and metric names
+    that are valid although this report may lack them."""
+    return {"fail_on": list(fail_on), "default_family": default_family, "known_metrics": list(known_metrics)}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The verdict of one command: status, exit code and every gate outcome."""
+
+    status: str  # "ok" | "fail"
+    exit_code: int  # 0 ok, 1 a fail gate triggered (or a check warning under strict), unless exit_zero
+    gates: GateResult
+
+
+def outcome(report: Report, settings: GateSettings | None = None) -> Outcome:
+    """Gates of `settings` plus the report's own default gates, and the status and exit-code rule of the CLI.
+
+    Exit 1 when a fail gate triggers (or a gate on a metric that could not be computed, `missing`) or, under
+    `strict`, when the checks found a warning; `exit_zero` turns that 1 into 0 and leaves the status "fail".
+    """
+    settings = settings or GateSettings()
+    policy = report.meta.get("gate_policy") or gate_policy()
+    gates = evaluate_gates(
+        report,
+        fail_on=[*settings.fail_on, *policy["fail_on"]],
+        warn_on=settings.warn_on,
+        profile=settings.profile,
+        default_family=policy["default_family"],
+        known_metrics=policy["known_metrics"],
+    )
+    exit_code = gates.exit_code
+    if settings.strict and report.checks.filter(pl.col("severity") == "warning").height:
+        exit_code = EXIT_GATE
+    status = "ok" if exit_code == EXIT_OK else "fail"
+    if settings.exit_zero and exit_code == EXIT_GATE:
+        exit_code = EXIT_OK
+    return Outcome(status, exit_code, gates)

@@ -355,3 +355,26 @@ def test_metrics_and_compare_agree_on_a_profile_verdict() -> None:
         assert [g["status"] for g in tau] == ["skipped"]
     strict = [_invoke(cmd, run_a, "--profile", "recommended").exit_code for cmd in ("metrics", "compare")]
     assert strict == [1, 1]  # abs_mean 0.026 > 0.02 fails in both
+
+
+def test_library_outcome_is_the_cli_verdict() -> None:
+    """`pgdiag.outcome` on the library's report gives the exit code and gates the CLI prints."""
+    import pgdiag
+
+    run_a = SAMPLE_DATA / "run_a"
+    gate_settings = pgdiag.GateSettings(profile="recommended", fail_on=("policy/kl_k1>1",))
+    for command, report in (
+        ("metrics", pgdiag.compute_metrics(pgdiag.read_run(run_a))),
+        ("compare", pgdiag.compare_runs(run_a).report),
+    ):
+        fail_on = ("--fail-on", "policy/kl_k1>1") if command == "metrics" else ()
+        cli = json.loads(_invoke(command, run_a, "--profile", "recommended", *fail_on, "--json").stdout)
+        if command == "compare":
+            gate_settings = pgdiag.GateSettings(profile="recommended")
+        verdict = pgdiag.outcome(report, gate_settings)
+        assert (verdict.status, verdict.exit_code) == (cli["status"], cli["exit_code"]) == ("fail", 1)
+        assert [(g.expr, g.status) for g in verdict.gates.gates] == [
+            (g["expr"], g["status"]) for g in cli["gates"]
+        ]
+    defaults = [g.expr for g in pgdiag.outcome(pgdiag.compute_metrics(pgdiag.read_run(run_a))).gates.gates]
+    assert defaults == ["count/tokens_invalid>0"]  # the metrics default gate travels with the report
