@@ -18,8 +18,9 @@ What a preset must hand over in `ImportedStep.rows` (a polars DataFrame, one row
   layout and places values with `pgdiag.importers.alignment` (`response_aligned`, `right_aligned_block`,
   `next_token`); padding removed by recorded lengths, never by matching pad ids;
 * ``loss_mask`` already the product of every mask the trainer's loss applies;
-* values **nulled off the loss mask** whatever they hold there ("masks, not values":
-  `alignment.null_off_mask`); values on loss positions never changed (a 0.0 there stays and fails E206);
+* values on loss positions never changed (a 0.0 there stays and fails E206); off the loss mask they may hold
+  anything: the writer nulls every stream and ``advantages`` there ("masks, not values"), and a preset
+  never locates masked positions by testing values;
 * no ``step`` or ``run`` column needed (the writer sets ``step`` from `ImportedStep.step`).
 
 Refusals are raised as the errors below, each naming the file, the field and the expectation:
@@ -158,6 +159,9 @@ class ImportedStep:
     what the source recorded (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``logprobs_mode``,
     ``tempered``, ``engine``); command-line values fill what it lacks. `degenerate`: rules the writer tests over
     the whole import. `warnings`: W703 and notes on dropped rows ("3 padding rows dropped (pad_size)").
+    `footer`: footer entries that replace the derived ones (``tokenizer``, ``model``; the canonical preset passes
+    a pgdiag file's own ``source`` and ``streams`` through). `unsafe_load`: the step was read through
+    ``--allow-unsafe-pickle`` (`safe_load.Loaded.unsafe_load`).
     """
 
     step: int
@@ -172,6 +176,8 @@ class ImportedStep:
     retokenized: bool = False
     degenerate: tuple[DegenerateStream, ...] = ()
     warnings: list[ImportWarning] = field(default_factory=list)
+    footer: Mapping[str, Any] = field(default_factory=dict)  # extra footer keys: tokenizer, model (win)
+    shifts_applied: bool = False  # True when the preset applied --shift itself (canonical)
 
 
 ReadSteps = Callable[[Path, ImportOptions], Iterator[ImportedStep]]
@@ -225,3 +231,23 @@ def bad_layout(
     """E703: `file`'s `field_name` does not hold what the preset expects (exit 3)."""
     where = f"{file}" if row is None else f"{file}, row {row}"
     return InvalidInputError("E703", f"{where}: {field_name}: expected {expected}")
+
+
+def parse_shift(text: str) -> tuple[str | None, int]:
+    """``"K"`` -> (None, K); ``"COL=K"`` -> (COL, K); UsageError E112 otherwise."""
+    column, sep, amount = text.rpartition("=")
+    try:
+        k = int(amount)
+    except ValueError:
+        raise UsageError("E112", f"--shift {text!r}: expected K or COL=K with an integer K") from None
+    if sep and not column:
+        raise UsageError("E112", f"--shift {text!r}: expected K or COL=K")
+    return (column or None, k)
+
+
+def parse_map(text: str) -> tuple[str, str]:
+    """``"SRC=DST"`` -> (SRC, DST); UsageError E112 otherwise."""
+    source, sep, target = text.partition("=")
+    if not sep or not source or not target:
+        raise UsageError("E112", f"--map {text!r}: expected SRC=DST, e.g. --map tokens=input_ids")
+    return (source, target)
