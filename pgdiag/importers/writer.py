@@ -147,7 +147,7 @@ def finalize_rows(imported: ImportedStep, options: ImportOptions, *, label: str 
             raise InvalidInputError(
                 "E102", f"{source}: missing column {column}", "map it with --map SRC=" + column
             )
-    if not _stream_columns(df.columns):
+    if imported.requires_stream and not _stream_columns(df.columns):
         raise InvalidInputError(
             "E102",
             f"{source}: no log-prob stream (rollout_logprobs, old_logprobs, ref_logprobs or new_logprobs)",
