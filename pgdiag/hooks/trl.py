@@ -103,8 +103,8 @@ class _TrlRecorder:
             "top_p": plain(getattr(args, "top_p", "unknown")),
             "top_k": plain(getattr(args, "top_k", "unknown")),
             "min_p": plain(getattr(args, "min_p", "unknown")),
-            "logprobs_mode": "unknown",
-            "tempered": "unknown",
+            "logprobs_mode": "processed",  # vLLM runs with processed_logprobs under TRL
+            "tempered": True,  # TRL divides the logits by the temperature before log-softmax
             "use_vllm": bool(getattr(trainer, "use_vllm", False)),
             "vllm_importance_sampling_correction": bool(
                 getattr(trainer, "vllm_importance_sampling_correction", False)
