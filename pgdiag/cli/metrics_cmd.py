@@ -236,6 +236,14 @@ def metrics(
         bool,
         typer.Option("--no-vllm-is", help="trl: disable the vLLM IS correction.", rich_help_panel=METRICS),
     ] = False,
+    no_kl_bias_correction: Annotated[
+        bool,
+        typer.Option(
+            "--no-kl-bias-correction",
+            help="trl: use_bias_correction_kl=False (KL term not multiplied by the ratio).",
+            rich_help_panel=METRICS,
+        ),
+    ] = False,
     pad_width: Annotated[
         int | None, typer.Option("--pad-width", help="liger: padded width T'.", rich_help_panel=METRICS)
     ] = None,
@@ -320,6 +328,7 @@ def metrics(
                 rollout_is_threshold=rollout_is_threshold,
                 beta=beta,
                 vllm_is=not no_vllm_is,
+                kl_bias_correction=not no_kl_bias_correction,
                 pad_width=pad_width,
                 tis=tis,
                 batch_size=batch_size,
