@@ -189,7 +189,7 @@ def main() -> None:
         except Exception as exc:  # a path that cannot run here is a finding, not the end of the run
             results["rows"].append({"name": name, "error": repr(exc)[:400]})
             print(f"{name}: FAILED {exc!r:.300}", flush=True)
-            del model
+            del model, run
             continue
         ours, impl, mode = out
         diff = torch.cat([(a - b).abs() for a, b in zip(ours, hf_out, strict=True)], dim=1)  # (2, M)
@@ -199,7 +199,7 @@ def main() -> None:
             check = pack(rollouts[: args.routing_rollouts], args.batch_tokens)
             bf16_routes = routing_of(model, check)
             bf16_logprobs = ours_pass(model, check, model.lm_head_weight, "fp32", "auto")[0]
-        del model
+        del model, run, out
     del hf_out
 
     # 3. routing: bf16 vs fp32 recompute (fp32 upcast of the same weights; the bf16 state moves to the host first)

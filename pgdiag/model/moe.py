@@ -142,7 +142,8 @@ def expert_outputs(
     else:
         rows = _loop(xs, counts, gate_up, down, glu, gate_up_bias, down_bias)
     weighted = (rows.float() * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)  # (M, H)
-    slots = x.new_zeros(n * k, x.shape[1])  # (N*k, H) one slot per assignment
+    # (N*k, H) one slot per assignment; zeros only where another rank owns some
+    slots = x.new_empty(n * k, x.shape[1]) if m == n * k else x.new_zeros(n * k, x.shape[1])
     slots.index_copy_(0, order, weighted)
     return slots.view(n, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)  # (N, H)
 
