@@ -173,15 +173,24 @@ def main() -> None:
     state = dict(hf.state_dict())
     del hf
 
-    # 2. pgdiag on the same tensors
-    batches = pack(rollouts, args.batch_tokens)
-    variants = [("grouped", "fp32"), ("grouped", "bf16"), ("loop", "fp32")]  # (experts, head dtype)
-    for experts, head_dtype in variants:
+    # 2. pgdiag on the same tensors. HF's fused expert tensors stay resident (the next variant reads them) but
+    #    are not ours: `peak_gib_pgdiag` is the peak minus their bytes, what pgdiag alone holds.
+    hf_expert_gib = (
+        sum(t.numel() * t.element_size() for n, t in state.items() if ".mlp.experts." in n) / 2**30
+    )
+    variants = [  # (experts, head dtype, batch tokens)
+        ("grouped", "fp32", args.batch_tokens),
+        ("grouped", "bf16", args.batch_tokens),
+        ("grouped", "fp32", 2 * args.batch_tokens),
+        ("loop", "fp32", args.batch_tokens),
+    ]
+    for experts, head_dtype, budget in variants:
         reset_peak(device)
+        batches = pack(rollouts, budget)
         model = load_from_source(cfg, FusedExpertSource(state, cfg.moe.expert_intermediate_size), where="HF state",
                                  dtype="bf16", head_dtype=head_dtype, device=device, fuse_pointwise=device.type == "cuda",
                                  experts=experts)  # fmt: skip
-        name = f"pgdiag {model.attention_backend} fused, experts {model.expert_impl}, head {head_dtype}"
+        name = f"pgdiag {model.attention_backend} fused, experts {model.expert_impl}, head {head_dtype}, {budget // 1024}k"
         repeats = args.repeats if experts == "grouped" else 1
         run = partial(ours_pass, model, batches, model.lm_head_weight, head_dtype, "auto")
         try:
@@ -193,9 +202,10 @@ def main() -> None:
             continue
         ours, impl, mode = out
         diff = torch.cat([(a - b).abs() for a, b in zip(ours, hf_out, strict=True)], dim=1)  # (2, M)
-        row(name, times, peak, head_impl=impl, head_mode=mode, batches=len(batches),
-            max_abs_dlogp_vs_hf=float(diff[0].max()), mean_abs_dlogp_vs_hf=float(diff[0].mean()))  # fmt: skip
-        if experts == "grouped" and head_dtype == "fp32":
+        row(name, times, peak, peak_gib_pgdiag=peak - hf_expert_gib, head_impl=impl, head_mode=mode,
+            batches=len(batches), max_abs_dlogp_vs_hf=float(diff[0].max()),
+            mean_abs_dlogp_vs_hf=float(diff[0].mean()))  # fmt: skip
+        if experts == "grouped" and head_dtype == "fp32" and budget == args.batch_tokens:
             check = pack(rollouts[: args.routing_rollouts], args.batch_tokens)
             bf16_routes = routing_of(model, check)
             bf16_logprobs = ours_pass(model, check, model.lm_head_weight, "fp32", "auto")[0]
@@ -237,7 +247,8 @@ def main() -> None:
             print(f"  {r['name']}: {r['error'][:160]}")
         else:
             print(f"  {r['name']:52s} {r['tokens_per_s']:8.0f} tok/s ({r['tokens_per_s'] / hf_tps:4.2f}x HF)  "
-                  f"MFU(active) {r['mfu_active']:6.1%}  peak {r['peak_gib']:5.1f} GiB  "
+                  f"MFU(active) {r['mfu_active']:6.1%}  peak {r['peak_gib']:5.1f} GiB "
+                  f"(pgdiag alone {r.get('peak_gib_pgdiag', r['peak_gib']):5.1f})  "
                   f"dlogp max {r.get('max_abs_dlogp_vs_hf', 0):.3g} mean {r.get('mean_abs_dlogp_vs_hf', 0):.2g}")  # fmt: skip
     print(f"  real tokens {n_tokens}, active params {cfg.active_params() / 1e9:.2f} B", flush=True)
 

@@ -148,7 +148,12 @@ def _varlen_sinks(
         return _eager_sinks(q, k, v, docs, window, sinks)
     kwargs: dict[str, object] = {"window_size": (-1 if window is None else window - 1, 0)}
     if q.shape[1] != k.shape[1]:
-        kwargs["enable_gqa"] = True
+        if "enable_gqa" in inspect.signature(varlen_module.varlen_attn).parameters:
+            kwargs["enable_gqa"] = True
+        else:
+            group = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(group, dim=1)  # (N, Hq, D)
+            v = v.repeat_interleave(group, dim=1)
     cu = docs.cu_seqlens
     out, aux = varlen_module.varlen_attn(
         q, k, v, cu, cu, docs.max_len, docs.max_len, return_aux=aux_request(lse=True), **kwargs

@@ -108,6 +108,25 @@ def clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tens
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def combine_rows(rows: Tensor, row_of: Tensor, weights: Tensor) -> Tensor:
+    """out[t] = sum_j round(weights[t, j] * rows[row_of[t, j]]): each weighted expert output rounded to the rows'
+    dtype (as HF), the k of a token summed in fp32. rows (M, H), row_of (N, k) int64, weights (N, k) fp32 ->
+    (N, H). Fused by `torch.compile` (`moe_combine(fused=True)`) it is one gather-multiply-sum kernel."""
+    n, k = weights.shape
+    picked = rows.index_select(0, row_of.reshape(-1)).view(n, k, -1)  # (N, k, H)
+    weighted = (picked.float() * weights[..., None]).to(rows.dtype)
+    return weighted.sum(dim=1, dtype=torch.float32).to(rows.dtype)
+
+
+def moe_combine(fused: bool) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """`combine_rows`, eager or compiled into one kernel (same math, every cast kept)."""
+    if not fused:
+        return combine_rows
+    return torch.compile(
+        combine_rows, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
+    )
+
+
 def expert_outputs(
     x: Tensor,
     experts: Tensor,
@@ -120,6 +139,7 @@ def expert_outputs(
     gate_up_bias: Tensor | None = None,
     down_bias: Tensor | None = None,
     impl: str = "loop",
+    combine: Callable[[Tensor, Tensor, Tensor], Tensor] = combine_rows,
 ) -> Tensor:
     """Sum over k of weights[t, j] * expert_{experts[t, j]}(x[t]) for this rank's experts: (N, H) in x.dtype.
 
@@ -141,11 +161,11 @@ def expert_outputs(
         rows = _grouped(xs, counts, gate_up, down, row_expert, glu, gate_up_bias, down_bias)
     else:
         rows = _loop(xs, counts, gate_up, down, glu, gate_up_bias, down_bias)
-    weighted = (rows.float() * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)  # (M, H)
-    # (N*k, H) one slot per assignment; zeros only where another rank owns some
-    slots = x.new_empty(n * k, x.shape[1]) if m == n * k else x.new_zeros(n * k, x.shape[1])
-    slots.index_copy_(0, order, weighted)
-    return slots.view(n, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)  # (N, H)
+    # where each assignment's output row is (row 0 with weight 0 where another rank owns the expert)
+    row_of = torch.zeros(n * k, dtype=torch.int64, device=x.device)
+    row_of.index_copy_(0, order, torch.arange(m, device=x.device))
+    owned_weights = torch.where(key < n_local, weights.reshape(-1), 0.0).view(n, k)
+    return combine(rows, row_of.view(n, k), owned_weights)  # (N, H)
 
 
 def _loop(
@@ -221,9 +241,14 @@ class MoeBlock(nn.Module):
     """Router + experts (+ shared expert) of one sparse layer; HF names for the router and shared expert."""
 
     def __init__(
-        self, config: ModelConfig, layout: TPLayout, swiglu: Callable[[Tensor, Tensor], Tensor]
+        self,
+        config: ModelConfig,
+        layout: TPLayout,
+        swiglu: Callable[[Tensor, Tensor], Tensor],
+        combine: Callable[[Tensor, Tensor, Tensor], Tensor],
     ) -> None:
         super().__init__()
+        self.combine = combine
         moe = config.moe
         assert moe is not None
         h = config.hidden_size
@@ -268,6 +293,7 @@ class MoeBlock(nn.Module):
             gate_up_bias=getattr(w, "gate_up_bias", None),
             down_bias=getattr(w, "down_bias", None),
             impl=impl,
+            combine=self.combine,
         )  # (N, H) partial over this rank's experts
         if hasattr(self, "shared_expert"):
             s = self.shared_expert

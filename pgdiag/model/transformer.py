@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from pgdiag.model.attention import PackedDocs, packed_attention
 from pgdiag.model.config import ModelConfig, RopeConfig
-from pgdiag.model.moe import MoeBlock
+from pgdiag.model.moe import MoeBlock, moe_combine
 from pgdiag.model.tp import TPLayout, all_reduce_sum
 
 
@@ -133,14 +133,17 @@ class PointwiseOps:
     rms_norm_fp32_weight: Callable[[Tensor, Tensor, float], Tensor]
     rope: Callable[[Tensor, Tensor, Tensor], Tensor]
     swiglu: Callable[[Tensor, Tensor], Tensor]
+    moe_combine: Callable[[Tensor, Tensor, Tensor], Tensor]  # pgdiag.model.moe.combine_rows
 
 
 def pointwise_ops(fused: bool) -> PointwiseOps:
     if not fused:
-        return PointwiseOps(rms_norm, rms_norm_fp32_weight, apply_rope, swiglu)
+        return PointwiseOps(rms_norm, rms_norm_fp32_weight, apply_rope, swiglu, moe_combine(False))
     # emulate_precision_casts: round at every bf16 cast as eager (and HF) does, not once at the end
     fuse = partial(torch.compile, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
-    return PointwiseOps(fuse(rms_norm), fuse(rms_norm_fp32_weight), fuse(apply_rope), fuse(swiglu))
+    return PointwiseOps(
+        fuse(rms_norm), fuse(rms_norm_fp32_weight), fuse(apply_rope), fuse(swiglu), moe_combine(True)
+    )
 
 
 class RMSNorm(nn.Module):
@@ -233,7 +236,8 @@ class DecoderLayer(nn.Module):
         moe_name = "block_sparse_moe" if config.moe and config.moe.weight_layout == "mixtral" else "mlp"
         self.ffn_name = moe_name if sparse else "mlp"
         self.add_module(
-            self.ffn_name, MoeBlock(config, layout, ops.swiglu) if sparse else MLP(config, layout, ops)
+            self.ffn_name,
+            MoeBlock(config, layout, ops.swiglu, ops.moe_combine) if sparse else MLP(config, layout, ops),
         )
 
     def forward(

@@ -84,3 +84,19 @@ def test_varlen_sinks_equal_eager_sinks(window: int | None) -> None:
     assert rel_err(got, ref) < 1e-2
     plain = packed_attention(q.float(), k.float(), v.float(), docs, window=window, backend="sdpa")
     assert rel_err(plain, ref) > 5e-2  # the sinks bind
+
+
+@needs_cuda
+def test_compiled_combine_equals_eager() -> None:
+    from pgdiag.model.moe import combine_rows, moe_combine
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, k, h = 999, 8, 256
+    rows = torch.randn(n * k - 5, h, device="cuda", generator=g).bfloat16()
+    row_of = torch.randint(0, rows.shape[0], (n, k), device="cuda", generator=g)
+    weights = torch.rand(n, k, device="cuda", generator=g)
+    weights[:3] = 0.0  # assignments another rank owns
+    eager = combine_rows(rows, row_of, weights)
+    fused = moe_combine(True)(rows, row_of, weights)
+    assert fused.dtype == torch.bfloat16
+    torch.testing.assert_close(fused, eager, rtol=0, atol=0)
