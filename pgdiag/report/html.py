@@ -22,7 +22,7 @@ from typing import Any
 import polars as pl
 
 from pgdiag.errors import UsageError
-from pgdiag.report.plots import Mark, PlotSet, figure_bytes
+from pgdiag.report.plots import SMALL_BUCKET, Mark, PlotSet, figure_bytes
 from pgdiag.report.report import Report
 
 FAMILY_ORDER = ("policy", "loss", "mismatch", "advantage", "entropy", "group", "grad", "count")
@@ -57,6 +57,7 @@ h3 { font-size: 14px; margin: 16px 0 6px; }
 nav { margin-top: 10px; font-size: 13px; }
 nav a { margin-right: 14px; color: #1f5fbf; text-decoration: none; }
 .scroll { overflow-x: auto; }
+.blocks { display: flex; flex-wrap: wrap; gap: 8px 36px; align-items: flex-start; }
 table { border-collapse: collapse; font-size: 12.5px; margin: 4px 0 10px; }
 th, td { padding: 3px 10px; border-bottom: 1px solid var(--line); text-align: right; white-space: nowrap; }
 th { background: var(--soft); font-weight: 600; position: sticky; top: 0; }
@@ -98,21 +99,24 @@ def _num(value: Any, unit: str = "") -> str:
     return f"{value:.6g}"
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], *, left: int = 1) -> str:
+def _table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], *, left: int = 1, small: Sequence[bool] = ()
+) -> str:
     """An HTML table; `rows` hold ready HTML cells (``<td ...>``) or plain strings (escaped, right-aligned
-    except the first `left` columns)."""
+    except the first `left` columns); rows flagged in `small` are greyed (a bucket with few tokens)."""
     head = "".join(
         f'<th class="name">{_e(h)}</th>' if i < left else f"<th>{_e(h)}</th>" for i, h in enumerate(header)
     )
     body = []
-    for row in rows:
+    for index, row in enumerate(rows):
         cells = []
         for i, cell in enumerate(row):
             if cell.startswith("<td"):
                 cells.append(cell)
             else:
                 cells.append(f'<td class="name">{_e(cell)}</td>' if i < left else f"<td>{_e(cell)}</td>")
-        body.append(f"<tr>{''.join(cells)}</tr>")
+        muted = ' class="small"' if index < len(small) and small[index] else ""
+        body.append(f"<tr{muted}>{''.join(cells)}</tr>")
     return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
 
 
@@ -176,7 +180,8 @@ def _metrics_tables(report: Report, marks: Sequence[Mark]) -> str:
 def _compare_tables(report: Report) -> str:
     summary = report.summary
     rows = summary.filter(pl.col("breakdown") == "all")
-    parts = []
+    parts: list[str] = []
+    blocks: list[str] = []
     for pair in rows["pair"].unique(maintain_order=True).to_list():
         part = rows.filter(pl.col("pair") == pair)
         scopes = part["scope"].unique().to_list()
@@ -200,15 +205,18 @@ def _compare_tables(report: Report) -> str:
             )
         n_tok = cells.get(("token", "count/mismatch_tokens"), (None, ""))[0]
         n_seq = cells.get(("sequence", "count/samples"), (None, ""))[0]
-        parts.append(
-            f"<h3>parity <span class='note'>{_e(pair)} (Δ = lp_b − lp_a; {_num(n_tok, 'count')} tokens, "
-            f"{_num(n_seq, 'count')} sequences)</span></h3>"
+        blocks.append(
+            f"<div><h3>parity <span class='note'>{_e(pair)}<br>Δ = lp_b − lp_a; {_num(n_tok, 'count')} "
+            f"tokens, {_num(n_seq, 'count')} sequences</span></h3>"
+            + _table(["statistic", "token", "sequence", "unit"], body)
+            + "</div>"
         )
-        parts.append(_table(["statistic", "token", "sequence", "unit"], body))
     batch = rows.filter(pl.col("scope") == "batch")
     if batch.height:
-        body = [[p, m, _num(v, u), f'<td class="unit">{_e(u)}</td>']
-                for p, m, v, u in batch.select("pair", "metric", "value", "unit").iter_rows()]  # fmt: skip
+        body = [
+            [p, m, _num(v, u), f'<td class="unit">{_e(u)}</td>']
+            for p, m, v, u in batch.select("pair", "metric", "value", "unit").iter_rows()
+        ]
         parts.append("<details><summary>each run's own metrics (--metrics)</summary>")
         parts.append(_table(["run", "metric", "all", "unit"], body, left=2) + "</details>")
     breakdowns = summary.filter(
@@ -216,15 +224,18 @@ def _compare_tables(report: Report) -> str:
     )
     for (pair, breakdown), part in breakdowns.group_by(["pair", "breakdown"], maintain_order=True):
         wide = part.pivot(on="metric", index=["bucket", "bucket_lo", "n"], values="value").sort("bucket_lo")
-        body = []
+        body, small = [], []
         for row in wide.iter_rows(named=True):
-            body.append([str(row["bucket"]), _num(row["n"], "count")]
-                        + [_num(row.get(f"mismatch/{s}")) for s in BREAKDOWN_STATS])  # fmt: skip
-        parts.append(
-            f"<details open><summary>by {_e(breakdown)} <span class='note'>{_e(pair)}</span></summary>"
+            body.append(
+                [str(row["bucket"]), _num(row["n"], "count")]
+                + [_num(row.get(f"mismatch/{s}")) for s in BREAKDOWN_STATS]
+            )
+            small.append(int(row["n"] or 0) < SMALL_BUCKET)
+        blocks.append(
+            f"<div><h3>by {_e(breakdown)} <span class='note'>{_e(pair)}<br>grey rows: n &lt; {SMALL_BUCKET}"
+            "</span></h3>" + _table(["bucket", "n", *BREAKDOWN_STATS], body, small=small) + "</div>"
         )
-        parts.append(_table(["bucket", "n", *BREAKDOWN_STATS], body) + "</details>")
-    return "".join(parts)
+    return f'<div class="blocks">{"".join(blocks)}</div>' + "".join(parts)
 
 
 def _plots(plot_set: PlotSet | None) -> str:
@@ -253,8 +264,13 @@ def _worst(report: Report) -> str:
         header += ["lp_a", "lp_b", "Δ"] + (["context (±8 loss tokens)"] if has_text else [])
         body = []
         for row in tokens.iter_rows(named=True):
-            cells = [str(row["step"]), str(row["sample_id"]), str(row["pos"]), str(row.get("resp_pos", "")),
-                     str(row.get("token_id", ""))]  # fmt: skip
+            cells = [
+                str(row["step"]),
+                str(row["sample_id"]),
+                str(row["pos"]),
+                str(row.get("resp_pos", "")),
+                str(row.get("token_id", "")),
+            ]
             if text_column:
                 cells.append(f'<td class="text">{_e(row[text_column] or "")}</td>')
             cells += [_num(row["lp_a"]), _num(row["lp_b"]), _num(row["dlogp"])]
@@ -267,13 +283,29 @@ def _worst(report: Report) -> str:
         parts.append(_table(header, body, left=2))
     seqs = report.worst_seqs
     if seqs is not None and seqs.height:
-        columns = [c for c in ("step", "sample_id", "n_tokens", "dlogp_sum", "dlogp_mean", "abs_dlogp_max",
-                               "reward", "env") if c in seqs.columns]  # fmt: skip
+        columns = [
+            c
+            for c in (
+                "step",
+                "sample_id",
+                "n_tokens",
+                "dlogp_sum",
+                "dlogp_mean",
+                "abs_dlogp_max",
+                "reward",
+                "env",
+            )
+            if c in seqs.columns
+        ]
         body = [
-            [str(row[c]) if c in ("step", "sample_id", "env") else _num(row[c], "count" if c == "n_tokens" else "")
-             for c in columns]
+            [
+                str(row[c])
+                if c in ("step", "sample_id", "env")
+                else _num(row[c], "count" if c == "n_tokens" else "")
+                for c in columns
+            ]
             for row in seqs.iter_rows(named=True)
-        ]  # fmt: skip
+        ]
         parts.append(f"<h3>worst sequences <span class='note'>(largest |Σ Δ|, {seqs.height})</span></h3>")
         parts.append(_table(columns, body, left=2))
     return "".join(parts) or "<p class='note'>No worst-token tables in this report.</p>"
@@ -282,8 +314,10 @@ def _worst(report: Report) -> str:
 def _checks(report: Report) -> str:
     if report.checks.height == 0:
         return "<p class='note'>No findings.</p>"
-    body = [[c, s, f'<td class="text">{_e(m)}</td>']
-            for c, s, m in report.checks.select("code", "severity", "message").iter_rows()]  # fmt: skip
+    body = [
+        [c, s, f'<td class="text">{_e(m)}</td>']
+        for c, s, m in report.checks.select("code", "severity", "message").iter_rows()
+    ]
     return _table(["code", "severity", "message"], body, left=2)
 
 

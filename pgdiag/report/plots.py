@@ -360,10 +360,24 @@ def _bucket_plot(report: Any, breakdown: str, metric: str, ax: Axes | None, xlab
             value, n = where.get(bucket, (None, 0))
             x = i + (index - (len(pairs) - 1) / 2) * width
             height = 0.0 if value is None else float(value)
-            ax.bar(x, height, width=width, color=colour, alpha=_alpha(n),
-                   label=" vs ".join(stream_names(pair)) if i == 0 else None)  # fmt: skip
-            ax.annotate(f"n={n:,}", (x, height), xytext=(0, 2), textcoords="offset points", ha="center",
-                        va="bottom", fontsize=6, rotation=90 if len(labels) * len(pairs) > 8 else 0)  # fmt: skip
+            ax.bar(
+                x,
+                height,
+                width=width,
+                color=colour,
+                alpha=_alpha(n),
+                label=" vs ".join(stream_names(pair)) if i == 0 else None,
+            )
+            ax.annotate(
+                f"n={n:,}",
+                (x, height),
+                xytext=(0, 2),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=6,
+                rotation=90 if len(labels) * len(pairs) > 8 else 0,
+            )
             counts.append(int(n))
     values = rows["value"].cast(pl.Float64).fill_null(0.0).to_numpy()
     if _is_magnitude(values):
@@ -467,8 +481,9 @@ def plot_trend(report: Any, kind: str, *, ax: Axes | None = None, marks: Sequenc
                 continue
             y = float(hit["value"][0])
             ax.scatter([mark.step], [y], s=140, facecolors="none", edgecolors="red", linewidths=1.8, zorder=4)
-            ax.annotate(mark.label, (mark.step, y), xytext=(6, 6), textcoords="offset points", fontsize=7,
-                        color="red")  # fmt: skip
+            ax.annotate(
+                mark.label, (mark.step, y), xytext=(6, 6), textcoords="offset points", fontsize=7, color="red"
+            )
     if panel.log_y and drawn and min(drawn) > 0:
         ax.set_yscale("log")
     elif panel.from_zero and drawn and min(drawn) >= 0:
