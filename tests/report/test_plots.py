@@ -19,10 +19,10 @@ PAIR = "run_a:new vs run_b:new"
 
 @pytest.fixture(scope="module")
 def comparison():
-    from pgdiag.compare.api import run_comparison
+    from pgdiag.compare.api import compare_runs
     from pgdiag.data.runs import read_run
 
-    return run_comparison(read_run(SAMPLE / "run_a"), read_run(SAMPLE / "run_b"))
+    return compare_runs(read_run(SAMPLE / "run_a"), read_run(SAMPLE / "run_b"))
 
 
 @pytest.fixture(scope="module")
