@@ -43,7 +43,7 @@ def test_import_then_compare_has_zero_deltas(tmp_path):
     src = REPO / "sample_data" / "run_a"
     a = pgdiag.import_run("canonical", src, tmp_path / "a")
     b = pgdiag.import_run("canonical", src, tmp_path / "b")
-    report = pgdiag.compare_runs(pgdiag.read_run(a.path), pgdiag.read_run(b.path))
+    report = pgdiag.compare_runs(pgdiag.read_run(a.path), pgdiag.read_run(b.path)).report
     summary = report.summary.filter(
         (pl.col("breakdown") == "all")
         & pl.col("metric").is_in(["mismatch/abs_mean", "mismatch/rms", "mismatch/bias"])
