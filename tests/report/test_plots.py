@@ -159,8 +159,13 @@ def test_dlogp_vs_logprob_replaces_the_hexbin_of_near_equal_runs(comparison) -> 
     pair = comparison.pair
     plot_set = plots.build_figures(comparison.report, tokens=pair, trace=comparison.trace())
     assert list(plot_set.figures) == [
-        "dlogp-vs-logprob", "dlogp-hist", "by-prob", "by-position", "by-step", "worst-trace"
-    ]  # fmt: skip
+        "dlogp-vs-logprob",
+        "dlogp-hist",
+        "by-prob",
+        "by-position",
+        "by-step",
+        "worst-trace",
+    ]
     assert "near-equal" in plot_set.skipped["hexbin"] and "dlogp-vs-logprob" in plot_set.skipped["hexbin"]
     ax = plot_set.figures["dlogp-vs-logprob"].axes[0]
     assert ax.get_ylabel() == "Δ = run_b:new − run_a:new (nats)"
