@@ -78,7 +78,11 @@ def plot(
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Redraw plots from a saved comparison report or token table."""
+    """Redraw plots from a saved report (compare or metrics) or a token table, without recomputation.
+
+    --kind all (the default) draws every kind the source supports and lists those it leaves out, with why.
+    --html PAGE also writes a one-file HTML report of a saved report.
+    """
 
     def body(console: Console) -> dict[str, Any]:
         import polars as pl
@@ -103,6 +107,10 @@ def plot(
         wanted = tuple(k.value for k in kind) if kind else ("all",)
         report, tokens, trace = None, None, None
         if is_tokens:
+            if html is not None:
+                raise UsageError(
+                    "E503", "--html needs a report (compare --out or metrics --out), not a token table"
+                )
             tokens = pl.read_parquet(source)
         else:
             report = load_report(source)
@@ -113,7 +121,10 @@ def plot(
             )
             trace_file = trace_path(report_file)
             trace = pl.read_parquet(trace_file) if trace_file.exists() else None
-        plot_set = plots.build_figures(report, kinds=wanted, tokens=tokens, trace=trace)
+        page_verdict = _saved_verdict(report) if report is not None else {}
+        plot_set = plots.build_figures(
+            report, kinds=wanted, tokens=tokens, trace=trace, marks=page_verdict.get("marks", ())
+        )
         written = plots.save_figures(plot_set, out, fmt=fmt.value, dpi=dpi)
         for k, path in written.items():
             console.print(f"{k}: {path}", markup=False)
@@ -121,26 +132,28 @@ def plot(
             console.print(f"skipped {k}: {why}", markup=False, soft_wrap=True)
         files: dict[str, Any] = {"plots": written}
         if html is not None:
-            if report is None:
-                raise UsageError(
-                    "E503", "--html needs a report (compare --out or metrics --out), not a token table"
-                )
             from pgdiag.report.html import write_html
 
-            files["html"] = str(
-                write_html(
-                    report, html, overwrite=overwrite, verdict=_saved_verdict(report), plot_set=plot_set
-                )
-            )
-            console.print(f"html: {files['html']}", markup=False)
+            page = write_html(report, html, overwrite=overwrite, plot_set=plot_set, **page_verdict)
+            files["html"] = str(page)
+            console.print(f"html: {page}", markup=False)
         return result_object("plot", files=files, plots_skipped=plot_set.skipped)
 
     execute("plot", body, json_out=json_out, quiet=quiet)
 
 
-def _saved_verdict(report: Any) -> str:
-    """The verdict line a saved report carries, else a plain pointer to the command that states one."""
-    line = (
-        report.meta.get("verdict", {}).get("line") if isinstance(report.meta.get("verdict"), dict) else None
-    )
-    return line or f"{report.kind} report: rerun pgdiag {report.kind} for its verdict"
+def _saved_verdict(report: Any) -> dict[str, Any]:
+    """The page's verdict arguments from the verdict a saved report carries (``meta["verdict"]``: status,
+    line, findings), else a line pointing at the command that states one."""
+    from pgdiag.report.plots import finding_marks
+
+    saved = report.meta.get("verdict")
+    if not isinstance(saved, dict) or not saved.get("line"):
+        return {"verdict": f"{report.kind} report: rerun pgdiag {report.kind} for its verdict"}
+    findings = saved.get("findings") or []
+    return {
+        "verdict": str(saved["line"]),
+        "status": str(saved.get("status") or "info"),
+        "findings": [str(f.get("message", "")) for f in findings if isinstance(f, dict)],
+        "marks": finding_marks(findings),
+    }

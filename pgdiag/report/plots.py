@@ -18,7 +18,7 @@ How: pass `ax` to draw into an existing axes (its figure is returned), else a ne
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -111,6 +111,22 @@ class Mark:
     metric: str
     step: int
     label: str
+
+
+def finding_marks(findings: Iterable[Any]) -> list[Mark]:
+    """The marks of verdict findings (objects or dicts with ``metric``, ``step``, ``message``) that name one
+    metric at one integer step; the others (pooled, empty steps) mark nothing."""
+    marks = []
+    for finding in findings:
+        get = finding.get if isinstance(finding, Mapping) else lambda key, f=finding: getattr(f, key, None)
+        metric, step, message = get("metric"), get("step"), get("message")
+        try:
+            step_number = int(step)
+        except (TypeError, ValueError):
+            continue
+        if metric:
+            marks.append(Mark(str(metric), step_number, str(message or metric)))
+    return marks
 
 
 @dataclass(frozen=True)

@@ -210,3 +210,38 @@ def test_chromium_probe_sees_broken_pages(tmp_path) -> None:
     page = open_page(bad)
     assert any("boom" in e for e in page.errors) and any("missing.png" in e for e in page.errors)
     assert page.probe["images"][0]["width"] == 0
+
+
+def test_plot_html_uses_the_verdict_a_report_carries(tmp_path) -> None:
+    rows = [
+        ReportRow("r:old vs r:new", "token", b, s, "policy/ratio_max", v, "ratio", "token", 50, lo, lo)
+        for b, s, v, lo in (("all", "all", 40.0, None), ("step", "0", 2.0, 0), ("step", "1", 40.0, 1))
+    ]
+    finding = {
+        "kind": "ratio_max",
+        "metric": "policy/ratio_max",
+        "step": "1",
+        "value": 40.0,
+        "threshold": 10.0,
+        "message": "step 1: policy/ratio_max 40 > 10",
+    }
+    verdict = {
+        "command": "metrics",
+        "status": "anomalies",
+        "line": "metrics: 1 anomaly: step 1 ratio max",
+        "findings": [finding, {**finding, "step": None, "metric": None, "message": "pooled"}],
+    }
+    meta = {"pairs": ["r:old vs r:new"], "verdict": verdict}
+    Report("metrics", summary_frame(rows), meta=meta).write(tmp_path / "rep")
+    page = tmp_path / "page.html"
+    result = _invoke("plot", tmp_path / "rep", "--out", tmp_path / "figs", "--html", page, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["files"]["plots"] == {
+        "trend-ratio": str(tmp_path / "figs" / "trend-ratio.png")
+    }
+    text = page.read_text()
+    assert '<span class="word">anomalies</span>metrics: 1 anomaly: step 1 ratio max' in text
+    assert '<td class="anomaly" title="step 1: policy/ratio_max 40 &gt; 10">40</td>' in text
+    assert plots.finding_marks(verdict["findings"]) == [
+        plots.Mark("policy/ratio_max", 1, "step 1: policy/ratio_max 40 > 10")
+    ]
