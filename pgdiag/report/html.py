@@ -27,6 +27,20 @@ from pgdiag.report.report import Report
 
 FAMILY_ORDER = ("policy", "loss", "mismatch", "advantage", "entropy", "group", "grad", "count")
 COLLAPSED_FAMILIES = ("grad", "count")  # long and rarely read first: folded
+HEADLINE_STATS = (  # the parity table's first rows; the other statistics fold under them
+    "abs_mean",
+    "bias",
+    "rms",
+    "abs_p99",
+    "abs_max",
+    "kl_k3",
+    "tmpe",
+    "frac_out_clip",
+    "frac_out_2x",
+    "pearson_r",
+    "fit_slope",
+    "ess_token",
+)
 BREAKDOWN_STATS = ("abs_mean", "abs_p99", "abs_max", "bias", "kl_k3", "frac_out_clip")
 GOOD_STATUSES = ("agree", "clean", "ok", "pass")
 WARN_STATUSES = ("warn", "warning", "warnings")
@@ -191,25 +205,29 @@ def _compare_tables(report: Report) -> str:
         metrics = [
             m for m in part["metric"].unique(maintain_order=True).to_list() if m.startswith("mismatch/")
         ]
-        body = []
+        body, rest = [], []
         for metric in metrics:
             tok, seq = cells.get(("token", metric)), cells.get(("sequence", metric))
             unit = (tok or seq)[1]
-            body.append(
+            stat = metric.split("/", 1)[1]
+            (body if stat in HEADLINE_STATS else rest).append(
                 [
-                    metric.split("/", 1)[1],
+                    stat,
                     "" if tok is None else _num(tok[0], unit),
                     "" if seq is None else _num(seq[0], unit),
                     f'<td class="unit">{_e(unit)}</td>',
                 ]
             )
+        body.sort(key=lambda row: HEADLINE_STATS.index(row[0]))
         n_tok = cells.get(("token", "count/mismatch_tokens"), (None, ""))[0]
         n_seq = cells.get(("sequence", "count/samples"), (None, ""))[0]
         blocks.append(
             f"<div><h3>parity <span class='note'>{_e(pair)}<br>Δ = lp_b − lp_a; {_num(n_tok, 'count')} "
             f"tokens, {_num(n_seq, 'count')} sequences</span></h3>"
             + _table(["statistic", "token", "sequence", "unit"], body)
-            + "</div>"
+            + f"<details><summary>{len(rest)} more statistics</summary>"
+            + _table(["statistic", "token", "sequence", "unit"], rest)
+            + "</details></div>"
         )
     batch = rows.filter(pl.col("scope") == "batch")
     if batch.height:
