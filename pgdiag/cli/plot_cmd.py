@@ -143,17 +143,11 @@ def plot(
 
 
 def _saved_verdict(report: Any) -> dict[str, Any]:
-    """The page's verdict arguments from the verdict a saved report carries (``meta["verdict"]``: status,
-    line, findings), else a line pointing at the command that states one."""
-    from pgdiag.report.plots import finding_marks
+    """The page's verdict arguments from the verdict a saved report carries (``meta["verdict"]``), else a line
+    pointing at the command that states one."""
+    from pgdiag.report.html import verdict_arguments
 
     saved = report.meta.get("verdict")
     if not isinstance(saved, dict) or not saved.get("line"):
         return {"verdict": f"{report.kind} report: rerun pgdiag {report.kind} for its verdict"}
-    findings = saved.get("findings") or []
-    return {
-        "verdict": str(saved["line"]),
-        "status": str(saved.get("status") or "info"),
-        "findings": [str(f.get("message", "")) for f in findings if isinstance(f, dict)],
-        "marks": finding_marks(findings),
-    }
+    return verdict_arguments(saved)

@@ -359,6 +359,23 @@ def _settings(report: Report, argv: Sequence[str] | None) -> str:
     )
 
 
+def verdict_arguments(verdict: Any) -> dict[str, Any]:
+    """`render_html`'s verdict arguments (verdict, status, findings, marks) from a verdict: an object with
+    ``line``, ``status`` and ``findings`` (each with ``metric``, ``step``, ``message``) or its dict form."""
+    from pgdiag.report.plots import finding_marks
+
+    def get(obj: Any, key: str) -> Any:
+        return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
+
+    findings = list(get(verdict, "findings") or ())
+    return {
+        "verdict": str(get(verdict, "line") or ""),
+        "status": str(get(verdict, "status") or "info"),
+        "findings": [str(get(f, "message") or "") for f in findings],
+        "marks": finding_marks(findings),
+    }
+
+
 def render_html(
     report: Report,
     *,
