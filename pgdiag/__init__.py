@@ -61,6 +61,11 @@ _EXPORTS = {
     "plot_by_position": "pgdiag.report.plots",
     "plot_by_step": "pgdiag.report.plots",
     "plot_worst_trace": "pgdiag.report.plots",
+    "plot_dlogp_vs_logprob": "pgdiag.report.plots",
+    "plot_trend": "pgdiag.report.plots",
+    "build_figures": "pgdiag.report.plots",
+    "render_html": "pgdiag.report.html",
+    "write_html": "pgdiag.report.html",
 }
 
 __all__ = ["__version__", *_EXPORTS]

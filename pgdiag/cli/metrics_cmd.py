@@ -9,6 +9,7 @@ stderr, `--json` on stdout, `--out` report files). Example::
 from __future__ import annotations
 
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -277,6 +278,14 @@ def metrics(
             "--all-steps", help="Show every step in the table (default: up to 6).", rich_help_panel=OUTPUT
         ),
     ] = False,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html",
+            help="Write a one-file HTML report (verdict, tables, trend plots).",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -337,6 +346,10 @@ def metrics(
             ),
         )
         checks = CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
+        if html is not None:
+            from pgdiag.report.html import check_html_path
+
+            check_html_path(html, overwrite=overwrite)
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
         report = compute_metrics(source, settings, checks=checks)
         verdict = outcome(report, gate_settings)
@@ -369,6 +382,21 @@ def metrics(
             files = report.write(out, overwrite=overwrite, result=result)
             result["files"] = {"report": str(files.report), "json": str(files.json)}
             console.print(f"report written to {files.report}", markup=False)
+        if html is not None:
+            from pgdiag.report.html import write_html
+            from pgdiag.report.plots import build_figures
+
+            page = write_html(
+                report,
+                html,
+                overwrite=overwrite,
+                verdict=f"gates: {gates.status}",
+                status=gates.status,
+                plot_set=build_figures(report),
+                argv=result["argv"],
+            )
+            result.setdefault("files", {})["html"] = str(page)
+            console.print(f"html report written to {page}", markup=False)
         return result
 
     execute("metrics", body, json_out=json_out, quiet=quiet)
