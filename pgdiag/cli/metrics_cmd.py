@@ -390,8 +390,8 @@ def metrics(
                 report,
                 html,
                 overwrite=overwrite,
-                verdict=f"gates: {gates.status}",
-                status=gates.status,
+                verdict=f"gates: {verdict.gates.status}",
+                status=verdict.gates.status,
                 plot_set=build_figures(report),
                 argv=result["argv"],
             )
