@@ -137,11 +137,12 @@ def read_rollout_samples(path: Path, payload: Any, rollout_id: int) -> RolloutSa
         response_lens[row] = n_resp
         ids_rows.append(tokens)
         raw_mask = sample.get("loss_mask")
-        mask = (
-            np.ones(n_resp, dtype=bool)
-            if raw_mask is None
-            else float_row(raw_mask, n_resp, path, "loss_mask", row) != 0
-        )
+        if raw_mask is None or (
+            isinstance(raw_mask, list) and len(raw_mask) == n_resp and raw_mask.count(1) == n_resp
+        ):
+            mask = np.ones(n_resp, dtype=bool)  # None means all ones; an all-ones list needs no conversion
+        else:
+            mask = float_row(raw_mask, n_resp, path, "loss_mask", row) != 0
         if sample.get("remove_sample"):
             mask = np.zeros(n_resp, dtype=bool)
         mask_rows.append(mask)
