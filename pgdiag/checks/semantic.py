@@ -104,7 +104,7 @@ def shift_check(batch: TokenBatch, a: str, b: str, valid: np.ndarray) -> Issue |
         "error",
         int(np.count_nonzero(valid)),
         f"{stream_column(b)} looks shifted by {k} vs {stream_column(a)} (median |Δ| {best:.3g} at {k}, {m0:.3g} at 0)",
-        hint="next-token vs token alignment: re-import with --shift",
+        hint="next-token vs token alignment: re-import with pgdiag import --shift",
     )
 
 
@@ -223,7 +223,7 @@ def semantic_checks(
                     n_valid,
                     f"{stream_column(a)} ≥ {stream_column(b)} on {100 * frac_ge:.0f} % of tokens (mean Δ {mean_delta:.3g}, "
                     f"implied kept mass {np.exp(mean_delta):.2f}): processed log-probs with top-p?",
-                    hint="log raw log-probs (vLLM --logprobs-mode raw_logprobs)",
+                    hint="log raw log-probs (vLLM: logprobs_mode=raw_logprobs)",
                 )
             )
     steps, step_mean = _per_step_abs_mean(batch, delta_abs, valid)
@@ -311,7 +311,7 @@ def metadata_checks(
                     "warning",
                     1,
                     f"{stream_column(stream)}: {' and '.join(unknown)} unknown",
-                    hint="pass --tempered / --logprobs-mode at import",
+                    hint="pass --tempered / --logprobs-mode to pgdiag import",
                 )
             )
         mode = info.get("logprobs_mode") or sampling.get("logprobs_mode")

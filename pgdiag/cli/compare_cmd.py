@@ -306,7 +306,7 @@ def _decoder(tokenizer: Path | None) -> Any:
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise UsageError("E503", "--tokenizer needs the optional 'tokenizers' package") from None
+        raise UsageError("E509", "--tokenizer needs the optional 'tokenizers' package") from None
     if not path.exists():
         raise UsageError("E501", f"{path}: no such tokenizer file")
     loaded = Tokenizer.from_file(str(path))

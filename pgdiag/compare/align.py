@@ -198,7 +198,7 @@ def _raise_or_record(issue: Issue, ignore: Collection[str], issues: list[Issue])
 
 _HINTS = {
     "E301": "compare runs built from the same token ids (retokenized text or template drift?)",
-    "E302": "re-import with --shift to put element i at the position of token i",
+    "E302": "re-import with pgdiag import --shift to put element i at the position of token i",
     "E303": "the two sides train different positions; check tool/observation tokens in loss_mask",
     "E304": "check --steps and --join (hash joins match sequences whose sample ids differ)",
     "E306": "compare matched samples only with --ignore E306",

@@ -393,7 +393,7 @@ def run_comparison(
         raise UsageError("E503", f"--worst-k must be >= 0 (got {worst_k})")
     if not (0 <= eps_low < 1 and eps_high >= 0):
         raise UsageError(
-            "E112", f"clip band needs 0 <= eps-low < 1 and eps-high >= 0 (got {eps_low}, {eps_high})"
+            "E503", f"clip band needs 0 <= eps-low < 1 and eps-high >= 0 (got {eps_low}, {eps_high})"
         )
     one_run = b is None
     a = _as_source(a)
@@ -531,7 +531,7 @@ def _exact_tau(pair: AlignedPair, side_b: Side, model: str | Path) -> Temperatur
     """The exact τ fit with side b's logits; needs side b read from disk (its input_ids)."""
     if side_b.run is None or side_b.sample_row is None:
         raise UsageError(
-            "E503", "--model needs runs read from disk (the fit recomputes logits from input_ids)"
+            "E512", "--model needs runs read from disk (the fit recomputes logits from input_ids)"
         )
     from pgdiag.compare.tau import exact_tau
 

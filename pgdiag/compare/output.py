@@ -85,7 +85,7 @@ def draw_plots(
 
 def _need(value: Any, kind: str, what: str) -> Any:
     if value is None:
-        raise UsageError("E503", f"plot {kind} needs {what}")
+        raise UsageError("E511", f"plot {kind} needs {what}")
     return value
 
 

@@ -45,7 +45,7 @@ def side_by_side_rows(
     """
     run_a, run_b = runs
     if run_a is None:
-        raise UsageError("E503", "side-by-side metrics need runs read from disk, not in-memory batches")
+        raise UsageError("E512", "side-by-side metrics need runs read from disk, not in-memory batches")
     from pgdiag.metrics.api import compute_metrics
 
     one_run = run_b is None

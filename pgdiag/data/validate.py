@@ -21,7 +21,7 @@ import polars as pl
 from pgdiag.data.flat import FlatList, LossView, RowTable, loss_view, subset_rows
 from pgdiag.data.schema import REQUIRED_HINTS
 from pgdiag.data.seqhash import seq_hashes
-from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK
+from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK, catalogued
 
 LOGPROB_POSITIVE_TOL = 1e-6
 ZERO_FILL_FRACTION = 0.01
@@ -48,6 +48,9 @@ class Issue:
     sample_id: str | None = None
     pos: int | None = None
     hint: str | None = None
+
+    def __post_init__(self) -> None:
+        catalogued(self.code)  # ValueError for a code outside the catalogue: a bug in pgdiag
 
 
 @dataclass(frozen=True)

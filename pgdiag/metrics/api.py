@@ -104,7 +104,7 @@ def compute_metrics(
     if settings is None:
         unknown = set(options) - set(MetricSettings.__dataclass_fields__)
         if unknown:
-            raise UsageError("E112", f"unknown metric option(s): {', '.join(sorted(unknown))}")
+            raise UsageError("E503", f"unknown metric option(s): {', '.join(sorted(unknown))}")
         settings = MetricSettings(**options)
     elif options:
         settings = replace(settings, **options)

@@ -58,26 +58,25 @@ def _token_arrays(source: Any) -> tuple[np.ndarray, np.ndarray, str]:
     if isinstance(source, pl.DataFrame):
         if not {"lp_a", "lp_b"} <= set(source.columns):
             raise UsageError(
-                "E503", "token plots need a table with lp_a and lp_b columns (write it with --tokens-out)"
+                "E511", "token plots need a table with lp_a and lp_b columns (write it with --tokens-out)"
             )
         title = str(source["pair"][0]) if "pair" in source.columns and source.height else ""
         return source["lp_a"].to_numpy(), source["lp_b"].to_numpy(), title
     if hasattr(source, "lp_a") and hasattr(source, "lp_b"):
         return np.asarray(source.lp_a), np.asarray(source.lp_b), str(getattr(source, "pair", ""))
-    raise UsageError("E503", f"cannot draw a token plot from {type(source).__name__}; give token data")
+    raise UsageError("E511", f"cannot draw a token plot from {type(source).__name__}; give token data")
 
 
-def _rows(report: Any, breakdown: str, metric: str) -> pl.DataFrame:
+def _rows(report: Any, breakdown: str, metric: str, hint: str) -> pl.DataFrame:
+    """The token-scope rows of `breakdown` and `metric` in `report`; E511 (with `hint`) when there are none."""
     summary = getattr(report, "summary", None)
     if summary is None:
-        raise UsageError("E503", f"the {breakdown} plot needs a report (got {type(report).__name__})")
+        raise UsageError("E511", f"the {breakdown} plot needs a report (got {type(report).__name__})")
     rows = summary.filter(
         (pl.col("breakdown") == breakdown) & (pl.col("metric") == metric) & (pl.col("scope") == "token")
     )
     if rows.height == 0:
-        raise UsageError(
-            "E503", f"the report has no {breakdown} rows of {metric}", f"rerun compare with --by {breakdown}"
-        )
+        raise UsageError("E511", f"the report has no {breakdown} rows of {metric}", hint)
     return rows
 
 
@@ -101,7 +100,9 @@ def plot_dlogp_hist(source: Any, *, ax: Axes | None = None, bins: int = 200) -> 
     """Histogram of Δ = lp_b − lp_a with a log y axis: from a report's `dlogp` breakdown, or from token data."""
     fig, ax = _axes(ax)
     if hasattr(source, "summary"):
-        rows = _rows(source, "dlogp", "count/tokens").sort("bucket_lo", "bucket_hi")
+        rows = _rows(
+            source, "dlogp", "count/tokens", "give a report written by pgdiag compare (it always has them)"
+        ).sort("bucket_lo", "bucket_hi")
         for pair in rows["pair"].unique(maintain_order=True).to_list():
             part = rows.filter(pl.col("pair") == pair)
             labels = part[
@@ -124,7 +125,7 @@ def plot_dlogp_hist(source: Any, *, ax: Axes | None = None, bins: int = 200) -> 
 
 def _bucket_plot(report: Any, breakdown: str, metric: str, ax: Axes | None, xlabel: str) -> Figure:
     fig, ax = _axes(ax)
-    rows = _rows(report, breakdown, metric).sort("bucket_lo")
+    rows = _rows(report, breakdown, metric, f"rerun pgdiag compare with --by {breakdown}").sort("bucket_lo")
     for pair in rows["pair"].unique(maintain_order=True).to_list():
         part = rows.filter(pl.col("pair") == pair)
         labels = part["bucket"].to_list()
@@ -153,7 +154,7 @@ def plot_by_step(report: Any, *, ax: Axes | None = None, metric: str = "mismatch
     rows = summary.filter((pl.col("breakdown") == "step") & (pl.col("metric") == metric))
     if rows.height == 0:
         raise UsageError(
-            "E503", f"the report has no per-step rows of {metric}", "rerun compare with --by step"
+            "E511", f"the report has no per-step rows of {metric}", "rerun pgdiag compare with --by step"
         )
     for pair in rows["pair"].unique(maintain_order=True).to_list():
         part = rows.filter(pl.col("pair") == pair).sort("bucket_lo")
@@ -167,7 +168,7 @@ def plot_by_step(report: Any, *, ax: Axes | None = None, metric: str = "mismatch
 def plot_worst_trace(source: Any, *, ax: Axes | None = None) -> Figure:
     """Both log-prob streams along the worst sequence (a `worst_trace` frame), with Δ on a twin axis."""
     if not isinstance(source, pl.DataFrame) or not {"resp_pos", "lp_a", "lp_b"} <= set(source.columns):
-        raise UsageError("E503", "the worst-trace plot needs a trace table (resp_pos, lp_a, lp_b)")
+        raise UsageError("E511", "the worst-trace plot needs a trace table (resp_pos, lp_a, lp_b)")
     fig, ax = _axes(ax)
     x = source["resp_pos"].to_numpy()
     lp_a, lp_b = source["lp_a"].to_numpy(), source["lp_b"].to_numpy()

@@ -226,14 +226,14 @@ def check_flags(style: str, settings: MetricSettings, allowed: frozenset[str]) -
     and a dual-clip constant that is not > 1 where the framework has one."""
     if "dual_clip" in allowed and settings.dual_clip is not None and not settings.dual_clip > 1.0:
         raise UsageError(
-            "bad-flag", f"--dual-clip must be > 1 for --key-style {style} (got {settings.dual_clip})"
+            "E503", f"--dual-clip must be > 1 for --key-style {style} (got {settings.dual_clip})"
         )
     for attr, flag, unset in _FLAG_DEFAULTS:
         if attr in allowed:
             continue
         if getattr(settings, attr) != unset:
             raise UsageError(
-                "bad-flag",
+                "E507",
                 f"{flag} is not a setting of --key-style {style} (got {getattr(settings, attr)!r})",
                 "see docs/key-styles.md for the flags each style accepts",
             )
@@ -249,7 +249,7 @@ def resolve_alias(style: str, aggregation: str | None, table: Mapping[str, str],
         return table[name]
     accepted = ", ".join(sorted(table))
     raise UsageError(
-        "bad-flag",
+        "E507",
         f"--aggregation {aggregation!r} is not a loss aggregation of --key-style {style}",
         f"accepted: {accepted}",
     )

@@ -60,7 +60,7 @@ def check_miles_settings(settings: MetricSettings) -> None:
     check_flags("miles", settings, ALLOWED_FLAGS)
     if loss_aggregation(settings) == "constant" and settings.divisor is None:
         raise UsageError(
-            "bad-flag", "miles --loss-aggregation constant needs --divisor (loss-aggregation-divisor)"
+            "E506", "miles --loss-aggregation constant needs --divisor (loss-aggregation-divisor)"
         )
 
 
@@ -78,7 +78,7 @@ def compute_miles(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     if s and int(np.max(np.bincount(inputs.document))) > 1:
         notices.append("miles: documents with several rows (multi-sample rollouts) are not reproduced in v1")
     if settings.tis and not inputs.has_pair:
-        raise UsageError("bad-flag", "miles --tis needs a rollout stream (--stream-a) for the TIS weights")
+        raise UsageError("E506", "miles --tis needs a rollout stream (--stream-a) for the TIS weights")
 
     def sm(x: np.ndarray) -> float:
         return sample_mean_guard(inputs, x)
