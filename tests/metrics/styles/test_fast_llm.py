@@ -108,6 +108,30 @@ def test_gspo_sequence_level_is_length_proportional() -> None:
     assert got["grpo_num_segments"] == 2
 
 
+def test_gspo_segment_is_the_document_over_all_rows_of_a_sample() -> None:
+    # document "a" is split over two rows (d = 0.3, 0.1 | −0.2, A = 1); document "b" is one row (d = −0.1, A = −1).
+    # Fast-LLM sums the weighted log-ratio per document index, so R_a = e^((0.3 + 0.1 − 0.2)/3), not one
+    # ratio per row (row a0 alone would give e^0.2 > 1.2, in the band and clipped).
+    batch = make_batch(
+        new=[[-0.7, -0.9], [-1.2], [-1.1]],
+        old=[[-1.0, -1.0], [-1.0], [-1.0]],
+        adv=[[1.0, 1.0], [1.0], [-1.0]],
+        sample_id=["a", "a", "b"],
+    )
+    got = run(batch, level="sequence", aggregation="fast-llm:gspo")
+    mean_a = (0.3 + 0.1 - 0.2) / 3
+    r_a, r_b = E(mean_a), E(-0.1)  # both inside [0.8, 1.2]: l_a = −R_a (A = 1), l_b = R_b (A = −1)
+    assert got["grpo"] == pytest.approx((3 * -r_a + 1 * r_b) / 2, rel=1e-12)  # (1/D) Σ_d N_d l_d, D = 2
+    assert got["grpo_ratio_new_old"] == pytest.approx((r_a + r_b) / 2, rel=1e-12)
+    assert got["grpo_ratio_new_old_sum"] == pytest.approx(r_a + r_b, rel=1e-12)
+    assert got["grpo_ratio_new_old_squared_sum"] == pytest.approx(r_a**2 + r_b**2, rel=1e-12)
+    assert got["grpo_kl_new_old"] == pytest.approx((r_a - 1 - mean_a + r_b - 1 + 0.1) / 2, rel=1e-12)
+    assert got["grpo_clipped_ratio_fraction"] == 0.0
+    assert got["grpo_advantage"] == pytest.approx((1.0 - 1.0) / 2)
+    assert got["grpo_num_segments"] == 2  # documents with a token, not rows
+    assert got["grpo_num_tokens"] == 4
+
+
 def test_loss_name_entropy_and_reward() -> None:
     batch = make_batch(
         new=[[-1.0, -1.0], [-1.0]],
