@@ -146,7 +146,7 @@ def _band(ratio: np.ndarray, settings: MetricSettings) -> np.ndarray:
 
 
 def _loss(inputs: StyleInputs, settings: MetricSettings, docs: _Documents) -> float:
-    """`grpo`: Σ m ℓ / max(N, 1); `gspo`: (1/D) Σ_d N_d l_d (length-proportional GSPO over documents)."""
+    """`grpo`: Σ m ℓ / N, NaN (null) with N = 0 as Fast-LLM's unguarded `reduce_losses`; `gspo`: (1/D) Σ_d N_d l_d (length-proportional GSPO over documents)."""
     assert inputs.lp_new is not None and inputs.lp_old is not None and inputs.adv is not None
     if settings.level == "sequence":
         doc_ratio = exp(docs.mean(inputs.lp_new - inputs.lp_old))  # (D,) R_d
@@ -156,4 +156,4 @@ def _loss(inputs: StyleInputs, settings: MetricSettings, docs: _Documents) -> fl
         return div(total(docs.tokens * doc_loss), docs.count)
     ratio = exp(inputs.lp_new - inputs.lp_old)
     token_loss = ppo_token_loss(ratio, inputs.adv, settings.eps_low, settings.eps_high)
-    return div(total(token_loss), max(inputs.n_tokens, 1))
+    return div(total(token_loss), inputs.n_tokens)  # num_labels_in_batch, no max(·, 1) guard

@@ -1,8 +1,8 @@
 """`--key-style fast-llm` against hand computations from Fast-LLM's definitions (docs/key-styles.md).
 
 Fast-LLM reduces per document: doc(x) = (1/D) Σ_t x / max(N_d, 1), D counting fully masked documents; the
-clip fraction is the band (any A); the ratio is never clamped; the loss is Σ ℓ / max(N, 1) (grpo) or
-(1/D) Σ_s N_s l_s (gspo). Every expected number below is written out from those definitions.
+clip fraction is the band (any A); the ratio is never clamped; the loss is Σ ℓ / N (grpo; null with N = 0) or
+(1/D) Σ_d N_d l_d over documents (gspo). Every expected number below is written out from those definitions.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def test_fully_masked_document_counts_in_d_and_empty_step_guards() -> None:
     assert got["grpo_ratio_new_old"] == pytest.approx(E(0.3) / 2, rel=1e-12)
     assert got["grpo"] == pytest.approx(-1.2 / 1)  # Σ ℓ / N with N = 1
     empty = run(make_batch(new=[[]], old=[[]], adv=[[]]))
-    assert empty["grpo"] == 0.0  # 0 / max(0, 1)
+    # Σ ℓ / N with N = 0: NaN in Fast-LLM (reduce_losses divides by 0), null here
+    assert empty["grpo"] is None
     assert empty["grpo_num_tokens"] == 0
     assert empty["grpo_max_advantage"] == -math.inf and empty["grpo_min_advantage"] == math.inf
 
