@@ -2,7 +2,8 @@
 
 What: the keys Fast-LLM `7d61a1ba` logs from `fast_llm/layers/language_model/loss/policy_gradient.py`
 (`LanguageModelGRPOLoss.fused_core`, `grpo_metrics_core`, `_policy_metrics_reduce`, `LanguageModelGSPOLoss`),
-prefixed by the loss name (``grpo`` by default, `--loss-name`).
+prefixed by the loss name (``grpo`` by default, `--loss-name`), and ``lm_head_loss``: when the policy-gradient loss
+is the head's only loss of weight 1, `LanguageModelHead` logs its value under that name instead (same value).
 
 Why: Fast-LLM reduces its metrics per **document** (`doc(x) = (1/D) Σ_t m x / max(N_d, 1)`, D counting fully
 masked documents), never clamps the ratio, and its `clipped_ratio_fraction` is the **band** fraction (ratio
@@ -38,6 +39,7 @@ from pgdiag.metrics.styles.common import (
 )
 
 ALLOWED_FLAGS = frozenset({"level", "loss_name"})
+LM_HEAD_LOSS = "lm_head_loss"  # Fast-LLM LM_HEAD_LOSS_NAME: the head's total loss
 _TOKEN_LOSSES = {"token_mean": "grpo", "grpo": "grpo"}
 _SEQUENCE_LOSSES = {"token_mean": "gspo", "gspo": "gspo", "gspo_length_prop": "gspo"}
 
@@ -63,7 +65,10 @@ def compute_fast_llm(inputs: StyleInputs, settings: MetricSettings) -> StyleOutp
     n = inputs.n_tokens
     out = []
     if inputs.has_policy and inputs.adv is not None:
-        out.append(value(prefix, _loss(inputs, settings, docs), "loss", "mode", n))
+        loss = _loss(inputs, settings, docs)
+        # the head logs a lone weight-1 loss under `lm_head_loss` instead of its own name: print both
+        out.append(value(prefix, loss, "loss", "mode", n))
+        out.append(value(LM_HEAD_LOSS, loss, "loss", "mode", n))
     if inputs.lp_new is not None:
         out.append(value(f"{prefix}_new_logprobs", doc(inputs.lp_new), "nats", "document", n))
     if inputs.lp_old is not None:

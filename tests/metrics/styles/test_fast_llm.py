@@ -148,6 +148,16 @@ def test_loss_name_entropy_and_reward() -> None:
     assert "grpo" not in got
 
 
+def test_lm_head_loss_repeats_the_policy_gradient_loss() -> None:
+    # Fast-LLM's head logs a lone weight-1 loss as `lm_head_loss` (LanguageModelHead registers the total under
+    # LM_HEAD_LOSS_NAME and skips the loss's own name); the style prints both names with one value
+    grpo = run(worked_example())
+    assert grpo["lm_head_loss"] == grpo["grpo"] == pytest.approx(0.080553, abs=5e-7)
+    gspo = run(worked_example(), level="sequence", aggregation="fast-llm:gspo", loss_name="gspo")
+    assert gspo["lm_head_loss"] == gspo["gspo"] is not None
+    assert run(make_batch(new=[[]], old=[[]], adv=[[]]))["lm_head_loss"] is None
+
+
 @pytest.mark.parametrize(
     ("overrides", "code"),
     [
