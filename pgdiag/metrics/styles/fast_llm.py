@@ -97,8 +97,25 @@ def compute_fast_llm(inputs: StyleInputs, settings: MetricSettings) -> StyleOutp
     if inputs.entropy is not None:
         out.append(value(f"{prefix}_entropy", doc(inputs.entropy), "nats", "document", n))
     if inputs.reward is not None:
-        reward = inputs.per_token(inputs.reward)
-        out.append(value(f"{prefix}_train_samples_reward", doc(reward), "1", "document", n))
+        reward = inputs.per_token(inputs.reward)  # (M,) the sample's reward on each loss token
+        out += [
+            value(f"{prefix}_train_samples_reward", doc(reward), "1", "document", n),
+            # torch.where(mask, reward, ∓inf).max()/.min(): −inf / +inf on a step without tokens
+            value(
+                f"{prefix}_max_train_samples_reward",
+                float(np.max(reward)) if n else -np.inf,
+                "1",
+                "extremum",
+                n,
+            ),
+            value(
+                f"{prefix}_min_train_samples_reward",
+                float(np.min(reward)) if n else np.inf,
+                "1",
+                "extremum",
+                n,
+            ),
+        ]
     return StyleOutput(tuple(out))
 
 

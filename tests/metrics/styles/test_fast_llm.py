@@ -145,6 +145,14 @@ def test_loss_name_entropy_and_reward() -> None:
     assert got["gspo_metrics_entropy"] == pytest.approx((6.0 / 2 + 1.0) / 2)
     assert got["gspo_metrics_train_samples_reward"] == pytest.approx((1.0 + 0.0) / 2)
     assert got["gspo_metrics_advantage"] == pytest.approx((0.5 - 0.5) / 2)
+    # extrema of the reward broadcast to the loss tokens (Fast-LLM `_register_data_metrics`)
+    assert got["gspo_metrics_max_train_samples_reward"] == 1.0
+    assert got["gspo_metrics_min_train_samples_reward"] == 0.0
+    masked = run(make_batch(new=[[-1.0], []], old=[[-1.0], []], adv=[[0.5], []], reward=[0.25, 3.0]))
+    assert masked["grpo_max_train_samples_reward"] == masked["grpo_min_train_samples_reward"] == 0.25
+    empty = run(make_batch(new=[[]], old=[[]], adv=[[]], reward=[3.0]))  # torch.where(mask, x, ∓inf).max/min
+    assert empty["grpo_max_train_samples_reward"] == -math.inf
+    assert empty["grpo_min_train_samples_reward"] == math.inf
     assert "grpo" not in got
 
 
