@@ -6,7 +6,8 @@ and `get_pg_loss_reducer`, `loss_hub/math_utils.py::compute_policy_loss`, `compu
 
 Why: miles reports every metric as a **sample mean** `SM(x) = (1/S) Σ_i Σ_t m x / max(N_i, 1)` (empty samples
 add 0 and count in S), stores `ppo_kl = lp_old − lp_new` (sign opposite to verl's naming) and
-clamps log-ratios to ±20 after mapping NaN → 0 and ±inf → ±20. Worked example: `train/ppo_kl` =
+clamps log-ratios to ±20 after mapping NaN → 0 and ±inf → ±20 in the loss; `train/ois` = SM(exp(−ppo_kl)) is not
+clamped and exists only under TIS. Worked example: `train/ppo_kl` =
 (0 + 0 − 0.25/3 + 0.1/3)/4 = −0.0125, against verl's token mean −0.011538.
 
 How: `--aggregation` picks `--loss-aggregation` (sample_mean default, prompt_mean, token_mean, constant with
@@ -91,11 +92,12 @@ def compute_miles(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
         if inputs.adv is not None:
             out += _policy_loss(inputs, settings, agg, ratio)
         ppo_kl = -d
-        ppo_kl[~np.isfinite(ppo_kl)] = 0.0
+        ppo_kl[~np.isfinite(ppo_kl)] = 0.0  # nan_to_num(ppo_kl, nan=0, posinf=0, neginf=0) on loss tokens
         out.append(value("train/ppo_kl", sm(ppo_kl), "nats", "sample", s))
         out.append(_ess_ratio(inputs, ratio, agg))
-        if inputs.has_pair:
-            out.append(value("train/ois", sm(ratio), "ratio", "sample", s))
+        if settings.tis:
+            # ois = (−ppo_kl).exp() with no ±20 clamp, only in miles' TIS / mismatch-metrics branch
+            out.append(value("train/ois", sm(exp(-ppo_kl)), "ratio", "sample", s))
     if inputs.entropy is not None:
         out.append(value("train/entropy_loss", sm(inputs.entropy), "nats", "sample", s))
     if inputs.has_pair:

@@ -93,7 +93,7 @@ def test_rollout_pair_keys_and_tis() -> None:
     old = [[-1.0, -1.0]]
     batch = make_batch(new=old, old=old, rollout=[[-1.5, -26.0]], adv=[[1.0, 1.0]], ref=[[-1.5, -0.5]])
     got = run(batch)
-    assert got["train/ois"] == 1.0
+    assert "train/ois" not in got  # miles computes ois only with --use-tis or --get-mismatch-metrics
     assert got["train/train_rollout_logprob_abs_diff"] == pytest.approx((0.5 + 25) / 2, rel=1e-12)
     assert got["train/train_rollout_kl"] == pytest.approx((E(0.5) - 1.5 + 10.0) / 2, rel=1e-12)
     assert got["train/kl_loss"] == pytest.approx((0.5 - 0.5) / 2)  # k1 = lp_new − lp_ref
@@ -105,6 +105,20 @@ def test_rollout_pair_keys_and_tis() -> None:
     assert tis["train/tis"] == pytest.approx((E(0.5) + E(1.0)) / 2, rel=1e-12)
     assert tis["train/tis_clipfrac"] == pytest.approx(1 / 2)
     assert tis["train/tis_abs"] == pytest.approx((E(0.5) - 1 + E(1.0) - 1) / 2, rel=1e-12)
+    assert tis["train/ois"] == 1.0  # new = old
+
+
+def test_ois_has_no_clamp_and_maps_non_finite_log_ratios_to_zero() -> None:
+    # d = lp_new − lp_old = 25, NaN, +inf; miles: ppo_kl = nan_to_num(lp_old − lp_new, 0), ois = exp(−ppo_kl)
+    # without _safe_clamp_log_ratio, so e^25 (not e^20) and 1 for both non-finite tokens
+    batch = make_batch(
+        new=[[-1.0, math.nan, -1.0]],
+        old=[[-26.0, -1.0, -math.inf]],
+        rollout=[[-26.0, -1.0, -1.0]],
+        adv=[[1.0, 1.0, -1.0]],
+    )
+    got = run(batch, tis=True)
+    assert got["train/ois"] == pytest.approx((E(25.0) + 1.0 + 1.0) / 3, rel=1e-12)
 
 
 def test_default_aggregation_is_miles_sample_mean_and_token_mean_is_honoured() -> None:
