@@ -52,7 +52,8 @@ class MetricSettings:
     beta: float | None = None  # trl (0.0) / liger (0.04)
     vllm_is: bool = True  # trl: vLLM IS correction when a rollout stream is present
     pad_width: int | None = None  # liger T' (default: longest response in the step)
-    tis: bool = False  # miles
+    tis: bool = False  # miles --use-tis
+    mismatch_metrics: bool = False  # miles --get-mismatch-metrics (same TIS branch as --tis)
     batch_size: int | None = None  # pipelinerl (default: S)
     group_normalize: bool = False  # pipelinerl
     kl_coef: float | None = None  # pipelinerl (0.1)

@@ -42,6 +42,7 @@ _FLAG_DEFAULTS: tuple[tuple[str, str, object], ...] = (
     ("vllm_is", "--no-vllm-is", True),
     ("pad_width", "--pad-width", None),
     ("tis", "--tis", False),
+    ("mismatch_metrics", "--mismatch-metrics", False),
     ("batch_size", "--batch-size", None),
     ("group_normalize", "--group-normalize", False),
     ("kl_coef", "--kl-coef", None),

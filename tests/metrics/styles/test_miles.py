@@ -108,6 +108,22 @@ def test_rollout_pair_keys_and_tis() -> None:
     assert tis["train/ois"] == 1.0  # new = old
 
 
+def test_mismatch_metrics_is_the_tis_branch_with_a_tis_weighted_loss() -> None:
+    # miles: `if args.get_mismatch_metrics or args.use_tis`: pg_loss · clamp(e^Δ, 0, 2), ois and tis* logged
+    old = [[-1.0, -1.0]]
+    batch = make_batch(new=[[-0.9, -1.0]], old=old, rollout=[[-1.5, -2.0]], adv=[[1.0, 1.0]])
+    plain, mismatch = run(batch), run(batch, mismatch_metrics=True)
+    assert plain["train/pg_loss"] == pytest.approx((-E(0.1) - 1.0) / 2, rel=1e-12)  # r = e^0.1 and 1
+    assert mismatch["train/pg_loss"] == pytest.approx((-E(0.1) * E(0.5) - 1.0 * 2.0) / 2, rel=1e-12)
+    assert mismatch["train/ois"] == pytest.approx((E(0.1) + 1.0) / 2, rel=1e-12)
+    assert mismatch["train/tis"] == pytest.approx((E(0.5) + E(1.0)) / 2, rel=1e-12)
+    assert mismatch == run(batch, tis=True)
+    assert "train/ois" not in plain and "train/tis" not in plain
+    with pytest.raises(UsageError) as excinfo:  # the TIS weights need the rollout stream
+        run(worked_example(), mismatch_metrics=True)
+    assert excinfo.value.code == "E506" and "--mismatch-metrics" in excinfo.value.message
+
+
 def test_ois_has_no_clamp_and_maps_non_finite_log_ratios_to_zero() -> None:
     # d = lp_new − lp_old = 25, NaN, +inf; miles: ppo_kl = nan_to_num(lp_old − lp_new, 0), ois = exp(−ppo_kl)
     # without _safe_clamp_log_ratio, so e^25 (not e^20) and 1 for both non-finite tokens
