@@ -6,7 +6,7 @@ and `get_pg_loss_reducer`, `loss_hub/math_utils.py::compute_policy_loss`, `compu
 
 Why: miles reports every metric as a **sample mean** `SM(x) = (1/S) Σ_i Σ_t m x / max(N_i, 1)` (empty samples
 add 0 and count in S), stores `ppo_kl = lp_old − lp_new` (sign opposite to verl's naming) and
-clamps log-ratios to ±20 after mapping NaN → 0 and ±inf → ±20 in the loss; `train/ois` = SM(exp(−ppo_kl)) is not
+zeroes every non-finite log-ratio before the loss, which then clamps it to ±20; `train/ois` = SM(exp(−ppo_kl)) is not
 clamped and exists only under TIS. Worked example: `train/ppo_kl` =
 (0 + 0 − 0.25/3 + 0.1/3)/4 = −0.0125, against verl's token mean −0.011538.
 
@@ -95,12 +95,11 @@ def compute_miles(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     out: list[MetricValue] = []
     if inputs.has_policy:
         assert inputs.lp_new is not None and inputs.lp_old is not None
-        d = inputs.lp_new - inputs.lp_old  # (M,)
-        ratio = exp(safe_log_ratio(d))  # (M,) r̂
+        ppo_kl = inputs.lp_old - inputs.lp_new  # (M,)
+        ppo_kl[~np.isfinite(ppo_kl)] = 0.0  # nan_to_num(ppo_kl, nan=0, posinf=0, neginf=0) on loss tokens
+        ratio = exp(safe_log_ratio(-ppo_kl))  # (M,) r̂: the ±20 clamp only ever meets finite values
         if inputs.adv is not None:
             out += _policy_loss(inputs, settings, agg, ratio)
-        ppo_kl = -d
-        ppo_kl[~np.isfinite(ppo_kl)] = 0.0  # nan_to_num(ppo_kl, nan=0, posinf=0, neginf=0) on loss tokens
         out.append(value("train/ppo_kl", sm(ppo_kl), "nats", "sample", s))
         out.append(_ess_ratio(inputs, ratio, agg))
         if tis_branch(settings):

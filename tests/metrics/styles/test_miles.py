@@ -1,7 +1,7 @@
 """`--key-style miles` against hand computations from miles' loss hub (docs/key-styles.md).
 
-miles: SM(x) = (1/S) Σ_i Σ_t x / max(N_i, 1) for every metric; r̂ = exp(clamp(z(d), ±20)) with NaN → 0 and
-±inf → ±20; `ppo_kl` = lp_old − lp_new with non-finite values zeroed; `--loss-aggregation` picks the loss
+miles: SM(x) = (1/S) Σ_i Σ_t x / max(N_i, 1) for every metric; r̂ = exp(clamp(z(d), ±20)) with every
+non-finite d → 0; `ppo_kl` = lp_old − lp_new with non-finite values zeroed; `--loss-aggregation` picks the loss
 reducer; TIS weights clamp(e^Δ, 0, 2) multiply the per-token loss.
 """
 
@@ -43,12 +43,15 @@ def test_worked_example_section_11() -> None:
 
 
 def test_safe_clamp_of_log_ratio_nan_and_inf() -> None:
-    # d = 25 → 20; d = NaN → 0; d = +inf (lp_old = −inf) → 20
+    # d = 25 → 20 (_safe_clamp_log_ratio); d = NaN → 0; d = +inf (lp_old = −inf) → 0, not 20: miles zeroes every
+    # non-finite ppo_kl on loss tokens (nan_to_num(…, nan=0, posinf=0, neginf=0)) before compute_policy_loss
     batch = make_batch(new=[[-1.0, math.nan, -1.0]], old=[[-26.0, -1.0, -math.inf]], adv=[[1.0, 1.0, -1.0]])
     result = compute_step_style(batch, settings_for("miles", batch))
     got = values_of(result)
-    # ℓ̂: max(−e^20, −1.2) = −1.2; r̂ = 1 → −1; A = −1: max(e^20, 0.8) = e^20
-    assert got["train/pg_loss"] == pytest.approx((-1.2 - 1.0 + E(20.0)) / 3, rel=1e-12)
+    # ℓ̂: max(−e^20, −1.2) = −1.2; r̂ = 1 → −1; A = −1, r̂ = 1: max(1, 1) = 1
+    assert got["train/pg_loss"] == pytest.approx((-1.2 - 1.0 + 1.0) / 3, rel=1e-12)
+    # per-sample Kish ESS over r̂ = (e^20, 1, 1)
+    assert got["train/ess_ratio"] == pytest.approx((E(20.0) + 2) ** 2 / (3 * (E(40.0) + 2)), rel=1e-12)
     assert got["train/pg_clipfrac"] == pytest.approx(1 / 3)
     # ppo_kl = lp_old − lp_new = −25 (kept, no clamp), NaN → 0, −inf → 0
     assert got["train/ppo_kl"] == pytest.approx(-25 / 3, rel=1e-12)
