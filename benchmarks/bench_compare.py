@@ -35,7 +35,7 @@ import sys, time, json
 t0 = time.perf_counter()
 from pgdiag.compare.api import compare_runs
 from pgdiag.data.runs import read_run
-report = compare_runs(read_run(sys.argv[1]), read_run(sys.argv[2]))  # default breakdowns
+report = compare_runs(read_run(sys.argv[1]), read_run(sys.argv[2])).report  # default breakdowns
 wall = time.perf_counter() - t0
 value = report.value("mismatch/abs_mean", scope="token")
 import resource

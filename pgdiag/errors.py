@@ -43,7 +43,11 @@ class Code(StrEnum):
     # usage errors found while parsing options
     BAD_GATE = ("E110", "a gate expression or profile cannot be parsed or names no known metric", 2)
     STREAM_NOT_FOUND = ("E111", "a named stream or entropy is not in the run", 2)
-    UNPARSABLE_OPTION = ("E112", "an option's text cannot be parsed (--steps, --streams A,B)", 2)
+    UNPARSABLE_OPTION = (
+        "E112",
+        "an option's text cannot be parsed (--steps, --streams A,B, --shift, --map)",
+        2,
+    )
     # row and token rules of the rollout schema
     LENGTH_MISMATCH = ("E201", "a per-token list and input_ids differ in length", 3)
     BAD_PROMPT_LEN = ("E202", "prompt_len outside [1, T]", 3)
@@ -85,7 +89,7 @@ class Code(StrEnum):
     OUTPUT_EXISTS = ("E502", "the output exists and cannot be reused (pass --overwrite)", 2)
     BAD_OPTION_VALUE = ("E503", "an option value is outside its range or not one of its choices", 2)
     INCOMPLETE_RECOMPUTE = ("E504", "a recompute dataset is incomplete", 2)
-    SEVERAL_RUNS = ("E505", "the input holds several runs; pick one with --run", 2)
+    AMBIGUOUS_INPUT = ("E505", "the input holds several runs or file kinds; pick one", 2)
     MISSING_SETTING = ("E506", "a setting needs another setting or an input column that is missing", 2)
     NOT_IN_KEY_STYLE = ("E507", "a setting the chosen --key-style or --level does not have", 2)
     DEVICE_UNAVAILABLE = ("E508", "the requested device or backend is not available here", 2)
@@ -94,6 +98,18 @@ class Code(StrEnum):
     WRONG_PLOT_INPUT = ("E511", "the plot's input lacks the table or rows it draws", 2)
     NEEDS_RUN_ON_DISK = ("E512", "the option reads the run from disk, but in-memory batches were given", 2)
     BAD_TENSORS = ("E513", "tensor shapes, dtypes or devices of a library call do not fit together", 2)
+    SETTINGS_TWICE = ("E514", "settings given twice: a settings object and keyword options", 2)
+    # imports of framework dumps
+    UNSAFE_PICKLE_GLOBAL = ("E701", "a pickle needs a global outside the preset's allow-list", 2)
+    TEXT_ONLY_SOURCE = ("E702", "the source holds text but no token ids (pass --retokenize --tokenizer)", 2)
+    BAD_DUMP_LAYOUT = ("E703", "a dump file is torn, truncated or not in the preset's layout", 3)
+    STREAM_ALL_ZEROS = ("W701", "a stream the source writes as zeros was dropped", 0)
+    STREAM_COPIED = ("W702", "a stream the source writes as a copy of another was dropped", 0)
+    TRAIN_FORWARD_LOGPROBS = (
+        "W703",
+        "the dump's old log-probs come from the training forward (kept, flagged)",
+        0,
+    )
     # checkpoints
     UNSUPPORTED_ARCHITECTURE = ("E601", "unsupported model architecture", 2)
     UNSUPPORTED_ROPE = ("E602", "unsupported RoPE configuration", 2)

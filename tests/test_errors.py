@@ -102,10 +102,12 @@ def test_catalogue_has_one_meaning_per_code_and_the_exit_code_of_its_kind() -> N
     for code in Code:
         if code.startswith("W"):
             assert code.exit_code == EXIT_OK, code
-        elif code[1] in "123" and not code.startswith("E11"):
-            assert code.exit_code == EXIT_INVALID, code  # the data is invalid
+        elif (code[1] in "123" and not code.startswith("E11")) or code == "E703":
+            assert code.exit_code == EXIT_INVALID, code  # the data is invalid (a rollout or a dump file)
         else:
-            assert code.exit_code == EXIT_USAGE, code  # options, files, checkpoints
+            assert code.exit_code == EXIT_USAGE, (
+                code
+            )  # options, files, checkpoints, unsafe or text-only dumps
 
 
 def test_every_raise_site_uses_the_class_of_its_codes_exit_code() -> None:
@@ -142,6 +144,31 @@ def test_docs_cli_table_repeats_the_catalogue() -> None:
     assert len(documented) == len(rows)
     expected = {c.value: (c.exit_code, c.meaning.replace("|", "\\|")) for c in Code}
     assert documented == expected
+
+
+def test_every_command_option_and_breakdown_named_in_a_hint_exists() -> None:
+    commands = _cli()
+    every_option = {opt: p for command in commands.values() for opt, p in _options(command).items()}
+    hints = list(_hints())
+    assert len(hints) > 40
+    checked = 0
+    for where, hint in hints:
+        for clause in re.split(
+            r"[,;]", hint
+        ):  # an option belongs to the command named before it in its clause
+            named = re.findall(r"\bpgdiag ([a-z][a-z-]*)", clause)
+            for name in named:
+                assert name in commands, f"{where}: hint names `pgdiag {name}`: {hint!r}"
+            options = _options(commands[named[-1]]) if named else every_option
+            for option, value in re.findall(r"(--[a-z][a-z0-9-]*)(?:[ =]([A-Za-z_][\w-]*))?", clause):
+                assert option in options, (
+                    f"{where}: hint names {option}, not an option of {named or 'any command'}"
+                )
+                choices = _choices(options[option])
+                if value and choices is not None:
+                    assert value in choices, f"{where}: {option} does not accept {value!r}: {hint!r}"
+                checked += 1
+    assert checked > 10
 
 
 def test_by_choices_are_the_breakdowns() -> None:

@@ -21,7 +21,7 @@ import polars as pl
 from pgdiag.data.flat import FlatList, LossView, RowTable, loss_view, subset_rows
 from pgdiag.data.schema import REQUIRED_HINTS
 from pgdiag.data.seqhash import seq_hashes
-from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK, catalogued
+from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK, UsageError, catalogued
 
 LOGPROB_POSITIVE_TOL = 1e-6
 ZERO_FILL_FRACTION = 0.01
@@ -34,6 +34,19 @@ ISSUE_SCHEMA = {
     "sample_id": pl.String,
     "pos": pl.Int64,
 }
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """What every command's checks skip and show: codes to ignore and examples per issue."""
+
+    ignore: tuple[str, ...] = ()  # check codes to skip (E306, E207, W4xx, ...)
+    max_examples: int = 5  # example locations listed per issue
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ignore", tuple(self.ignore))
+        if self.max_examples < 0:
+            raise UsageError("E503", f"--max-examples must be >= 0 (got {self.max_examples})")
 
 
 @dataclass(frozen=True)

@@ -261,7 +261,6 @@ def reduce_rows(
 
 def compute_native(batch: TokenBatch, settings: MetricSettings) -> list[tuple[str, StepMetrics]]:
     """Per-step rows in step order plus the ``all`` row (pooled tokens; loss/grad keys averaged over steps)."""
-    settings.check()
     resolved = resolve_aggregation(settings.aggregation, settings)
     step_index = _step_index(batch, settings)  # (S,)
     pooled = _pooled_batch(batch, settings, step_index)
@@ -308,7 +307,6 @@ def compute_step_native(batch: TokenBatch, settings: MetricSettings, *, groups_s
     `groups_split` is `count/groups_split` (groups straddling a step boundary), known only to the caller
     that cut the steps; `compute_native` passes it.
     """
-    settings.check()
     resolved = resolve_aggregation(settings.aggregation, settings)
     tables = build_batch_tables(batch, settings)
     return reduce_rows(tables, 0, batch.n_samples, settings, resolved, groups_split)
@@ -356,7 +354,6 @@ def split_steps(batch: TokenBatch, settings: MetricSettings) -> list[tuple[str, 
     document; the `step` column is ignored and replaced by the step index); a final step with fewer than N
     documents has status ``partial``.
     """
-    settings.check()
     if batch.n_samples == 0:
         return []
     step_index = _step_index(batch, settings)

@@ -18,7 +18,6 @@ prompt_mean 0.073046, constant (L = 4) 0.065450, seq_mean_token_sum 0.261799.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,20 +131,19 @@ def resolve_aggregation(name: str | None, settings: MetricSettings) -> ResolvedA
     divisor = settings.divisor
     if divisor is None and rule is not None and name.startswith(f"{rule.framework}:"):
         divisor = rule.default_divisor
-    if mode == "constant":
-        if divisor is None:
-            raise UsageError(
-                "E506",
-                f"--aggregation {name} resolves to `constant`, which needs --divisor L (loss = Σ m'ℓ / (L·S))",
-                "pass --divisor, e.g. the max_completion_length or loss_scale_factor of the run",
-            )
-        if not (divisor > 0 and math.isfinite(divisor)):
-            raise UsageError("E503", f"--divisor must be a positive number, got {divisor}", None)
+    if mode == "constant" and divisor is None:
+        raise UsageError(
+            "E506",
+            f"--aggregation {name} resolves to `constant`, which needs --divisor L (loss = Σ m'ℓ / (L·S))",
+            "pass --divisor, e.g. the max_completion_length or loss_scale_factor of the run",
+        )
     sample_count = None
-    if rule is not None and rule.batch_size_samples and settings.batch_size is not None:
-        if settings.batch_size < 1:
-            raise UsageError("E503", f"--batch-size must be at least 1, got {settings.batch_size}", None)
-        sample_count = settings.batch_size
+    if rule is not None and rule.batch_size_samples and settings.style.batch_size is not None:
+        if settings.style.batch_size < 1:
+            raise UsageError(
+                "E503", f"--batch-size must be at least 1, got {settings.style.batch_size}", None
+            )
+        sample_count = settings.style.batch_size
     return ResolvedAggregation(
         name=name,
         framework=None if rule is None else rule.framework,
@@ -210,10 +208,10 @@ def token_loss_sums(
     at C), so one selected factor per token suffices. A token with A = 0 has ℓ = 0 even when r overflowed
     to +inf (0·inf is not a loss). `positive` (N,) is A > 0; `scratch` (N,) is a float64 work buffer.
     """
-    factor = np.maximum(r, 1.0 - settings.eps_low, out=scratch)  # (N,) for A < 0
-    if settings.dual_clip is not None:
-        np.minimum(factor, settings.dual_clip, out=factor)
-    np.copyto(factor, np.minimum(r, 1.0 + settings.eps_high), where=positive)
+    factor = np.maximum(r, 1.0 - settings.clip.eps_low, out=scratch)  # (N,) for A < 0
+    if settings.clip.dual_clip is not None:
+        np.minimum(factor, settings.clip.dual_clip, out=factor)
+    np.copyto(factor, np.minimum(r, 1.0 + settings.clip.eps_high), where=positive)
     with np.errstate(invalid="ignore"):
         factor *= advantages
     if not np.all(np.isfinite(r)):
@@ -235,7 +233,7 @@ def gspo_loss_sums(
     For A > 0 the token loss is −A·min(R, clip(R)), for A < 0 it is |A|·max(R, clip(R)), so the sample sum is
     −min(R_i, clip(R_i))·Σ_t max(A, 0) + max(R_i, clip(R_i))·Σ_t max(−A, 0) (all arguments (S,)).
     """
-    clipped = np.clip(seq_ratio, 1.0 - settings.eps_low, 1.0 + settings.eps_high)
+    clipped = np.clip(seq_ratio, 1.0 - settings.clip.eps_low, 1.0 + settings.clip.eps_high)
     low_side = np.minimum(seq_ratio, clipped)
     high_side = np.maximum(seq_ratio, clipped)
     return scaled(high_side, negative_part) - scaled(low_side, positive_part)
@@ -314,10 +312,6 @@ def add_loss_metrics(
     pg_losses, pg_grads = sums.of_mode(resolved.mode)
     sink.add("loss/pg", _weighted(pg_weights, pg_losses), n_tokens)
     if settings.grad_divisor is not None:
-        if not (settings.grad_divisor > 0 and math.isfinite(settings.grad_divisor)):
-            raise UsageError(
-                "E503", f"--grad-divisor must be a positive number, got {settings.grad_divisor}", None
-            )
         divisor_scale = float(np.sum(pg_grads)) / settings.grad_divisor if n_tokens else None
         pg_scale = _weighted(pg_weights, pg_grads)
         ratio = divisor_scale / pg_scale if divisor_scale is not None and pg_scale else None

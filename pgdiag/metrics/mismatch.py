@@ -51,7 +51,7 @@ def mismatch_bands(settings: MetricSettings) -> tuple[tuple[str, float, float], 
         ("strict", 0.999, 1.002),
         ("1pct", 0.99, 1.01),
         ("10pct", 0.9, 1.1),
-        ("clip", 1.0 - settings.eps_low, 1.0 + settings.eps_high),
+        ("clip", 1.0 - settings.clip.eps_low, 1.0 + settings.clip.eps_high),
         ("2x", 0.5, 2.0),
     )
 

@@ -107,7 +107,7 @@ def build_policy_tables(
     lp_new − lp_old at every loss position, None when every position is valid (the counts then come from
     the valid tokens); `position_offsets` (S+1,) delimit its samples.
     """
-    low_edge, high_edge = 1.0 - settings.eps_low, 1.0 + settings.eps_high
+    low_edge, high_edge = 1.0 - settings.clip.eps_low, 1.0 + settings.clip.eps_high
     sums = reducer.sample_sums
     # 1. log-ratio and ratio, once
     d = lp_new - lp_old  # (N,)
@@ -261,11 +261,12 @@ def _token_level_clip(
     clip_low = (advantages < 0) & band_low
     n_clip_high, n_clip_low = count_flags(clip_high), count_flags(clip_low)
     stopped = clip_high | clip_low  # binding B_t
-    if settings.dual_clip is None:
+    if settings.clip.dual_clip is None:
         n_dual = np.zeros(reducer.n_per_sample.shape[0])
     else:
         dual = (advantages < 0) & (
-            np.maximum(r, np.clip(r, 1.0 - settings.eps_low, 1.0 + settings.eps_high)) > settings.dual_clip
+            np.maximum(r, np.clip(r, 1.0 - settings.clip.eps_low, 1.0 + settings.clip.eps_high))
+            > settings.clip.dual_clip
         )
         n_dual = count_flags(dual)
         stopped |= dual
@@ -303,27 +304,27 @@ def _sample_level_clip(
                Σℓ = |A_i| (Σr − ρ_lo + (1 − ε_l) n_lo − (ρ_C − C n_C))
     (no overflow: the differences of finite sums are exact up to rounding).
     """
-    high_edge, low_edge = 1.0 + settings.eps_high, 1.0 - settings.eps_low
+    high_edge, low_edge = 1.0 + settings.clip.eps_high, 1.0 - settings.clip.eps_low
     adv = np.where(reducer.nonempty, advantage.max_adv, 0.0)  # (S,) A_i
     positive, negative = adv > 0, adv < 0
     abs_adv = np.abs(adv)
     r_high = reducer.sample_sums(np.multiply(r, band_high, out=scratch))  # ρ_hi (S,)
     r_low = reducer.sample_sums(np.multiply(r, band_low, out=scratch))  # ρ_lo (S,)
     zeros = np.zeros_like(adv)
-    if settings.dual_clip is None:
+    if settings.clip.dual_clip is None:
         n_over, r_over, r_high_live = zeros, zeros, r_high
     else:
-        over = r > settings.dual_clip  # (N,) bool
+        over = r > settings.clip.dual_clip  # (N,) bool
         n_over = reducer.sample_sums(over, scratch)
         r_over = reducer.sample_sums(np.multiply(r, over, out=scratch))
         # out-of-band-high tokens that the dual clip leaves alive: r in (1 + ε_h, C]
-        r_high_live = r_high - r_over if settings.dual_clip >= high_edge else zeros
+        r_high_live = r_high - r_over if settings.clip.dual_clip >= high_edge else zeros
     n_clip_high = np.where(positive, n_band_high, 0.0)
     n_clip_low = np.where(negative, n_band_low, 0.0)
     n_dual = np.where(negative, n_over, 0.0)
     grad_pass = abs_adv * np.where(positive, sum_r - r_high, np.where(negative, sum_r - r_low - r_over, 0.0))
     grad_pass_band = abs_adv * np.where(positive, r_low, np.where(negative, r_high_live, 0.0))
-    dual_cut = r_over - (settings.dual_clip or 0.0) * n_over
+    dual_cut = r_over - (settings.clip.dual_clip or 0.0) * n_over
     loss_pos = -adv * (sum_r - r_high + high_edge * n_band_high)
     loss_neg = abs_adv * (sum_r - r_low + low_edge * n_band_low - dual_cut)
     loss = np.where(positive, loss_pos, np.where(negative, loss_neg, 0.0))
@@ -375,7 +376,7 @@ def add_policy_metrics(t: PolicyTables, settings: MetricSettings, sink: MetricSi
             sink.add("policy/clip_frac_binding", mean(t.n_clip_low + t.n_clip_high), n_red)
             sink.add("policy/clip_frac_low", mean(t.n_clip_low), n_red)
             sink.add("policy/clip_frac_high", mean(t.n_clip_high), n_red)
-            if settings.dual_clip is not None:
+            if settings.clip.dual_clip is not None:
                 sink.add("policy/dual_clip_frac", mean(t.n_dual), n_red)
             sink.add("policy/zero_grad_frac", mean(t.n_zero_grad), n_red)
             total = float(np.sum(t.grad_pass))
@@ -406,7 +407,7 @@ def add_sequence_metrics(t: PolicyTables, settings: MetricSettings, sink: Metric
     red = t.reducer
     ne = red.nonempty
     n_seq = red.n_nonempty
-    low_edge, high_edge = 1.0 - settings.eps_low, 1.0 + settings.eps_high
+    low_edge, high_edge = 1.0 - settings.clip.eps_low, 1.0 + settings.clip.eps_high
     with np.errstate(over="ignore", invalid="ignore"):
         seq_ratio = _sequence_ratio(t.sum_d, red)[ne]  # (S+,)
         sum_d = t.sum_d[ne]  # (S+,)

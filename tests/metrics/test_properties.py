@@ -120,7 +120,7 @@ def close(got, want, tol=1e-11):
 )
 def test_engine_matches_slow_reference(samples, mode, constant_advantages, dual_clip):
     batch = build(samples, constant_advantages)
-    config = MetricSettings(
+    config = MetricSettings.from_options(
         new="new",
         old="old",
         eps_low=EPS_LOW,
@@ -187,7 +187,10 @@ def test_ess_seq_in_log_space_matches_50_digit_reference(log_ratios):
     old = [[-1.0] * len(s) for s in log_ratios]
     new = [[-1.0 + d for d in s] for s in log_ratios]
     batch = make_batch(new=new, old=old)
-    got = {v.key: v.value for v in compute_step_native(batch, MetricSettings(new="new", old="old")).values}
+    got = {
+        v.key: v.value
+        for v in compute_step_native(batch, MetricSettings.from_options(new="new", old="old")).values
+    }
     d = batch.streams["new"] - batch.streams["old"]
     sums = [math.fsum(d[int(batch.offsets[i]) : int(batch.offsets[i + 1])]) for i in range(batch.n_samples)]
     weights = [Decimal(x).exp() for x in sums]

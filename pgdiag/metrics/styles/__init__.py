@@ -54,7 +54,7 @@ def check_style_settings(settings: MetricSettings) -> None:
         raise UsageError(
             "E503",
             f"--key-style {settings.key_style!r} is not a framework style",
-            f"choose {'|'.join(STYLE_NAMES)}, or leave --key-style out for the native keys",
+            f"choose {'|'.join(STYLE_NAMES)}; the native keys need no --key-style",
         )
     check, _ = _STYLES[settings.key_style]
     check(settings)

@@ -40,6 +40,7 @@ _FLAG_DEFAULTS: tuple[tuple[str, str, object], ...] = (
     ("rollout_is_threshold", "--rollout-is-threshold", None),
     ("beta", "--beta", None),
     ("vllm_is", "--no-vllm-is", True),
+    ("kl_bias_correction", "--no-kl-bias-correction", True),
     ("pad_width", "--pad-width", None),
     ("tis", "--tis", False),
     ("mismatch_metrics", "--mismatch-metrics", False),
@@ -223,19 +224,16 @@ def value(key: str, v: float | None, unit: str, reduction: str, n: int) -> Metri
 
 
 def check_flags(style: str, settings: MetricSettings, allowed: frozenset[str]) -> None:
-    """Reject every style-only setting that `style`'s framework does not have (docs/key-styles.md, exit 2),
-    and a dual-clip constant that is not > 1 where the framework has one."""
-    if "dual_clip" in allowed and settings.dual_clip is not None and not settings.dual_clip > 1.0:
-        raise UsageError(
-            "E503", f"--dual-clip must be > 1 for --key-style {style} (got {settings.dual_clip})"
-        )
+    """Reject every style-only setting that `style`'s framework does not have (docs/key-styles.md, exit 2);
+    a dual-clip constant <= 1 never gets here (`ClipBand` rejects it)."""
+    given = settings.to_dict()
     for attr, flag, unset in _FLAG_DEFAULTS:
         if attr in allowed:
             continue
-        if getattr(settings, attr) != unset:
+        if given[attr] != unset:
             raise UsageError(
                 "E507",
-                f"{flag} is not a setting of --key-style {style} (got {getattr(settings, attr)!r})",
+                f"{flag} is not a setting of --key-style {style} (got {given[attr]!r})",
                 "see docs/key-styles.md for the flags each style accepts",
             )
 

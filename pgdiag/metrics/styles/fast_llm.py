@@ -53,7 +53,7 @@ def check_fast_llm_settings(settings: MetricSettings) -> None:
 
 def compute_fast_llm(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     """Fast-LLM's keys for one step (one micro-batch, one process)."""
-    prefix = settings.loss_name or "grpo"
+    prefix = settings.style.loss_name or "grpo"
     sequence = settings.level == "sequence"
     docs = _Documents.of(inputs)
     n_docs = docs.count
@@ -164,7 +164,7 @@ def _ratio_fields(
 
 def _band(ratio: np.ndarray, settings: MetricSettings) -> np.ndarray:
     """1[r < 1 − ε_l ∨ r > 1 + ε_h] as float (Fast-LLM's `clipped`, any advantage)."""
-    return ((ratio < 1.0 - settings.eps_low) | (ratio > 1.0 + settings.eps_high)).astype(np.float64)
+    return ((ratio < 1.0 - settings.clip.eps_low) | (ratio > 1.0 + settings.clip.eps_high)).astype(np.float64)
 
 
 def _loss(inputs: StyleInputs, settings: MetricSettings, docs: _Documents) -> float:
@@ -173,9 +173,9 @@ def _loss(inputs: StyleInputs, settings: MetricSettings, docs: _Documents) -> fl
     if settings.level == "sequence":
         doc_ratio = exp(docs.mean(inputs.lp_new - inputs.lp_old))  # (D,) R_d
         doc_adv = docs.mean(inputs.adv)  # (D,) Ā_d
-        clipped = clip_ratio(doc_ratio, settings.eps_low, settings.eps_high)
+        clipped = clip_ratio(doc_ratio, settings.clip.eps_low, settings.clip.eps_high)
         doc_loss = -np.minimum(doc_ratio * doc_adv, clipped * doc_adv)  # (D,) l_d
         return div(total(docs.tokens * doc_loss), docs.count)
     ratio = exp(inputs.lp_new - inputs.lp_old)
-    token_loss = ppo_token_loss(ratio, inputs.adv, settings.eps_low, settings.eps_high)
+    token_loss = ppo_token_loss(ratio, inputs.adv, settings.clip.eps_low, settings.clip.eps_high)
     return div(total(token_loss), inputs.n_tokens)  # num_labels_in_batch, no max(·, 1) guard

@@ -53,7 +53,7 @@ TIS_CLIP_LOW, TIS_CLIP_HIGH = 0.0, 2.0
 
 def tis_branch(settings: MetricSettings) -> bool:
     """miles' `if args.get_mismatch_metrics or args.use_tis` branch: TIS-weighted pg_loss, ois and tis keys."""
-    return settings.tis or settings.mismatch_metrics
+    return settings.style.tis or settings.style.mismatch_metrics
 
 
 def loss_aggregation(settings: MetricSettings) -> str:
@@ -86,7 +86,7 @@ def compute_miles(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     if s and int(np.max(np.bincount(inputs.document))) > 1:
         notices.append("miles: documents with several rows (multi-sample rollouts) are not reproduced in v1")
     if tis_branch(settings) and not inputs.has_pair:
-        flag = "--tis" if settings.tis else "--mismatch-metrics"
+        flag = "--tis" if settings.style.tis else "--mismatch-metrics"
         raise UsageError("E506", f"miles {flag} needs a rollout stream (--stream-a) for the TIS weights")
 
     def sm(x: np.ndarray) -> float:
@@ -142,10 +142,10 @@ def _policy_loss(
     assert inputs.adv is not None
     adv = inputs.adv
     loss_unclipped = -ratio * adv
-    loss_clipped = -clip_ratio(ratio, settings.eps_low, settings.eps_high) * adv
+    loss_clipped = -clip_ratio(ratio, settings.clip.eps_low, settings.clip.eps_high) * adv
     token_loss = np.maximum(loss_unclipped, loss_clipped)  # (M,) ℓ̂
-    if settings.dual_clip is not None:
-        token_loss = np.where(adv < 0, np.minimum(-settings.dual_clip * adv, token_loss), token_loss)
+    if settings.clip.dual_clip is not None:
+        token_loss = np.where(adv < 0, np.minimum(-settings.clip.dual_clip * adv, token_loss), token_loss)
     if tis_branch(settings):
         token_loss = token_loss * np.clip(_tis_weight_raw(inputs), TIS_CLIP_LOW, TIS_CLIP_HIGH)
     pg_loss = _reduce_loss(inputs, token_loss, agg, settings.divisor)

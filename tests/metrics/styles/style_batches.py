@@ -81,7 +81,7 @@ def settings_for(style: str, batch: TokenBatch, **overrides: object) -> MetricSe
         "key_style": style,
     }
     base.update(overrides)
-    return MetricSettings(**base)  # type: ignore[arg-type]
+    return MetricSettings.from_options(**base)
 
 
 def worked_example() -> TokenBatch:
