@@ -1,7 +1,7 @@
 """`compare_runs(a, b)`: the library function behind `pgdiag compare` (data-and-cli.md §5.4, §6).
 
 What: reads two runs (or two streams of one run), aligns them (`align`), computes the parity table at token and
-sequence scope (`parity`), the breakdowns (`breakdowns`), the logprob-only diagnosis (`diagnose`), the worst-K
+sequence scope (`parity`), the breakdowns (`breakdowns`), the logprob-only signatures (`pgdiag.checks.signatures`, as `pgdiag check` runs them), the worst-K
 tables (`worst`) and, on request, each run's own metric set side by side; returns one `Report`.
 Why: the CLI, notebooks and tests all get the same numbers from one call; nothing here prints.
 How: inputs are `Run`s, paths (read with `pgdiag.data.runs.read_run`) or in-memory `TokenBatch`es. Streams resolve as
@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
+from pgdiag.checks.signatures import signatures
 from pgdiag.compare import breakdowns as bd
 from pgdiag.compare.align import AlignedPair, align_batches
-from pgdiag.compare.diagnose import Diagnosis, diagnose
 from pgdiag.compare.parity import (
     bucket_table,
     sample_bucket_table,
@@ -183,8 +183,8 @@ def _rows(
 
 def parity_rows(
     pair: AlignedPair, *, by: Sequence[str], eps_low: float, eps_high: float
-) -> tuple[list[ReportRow], dict[str, float | None], dict[int, float]]:
-    """Every summary row of one pair; also the `all` token stats by name and the per-step mean |Δ|."""
+) -> tuple[list[ReportRow], dict[str, float | None]]:
+    """Every summary row of one pair; also the `all` token stats by name."""
     name = pair.pair
     rows: list[ReportRow] = []
     terms = token_terms(pair.lp_a, pair.lp_b, eps_low=eps_low, eps_high=eps_high, delta=pair.delta)
@@ -204,7 +204,6 @@ def parity_rows(
     n_seq = int(seqs["samples"][0])
     rows.append(ReportRow(name, "sequence", "all", "all", "count/samples", n_seq, "count", "sum", n_seq))
 
-    step_abs_mean: dict[int, float] = {}
     per_sample = None
     for breakdown in by:
         buckets = bd.assign(pair, breakdown)
@@ -221,20 +220,10 @@ def parity_rows(
                 continue
             lo, hi = float(buckets.lo[k]), float(buckets.hi[k])
             rows += _rows(name, "token", breakdown, table, k, label, lo, hi, "tokens")
-            if breakdown == "step":
-                step_abs_mean[int(buckets.lo[k])] = float(table["abs_mean"][k])
         del buckets  # its (M,) codes go before the next breakdown allocates its own
-    if "step" not in by:
-        buckets = bd.assign(pair, "step")
-        codes = buckets.codes  # (M,)
-        sums = np.bincount(codes, weights=np.abs(pair.delta), minlength=buckets.n_buckets)
-        counts = np.bincount(codes, minlength=buckets.n_buckets)
-        for k in range(buckets.n_buckets):
-            if counts[k]:
-                step_abs_mean[int(buckets.lo[k])] = float(sums[k] / counts[k])
     rows += _dlogp_rows(pair)
     stats = {k: (None if not np.isfinite(v[0]) else float(v[0])) for k, v in tokens.items()}
-    return rows, stats, step_abs_mean
+    return rows, stats
 
 
 def _dlogp_rows(pair: AlignedPair) -> list[ReportRow]:
@@ -378,8 +367,17 @@ def compare_runs(
     side_b = side_a if one_run else _aligned(side_b)
 
     chosen = bd.available(pair) if by is None else tuple(by)
-    rows, stats, step_abs_mean = parity_rows(pair, by=chosen, eps_low=eps_low, eps_high=eps_high)
-    diagnosis: Diagnosis = diagnose(pair, stats, step_abs_mean)
+    rows, stats = parity_rows(pair, by=chosen, eps_low=eps_low, eps_high=eps_high)
+    diagnosis = signatures(
+        pair.lp_a,
+        pair.lp_b,
+        pair,
+        name=pair.pair,
+        name_a=pair.label_a,
+        name_b=pair.label_b,
+        sampling_side_is_engine=pair.stream_a == "rollout",
+        fit=(stats.get("fit_slope"), stats.get("pearson_r")),
+    )
     n = pair.n_tokens
     if diagnosis.first_token_ratio is not None:
         rows.append(
@@ -395,11 +393,9 @@ def compare_runs(
                 n,
             )
         )
-    if diagnosis.tau_hint is not None:
+    if diagnosis.slope is not None:
         rows.append(
-            ReportRow(
-                pair.pair, "token", "all", "all", "mismatch/tau_hint", diagnosis.tau_hint, "1", "fit", n
-            )
+            ReportRow(pair.pair, "token", "all", "all", "mismatch/tau_hint", diagnosis.slope, "1", "fit", n)
         )
     tau = None
     if model is not None:
@@ -448,7 +444,7 @@ def compare_runs(
         },
         "diagnosis": {
             pair.pair: {
-                "tau_hint": diagnosis.tau_hint,
+                "tau_hint": diagnosis.slope,
                 "tau_fit": None if tau is None else tau.tau,
                 "tau_source": "logits (--model)" if tau is not None else "fit_slope (logprob-only hint)",
                 "first_token_ratio": diagnosis.first_token_ratio,
@@ -467,10 +463,10 @@ def compare_runs(
 
 
 def _metadata_issues(side: Side, streams: list[str]) -> list[Issue]:
-    """Footer checks of the compared streams (`pgdiag.checks.semantic.metadata_checks`: W402, W403, W405, W409, W411)."""
+    """Footer checks of the compared streams (`pgdiag.checks.metadata.metadata_checks`: W402, W403, W405, W409, W411)."""
     if side.run is None:
         return []
-    from pgdiag.checks.semantic import metadata_checks
+    from pgdiag.checks.metadata import metadata_checks
 
     return [
         Issue(i.code, i.severity, i.count, f"{side.run.label}: {i.message}", i.step, i.sample_id, i.pos)
