@@ -8,6 +8,7 @@ The Python API that the CLI and notebooks use::
     report = pgdiag.compute_metrics(run, aggregation="constant", divisor=40960)
     report.wide()                                      # polars DataFrame, one column per metric
     pgdiag.compare_runs(run, pgdiag.read_run("sample_data/run_b")).report.summary
+    pgdiag.write_run(df, "runs/mine")                   # your own rollouts (a polars DataFrame) as a run
 
 Names are resolved lazily (PEP 562), so ``import pgdiag`` is cheap and imports neither torch nor polars
 until a function that needs them is used; ``import pgdiag.kernels`` works with torch alone.
@@ -50,12 +51,21 @@ _EXPORTS = {
     "load_model": "pgdiag.model",
     "lm_head_logprobs": "pgdiag.kernels",
     "TokenLogprobs": "pgdiag.kernels",
+    "import_run": "pgdiag.importers.api",
+    "write_run": "pgdiag.importers.api",
+    "ImportResult": "pgdiag.importers.writer",
+    "ImportOptions": "pgdiag.importers.base",
     "plot_hexbin": "pgdiag.report.plots",
     "plot_dlogp_hist": "pgdiag.report.plots",
     "plot_by_prob": "pgdiag.report.plots",
     "plot_by_position": "pgdiag.report.plots",
     "plot_by_step": "pgdiag.report.plots",
     "plot_worst_trace": "pgdiag.report.plots",
+    "plot_dlogp_vs_logprob": "pgdiag.report.plots",
+    "plot_trend": "pgdiag.report.plots",
+    "build_figures": "pgdiag.report.plots",
+    "render_html": "pgdiag.report.html",
+    "write_html": "pgdiag.report.html",
 }
 
 __all__ = ["__version__", *_EXPORTS]

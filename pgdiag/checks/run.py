@@ -64,7 +64,7 @@ def check_frame(
     vocab_size: int | None = None,
     strict: bool = False,
 ) -> CheckResult:
-    """§1.5 validation of an in-memory rollouts frame (e.g. before `write_rollouts` in an import).
+    """Row validation of an in-memory rollouts frame (e.g. before `write_rollouts` in an import).
 
     `source` names the data in messages in place of a file. Stream columns are every ``*_logprobs`` column.
     """
@@ -114,7 +114,7 @@ def check_frame(
 def _single_run_issues(
     run: Run, streams: Sequence[str] | None, ignored: set[str], max_examples: int, vocab_size: int | None
 ) -> tuple[list[Issue], bool]:
-    """§1.5 and §7 issues of one run, and whether it loaded well enough for cross-run checks."""
+    """Validation and data-check issues of one run, and whether it loaded well enough for cross-run checks."""
     pair_streams = list(streams) if streams is not None else list(run.streams)
     if streams is not None and len(pair_streams) != 2:
         raise UsageError("E112", f"--streams needs two names, got {pair_streams}", "pass --streams A,B")
@@ -169,7 +169,7 @@ def check_run(
     vocab_size: int | None = None,
     strict: bool = False,
 ) -> CheckResult:
-    """Run §1.5 validation and the §7 checks on `run`, and on `other` plus minimal cross-run checks.
+    """Run row validation and the data checks on `run`, and on `other` plus minimal cross-run checks.
 
     Bad data never raises here: every finding is an issue of the result (messages name the file, so the
     two runs' issues are told apart). `streams=[a, b]` restricts the semantic checks to that pair; by default

@@ -1,6 +1,6 @@
 """`pgdiag compare RUN_A [RUN_B]`: the parity of two runs (or two streams of one), with CI gates.
 
-Thin shell over `pgdiag.compare.api.compare_runs` (design/data-and-cli.md §5.4): parse options, compare,
+Thin shell over `pgdiag.compare.api.compare_runs` (docs/compare.md): parse options, compare,
 render the parity table on stderr, evaluate `--fail-on`/`--warn-on`/`--profile` (default family `mismatch`),
 and with `--out` write the report, the worst-K tables, the worst trace, the plots and a markdown summary.
 Exit 0 pass (warnings allowed), 1 a fail gate (or a warning under `--strict`; `--exit-zero` turns 1 into 0),
@@ -214,6 +214,12 @@ def compare(
         Path | None,
         typer.Option("--tokens-out", help="Write the exploded token table here.", rich_help_panel=OUTPUT),
     ] = None,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html", help="Write a one-file HTML report (verdict, tables, plots).", rich_help_panel=OUTPUT
+        ),
+    ] = None,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -260,6 +266,10 @@ def compare(
             model=model,
             tokenizer=tokenizer,
         )
+        if html is not None:
+            from pgdiag.report.html import check_html_path
+
+            check_html_path(html, overwrite=overwrite)
         source_a = read_run(run_a, attach=list_option(attach), steps=steps, run=run_name)
         source_b = None if run_b is None else read_run(run_b, steps=steps, run=run_name)
         comparison = compare_runs(source_a, source_b, settings)
@@ -299,10 +309,39 @@ def compare(
             files.update(
                 write_outputs(comparison, out, result=result, gates=verdict.gates, overwrite=overwrite)
             )
+        if html is not None:
+            from pgdiag.report.html import write_html
+            from pgdiag.report.plots import build_figures
+
+            plot_set = build_figures(report, tokens=pair, trace=comparison.trace())
+            status_word, line = _gate_verdict(verdict.gates)
+            page = write_html(
+                report,
+                html,
+                overwrite=overwrite,
+                verdict=line,
+                status=status_word,
+                plot_set=plot_set,
+                argv=result["argv"],
+            )
+            files["html"] = str(page)
+            console.print(f"html report written to {page}", markup=False)
         result["files"] = files
         return result
 
     execute("compare", body, json_out=json_out, quiet=quiet)
+
+
+def _gate_verdict(gates: Any) -> tuple[str, str]:
+    """(status word, line) of the page's verdict from the gates."""
+    if not gates.gates:
+        return (
+            "info",
+            "no gates given: read the parity table (--fail-on or --profile give a pass/fail verdict)",
+        )
+    failed = [g.expr for g in gates.gates if g.status != "pass"]
+    line = f"{len(gates.gates)} gates evaluated" + (f"; not passed: {', '.join(failed)}" if failed else "")
+    return gates.status, line
 
 
 def render_parity(console: Console, report: Any, *, verbose: bool = False) -> None:

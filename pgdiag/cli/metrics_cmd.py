@@ -9,6 +9,7 @@ stderr, `--json` on stdout, `--out` report files). Example::
 from __future__ import annotations
 
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -236,6 +237,14 @@ def metrics(
         bool,
         typer.Option("--no-vllm-is", help="trl: disable the vLLM IS correction.", rich_help_panel=METRICS),
     ] = False,
+    no_kl_bias_correction: Annotated[
+        bool,
+        typer.Option(
+            "--no-kl-bias-correction",
+            help="trl: use_bias_correction_kl=False (KL term not multiplied by the ratio).",
+            rich_help_panel=METRICS,
+        ),
+    ] = False,
     pad_width: Annotated[
         int | None, typer.Option("--pad-width", help="liger: padded width T'.", rich_help_panel=METRICS)
     ] = None,
@@ -269,12 +278,20 @@ def metrics(
             "--all-steps", help="Show every step in the table (default: up to 6).", rich_help_panel=OUTPUT
         ),
     ] = False,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html",
+            help="Write a one-file HTML report (verdict, tables, trend plots).",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Compute the policy-gradient metric set and the pg loss under every aggregation mode.
 
-    Per optimizer step plus a pooled [bold]all[/] row, exactly as design/metrics.md defines them: the policy family
+    Per optimizer step plus a pooled [bold]all[/] row, exactly as docs/metrics.md defines them: the policy family
     on (old, new), the mismatch family on (rollout, old) when both exist, advantage, entropy, group and count metrics,
     [bold]loss/<mode>[/] for every aggregation mode and [bold]grad/<mode>_*[/] gradient diagnostics. The input is
     validated first (exit 3 on invalid data). Example:
@@ -320,6 +337,7 @@ def metrics(
                 rollout_is_threshold=rollout_is_threshold,
                 beta=beta,
                 vllm_is=not no_vllm_is,
+                kl_bias_correction=not no_kl_bias_correction,
                 pad_width=pad_width,
                 tis=tis,
                 batch_size=batch_size,
@@ -328,6 +346,10 @@ def metrics(
             ),
         )
         checks = CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
+        if html is not None:
+            from pgdiag.report.html import check_html_path
+
+            check_html_path(html, overwrite=overwrite)
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
         report = compute_metrics(source, settings, checks=checks)
         verdict = outcome(report, gate_settings)
@@ -360,6 +382,21 @@ def metrics(
             files = report.write(out, overwrite=overwrite, result=result)
             result["files"] = {"report": str(files.report), "json": str(files.json)}
             console.print(f"report written to {files.report}", markup=False)
+        if html is not None:
+            from pgdiag.report.html import write_html
+            from pgdiag.report.plots import build_figures
+
+            page = write_html(
+                report,
+                html,
+                overwrite=overwrite,
+                verdict=f"gates: {verdict.gates.status}",
+                status=verdict.gates.status,
+                plot_set=build_figures(report),
+                argv=result["argv"],
+            )
+            result.setdefault("files", {})["html"] = str(page)
+            console.print(f"html report written to {page}", markup=False)
         return result
 
     execute("metrics", body, json_out=json_out, quiet=quiet)

@@ -1,4 +1,4 @@
-"""`compare_runs(a, b)`: the library function behind `pgdiag compare` (data-and-cli.md §5.4, §6).
+"""`compare_runs(a, b)`: the library function behind `pgdiag compare` (docs/compare.md).
 
 What: reads two runs (or two streams of one run), aligns them (`align`), computes the parity table at token and
 sequence scope (`parity`), the breakdowns (`breakdowns`), the logprob-only signatures (`pgdiag.checks.signatures`, as `pgdiag check` runs them), the worst-K
@@ -7,7 +7,7 @@ Why: the CLI, notebooks and tests all get the same numbers from one call; nothin
 How: inputs are `Run`s, paths (read with `pgdiag.data.runs.read_run`) or in-memory `TokenBatch`es. Streams resolve as
 docs/compare.md says: one run, a = `rollout`, b = `old` (engine vs trainer), else the first present of `new`, the
 only recompute tag, `rollout` (excluding a); two runs, a = first present of that list in run a, b = the same name. Rows follow the tidy
-report schema (§2.4); side-by-side run metrics use scope `batch`, which compare's gates never read.
+report schema (docs/compare.md); side-by-side run metrics use scope `batch`, which compare's gates never read.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _aligned(side: Side) -> Side:
 
 
 def auto_stream(streams: Sequence[str], *, exclude: str | None = None) -> str | None:
-    """First present of new, old, the only recompute tag, rollout (§5.4), skipping `exclude`."""
+    """First present of new, old, the only recompute tag, rollout, skipping `exclude`."""
     present = [s for s in streams if s != exclude]
     tags = [s for s in present if s not in _CANONICAL]
     for name in ("new", "old"):
@@ -84,7 +84,7 @@ def auto_stream(streams: Sequence[str], *, exclude: str | None = None) -> str | 
 def resolve_streams(
     streams_a: Sequence[str], streams_b: Sequence[str] | None, stream_a: str | None, stream_b: str | None
 ) -> tuple[str, str]:
-    """(stream_a, stream_b) after the defaults of §5.4; UsageError naming the streams present."""
+    """(stream_a, stream_b) after the defaults of docs/compare.md; UsageError naming the streams present."""
     one_run = streams_b is None
     if stream_a is None:
         stream_a = "rollout" if one_run and "rollout" in streams_a else auto_stream(streams_a)

@@ -1,4 +1,4 @@
-"""The worst K tokens and sequences of an aligned pair, and the trace of the worst sequence (§2.4 worst-K files).
+"""The worst K tokens and sequences of an aligned pair, and the trace of the worst sequence (the worst-K files of docs/compare.md).
 
 What: `worst_tokens` ranks matched tokens by |Δ| (Δ = lp_b − lp_a), `worst_seqs` ranks samples by |Σ Δ| (the
 log of the sequence importance ratio, what sequence-level corrections act on), `worst_trace` returns both

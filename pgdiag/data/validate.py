@@ -1,4 +1,4 @@
-"""Validation of loaded rollout rows against design/data-and-cli.md §1.5 (E102-E103, E201-E213, W214-W217).
+"""Validation of loaded rollout rows (E102-E103, E201-E213, W214-W217).
 
 Why: bad input must never turn into a wrong number, so every reader validates before it computes. How: the
 reader (`pgdiag.data.runs`) hands over a `RowTable`, the scalar columns as a polars frame plus every list column
@@ -203,7 +203,7 @@ def _null_rows(frame: pl.DataFrame, column: str) -> np.ndarray:
 
 
 class _Rules:
-    """The §1.5 rules over one `RowTable`; each method appends at most a few issues."""
+    """The validation rules over one `RowTable`; each method appends at most a few issues."""
 
     def __init__(
         self, table: RowTable, *, ignore: Collection[str], max_examples: int, vocab_size: int | None
@@ -644,7 +644,7 @@ def validate_rows(
     max_examples: int = 5,
     vocab_size: int | None = None,
 ) -> RowIssues:
-    """Run every §1.5 row and token rule on `table` and collect the issues (nothing raises)."""
+    """Run every row and token rule on `table` and collect the issues (nothing raises)."""
     rules = _Rules(table, ignore=ignore, max_examples=max_examples, vocab_size=vocab_size)
     rules.structure()
     rules.scalars()

@@ -1,9 +1,9 @@
 """`compute_metrics`: read a run, check it, compute the metric set per step and pooled, return a `Report`.
 
 This is the library function behind `pgdiag metrics` (the CLI only parses options and renders). It resolves
-which streams feed which family (design/data-and-cli.md §5.4), reads only those columns, validates them (errors
-raise `InvalidInputError`, warnings land in `Report.checks`), then runs the native engine (metrics.md §2-§7, §9)
-or a framework key style (§8) on every step and on the pooled ``all`` row.
+which streams feed which family (docs/cli.md), reads only those columns, validates them (errors
+raise `InvalidInputError`, warnings land in `Report.checks`), then runs the native engine (docs/metrics.md)
+or a framework key style on every step and on the pooled ``all`` row.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ _CANONICAL = ("rollout", "old", "ref", "new")
 
 
 def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
-    """Settings with every stream name resolved against the run's streams (data-and-cli.md §5.4).
+    """Settings with every stream name resolved against the run's streams (docs/cli.md).
 
     new: ``new``, else the single recompute tag, else exit 2 listing the streams; old: ``old``, else ``rollout``;
     mismatch pair: a = ``rollout``, b = ``old`` else ``new``; ref: ``ref`` when present; entropy: the new

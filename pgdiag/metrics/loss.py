@@ -1,18 +1,18 @@
-"""Policy-gradient loss under every aggregation mode and its gradient diagnostics (design/metrics.md §7).
+"""Policy-gradient loss under every aggregation mode and its gradient diagnostics (docs/metrics.md).
 
-Per-token losses (§7.1), valid tokens only:
+Per-token losses, valid tokens only:
     token level  ℓ_t   = max(−A_t r_t, −A_t clip(r_t));  with --dual-clip C and A_t < 0: ℓ_t = min(ℓ_t, −C·A_t)
     GSPO level   ℓ^G_t = max(−A_t R_i, −A_t clip(R_i)),  R_i = exp(mean_t d) of the token's sample.
 Every mode is a per-sample weighting: the token weight w_t is constant within a sample (c_i), so
 `loss/<mode> = Σ_i c_i Σ_t ℓ_t` and `grad/<mode>_scale = Σ_i c_i Σ_t |g_t|` come from four per-sample sums
-(`LossSums`: token and GSPO loss, token and GSPO |g|) built once per batch; a step only re-weights its rows. `resolve_aggregation` maps the framework spellings of §7.3 to a native mode plus its
+(`LossSums`: token and GSPO loss, token and GSPO |g|) built once per batch; a step only re-weights its rows. `resolve_aggregation` maps the framework spellings (docs/metrics.md) to a native mode plus its
 divisor semantics; `loss/pg` repeats the selected mode.
 
 Why report every mode: the same tokens give different losses under verl `token-mean`, TRL `grpo` and miles
 `constant`; comparing a logged loss to the right mode is the whole point of a parity check. The grad keys
 show how each mode rescales the effective learning rate and how much it favours long samples.
 
-Worked example (§11): Σ m'ℓ = 1.047195 over N = 13 tokens, S = 4: token_mean 0.080553, sample_mean 0.001114,
+Worked example: Σ m'ℓ = 1.047195 over N = 13 tokens, S = 4: token_mean 0.080553, sample_mean 0.001114,
 prompt_mean 0.073046, constant (L = 4) 0.065450, seq_mean_token_sum 0.261799.
 """
 
@@ -43,7 +43,7 @@ GSPO_MODES = ("gspo_seq_mean", "gspo_length_prop", "gspo_token_mean")
 
 @dataclass(frozen=True)
 class AliasRule:
-    """One framework spelling of §7.3 and the native mode it means at token and at sequence level."""
+    """One framework spelling (docs/metrics.md) and the native mode it means at token and at sequence level."""
 
     framework: str
     name: str
@@ -105,7 +105,7 @@ class ResolvedAggregation:
 
 
 def resolve_aggregation(name: str | None, settings: MetricSettings) -> ResolvedAggregation:
-    """Map a native mode or a framework alias of §7.3 (``verl:seq-mean-token-mean``, ``dr_grpo``) to a mode.
+    """Map a native mode or a framework alias (``verl:seq-mean-token-mean``, ``dr_grpo``) to a mode.
 
     None (no `--aggregation`) is the native default, ``token_mean``.
 
@@ -175,12 +175,12 @@ def _find_alias(name: str) -> AliasRule:
     raise UsageError(
         "E503",
         f"unknown --aggregation {name!r}",
-        f"native modes: {known}; or an alias of design/metrics.md §7.3 such as verl:seq-mean-token-mean or dr_grpo",
+        f"native modes: {known}; or an alias of docs/metrics.md such as verl:seq-mean-token-mean or dr_grpo",
     )
 
 
 def _native_denominator(mode: str) -> str:
-    """The denominator of a native mode, as written in §7.2."""
+    """The denominator of a native mode, as written in docs/metrics.md."""
     return {
         "token_mean": "Σ m'ℓ / N",
         "sample_mean": "(1/S) Σ_i Σ_t m'ℓ / N_i",
@@ -247,7 +247,7 @@ def sample_weights(
     n_samples: int,
     divisor: float | None,
 ) -> np.ndarray | None:
-    """(S,) per-token weight c_i of each sample under `mode` (w_t of §7.2); None on a zero denominator.
+    """(S,) per-token weight c_i of each sample under `mode` (the per-token weight w_t); None on a zero denominator.
 
     `n_samples` is the S of the formulas (S, S+ under --empty-seqs skip, or an alias's batch size).
     """
@@ -297,7 +297,7 @@ def add_loss_metrics(
     resolved: ResolvedAggregation,
     sink: MetricSink,
 ) -> None:
-    """`loss/<mode>`, `loss/pg`, `grad/<mode>_*` and the `--grad-divisor` keys of §7.2-§7.5."""
+    """`loss/<mode>`, `loss/pg`, `grad/<mode>_*` and the `--grad-divisor` keys."""
     n_i = sums.reducer.n_per_sample
     n_tokens = int(n_i.sum())
     n_samples = int(np.count_nonzero(n_i)) if settings.empty_seqs == "skip" else int(n_i.shape[0])
@@ -327,7 +327,7 @@ def _weighted(weights: np.ndarray | None, per_sample: np.ndarray) -> float | Non
 def _add_grad_metrics(
     mode: str, weights: np.ndarray | None, abs_grad: np.ndarray, n_per_sample: np.ndarray, sink: MetricSink
 ) -> None:
-    """scale, weight_sum, length_corr and length_elasticity of one mode (§7.5)."""
+    """scale, weight_sum, length_corr and length_elasticity of one mode."""
     n_tokens = int(n_per_sample.sum())
     if weights is None:
         for stat in ("scale", "weight_sum", "length_corr", "length_elasticity"):

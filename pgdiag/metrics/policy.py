@@ -1,20 +1,20 @@
-"""Policy family of design/metrics.md §4: how far π_new moved from π_old on the tokens sampled from π_old.
+"""Policy family of docs/metrics.md: how far π_new moved from π_old on the tokens sampled from π_old.
 
-Definitions (a = old, b = new; valid tokens m' only, §0.2 rule 3):
+Definitions (a = old, b = new; valid tokens m' only):
     d_t = lp_new − lp_old,   r_t = exp(d_t),   band O_t = 1[r_t < 1 − ε_l ∨ r_t > 1 + ε_h],
     binding B_t = 1[(A_t > 0 ∧ r_t > 1 + ε_h) ∨ (A_t < 0 ∧ r_t < 1 − ε_l)],
     sequence ratio R_i = exp(Σ_t d / N_i) (GSPO), product ratio W_i = exp(Σ_t d).
-On-policy data gives d = 0: ratio 1, every clip fraction 0, every KL 0, every ESS 1 (the identity of §9).
+On-policy data gives d = 0: ratio 1, every clip fraction 0, every KL 0, every ESS 1 (the step-0 identity check of docs/metrics.md).
 
 Why two phases: a run holds up to 10M tokens over ~20 steps, and the `all` row pools them again. The token
 phase (`build_policy_tables`) runs once over the whole batch: it computes d and exp(d) once and turns every
 per-token quantity into per-sample sums (S,). The reduce phase (`add_policy_metrics`) then works on the
 rows of one step (`take_rows`), touching tokens only for quantiles and extrema. The per-sample loss and
-gradient sums of §7 are built in the same pass (`LossSums`), sharing r and the clip indicators.
+gradient sums are built in the same pass (`LossSums`), sharing r and the clip indicators.
 Nothing is clamped: |d| > 20 is counted, a ratio that overflows float64 is +inf and propagates into the
 means (counted in `count/policy_ratio_overflow`).
 
-Worked example (metrics.md §11, 13 valid tokens): ratio_mean 13.385230 / 13 = 1.029633,
+Worked example (docs/metrics.md, 13 valid tokens): ratio_mean 13.385230 / 13 = 1.029633,
 clip_frac_band 6/13, clip_frac_binding 4/13, kl_k1 = −0.15/13 = −0.011538, ess_token 0.967279.
 """
 
@@ -249,7 +249,7 @@ def _token_level_clip(
 ) -> ClipSums:
     """(S,) counts of binding-low, binding-high and dual-clip tokens, Σ|g_t|, Σ|g_t|·O_t and Σ ℓ_t, per token.
 
-    |g_t| = |A| r where neither the clip binds nor the dual clip fires (§7.5); ℓ_t as in `token_loss_sums`.
+    |g_t| = |A| r where neither the clip binds nor the dual clip fires; ℓ_t as in `token_loss_sums`.
     """
     flag_scratch = np.empty_like(r)
 
@@ -350,7 +350,7 @@ def add_policy_counts(t: PolicyTables, n_positions: int, sink: MetricSink) -> No
 
 
 def add_policy_metrics(t: PolicyTables, settings: MetricSettings, sink: MetricSink) -> None:
-    """Every `policy/*` key of §4 except `policy/ref_*` (see `add_ref_metrics`), for the rows of `t`."""
+    """Every `policy/*` key except `policy/ref_*` (see `add_ref_metrics`), for the rows of `t`."""
     red = t.reducer
     n_tok, n_red = red.n_tokens, red.population
     mean = red.mean_of_sums

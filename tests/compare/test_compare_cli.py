@@ -16,7 +16,7 @@ from pgdiag.cli.app import build_app
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import load_report
 
-PLOTS = ("hexbin", "dlogp-hist", "by-prob", "by-position", "by-step", "worst-trace")
+PLOTS = ("dlogp-vs-logprob", "hexbin", "dlogp-hist", "by-prob", "by-position", "by-step", "worst-trace")
 
 
 def _invoke(*args: str):
@@ -103,6 +103,10 @@ def test_report_files_plots_and_round_trip(runs, tmp_path) -> None:
     assert redrawn.exit_code == 0, redrawn.output
     again = json.loads(redrawn.stdout)["files"]["plots"]
     assert set(again) == {"dlogp-hist", "by-prob", "by-position", "by-step", "worst-trace"}
+    # the token plots need the token table: --kind all says so instead of leaving them out silently
+    skipped = json.loads(redrawn.stdout)["plots_skipped"]
+    assert set(skipped) == {"dlogp-vs-logprob", "hexbin"} and "--tokens-out" in skipped["hexbin"]
+    assert "skipped hexbin: needs token data" in redrawn.stderr
     assert all(Path(p).stat().st_size > 1000 for p in again.values())
     svg = _invoke("plot", out, "--kind", "by-prob", "--format", "svg", "--out", tmp_path / "svg")
     assert svg.exit_code == 0, svg.output
@@ -117,7 +121,7 @@ def test_token_table_redraws_token_plots(runs, tmp_path) -> None:
     result = _invoke("plot", tokens, "--out", tmp_path / "tok", "--json")
     assert result.exit_code == 0, result.output
     plots = json.loads(result.stdout)["files"]["plots"]
-    assert set(plots) == {"hexbin", "dlogp-hist"}
+    assert set(plots) == {"dlogp-vs-logprob", "hexbin", "dlogp-hist"}
 
 
 def test_fail_gate_exit_1_and_exit_zero(runs) -> None:

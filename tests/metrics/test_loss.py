@@ -1,4 +1,4 @@
-"""Loss aggregation (design/metrics.md §7): every native mode and every §7.3 alias against its formula.
+"""Loss aggregation (docs/metrics.md): every native mode and every framework alias against its formula.
 
 The batch has unequal lengths (3, 1, 0, 2), one empty sample (counted in S unless --empty-seqs skip), two
 prompt groups, ratios on both sides of the band, and advantages of both signs.

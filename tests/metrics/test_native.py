@@ -1,4 +1,4 @@
-"""Native engine: the worked example of design/metrics.md §11, the §9 identities and the edge cases."""
+"""Native engine: the 4-sample worked example, the on-policy identities and the edge cases."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def values(batch, settings=POLICY) -> dict[str, float | None]:
     return {v.key: v.value for v in compute_step_native(batch, settings).values}
 
 
-# ---- §11 worked example ---------------------------------------------------------------------------------
+# ---- worked example ----------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_worked_example_hand_sums(example):
     assert example["policy/seq_ratio_max"] == pytest.approx(1.086904, abs=1e-6)
     assert example["policy/seq_ratio_min"] == pytest.approx(0.967216, abs=1e-6)
     assert example["policy/seq_clip_frac_band"] == 0.0
-    # weight sums of §7.5: 1 for token_mean, S+/S for sample_mean, N/(L·S) for constant, N for token_sum
+    # weight sums: 1 for token_mean, S+/S for sample_mean, N/(L·S) for constant, N for token_sum
     assert example["grad/token_mean_weight_sum"] == pytest.approx(1.0, abs=1e-12)
     assert example["grad/sample_mean_weight_sum"] == pytest.approx(1.0, abs=1e-12)
     assert example["grad/constant_weight_sum"] == pytest.approx(13 / 16, abs=1e-12)
@@ -113,7 +113,7 @@ def test_masked_token_would_move_kl_k1():
     assert got["count/tokens"] == 14
 
 
-# ---- §9 identities ----------------------------------------------------------------------------------------
+# ---- on-policy identities ----------------------------------------------------------------------------------------
 
 
 def test_on_policy_identity_is_exact():
@@ -411,7 +411,7 @@ def test_every_emitted_key_is_in_the_catalog_and_every_catalog_key_can_be_emitte
     assert emitted == {spec.key for spec in METRIC_CATALOG}
 
 
-# ---- identity check (§9) -------------------------------------------------------------------------------------
+# ---- identity check -------------------------------------------------------------------------------------
 
 
 def test_identity_check_passes_on_policy_and_names_what_breaks():

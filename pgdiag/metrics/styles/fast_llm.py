@@ -1,4 +1,4 @@
-"""`--key-style fast-llm`: Fast-LLM's policy-gradient loss and metrics (design/metrics.md §8.1).
+"""`--key-style fast-llm`: Fast-LLM's policy-gradient loss and metrics (docs/key-styles.md).
 
 What: the keys Fast-LLM `7d61a1ba` logs from `fast_llm/layers/language_model/loss/policy_gradient.py`
 (`LanguageModelGRPOLoss.fused_core`, `grpo_metrics_core`, `_policy_metrics_reduce`, `LanguageModelGSPOLoss`),
@@ -6,8 +6,8 @@ prefixed by the loss name (``grpo`` by default, `--loss-name`).
 
 Why: Fast-LLM reduces its metrics per **document** (`doc(x) = (1/D) Σ_t m x / max(N_d, 1)`, D counting fully
 masked documents), never clamps the ratio, and its `clipped_ratio_fraction` is the **band** fraction (ratio
-outside [1 − ε_l, 1 + ε_h] whatever the advantage, §10 trap 1), so its numbers differ from verl/TRL on the
-same batch. Worked example (§11): `grpo_clipped_ratio_fraction` = (2/3 + 2/4 + 1/3 + 1/3)/4 = 0.458333,
+outside [1 − ε_l, 1 + ε_h] whatever the advantage), so its numbers differ from verl/TRL on the
+same batch. Worked example: `grpo_clipped_ratio_fraction` = (2/3 + 2/4 + 1/3 + 1/3)/4 = 0.458333,
 `grpo` = 1.047195/13 = 0.080553.
 
 How: `--level sequence` is the `gspo` loss: the ratio fields use the segment (row) ratio

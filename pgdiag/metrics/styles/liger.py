@@ -1,4 +1,4 @@
-"""`--key-style liger`: Liger-Kernel 0.8.5's fused GRPO loss outputs (design/metrics.md §8.4).
+"""`--key-style liger`: Liger-Kernel 0.8.5's fused GRPO loss outputs (docs/key-styles.md).
 
 What: `loss`, `kl` (β ≠ 0) and `clip_ratio`, the positional outputs of
 `src/liger_kernel/chunked_loss/grpo_loss.py::LigerFusedLinearGRPOFunction.ppo_loss_fn`, named as TRL logs

@@ -1,12 +1,12 @@
-"""`--key-style miles`: miles' `train/*` loss and metrics (design/metrics.md §8.5).
+"""`--key-style miles`: miles' `train/*` loss and metrics (docs/key-styles.md).
 
 What: the keys of miles `31f1ca96` + PR #1498 (`--loss-aggregation`): `loss_hub/losses.py::policy_loss_function`
 and `get_pg_loss_reducer`, `loss_hub/math_utils.py::compute_policy_loss`, `compute_approx_kl`,
 `compute_ess_ratio_contribution`, `_safe_clamp_log_ratio`, reduced by `cp_utils.py::get_sum_of_sample_mean`.
 
 Why: miles reports every metric as a **sample mean** `SM(x) = (1/S) Σ_i Σ_t m x / max(N_i, 1)` (empty samples
-add 0 and count in S), stores `ppo_kl = lp_old − lp_new` (sign opposite to verl's naming, §10 trap 3) and
-clamps log-ratios to ±20 after mapping NaN → 0 and ±inf → ±20. Worked example (§11): `train/ppo_kl` =
+add 0 and count in S), stores `ppo_kl = lp_old − lp_new` (sign opposite to verl's naming) and
+clamps log-ratios to ±20 after mapping NaN → 0 and ±inf → ±20. Worked example: `train/ppo_kl` =
 (0 + 0 − 0.25/3 + 0.1/3)/4 = −0.0125, against verl's token mean −0.011538.
 
 How: `--aggregation` picks `--loss-aggregation` (sample_mean default, prompt_mean, token_mean, constant with

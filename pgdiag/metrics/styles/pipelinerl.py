@@ -1,16 +1,16 @@
-"""`--key-style pipelinerl`: PipelineRL's `rl/*` loss and statistics (design/metrics.md §8.6).
+"""`--key-style pipelinerl`: PipelineRL's `rl/*` loss and statistics (docs/key-styles.md).
 
 What: the stats of `pipelinerl/finetune/rl/__init__.py::rl_step` (RLConfig `policy_loss = ppo`) after
 `pipelinerl/finetune/rl/utils.py::aggregate_rl_stats`, plus `rl/ess` from `pipelinerl/finetune_loop.py`.
 
 Why: PipelineRL weights every token by 1/N_i and divides by the samples of the step
 (`doc(x) = (1/S) Σ_i Σ_t m x / N_i`), divides its loss by `RLConfig.batch_size` (not by tokens), and its
-`clamp_log_ratio_new_old_indicator` is the **band** fraction (any advantage, §10 trap 1). The old log-probs
+`clamp_log_ratio_new_old_indicator` is the **band** fraction (any advantage). The old log-probs
 are the inference engine's (feed them as lp_old). Keys named "...min"/"...max" are extrema, "...sum" and
 "loss" are plain sums.
 
 How: `rl/loss` = Σ_t w_t [ℓ_t + kl_coef·k̂_t] with w_t = 1/batch_size (`--batch-size`, default S) or, with
-`--group-normalize`, 1/(mean input length of the sample's group); ℓ of §7.1 without dual clip or ratio
+`--group-normalize`, 1/(mean input length of the sample's group); ℓ = max(−A r, −A clip(r)) without dual clip or ratio
 clamp; k̂ = e^c − c − 1 with c = clamp(lp_ref − lp_new, ±10), only when a reference stream is present
 (`--kl-coef`, default 0.1). A step without labels logs no `rl/*` stats, as `rl_step` returns early.
 """

@@ -1,4 +1,4 @@
-"""`--key-style verl`: verl 0.9.1's actor, advantage and rollout-correction keys (design/metrics.md §8.2).
+"""`--key-style verl`: verl 0.9.1's actor, advantage and rollout-correction keys (docs/key-styles.md).
 
 What: `actor/*` from `core_algos.py::compute_policy_loss_vanilla` / `compute_policy_loss_gspo` / `agg_loss` /
 `kl_penalty` (low_var_kl), `critic/advantages/*` from `metric_utils.py::compute_data_metrics`,
@@ -7,7 +7,7 @@ What: `actor/*` from `core_algos.py::compute_policy_loss_vanilla` / `compute_pol
 
 Why: verl clamps the log-ratio to ±20 before exp, always applies dual clip (c = 3), averages with
 `masked_mean` = Σ m x / (Σ m + 1e-8), and its `pg_clipfrac_lower` is the **dual-clip activation rate**
-(A < 0 and r > c), not a low-side clip fraction (§10 trap 2). Worked example (§11): `actor/pg_clipfrac` =
+(A < 0 and r > c), not a low-side clip fraction (docs/key-styles.md). Worked example: `actor/pg_clipfrac` =
 4 / (13 + 1e-8) = 0.307692, `actor/ppo_kl` = −0.15/13 = −0.011538, `actor/pg_loss` = 0.080553.
 
 How: `AGG` is `agg_loss` with global batch info (batch_num_tokens = N, global_batch_size = S, or S+ under

@@ -1,4 +1,4 @@
-"""`--key-style verl` against hand computations from verl 0.9.1's definitions (design/metrics.md §8.2).
+"""`--key-style verl` against hand computations from verl 0.9.1's definitions (docs/key-styles.md).
 
 verl: masked_mean mm(x) = Σ x / (Σ m + 1e-8); log-ratio clamped to ±20 before exp; dual clip c = 3 always on;
 `pg_clipfrac_lower` = dual-clip activation rate; `agg_loss` with global batch info (N tokens, S rows) for the
