@@ -113,8 +113,9 @@ def check_frame(
 
 def _single_run_issues(
     run: Run, streams: Sequence[str] | None, ignored: set[str], max_examples: int, vocab_size: int | None
-) -> tuple[list[Issue], bool]:
-    """Validation and data-check issues of one run, and whether it loaded well enough for cross-run checks."""
+) -> tuple[list[Issue], TokenBatch | None]:
+    """Validation and data-check issues of one run, and its batch when it loaded well enough for cross-run
+    checks (None when the rows could not be read or some rows are structurally unsound)."""
     pair_streams = list(streams) if streams is not None else list(run.streams)
     if streams is not None and len(pair_streams) != 2:
         raise UsageError("E112", f"--streams needs two names, got {pair_streams}", "pass --streams A,B")
@@ -127,7 +128,7 @@ def _single_run_issues(
             lists=["advantages"],
         )
     except InvalidInputError as exc:
-        return [Issue(exc.code, "error", 1, exc.message, hint=exc.hint)], False
+        return [Issue(exc.code, "error", 1, exc.message, hint=exc.hint)], None
     found = validate_rows(rows.table, ignore=ignored, max_examples=max_examples, vocab_size=vocab_size)
     issues = rows.issues + found.issues
     sound = found.bad_rows is None
@@ -156,7 +157,7 @@ def _single_run_issues(
             )
         )
     issues += metadata_checks(run.meta, pair_streams, recompute_settings(run))
-    return issues, sound
+    return issues, batch if sound else None
 
 
 def check_run(
@@ -177,10 +178,10 @@ def check_run(
     incomplete recompute dataset) still raise.
     """
     ignored = set(ignore)
-    issues, sound = _single_run_issues(run, streams, ignored, max_examples, vocab_size)
+    issues, batch = _single_run_issues(run, streams, ignored, max_examples, vocab_size)
     if other is not None:
-        other_issues, other_sound = _single_run_issues(other, streams, ignored, max_examples, vocab_size)
+        other_issues, other_batch = _single_run_issues(other, streams, ignored, max_examples, vocab_size)
         issues += other_issues
-        if sound and other_sound:
-            issues += cross_run_issues(run, other, max_examples)
+        if batch is not None and other_batch is not None:
+            issues += cross_run_issues(batch, other_batch, max_examples)
     return check_result([i for i in issues if i.code not in ignored], strict=strict)

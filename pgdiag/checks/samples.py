@@ -8,9 +8,10 @@ name the same first error on the same pair.
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 
-from pgdiag.data.runs import Run
+from pgdiag.data.batch import TokenBatch
 from pgdiag.data.validate import Issue
 
 MASK_ERROR_FRACTION = 0.01  # E303 above, W303 below
@@ -32,41 +33,36 @@ def mask_issue(n_only_a: int, n_a: int, n_only_b: int, n_b: int, detail: str) ->
     )
 
 
-def cross_run_issues(run: Run, other: Run, max_examples: int) -> list[Issue]:
-    """E304 (no sample matched by (step, sample_id, segment_idx)), E301 (matched, different tokens), E303/W303."""
+def _sample_keys(batch: TokenBatch) -> pl.DataFrame:
+    return pl.DataFrame(
+        {
+            "step": batch.step.astype(np.int64),
+            "sample_id": batch.sample_id.astype(str),
+            "segment_idx": batch.segment_idx.astype(np.int32),
+            "seq_hash": batch.seq_hash,
+            "row": np.arange(batch.n_samples, dtype=np.int64),
+        }
+    )
+
+
+def _step_range(step: np.ndarray) -> str:
+    return f"{step.min()}-{step.max()}" if step.size else "none"
+
+
+def cross_run_issues(a: TokenBatch, b: TokenBatch, max_examples: int) -> list[Issue]:
+    """E304 (no sample matched by (step, sample_id, segment_idx)), E301 (matched, different tokens: their
+    `seq_hash` differs), then E303/W303 (the loss positions of samples with equal tokens differ), on the two
+    batches as read (`TokenBatch.seq_hash`), so no run is read again."""
     keys = ["step", "sample_id", "segment_idx"]
-
-    def frame(r: Run) -> pl.DataFrame:
-        schema = r.lazy.collect_schema()
-        seg = (
-            pl.col("segment_idx").fill_null(0).cast(pl.Int32)
-            if "segment_idx" in schema
-            else pl.lit(0, pl.Int32)
-        )
-        return r.lazy.select(
-            pl.col("step").cast(pl.Int64),
-            pl.col("sample_id").cast(pl.String),
-            seg.alias("segment_idx"),
-            pl.col("seq_hash").cast(pl.UInt64),
-            pl.col("loss_mask"),
-        ).collect()
-
-    left, right = frame(run), frame(other)
-    joined = left.join(right, on=keys, how="inner", suffix="_b")
-    issues: list[Issue] = []
+    joined = _sample_keys(a).join(_sample_keys(b), on=keys, how="inner", suffix="_b").sort(keys)
     if joined.height == 0:
-        steps_a = f"{left['step'].min()}-{left['step'].max()}" if left.height else "none"
-        steps_b = f"{right['step'].min()}-{right['step'].max()}" if right.height else "none"
-        issues.append(
-            Issue(
-                "E304",
-                "error",
-                left.height,
-                f"0 of {left.height} samples matched by (step, sample_id); steps {steps_a} vs {steps_b}?",
-            )
+        message = (
+            f"0 of {a.n_samples} samples matched by (step, sample_id); steps {_step_range(a.step)} vs "
+            f"{_step_range(b.step)}?"
         )
-        return issues
-    differ = joined.filter(pl.col("seq_hash") != pl.col("seq_hash_b")).sort(keys)
+        return [Issue("E304", "error", a.n_samples, message)]
+    issues: list[Issue] = []
+    differ = joined.filter(pl.col("seq_hash") != pl.col("seq_hash_b"))
     if differ.height:
         shown = "; ".join(
             f"step {s}, sample {i}"
@@ -80,16 +76,18 @@ def cross_run_issues(run: Run, other: Run, max_examples: int) -> list[Issue]:
                 f"{differ.height} matched samples differ in tokens ({shown})",
                 step=int(differ["step"][0]),
                 sample_id=str(differ["sample_id"][0]),
+                hint="compare runs built from the same token ids (retokenized text or template drift?)",
             )
         )
     same = joined.filter(pl.col("seq_hash") == pl.col("seq_hash_b"))
     if same.height:
-        mask_a = same["loss_mask"].explode().fill_null(False).to_numpy()
-        mask_b = same["loss_mask_b"].explode().fill_null(False).to_numpy()
-        if mask_a.shape == mask_b.shape:
-            n_only_a, n_only_b = int((mask_a & ~mask_b).sum()), int((mask_b & ~mask_a).sum())
-            detail = f"{n_only_a} only in {run.label}, {n_only_b} only in {other.label}"
-            issue = mask_issue(n_only_a, int(mask_a.sum()), n_only_b, int(mask_b.sum()), detail)
-            if issue is not None:
-                issues.append(issue)
+        sub_a, sub_b = a.select(same["row"].to_numpy()), b.select(same["row_b"].to_numpy())
+        key_a = (sub_a.token_sample() << 32) | sub_a.pos.astype(np.int64)  # (M_a,) (matched sample, pos)
+        key_b = (sub_b.token_sample() << 32) | sub_b.pos.astype(np.int64)
+        n_both = np.intersect1d(key_a, key_b, assume_unique=True).size
+        n_only_a, n_only_b = key_a.size - n_both, key_b.size - n_both
+        detail = f"{n_only_a} only in {a.label}, {n_only_b} only in {b.label}"
+        issue = mask_issue(n_only_a, key_a.size, n_only_b, key_b.size, detail)
+        if issue is not None:
+            issues.append(issue)
     return issues

@@ -214,8 +214,6 @@ def align_batches(
     stream_a: str,
     stream_b: str,
     join: str = "auto",
-    seq_hash_a: np.ndarray | None = None,
-    seq_hash_b: np.ndarray | None = None,
     ignore: Collection[str] = (),
 ) -> AlignedPair:
     """Pair the samples and loss tokens of `a` and `b` and run the alignment checks (module docstring)."""
@@ -224,6 +222,7 @@ def align_batches(
             listed = ", ".join(batch.streams) or "none"
             raise UsageError("E111", f"{batch.label}: no stream {stream!r} (side {side}); streams: {listed}")
     pair_name = f"{a.label}:{stream_a} vs {b.label}:{stream_b}"
+    seq_hash_a, seq_hash_b = a.seq_hash, b.seq_hash  # (S,) as read; None for batches built in memory
     use_seq_hash = seq_hash_a is not None and seq_hash_b is not None
 
     def hashes() -> tuple[np.ndarray, np.ndarray]:
