@@ -11,15 +11,14 @@ token-count logs exactly.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("trl")
 
-import pgdiag  # noqa: E402
-from tests.hooks.trl_run import run_grpo, save_tiny_qwen3  # noqa: E402
+import pgdiag
+from tests.hooks.trl_run import run_grpo, save_tiny_qwen3
 
 F32 = {"rel": 2e-6, "abs": 1e-6}  # float32 rounding of TRL's logged values
 
@@ -58,9 +57,7 @@ def imported(trl_run):
 def test_metrics_equal_what_trl_logged(trl_run, imported, trl_step, tag):
     _, logged = trl_run
     run, _ = imported
-    result = _cli(
-        "metrics", str(run), "--key-style", "trl", "--new", tag, "--entropy", tag, "--beta", "0.1"
-    )
+    result = _cli("metrics", str(run), "--key-style", "trl", "--new", tag, "--entropy", tag, "--beta", "0.1")
     mine = result["per_step"]["0"]
     theirs = logged[trl_step]
     keys = [
