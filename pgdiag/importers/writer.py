@@ -376,6 +376,7 @@ def _write_step(
         raise error
     streams = _stream_columns(table.column_names)
     footer = _footer(imported, options, preset, streams)
+    footer["import"] = {**footer.get("import", {}), "ignored_codes": sorted(ignore)}
     if imported.step in {s.step for s in totals.steps}:
         raise InvalidInputError("E703", f"{source}: step {imported.step} appears twice in the source")
     path = tmp / _PARTS / f"step={imported.step}" / "part-00000.parquet"
