@@ -42,6 +42,9 @@ _EXPORTS = {
     "load_report": "pgdiag.report.report",
     "evaluate_gates": "pgdiag.report.gates",
     "GateResult": "pgdiag.report.gates",
+    "GateSettings": "pgdiag.report.gates",
+    "Outcome": "pgdiag.report.gates",
+    "outcome": "pgdiag.report.gates",
     "compare_runs": "pgdiag.compare.api",
     "recompute_logprobs": "pgdiag.recompute.logprobs",
     "RecomputeResult": "pgdiag.recompute.logprobs",
@@ -58,6 +61,11 @@ _EXPORTS = {
     "plot_by_position": "pgdiag.report.plots",
     "plot_by_step": "pgdiag.report.plots",
     "plot_worst_trace": "pgdiag.report.plots",
+    "plot_dlogp_vs_logprob": "pgdiag.report.plots",
+    "plot_trend": "pgdiag.report.plots",
+    "build_figures": "pgdiag.report.plots",
+    "render_html": "pgdiag.report.html",
+    "write_html": "pgdiag.report.html",
 }
 
 __all__ = ["__version__", *_EXPORTS]

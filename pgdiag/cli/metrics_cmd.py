@@ -9,6 +9,7 @@ stderr, `--json` on stdout, `--out` report files). Example::
 from __future__ import annotations
 
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -277,6 +278,14 @@ def metrics(
             "--all-steps", help="Show every step in the table (default: up to 6).", rich_help_panel=OUTPUT
         ),
     ] = False,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html",
+            help="Write a one-file HTML report (verdict, tables, trend plots).",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -294,9 +303,15 @@ def metrics(
         from pgdiag.cli.render import render_checks, render_gates, render_metrics
         from pgdiag.data.runs import read_run
         from pgdiag.metrics.api import compute_metrics
-        from pgdiag.metrics.catalog import METRIC_CATALOG
-        from pgdiag.report.gates import evaluate_gates
+        from pgdiag.report.gates import GateSettings, outcome
 
+        gate_settings = GateSettings(
+            fail_on=tuple(list_option(fail_on)),
+            warn_on=tuple(list_option(warn_on)),
+            profile=profile,
+            strict=strict,
+            exit_zero=exit_zero,
+        )
         settings = MetricSettings(
             new=new,
             old=old,
@@ -331,32 +346,22 @@ def metrics(
             ),
         )
         checks = CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
+        if html is not None:
+            from pgdiag.report.html import check_html_path
+
+            check_html_path(html, overwrite=overwrite)
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
         report = compute_metrics(source, settings, checks=checks)
-        fail = list(list_option(fail_on))
-        if settings.key_style == "pgdiag":
-            fail.append("count/tokens_invalid>0")  # the default gate of docs/metrics.md
-            if identity:
-                fail.append(f"policy/logratio_absmax>{identity_tol!r}")
-        known = [spec.key for spec in METRIC_CATALOG] if settings.key_style == "pgdiag" else []
-        gates = evaluate_gates(
-            report, fail_on=fail, warn_on=list_option(warn_on), profile=profile, known_metrics=known
-        )
-        n_warnings = report.checks.filter(report.checks["severity"] == "warning").height
-        exit_code = gates.exit_code
-        if strict and n_warnings:
-            exit_code = max(exit_code, 1)
-        if exit_zero and exit_code == 1:
-            exit_code = 0
+        verdict = outcome(report, gate_settings)
         if not quiet:  # rich lays tables out even on a quiet console: skip the work
             render_checks(console, report.checks)
             render_metrics(console, report, all_steps=all_steps, verbose=verbose)
-            render_gates(console, gates)
+            render_gates(console, verdict.gates)
         inputs = report.meta["inputs"]
         result = result_object(
             "metrics",
-            status="ok" if gates.status != "fail" else "fail",
-            exit_code=exit_code,
+            status=verdict.status,
+            exit_code=verdict.exit_code,
             inputs={
                 "runs": inputs["runs"],
                 "streams": inputs["streams"],
@@ -365,7 +370,7 @@ def metrics(
                 "n_tokens": inputs["n_tokens"],
             },
             pairs=report.meta["pairs"],
-            gates=[g.__dict__ for g in gates.gates],
+            gates=[g.__dict__ for g in verdict.gates.gates],
             checks=report.checks.to_dicts(),
         )
         json_view = report.to_json_dict()
@@ -377,6 +382,21 @@ def metrics(
             files = report.write(out, overwrite=overwrite, result=result)
             result["files"] = {"report": str(files.report), "json": str(files.json)}
             console.print(f"report written to {files.report}", markup=False)
+        if html is not None:
+            from pgdiag.report.html import write_html
+            from pgdiag.report.plots import build_figures
+
+            page = write_html(
+                report,
+                html,
+                overwrite=overwrite,
+                verdict=f"gates: {verdict.gates.status}",
+                status=verdict.gates.status,
+                plot_set=build_figures(report),
+                argv=result["argv"],
+            )
+            result.setdefault("files", {})["html"] = str(page)
+            console.print(f"html report written to {page}", markup=False)
         return result
 
     execute("metrics", body, json_out=json_out, quiet=quiet)
