@@ -9,6 +9,7 @@ stderr, `--json` on stdout, `--out` report files). Example::
 from __future__ import annotations
 
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -41,7 +42,8 @@ from pgdiag.cli.common import (
     list_option,
     result_object,
 )
-from pgdiag.metrics.settings import MetricSettings
+from pgdiag.data.validate import CheckSettings
+from pgdiag.metrics.settings import ClipBand, MetricSettings, StyleOptions
 
 _DEFAULTS = MetricSettings()
 
@@ -141,13 +143,13 @@ def metrics(
     eps_low: Annotated[
         float,
         typer.Option("--eps-low", help="Clip band low side: ratio < 1 - eps-low.", rich_help_panel=METRICS),
-    ] = _DEFAULTS.eps_low,
+    ] = _DEFAULTS.clip.eps_low,
     eps_high: Annotated[
         float,
         typer.Option(
             "--eps-high", help="Clip band high side: ratio > 1 + eps-high.", rich_help_panel=METRICS
         ),
-    ] = _DEFAULTS.eps_high,
+    ] = _DEFAULTS.clip.eps_high,
     dual_clip: Annotated[
         float | None,
         typer.Option(
@@ -235,6 +237,14 @@ def metrics(
         bool,
         typer.Option("--no-vllm-is", help="trl: disable the vLLM IS correction.", rich_help_panel=METRICS),
     ] = False,
+    no_kl_bias_correction: Annotated[
+        bool,
+        typer.Option(
+            "--no-kl-bias-correction",
+            help="trl: use_bias_correction_kl=False (KL term not multiplied by the ratio).",
+            rich_help_panel=METRICS,
+        ),
+    ] = False,
     pad_width: Annotated[
         int | None, typer.Option("--pad-width", help="liger: padded width T'.", rich_help_panel=METRICS)
     ] = None,
@@ -254,7 +264,7 @@ def metrics(
     ] = None,
     ignore: IgnoreOpt = None,
     strict: StrictOpt = False,
-    max_examples: MaxExamplesOpt = 5,
+    max_examples: MaxExamplesOpt = CheckSettings().max_examples,
     fail_on: FailOnOpt = None,
     warn_on: WarnOnOpt = None,
     profile: ProfileOpt = None,
@@ -268,86 +278,90 @@ def metrics(
             "--all-steps", help="Show every step in the table (default: up to 6).", rich_help_panel=OUTPUT
         ),
     ] = False,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html",
+            help="Write a one-file HTML report (verdict, tables, trend plots).",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Compute the policy-gradient metric set and the pg loss under every aggregation mode.
 
-    Per optimizer step plus a pooled [bold]all[/] row, exactly as design/metrics.md defines them: the policy family
+    Per optimizer step plus a pooled [bold]all[/] row, exactly as docs/metrics.md defines them: the policy family
     on (old, new), the mismatch family on (rollout, old) when both exist, advantage, entropy, group and count metrics,
     [bold]loss/<mode>[/] for every aggregation mode and [bold]grad/<mode>_*[/] gradient diagnostics. The input is
     validated first (exit 3 on invalid data). Example:
 
     [cyan]pgdiag metrics sample_data/run_a --aggregation constant --divisor 40960[/]
     """
-    settings = MetricSettings(
-        new=new,
-        old=old,
-        stream_a=stream_a,
-        stream_b=stream_b,
-        ref=ref,
-        entropy=entropy,
-        aggregation=aggregation,
-        divisor=divisor,
-        grad_divisor=grad_divisor,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        dual_clip=dual_clip,
-        level=level.value,
-        empty_seqs=empty_seqs.value,
-        metric_reduction=metric_reduction.value,
-        docs_per_step=docs_per_step,
-        key_style=key_style.value,
-        zero_std_atol=zero_std_atol,
-        identity=identity,
-        identity_tol=identity_tol,
-        loss_name=loss_name,
-        rollout_is=rollout_is,
-        rollout_is_threshold=rollout_is_threshold,
-        beta=beta,
-        vllm_is=not no_vllm_is,
-        pad_width=pad_width,
-        tis=tis,
-        batch_size=batch_size,
-        group_normalize=group_normalize,
-        kl_coef=kl_coef,
-    )
 
     def body(console: Console) -> dict[str, Any]:
         from pgdiag.cli.render import render_checks, render_gates, render_metrics
         from pgdiag.data.runs import read_run
         from pgdiag.metrics.api import compute_metrics
-        from pgdiag.metrics.catalog import METRIC_CATALOG
-        from pgdiag.report.gates import evaluate_gates
+        from pgdiag.report.gates import GateSettings, outcome
 
+        gate_settings = GateSettings(
+            fail_on=tuple(list_option(fail_on)),
+            warn_on=tuple(list_option(warn_on)),
+            profile=profile,
+            strict=strict,
+            exit_zero=exit_zero,
+        )
+        settings = MetricSettings(
+            new=new,
+            old=old,
+            stream_a=stream_a,
+            stream_b=stream_b,
+            ref=ref,
+            entropy=entropy,
+            aggregation=aggregation,
+            divisor=divisor,
+            grad_divisor=grad_divisor,
+            clip=ClipBand(eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip),
+            level=level.value,
+            empty_seqs=empty_seqs.value,
+            metric_reduction=metric_reduction.value,
+            docs_per_step=docs_per_step,
+            key_style=key_style.value,
+            zero_std_atol=zero_std_atol,
+            identity=identity,
+            identity_tol=identity_tol,
+            style=StyleOptions(
+                loss_name=loss_name,
+                rollout_is=rollout_is,
+                rollout_is_threshold=rollout_is_threshold,
+                beta=beta,
+                vllm_is=not no_vllm_is,
+                kl_bias_correction=not no_kl_bias_correction,
+                pad_width=pad_width,
+                tis=tis,
+                batch_size=batch_size,
+                group_normalize=group_normalize,
+                kl_coef=kl_coef,
+            ),
+        )
+        checks = CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
+        if html is not None:
+            from pgdiag.report.html import check_html_path
+
+            check_html_path(html, overwrite=overwrite)
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
-        report = compute_metrics(
-            source, settings=settings, ignore=list_option(ignore), max_examples=max_examples
-        )
-        fail = list(list_option(fail_on))
-        if settings.key_style == "pgdiag":
-            fail.append("count/tokens_invalid>0")  # the default gate of metrics.md §0.2 rule 3
-            if identity:
-                fail.append(f"policy/logratio_absmax>{identity_tol!r}")
-        known = [spec.key for spec in METRIC_CATALOG] if settings.key_style == "pgdiag" else []
-        gates = evaluate_gates(
-            report, fail_on=fail, warn_on=list_option(warn_on), profile=profile, known_metrics=known
-        )
-        n_warnings = report.checks.filter(report.checks["severity"] == "warning").height
-        exit_code = gates.exit_code
-        if strict and n_warnings:
-            exit_code = max(exit_code, 1)
-        if exit_zero and exit_code == 1:
-            exit_code = 0
+        report = compute_metrics(source, settings, checks=checks)
+        verdict = outcome(report, gate_settings)
         if not quiet:  # rich lays tables out even on a quiet console: skip the work
             render_checks(console, report.checks)
             render_metrics(console, report, all_steps=all_steps, verbose=verbose)
-            render_gates(console, gates)
+            render_gates(console, verdict.gates)
         inputs = report.meta["inputs"]
         result = result_object(
             "metrics",
-            status="ok" if gates.status != "fail" else "fail",
-            exit_code=exit_code,
+            status=verdict.status,
+            exit_code=verdict.exit_code,
             inputs={
                 "runs": inputs["runs"],
                 "streams": inputs["streams"],
@@ -356,7 +370,7 @@ def metrics(
                 "n_tokens": inputs["n_tokens"],
             },
             pairs=report.meta["pairs"],
-            gates=[g.__dict__ for g in gates.gates],
+            gates=[g.__dict__ for g in verdict.gates.gates],
             checks=report.checks.to_dicts(),
         )
         json_view = report.to_json_dict()
@@ -368,6 +382,21 @@ def metrics(
             files = report.write(out, overwrite=overwrite, result=result)
             result["files"] = {"report": str(files.report), "json": str(files.json)}
             console.print(f"report written to {files.report}", markup=False)
+        if html is not None:
+            from pgdiag.report.html import write_html
+            from pgdiag.report.plots import build_figures
+
+            page = write_html(
+                report,
+                html,
+                overwrite=overwrite,
+                verdict=f"gates: {verdict.gates.status}",
+                status=verdict.gates.status,
+                plot_set=build_figures(report),
+                argv=result["argv"],
+            )
+            result.setdefault("files", {})["html"] = str(page)
+            console.print(f"html report written to {page}", markup=False)
         return result
 
     execute("metrics", body, json_out=json_out, quiet=quiet)

@@ -1,11 +1,11 @@
-"""Atomic, spec-conformant writes of Parquet and JSON files (design/data-and-cli.md §2.2, §2.5, §2.6).
+"""Atomic, spec-conformant writes of Parquet and JSON files.
 
 Every file pgdiag writes goes through `atomic_write`: the bytes land in ``.<name>.tmp-<pid>-<random>`` in the
 destination directory, are flushed and fsynced, then `os.replace`d onto the final name and the directory is
 fsynced, so a reader never sees a half-written file and a failed write leaves nothing behind. Parquet is
 always zstd level 3 with statistics on, footer values JSON-encoded under ``pgdiag.*`` keys. `write_rollouts`
 writes a canonical run directory (``rollouts/step=<S>/part-00000.parquet``, or one unpartitioned part when the
-data has one step, then the ``pgdiag.json`` sidecar last as the completion marker) with the §1.1-1.3 casts.
+data has one step, then the ``pgdiag.json`` sidecar last as the completion marker) with the canonical casts.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
 
 
 def sequence_row_group_rows(n_rows: int, n_bytes: int) -> int:
-    """Rows per row group of a sequence table: 128 MiB uncompressed per group, capped at 1,048,576 (§2.6)."""
+    """Rows per row group of a sequence table: 128 MiB uncompressed per group, capped at 1,048,576."""
     if n_rows <= 0:
         return 1
     mean_row_bytes = max(1.0, n_bytes / n_rows)
@@ -120,6 +120,8 @@ def _cast_column(name: str, column: pa.ChunkedArray, target: pa.DataType) -> pa.
         encoded = pc.dictionary_encode(strings.combine_chunks())
         return pa.chunked_array([encoded.cast(target)])
     source = column.type
+    if pa.types.is_map(target) and _is_key_value_list(source):
+        return pa.chunked_array([_as_map(chunk, target) for chunk in column.chunks], type=target)
     if pa.types.is_list(target) and pa.types.is_floating(target.value_type):
         values = pc.list_flatten(column)
         finite_max = pc.max(pc.abs(pc.if_else(pc.is_finite(values), values, 0.0))).as_py()
@@ -133,8 +135,33 @@ def _cast_column(name: str, column: pa.ChunkedArray, target: pa.DataType) -> pa.
         ) from exc
 
 
+def _is_key_value_list(source: pa.DataType) -> bool:
+    """A list of {key, value} structs: how polars, which has no map type, holds a map column."""
+    if not (pa.types.is_list(source) or pa.types.is_large_list(source)):
+        return False
+    item = source.value_type
+    return pa.types.is_struct(item) and [item.field(i).name for i in range(item.num_fields)] == [
+        "key",
+        "value",
+    ]
+
+
+def _as_map(chunk: pa.Array, target: pa.MapType) -> pa.Array:
+    """A list<struct<key, value>> chunk as a map array of `target` (keys and values cast losslessly)."""
+    entries = chunk.flatten()  # (N,) struct, respecting the chunk's offset
+    keys = entries.field("key").cast(target.key_type, safe=True)
+    items = entries.field("value").cast(target.item_type, safe=True)
+    offsets = pc.subtract(chunk.offsets, chunk.offsets[0]).cast(pa.int32())
+    if chunk.null_count:
+        offsets = pa.array(
+            offsets.to_numpy(zero_copy_only=False),
+            mask=np.append(~chunk.is_valid().to_numpy(zero_copy_only=False), False),
+        )
+    return pa.MapArray.from_arrays(offsets, keys, items, type=target)
+
+
 def to_canonical_table(df: pl.DataFrame) -> pa.Table:
-    """`df` as an Arrow table with the §1.2 types (unknown extra columns kept as they are); E103 when lossy."""
+    """`df` as an Arrow table with the canonical types (unknown extra columns kept as they are); E103 when lossy."""
     arrow = df.to_arrow()
     columns = []
     for name in arrow.column_names:
@@ -255,7 +282,7 @@ def stream_meta(
     logprobs_mode: str = "unknown",
     engine: str | None = None,
 ) -> dict[str, Any]:
-    """One entry of the ``pgdiag.streams`` footer (§1.3)."""
+    """One entry of the ``pgdiag.streams`` footer."""
     return {
         "source_field": source_field,
         "tempered": tempered,
@@ -273,7 +300,7 @@ def source_meta(
     retokenized: bool = False,
     unsafe_load: bool = False,
 ) -> dict[str, Any]:
-    """The ``pgdiag.source`` footer object (§1.3)."""
+    """The ``pgdiag.source`` footer object."""
     return {
         "framework": framework,
         "framework_version": framework_version,

@@ -1,17 +1,19 @@
-"""`--key-style trl`: TRL 1.16's GRPOTrainer loss and logged metrics (design/metrics.md §8.3).
+"""`--key-style trl`: TRL 1.16's GRPOTrainer loss and logged metrics (docs/key-styles.md).
 
 What: `loss`, `clip_ratio/*`, `entropy`, `kl` from `trl/trainer/grpo_trainer.py::GRPOTrainer._compute_loss`,
 and `sampling/*`, `frac_reward_zero_std` from `::_generate_and_score_completions`.
 
-Why: TRL takes **one advantage per sample** (pgdiag passes Ā_i, §10 trap 8), never clamps the ratio, guards
+Why: TRL takes **one advantage per sample** (pgdiag passes Ā_i), never clamps the ratio, guards
 every token mean with max(Σ m, 1), and picks its loss denominator by `loss_type` (grpo, bnpo, dr_grpo,
-dapo, luspo). Worked example (§11): `loss` = 0.080553 under `dapo` (the default) and 0.001114 under `grpo`.
+dapo, luspo). Worked example: `loss` = 0.080553 under `dapo` (the default) and 0.001114 under `grpo`.
 When a rollout stream is present the vLLM importance-sampling correction (`sequence_mask`, clip_max 3)
 multiplies the policy term per sample, as TRL does before adding β·KL.
 
 How: `--level sequence` is `importance_sampling_level = "sequence"`: the ratio is R_i = exp(Σ_t d / N_i)
 for every token of sample i, and the clip metrics average the per-sample indicator over all B rows.
-Defaults: β = 0 (`--beta`), max_completion_length = 512 (`--divisor`), IS on (`--no-vllm-is`).
+Defaults: β = 0 (`--beta`), max_completion_length = 512 (`--divisor`), IS on (`--no-vllm-is`), and
+`use_bias_correction_kl` on (TRL 1.16's default: the per-token KL, in the loss and in `kl`, is multiplied by the
+ratio; `--no-kl-bias-correction` turns it off).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pgdiag.metrics.styles.common import (
 )
 from pgdiag.metrics.values import MetricValue
 
-ALLOWED_FLAGS = frozenset({"divisor", "level", "beta", "vllm_is"})
+ALLOWED_FLAGS = frozenset({"divisor", "level", "beta", "vllm_is", "kl_bias_correction"})
 LOSS_TYPES = {
     "dapo": "dapo",
     "token_mean": "dapo",
@@ -65,26 +67,27 @@ def check_trl_settings(settings: MetricSettings) -> None:
 def compute_trl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     """TRL's keys for one step (one generation batch = one optimizer step, GA = 1, one process)."""
     loss_type = resolve_alias("trl", settings.aggregation, LOSS_TYPES, "dapo")
-    beta = DEFAULT_BETA if settings.beta is None else settings.beta
+    beta = DEFAULT_BETA if settings.style.beta is None else settings.style.beta
     if beta != 0.0 and inputs.lp_ref is None:
         raise UsageError(
             "bad-flag",
             f"--key-style trl --beta {beta}: the KL term needs a reference stream",
             "pass --ref STREAM, or leave --beta at TRL's default 0",
         )
-    use_is = settings.vllm_is and inputs.has_pair
+    use_is = settings.style.vllm_is and inputs.has_pair
     n = inputs.n_tokens
     out = []
     seq_isr = _importance_sampling_ratio(inputs) if use_is else None  # (S,)
     if inputs.has_policy and inputs.adv is not None:
         ratio = _ratio(inputs, settings)  # (M,)
         adv = inputs.per_token(inputs.sample_mean_adv())  # (M,) Ā_i
-        token_loss = -np.minimum(ratio * adv, clip_ratio(ratio, settings.eps_low, settings.eps_high) * adv)
+        token_loss = -np.minimum(
+            ratio * adv, clip_ratio(ratio, settings.clip.eps_low, settings.clip.eps_high) * adv
+        )
         if seq_isr is not None:
             token_loss = token_loss * inputs.per_token(seq_isr)
         if beta != 0.0:
-            assert inputs.lp_ref is not None and inputs.lp_new is not None
-            token_loss = token_loss + beta * k3_ref(inputs.lp_ref, inputs.lp_new)
+            token_loss = token_loss + beta * _token_kl(inputs, settings, ratio)
         divisor = settings.divisor if settings.divisor is not None else DEFAULT_MAX_COMPLETION_LENGTH
         out.append(
             value("loss", aggregate_loss_type(inputs, token_loss, loss_type, divisor), "loss", "mode", n)
@@ -93,7 +96,10 @@ def compute_trl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     if inputs.entropy is not None:
         out.append(value("entropy", mean_guard(inputs.entropy), "nats", "token", n))
     if beta != 0.0 and inputs.lp_ref is not None and inputs.lp_new is not None:
-        out.append(value("kl", mean_guard(k3_ref(inputs.lp_ref, inputs.lp_new)), "nats", "token", n))
+        ratio_kl = (
+            _ratio(inputs, settings) if settings.style.kl_bias_correction and inputs.has_policy else None
+        )
+        out.append(value("kl", mean_guard(_token_kl(inputs, settings, ratio_kl)), "nats", "token", n))
     if seq_isr is not None:
         out += _sampling_metrics(inputs, seq_isr)
     if inputs.reward is not None:
@@ -102,7 +108,7 @@ def compute_trl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
 
 
 def aggregate_loss_type(inputs: StyleInputs, token_loss: np.ndarray, loss_type: str, divisor: float) -> float:
-    """The TRL/Liger loss-type denominators for one whole step (metrics.md §7.3); B counts empty rows."""
+    """The TRL/Liger loss-type denominators for one whole step (docs/metrics.md); B counts empty rows."""
     b = inputs.n_samples
     if loss_type == "grpo":
         per_sample = inputs.sample_sum(token_loss) / np.maximum(inputs.n_loss, 1)  # (S,)
@@ -114,6 +120,15 @@ def aggregate_loss_type(inputs: StyleInputs, token_loss: np.ndarray, loss_type: 
     if loss_type == "luspo":
         return div(total(token_loss), b)
     raise ValueError(f"unknown loss type {loss_type!r}")
+
+
+def _token_kl(inputs: StyleInputs, settings: MetricSettings, ratio: np.ndarray | None) -> np.ndarray:
+    """(M,) TRL's per-token KL: k3(lp_ref, lp_new), times the ratio under `use_bias_correction_kl` (default)."""
+    assert inputs.lp_ref is not None and inputs.lp_new is not None
+    kl = k3_ref(inputs.lp_ref, inputs.lp_new)
+    if settings.style.kl_bias_correction and ratio is not None:
+        kl = kl * ratio
+    return kl
 
 
 def _ratio(inputs: StyleInputs, settings: MetricSettings) -> np.ndarray:
@@ -129,16 +144,16 @@ def _clip_metrics(inputs: StyleInputs, settings: MetricSettings, ratio: np.ndarr
     seq_adv = inputs.sample_mean_adv()  # (S,)
     if settings.level == "sequence":
         seq_ratio = exp(inputs.seq_mean_logratio())  # (S,) R_i; empty rows have R = 1
-        low = (seq_ratio < 1.0 - settings.eps_low) & (seq_adv < 0)  # (S,)
-        high = (seq_ratio > 1.0 + settings.eps_high) & (seq_adv > 0)
+        low = (seq_ratio < 1.0 - settings.clip.eps_low) & (seq_adv < 0)  # (S,)
+        high = (seq_ratio > 1.0 + settings.clip.eps_high) & (seq_adv > 0)
         b = inputs.n_samples
         low_mean, high_mean, region_mean = (div(float(np.sum(x)), b) for x in (low, high, low | high))
         low_tok, high_tok = inputs.per_token(low), inputs.per_token(high)
         reduction, n = "sample", b
     else:
         adv = inputs.per_token(seq_adv)
-        low_tok = (ratio < 1.0 - settings.eps_low) & (adv < 0)  # (M,)
-        high_tok = (ratio > 1.0 + settings.eps_high) & (adv > 0)
+        low_tok = (ratio < 1.0 - settings.clip.eps_low) & (adv < 0)  # (M,)
+        high_tok = (ratio > 1.0 + settings.clip.eps_high) & (adv > 0)
         low_mean, high_mean, region_mean = (
             mean_guard(x * 1.0) for x in (low_tok, high_tok, low_tok | high_tok)
         )

@@ -1,5 +1,5 @@
 """`compute_step_style`: dispatch, native counts and status, notices, and the cross-framework traps of
-design/metrics.md §10 checked on one batch under several styles (each number written out by hand)."""
+docs/key-styles.md checked on one batch under several styles (each number written out by hand)."""
 
 from __future__ import annotations
 
@@ -82,7 +82,11 @@ def test_trap_3_kl_directions_signs_and_clamps() -> None:
     # log-ratio to 10; miles k1 is lp_new − lp_ref (negative here)
     x = [12.0, 0.5]
     ref_k3 = [E(v) - v - 1 for v in x]
-    assert styled("trl", batch, beta=0.1)["kl"] == pytest.approx(math.fsum(ref_k3) / 2, rel=1e-12)
+    # TRL 1.16 multiplies its KL by the ratio r = e^d by default (use_bias_correction_kl)
+    weighted = math.fsum(k * E(v) for k, v in zip(ref_k3, d, strict=True)) / 2
+    assert styled("trl", batch, beta=0.1)["kl"] == pytest.approx(weighted, rel=1e-12)
+    unweighted = styled("trl", batch, beta=0.1, kl_bias_correction=False)["kl"]
+    assert unweighted == pytest.approx(math.fsum(ref_k3) / 2, rel=1e-12)
     assert styled("liger", batch)["kl"] == pytest.approx(math.fsum(ref_k3) / 2, rel=1e-12)
     assert styled("verl", batch)["actor/kl_loss"] == pytest.approx((10.0 + ref_k3[1]) / 2, rel=1e-12)
     assert styled("pipelinerl", batch)["rl/kl"] == pytest.approx((E(10.0) - 11 + ref_k3[1]) / 2, rel=1e-12)
@@ -120,7 +124,7 @@ def test_many_samples_of_random_length_including_empty_ones() -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_styles_agree_with_the_native_engine_where_definitions_coincide(seed: int) -> None:
     """Identities between two independent implementations: on random batches with |d| < 1 (no clamp, no
-    r > 3) and A constant per sample, the framework losses equal the native modes they alias (§7.3)."""
+    r > 3) and A constant per sample, the framework losses equal the native modes they alias."""
     from pgdiag.metrics.engine import compute_step_native
 
     rng = np.random.default_rng(seed)
