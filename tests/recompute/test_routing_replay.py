@@ -19,6 +19,7 @@ import torch
 from test_logprobs import cli_app, make_rows, write_run
 from typer.testing import CliRunner
 
+from pgdiag.compare.routing import routing_attribution
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.model import load_model
 from pgdiag.recompute.logprobs import recompute_logprobs
@@ -152,3 +153,39 @@ def test_cli_routing_replay_reports_the_fraction(tmp_path: Path, checkpoint: Pat
     )
     assert result.exit_code == 2
     assert "E505" in result.output and "dense" in result.output
+
+
+def test_compare_attributes_the_mismatch_to_routing(tmp_path: Path, checkpoint: Path) -> None:
+    """An engine whose only difference from the trainer is routing (its log-probs = the replay of its routes):
+    replay leaves no mismatch, recompute does, so routing explains all of it; the CLI prints and returns it."""
+    rows = make_rows(vocab=VOCAB)
+    changed = []
+    for row, flat in zip(rows, own_routes(checkpoint, rows), strict=True):
+        r = np.array(flat).reshape(len(row["input_ids"]), 2, TOP_K)
+        r[::2, :, -1] = [
+            [next(e for e in range(N_EXPERTS) if e not in r[t, layer]) for layer in range(2)]
+            for t in range(0, r.shape[0], 2)
+        ]
+        changed.append(r.reshape(-1).tolist())  # fmt: skip
+    staging = write_run(
+        tmp_path / "staging", [{**r, "routed_experts": x} for r, x in zip(rows, changed, strict=True)]
+    )
+    engine = logprobs_of(recompute_logprobs(staging, checkpoint, tag="rp", routing="replay", dtype="fp32"))
+    run = write_run(
+        tmp_path / "run",
+        [{**r, "routed_experts": x, "rollout_logprobs": lp} for r, x, lp in zip(rows, changed, engine, strict=True)],
+    )  # fmt: skip
+    recompute_logprobs(run, checkpoint, tag="rc", routing="recompute", dtype="fp32")
+    recompute_logprobs(run, checkpoint, tag="rp", routing="replay", dtype="fp32")
+    table = routing_attribution(run, stream_a="rollout", recompute="rc", replay="rp")
+    assert table["step"].to_list() == ["all", "0", "1"]
+    assert table["abs_mean_replay"].to_list() == pytest.approx([0.0] * 3, abs=1e-7)  # float32 storage
+    assert min(table["abs_mean_recompute"].to_list()) > 1e-2
+    assert table["routing/mismatch_share"].to_list() == pytest.approx([1.0] * 3, abs=1e-5)
+    assert 0.3 < table["routing/disagree_frac"][0] < 0.7  # half the tokens moved in both layers
+    args = ["compare", str(run), "--stream-a", "rollout", "--stream-b", "rc", "--routing-replay", "rp"]
+    from pgdiag.cli.app import build_app
+
+    result = CliRunner().invoke(build_app(), [*args, "--json", "--exit-zero"])
+    assert result.exit_code == 0, result.output
+    assert [r["step"] for r in json.loads(result.stdout)["routing"]] == ["all", "0", "1"]
