@@ -62,6 +62,7 @@ class Code(StrEnum):
     MISSING_GROUP = ("E211", "group_id null or empty", 3)
     SEQ_HASH_MISMATCH = ("E212", "seq_hash differs from the hash of input_ids", 3)
     NULL_REQUIRED = ("E213", "a null inside input_ids or loss_mask, or a null required scalar", 3)
+    EXPERT_OUT_OF_RANGE = ("E218", "a routed_experts id outside [-1, num_experts)", 3)
     VALUE_OFF_LOSS = ("W214", "a per-token value set outside loss_mask (ignored)", 0)
     EMPTY_LOSS_MASK = ("W215", "a sample with an empty loss_mask", 0)
     ISOLATED_ZEROS = ("W216", "isolated exact 0.0 log-probs below the E206 limits, or 0 < lp <= 1e-6", 0)

@@ -295,7 +295,9 @@ def plot_dlogp_hist(source: Any, *, ax: Axes | None = None, bins: int = 80) -> F
     the exact-zero bin between the negative and positive ones), or from token data."""
     fig, ax = _axes(ax)
     if hasattr(source, "summary"):
-        rows = _rows(source, "dlogp", "count/tokens")
+        rows = _rows(
+            source, "dlogp", "count/tokens", "give a report written by pgdiag compare (it always has them)"
+        )
         pairs = rows["pair"].unique(maintain_order=True).to_list()
         # one x position per bin, ordered by (lo, hi): "[-1e-06,0)" < "0" < "[0,1e-06)"
         bins_ = rows.select("bucket", "bucket_lo", "bucket_hi").unique().sort("bucket_lo", "bucket_hi")
@@ -361,7 +363,7 @@ def _bucket_plot(report: Any, breakdown: str, metric: str, ax: Axes | None, xlab
     """Bars of `metric` per bucket (grouped by pair), each with its count written on it, faded where n is
     small; y from 0 when the values are a magnitude."""
     fig, ax = _axes(ax)
-    rows = _rows(report, breakdown, metric).sort("bucket_lo")
+    rows = _rows(report, breakdown, metric, f"rerun pgdiag compare with --by {breakdown}").sort("bucket_lo")
     pairs = rows["pair"].unique(maintain_order=True).to_list()
     labels = rows["bucket"].unique(maintain_order=True).to_list()
     width = 0.8 / len(pairs)
