@@ -87,6 +87,7 @@ def test_every_option_is_accounted_for() -> None:
         "side_by_side", "aggregation", "divisor", "key_style",
     }  # fmt: skip
     compare_known = compare_fields | check_fields | READ_OPTIONS | GATE_OPTIONS | RENDER_OPTIONS
+    compare_known |= {"routing_replay"}  # routing_attribution's, tests/recompute/test_routing_replay.py
     assert _params("compare") - compare_known - {"run_a", "run_b"} == set()
 
 
