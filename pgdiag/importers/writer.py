@@ -92,7 +92,7 @@ def run_label(label: str | None, out: Path) -> str:
     """The run label: `label`, else OUT's name (without ``.parquet``); UsageError E112 when not a valid label."""
     name = label if label is not None else out.name.removesuffix(".parquet")
     if not LABEL_PATTERN.fullmatch(name):
-        raise UsageError("E112", f"run label {name!r} is not [A-Za-z0-9_.-]{{1,64}}", "pass --label NAME")
+        raise UsageError("E503", f"run label {name!r} is not [A-Za-z0-9_.-]{{1,64}}", "pass --label NAME")
     return name
 
 
@@ -113,7 +113,7 @@ def apply_shifts(df: pl.DataFrame, shifts: Iterable[tuple[str | None, int]], sou
         for target in targets:
             if target not in df.columns:
                 raise UsageError(
-                    "E112", f"--shift {target}={k}: no column {target}", f"columns: {', '.join(columns)}"
+                    "E506", f"--shift {target}={k}: no column {target}", f"columns: {', '.join(columns)}"
                 )
             dtype = df.schema[target]
             moved = alignment.shift(flat_list(df[target]), seq_lens, k, source=source, field=target)
@@ -127,7 +127,7 @@ def _group_ids(df: pl.DataFrame, group_by: str, step: int, prompt_len: np.ndarra
     if group_by == "field":
         if "group_id" not in df.columns:
             raise UsageError(
-                "E112",
+                "E506",
                 f"{source}: --group-by field, but the source has no group ids",
                 "pass --group-by prompt or --group-by contiguous:N",
             )
@@ -278,6 +278,7 @@ class _Totals:
     retokenized: bool = False
     label: str = ""
     warnings: list[Issue] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     degenerate: dict[tuple[str, str], _Degenerate] = field(default_factory=dict)
 
 
@@ -385,7 +386,11 @@ def _write_step(
         table, path, metadata=footer, row_group_rows=sequence_row_group_rows(table.num_rows, n_bytes)
     )
     mask = rows.lists["loss_mask"]
-    warnings = [Issue(w.code, "warning", 1, w.message) for w in imported.warnings]
+    # import warnings (W70x) and notes (dropped rows, derived ids: code "note", never counted as warnings)
+    warnings = [
+        Issue(w.code, "warning" if w.code.startswith("W") else "note", 1, w.message)
+        for w in imported.warnings
+    ]
     warnings += [i for i in found.issues if i.severity == "warning"]
     summary = StepSummary(
         step=imported.step,
@@ -415,7 +420,8 @@ def _write_step(
         totals.footer["source"] = footer["source"]
     totals.unsafe_load |= imported.unsafe_load
     totals.retokenized |= imported.retokenized
-    totals.warnings.extend(warnings)
+    totals.warnings.extend(w for w in warnings if w.severity == "warning")
+    totals.notes.extend(w.message for w in warnings if w.severity == "note")
     return summary
 
 
@@ -488,6 +494,7 @@ def _sidecar(totals: _Totals, out: Path, tmp: Path, dropped: list[str]) -> dict[
             if state.rule.column in dropped
         },
         "warnings": [{"code": w.code, "message": w.message} for w in totals.warnings],
+        "notes": totals.notes,
     }
 
 
