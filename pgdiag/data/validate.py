@@ -21,7 +21,7 @@ import polars as pl
 from pgdiag.data.flat import FlatList, LossView, RowTable, loss_view, subset_rows
 from pgdiag.data.schema import REQUIRED_HINTS
 from pgdiag.data.seqhash import seq_hashes
-from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK, UsageError
+from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK, UsageError, catalogued
 
 LOGPROB_POSITIVE_TOL = 1e-6
 ZERO_FILL_FRACTION = 0.01
@@ -34,6 +34,31 @@ ISSUE_SCHEMA = {
     "sample_id": pl.String,
     "pos": pl.Int64,
 }
+
+
+@dataclass(frozen=True)
+class ZeroFill:
+    """Exact zeros of one log-prob stream on its loss positions, by the E206 rule."""
+
+    zero: np.ndarray  # (Z,) token indices holding exactly 0.0
+    all_zero_rows: np.ndarray  # (R,) samples with >= 2 loss values, every one exactly 0.0
+    fraction: float  # Z / M
+
+    @property
+    def fraction_filled(self) -> bool:
+        return self.fraction > ZERO_FILL_FRACTION
+
+
+def zero_fill_rows(values: np.ndarray, offsets: np.ndarray) -> ZeroFill:
+    """The one-stream zero-fill rule (E206: > 1 % exact 0.0, or a sample whose >= 2 loss values are all 0.0)
+    on the (M,) loss-position values of one stream, samples delimited by `offsets` (S + 1,)."""
+    zero = np.flatnonzero(values == 0.0)
+    n_loss = np.diff(offsets)
+    rows = np.searchsorted(offsets, zero, side="right") - 1
+    zero_per_row = np.bincount(rows, minlength=n_loss.shape[0])
+    all_zero_rows = np.flatnonzero((zero_per_row == n_loss) & (n_loss >= 2))
+    fraction = zero.size / values.shape[0] if values.shape[0] else 0.0
+    return ZeroFill(zero, all_zero_rows, fraction)
 
 
 @dataclass(frozen=True)
@@ -54,13 +79,19 @@ class Issue:
     """One violated rule: its code, severity, how many locations violate it, and the first location."""
 
     code: str
-    severity: str  # "error" | "warning"
+    severity: str  # "error" | "warning" | "note"
     count: int
     message: str
     step: int | None = None
     sample_id: str | None = None
     pos: int | None = None
     hint: str | None = None
+
+    def __post_init__(self) -> None:
+        if (
+            self.severity != "note"
+        ):  # a note (rows dropped at import) carries the code "note", not a catalogue code
+            catalogued(self.code)  # ValueError for a code outside the catalogue: a bug in pgdiag
 
 
 @dataclass(frozen=True)
@@ -545,7 +576,7 @@ class _Rules:
                     f"{column} looks shifted by -1: set just before each loss span and null on the last loss token",
                     rows,
                     rows.size,
-                    hint="next-token aligned values? re-import with --shift 1",
+                    hint="next-token aligned values? re-import with pgdiag import --shift 1",
                 )
             )
 
@@ -565,14 +596,11 @@ class _Rules:
                     pos=view.index[where] - offsets[rows],
                 )
             )
-        zero = np.flatnonzero(at_loss == 0.0)
+        filled = zero_fill_rows(at_loss, view.row_start)
+        zero, all_zero_rows, fraction = filled.zero, filled.all_zero_rows, filled.fraction
         tiny = np.flatnonzero((at_loss > 0.0) & ~positive)
-        n_loss = np.diff(view.row_start)
         zero_rows = view.rows_of(zero)
-        zero_per_row = np.bincount(zero_rows, minlength=n_loss.shape[0])
-        all_zero_rows = np.flatnonzero((zero_per_row == n_loss) & (n_loss >= 2))
-        fraction = zero.size / at_loss.shape[0] if at_loss.shape[0] else 0.0
-        if (fraction > ZERO_FILL_FRACTION or all_zero_rows.size) and self.on("E206"):
+        if (filled.fraction_filled or all_zero_rows.size) and self.on("E206"):
             if all_zero_rows.size and fraction <= ZERO_FILL_FRACTION:
                 text = f"{column}: {all_zero_rows.size} samples with every loss value exactly 0.0"
                 rows, count, pos = all_zero_rows, all_zero_rows.size, None

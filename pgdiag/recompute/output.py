@@ -2,7 +2,7 @@
 
 What: `inspect_output` decides, before anything is written, whether a recompute under a tag starts fresh,
 resumes (and which parts are already done), or must refuse: E502 when the output exists (complete, or
-incomplete without resume) and `overwrite` is not given, E503 when it was made with other settings, another
+incomplete without resume) and `overwrite` is not given, or when it was made with other settings, another
 model or other input. `clear_output` removes a previous recompute's files and nothing else. `write_part` writes
 one `pgdiag.logprobs/v1` file: full-length, token-aligned ``logprobs``/``entropy`` lists, null off the loss
 positions, with the ``pgdiag.recompute`` footer.
@@ -44,7 +44,7 @@ def inspect_output(
     overwrite: bool,
     tag: str,
 ) -> set[str]:
-    """The relative paths of parts already done; raises E502/E503 when the existing output may not be touched."""
+    """The relative paths of parts already done; raises E502 when the existing output may not be touched."""
     if overwrite:
         return set()
     manifest_path = out_dir / MANIFEST_NAME
@@ -57,11 +57,11 @@ def inspect_output(
     try:
         old = json.loads(manifest_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
-        raise UsageError("E503", f"{manifest_path} is unreadable ({exc})", "pass --overwrite") from exc
+        raise UsageError("E502", f"{manifest_path} is unreadable ({exc})", "pass --overwrite") from exc
     for key in _COMPARED:
         if old.get(key) != manifest[key]:
             raise UsageError(
-                "E503",
+                "E502",
                 f"{out_dir} holds tag {tag} made with other {key} ({_first_difference(old.get(key), manifest[key])})",
                 "pass --overwrite to replace it, or choose another --tag",
             )
@@ -102,6 +102,7 @@ def clear_output(out_dir: Path) -> None:
         *out_dir.glob("step=*/part-*.parquet"),
         *out_dir.glob("step=*/.part-*.tmp-*"),
         out_dir / MANIFEST_NAME,
+        out_dir / "_routing.parquet",
     ]:
         path.unlink(missing_ok=True)
     for step_dir in out_dir.glob("step=*"):
@@ -119,10 +120,12 @@ def write_part(
     *,
     with_entropy: bool,
     tag: str,
+    routing: dict[str, Any] | None = None,
 ) -> None:
     """One pgdiag.logprobs/v1 file: full-length lists, null off the loss positions.
 
     `logprobs` and `entropy` are (T_part,) float32 over the part's tokens; values off the loss mask are ignored.
+    `routing`: the part's MoE routing counts (`pgdiag.recompute.routing.footer_entry`), kept in the footer.
     """
     rows = slice(part.start, part.stop)
     base = int(inputs.offsets[part.start])
@@ -145,5 +148,6 @@ def write_part(
     }
     if with_entropy:
         columns["entropy"] = tokens(entropy)
-    footer = {"schema": LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY: {**footer_base, "part": part.plan_entry()}}
+    recompute = {**footer_base, "part": part.plan_entry(), **({"routing": routing} if routing else {})}
+    footer = {"schema": LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY: recompute}
     write_parquet(pa.table(columns), out_dir / part.relpath, metadata=footer)

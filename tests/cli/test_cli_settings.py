@@ -22,7 +22,7 @@ from pgdiag.metrics.settings import ClipBand, MetricSettings, StyleOptions
 
 READ_OPTIONS = {"steps", "run_name", "label", "attach", "label_a", "label_b"}  # read_run's arguments
 GATE_OPTIONS = {"fail_on", "warn_on", "profile", "strict", "exit_zero"}  # GateSettings
-RENDER_OPTIONS = {"json_out", "out", "overwrite", "all_steps", "quiet", "verbose", "tokens_out"}
+RENDER_OPTIONS = {"json_out", "out", "overwrite", "all_steps", "quiet", "verbose", "tokens_out", "html"}
 
 
 class _Stop(UsageError):
@@ -87,6 +87,7 @@ def test_every_option_is_accounted_for() -> None:
         "side_by_side", "aggregation", "divisor", "key_style",
     }  # fmt: skip
     compare_known = compare_fields | check_fields | READ_OPTIONS | GATE_OPTIONS | RENDER_OPTIONS
+    compare_known |= {"routing_replay"}  # routing_attribution's, tests/recompute/test_routing_replay.py
     assert _params("compare") - compare_known - {"run_a", "run_b"} == set()
 
 

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from rollout_factory import valid_rows, write_rollouts_file
 
-from pgdiag.checks.semantic import check_run
+from pgdiag.checks.run import check_run
 from pgdiag.data.runs import read_run, read_token_batch
 from pgdiag.data.validate import CheckResult
 from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK, InvalidInputError
@@ -62,7 +62,7 @@ def test_e102_missing_column(tmp_path: Path) -> None:
     assert result.exit_code == EXIT_INVALID
     with pytest.raises(InvalidInputError) as raised:
         read_token_batch(read_run(path), streams=["rollout"])
-    assert raised.value.code == "E102" and raised.value.hint == "re-import with --group-by"
+    assert raised.value.code == "E102" and raised.value.hint == "re-import with pgdiag import --group-by"
 
 
 def test_e103_uncastable_type_and_overflow(tmp_path: Path) -> None:
