@@ -94,7 +94,7 @@ def _stream_columns(columns: Iterable[str]) -> list[str]:
 
 
 def run_label(label: str | None, out: Path) -> str:
-    """The run label: `label`, else OUT's name (without ``.parquet``); UsageError E112 when not a valid label."""
+    """The run label: `label`, else OUT's name (without ``.parquet``); UsageError E503 when not a valid label."""
     name = label if label is not None else out.name.removesuffix(".parquet")
     if not LABEL_PATTERN.fullmatch(name):
         raise UsageError("E503", f"run label {name!r} is not [A-Za-z0-9_.-]{{1,64}}", "pass --label NAME")
