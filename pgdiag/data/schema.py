@@ -27,6 +27,7 @@ LOGPROBS_SCHEMA = "pgdiag.logprobs/v1"
 RUN_SIDECAR_SCHEMA = "pgdiag.run/v1"
 FOOTER_PREFIX = "pgdiag."
 RECOMPUTE_FOOTER_KEY = "recompute"  # pgdiag.recompute in logprobs parts
+ROUTING_FILE = "_routing.parquet"  # per step/layer routing counts in a recompute stream; "_": never a part
 
 BASE_STREAMS = ("rollout", "old", "ref", "new")
 LABEL_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -79,6 +80,9 @@ ROLLOUT_ARROW_TYPES: dict[str, pa.DataType] = {
     "min_p": pa.float32(),
     "logprobs_mode": _DICT_STRING,
     "env": _DICT_STRING,
+    # MoE routing replay: per sample T x L x k expert ids, flat in token, then MoE layer, then rank order;
+    # -1 = not recorded (docs/models.md, "Routing replay")
+    "routed_experts": pa.list_(pa.int16()),
 }
 
 # Column kinds that decide which polars dtypes are accepted (lossless cast).
@@ -100,6 +104,7 @@ _KIND_OF: dict[str, str] = {
     "temperature": "float",
     "temperature_tok": "float_list",
     "policy_version": "int64",
+    "routed_experts": "int32_list",
 }
 _INTS = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32, pl.UInt64)
 _FLOATS = (pl.Float16, pl.Float32, pl.Float64) if hasattr(pl, "Float16") else (pl.Float32, pl.Float64)

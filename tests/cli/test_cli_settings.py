@@ -87,7 +87,8 @@ def test_every_option_is_accounted_for() -> None:
         "side_by_side", "aggregation", "divisor", "key_style",
     }  # fmt: skip
     compare_known = compare_fields | check_fields | READ_OPTIONS | GATE_OPTIONS | RENDER_OPTIONS
-    assert _params("compare") - compare_known - {"run_a", "run_b"} == set()
+    routing = {"routing_replay"}  # goes to `compare.routing.routing_attribution`, a second call on one run
+    assert _params("compare") - compare_known - routing - {"run_a", "run_b"} == set()
 
 
 def test_metrics_options_arrive_in_metric_settings(monkeypatch: pytest.MonkeyPatch) -> None:
