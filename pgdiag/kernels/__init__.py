@@ -125,7 +125,15 @@ def lm_head_logprobs(
 def _check_arguments(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, head_dtype: str
 ) -> None:
-    """Raise UsageError E503 for shapes, dtypes or options that cannot work together."""
+    """Raise UsageError E503 for an option value out of range, E513 for tensors that do not fit together."""
+    if not (temperature > 0.0 and temperature < float("inf")):
+        raise UsageError(
+            "E503", f"lm_head_logprobs: temperature must be a positive finite number, got {temperature}"
+        )
+    if head_dtype not in HEAD_DTYPES:
+        raise UsageError(
+            "E503", f"lm_head_logprobs: head_dtype {head_dtype!r} is not one of {', '.join(HEAD_DTYPES)}"
+        )
     problems = []
     if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
         problems.append(
@@ -139,11 +147,7 @@ def _check_arguments(
         )
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         problems.append(f"targets must be integer token ids, got {targets.dtype}")
-    if not (temperature > 0.0 and temperature < float("inf")):
-        problems.append(f"temperature must be a positive finite number, got {temperature}")
-    if head_dtype not in HEAD_DTYPES:
-        problems.append(f"head_dtype {head_dtype!r} is not one of {', '.join(HEAD_DTYPES)}")
     if hidden.device != weight.device or hidden.device != targets.device:
         problems.append(f"tensors on different devices: {hidden.device}, {weight.device}, {targets.device}")
     if problems:
-        raise UsageError("E503", "lm_head_logprobs: " + "; ".join(problems))
+        raise UsageError("E513", "lm_head_logprobs: " + "; ".join(problems))
