@@ -86,8 +86,8 @@ def test_every_option_is_accounted_for() -> None:
         "stream_a", "stream_b", "join", "by", "worst_k", "eps_low", "eps_high", "model", "tokenizer",
         "side_by_side", "aggregation", "divisor", "key_style",
     }  # fmt: skip
-    routing = {"routing_replay"}  # the replay tag of the MoE routing attribution, a call of its own
-    compare_known = compare_fields | check_fields | READ_OPTIONS | GATE_OPTIONS | RENDER_OPTIONS | routing
+    compare_known = compare_fields | check_fields | READ_OPTIONS | GATE_OPTIONS | RENDER_OPTIONS
+    compare_known |= {"routing_replay"}  # routing_attribution's, tests/recompute/test_routing_replay.py
     assert _params("compare") - compare_known - {"run_a", "run_b"} == set()
 
 
