@@ -27,7 +27,7 @@ RENDER_OPTIONS = {"json_out", "out", "overwrite", "all_steps", "quiet", "verbose
 
 class _Stop(UsageError):
     def __init__(self) -> None:
-        super().__init__("E514", "stopped by the test")  # any catalogue code: the message marks the stop
+        super().__init__("E503", "stopped by the test")
 
 
 def _capture(monkeypatch: pytest.MonkeyPatch, module: str, name: str) -> dict[str, Any]:
