@@ -237,7 +237,9 @@ def _read_step(step: int, files: list[Path]) -> ImportedStep:
         fields_used["ref_logprobs"] = "ref_logprobs"
     if any(r is not None for r in routes):
         columns.append(
-            pl.Series("routed_experts", [None if r is None else r for r in routes], pl.List(pl.Int16))
+            pl.Series(
+                "routed_experts", [None if r is None else r.tolist() for r in routes], pl.List(pl.Int16)
+            )
         )
     columns.append(pl.Series("env", envs, dtype=pl.String))
     columns.append(pl.Series("sample_id", [f"{step}:{k}" for k in range(len(ids))], dtype=pl.String))
