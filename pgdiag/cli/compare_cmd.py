@@ -213,12 +213,22 @@ def compare(
     """
 
     def body(console: Console) -> dict[str, Any]:
-        from pgdiag.cli.render import render_checks, render_gates
+        from pgdiag.cli.render import render_checks, render_gates, render_verdict, render_written
         from pgdiag.compare.api import run_comparison
+        from pgdiag.compare.output import planned_outputs
         from pgdiag.data.runs import read_run
+        from pgdiag.data.writing import check_destination
         from pgdiag.errors import EXIT_GATE, EXIT_OK
         from pgdiag.report.gates import evaluate_gates
+        from pgdiag.report.verdict import compare_verdict
 
+        # refuse an existing or impossible output before any work
+        if tokens_out is not None:
+            check_destination(tokens_out.parent, [tokens_out], overwrite=overwrite)
+        if out is not None:
+            directory, planned = planned_outputs(out)
+            check_destination(directory, planned, overwrite=overwrite)
+        decode = _decoder(tokenizer)
         source_a = read_run(run_a, attach=list_option(attach), steps=steps, run=run_name)
         source_b = None if run_b is None else read_run(run_b, steps=steps, run=run_name)
         comparison = run_comparison(
@@ -236,7 +246,7 @@ def compare(
             max_examples=max_examples,
             label_a=label_a,
             label_b=label_b,
-            decode=_decoder(tokenizer),
+            decode=decode,
             side_by_side=side_by_side,
             metrics_options={
                 k: v
@@ -252,10 +262,12 @@ def compare(
             profile=profile,
             default_family="mismatch",
         )
+        verdict = compare_verdict(report, gates)
         if not quiet:  # rich lays tables out even on a quiet console: skip the work
             render_parity(console, report, verbose=verbose)
             if verbose:
                 render_breakdowns(console, report)
+            render_worst_tokens(console, report, limit=worst_k if verbose else min(worst_k, 5), decode=decode)
             render_checks(console, report.checks)
             render_gates(console, gates)
         warned = report.checks.filter(report.checks["severity"] == "warning").height > 0
@@ -281,17 +293,21 @@ def compare(
             summary=report.to_json_dict()["summary"],
             gates=[g.__dict__ for g in gates.gates],
             checks=report.checks.to_dicts(),
+            verdict=verdict.as_dict(),
         )
-        files: dict[str, Any] = {}
         if tokens_out is not None:
             from pgdiag.compare.tokens import write_token_table
 
-            files["tokens"] = str(write_token_table(pair, tokens_out, overwrite=overwrite))
+            result["files"]["tokens"] = str(write_token_table(pair, tokens_out, overwrite=overwrite))
         if out is not None:
             from pgdiag.compare.output import write_outputs
 
-            files.update(write_outputs(comparison, out, result=result, gates=gates, overwrite=overwrite))
-        result["files"] = files
+            result["files"] = write_outputs(
+                comparison, out, result=result, gates=gates, verdict=verdict, overwrite=overwrite
+            )
+        if not quiet:
+            render_written(console, result["files"])
+            render_verdict(console, verdict)
         return result
 
     execute("compare", body, json_out=json_out, quiet=quiet)
@@ -306,10 +322,15 @@ def _decoder(tokenizer: Path | None) -> Any:
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise UsageError("E503", "--tokenizer needs the optional 'tokenizers' package") from None
-    if not path.exists():
-        raise UsageError("E501", f"{path}: no such tokenizer file")
-    loaded = Tokenizer.from_file(str(path))
+        raise UsageError(
+            "E503", "--tokenizer needs the optional 'tokenizers' package", "pip install tokenizers"
+        ) from None
+    if not path.is_file():
+        raise UsageError("E501", f"{path}: no such tokenizer file", "give a tokenizer.json or its directory")
+    try:
+        loaded = Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises its own Exception type on a bad file
+        raise UsageError("E501", f"{path}: not a tokenizer.json ({exc})") from None
     return lambda ids: loaded.decode(list(ids), skip_special_tokens=False)
 
 
@@ -317,6 +338,7 @@ def render_parity(console: Console, report: Any, *, verbose: bool = False) -> No
     """The parity table: one row per statistic, token and sequence scope side by side, with units."""
     import polars as pl
     from rich.table import Table
+    from rich.text import Text
 
     from pgdiag.cli.render import format_value
 
@@ -330,7 +352,9 @@ def render_parity(console: Console, report: Any, *, verbose: bool = False) -> No
             for scope, metric, value, unit in part.select("scope", "metric", "value", "unit").iter_rows()
         }
         table = Table(
-            title=f"parity  [dim]{pair}  (Δ = lp_b − lp_a)[/]", title_justify="left", show_edge=False
+            title=Text.assemble(("parity", "bold"), "  ", (f"{pair}  (Δ = lp_b − lp_a)", "dim")),
+            title_justify="left",
+            show_edge=False,
         )
         for name, justify in (
             ("metric", "left"),
@@ -338,7 +362,7 @@ def render_parity(console: Console, report: Any, *, verbose: bool = False) -> No
             ("sequence", "right"),
             ("unit", "left"),
         ):
-            table.add_column(name, justify=justify)
+            table.add_column(name, justify=justify, no_wrap=True)
         stats = TABLE_STATS if not verbose else tuple(dict.fromkeys(m.split("/", 1)[1] for _, m in cells))
         for stat in stats:
             key = f"mismatch/{stat}"
@@ -362,6 +386,7 @@ def render_breakdowns(console: Console, report: Any) -> None:
     """One table per token-scope breakdown: n, mean |Δ|, p99 |Δ|, max |Δ|, k3 and the clip-band share per bucket."""
     import polars as pl
     from rich.table import Table
+    from rich.text import Text
 
     from pgdiag.cli.render import format_value
 
@@ -371,7 +396,11 @@ def render_breakdowns(console: Console, report: Any) -> None:
     )
     for (pair, breakdown), part in rows.group_by(["pair", "breakdown"], maintain_order=True):
         wide = part.pivot(on="metric", index=["bucket", "bucket_lo", "n"], values="value").sort("bucket_lo")
-        table = Table(title=f"by {breakdown}  [dim]{pair}[/]", title_justify="left", show_edge=False)
+        table = Table(
+            title=Text.assemble((f"by {breakdown}", "bold"), "  ", (pair, "dim")),
+            title_justify="left",
+            show_edge=False,
+        )
         for name in ("bucket", "n", *stats):
             table.add_column(name, justify="left" if name == "bucket" else "right")
         for row in wide.iter_rows(named=True):
@@ -379,3 +408,42 @@ def render_breakdowns(console: Console, report: Any) -> None:
             cells += [format_value(row.get(f"mismatch/{s}"), "") for s in stats]
             table.add_row(*cells)
         console.print(table)
+
+
+def render_worst_tokens(console: Console, report: Any, *, limit: int, decode: Any = None) -> None:
+    """The tokens with the largest |Δ|: where they are, both log-probs, Δ and, with --tokenizer, their text."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from pgdiag.cli.render import format_value
+
+    tokens = report.worst_tokens
+    if tokens is None or tokens.height == 0 or limit <= 0:
+        return
+    tokens = tokens.head(limit)
+    has_text = tokens["context"].null_count() < tokens.height
+    table = Table(
+        title=Text.assemble(("worst tokens", "bold"), "  ", ("largest |Δ| first", "dim")),
+        title_justify="left",
+        show_edge=False,
+    )
+    for name in ("step", "sample", "pos", "token", "lp_a", "lp_b", "Δ"):
+        table.add_column(name, justify="left" if name == "sample" else "right", no_wrap=True)
+    if has_text:
+        table.add_column("text (±8 tokens)", overflow="fold")
+    for row in tokens.iter_rows(named=True):
+        cells = [
+            Text(str(row["step"])),
+            Text(str(row["sample_id"])),
+            Text(str(row["pos"])),
+            Text(repr(decode([row["token_id"]])) if decode is not None else str(row["token_id"])),
+            Text(format_value(row["lp_a"], "", digits=4)),
+            Text(format_value(row["lp_b"], "", digits=4)),
+            Text(format_value(row["dlogp"], "", digits=3), style="bold"),
+        ]
+        if has_text:
+            cells.append(Text(row["context"] or ""))
+        table.add_row(*cells)
+    console.print(table)
+    if not has_text:
+        console.print(Text("--tokenizer PATH shows each token's text", style="dim"))

@@ -62,18 +62,18 @@ class EmptySeqs(StrEnum):
     skip = "skip"
 
 
-def _metric_epilog() -> str:
-    """One line per native metric (key, unit, reduction, meaning) for `--help`, from the catalog."""
-    from pgdiag.metrics.catalog import METRIC_CATALOG
+def _list_metrics(value: bool) -> None:
+    """`--list-metrics`: print the catalogue of native metrics on stdout and exit."""
+    if value:
+        from pgdiag.cli.render import render_catalog
 
-    lines = ["[bold]Metrics[/] (key, unit, reduction: meaning). Full reference: docs/metrics.md."]
-    lines += [f"{entry.key} ({entry.unit}, {entry.reduction}): {entry.meaning}" for entry in METRIC_CATALOG]
-    return "\n\n".join(lines)
+        render_catalog()
+        raise typer.Exit()
 
 
 def register(app: typer.Typer) -> None:
     """Add the `metrics` command to `app`."""
-    app.command("metrics", epilog=_metric_epilog(), rich_help_panel=None)(metrics)
+    app.command("metrics", rich_help_panel=None)(metrics)
 
 
 def metrics(
@@ -262,14 +262,34 @@ def metrics(
     json_out: JsonOpt = False,
     out: OutOpt = None,
     overwrite: OverwriteOpt = False,
+    show_all: Annotated[
+        bool,
+        typer.Option(
+            "--all",
+            help="Show every metric, one table per family (default: the main metrics).",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = False,
     all_steps: Annotated[
         bool,
         typer.Option(
-            "--all-steps", help="Show every step in the table (default: up to 6).", rich_help_panel=OUTPUT
+            "--all-steps",
+            help="Show every step, in further tables when they do not fit the terminal width.",
+            rich_help_panel=OUTPUT,
         ),
     ] = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
+    list_metrics: Annotated[
+        bool,
+        typer.Option(
+            "--list-metrics",
+            callback=_list_metrics,
+            is_eager=True,
+            help="Print every native metric (key, unit, reduction, meaning) and exit.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = False,
 ) -> None:
     """Compute the policy-gradient metric set and the pg loss under every aggregation mode.
 
@@ -314,12 +334,24 @@ def metrics(
     )
 
     def body(console: Console) -> dict[str, Any]:
-        from pgdiag.cli.render import render_checks, render_gates, render_metrics
+        from pgdiag.cli.render import (
+            render_checks,
+            render_gates,
+            render_metrics,
+            render_verdict,
+            render_written,
+        )
         from pgdiag.data.runs import read_run
+        from pgdiag.data.writing import check_destination
         from pgdiag.metrics.api import compute_metrics
         from pgdiag.metrics.catalog import METRIC_CATALOG
         from pgdiag.report.gates import evaluate_gates
+        from pgdiag.report.report import report_files
+        from pgdiag.report.verdict import metrics_verdict
 
+        if out is not None:  # refuse an existing or impossible output before any work
+            planned = report_files(out, "metrics", worst=False)
+            check_destination(planned.report.parent, [planned.report, planned.json], overwrite=overwrite)
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
         report = compute_metrics(
             source, settings=settings, ignore=list_option(ignore), max_examples=max_examples
@@ -339,9 +371,12 @@ def metrics(
             exit_code = max(exit_code, 1)
         if exit_zero and exit_code == 1:
             exit_code = 0
+        verdict = metrics_verdict(report)
         if not quiet:  # rich lays tables out even on a quiet console: skip the work
             render_checks(console, report.checks)
-            render_metrics(console, report, all_steps=all_steps, verbose=verbose)
+            render_metrics(
+                console, report, show_all=show_all, all_steps=all_steps, verbose=verbose, verdict=verdict
+            )
             render_gates(console, gates)
         inputs = report.meta["inputs"]
         result = result_object(
@@ -364,10 +399,13 @@ def metrics(
         result["per_step"] = json_view["breakdowns"].get("step", {})
         result["settings"] = report.meta["settings"]
         result["step_status"] = {str(s["step"]): s["status"] for s in report.meta["steps"]}
+        result["verdict"] = verdict.as_dict()
         if out is not None:
-            files = report.write(out, overwrite=overwrite, result=result)
-            result["files"] = {"report": str(files.report), "json": str(files.json)}
-            console.print(f"report written to {files.report}", markup=False)
+            files = report.with_meta(verdict=verdict.as_dict()).write(out, overwrite=overwrite, result=result)
+            result["files"] = files.as_dict()
+            render_written(console, result["files"])
+        if not quiet:
+            render_verdict(console, verdict)
         return result
 
     execute("metrics", body, json_out=json_out, quiet=quiet)

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from pgdiag.cli.common import OUTPUT, JsonOpt, QuietOpt, execute, result_object
+from pgdiag.cli.common import OUTPUT, JsonOpt, OverwriteOpt, QuietOpt, execute, result_object
 
 
 class PlotKind(StrEnum):
@@ -63,22 +63,29 @@ def plot(
     dpi: Annotated[
         int, typer.Option("--dpi", min=10, help="Resolution of raster figures.", rich_help_panel=OUTPUT)
     ] = 120,
+    overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Redraw plots from a saved comparison report or token table."""
+    """Redraw plots from a saved comparison report or token table.
+
+    Existing figures in --out are kept (E502) unless --overwrite is given; the figures written are listed.
+    """
 
     def body(console: Console) -> dict[str, Any]:
         import polars as pl
         import pyarrow.parquet as pq
 
+        from pgdiag.cli.render import render_written
         from pgdiag.compare.output import draw_plots, trace_path
         from pgdiag.compare.tokens import TOKEN_TABLE_SCHEMA_ID
+        from pgdiag.data.writing import check_destination
         from pgdiag.errors import UsageError
         from pgdiag.report.report import load_report
 
         if not source.exists():
             raise UsageError("E501", f"{source}: no such file or directory")
+        check_destination(out, [], overwrite=overwrite, hint="--out takes the directory of the figures")
         is_tokens = False
         if source.is_file():
             footer = pq.read_schema(source).metadata or {}
@@ -95,6 +102,7 @@ def plot(
             written = {}
             from pgdiag.report import plots
 
+            check_destination(out, [out / f"{k}.{fmt.value}" for k in kinds], overwrite=overwrite)
             for k in kinds:
                 fig = plots.plot_hexbin(tokens) if k == "hexbin" else plots.plot_dlogp_hist(tokens)
                 written[k] = str(plots.save_figure(fig, out / f"{k}.{fmt.value}", dpi=dpi))
@@ -116,9 +124,10 @@ def plot(
                 )
             else:
                 kinds = wanted
+            check_destination(out, [out / f"{k}.{fmt.value}" for k in kinds], overwrite=overwrite)
             written = draw_plots(report, trace, None, out, kinds=kinds, fmt=fmt.value, dpi=dpi)
-        for k, path in written.items():
-            console.print(f"{k}: {path}", markup=False)
-        return result_object("plot", files={"plots": written})
+        files = {"plots": written}
+        render_written(console, files)
+        return result_object("plot", files=files)
 
     execute("plot", body, json_out=json_out, quiet=quiet)
