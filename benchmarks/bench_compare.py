@@ -3,14 +3,14 @@
 What: writes two canonical rollout files (20,000 samples, prompts 50-150 tokens, responses 300-700 tokens, so
 ~10M loss tokens per run; run b's log-probs = −|run a's + N(0, 0.02)|), then times, each in a
 fresh subprocess (so peak RSS is the child's own `ru_maxrss`):
-  * pgdiag: `compare_runs(read_run(a), read_run(b))` with its defaults: read, validate (§1.5), align and check,
+  * pgdiag: `compare_runs(read_run(a), read_run(b))` with its defaults: read, validate, align and check,
     parity at token and sequence scope, every breakdown the data supports (position, prob bucket, length, step),
     the Δ histogram, diagnosis, worst-K;
   * pandas: what users write by hand today: read both files, explode the list columns, keep loss tokens, merge on
     (step, sample_id, pos), then the headline parity numbers and mean |Δ| by position / prob bucket / step;
   * pandas-full: the same start, then what pgdiag reports: the token and sequence tables and four breakdowns
     with the same statistics (like for like).
-Why: design/performance.md §3 sets <= 10 s wall and <= 4 GB peak RSS on the 2-core CPU machine, >= 5x pandas.
+Why: the target is <= 10 s wall and <= 4 GB peak RSS on the 2-core CPU machine, >= 5x pandas.
 Each child also reports its CPU seconds (user + system): on a shared machine wall time swings with the load, CPU
 time much less; the load average is printed beside the table.
 How: ``python benchmarks/bench_compare.py [--samples 20000] [--repeat 2] [--dir /tmp/pgdiag-bench-compare]``;
@@ -35,7 +35,7 @@ import sys, time, json
 t0 = time.perf_counter()
 from pgdiag.compare.api import compare_runs
 from pgdiag.data.runs import read_run
-report = compare_runs(read_run(sys.argv[1]), read_run(sys.argv[2]))  # default breakdowns
+report = compare_runs(read_run(sys.argv[1]), read_run(sys.argv[2])).report  # default breakdowns
 wall = time.perf_counter() - t0
 value = report.value("mismatch/abs_mean", scope="token")
 import resource

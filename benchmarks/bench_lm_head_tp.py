@@ -2,7 +2,7 @@
 
 What: per-rank time of `lm_head_logprobs(..., impl="triton", tp_group=...)` on a shard of W (one all-gather of
 16 bytes a token per call), the same call with the whole W on one GPU (TP=1, no collective), and the local
-cuBLAS matmul of the shard (the floor). Target (design/performance.md §1): TP=2 per-rank time <= 0.55x TP=1.
+cuBLAS matmul of the shard (the floor). Target: TP=2 per-rank time <= 0.55x TP=1.
 
 How: ``torchrun --nproc-per-node 2 benchmarks/bench_lm_head_tp.py [--tokens 16384] [--shape 4096x151936]
 [--json out.json]``. Timing under torch.distributed uses a fixed iteration count on every rank, CUDA events

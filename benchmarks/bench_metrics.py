@@ -1,6 +1,6 @@
 """Benchmark: `pgdiag metrics` end to end on a synthetic run of 10M response tokens vs a hand-written pandas version.
 
-Target (design/performance.md §3, issue 2) on the 2-core CPU machine: <= 5 s wall, <= 3 GB peak RSS, >= 5x faster
+Target (issue 2) on the 2-core CPU machine: <= 5 s wall, <= 3 GB peak RSS, >= 5x faster
 than the pandas/numpy version users write today (explode list columns, compute, groupby). Both run as child
 processes on the same Parquet files so wall time and peak RSS (ru_maxrss of the child) are measured alike.
 

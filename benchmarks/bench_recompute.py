@@ -55,7 +55,7 @@ QWEN3_8B = {
 }
 TINY = {**QWEN3_8B, "vocab_size": 1031, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
-PEAK_MEASURED = 790e12  # bf16 dense matmul rate measured on these H100/H200s (performance.md, KINDS.md)
+PEAK_MEASURED = 790e12  # bf16 dense matmul rate measured on these H100/H200s on the device machines
 PEAK_DATASHEET = 989e12  # H100 SXM dense bf16 datasheet
 
 

@@ -7,7 +7,8 @@ The Python API that the CLI and notebooks use::
     pgdiag.check_run(run).issues                       # validation and alignment verdict
     report = pgdiag.compute_metrics(run, aggregation="constant", divisor=40960)
     report.wide()                                      # polars DataFrame, one column per metric
-    pgdiag.compare_runs(run, pgdiag.read_run("sample_data/run_b")).summary
+    pgdiag.compare_runs(run, pgdiag.read_run("sample_data/run_b")).report.summary
+    pgdiag.write_run(df, "runs/mine")                   # your own rollouts (a polars DataFrame) as a run
 
 Names are resolved lazily (PEP 562), so ``import pgdiag`` is cheap and imports neither torch nor polars
 until a function that needs them is used; ``import pgdiag.kernels`` works with torch alone.
@@ -32,6 +33,11 @@ _EXPORTS = {
     "TokenBatch": "pgdiag.data.batch",
     "compute_metrics": "pgdiag.metrics.api",
     "MetricSettings": "pgdiag.metrics.settings",
+    "ClipBand": "pgdiag.metrics.settings",
+    "StyleOptions": "pgdiag.metrics.settings",
+    "CompareSettings": "pgdiag.compare.settings",
+    "CheckSettings": "pgdiag.data.validate",
+    "Comparison": "pgdiag.compare.api",
     "Report": "pgdiag.report.report",
     "load_report": "pgdiag.report.report",
     "evaluate_gates": "pgdiag.report.gates",
@@ -46,6 +52,10 @@ _EXPORTS = {
     "load_model": "pgdiag.model",
     "lm_head_logprobs": "pgdiag.kernels",
     "TokenLogprobs": "pgdiag.kernels",
+    "import_run": "pgdiag.importers.api",
+    "write_run": "pgdiag.importers.api",
+    "ImportResult": "pgdiag.importers.writer",
+    "ImportOptions": "pgdiag.importers.base",
     "plot_hexbin": "pgdiag.report.plots",
     "plot_dlogp_hist": "pgdiag.report.plots",
     "plot_by_prob": "pgdiag.report.plots",

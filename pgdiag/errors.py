@@ -1,4 +1,4 @@
-"""Library errors and the CLI exit codes they map to (design/data-and-cli.md §5.2).
+"""Library errors and the CLI exit codes they map to (docs/cli.md).
 
 Every expected failure is a `PgdiagError` carrying a spec code (``E201``), a one-line message that names
 the file, sample and column where it can, and an optional hint. The CLI prints ``error[CODE] message`` plus

@@ -1,6 +1,6 @@
 """Generate the synthetic runs `sample_data/synthetic_a` and `synthetic_b` (seeded; reruns reproduce them exactly).
 
-What: two canonical pgdiag run directories (design/data-and-cli.md §2.2) of 4 steps x 8 prompt groups x 4
+What: two canonical pgdiag run directories of 4 steps x 8 prompt groups x 4
 samples, for tests and examples that need controlled statistics without a model (``run_a``/``run_b`` come
 from a real tiny model, see ``make_tiny_qwen.py``). Why synthetic: every distribution below is known, so a
 test can assert what pgdiag must find. How (all numpy, seed 20261121):

@@ -1,7 +1,7 @@
 """Write small canonical rollouts files from Python lists, for tests (importable by every test module).
 
 `write_rollouts_file(path, rows, **meta)` writes one pgdiag.rollouts/v1 Parquet file exactly as given: no
-sorting and no repair, so tests can craft invalid files. Columns take their canonical types (§1.2) unless
+sorting and no repair, so tests can craft invalid files. Columns take their canonical types unless
 listed in `raw_types`; `seq_hash` is computed from `input_ids` when a row lacks it; `run` defaults to "t" and
 `group_id` to "g0". Footer entries come from `meta` (``schema=None`` drops a key).
 """

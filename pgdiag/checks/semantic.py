@@ -1,13 +1,13 @@
-"""Semantic checks of log-prob stream pairs and `check_run` (design/data-and-cli.md §7, `pgdiag check`).
+"""Semantic checks of log-prob stream pairs and `check_run` (`pgdiag check`, docs/cli.md).
 
-Why: a file can be valid (§1.5) and still be wrong in ways only the numbers reveal: a stream shifted by one
+Why: a file can be valid and still be wrong in ways only the numbers reveal: a stream shifted by one
 position, zero-filled values, a temperature applied on one side, processed (renormalised) engine log-probs,
 stale weights after a resume. How: `check_frame` validates an in-memory frame (for
 importers, before anything is written). `semantic_checks` works on one `TokenBatch` and two of its (M,) streams
 a (sampling side) and b, with Δ = lp_b − lp_a on the loss positions where both are finite; statistics
 (medians, fits) use at most 2M evenly strided tokens, counts use all of them. `compare` reuses it on two aligned
 runs by putting both sides into one batch. `metadata_checks` reads footers (W403 by metadata, W405, W409,
-W411). `check_run` runs all of §1.5 (collecting issues, never raising for bad data) and then these checks
+W411). `check_run` runs the whole row validation (collecting issues, never raising for bad data) and then these checks
 on every stream pair that includes ``rollout`` (or the pair given), plus the minimal two-run checks E301,
 E303/W303 and E304.
 """
@@ -136,7 +136,7 @@ def _per_step_abs_mean(
 def semantic_checks(
     batch: TokenBatch, a: str, b: str, *, max_examples: int = 5, sampling_side_is_engine: bool = True
 ) -> list[Issue]:
-    """§7 data checks of the pair (a, b) of `batch.streams` on loss positions where both are finite.
+    """Data checks of the pair (a, b) of `batch.streams` on loss positions where both are finite.
 
     Returns issues E302 (shift), E206 (0.0 where the paired stream < −1), W401 (fit slope, or first-token
     ratio with one-signed Δ), W403 (a ≥ b on > 90 % of tokens with mean Δ < −0.01; only when
@@ -457,7 +457,7 @@ def check_frame(
     vocab_size: int | None = None,
     strict: bool = False,
 ) -> CheckResult:
-    """§1.5 validation of an in-memory rollouts frame (e.g. before `write_rollouts` in an import).
+    """Row validation of an in-memory rollouts frame (e.g. before `write_rollouts` in an import).
 
     `source` names the data in messages in place of a file. Stream columns are every ``*_logprobs`` column.
     """
@@ -507,7 +507,7 @@ def check_frame(
 def _single_run_issues(
     run: Run, streams: Sequence[str] | None, ignored: set[str], max_examples: int, vocab_size: int | None
 ) -> tuple[list[Issue], bool]:
-    """§1.5 and §7 issues of one run, and whether it loaded well enough for cross-run checks."""
+    """Validation and data-check issues of one run, and whether it loaded well enough for cross-run checks."""
     pair_streams = list(streams) if streams is not None else list(run.streams)
     if streams is not None and len(pair_streams) != 2:
         raise UsageError("E112", f"--streams needs two names, got {pair_streams}", "pass --streams A,B")
@@ -564,7 +564,7 @@ def check_run(
     vocab_size: int | None = None,
     strict: bool = False,
 ) -> CheckResult:
-    """Run §1.5 validation and the §7 checks on `run`, and on `other` plus minimal cross-run checks.
+    """Run row validation and the data checks on `run`, and on `other` plus minimal cross-run checks.
 
     Bad data never raises here: every finding is an issue of the result (messages name the file, so the
     two runs' issues are told apart). `streams=[a, b]` restricts the semantic checks to that pair; by default

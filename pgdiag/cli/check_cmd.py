@@ -1,6 +1,6 @@
 """`pgdiag check RUN [RUN_B]`: schema validation and alignment checks, the gate before any number is printed.
 
-Thin shell over `pgdiag.checks.semantic.check_run` (design/data-and-cli.md §1.5, §7). Exit 0 when clean (warnings
+Thin shell over `pgdiag.checks.semantic.check_run` (docs/cli.md). Exit 0 when clean (warnings
 allowed), 1 for warnings under `--strict`, 3 for any error.
 """
 

@@ -1,8 +1,8 @@
 """Shared pieces of every pgdiag command: options, the stderr console, errors to exit codes, the JSON object.
 
 Every command is parse -> one library call -> render. `execute` runs the body, turns a `PgdiagError` into
-``error[CODE] message`` plus a ``hint:`` line and its exit code (design/data-and-cli.md §5.2), prints the
-`--json` object (§5.5) on stdout, and never shows a traceback for an expected failure (``PGDIAG_TRACEBACK=1``
+``error[CODE] message`` plus a ``hint:`` line and its exit code (docs/cli.md), prints the
+`--json` object on stdout, and never shows a traceback for an expected failure (``PGDIAG_TRACEBACK=1``
 shows it for internal errors). Tables, progress and diagnostics go to stderr so stdout stays clean for ``jq``.
 """
 
@@ -30,7 +30,7 @@ from pgdiag.report.report import _jsonable
 
 RESULT_SCHEMA = "pgdiag.result/v1"
 
-# Help panels (§5.1).
+# Help panels.
 INPUTS = "Inputs"
 STREAMS = "Streams"
 ALIGNMENT = "Alignment"
@@ -175,7 +175,7 @@ def make_console(*, quiet: bool = False, width: int | None = None) -> Console:
 
 
 def result_object(command: str, **fields: Any) -> dict[str, Any]:
-    """A `pgdiag.result/v1` object (§5.5) with every top-level key present."""
+    """A `pgdiag.result/v1` object with every top-level key present."""
     from pgdiag import __version__
 
     base: dict[str, Any] = {

@@ -1,6 +1,6 @@
 """`pgdiag compare RUN_A [RUN_B]`: the parity of two runs (or two streams of one), with CI gates.
 
-Thin shell over `pgdiag.compare.api.run_comparison` (design/data-and-cli.md §5.4): parse options, compare,
+Thin shell over `pgdiag.compare.api.compare_runs` (docs/compare.md): parse options, compare,
 render the parity table on stderr, evaluate `--fail-on`/`--warn-on`/`--profile` (default family `mismatch`),
 and with `--out` write the report, the worst-K tables, the worst trace, the plots and a markdown summary.
 Exit 0 pass (warnings allowed), 1 a fail gate (or a warning under `--strict`; `--exit-zero` turns 1 into 0),
@@ -28,6 +28,7 @@ from pgdiag.cli.common import (
     FailOnOpt,
     IgnoreOpt,
     JsonOpt,
+    KeyStyle,
     MaxExamplesOpt,
     OutOpt,
     OverwriteOpt,
@@ -43,6 +44,12 @@ from pgdiag.cli.common import (
     list_option,
     result_object,
 )
+from pgdiag.compare.settings import CompareSettings
+from pgdiag.data.validate import CheckSettings
+from pgdiag.metrics.settings import ClipBand, MetricSettings
+
+_DEFAULTS = CompareSettings()
+_METRIC_DEFAULTS = MetricSettings()
 
 
 class Join(StrEnum):
@@ -125,7 +132,7 @@ def compare(
         str | None,
         typer.Option(
             "--stream-b",
-            help="Side b stream (one run: auto excluding a; two runs: same as a).",
+            help="Side b stream (one run: old, else new or the only tag; two runs: same as a).",
             rich_help_panel=STREAMS,
         ),
     ] = None,
@@ -136,16 +143,21 @@ def compare(
             help="auto: (step, sample_id), else (step, seq_hash) when fewer than half the ids match.",
             rich_help_panel=ALIGNMENT,
         ),
-    ] = Join.auto,
+    ] = Join(_DEFAULTS.join),
     ignore: IgnoreOpt = None,
     strict: StrictOpt = False,
-    max_examples: MaxExamplesOpt = 5,
+    max_examples: MaxExamplesOpt = _DEFAULTS.checks.max_examples,
     eps_low: Annotated[
-        float, typer.Option("--eps-low", help="Clip band low (frac_out_clip).", rich_help_panel=METRICS)
-    ] = 0.2,
+        float,
+        typer.Option(
+            "--eps-low",
+            help="Clip band low side: mismatch/frac_out_clip and, with --metrics, policy/clip_frac_*.",
+            rich_help_panel=METRICS,
+        ),
+    ] = _DEFAULTS.clip.eps_low,
     eps_high: Annotated[
-        float, typer.Option("--eps-high", help="Clip band high.", rich_help_panel=METRICS)
-    ] = 0.2,
+        float, typer.Option("--eps-high", help="Clip band high side.", rich_help_panel=METRICS)
+    ] = _DEFAULTS.clip.eps_high,
     by: Annotated[
         list[Breakdown] | None,
         typer.Option(
@@ -169,13 +181,13 @@ def compare(
         typer.Option("--divisor", help="With --metrics: L of `constant`.", rich_help_panel=METRICS),
     ] = None,
     key_style: Annotated[
-        str | None,
+        KeyStyle,
         typer.Option(
             "--key-style",
-            help="With --metrics: a framework's own keys (metrics.md §8).",
+            help="With --metrics: a framework's own keys (docs/key-styles.md).",
             rich_help_panel=METRICS,
         ),
-    ] = None,
+    ] = KeyStyle(_METRIC_DEFAULTS.key_style),
     model: Annotated[
         Path | None, typer.Option("--model", help="Checkpoint for the exact tau fit.", rich_help_panel=MODEL)
     ] = None,
@@ -197,7 +209,7 @@ def compare(
     worst_k: Annotated[
         int,
         typer.Option("--worst-k", min=0, help="Worst tokens and sequences listed.", rich_help_panel=OUTPUT),
-    ] = 20,
+    ] = _DEFAULTS.worst_k,
     tokens_out: Annotated[
         Path | None,
         typer.Option("--tokens-out", help="Write the exploded token table here.", rich_help_panel=OUTPUT),
@@ -214,46 +226,50 @@ def compare(
 
     def body(console: Console) -> dict[str, Any]:
         from pgdiag.cli.render import render_checks, render_gates, render_verdict, render_written
-        from pgdiag.compare.api import run_comparison
+        from pgdiag.compare.api import compare_runs
         from pgdiag.compare.output import planned_outputs
+        from pgdiag.compare.worst import token_decoder
         from pgdiag.data.runs import read_run
         from pgdiag.data.writing import check_destination
         from pgdiag.errors import EXIT_GATE, EXIT_OK
         from pgdiag.report.gates import evaluate_gates
         from pgdiag.report.verdict import compare_verdict
 
-        # refuse an existing or impossible output before any work
+        # refuse an existing or impossible output, or a bad tokenizer, before any work
         if tokens_out is not None:
-            check_destination(tokens_out.parent, [tokens_out], overwrite=overwrite)
+            check_destination(
+                tokens_out.parent, [tokens_out], overwrite=overwrite, hint="--tokens-out takes a file name"
+            )
         if out is not None:
             directory, planned = planned_outputs(out)
             check_destination(directory, planned, overwrite=overwrite)
-        decode = _decoder(tokenizer)
-        source_a = read_run(run_a, attach=list_option(attach), steps=steps, run=run_name)
-        source_b = None if run_b is None else read_run(run_b, steps=steps, run=run_name)
-        comparison = run_comparison(
-            source_a,
-            source_b,
+        decode = token_decoder(tokenizer) if tokenizer is not None else None
+        clip = ClipBand(eps_low=eps_low, eps_high=eps_high)
+        side_metrics = None
+        if side_by_side:
+            side_metrics = MetricSettings(
+                aggregation=aggregation,
+                divisor=divisor,
+                key_style=key_style.value,
+                clip=clip,
+            )
+        settings = CompareSettings(
             stream_a=stream_a,
             stream_b=stream_b,
             join=join.value,
             by=None if not by else tuple(b.value for b in by),
             worst_k=worst_k,
-            eps_low=eps_low,
-            eps_high=eps_high,
-            model=model,
-            ignore=list_option(ignore),
-            max_examples=max_examples,
+            clip=clip,
             label_a=label_a,
             label_b=label_b,
-            decode=decode,
-            side_by_side=side_by_side,
-            metrics_options={
-                k: v
-                for k, v in (("aggregation", aggregation), ("divisor", divisor), ("key_style", key_style))
-                if v is not None
-            },
+            metrics=side_metrics,
+            checks=CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples),
+            model=model,
+            tokenizer=tokenizer,
         )
+        source_a = read_run(run_a, attach=list_option(attach), steps=steps, run=run_name)
+        source_b = None if run_b is None else read_run(run_b, steps=steps, run=run_name)
+        comparison = compare_runs(source_a, source_b, settings, decode=decode)
         report = comparison.report
         gates = evaluate_gates(
             report,
@@ -311,27 +327,6 @@ def compare(
         return result
 
     execute("compare", body, json_out=json_out, quiet=quiet)
-
-
-def _decoder(tokenizer: Path | None) -> Any:
-    if tokenizer is None:
-        return None
-    from pgdiag.errors import UsageError
-
-    path = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise UsageError(
-            "E503", "--tokenizer needs the optional 'tokenizers' package", "pip install tokenizers"
-        ) from None
-    if not path.is_file():
-        raise UsageError("E501", f"{path}: no such tokenizer file", "give a tokenizer.json or its directory")
-    try:
-        loaded = Tokenizer.from_file(str(path))
-    except Exception as exc:  # the tokenizers library raises its own Exception type on a bad file
-        raise UsageError("E501", f"{path}: not a tokenizer.json ({exc})") from None
-    return lambda ids: loaded.decode(list(ids), skip_special_tokens=False)
 
 
 def render_parity(console: Console, report: Any, *, verbose: bool = False) -> None:

@@ -41,7 +41,8 @@ from pgdiag.cli.common import (
     list_option,
     result_object,
 )
-from pgdiag.metrics.settings import MetricSettings
+from pgdiag.data.validate import CheckSettings
+from pgdiag.metrics.settings import ClipBand, MetricSettings, StyleOptions
 
 _DEFAULTS = MetricSettings()
 
@@ -141,13 +142,13 @@ def metrics(
     eps_low: Annotated[
         float,
         typer.Option("--eps-low", help="Clip band low side: ratio < 1 - eps-low.", rich_help_panel=METRICS),
-    ] = _DEFAULTS.eps_low,
+    ] = _DEFAULTS.clip.eps_low,
     eps_high: Annotated[
         float,
         typer.Option(
             "--eps-high", help="Clip band high side: ratio > 1 + eps-high.", rich_help_panel=METRICS
         ),
-    ] = _DEFAULTS.eps_high,
+    ] = _DEFAULTS.clip.eps_high,
     dual_clip: Annotated[
         float | None,
         typer.Option(
@@ -254,7 +255,7 @@ def metrics(
     ] = None,
     ignore: IgnoreOpt = None,
     strict: StrictOpt = False,
-    max_examples: MaxExamplesOpt = 5,
+    max_examples: MaxExamplesOpt = CheckSettings().max_examples,
     fail_on: FailOnOpt = None,
     warn_on: WarnOnOpt = None,
     profile: ProfileOpt = None,
@@ -293,45 +294,13 @@ def metrics(
 ) -> None:
     """Compute the policy-gradient metric set and the pg loss under every aggregation mode.
 
-    Per optimizer step plus a pooled [bold]all[/] row, exactly as design/metrics.md defines them: the policy family
+    Per optimizer step plus a pooled [bold]all[/] row, exactly as docs/metrics.md defines them: the policy family
     on (old, new), the mismatch family on (rollout, old) when both exist, advantage, entropy, group and count metrics,
     [bold]loss/<mode>[/] for every aggregation mode and [bold]grad/<mode>_*[/] gradient diagnostics. The input is
     validated first (exit 3 on invalid data). Example:
 
     [cyan]pgdiag metrics sample_data/run_a --aggregation constant --divisor 40960[/]
     """
-    settings = MetricSettings(
-        new=new,
-        old=old,
-        stream_a=stream_a,
-        stream_b=stream_b,
-        ref=ref,
-        entropy=entropy,
-        aggregation=aggregation,
-        divisor=divisor,
-        grad_divisor=grad_divisor,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        dual_clip=dual_clip,
-        level=level.value,
-        empty_seqs=empty_seqs.value,
-        metric_reduction=metric_reduction.value,
-        docs_per_step=docs_per_step,
-        key_style=key_style.value,
-        zero_std_atol=zero_std_atol,
-        identity=identity,
-        identity_tol=identity_tol,
-        loss_name=loss_name,
-        rollout_is=rollout_is,
-        rollout_is_threshold=rollout_is_threshold,
-        beta=beta,
-        vllm_is=not no_vllm_is,
-        pad_width=pad_width,
-        tis=tis,
-        batch_size=batch_size,
-        group_normalize=group_normalize,
-        kl_coef=kl_coef,
-    )
 
     def body(console: Console) -> dict[str, Any]:
         from pgdiag.cli.render import (
@@ -352,13 +321,44 @@ def metrics(
         if out is not None:  # refuse an existing or impossible output before any work
             planned = report_files(out, "metrics", worst=False)
             check_destination(planned.report.parent, [planned.report, planned.json], overwrite=overwrite)
-        source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
-        report = compute_metrics(
-            source, settings=settings, ignore=list_option(ignore), max_examples=max_examples
+        settings = MetricSettings(
+            new=new,
+            old=old,
+            stream_a=stream_a,
+            stream_b=stream_b,
+            ref=ref,
+            entropy=entropy,
+            aggregation=aggregation,
+            divisor=divisor,
+            grad_divisor=grad_divisor,
+            clip=ClipBand(eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip),
+            level=level.value,
+            empty_seqs=empty_seqs.value,
+            metric_reduction=metric_reduction.value,
+            docs_per_step=docs_per_step,
+            key_style=key_style.value,
+            zero_std_atol=zero_std_atol,
+            identity=identity,
+            identity_tol=identity_tol,
+            style=StyleOptions(
+                loss_name=loss_name,
+                rollout_is=rollout_is,
+                rollout_is_threshold=rollout_is_threshold,
+                beta=beta,
+                vllm_is=not no_vllm_is,
+                pad_width=pad_width,
+                tis=tis,
+                batch_size=batch_size,
+                group_normalize=group_normalize,
+                kl_coef=kl_coef,
+            ),
         )
+        checks = CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
+        source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
+        report = compute_metrics(source, settings, checks=checks)
         fail = list(list_option(fail_on))
         if settings.key_style == "pgdiag":
-            fail.append("count/tokens_invalid>0")  # the default gate of metrics.md §0.2 rule 3
+            fail.append("count/tokens_invalid>0")  # the default gate of docs/metrics.md
             if identity:
                 fail.append(f"policy/logratio_absmax>{identity_tol!r}")
         known = [spec.key for spec in METRIC_CATALOG] if settings.key_style == "pgdiag" else []

@@ -4,6 +4,6 @@ Modules, in pipeline order: `align` joins the samples and checks that tokens, ma
 `parity` computes the mismatch table per scope and bucket; `breakdowns` assigns the buckets; `diagnose` looks for
 temperature, first-token and processed-log-prob signatures (`tau` fits the exact temperature from logits);
 `worst` lists the worst tokens and sequences; `side_by_side` adds each run's own metric set; `api` ties them
-into `compare_runs(a, b) -> Report`; `output` and `tokens` write what `--out` and `--tokens-out` ask for.
+into `compare_runs(a, b, CompareSettings) -> Comparison`; `output` and `tokens` write what `--out` and `--tokens-out` ask for.
 Nothing here runs at import time.
 """

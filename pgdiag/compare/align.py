@@ -1,11 +1,11 @@
-"""Join two runs on sample identity and check that their loss tokens can be compared (data-and-cli.md §5.4, §7).
+"""Join two runs on sample identity and check that their loss tokens can be compared (docs/compare.md).
 
 What: `align_batches(a, b, ...)` pairs the samples of two `TokenBatch`es, pairs their loss positions, and
 returns an `AlignedPair` holding, for every matched loss token, the two log-probs side by side (Δ = lp_b − lp_a).
 Why: every parity number is only as good as the alignment under it, so alignment failures are errors that
 stop the comparison with the first bad sample and position, never silently wrong numbers.
 How: samples are joined with polars on (step, sample_id, segment_idx) (`join="id"`), or on (step, seq_hash,
-rank) where rank orders identical sequences of one step by sample_id (`"hash"`, §1.4), or on (seq_hash, rank)
+rank) where rank orders identical sequences of one step by sample_id (`"hash"`), or on (seq_hash, rank)
 over all steps (`"hash-any-step"`); `"auto"` falls back from id to hash when fewer than half of side a's ids
 match. Loss positions are paired by (sample, pos) with a fast path when both masks are identical. Checks, in
 order (each error raises `InvalidInputError`, exit 3, unless its code is in `ignore`):
@@ -34,7 +34,7 @@ JOIN_MODES = ("auto", "id", "hash", "hash-any-step")
 ZERO_FILL_FRACTION = 0.01  # E206: share of exact 0.0 on loss positions
 MASK_ERROR_FRACTION = 0.01  # E303 above, W303 below
 SHIFT_MIN_MEDIAN = 0.05  # E302: median |Δ| at offset 0 must exceed this (nats)
-SHIFT_SAMPLE_TOKENS = 262_144  # E302 medians on up to about this many tokens (strided sample; §7 allows 2M)
+SHIFT_SAMPLE_TOKENS = 262_144  # E302 medians on up to about this many tokens (strided sample)
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,18 @@
-"""`compare_runs(a, b)`: the library function behind `pgdiag compare` (data-and-cli.md §5.4, §6).
+"""`compare_runs(a, b)`: the library function behind `pgdiag compare` (docs/compare.md).
 
 What: reads two runs (or two streams of one run), aligns them (`align`), computes the parity table at token and
 sequence scope (`parity`), the breakdowns (`breakdowns`), the logprob-only diagnosis (`diagnose`), the worst-K
 tables (`worst`) and, on request, each run's own metric set side by side; returns one `Report`.
 Why: the CLI, notebooks and tests all get the same numbers from one call; nothing here prints.
 How: inputs are `Run`s, paths (read with `pgdiag.data.runs.read_run`) or in-memory `TokenBatch`es. Streams resolve as
-§5.4 says: one run, a = `rollout`, b = first present of `new`, `old`, the only recompute tag, `rollout`
-(excluding a); two runs, a = first present of that list in run a, b = the same name. Rows follow the tidy
-report schema (§2.4); side-by-side run metrics use scope `batch`, which compare's gates never read.
+docs/compare.md says: one run, a = `rollout`, b = `old` (engine vs trainer), else the first present of `new`, the
+only recompute tag, `rollout` (excluding a); two runs, a = first present of that list in run a, b = the same name. Rows follow the tidy
+report schema (docs/compare.md); side-by-side run metrics use scope `batch`, which compare's gates never read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +32,8 @@ from pgdiag.compare.parity import (
     token_terms,
     unit_and_reduction,
 )
-from pgdiag.compare.worst import worst_seqs, worst_tokens, worst_trace
+from pgdiag.compare.settings import CompareSettings
+from pgdiag.compare.worst import token_decoder, worst_seqs, worst_tokens, worst_trace
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.validate import Issue
 from pgdiag.errors import UsageError
@@ -68,7 +69,7 @@ def _aligned(side: Side) -> Side:
 
 
 def auto_stream(streams: Sequence[str], *, exclude: str | None = None) -> str | None:
-    """First present of new, old, the only recompute tag, rollout (§5.4), skipping `exclude`."""
+    """First present of new, old, the only recompute tag, rollout, skipping `exclude`."""
     present = [s for s in streams if s != exclude]
     tags = [s for s in present if s not in _CANONICAL]
     for name in ("new", "old"):
@@ -82,7 +83,7 @@ def auto_stream(streams: Sequence[str], *, exclude: str | None = None) -> str | 
 def resolve_streams(
     streams_a: Sequence[str], streams_b: Sequence[str] | None, stream_a: str | None, stream_b: str | None
 ) -> tuple[str, str]:
-    """(stream_a, stream_b) after the defaults of §5.4; UsageError naming the streams present."""
+    """(stream_a, stream_b) after the defaults of docs/compare.md; UsageError naming the streams present."""
     one_run = streams_b is None
     if stream_a is None:
         stream_a = "rollout" if one_run and "rollout" in streams_a else auto_stream(streams_a)
@@ -90,8 +91,12 @@ def resolve_streams(
         raise UsageError(
             "E111", f"cannot choose --stream-a among {list(streams_a)}", "name one with --stream-a"
         )
-    if stream_b is None:
-        stream_b = auto_stream(streams_a, exclude=stream_a) if one_run else stream_a
+    if stream_b is None and one_run:  # engine vs trainer: old, else the recomputed policy
+        stream_b = (
+            "old" if "old" in streams_a and stream_a != "old" else auto_stream(streams_a, exclude=stream_a)
+        )
+    elif stream_b is None:
+        stream_b = stream_a
     if stream_b is None or (one_run and stream_b == stream_a):
         raise UsageError(
             "E111",
@@ -318,83 +323,30 @@ class Comparison:
 def compare_runs(
     a: Any,
     b: Any = None,
+    settings: CompareSettings | None = None,
     *,
-    stream_a: str | None = None,
-    stream_b: str | None = None,
-    join: str = "auto",
-    by: Sequence[str] | None = None,
-    worst_k: int = 20,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    model: str | Path | None = None,
-    ignore: Collection[str] = (),
-    max_examples: int = 5,
-    label_a: str | None = None,
-    label_b: str | None = None,
     decode: Callable[[Sequence[int]], str] | None = None,
-    side_by_side: bool = False,
-    metrics_options: Mapping[str, Any] | None = None,
-) -> Report:
-    """Parity report of `a` against `b` (or of two streams of `a`); the options are `run_comparison`'s."""
-    comparison = run_comparison(
-        a,
-        b,
-        stream_a=stream_a,
-        stream_b=stream_b,
-        join=join,
-        by=by,
-        worst_k=worst_k,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        model=model,
-        ignore=ignore,
-        max_examples=max_examples,
-        label_a=label_a,
-        label_b=label_b,
-        decode=decode,
-        side_by_side=side_by_side,
-        metrics_options=metrics_options,
-    )
-    return comparison.report
-
-
-def run_comparison(
-    a: Any,
-    b: Any = None,
-    *,
-    stream_a: str | None = None,
-    stream_b: str | None = None,
-    join: str = "auto",
-    by: Sequence[str] | None = None,
-    worst_k: int = 20,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    model: str | Path | None = None,
-    ignore: Collection[str] = (),
-    max_examples: int = 5,
-    label_a: str | None = None,
-    label_b: str | None = None,
-    decode: Callable[[Sequence[int]], str] | None = None,
-    side_by_side: bool = False,
-    metrics_options: Mapping[str, Any] | None = None,
+    **options: Any,
 ) -> Comparison:
     """Parity of `a` against `b` (or of two streams of `a` when `b` is None). Δ = lp_b − lp_a.
 
-    `a`, `b`: a `Run`, a run path, or a `TokenBatch`. `by`: breakdowns (default: every one the data supports,
-    `breakdowns.available`). `ignore`: check codes to skip (E306 compares the matched samples only; E207 drops
-    non-finite tokens and counts them). `model`: a checkpoint for the exact best-fit temperature (needs runs read
-    from disk). `decode`: token ids -> text for the worst-token context. `side_by_side`: add each run's own
-    metric set (scope `batch`, `pgdiag.compute_metrics`) and its deltas (pair ``"<b> - <a>"``); `metrics_options`
-    go to `compute_metrics` (aggregation, key_style, new, old, ...; by default the compared stream is `new` and
-    `old` is ``old`` else ``rollout`` when that differs from it).
+    `a`, `b`: a `Run`, a run path, or a `TokenBatch`. `settings`: a `CompareSettings`; without it, flat keyword
+    options build one (``compare_runs(a, b, by=["step"], eps_low=0.1)``, `CompareSettings.from_options`).
+    `decode`: token ids -> text for the worst-token context (else `settings.tokenizer` is used).
+    Returns a `Comparison`: the report plus the aligned tokens that token-level plots and tables read.
     Raises `InvalidInputError` (exit 3) on alignment errors, `UsageError` (exit 2) on bad options.
     """
-    if worst_k < 0:
-        raise UsageError("E503", f"--worst-k must be >= 0 (got {worst_k})")
-    if not (0 <= eps_low < 1 and eps_high >= 0):
-        raise UsageError(
-            "E112", f"clip band needs 0 <= eps-low < 1 and eps-high >= 0 (got {eps_low}, {eps_high})"
-        )
+    if settings is None:
+        settings = CompareSettings.from_options(**options)
+    elif options:
+        raise UsageError("E112", "give either a CompareSettings or keyword options, not both")
+    if decode is None and settings.tokenizer is not None:
+        decode = token_decoder(settings.tokenizer)
+    ignore = settings.checks.ignore
+    max_examples = settings.checks.max_examples
+    eps_low, eps_high = settings.clip.eps_low, settings.clip.eps_high
+    stream_a, stream_b, join, by = settings.stream_a, settings.stream_b, settings.join, settings.by
+    label_a, label_b, worst_k, model = settings.label_a, settings.label_b, settings.worst_k, settings.model
     one_run = b is None
     a = _as_source(a)
     b = None if one_run else _as_source(b)
@@ -460,11 +412,11 @@ def run_comparison(
         issues_tau = _tau_warning(pair, tau.tau)
     else:
         issues_tau = []
-    if side_by_side:
+    if settings.metrics is not None:
         from pgdiag.compare.side_by_side import side_by_side_rows
 
         runs = (side_a.run, None if one_run else side_b.run)
-        rows += side_by_side_rows(runs, (la, lb), (sa, sb), metrics_options or {})
+        rows += side_by_side_rows(runs, (la, lb), (sa, sb), settings.metrics, settings.checks)
     if one_run:
         issues_meta = _metadata_issues(side_a, [sa, sb])
     else:

@@ -1,4 +1,4 @@
-"""Bucket assignments for the compare breakdowns (data-and-cli.md §2.4 `breakdown` values).
+"""Bucket assignments for the compare breakdowns (`breakdown` values, docs/compare.md).
 
 What: for an `AlignedPair`, each breakdown maps every matched token to an integer bucket code with a label and
 numeric edges: `position` (response position: the first token alone, then doubling buckets), `prob_bucket`

@@ -1,4 +1,4 @@
-"""Diagnoses of a mismatch from the log-probs alone (data-and-cli.md §7, metrics.md §5 best-fit temperature).
+"""Diagnoses of a mismatch from the log-probs alone (docs/compare.md).
 
 What: signatures that name a cause rather than a size: a temperature applied on one side only (W401: OLS slope of
 lp_b on lp_a away from 1 with a high correlation; `tau_hint` = the slope, the logprob-only stand-in for the
@@ -8,7 +8,7 @@ with a negative mean Δ, implied kept mass e^mean Δ), a step whose error jumps 
 tokens (W410).
 Why: a parity table says "they differ by 0.09 nats"; these checks say "side a looks sampled at T ≈ 0.7".
 How: `diagnose(pair, token_stats)` takes the aligned pair and its `all` token table and returns
-`Diagnosis(first_token_ratio, tau_hint, issues)`; every threshold below is the one of §7.
+`Diagnosis(first_token_ratio, tau_hint, issues)`; every threshold below is the one docs/cli.md documents.
 """
 
 from __future__ import annotations

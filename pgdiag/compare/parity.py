@@ -1,6 +1,6 @@
-"""The parity table of a pair of aligned streams, per scope and per bucket (metrics.md §5, data-and-cli.md §2.4).
+"""The parity table of a pair of aligned streams, per scope and per bucket (docs/compare.md).
 
-What: for Δ = lp_b − lp_a on matched tokens, the mismatch family of metrics.md §5: bias, sd, RMS, mean |Δ|, |Δ|
+What: for Δ = lp_b − lp_a on matched tokens, the mismatch family of docs/metrics.md: bias, sd, RMS, mean |Δ|, |Δ|
 quantiles and max, Pearson r and the OLS fit lp_b ≈ α + β·lp_a, the fractions of ratios outside the standard
 bands, k1/k3 in both directions, mean exp|Δ| (`tmpe`), chi-square, ESS and verl's |Δp|, with units.
 Why: the `all` row and the breakdowns must be computed the same way and fast (10M tokens in a few seconds on

@@ -1,7 +1,7 @@
 """Each run's own metric set beside the comparison (`pgdiag compare --metrics`, issue 5 "metrics side by side").
 
-What: `side_by_side_rows(runs, labels, streams, options)` runs `pgdiag.compute_metrics` on each run (any
-aggregation, any key style through `options`) and returns its rows with scope `batch`, per step and pooled, plus
+What: `side_by_side_rows(runs, labels, streams, settings, checks)` runs `pgdiag.compute_metrics` on each run (any
+aggregation, any key style through its `MetricSettings`) and returns its rows with scope `batch`, per step and pooled, plus
 for two runs the deltas b − a of the pooled values (pair ``"<b> - <a>"``).
 Why: a parity table says the log-probs differ; the side-by-side metrics say what that does to the clip fractions,
 KL and losses each trainer logs. Scope `batch` keeps these rows out of compare's gates, and each run's own
@@ -11,32 +11,34 @@ How: the compared stream is each run's `new`; its `old` is ``old``, else ``rollo
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import polars as pl
 
+from pgdiag.data.validate import CheckSettings
 from pgdiag.errors import UsageError
+from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import ReportRow
 
 
-def metric_streams(run: Any, stream: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """compute_metrics options: the compared stream as `new`, `old` the other canonical behaviour stream."""
-    chosen = dict(options)
-    if "new" not in chosen and stream != "rollout":
-        chosen["new"] = stream
-    if "old" not in chosen and "new" in chosen:
-        other = [s for s in ("old", "rollout") if s in run.streams and s != chosen["new"]]
-        if other:
-            chosen["old"] = other[0]
-    return chosen
+def metric_streams(run: Any, stream: str, settings: MetricSettings) -> MetricSettings:
+    """`settings` with the compared stream as `new` and `old` the other canonical behaviour stream, unless set."""
+    new = settings.new if settings.new is not None else (stream if stream != "rollout" else None)
+    old = settings.old
+    if old is None and new is not None:
+        other = [s for s in ("old", "rollout") if s in run.streams and s != new]
+        old = other[0] if other else None
+    return replace(settings, new=new, old=old)
 
 
 def side_by_side_rows(
     runs: tuple[Any, Any],
     labels: tuple[str, str],
     streams: tuple[str, str],
-    options: Mapping[str, Any],
+    settings: MetricSettings,
+    checks: CheckSettings,
 ) -> list[ReportRow]:
     """Rows of scope `batch` for run a (and run b when `runs[1]` is not None) and the deltas b − a.
 
@@ -57,7 +59,7 @@ def side_by_side_rows(
     rows: list[ReportRow] = []
     pooled: dict[str, dict[str, tuple[float | None, str, str]]] = {}
     for label, run, stream in sides:
-        report = compute_metrics(run, **metric_streams(run, stream, options))
+        report = compute_metrics(run, metric_streams(run, stream, settings), checks=checks)
         frame = report.summary.filter(
             pl.col("breakdown").is_in(["all", "step"]) & ~pl.col("metric").str.starts_with("mismatch/")
         )

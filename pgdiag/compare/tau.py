@@ -1,4 +1,4 @@
-"""Exact best-fit temperature of a comparison from side b's logits (metrics.md §5, `compare --model CKPT`).
+"""Exact best-fit temperature of a comparison from side b's logits (docs/metrics.md, `compare --model CKPT`).
 
 What: `exact_tau(pair, input_ids, model_path)` recomputes side b's logits at the matched loss positions with
 pgdiag's own model (`pgdiag.model.load_model`, fp32 body and head so the fit is not blurred by bf16 rounding)

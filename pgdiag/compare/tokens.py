@@ -1,4 +1,4 @@
-"""The exploded token table of a comparison (`--tokens-out`, data-and-cli.md §2.4).
+"""The exploded token table of a comparison (`--tokens-out`, docs/compare.md).
 
 What: one row per matched loss token: run, step, sample_id, pos, resp_pos, token_id, lp_a, lp_b, dlogp, ratio,
 k3, abs_dlogp, prob_a, entropy. Why: users filter and plot tokens in a notebook without re-aligning the runs,

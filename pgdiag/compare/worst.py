@@ -1,4 +1,4 @@
-"""The worst K tokens and sequences of an aligned pair, and the trace of the worst sequence (§2.4 worst-K files).
+"""The worst K tokens and sequences of an aligned pair, and the trace of the worst sequence (the worst-K files of docs/compare.md).
 
 What: `worst_tokens` ranks matched tokens by |Δ| (Δ = lp_b − lp_a), `worst_seqs` ranks samples by |Σ Δ| (the
 log of the sequence importance ratio, what sequence-level corrections act on), `worst_trace` returns both
@@ -11,13 +11,29 @@ How: `np.argpartition` picks the top K in O(M) before a sort of K rows; per-samp
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import polars as pl
 
 from pgdiag.compare.align import AlignedPair
+from pgdiag.errors import UsageError
 
 CONTEXT_TOKENS = 8
+
+
+def token_decoder(tokenizer: Path) -> Callable[[Sequence[int]], str]:
+    """Token ids -> text with the `tokenizers` package, from a tokenizer.json or the folder holding one."""
+    path = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise UsageError("E503", "--tokenizer needs the optional 'tokenizers' package") from None
+    if not path.exists():
+        raise UsageError("E501", f"{path}: no such tokenizer file")
+    loaded = Tokenizer.from_file(str(path))
+    return lambda ids: loaded.decode(list(ids), skip_special_tokens=False)
+
 
 WORST_TOKENS_SCHEMA: dict[str, pl.DataType] = {
     "pair": pl.String(),

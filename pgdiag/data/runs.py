@@ -1,4 +1,4 @@
-"""Finding, scanning and loading runs: `read_run`, `parse_steps`, `read_token_batch` (data-and-cli.md §2, §6).
+"""Finding, scanning and loading runs: `read_run`, `parse_steps`, `read_token_batch`.
 
 Why: every command starts from a RUN argument (a run directory, a directory of Parquet files, one file or a
 quoted glob) and needs a few columns of it as flat arrays, fast. How: `read_run` resolves the files, checks
@@ -454,7 +454,7 @@ def load_rows(
 ) -> LoadedRows:
     """Collect the needed columns of `run` (recompute joined) and flatten every list column.
 
-    Required columns (§1.2) are always read; missing ones are E102 issues and the rows cannot be loaded
+    Required columns are always read; missing ones are E102 issues and the rows cannot be loaded
     (an InvalidInputError is raised with the first such issue, as nothing can be validated without them).
     """
     schema = run.lazy.collect_schema()
@@ -647,7 +647,7 @@ def read_token_batch(
     ignore: Sequence[str] = (),
     max_examples: int = 5,
 ) -> LoadedBatch:
-    """Load, validate (§1.5) and flatten the loss positions of `run` for the given streams.
+    """Load, validate and flatten the loss positions of `run` for the given streams.
 
     Raises InvalidInputError with the first error (lowest code) unless its code is in `ignore`; warnings are
     returned in `LoadedBatch.checks`. Rows with ignored structural errors are left out of the batch.

@@ -1,10 +1,10 @@
-"""The Parquet contract of pgdiag: column names, types and footer metadata (design/data-and-cli.md §1, §2.3).
+"""The Parquet contract of pgdiag: column names, types and footer metadata.
 
 Every reader and writer takes its names from here so that the schema lives in one place: the canonical
-rollout columns and their Arrow types (§1.2), the stream naming rule (stream ``old`` is column
+rollout columns and their Arrow types, the stream naming rule (stream ``old`` is column
 ``old_logprobs``, a recompute tag ``rc_bf16_fp32`` becomes ``rc_bf16_fp32_logprobs`` and
 ``rc_bf16_fp32_entropy`` once joined), the lossless-cast rules that decide E103, and the ``pgdiag.*``
-footer keys, whose values are JSON strings (§1.3). `decode_footer` strips the ``pgdiag.`` prefix, so the
+footer keys, whose values are JSON strings. `decode_footer` strips the ``pgdiag.`` prefix, so the
 decoded dict has keys ``schema``, ``alignment``, ``source``, ``streams``, ``sampling``, ...
 """
 
@@ -48,7 +48,7 @@ REQUIRED_HINTS = {
     "seq_hash": "re-import (pgdiag import --preset canonical fills it)",
 }
 
-# Canonical Arrow types of §1.2 (writers cast to these; readers accept what casts losslessly).
+# Canonical Arrow types (writers cast to these; readers accept what casts losslessly).
 _FLOAT_LIST = pa.list_(pa.float32())
 _DICT_STRING = pa.dictionary(pa.int32(), pa.string())
 ROLLOUT_ARROW_TYPES: dict[str, pa.DataType] = {
@@ -81,7 +81,7 @@ ROLLOUT_ARROW_TYPES: dict[str, pa.DataType] = {
     "env": _DICT_STRING,
 }
 
-# Column kinds that decide which polars dtypes are accepted (lossless cast, §1.1).
+# Column kinds that decide which polars dtypes are accepted (lossless cast).
 _KIND_OF: dict[str, str] = {
     "run": "string",
     "step": "int64",

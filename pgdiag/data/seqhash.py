@@ -1,4 +1,4 @@
-"""Sequence hashes that identify a sample by its tokens (design/data-and-cli.md §1.4, §2.3).
+"""Sequence hashes that identify a sample by its tokens.
 
 Two trainers fed from one rollout stream share tokens, not sample ids, so pgdiag keys samples by a hash of
 their `input_ids`: the 8-byte BLAKE2b digest (no key, no personalisation) of the ids encoded as consecutive
@@ -45,7 +45,7 @@ def seq_hashes(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 
 
 def input_fingerprint(keys: Iterable[tuple[int, str, int, int]]) -> int:
-    """BLAKE2b-64 of the sorted (step, sample_id, segment_idx, seq_hash) tuples of a recompute input (§2.3).
+    """BLAKE2b-64 of the sorted (step, sample_id, segment_idx, seq_hash) tuples of a recompute input.
 
     Each tuple is encoded as ``step,sample_id,segment_idx,seq_hash\\n`` in UTF-8, in sorted order.
     """

@@ -1,4 +1,4 @@
-"""Validation of loaded rollout rows against design/data-and-cli.md §1.5 (E102-E103, E201-E213, W214-W217).
+"""Validation of loaded rollout rows (E102-E103, E201-E213, W214-W217).
 
 Why: bad input must never turn into a wrong number, so every reader validates before it computes. How: the
 reader (`pgdiag.data.runs`) hands over a `RowTable`, the scalar columns as a polars frame plus every list column
@@ -21,7 +21,7 @@ import polars as pl
 from pgdiag.data.flat import FlatList, LossView, RowTable, loss_view, subset_rows
 from pgdiag.data.schema import REQUIRED_HINTS
 from pgdiag.data.seqhash import seq_hashes
-from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK
+from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK, UsageError
 
 LOGPROB_POSITIVE_TOL = 1e-6
 ZERO_FILL_FRACTION = 0.01
@@ -34,6 +34,19 @@ ISSUE_SCHEMA = {
     "sample_id": pl.String,
     "pos": pl.Int64,
 }
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """What every command's checks skip and show: codes to ignore and examples per issue."""
+
+    ignore: tuple[str, ...] = ()  # check codes to skip (E306, E207, W4xx, ...)
+    max_examples: int = 5  # example locations listed per issue
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ignore", tuple(self.ignore))
+        if self.max_examples < 0:
+            raise UsageError("E503", f"--max-examples must be >= 0 (got {self.max_examples})")
 
 
 @dataclass(frozen=True)
@@ -165,7 +178,7 @@ def _null_rows(frame: pl.DataFrame, column: str) -> np.ndarray:
 
 
 class _Rules:
-    """The §1.5 rules over one `RowTable`; each method appends at most a few issues."""
+    """The validation rules over one `RowTable`; each method appends at most a few issues."""
 
     def __init__(
         self, table: RowTable, *, ignore: Collection[str], max_examples: int, vocab_size: int | None
@@ -609,7 +622,7 @@ def validate_rows(
     max_examples: int = 5,
     vocab_size: int | None = None,
 ) -> RowIssues:
-    """Run every §1.5 row and token rule on `table` and collect the issues (nothing raises)."""
+    """Run every row and token rule on `table` and collect the issues (nothing raises)."""
     rules = _Rules(table, ignore=ignore, max_examples=max_examples, vocab_size=vocab_size)
     rules.structure()
     rules.scalars()

@@ -1,11 +1,11 @@
-"""Atomic, spec-conformant writes of Parquet and JSON files (design/data-and-cli.md §2.2, §2.5, §2.6).
+"""Atomic, spec-conformant writes of Parquet and JSON files.
 
 Every file pgdiag writes goes through `atomic_write`: the bytes land in ``.<name>.tmp-<pid>-<random>`` in the
 destination directory, are flushed and fsynced, then `os.replace`d onto the final name and the directory is
 fsynced, so a reader never sees a half-written file and a failed write leaves nothing behind. Parquet is
 always zstd level 3 with statistics on, footer values JSON-encoded under ``pgdiag.*`` keys. `write_rollouts`
 writes a canonical run directory (``rollouts/step=<S>/part-00000.parquet``, or one unpartitioned part when the
-data has one step, then the ``pgdiag.json`` sidecar last as the completion marker) with the §1.1-1.3 casts.
+data has one step, then the ``pgdiag.json`` sidecar last as the completion marker) with the canonical casts.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def check_destination(
 
 
 def sequence_row_group_rows(n_rows: int, n_bytes: int) -> int:
-    """Rows per row group of a sequence table: 128 MiB uncompressed per group, capped at 1,048,576 (§2.6)."""
+    """Rows per row group of a sequence table: 128 MiB uncompressed per group, capped at 1,048,576."""
     if n_rows <= 0:
         return 1
     mean_row_bytes = max(1.0, n_bytes / n_rows)
@@ -160,7 +160,7 @@ def _cast_column(name: str, column: pa.ChunkedArray, target: pa.DataType) -> pa.
 
 
 def to_canonical_table(df: pl.DataFrame) -> pa.Table:
-    """`df` as an Arrow table with the §1.2 types (unknown extra columns kept as they are); E103 when lossy."""
+    """`df` as an Arrow table with the canonical types (unknown extra columns kept as they are); E103 when lossy."""
     arrow = df.to_arrow()
     columns = []
     for name in arrow.column_names:
@@ -281,7 +281,7 @@ def stream_meta(
     logprobs_mode: str = "unknown",
     engine: str | None = None,
 ) -> dict[str, Any]:
-    """One entry of the ``pgdiag.streams`` footer (§1.3)."""
+    """One entry of the ``pgdiag.streams`` footer."""
     return {
         "source_field": source_field,
         "tempered": tempered,
@@ -299,7 +299,7 @@ def source_meta(
     retokenized: bool = False,
     unsafe_load: bool = False,
 ) -> dict[str, Any]:
-    """The ``pgdiag.source`` footer object (§1.3)."""
+    """The ``pgdiag.source`` footer object."""
     return {
         "framework": framework,
         "framework_version": framework_version,

@@ -1,16 +1,16 @@
-"""Advantage, entropy, group and count metrics of design/metrics.md §6.
+"""Advantage, entropy, group and count metrics of docs/metrics.md.
 
 Why: a policy-gradient step is only as informative as its advantages. GRPO-style advantages are centred per
 prompt group, so Σ_{i∈g} Ā_i ≈ 0 (`advantage/group_seq_sum_absmax`); under token weighting what the update
 actually pushes is Σ_{i∈g} Σ_t A, which is not 0 when lengths differ (`group_token_sum_absmax`). Groups
 whose rewards all agree carry no signal (`group_zero_std_frac`). The counts make every exclusion visible:
-nothing is dropped silently (§0.2 rules 2-4).
+nothing is dropped silently.
 
 How: a token phase (`build_*_tables`, once per batch) turns the valid-token arrays (N,) into per-sample
 sums; the reduce phase (`add_*`) works on the rows of one step, with per-sample group codes (S,)
 compacted to 0..P−1, and writes into a `MetricSink`.
 
-Worked example (§11): g1 = {s1: A = +1 over 3 tokens, s2: A = −1 over 4}, g2 = {s3: +0.5 over 3, s4: −0.5
+Worked example: g1 = {s1: A = +1 over 3 tokens, s2: A = −1 over 4}, g2 = {s3: +0.5 over 3, s4: −0.5
 over 3}: Σ Ā_i is 0 in both groups, Σ_t A is −1 in g1 and 0 in g2, so group_token_sum_absmax = 1.
 """
 
@@ -194,7 +194,7 @@ def add_counts(
     groups_split: int,
     sink: MetricSink,
 ) -> None:
-    """The `count/*` keys of the step that do not belong to one family (§6)."""
+    """The `count/*` keys of the step that do not belong to one family."""
     n_tokens = reducer.n_tokens
     n_samples = int(reducer.n_per_sample.shape[0])
     members = np.bincount(group_of_sample, minlength=n_groups)

@@ -1,18 +1,18 @@
 """`compute_metrics`: read a run, check it, compute the metric set per step and pooled, return a `Report`.
 
 This is the library function behind `pgdiag metrics` (the CLI only parses options and renders). It resolves
-which streams feed which family (design/data-and-cli.md §5.4), reads only those columns, validates them (errors
-raise `InvalidInputError`, warnings land in `Report.checks`), then runs the native engine (metrics.md §2-§7, §9)
-or a framework key style (§8) on every step and on the pooled ``all`` row.
+which streams feed which family (docs/cli.md), reads only those columns, validates them (errors
+raise `InvalidInputError`, warnings land in `Report.checks`), then runs the native engine (docs/metrics.md)
+or a framework key style on every step and on the pooled ``all`` row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 from pgdiag.data.runs import Run, read_token_batch
+from pgdiag.data.validate import CheckSettings
 from pgdiag.errors import UsageError
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import Report, ReportRow, summary_frame
@@ -21,7 +21,7 @@ _CANONICAL = ("rollout", "old", "ref", "new")
 
 
 def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
-    """Settings with every stream name resolved against the run's streams (data-and-cli.md §5.4).
+    """Settings with every stream name resolved against the run's streams (docs/cli.md).
 
     new: ``new``, else the single recompute tag, else exit 2 listing the streams; old: ``old``, else ``rollout``;
     mismatch pair: a = ``rollout``, b = ``old`` else ``new``; ref: ``ref`` when present; entropy: the new
@@ -86,31 +86,26 @@ def _pair_names(label: str, settings: MetricSettings) -> tuple[str, str | None]:
 
 def compute_metrics(
     run: Run,
-    *,
     settings: MetricSettings | None = None,
-    ignore: Sequence[str] = (),
-    max_examples: int = 5,
+    *,
+    checks: CheckSettings | None = None,
     **options: Any,
 ) -> Report:
     """The full metric set of `run`, per step and pooled (``all``), as a `Report`.
 
-    Options are the fields of `MetricSettings` (design/metrics.md §3), e.g.
-    ``compute_metrics(run, aggregation="constant", divisor=40960)``; `settings` may be given whole instead.
-    Every aggregation mode is always reported (``loss/<mode>``); `aggregation` picks the headline ``loss/pg``.
+    `settings` is a `MetricSettings`; without it, flat keyword options build one
+    (``compute_metrics(run, aggregation="constant", divisor=40960, eps_low=0.1)``, `MetricSettings.from_options`).
+    `checks` names the check codes to ignore and the examples per issue. Every aggregation mode is always
+    reported (``loss/<mode>``); `settings.aggregation` picks the headline ``loss/pg``.
     """
     from pgdiag.metrics.engine import compute_by_step, compute_native
-    from pgdiag.metrics.styles import check_style_settings, compute_step_style
+    from pgdiag.metrics.styles import compute_step_style
 
     if settings is None:
-        unknown = set(options) - set(MetricSettings.__dataclass_fields__)
-        if unknown:
-            raise UsageError("E112", f"unknown metric option(s): {', '.join(sorted(unknown))}")
-        settings = MetricSettings(**options)
+        settings = MetricSettings.from_options(**options)
     elif options:
-        settings = replace(settings, **options)
-    settings.check()
-    if settings.key_style != "pgdiag":
-        check_style_settings(settings)
+        raise UsageError("E112", "give either a MetricSettings or keyword options, not both")
+    checks = checks or CheckSettings()
     settings = resolve_streams(run, settings)
 
     streams = [
@@ -124,8 +119,8 @@ def compute_metrics(
         run,
         streams=streams,
         entropy=[settings.entropy] if settings.entropy else [],
-        ignore=tuple(ignore),
-        max_examples=max_examples,
+        ignore=checks.ignore,
+        max_examples=checks.max_examples,
     )
     batch = loaded.batch
 
@@ -158,7 +153,7 @@ def compute_metrics(
             "entropy": settings.entropy,
             "n_samples": batch.n_samples,
             "n_tokens": batch.n_tokens,
-            "ignored_codes": list(ignore),
+            "ignored_codes": list(checks.ignore),
         },
         "pairs": [p for p in (policy_pair, mismatch_pair) if p],
         "steps": steps_meta,

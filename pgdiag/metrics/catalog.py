@@ -1,4 +1,4 @@
-"""The catalog of native metric keys (design/metrics.md §4-§7): family, unit, reduction code and meaning.
+"""The catalog of native metric keys (docs/metrics.md): family, unit, reduction code and meaning.
 
 Why: `--help`, docs/metrics.md, the rich table grouping and the engine all need the same facts about a
 key. The engine stamps units and reduction codes from here through `MetricSink`, so a key that is not in
@@ -18,7 +18,7 @@ from pgdiag.metrics.values import MetricValue
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One native key: its family, unit (see `MetricValue`), reduction code (§2) and a one-line meaning."""
+    """One native key: its family, unit (see `MetricValue`), reduction code and a one-line meaning."""
 
     key: str
     family: str
@@ -40,9 +40,7 @@ METRIC_CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("policy/logratio_p95", "policy", "nats", "tok", "0.95 quantile of d (type 7)"),
     MetricSpec("policy/logratio_p99", "policy", "nats", "tok", "0.99 quantile of d (type 7)"),
     MetricSpec("policy/logratio_p999", "policy", "nats", "tok", "0.999 quantile of d (type 7)"),
-    MetricSpec(
-        "policy/logratio_absmax", "policy", "nats", "tok", "max |d|; headline of the identity check (§9)"
-    ),
+    MetricSpec("policy/logratio_absmax", "policy", "nats", "tok", "max |d|; headline of the identity check"),
     MetricSpec(
         "policy/clip_frac_band",
         "policy",

@@ -1,13 +1,13 @@
 """The native metric engine (`--key-style pgdiag`): one `StepMetrics` per optimizer step plus the `all` row.
 
-What: `compute_native` splits a `TokenBatch` into steps (the `step` column, or `--docs-per-step`, §1.4),
+What: `compute_native` splits a `TokenBatch` into steps (the `step` column, or `--docs-per-step`),
 computes every family whose inputs exist on each step (policy needs new + old; loss needs advantages too;
 mismatch needs stream a + b; entropy needs H; ref needs new + ref), and adds a `step = all` row on the pooled
-tokens where `loss/*` and `grad/*` are the unweighted mean over steps (§0.2 rule 7).
+tokens where `loss/*` and `grad/*` are the unweighted mean over steps.
 
 Why this way: a run holds up to 10M tokens in ~20 steps and the `all` row pools them again, so the work is
 split in two phases. The token phase (`build_batch_tables`, once per batch) builds the valid mask m'
-(§0.2 rule 3), computes exp(d) and every other per-token quantity once and turns them into per-sample
+computes exp(d) and every other per-token quantity once and turns them into per-sample
 sums; the mismatch pair is built in a second thread meanwhile (numpy releases the GIL in its loops). The
 reduce phase (`reduce_rows`) gives the metrics of any run of rows (a step, or all of them) from slices of
 those tables, touching tokens only for quantiles and extrema; steps are reduced on two threads. A step
@@ -147,7 +147,7 @@ def _build_policy_side(
     lp_new = _stream(batch, settings.new, "new")
     lp_old = _stream(batch, settings.old, "old")
     advantages = batch.advantages
-    # 1. valid tokens m' of the policy, loss and advantage families (§0.2 rule 3)
+    # 1. valid tokens m' of the policy, loss and advantage families
     policy_pair = lp_new is not None and lp_old is not None
     valid = np.ones(batch.n_tokens, dtype=bool)  # (M,)
     for values in (lp_new, lp_old, advantages) if policy_pair else (advantages,):
@@ -261,7 +261,6 @@ def reduce_rows(
 
 def compute_native(batch: TokenBatch, settings: MetricSettings) -> list[tuple[str, StepMetrics]]:
     """Per-step rows in step order plus the ``all`` row (pooled tokens; loss/grad keys averaged over steps)."""
-    settings.check()
     resolved = resolve_aggregation(settings.aggregation, settings)
     step_index = _step_index(batch, settings)  # (S,)
     pooled = _pooled_batch(batch, settings, step_index)
@@ -303,12 +302,11 @@ def compute_native(batch: TokenBatch, settings: MetricSettings) -> list[tuple[st
 
 
 def compute_step_native(batch: TokenBatch, settings: MetricSettings, *, groups_split: int = 0) -> StepMetrics:
-    """Every native metric of one step (§4-§7) whose inputs exist in `batch`.
+    """Every native metric of one step (docs/metrics.md) whose inputs exist in `batch`.
 
     `groups_split` is `count/groups_split` (groups straddling a step boundary), known only to the caller
     that cut the steps; `compute_native` passes it.
     """
-    settings.check()
     resolved = resolve_aggregation(settings.aggregation, settings)
     tables = build_batch_tables(batch, settings)
     return reduce_rows(tables, 0, batch.n_samples, settings, resolved, groups_split)
@@ -319,11 +317,11 @@ def compute_by_step(
     settings: MetricSettings,
     compute_step: Callable[[TokenBatch, MetricSettings, int], StepMetrics],
 ) -> list[tuple[str, StepMetrics]]:
-    """Per-step rows plus the ``all`` row for any per-step function (the key styles of §8).
+    """Per-step rows plus the ``all`` row for any per-step function (the key styles).
 
     `compute_step(step_batch, settings, groups_split)` computes one step; the steps, their statuses, the
     groups straddling a `--docs-per-step` cut and the pooled batch are the same as `compute_native`'s, and the
-    pooled row's ``mode``-reduced values (losses) are the unweighted mean over the steps (§0.2 rule 7).
+    pooled row's ``mode``-reduced values (losses) are the unweighted mean over the steps.
     """
     parts = split_steps(batch, settings)
     step_index = _step_index(batch, settings)
@@ -356,7 +354,6 @@ def split_steps(batch: TokenBatch, settings: MetricSettings) -> list[tuple[str, 
     document; the `step` column is ignored and replaced by the step index); a final step with fewer than N
     documents has status ``partial``.
     """
-    settings.check()
     if batch.n_samples == 0:
         return []
     step_index = _step_index(batch, settings)
@@ -398,7 +395,7 @@ def _entropy(batch: TokenBatch, tag: str) -> np.ndarray:
 
 
 def _doc_by_sample_id(batch: TokenBatch) -> np.ndarray:
-    """(S,) document index by consecutive equal sample_id, ignoring the step column (§1.4)."""
+    """(S,) document index by consecutive equal sample_id, ignoring the step column."""
     if batch.n_samples == 0:
         return np.zeros(0, dtype=np.int64)
     same = batch.sample_id[1:] == batch.sample_id[:-1]

@@ -1,4 +1,4 @@
-"""Step-0 identity check of design/metrics.md §9 (`pgdiag metrics --identity`).
+"""Step-0 identity check of docs/metrics.md (`pgdiag metrics --identity`).
 
 What: on on-policy data (lp_old produced by the same weights and numerics as lp_new) every valid token has
 d = 0, so r = 1, every clip fraction and KL estimate is 0, every ESS is 1, and the loss reduces to the
@@ -26,7 +26,7 @@ ON_POLICY_ZERO_PREFIXES = ("policy/clip_frac", "policy/kl_", "policy/dual_clip_f
 
 @dataclass(frozen=True)
 class IdentityCheck:
-    """Result of the §9 identity check on one step."""
+    """Result of the step-0 identity check on one step."""
 
     passed: bool
     logratio_absmax: float | None  # max |d| over valid tokens, nats
@@ -38,7 +38,7 @@ class IdentityCheck:
 
 
 def on_policy_value(key: str) -> float | None:
-    """The exact value `key` takes on on-policy data, None for keys §9 does not fix."""
+    """The exact value `key` takes on on-policy data, None for keys the identity check does not fix."""
     if key in ON_POLICY_ONE or key.startswith(ON_POLICY_ONE_PREFIXES):
         return 1.0
     if key.startswith(ON_POLICY_ZERO_PREFIXES) or key == "policy/logratio_absmax":

@@ -1,24 +1,23 @@
-"""Policy-gradient loss under every aggregation mode and its gradient diagnostics (design/metrics.md §7).
+"""Policy-gradient loss under every aggregation mode and its gradient diagnostics (docs/metrics.md).
 
-Per-token losses (§7.1), valid tokens only:
+Per-token losses, valid tokens only:
     token level  ℓ_t   = max(−A_t r_t, −A_t clip(r_t));  with --dual-clip C and A_t < 0: ℓ_t = min(ℓ_t, −C·A_t)
     GSPO level   ℓ^G_t = max(−A_t R_i, −A_t clip(R_i)),  R_i = exp(mean_t d) of the token's sample.
 Every mode is a per-sample weighting: the token weight w_t is constant within a sample (c_i), so
 `loss/<mode> = Σ_i c_i Σ_t ℓ_t` and `grad/<mode>_scale = Σ_i c_i Σ_t |g_t|` come from four per-sample sums
-(`LossSums`: token and GSPO loss, token and GSPO |g|) built once per batch; a step only re-weights its rows. `resolve_aggregation` maps the framework spellings of §7.3 to a native mode plus its
+(`LossSums`: token and GSPO loss, token and GSPO |g|) built once per batch; a step only re-weights its rows. `resolve_aggregation` maps the framework spellings (docs/metrics.md) to a native mode plus its
 divisor semantics; `loss/pg` repeats the selected mode.
 
 Why report every mode: the same tokens give different losses under verl `token-mean`, TRL `grpo` and miles
 `constant`; comparing a logged loss to the right mode is the whole point of a parity check. The grad keys
 show how each mode rescales the effective learning rate and how much it favours long samples.
 
-Worked example (§11): Σ m'ℓ = 1.047195 over N = 13 tokens, S = 4: token_mean 0.080553, sample_mean 0.001114,
+Worked example: Σ m'ℓ = 1.047195 over N = 13 tokens, S = 4: token_mean 0.080553, sample_mean 0.001114,
 prompt_mean 0.073046, constant (L = 4) 0.065450, seq_mean_token_sum 0.261799.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,7 +43,7 @@ GSPO_MODES = ("gspo_seq_mean", "gspo_length_prop", "gspo_token_mean")
 
 @dataclass(frozen=True)
 class AliasRule:
-    """One framework spelling of §7.3 and the native mode it means at token and at sequence level."""
+    """One framework spelling (docs/metrics.md) and the native mode it means at token and at sequence level."""
 
     framework: str
     name: str
@@ -106,7 +105,7 @@ class ResolvedAggregation:
 
 
 def resolve_aggregation(name: str | None, settings: MetricSettings) -> ResolvedAggregation:
-    """Map a native mode or a framework alias of §7.3 (``verl:seq-mean-token-mean``, ``dr_grpo``) to a mode.
+    """Map a native mode or a framework alias (``verl:seq-mean-token-mean``, ``dr_grpo``) to a mode.
 
     None (no `--aggregation`) is the native default, ``token_mean``.
 
@@ -132,20 +131,19 @@ def resolve_aggregation(name: str | None, settings: MetricSettings) -> ResolvedA
     divisor = settings.divisor
     if divisor is None and rule is not None and name.startswith(f"{rule.framework}:"):
         divisor = rule.default_divisor
-    if mode == "constant":
-        if divisor is None:
-            raise UsageError(
-                "E503",
-                f"--aggregation {name} resolves to `constant`, which needs --divisor L (loss = Σ m'ℓ / (L·S))",
-                "pass --divisor, e.g. the max_completion_length or loss_scale_factor of the run",
-            )
-        if not (divisor > 0 and math.isfinite(divisor)):
-            raise UsageError("E503", f"--divisor must be a positive number, got {divisor}", None)
+    if mode == "constant" and divisor is None:
+        raise UsageError(
+            "E503",
+            f"--aggregation {name} resolves to `constant`, which needs --divisor L (loss = Σ m'ℓ / (L·S))",
+            "pass --divisor, e.g. the max_completion_length or loss_scale_factor of the run",
+        )
     sample_count = None
-    if rule is not None and rule.batch_size_samples and settings.batch_size is not None:
-        if settings.batch_size < 1:
-            raise UsageError("E503", f"--batch-size must be at least 1, got {settings.batch_size}", None)
-        sample_count = settings.batch_size
+    if rule is not None and rule.batch_size_samples and settings.style.batch_size is not None:
+        if settings.style.batch_size < 1:
+            raise UsageError(
+                "E503", f"--batch-size must be at least 1, got {settings.style.batch_size}", None
+            )
+        sample_count = settings.style.batch_size
     return ResolvedAggregation(
         name=name,
         framework=None if rule is None else rule.framework,
@@ -177,12 +175,12 @@ def _find_alias(name: str) -> AliasRule:
     raise UsageError(
         "E503",
         f"unknown --aggregation {name!r}",
-        f"native modes: {known}; or an alias of design/metrics.md §7.3 such as verl:seq-mean-token-mean or dr_grpo",
+        f"native modes: {known}; or an alias of docs/metrics.md such as verl:seq-mean-token-mean or dr_grpo",
     )
 
 
 def _native_denominator(mode: str) -> str:
-    """The denominator of a native mode, as written in §7.2."""
+    """The denominator of a native mode, as written in docs/metrics.md."""
     return {
         "token_mean": "Σ m'ℓ / N",
         "sample_mean": "(1/S) Σ_i Σ_t m'ℓ / N_i",
@@ -210,10 +208,10 @@ def token_loss_sums(
     at C), so one selected factor per token suffices. A token with A = 0 has ℓ = 0 even when r overflowed
     to +inf (0·inf is not a loss). `positive` (N,) is A > 0; `scratch` (N,) is a float64 work buffer.
     """
-    factor = np.maximum(r, 1.0 - settings.eps_low, out=scratch)  # (N,) for A < 0
-    if settings.dual_clip is not None:
-        np.minimum(factor, settings.dual_clip, out=factor)
-    np.copyto(factor, np.minimum(r, 1.0 + settings.eps_high), where=positive)
+    factor = np.maximum(r, 1.0 - settings.clip.eps_low, out=scratch)  # (N,) for A < 0
+    if settings.clip.dual_clip is not None:
+        np.minimum(factor, settings.clip.dual_clip, out=factor)
+    np.copyto(factor, np.minimum(r, 1.0 + settings.clip.eps_high), where=positive)
     with np.errstate(invalid="ignore"):
         factor *= advantages
     if not np.all(np.isfinite(r)):
@@ -235,7 +233,7 @@ def gspo_loss_sums(
     For A > 0 the token loss is −A·min(R, clip(R)), for A < 0 it is |A|·max(R, clip(R)), so the sample sum is
     −min(R_i, clip(R_i))·Σ_t max(A, 0) + max(R_i, clip(R_i))·Σ_t max(−A, 0) (all arguments (S,)).
     """
-    clipped = np.clip(seq_ratio, 1.0 - settings.eps_low, 1.0 + settings.eps_high)
+    clipped = np.clip(seq_ratio, 1.0 - settings.clip.eps_low, 1.0 + settings.clip.eps_high)
     low_side = np.minimum(seq_ratio, clipped)
     high_side = np.maximum(seq_ratio, clipped)
     return scaled(high_side, negative_part) - scaled(low_side, positive_part)
@@ -249,7 +247,7 @@ def sample_weights(
     n_samples: int,
     divisor: float | None,
 ) -> np.ndarray | None:
-    """(S,) per-token weight c_i of each sample under `mode` (w_t of §7.2); None on a zero denominator.
+    """(S,) per-token weight c_i of each sample under `mode` (the per-token weight w_t); None on a zero denominator.
 
     `n_samples` is the S of the formulas (S, S+ under --empty-seqs skip, or an alias's batch size).
     """
@@ -299,7 +297,7 @@ def add_loss_metrics(
     resolved: ResolvedAggregation,
     sink: MetricSink,
 ) -> None:
-    """`loss/<mode>`, `loss/pg`, `grad/<mode>_*` and the `--grad-divisor` keys of §7.2-§7.5."""
+    """`loss/<mode>`, `loss/pg`, `grad/<mode>_*` and the `--grad-divisor` keys."""
     n_i = sums.reducer.n_per_sample
     n_tokens = int(n_i.sum())
     n_samples = int(np.count_nonzero(n_i)) if settings.empty_seqs == "skip" else int(n_i.shape[0])
@@ -314,10 +312,6 @@ def add_loss_metrics(
     pg_losses, pg_grads = sums.of_mode(resolved.mode)
     sink.add("loss/pg", _weighted(pg_weights, pg_losses), n_tokens)
     if settings.grad_divisor is not None:
-        if not (settings.grad_divisor > 0 and math.isfinite(settings.grad_divisor)):
-            raise UsageError(
-                "E503", f"--grad-divisor must be a positive number, got {settings.grad_divisor}", None
-            )
         divisor_scale = float(np.sum(pg_grads)) / settings.grad_divisor if n_tokens else None
         pg_scale = _weighted(pg_weights, pg_grads)
         ratio = divisor_scale / pg_scale if divisor_scale is not None and pg_scale else None
@@ -333,7 +327,7 @@ def _weighted(weights: np.ndarray | None, per_sample: np.ndarray) -> float | Non
 def _add_grad_metrics(
     mode: str, weights: np.ndarray | None, abs_grad: np.ndarray, n_per_sample: np.ndarray, sink: MetricSink
 ) -> None:
-    """scale, weight_sum, length_corr and length_elasticity of one mode (§7.5)."""
+    """scale, weight_sum, length_corr and length_elasticity of one mode."""
     n_tokens = int(n_per_sample.sum())
     if weights is None:
         for stat in ("scale", "weight_sum", "length_corr", "length_elasticity"):

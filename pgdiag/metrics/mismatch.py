@@ -1,11 +1,11 @@
-"""Mismatch family of design/metrics.md §5: how the evaluated side b disagrees with the sampling side a.
+"""Mismatch family of docs/metrics.md: how the evaluated side b disagrees with the sampling side a.
 
 Definitions on the tokens valid for the pair (m ∧ finite(lp_a) ∧ finite(lp_b)):
     Δ_t = lp_b − lp_a,   ρ_t = exp(Δ_t) = π_b / π_a  (π_train / π_rollout with the default pair),
     δ̄^Δ_i = Σ_t Δ / N_i (GSPO scale),   Σ_t Δ = log of the sequence importance ratio.
 A bit-identical recompute gives Δ = 0 everywhere: bias, sd, every KL and every `frac_out_*` are 0, both
 ESS are 1. The `recommended` gate profile warns at `abs_mean` > 0.01 nats and fails at > 0.02
-(design/data-and-cli.md §5.3).
+(docs/cli.md).
 
 Why so many views of one Δ: frameworks and papers gate on different ones (verl `rollout_corr/k3_kl`,
 NeMo-RL `token_mult_prob_error`, probability differences, sequence IS ratios). All are computed from Δ and
@@ -51,7 +51,7 @@ def mismatch_bands(settings: MetricSettings) -> tuple[tuple[str, float, float], 
         ("strict", 0.999, 1.002),
         ("1pct", 0.99, 1.01),
         ("10pct", 0.9, 1.1),
-        ("clip", 1.0 - settings.eps_low, 1.0 + settings.eps_high),
+        ("clip", 1.0 - settings.clip.eps_low, 1.0 + settings.clip.eps_high),
         ("2x", 0.5, 2.0),
     )
 
@@ -211,7 +211,7 @@ def add_mismatch_counts(t: MismatchTables, sink: MetricSink) -> None:
 
 
 def add_mismatch_metrics(t: MismatchTables, settings: MetricSettings, sink: MetricSink) -> None:
-    """Every `mismatch/*` key of §5 for the rows of `t`; `tau_fit*` are null (they need logits)."""
+    """Every `mismatch/*` key for the rows of `t`; `tau_fit*` are null (they need logits)."""
     red = t.reducer
     mean = red.mean_of_sums
     n_tok, n_red = red.n_tokens, red.population
@@ -300,7 +300,7 @@ def _add_fit(t: MismatchTables, n_i: np.ndarray, sink: MetricSink) -> None:
 
 @dataclass(frozen=True)
 class TemperatureFit:
-    """Best-fit temperature τ* of §5 and the RMS residual (nats) at τ*; None for no tokens."""
+    """Best-fit temperature τ* and the RMS residual (nats) at τ*; None for no tokens."""
 
     tau: float | None
     rms: float | None

@@ -1,20 +1,20 @@
-"""Policy family of design/metrics.md §4: how far π_new moved from π_old on the tokens sampled from π_old.
+"""Policy family of docs/metrics.md: how far π_new moved from π_old on the tokens sampled from π_old.
 
-Definitions (a = old, b = new; valid tokens m' only, §0.2 rule 3):
+Definitions (a = old, b = new; valid tokens m' only):
     d_t = lp_new − lp_old,   r_t = exp(d_t),   band O_t = 1[r_t < 1 − ε_l ∨ r_t > 1 + ε_h],
     binding B_t = 1[(A_t > 0 ∧ r_t > 1 + ε_h) ∨ (A_t < 0 ∧ r_t < 1 − ε_l)],
     sequence ratio R_i = exp(Σ_t d / N_i) (GSPO), product ratio W_i = exp(Σ_t d).
-On-policy data gives d = 0: ratio 1, every clip fraction 0, every KL 0, every ESS 1 (the identity of §9).
+On-policy data gives d = 0: ratio 1, every clip fraction 0, every KL 0, every ESS 1 (the step-0 identity check of docs/metrics.md).
 
 Why two phases: a run holds up to 10M tokens over ~20 steps, and the `all` row pools them again. The token
 phase (`build_policy_tables`) runs once over the whole batch: it computes d and exp(d) once and turns every
 per-token quantity into per-sample sums (S,). The reduce phase (`add_policy_metrics`) then works on the
 rows of one step (`take_rows`), touching tokens only for quantiles and extrema. The per-sample loss and
-gradient sums of §7 are built in the same pass (`LossSums`), sharing r and the clip indicators.
+gradient sums are built in the same pass (`LossSums`), sharing r and the clip indicators.
 Nothing is clamped: |d| > 20 is counted, a ratio that overflows float64 is +inf and propagates into the
 means (counted in `count/policy_ratio_overflow`).
 
-Worked example (metrics.md §11, 13 valid tokens): ratio_mean 13.385230 / 13 = 1.029633,
+Worked example (docs/metrics.md, 13 valid tokens): ratio_mean 13.385230 / 13 = 1.029633,
 clip_frac_band 6/13, clip_frac_binding 4/13, kl_k1 = −0.15/13 = −0.011538, ess_token 0.967279.
 """
 
@@ -107,7 +107,7 @@ def build_policy_tables(
     lp_new − lp_old at every loss position, None when every position is valid (the counts then come from
     the valid tokens); `position_offsets` (S+1,) delimit its samples.
     """
-    low_edge, high_edge = 1.0 - settings.eps_low, 1.0 + settings.eps_high
+    low_edge, high_edge = 1.0 - settings.clip.eps_low, 1.0 + settings.clip.eps_high
     sums = reducer.sample_sums
     # 1. log-ratio and ratio, once
     d = lp_new - lp_old  # (N,)
@@ -249,7 +249,7 @@ def _token_level_clip(
 ) -> ClipSums:
     """(S,) counts of binding-low, binding-high and dual-clip tokens, Σ|g_t|, Σ|g_t|·O_t and Σ ℓ_t, per token.
 
-    |g_t| = |A| r where neither the clip binds nor the dual clip fires (§7.5); ℓ_t as in `token_loss_sums`.
+    |g_t| = |A| r where neither the clip binds nor the dual clip fires; ℓ_t as in `token_loss_sums`.
     """
     flag_scratch = np.empty_like(r)
 
@@ -261,11 +261,12 @@ def _token_level_clip(
     clip_low = (advantages < 0) & band_low
     n_clip_high, n_clip_low = count_flags(clip_high), count_flags(clip_low)
     stopped = clip_high | clip_low  # binding B_t
-    if settings.dual_clip is None:
+    if settings.clip.dual_clip is None:
         n_dual = np.zeros(reducer.n_per_sample.shape[0])
     else:
         dual = (advantages < 0) & (
-            np.maximum(r, np.clip(r, 1.0 - settings.eps_low, 1.0 + settings.eps_high)) > settings.dual_clip
+            np.maximum(r, np.clip(r, 1.0 - settings.clip.eps_low, 1.0 + settings.clip.eps_high))
+            > settings.clip.dual_clip
         )
         n_dual = count_flags(dual)
         stopped |= dual
@@ -303,27 +304,27 @@ def _sample_level_clip(
                Σℓ = |A_i| (Σr − ρ_lo + (1 − ε_l) n_lo − (ρ_C − C n_C))
     (no overflow: the differences of finite sums are exact up to rounding).
     """
-    high_edge, low_edge = 1.0 + settings.eps_high, 1.0 - settings.eps_low
+    high_edge, low_edge = 1.0 + settings.clip.eps_high, 1.0 - settings.clip.eps_low
     adv = np.where(reducer.nonempty, advantage.max_adv, 0.0)  # (S,) A_i
     positive, negative = adv > 0, adv < 0
     abs_adv = np.abs(adv)
     r_high = reducer.sample_sums(np.multiply(r, band_high, out=scratch))  # ρ_hi (S,)
     r_low = reducer.sample_sums(np.multiply(r, band_low, out=scratch))  # ρ_lo (S,)
     zeros = np.zeros_like(adv)
-    if settings.dual_clip is None:
+    if settings.clip.dual_clip is None:
         n_over, r_over, r_high_live = zeros, zeros, r_high
     else:
-        over = r > settings.dual_clip  # (N,) bool
+        over = r > settings.clip.dual_clip  # (N,) bool
         n_over = reducer.sample_sums(over, scratch)
         r_over = reducer.sample_sums(np.multiply(r, over, out=scratch))
         # out-of-band-high tokens that the dual clip leaves alive: r in (1 + ε_h, C]
-        r_high_live = r_high - r_over if settings.dual_clip >= high_edge else zeros
+        r_high_live = r_high - r_over if settings.clip.dual_clip >= high_edge else zeros
     n_clip_high = np.where(positive, n_band_high, 0.0)
     n_clip_low = np.where(negative, n_band_low, 0.0)
     n_dual = np.where(negative, n_over, 0.0)
     grad_pass = abs_adv * np.where(positive, sum_r - r_high, np.where(negative, sum_r - r_low - r_over, 0.0))
     grad_pass_band = abs_adv * np.where(positive, r_low, np.where(negative, r_high_live, 0.0))
-    dual_cut = r_over - (settings.dual_clip or 0.0) * n_over
+    dual_cut = r_over - (settings.clip.dual_clip or 0.0) * n_over
     loss_pos = -adv * (sum_r - r_high + high_edge * n_band_high)
     loss_neg = abs_adv * (sum_r - r_low + low_edge * n_band_low - dual_cut)
     loss = np.where(positive, loss_pos, np.where(negative, loss_neg, 0.0))
@@ -349,7 +350,7 @@ def add_policy_counts(t: PolicyTables, n_positions: int, sink: MetricSink) -> No
 
 
 def add_policy_metrics(t: PolicyTables, settings: MetricSettings, sink: MetricSink) -> None:
-    """Every `policy/*` key of §4 except `policy/ref_*` (see `add_ref_metrics`), for the rows of `t`."""
+    """Every `policy/*` key except `policy/ref_*` (see `add_ref_metrics`), for the rows of `t`."""
     red = t.reducer
     n_tok, n_red = red.n_tokens, red.population
     mean = red.mean_of_sums
@@ -375,7 +376,7 @@ def add_policy_metrics(t: PolicyTables, settings: MetricSettings, sink: MetricSi
             sink.add("policy/clip_frac_binding", mean(t.n_clip_low + t.n_clip_high), n_red)
             sink.add("policy/clip_frac_low", mean(t.n_clip_low), n_red)
             sink.add("policy/clip_frac_high", mean(t.n_clip_high), n_red)
-            if settings.dual_clip is not None:
+            if settings.clip.dual_clip is not None:
                 sink.add("policy/dual_clip_frac", mean(t.n_dual), n_red)
             sink.add("policy/zero_grad_frac", mean(t.n_zero_grad), n_red)
             total = float(np.sum(t.grad_pass))
@@ -406,7 +407,7 @@ def add_sequence_metrics(t: PolicyTables, settings: MetricSettings, sink: Metric
     red = t.reducer
     ne = red.nonempty
     n_seq = red.n_nonempty
-    low_edge, high_edge = 1.0 - settings.eps_low, 1.0 + settings.eps_high
+    low_edge, high_edge = 1.0 - settings.clip.eps_low, 1.0 + settings.clip.eps_high
     with np.errstate(over="ignore", invalid="ignore"):
         seq_ratio = _sequence_ratio(t.sum_d, red)[ne]  # (S+,)
         sum_d = t.sum_d[ne]  # (S+,)

@@ -1,4 +1,4 @@
-"""Reductions of design/metrics.md §2: turn per-token and per-sample arrays into one number per step.
+"""Reductions of docs/metrics.md: turn per-token and per-sample arrays into one number per step.
 
 Every native metric is a per-token quantity x on the *valid* tokens of a step followed by one of the
 reductions here: `R` (the user's `--metric-reduction`: token, sample or document weighting), `tok`
@@ -7,7 +7,7 @@ non-empty samples), `grp` (over prompt groups) or `step` (a closed form).
 
 Why this shape: a step can hold 10M tokens, so every reduction is one vectorised numpy pass in float64.
 Per-sample sums use `np.add.reduceat` over the contiguous token runs of each sample, which goes through
-numpy's pairwise summation (metrics.md §0.2 rule 1), as does `np.sum` for whole-step sums. Nothing is
+numpy's pairwise summation (docs/metrics.md), as does `np.sum` for whole-step sums. Nothing is
 clamped and no epsilon is added: a zero denominator gives None (rule 2), and an infinite input stays
 infinite (rule 4). Quantiles are Hyndman-Fan type 7 (numpy's default "linear"), computed from one
 `np.partition` per array so that several quantiles cost one selection.
@@ -141,7 +141,7 @@ class TokenReducer:
         return np.repeat(per_sample, self.n_per_sample)
 
     def mean_of_sums(self, sums: np.ndarray) -> float | None:
-        """R(x) of metrics.md §2 from the per-sample sums (S,) of x; None without valid tokens."""
+        """R(x) of docs/metrics.md from the per-sample sums (S,) of x; None without valid tokens."""
         n_tokens = self.n_tokens
         if n_tokens == 0:
             return None

@@ -1,13 +1,16 @@
-"""Every setting of design/metrics.md §3, after alias resolution, as one frozen dataclass.
+"""The settings of `compute_metrics` as frozen dataclasses; the defaults here are the only place they live.
 
-The CLI builds it from options and `compute_metrics` from keyword arguments; the defaults here are the
-only place the defaults live (the CLI imports them). The resolved settings are written into every report
-header so a number can always be traced back to the choices that produced it.
+`ClipBand` is the PPO clip band that metrics and compare share; `StyleOptions` holds the settings only a
+framework key style reads (docs/key-styles.md); `MetricSettings` holds the native settings and both. Each is
+validated once, when it is built (`__post_init__`, `UsageError`, exit 2), so a bad value never reaches the
+data. The CLI reads its option defaults from these classes, and the resolved settings are written into every
+report header (`MetricSettings.to_dict`, flat) so a number can always be traced back to its choices.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from pgdiag.errors import UsageError
@@ -19,35 +22,35 @@ EMPTY_SEQS = ("count", "skip")
 
 
 @dataclass(frozen=True)
-class MetricSettings:
-    """Settings of one `compute_metrics` call (metrics.md §3)."""
+class ClipBand:
+    """The PPO clip band [1 − eps_low, 1 + eps_high] and the dual-clip constant C (None = off)."""
 
-    # streams (None = not used / resolved by the reader)
-    new: str | None = None
-    old: str | None = None
-    stream_a: str | None = None  # mismatch pair sampling side (default rollout)
-    stream_b: str | None = None  # mismatch pair evaluated side (default old, else new)
-    ref: str | None = None
-    entropy: str | None = None  # recompute tag whose entropy feeds entropy/*
-    # loss and clipping
-    aggregation: str | None = (
-        None  # headline loss/pg; a native mode or alias (§7.3); None = the style's default
-    )
-    divisor: float | None = None  # L of `constant`; loss_scale_factor / max_completion_length for aliases
-    grad_divisor: float | None = None
     eps_low: float = 0.2
     eps_high: float = 0.2
     dual_clip: float | None = None
-    level: str = "token"
-    empty_seqs: str = "count"
-    # reductions and steps
-    metric_reduction: str = "token"
-    docs_per_step: int | None = None
-    key_style: str = "pgdiag"
-    zero_std_atol: float = 0.0
-    identity: bool = False
-    identity_tol: float = 0.0
-    # style-only settings (§8); None = the framework's default
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.eps_low < 1.0 and self.eps_high >= 0.0):
+            raise UsageError(
+                "E503",
+                f"clip band needs 0 <= --eps-low < 1 and --eps-high >= 0, got {self.eps_low}, {self.eps_high}",
+            )
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise UsageError("E503", f"--dual-clip C must be > 1, got {self.dual_clip}")
+
+    @property
+    def low_edge(self) -> float:
+        return 1.0 - self.eps_low
+
+    @property
+    def high_edge(self) -> float:
+        return 1.0 + self.eps_high
+
+
+@dataclass(frozen=True)
+class StyleOptions:
+    """Settings only a framework key style reads; None (or the default) = that framework's own default."""
+
     loss_name: str | None = None  # fast-llm key prefix (default "grpo")
     rollout_is: str | None = None  # verl rollout IS level ("token"); None = off
     rollout_is_threshold: float | None = None  # verl (2.0)
@@ -59,11 +62,36 @@ class MetricSettings:
     group_normalize: bool = False  # pipelinerl
     kl_coef: float | None = None  # pipelinerl (0.1)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-    def check(self) -> None:
-        """Reject values no computation can honour (UsageError E503, exit 2); called before any data is read."""
+@dataclass(frozen=True)
+class MetricSettings:
+    """Settings of one `compute_metrics` call (docs/metrics.md), validated when built."""
+
+    # streams (None = resolved against the run by `metrics.api.resolve_streams`)
+    new: str | None = None
+    old: str | None = None
+    stream_a: str | None = None  # mismatch pair sampling side (default rollout)
+    stream_b: str | None = None  # mismatch pair evaluated side (default old, else new)
+    ref: str | None = None
+    entropy: str | None = None  # recompute tag whose entropy feeds entropy/*
+    # loss and clipping
+    aggregation: str | None = None  # headline loss/pg; a native mode or alias; None = the style's default
+    divisor: float | None = None  # L of `constant`; loss_scale_factor / max_completion_length for aliases
+    grad_divisor: float | None = None
+    clip: ClipBand = field(default_factory=ClipBand)
+    level: str = "token"
+    empty_seqs: str = "count"
+    # reductions and steps
+    metric_reduction: str = "token"
+    docs_per_step: int | None = None
+    key_style: str = "pgdiag"
+    zero_std_atol: float = 0.0
+    identity: bool = False
+    identity_tol: float = 0.0
+    style: StyleOptions = field(default_factory=StyleOptions)
+
+    def __post_init__(self) -> None:
+        """Reject values no computation can honour (UsageError E503, exit 2) before any data is read."""
         choices = {
             "key_style": KEY_STYLES,
             "metric_reduction": METRIC_REDUCTIONS,
@@ -76,14 +104,29 @@ class MetricSettings:
                 raise UsageError("E503", f"{flag} {getattr(self, name)!r}: choose {'|'.join(allowed)}")
         for name in ("divisor", "grad_divisor"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise UsageError("E503", f"--{name.replace('_', '-')} must be > 0 (got {value})")
-        if not (0.0 <= self.eps_low < 1.0 and self.eps_high >= 0.0):
-            raise UsageError(
-                "E503",
-                f"clip band needs 0 <= --eps-low < 1 and --eps-high >= 0, got {self.eps_low}, {self.eps_high}",
-            )
-        if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise UsageError("E503", f"--dual-clip C must be > 1, got {self.dual_clip}")
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise UsageError("E503", f"--{name.replace('_', '-')} must be a positive number, got {value}")
         if self.docs_per_step is not None and self.docs_per_step < 1:
             raise UsageError("E503", f"--docs-per-step must be at least 1, got {self.docs_per_step}")
+        if self.key_style != "pgdiag":
+            from pgdiag.metrics.styles import check_style_settings
+
+            check_style_settings(self)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> MetricSettings:
+        """Settings from flat keyword options (`eps_low=0.1`, `tis=True`, ...): the notebook form of the CLI flags."""
+        clip_names = {f.name for f in fields(ClipBand)}
+        style_names = {f.name for f in fields(StyleOptions)}
+        own_names = {f.name for f in fields(cls)} - {"clip", "style"}
+        unknown = set(options) - clip_names - style_names - own_names
+        if unknown:
+            raise UsageError("E112", f"unknown metric option(s): {', '.join(sorted(unknown))}")
+        clip = ClipBand(**{k: v for k, v in options.items() if k in clip_names})
+        style = StyleOptions(**{k: v for k, v in options.items() if k in style_names})
+        return cls(**{k: v for k, v in options.items() if k in own_names}, clip=clip, style=style)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every setting by its flat option name (the report header's `settings`)."""
+        flat = {k: v for k, v in asdict(self).items() if k not in ("clip", "style")}
+        return {**flat, **asdict(self.clip), **asdict(self.style)}

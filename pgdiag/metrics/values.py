@@ -1,4 +1,4 @@
-"""One computed metric value with its unit, reduction and population size (design/metrics.md §0.2 rule 7)."""
+"""One computed metric value with its unit, reduction and population size (docs/metrics.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ class MetricValue:
 
     `value` is None when the metric is not computable (zero denominator, missing input); it is never NaN.
     `unit` is one of ``nats``, ``ratio``, ``fraction``, ``prob``, ``count``, ``loss``, ``1``.
-    `reduction` is the resolved reduction code of metrics.md §2 (``token``, ``sample``, ``document``,
+    `reduction` is the resolved reduction code of docs/metrics.md (``token``, ``sample``, ``document``,
     ``tok``, ``seq``, ``grp``, ``step``, ``cnt``, ``mode``) or a style's own name.
     `n` is the number of tokens, samples or groups the value was computed over.
     """

@@ -5,7 +5,7 @@ name and shape against what the config implies, builds the model on the meta dev
 with this rank's slice only (`safe_open(...).get_slice`, plan in `tp.py`), cast to the body dtype; the LM head
 (``lm_head.weight``, or the embedding when tied) is read separately in the head dtype.
 
-Why strict (design/data-and-cli.md §4): a silently missing or extra tensor is a wrong logprob. Every expected
+Why strict (docs/models.md): a silently missing or extra tensor is a wrong logprob. Every expected
 tensor must be present with its shape, every file tensor must be used (``rotary_emb.inv_freq`` excepted). Errors
 (`UsageError`, exit 2): E603 tensor names or shapes (missing, unexpected, wrong shape, prefixed names such as
 ``_orig_mod.``, untied without ``lm_head.weight``), E604 missing file or shard, E607 unknown dtype name,

@@ -2,11 +2,11 @@
 
 What: one frozen dataclass for the four supported dense decoders (Llama 2/3, Qwen2/2.5, Qwen3, Mistral). The
 architectures differ only in config fields (biases, q/k norm, head_dim, RoPE scaling, sliding windows), so one
-model implementation (`transformer.py`) serves them all (design/architecture.md §2.11).
+model implementation (`transformer.py`) serves them all (docs/models.md).
 
 Why strict: pgdiag exists to find small numerical mismatches, so a guessed field is a wrong number. Every value
 comes from ``config.json`` or from the documented HF default for that architecture; anything else is a one-line
-`UsageError` (design/data-and-cli.md §4): E601 unsupported architecture, E602 unsupported RoPE, E604 missing
+`UsageError` (docs/models.md): E601 unsupported architecture, E602 unsupported RoPE, E604 missing
 file, E606 a needed field is missing or has an unsupported value. No code from the checkpoint ever runs
 (``auto_map`` is ignored).
 

@@ -184,7 +184,7 @@ def _token_temperatures(frame: pl.DataFrame, offsets: np.ndarray) -> np.ndarray 
 def resolve_temperature(
     run: Run, inputs: RecomputeInputs, temperature: float | str
 ) -> tuple[float | None, str, tuple[str, ...]]:
-    """(value or None for per-token, source, warnings) following `--temperature auto` (§5.4)."""
+    """(value or None for per-token, source, warnings) following `--temperature auto`."""
     if temperature != "auto":
         return float(temperature), "option", ()
     if inputs.temperature is not None:

@@ -1,7 +1,7 @@
 """Recompute per-token log-probs and entropies of a run's stored tokens with a checkpoint (`pgdiag logprobs`).
 
 What: `recompute_logprobs(run, model)` teacher-forces every sample of a run through the model and writes a
-`pgdiag.logprobs/v1` stream beside it (design/data-and-cli.md §2.3): ``RUN/logprobs/<tag>/step=<S>/part-<NNNNN>
+`pgdiag.logprobs/v1` stream beside it (docs/recompute.md): ``RUN/logprobs/<tag>/step=<S>/part-<NNNNN>
 .parquet`` with full-length, token-aligned ``logprobs`` and ``entropy`` lists that are non-null exactly on loss
 positions, and ``_manifest.json`` (settings, input fingerprint, part plan) written before work starts and again
 with ``complete: true`` as the last file.

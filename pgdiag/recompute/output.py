@@ -1,4 +1,4 @@
-"""The on-disk recompute stream: part files, the manifest, and the resume decision (design/data-and-cli.md §2.3, §2.6).
+"""The on-disk recompute stream: part files, the manifest, and the resume decision (docs/recompute.md).
 
 What: `inspect_output` decides, before anything is written, whether a recompute under a tag starts fresh,
 resumes (and which parts are already done), or must refuse: E502 when the output exists (complete, or
@@ -131,7 +131,7 @@ def write_part(
     with_entropy: bool,
     tag: str,
 ) -> None:
-    """One pgdiag.logprobs/v1 file: full-length lists, null off the loss positions (§2.3).
+    """One pgdiag.logprobs/v1 file: full-length lists, null off the loss positions.
 
     `logprobs` and `entropy` are (T_part,) float32 over the part's tokens; values off the loss mask are ignored.
     """

@@ -1,4 +1,4 @@
-"""CI gates on report values: `--fail-on EXPR`, `--warn-on EXPR`, `--profile NAME` (design/data-and-cli.md §5.3).
+"""CI gates on report values: `--fail-on EXPR`, `--warn-on EXPR`, `--profile NAME` (docs/cli.md).
 
 Grammar (whitespace ignored; quote it in the shell, `>` is a redirect)::
 
@@ -40,7 +40,7 @@ _GATE_RE = re.compile(
     r"^(?:(?P<scope>token|tok|sequence|seq)\.)?(?P<name>[A-Za-z0-9_./:-]+?)\s*(?P<op>>=|<=|>|<)\s*(?P<num>\S+)$"
 )
 
-# Profiles of §5.3, with the sources their thresholds come from (docs/gates.md repeats them for users).
+# Profiles, with the sources their thresholds come from (docs/cli.md repeats them for users).
 PROFILES: dict[str, tuple[tuple[str, str], ...]] = {
     # pgdiag's own recommendation
     "recommended": (

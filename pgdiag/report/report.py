@@ -1,4 +1,4 @@
-"""`Report`: the result of `metrics` and `compare`, as tidy long tables (design/data-and-cli.md §2.4, §2.5).
+"""`Report`: the result of `metrics` and `compare`, as tidy long tables (docs/compare.md, docs/notebook.md).
 
 A report is one tidy long `summary` table (one row per pair, scope, breakdown, bucket and metric) plus the checks
 that ran, optional worst-K tables, and a `meta` dict with the settings and inputs. The same object is what the
@@ -204,7 +204,7 @@ class Report:
 
     def to_json_dict(self) -> dict[str, Any]:
         """The `summary` block of the `--json` object: {pair: {metric: value}} on `breakdown = all` rows,
-        plus per-step values and the checks; the command layer adds status, gates, timing (§5.5)."""
+        plus per-step values and the checks; the command layer adds status, gates, timing."""
         summary: dict[str, dict[str, Any]] = {}
         all_rows = self.summary.filter(pl.col("breakdown") == "all")
         for pair, metric, scope, value in all_rows.select("pair", "metric", "scope", "value").iter_rows():

@@ -32,9 +32,9 @@ def cases() -> dict[str, Callable[[], pl.DataFrame]]:
             pgdiag.compute_metrics(run(n), aggregation="constant", divisor=40960, key_style="verl").summary
         )
     for a, b in (("run_a", "run_b"), ("synthetic_a", "synthetic_b")):
-        out[f"compare-{a}-{b}"] = lambda a=a, b=b: pgdiag.compare_runs(run(a), run(b)).summary
+        out[f"compare-{a}-{b}"] = lambda a=a, b=b: pgdiag.compare_runs(run(a), run(b)).report.summary
     out["compare-run_a-old-new"] = lambda: (
-        pgdiag.compare_runs(run("run_a"), stream_a="old", stream_b="new").summary
+        pgdiag.compare_runs(run("run_a"), stream_a="old", stream_b="new").report.summary
     )
     return out
 

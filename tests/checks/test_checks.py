@@ -1,4 +1,4 @@
-"""§7 semantic checks on crafted stream pairs, cross-run checks, and the sample runs passing cleanly."""
+"""Semantic checks on crafted stream pairs, cross-run checks, and the sample runs passing cleanly."""
 
 from __future__ import annotations
 

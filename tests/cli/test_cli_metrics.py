@@ -1,4 +1,4 @@
-"""`pgdiag metrics` and `pgdiag check` end to end: the worked example of metrics.md §11 through the CLI,
+"""`pgdiag metrics` and `pgdiag check` end to end: the worked example of docs/metrics.md through the CLI,
 gates and exit codes, report files, and every bad input as one line with the documented exit code."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pgdiag.cli.app import build_app
 from pgdiag.report.report import load_report
 from tests.rollout_factory import write_rollouts_file
 
-# metrics.md §11: two groups x two samples; one prompt token each, then the response; s3's third response
+# docs/metrics.md: two groups x two samples; one prompt token each, then the response; s3's third response
 # token is masked (its log-probs are null, as the schema requires off the loss mask).
 WORKED = [
     ("s1", "g1", 1.0, [1, 1, 1], [-1.0, -2.0, -0.5], [-1.0, -1.7, -0.8]),
@@ -139,7 +139,7 @@ def test_identity_check(runner: CliRunner, tmp_path: Path) -> None:
     assert result.exit_code == 0, result.stderr
     values = json.loads(result.stdout)["summary"]["t:old vs t:new"]
     assert values["policy/logratio_absmax"] == 0.0 and values["policy/kl_k3"] == 0.0
-    # loss = -sum(w A) on on-policy data (§9): token_mean = -(3 - 4 + 1 - 1.5) / 13
+    # loss = -sum(w A) on on-policy data: token_mean = -(3 - 4 + 1 - 1.5) / 13
     assert values["loss/token_mean"] == pytest.approx(-(3 * 1 - 4 * 1 + 3 * 0.5 - 3 * 0.5) / 13)
     # the worked example is not on-policy: the identity gate fails it
     result = invoke(runner, "metrics", tmp_path / "onpolicy.parquet", "--identity", "-q")

@@ -153,7 +153,7 @@ def test_compare_runs_identical_gives_exact_zero_and_passes_every_gate() -> None
     from pgdiag.report.gates import PROFILES, evaluate_gates
 
     sa, sb = _pair(n=30)
-    report = compare_runs(make_batch(sa, label="a"), make_batch(sb, label="b"), stream_a="rollout")
+    report = compare_runs(make_batch(sa, label="a"), make_batch(sb, label="b"), stream_a="rollout").report
     rows = report.summary.filter(report.summary["breakdown"] != "dlogp")
     for stat in (
         "bias",

@@ -50,7 +50,7 @@ def test_position_buckets_and_values() -> None:
     b = bd.assign(pair, "position")
     assert b.labels[:4] == ("0", "1", "[2,4)", "[4,8)")
     assert b.codes.tolist() == [0, 1, 2, 2, 3, 0, 1, 2]
-    report = compare_runs(_batch(), stream_a="a", stream_b="b", by=["position"])
+    report = compare_runs(_batch(), stream_a="a", stream_b="b", by=["position"]).report
     first = report.value("mismatch/abs_mean", scope="token", breakdown="position", bucket="0")
     assert first == pytest.approx((0.4 + 0.2) / 2, abs=1e-12)
     bucket_2_4 = report.value("mismatch/bias", scope="token", breakdown="position", bucket="[2,4)")

@@ -13,6 +13,7 @@ from batch_factory import random_samples, write_run
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
+from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import load_report
 
 PLOTS = ("hexbin", "dlogp-hist", "by-prob", "by-position", "by-step", "worst-trace")
@@ -145,7 +146,9 @@ def test_side_by_side_metrics_and_deltas(runs) -> None:
     from pgdiag.compare.api import compare_runs
     from pgdiag.data.runs import read_run
 
-    report = compare_runs(read_run(runs["two"]), read_run(runs["two_b"]), stream_a="old", side_by_side=True)
+    report = compare_runs(
+        read_run(runs["two"]), read_run(runs["two_b"]), stream_a="old", metrics=MetricSettings()
+    ).report
     batch = report.summary.filter((pl.col("scope") == "batch") & (pl.col("breakdown") == "all"))
     assert set(batch["pair"].unique()) == {
         "one:rollout vs one:old",
@@ -186,7 +189,7 @@ def test_all_row_matches_pgdiag_metrics_mismatch_family(runs) -> None:
     from pgdiag.metrics.api import compute_metrics
 
     run = read_run(runs["two"])
-    ours = compare_runs(run, stream_a="rollout", stream_b="old")
+    ours = compare_runs(run, stream_a="rollout", stream_b="old").report
     theirs = compute_metrics(run, new="old", old="rollout", stream_a="rollout", stream_b="old")
     pair = "one:rollout vs one:old"
     mine = ours.summary.filter((pl.col("scope") == "token") & (pl.col("breakdown") == "all"))
@@ -290,3 +293,43 @@ def test_runs_with_different_sample_ids_join_on_seq_hash(tmp_path) -> None:
     assert load_report(tmp_path / "rep" / "compare.parquet").meta["join"] == "hash"
     forced = _invoke("compare", a, b, "--join", "id")
     assert forced.exit_code == 3 and "error[E304]" in forced.stderr
+
+
+SAMPLE_DATA = Path(__file__).resolve().parents[2] / "sample_data"
+
+
+def _json_summary(*args: str) -> dict:
+    result = _invoke(*args, "--json")
+    return json.loads(result.stdout)["summary"]
+
+
+def test_clip_band_reaches_the_side_by_side_metrics() -> None:
+    """`--eps-low/--eps-high` move the side-by-side policy clip band exactly as `pgdiag metrics` computes it."""
+    run_a, run_b = SAMPLE_DATA / "run_a", SAMPLE_DATA / "run_b"
+    narrow = ("--eps-low", "0.05", "--eps-high", "0.05")
+    side = _json_summary("compare", run_a, run_b, "--metrics", *narrow)["run_a:old vs run_a:new"]
+    own = _json_summary("metrics", run_a, "--new", "new", "--old", "old", *narrow)["run_a:old vs run_a:new"]
+    wide = _json_summary("metrics", run_a, "--new", "new", "--old", "old")["run_a:old vs run_a:new"]
+    assert side["policy/clip_frac_band"] == own["policy/clip_frac_band"]
+    assert side["policy/clip_frac_band"] > wide["policy/clip_frac_band"]  # a narrower band holds fewer tokens
+
+
+def test_one_run_defaults_to_the_engine_vs_trainer_pair(tmp_path) -> None:
+    """`compare RUN` pairs rollout with old (engine vs trainer, as `metrics` does), not with the updated policy."""
+    run_a = SAMPLE_DATA / "run_a"
+    result = json.loads(_invoke("compare", run_a, "--json").stdout)
+    assert result["inputs"]["streams"] == ["rollout", "old"]
+    explicit = _json_summary("compare", run_a, "--stream-a", "rollout", "--stream-b", "old")
+    assert result["summary"] == explicit
+    metrics = _json_summary("metrics", run_a)["run_a:rollout vs run_a:old"]
+    pair = result["summary"]["run_a:rollout vs run_a:old"]
+    assert pair["mismatch/abs_mean"] == pytest.approx(metrics["mismatch/abs_mean"], rel=1e-12)
+    # without an old stream, the trainer side is the recomputed (new) policy
+    samples = random_samples(3, 8)
+    no_old = write_run(
+        tmp_path / "n.parquet",
+        samples,
+        run="r",
+        streams={"rollout_logprobs": "rollout", "new_logprobs": "old"},
+    )
+    assert json.loads(_invoke("compare", no_old, "--json").stdout)["inputs"]["streams"] == ["rollout", "new"]

@@ -18,7 +18,7 @@ def test_temperature_on_one_side_is_flagged_from_logprobs_alone() -> None:
     # side a sampled at T = 0.7 from logits z; side b evaluates the same tokens under softmax(z)
     samples = random_samples(5, 60, temperature_a=0.7)
     batch = make_batch(samples, label="run")
-    report = compare_runs(batch, stream_a="rollout", stream_b="old")
+    report = compare_runs(batch, stream_a="rollout", stream_b="old").report
     assert "W401" in _codes(report)
     message = report.checks.filter(report.checks["code"] == "W401")["message"][0]
     assert "one side looks tempered" in message
@@ -35,7 +35,7 @@ def test_untempered_pair_raises_no_temperature_warning() -> None:
             0, 1e-3, len(s["loss"])
         )
         s["streams"]["old"] = np.minimum(s["streams"]["old"], 0.0)
-    report = compare_runs(make_batch(samples, label="run"), stream_a="rollout", stream_b="old")
+    report = compare_runs(make_batch(samples, label="run"), stream_a="rollout", stream_b="old").report
     assert "W401" not in _codes(report)
     assert abs(report.value("mismatch/tau_hint", scope="token") - 1.0) < 0.01
 
@@ -48,7 +48,7 @@ def test_first_token_carrying_the_error_is_w406() -> None:
         lp[0] -= 0.5  # only the first response token differs
         lp[1:] -= 0.01
         s["streams"]["rollout"] = lp
-    report = compare_runs(make_batch(samples, label="a"), make_batch(b, label="b"), stream_a="rollout")
+    report = compare_runs(make_batch(samples, label="a"), make_batch(b, label="b"), stream_a="rollout").report
     ratio = report.value("mismatch/first_token_ratio", scope="token")
     mean_first, mean_rest = 0.5, 0.01
     n_tok = report.value("count/mismatch_tokens", scope="token")
@@ -64,7 +64,7 @@ def test_processed_logprobs_are_w403() -> None:
     b = copy.deepcopy(samples)
     for s in b:
         s["streams"]["rollout"] = s["streams"]["rollout"] - 0.1  # trainer renormalises over the full vocab
-    report = compare_runs(make_batch(samples, label="a"), make_batch(b, label="b"), stream_a="rollout")
+    report = compare_runs(make_batch(samples, label="a"), make_batch(b, label="b"), stream_a="rollout").report
     message = report.checks.filter(report.checks["code"] == "W403")["message"][0]
     assert "on 100 % of tokens" in message and "implied kept mass 0.905" in message
 
@@ -76,6 +76,6 @@ def test_a_step_whose_error_jumps_is_w407() -> None:
     for s in b:
         scale = 0.05 if s["step"] == 6 else 0.005
         s["streams"]["rollout"] = s["streams"]["rollout"] - np.abs(rng.normal(0, scale, len(s["loss"])))
-    report = compare_runs(make_batch(samples, label="a"), make_batch(b, label="b"), stream_a="rollout")
+    report = compare_runs(make_batch(samples, label="a"), make_batch(b, label="b"), stream_a="rollout").report
     stale = report.checks.filter(report.checks["code"] == "W407")
     assert stale["step"].to_list() == [6]

@@ -66,7 +66,7 @@ def tempered_runs(tmp_path_factory):
 
 def test_exact_tau_with_model_is_within_001_of_07(tempered_runs) -> None:
     a, b, ckpt = tempered_runs
-    report = compare_runs(read_run(a), read_run(b), stream_a="rollout", model=ckpt)
+    report = compare_runs(read_run(a), read_run(b), stream_a="rollout", model=ckpt).report
     tau = report.value("mismatch/tau_fit", scope="token")
     assert tau is not None and abs(tau - 0.7) < 0.01
     assert report.value("mismatch/tau_fit_rms", scope="token") < 1e-3  # float32 storage of the log-probs

@@ -1,4 +1,4 @@
-"""Reading runs: RUN forms, hive partitions, steps, projection, recompute join and flattening (§2, §6)."""
+"""Reading runs: RUN forms, hive partitions, steps, projection, recompute join and flattening."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Schema helpers, seq_hash and the atomic writers (design/data-and-cli.md §1.3, §1.4, §2.6)."""
+"""Schema helpers, seq_hash and the atomic writers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every §1.5 validation code, triggered by a crafted file (code, severity, exit code, message locations)."""
+"""Every row validation code, triggered by a crafted file (code, severity, exit code, message locations)."""
 
 from __future__ import annotations
 
@@ -145,9 +145,7 @@ def test_e206_zero_fill(tmp_path: Path) -> None:
     result = _check(tmp_path, rows)
     messages = result.issues.filter(pl.col("code") == "E206")["message"].to_list()
     assert any("rollout_logprobs: 20.0 % exact 0.0 on loss positions" in m for m in messages)
-    assert any(
-        "rollout_logprobs 0.0 where old_logprobs < -1 on 1 tokens" in m for m in messages
-    )  # §7 pair rule
+    assert any("rollout_logprobs 0.0 where old_logprobs < -1 on 1 tokens" in m for m in messages)  # pair rule
     assert result.exit_code == EXIT_INVALID
     # one zero among many values in a sample that is not all-zero, below 1 %: a warning (W216) instead
     rows = valid_rows()

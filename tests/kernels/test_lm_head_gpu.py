@@ -1,6 +1,6 @@
 """GPU accuracy of the LM-head kernels at real sizes (d = 4096, V = 151936) against fp64 full logits.
 
-Targets (design/performance.md §1): bf16 head max |delta| <= 1e-3 nats and mean <= 1e-5 for logprob and
+Targets: bf16 head max |delta| <= 1e-3 nats and mean <= 1e-5 for logprob and
 entropy; fp32 head max <= 1e-5. The fp64 logits are computed on the CPU from the same (already rounded)
 inputs. Accuracy is judged on targets sampled from the model's own distribution at the temperature under
 test, as in RL rollouts; targets drawn uniformly from the vocabulary (|logprob| ~ 30-50) get the max bound

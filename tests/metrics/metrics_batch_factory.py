@@ -77,7 +77,7 @@ def make_batch(
 
 
 def worked_example(*, include_masked: bool = False) -> TokenBatch:
-    """The batch of design/metrics.md §11 (s3's third token is masked unless `include_masked`)."""
+    """The batch of docs/metrics.md (s3's third token is masked unless `include_masked`)."""
     old = [[-1.0, -2.0, -0.5], [-0.3, -1.5, -3.0, -0.9], [-0.7, -1.2, -2.5, -0.4], [-1.1, -0.3, -2.0]]
     new = [[-1.0, -1.7, -0.8], [-0.05, -1.8, -2.95, -0.9], [-0.5, -1.25, -9.0, -0.3], [-1.35, -0.3, -1.85]]
     if not include_masked:

@@ -1,4 +1,4 @@
-"""Loss aggregation (design/metrics.md §7): every native mode and every §7.3 alias against its formula.
+"""Loss aggregation (docs/metrics.md): every native mode and every framework alias against its formula.
 
 The batch has unequal lengths (3, 1, 0, 2), one empty sample (counted in S unless --empty-seqs skip), two
 prompt groups, ratios on both sides of the band, and advantages of both signs.
@@ -68,7 +68,7 @@ def batch():
 
 
 def loss_values(**settings) -> dict[str, float | None]:
-    metrics = compute_step_native(batch(), MetricSettings(new="new", old="old", **settings))
+    metrics = compute_step_native(batch(), MetricSettings.from_options(new="new", old="old", **settings))
     return {v.key: v.value for v in metrics.values}
 
 
@@ -127,7 +127,7 @@ ALIAS_CASES = [
 
 @pytest.mark.parametrize(("alias", "level", "extra", "mode", "divisor", "n_samples"), ALIAS_CASES)
 def test_alias_resolves_and_gives_the_formula(alias, level, extra, mode, divisor, n_samples):
-    settings = MetricSettings(new="new", old="old", aggregation=alias, level=level, **extra)
+    settings = MetricSettings.from_options(new="new", old="old", aggregation=alias, level=level, **extra)
     resolved = resolve_aggregation(alias, settings)
     assert resolved.mode == mode
     assert resolved.divisor == divisor
@@ -157,18 +157,21 @@ def test_every_alias_rule_is_exercised():
 )
 def test_bad_aggregation_is_a_usage_error(alias, level, message):
     with pytest.raises(UsageError) as err:
-        resolve_aggregation(alias, MetricSettings(level=level))
+        resolve_aggregation(alias, MetricSettings.from_options(level=level))
     assert message in err.value.message
     assert err.value.exit_code == 2
 
 
 def test_non_positive_divisor_is_rejected():
-    with pytest.raises(UsageError, match="positive"):
-        resolve_aggregation("constant", MetricSettings(divisor=0.0))
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(UsageError, match="positive"):
+            MetricSettings(divisor=bad)
+        with pytest.raises(UsageError, match="positive"):
+            MetricSettings(grad_divisor=bad)
 
 
 def test_constant_is_null_without_divisor_when_not_selected():
-    metrics = compute_step_native(batch(), MetricSettings(new="new", old="old"))
+    metrics = compute_step_native(batch(), MetricSettings.from_options(new="new", old="old"))
     got = {v.key: v.value for v in metrics.values}
     assert got["loss/constant"] is None
     assert got["grad/constant_scale"] is None

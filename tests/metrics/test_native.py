@@ -1,4 +1,4 @@
-"""Native engine: the worked example of design/metrics.md §11, the §9 identities and the edge cases."""
+"""Native engine: the 4-sample worked example, the on-policy identities and the edge cases."""
 
 from __future__ import annotations
 
@@ -15,19 +15,19 @@ from pgdiag.metrics.identity import check_identity
 from pgdiag.metrics.loss import aliases_markdown
 from pgdiag.metrics.settings import MetricSettings
 
-POLICY = MetricSettings(new="new", old="old")
+POLICY = MetricSettings.from_options(new="new", old="old")
 
 
 def values(batch, settings=POLICY) -> dict[str, float | None]:
     return {v.key: v.value for v in compute_step_native(batch, settings).values}
 
 
-# ---- §11 worked example ---------------------------------------------------------------------------------
+# ---- worked example ----------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def example() -> dict[str, float | None]:
-    return values(worked_example(), MetricSettings(new="new", old="old", divisor=4.0))
+    return values(worked_example(), MetricSettings.from_options(new="new", old="old", divisor=4.0))
 
 
 @pytest.mark.parametrize(
@@ -77,7 +77,7 @@ def test_worked_example_hand_sums(example):
     assert example["policy/seq_ratio_max"] == pytest.approx(1.086904, abs=1e-6)
     assert example["policy/seq_ratio_min"] == pytest.approx(0.967216, abs=1e-6)
     assert example["policy/seq_clip_frac_band"] == 0.0
-    # weight sums of §7.5: 1 for token_mean, S+/S for sample_mean, N/(L·S) for constant, N for token_sum
+    # weight sums: 1 for token_mean, S+/S for sample_mean, N/(L·S) for constant, N for token_sum
     assert example["grad/token_mean_weight_sum"] == pytest.approx(1.0, abs=1e-12)
     assert example["grad/sample_mean_weight_sum"] == pytest.approx(1.0, abs=1e-12)
     assert example["grad/constant_weight_sum"] == pytest.approx(13 / 16, abs=1e-12)
@@ -87,7 +87,9 @@ def test_worked_example_hand_sums(example):
 
 
 def test_worked_example_sample_reduction():
-    got = values(worked_example(), MetricSettings(new="new", old="old", metric_reduction="sample"))
+    got = values(
+        worked_example(), MetricSettings.from_options(new="new", old="old", metric_reduction="sample")
+    )
     assert got["policy/ratio_mean"] == pytest.approx(1.030517, abs=1e-6)
     assert got["policy/clip_frac_binding"] == pytest.approx(0.3125, abs=1e-6)
     # miles train/ppo_kl is the sample mean of −d: (0 + 0 − 0.25/3 + 0.1/3) / 4
@@ -98,7 +100,9 @@ def test_worked_example_sample_reduction():
 
 def test_worked_example_document_reduction_is_fast_llm_band():
     # one document per sample: Fast-LLM grpo_clipped_ratio_fraction = (2/3 + 2/4 + 1/3 + 1/3) / 4
-    got = values(worked_example(), MetricSettings(new="new", old="old", metric_reduction="document"))
+    got = values(
+        worked_example(), MetricSettings.from_options(new="new", old="old", metric_reduction="document")
+    )
     assert got["policy/clip_frac_band"] == pytest.approx(0.458333, abs=1e-6)
 
 
@@ -109,13 +113,13 @@ def test_masked_token_would_move_kl_k1():
     assert got["count/tokens"] == 14
 
 
-# ---- §9 identities ----------------------------------------------------------------------------------------
+# ---- on-policy identities ----------------------------------------------------------------------------------------
 
 
 def test_on_policy_identity_is_exact():
     lp = [[-0.3, -2.0, -1.1], [-0.7], [-4.0, -0.01]]
     batch = make_batch(new=lp, old=lp, advantages=[0.5, -1.5, 2.0], groups=["a", "a", "b"])
-    got = values(batch, MetricSettings(new="new", old="old", divisor=3.0, dual_clip=3.0))
+    got = values(batch, MetricSettings.from_options(new="new", old="old", divisor=3.0, dual_clip=3.0))
     for key in ("policy/ratio_mean", "policy/ratio_min", "policy/ratio_max", "policy/seq_ratio_mean"):
         assert got[key] == 1.0, key
     for key in [k for k in got if k.startswith("policy/clip_frac") or k.startswith("policy/kl_")]:
@@ -142,7 +146,8 @@ def test_sample_mean_equals_token_mean_with_equal_lengths():
     new = (np.array(old) + rng.normal(0.0, 0.3, (5, 4))).tolist()
     adv = rng.normal(0.0, 1.0, 5).tolist()
     got = values(
-        make_batch(new=new, old=old, advantages=adv), MetricSettings(new="new", old="old", divisor=4.0)
+        make_batch(new=new, old=old, advantages=adv),
+        MetricSettings.from_options(new="new", old="old", divisor=4.0),
     )
     assert got["loss/sample_mean"] == pytest.approx(got["loss/token_mean"], rel=1e-14)
     # constant with L = every length is the sample mean
@@ -172,7 +177,7 @@ def test_fully_masked_and_single_token_samples():
     loss_1 = (max(-r1, -1.2) + -1.0) / 2
     loss_3 = max(math.exp(0.2), min(max(math.exp(0.2), 0.8), 1.2))  # A = −1: max(r, clip(r))
     assert got["loss/sample_mean"] == pytest.approx((loss_1 + loss_3) / 4, abs=1e-15)
-    skipped = values(batch, MetricSettings(new="new", old="old", empty_seqs="skip"))
+    skipped = values(batch, MetricSettings.from_options(new="new", old="old", empty_seqs="skip"))
     assert skipped["loss/sample_mean"] == pytest.approx((loss_1 + loss_3) / 2, abs=1e-15)
     assert got["policy/seq_ratio_mean"] == pytest.approx((math.exp(0.1) + math.exp(0.2)) / 2, abs=1e-15)
 
@@ -193,7 +198,7 @@ def test_dual_clip_for_negative_advantage_and_large_ratio():
     # r = e^1.5 = 4.48 > C = 3 with A = −1: ℓ = min(max(r, clip(r)), 3) = 3, Dual = 1, gradient 0
     batch = make_batch(new=[[-0.5, -1.0]], old=[[-2.0, -1.0]], advantages=[-1.0])
     plain = values(batch)
-    dual = values(batch, MetricSettings(new="new", old="old", dual_clip=3.0))
+    dual = values(batch, MetricSettings.from_options(new="new", old="old", dual_clip=3.0))
     assert plain["loss/token_sum"] == pytest.approx(math.exp(1.5) + 1.0, abs=1e-12)
     assert dual["loss/token_sum"] == pytest.approx(3.0 + 1.0, abs=1e-12)
     assert dual["policy/dual_clip_frac"] == 0.5
@@ -246,10 +251,10 @@ def test_zero_std_group_and_singletons():
         groups=["a", "a", "b", "b", "c"],
         reward=[1.0, 1.0, 1.0, 0.0, 0.5],
     )
-    got = values(batch, MetricSettings(new="new", old="old"))
+    got = values(batch, MetricSettings.from_options(new="new", old="old"))
     assert got["advantage/group_zero_std_frac"] == 0.5  # a is constant, b is not, c is a singleton
     assert got["count/groups_singleton"] == 1
-    tolerant = values(batch, MetricSettings(new="new", old="old", zero_std_atol=0.6))
+    tolerant = values(batch, MetricSettings.from_options(new="new", old="old", zero_std_atol=0.6))
     assert tolerant["advantage/group_zero_std_frac"] == 1.0  # b has population std 0.5
     no_reward = make_batch(
         new=[[-1.0]] * 4, old=[[-1.0]] * 4, advantages=[0.0, 0.0, 1.0, -1.0], groups="aabb"
@@ -259,7 +264,7 @@ def test_zero_std_group_and_singletons():
 
 def test_empty_step_gives_nulls_not_nan():
     batch = make_batch(new=[[], []], old=[[], []], advantages=[1.0, -1.0], rollout=[[], []], entropy=[[], []])
-    settings = MetricSettings(
+    settings = MetricSettings.from_options(
         new="new", old="old", stream_a="rollout", stream_b="old", entropy="rc", divisor=2.0
     )
     result = compute_step_native(batch, settings)
@@ -275,7 +280,9 @@ def test_empty_step_gives_nulls_not_nan():
 
 def test_one_token_step():
     batch = make_batch(new=[[-0.5]], old=[[-1.0]], advantages=[2.0], rollout=[[-1.1]])
-    settings = MetricSettings(new="new", old="old", stream_a="rollout", stream_b="old", divisor=1.0)
+    settings = MetricSettings.from_options(
+        new="new", old="old", stream_a="rollout", stream_b="old", divisor=1.0
+    )
     got = values(batch, settings)
     r = math.exp(0.5)
     assert got["policy/ratio_mean"] == pytest.approx(r, rel=1e-15)
@@ -296,7 +303,7 @@ def test_one_token_step():
 def test_mismatch_family_hand_values():
     rollout = [[-1.0, -2.0], [-0.5]]
     old = [[-1.1, -1.9], [-0.5]]
-    settings = MetricSettings(stream_a="rollout", stream_b="old")
+    settings = MetricSettings.from_options(stream_a="rollout", stream_b="old")
     result = compute_step_native(make_batch(old=old, rollout=rollout), settings)
     got = {v.key: v.value for v in result.values}
     delta = np.array([-0.1, 0.1, 0.0])
@@ -335,7 +342,7 @@ def test_docs_per_step_cuts_documents_and_marks_partial():
         groups=["a", "a", "b", "b", "c"],
         steps=[7, 7, 7, 7, 7],
     )
-    settings = MetricSettings(new="new", old="old", docs_per_step=3)
+    settings = MetricSettings.from_options(new="new", old="old", docs_per_step=3)
     parts = split_steps(batch, settings)
     assert [(label, b.n_samples, status) for label, b, status in parts] == [
         ("0", 4, "ok"),
@@ -357,7 +364,7 @@ def test_docs_per_step_cuts_documents_and_marks_partial():
 
 def test_groups_split_across_docs_per_step():
     batch = make_batch(new=[[-1.0]] * 4, old=[[-1.0]] * 4, advantages=[1.0, -1.0, 1.0, -1.0], groups="aabb")
-    rows = compute_native(batch, MetricSettings(new="new", old="old", docs_per_step=3))
+    rows = compute_native(batch, MetricSettings.from_options(new="new", old="old", docs_per_step=3))
     assert rows[0][1].by_key()["count/groups_split"].value == 1  # b straddles the cut after 3 documents
     assert rows[1][1].by_key()["count/groups_split"].value == 1
     assert rows[2][1].by_key()["count/groups_split"].value == 1
@@ -389,7 +396,7 @@ def test_every_emitted_key_is_in_the_catalog_and_every_catalog_key_can_be_emitte
         entropy=[[0.5, 1.0, 2.0], [0.1, 0.2]],
         advantages=[1.0, -1.0],
     )
-    settings = MetricSettings(
+    settings = MetricSettings.from_options(
         new="new",
         old="old",
         stream_a="rollout",
@@ -404,7 +411,7 @@ def test_every_emitted_key_is_in_the_catalog_and_every_catalog_key_can_be_emitte
     assert emitted == {spec.key for spec in METRIC_CATALOG}
 
 
-# ---- identity check (§9) -------------------------------------------------------------------------------------
+# ---- identity check -------------------------------------------------------------------------------------
 
 
 def test_identity_check_passes_on_policy_and_names_what_breaks():
@@ -463,7 +470,7 @@ def test_document_reduction_joins_segments_of_one_document():
     )
 
     def logratio_mean(reduction):
-        settings = MetricSettings(new="new", old="old", metric_reduction=reduction)
+        settings = MetricSettings.from_options(new="new", old="old", metric_reduction=reduction)
         return values(batch, settings)["policy/logratio_mean"]
 
     assert logratio_mean("token") == pytest.approx((0.1 + 0.2 + 0.3 - 0.1) / 4, abs=1e-15)

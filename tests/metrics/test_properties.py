@@ -1,6 +1,6 @@
 """Property tests: the vectorised engine against slow per-token loops with `math.fsum` on random batches.
 
-The reference re-derives each key from design/metrics.md with plain Python floats (exactly rounded sums)
+The reference re-derives each key from docs/metrics.md with plain Python floats (exactly rounded sums)
 or `decimal` at 50 digits (sequence ESS), independently of pgdiag's reducers.
 """
 
@@ -68,7 +68,7 @@ def token_loss(r, a, dual_clip):
 
 
 def r_mean(per_sample, f, mode):
-    """R(f) of §2 by loops (one document per sample here)."""
+    """R(f) by loops (one document per sample here)."""
     tokens = [f(*tok) for s in per_sample for tok in s]
     if not tokens:
         return None
@@ -120,7 +120,7 @@ def close(got, want, tol=1e-11):
 )
 def test_engine_matches_slow_reference(samples, mode, constant_advantages, dual_clip):
     batch = build(samples, constant_advantages)
-    config = MetricSettings(
+    config = MetricSettings.from_options(
         new="new",
         old="old",
         eps_low=EPS_LOW,
@@ -154,7 +154,7 @@ def test_engine_matches_slow_reference(samples, mode, constant_advantages, dual_
         expected["policy/dual_clip_frac"] = r_mean(
             per_sample, lambda d, r, a: float(is_dual(r, a, dual_clip)), mode
         )
-    # token-level vs sequence-level clip decisions, and the gradient magnitudes of §7.5 (uniform weights)
+    # token-level vs sequence-level clip decisions, and the gradient magnitudes (uniform weights)
     agree, grad_tok, grad_band, grad_seq = [], [], [], []
     for s in per_sample:
         seq_r = math.exp(math.fsum(d for d, _, _ in s) / len(s)) if s else 1.0
@@ -187,7 +187,10 @@ def test_ess_seq_in_log_space_matches_50_digit_reference(log_ratios):
     old = [[-1.0] * len(s) for s in log_ratios]
     new = [[-1.0 + d for d in s] for s in log_ratios]
     batch = make_batch(new=new, old=old)
-    got = {v.key: v.value for v in compute_step_native(batch, MetricSettings(new="new", old="old")).values}
+    got = {
+        v.key: v.value
+        for v in compute_step_native(batch, MetricSettings.from_options(new="new", old="old")).values
+    }
     d = batch.streams["new"] - batch.streams["old"]
     sums = [math.fsum(d[int(batch.offsets[i]) : int(batch.offsets[i + 1])]) for i in range(batch.n_samples)]
     weights = [Decimal(x).exp() for x in sums]

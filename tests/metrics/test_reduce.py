@@ -1,4 +1,4 @@
-"""Reductions of design/metrics.md §2 on hand cases, and the exact large-array quantile path."""
+"""Reductions of docs/metrics.md on hand cases, and the exact large-array quantile path."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Gates (data-and-cli.md §5.3): grammar, resolution of names, profiles, missing values, exit codes."""
+"""Gates (docs/cli.md): grammar, resolution of names, profiles, missing values, exit codes."""
 
 from __future__ import annotations
 

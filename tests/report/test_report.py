@@ -1,4 +1,4 @@
-"""Report round trip (data-and-cli.md §2.4): tidy table, nulls never NaN, infinities kept, atomic files."""
+"""Report round trip (docs/compare.md): tidy table, nulls never NaN, infinities kept, atomic files."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_round_trip(tmp_path: Path) -> None:
     assert loaded.value("mismatch/abs_mean", breakdown="prob_bucket", bucket="[0.9,0.99)") == 0.25
     # a directory holding one report loads too
     assert load_report(tmp_path / "out").summary.equals(report.summary)
-    # the dictionary-encoded columns of §2.4
+    # the dictionary-encoded columns of the report
     schema = pq.read_schema(files.report)
     assert str(schema.field("metric").type).startswith("dictionary")
     # JSON has no infinity: it is written as a string

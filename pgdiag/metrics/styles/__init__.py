@@ -1,4 +1,4 @@
-"""Framework key styles (`--key-style`, design/metrics.md §8): one framework's own keys for one step.
+"""Framework key styles (`--key-style`, docs/key-styles.md): one framework's own keys for one step.
 
 What: `compute_step_style(batch, settings)` returns the keys that Fast-LLM, verl, TRL, Liger, miles or
 PipelineRL would log for this step, with their exact names, formulas, clamps, epsilons and reductions, for
@@ -7,7 +7,7 @@ the native engine, so clamped or zeroed extremes stay visible next to the framew
 
 Why: parity checks compare a trainer's logged values with a recompute; the frameworks disagree on the
 definitions behind similar names (band vs binding clip, KL direction, `max(N, 1)` vs `+ 1e-8`, per-sample vs
-per-token advantages, §10), so each style is reproduced separately rather than mapped from native keys.
+per-token advantages), so each style is reproduced separately rather than mapped from native keys.
 
 How: `check_style_settings` rejects any flag the framework has no setting for (`UsageError`, exit 2) and any
 `--aggregation` it cannot name; each style module (`fast_llm`, `verl`, `trl`, `liger`, `miles`,
@@ -49,7 +49,7 @@ STYLE_NAMES = tuple(_STYLES)
 
 
 def check_style_settings(settings: MetricSettings) -> None:
-    """Raise `UsageError` for a style flag `settings.key_style`'s framework does not have (metrics.md §8)."""
+    """Raise `UsageError` for a style flag `settings.key_style`'s framework does not have (docs/key-styles.md)."""
     if settings.key_style not in _STYLES:
         raise UsageError(
             "E112",

@@ -1,4 +1,4 @@
-"""Shared pieces of the framework key styles (design/metrics.md §8): inputs, guarded means, clamps, flags.
+"""Shared pieces of the framework key styles (docs/key-styles.md): inputs, guarded means, clamps, flags.
 
 What: every style reads the same flat token arrays of one step and reduces them with its framework's own
 denominator guard. This module resolves those arrays once (`StyleInputs`), gives each guard a name
@@ -6,8 +6,8 @@ denominator guard. This module resolves those arrays once (`StyleInputs`), gives
 and Fast-LLM, `sample_mean_guard` for miles' ``SM``, `document_mean` for Fast-LLM's per-document weights),
 and checks that a style is only given flags its framework has.
 
-Why: the guards, clamps and reductions are exactly where the frameworks disagree (§10 traps 4-7), so they
-live in one place with one name each, and the style modules read like the tables of §8.
+Why: the guards, clamps and reductions are exactly where the frameworks disagree (docs/key-styles.md), so they
+live in one place with one name each, and the style modules read like the tables of docs/key-styles.md.
 
 How: all arithmetic is float64 numpy over the flat (M,) token arrays of `TokenBatch`; per-sample sums use
 `np.bincount` on `TokenBatch.token_sample()`. Only loss positions are in a batch, so ``m = 1`` on every
@@ -111,7 +111,7 @@ class StyleInputs:
 
 
 def read_inputs(batch: TokenBatch, settings: MetricSettings) -> StyleInputs:
-    """The style inputs of `batch` under the stream roles of `settings` (metrics.md §8 "Roles")."""
+    """The style inputs of `batch` under the stream roles of `settings` (docs/key-styles.md)."""
 
     def stream(name: str | None, what: str) -> np.ndarray | None:
         if name is None:
@@ -199,7 +199,7 @@ def clip_ratio(r: np.ndarray, eps_low: float, eps_high: float) -> np.ndarray:
 
 
 def ppo_token_loss(ratio: np.ndarray, adv: np.ndarray, eps_low: float, eps_high: float) -> np.ndarray:
-    """ℓ = max(−A r, −A clip(r)) per token (metrics.md §7.1), NaN propagated as torch.maximum does."""
+    """ℓ = max(−A r, −A clip(r)) per token (docs/metrics.md), NaN propagated as torch.maximum does."""
     return np.maximum(-adv * ratio, -adv * clip_ratio(ratio, eps_low, eps_high))
 
 
@@ -222,19 +222,16 @@ def value(key: str, v: float | None, unit: str, reduction: str, n: int) -> Metri
 
 
 def check_flags(style: str, settings: MetricSettings, allowed: frozenset[str]) -> None:
-    """Reject every style-only setting that `style`'s framework does not have (metrics.md §8, exit 2),
-    and a dual-clip constant that is not > 1 where the framework has one."""
-    if "dual_clip" in allowed and settings.dual_clip is not None and not settings.dual_clip > 1.0:
-        raise UsageError(
-            "bad-flag", f"--dual-clip must be > 1 for --key-style {style} (got {settings.dual_clip})"
-        )
+    """Reject every style-only setting that `style`'s framework does not have (docs/key-styles.md, exit 2);
+    a dual-clip constant <= 1 never gets here (`ClipBand` rejects it)."""
+    given = settings.to_dict()
     for attr, flag, unset in _FLAG_DEFAULTS:
         if attr in allowed:
             continue
-        if getattr(settings, attr) != unset:
+        if given[attr] != unset:
             raise UsageError(
                 "bad-flag",
-                f"{flag} is not a setting of --key-style {style} (got {getattr(settings, attr)!r})",
+                f"{flag} is not a setting of --key-style {style} (got {given[attr]!r})",
                 "see docs/key-styles.md for the flags each style accepts",
             )
 

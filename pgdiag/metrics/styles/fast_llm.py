@@ -1,4 +1,4 @@
-"""`--key-style fast-llm`: Fast-LLM's policy-gradient loss and metrics (design/metrics.md §8.1).
+"""`--key-style fast-llm`: Fast-LLM's policy-gradient loss and metrics (docs/key-styles.md).
 
 What: the keys Fast-LLM `7d61a1ba` logs from `fast_llm/layers/language_model/loss/policy_gradient.py`
 (`LanguageModelGRPOLoss.fused_core`, `grpo_metrics_core`, `_policy_metrics_reduce`, `LanguageModelGSPOLoss`),
@@ -6,8 +6,8 @@ prefixed by the loss name (``grpo`` by default, `--loss-name`).
 
 Why: Fast-LLM reduces its metrics per **document** (`doc(x) = (1/D) Σ_t m x / max(N_d, 1)`, D counting fully
 masked documents), never clamps the ratio, and its `clipped_ratio_fraction` is the **band** fraction (ratio
-outside [1 − ε_l, 1 + ε_h] whatever the advantage, §10 trap 1), so its numbers differ from verl/TRL on the
-same batch. Worked example (§11): `grpo_clipped_ratio_fraction` = (2/3 + 2/4 + 1/3 + 1/3)/4 = 0.458333,
+outside [1 − ε_l, 1 + ε_h] whatever the advantage), so its numbers differ from verl/TRL on the
+same batch. Worked example: `grpo_clipped_ratio_fraction` = (2/3 + 2/4 + 1/3 + 1/3)/4 = 0.458333,
 `grpo` = 1.047195/13 = 0.080553.
 
 How: `--level sequence` is the `gspo` loss: the ratio fields use the segment (row) ratio
@@ -47,7 +47,7 @@ def check_fast_llm_settings(settings: MetricSettings) -> None:
 
 def compute_fast_llm(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     """Fast-LLM's keys for one step (one micro-batch, one process)."""
-    prefix = settings.loss_name or "grpo"
+    prefix = settings.style.loss_name or "grpo"
     sequence = settings.level == "sequence"
     n_docs = int(inputs.document.max()) + 1 if inputs.n_samples else 0
     doc_tokens = np.bincount(inputs.document, weights=inputs.n_loss, minlength=n_docs)  # (D,) N_d
@@ -121,7 +121,7 @@ def _ratio_fields(
 
 def _band(ratio: np.ndarray, settings: MetricSettings) -> np.ndarray:
     """1[r < 1 − ε_l ∨ r > 1 + ε_h] as float (Fast-LLM's `clipped`, any advantage)."""
-    return ((ratio < 1.0 - settings.eps_low) | (ratio > 1.0 + settings.eps_high)).astype(np.float64)
+    return ((ratio < 1.0 - settings.clip.eps_low) | (ratio > 1.0 + settings.clip.eps_high)).astype(np.float64)
 
 
 def _loss(inputs: StyleInputs, settings: MetricSettings, n_docs: int) -> float:
@@ -130,9 +130,9 @@ def _loss(inputs: StyleInputs, settings: MetricSettings, n_docs: int) -> float:
     if settings.level == "sequence":
         seq_ratio = exp(inputs.seq_mean_logratio())  # (S,) R_s
         seq_adv = inputs.sample_mean_adv()  # (S,) Ā_s
-        clipped = clip_ratio(seq_ratio, settings.eps_low, settings.eps_high)
+        clipped = clip_ratio(seq_ratio, settings.clip.eps_low, settings.clip.eps_high)
         seq_loss = -np.minimum(seq_ratio * seq_adv, clipped * seq_adv)  # (S,) l_s
         return div(total(inputs.n_loss * seq_loss), n_docs)
     ratio = exp(inputs.lp_new - inputs.lp_old)
-    token_loss = ppo_token_loss(ratio, inputs.adv, settings.eps_low, settings.eps_high)
+    token_loss = ppo_token_loss(ratio, inputs.adv, settings.clip.eps_low, settings.clip.eps_high)
     return div(total(token_loss), max(inputs.n_tokens, 1))

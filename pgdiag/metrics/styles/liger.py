@@ -1,4 +1,4 @@
-"""`--key-style liger`: Liger-Kernel 0.8.5's fused GRPO loss outputs (design/metrics.md §8.4).
+"""`--key-style liger`: Liger-Kernel 0.8.5's fused GRPO loss outputs (docs/key-styles.md).
 
 What: `loss`, `kl` (β ≠ 0) and `clip_ratio`, the positional outputs of
 `src/liger_kernel/chunked_loss/grpo_loss.py::LigerFusedLinearGRPOFunction.ppo_loss_fn`, named as TRL logs
@@ -49,8 +49,8 @@ def check_liger_settings(settings: MetricSettings) -> None:
             "bad-flag",
             "liger dr_grpo needs --divisor (max_completion_length); Liger has no default for it",
         )
-    if settings.pad_width is not None and settings.pad_width < 1:
-        raise UsageError("bad-flag", f"--pad-width must be >= 1 (got {settings.pad_width})")
+    if settings.style.pad_width is not None and settings.style.pad_width < 1:
+        raise UsageError("bad-flag", f"--pad-width must be >= 1 (got {settings.style.pad_width})")
 
 
 def compute_liger(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
@@ -59,7 +59,7 @@ def compute_liger(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
         return StyleOutput((), ("liger: the loss function needs the new and old streams and advantages",))
     assert inputs.lp_new is not None and inputs.lp_old is not None
     loss_type = resolve_alias("liger", settings.aggregation, LOSS_TYPES, "dapo")
-    beta = DEFAULT_BETA if settings.beta is None else settings.beta
+    beta = DEFAULT_BETA if settings.style.beta is None else settings.style.beta
     sequence = settings.level == "sequence"
     n = inputs.n_tokens
     notices = []
@@ -74,7 +74,9 @@ def compute_liger(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     else:
         ratio = exp(inputs.lp_new - inputs.lp_old)  # (M,)
     adv = inputs.per_token(inputs.sample_mean_adv())  # (M,) Ā_i
-    token_loss = -np.minimum(ratio * adv, clip_ratio(ratio, settings.eps_low, settings.eps_high) * adv)
+    token_loss = -np.minimum(
+        ratio * adv, clip_ratio(ratio, settings.clip.eps_low, settings.clip.eps_high) * adv
+    )
     if beta != 0.0:
         token_loss = token_loss + beta * kl
     if loss_type == "luspo":
@@ -87,8 +89,8 @@ def compute_liger(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     out = [value("loss", loss, "loss", "mode", n)]
     if beta != 0.0:
         out.append(value("kl", mean_guard(kl), "nats", "token", n))
-    low = (ratio < 1.0 - settings.eps_low) & (adv < 0)
-    high = (ratio > 1.0 + settings.eps_high) & (adv > 0)
+    low = (ratio < 1.0 - settings.clip.eps_low) & (adv < 0)
+    high = (ratio > 1.0 + settings.clip.eps_high) & (adv > 0)
     out.append(value("clip_ratio", mean_guard((low | high) * 1.0), "fraction", "token", n))
     return StyleOutput(tuple(out), tuple(notices))
 
@@ -98,7 +100,7 @@ def _luspo(inputs: StyleInputs, token_loss: np.ndarray, settings: MetricSettings
     if settings.level == "sequence":
         seq_loss = div_array(inputs.sample_sum(token_loss), inputs.n_loss, empty=0.0)  # (S,) l_i
         return div(total(inputs.n_loss * seq_loss), inputs.n_samples)
-    width = settings.pad_width
+    width = settings.style.pad_width
     if width is None:
         width = int(np.max(inputs.seq_len - inputs.prompt_len)) if inputs.n_samples else 1
     return div(total(inputs.n_loss * inputs.sample_sum(token_loss)), inputs.n_samples * width)

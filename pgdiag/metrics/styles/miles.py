@@ -1,12 +1,12 @@
-"""`--key-style miles`: miles' `train/*` loss and metrics (design/metrics.md §8.5).
+"""`--key-style miles`: miles' `train/*` loss and metrics (docs/key-styles.md).
 
 What: the keys of miles `31f1ca96` + PR #1498 (`--loss-aggregation`): `loss_hub/losses.py::policy_loss_function`
 and `get_pg_loss_reducer`, `loss_hub/math_utils.py::compute_policy_loss`, `compute_approx_kl`,
 `compute_ess_ratio_contribution`, `_safe_clamp_log_ratio`, reduced by `cp_utils.py::get_sum_of_sample_mean`.
 
 Why: miles reports every metric as a **sample mean** `SM(x) = (1/S) Σ_i Σ_t m x / max(N_i, 1)` (empty samples
-add 0 and count in S), stores `ppo_kl = lp_old − lp_new` (sign opposite to verl's naming, §10 trap 3) and
-clamps log-ratios to ±20 after mapping NaN → 0 and ±inf → ±20. Worked example (§11): `train/ppo_kl` =
+add 0 and count in S), stores `ppo_kl = lp_old − lp_new` (sign opposite to verl's naming) and
+clamps log-ratios to ±20 after mapping NaN → 0 and ±inf → ±20. Worked example: `train/ppo_kl` =
 (0 + 0 − 0.25/3 + 0.1/3)/4 = −0.0125, against verl's token mean −0.011538.
 
 How: `--aggregation` picks `--loss-aggregation` (sample_mean default, prompt_mean, token_mean, constant with
@@ -77,7 +77,7 @@ def compute_miles(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     notices = []
     if s and int(np.max(np.bincount(inputs.document))) > 1:
         notices.append("miles: documents with several rows (multi-sample rollouts) are not reproduced in v1")
-    if settings.tis and not inputs.has_pair:
+    if settings.style.tis and not inputs.has_pair:
         raise UsageError("bad-flag", "miles --tis needs a rollout stream (--stream-a) for the TIS weights")
 
     def sm(x: np.ndarray) -> float:
@@ -109,7 +109,7 @@ def compute_miles(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
         ]
     if inputs.lp_new is not None and inputs.lp_ref is not None:
         out.append(value("train/kl_loss", sm(inputs.lp_new - inputs.lp_ref), "nats", "sample", s))
-    if settings.tis:
+    if settings.style.tis:
         tis = _tis_weight_raw(inputs)  # (M,)
         clipped = np.clip(tis, TIS_CLIP_LOW, TIS_CLIP_HIGH)
         out += [
@@ -133,11 +133,11 @@ def _policy_loss(
     assert inputs.adv is not None
     adv = inputs.adv
     loss_unclipped = -ratio * adv
-    loss_clipped = -clip_ratio(ratio, settings.eps_low, settings.eps_high) * adv
+    loss_clipped = -clip_ratio(ratio, settings.clip.eps_low, settings.clip.eps_high) * adv
     token_loss = np.maximum(loss_unclipped, loss_clipped)  # (M,) ℓ̂
-    if settings.dual_clip is not None:
-        token_loss = np.where(adv < 0, np.minimum(-settings.dual_clip * adv, token_loss), token_loss)
-    if settings.tis:
+    if settings.clip.dual_clip is not None:
+        token_loss = np.where(adv < 0, np.minimum(-settings.clip.dual_clip * adv, token_loss), token_loss)
+    if settings.style.tis:
         token_loss = token_loss * np.clip(_tis_weight_raw(inputs), TIS_CLIP_LOW, TIS_CLIP_HIGH)
     pg_loss = _reduce_loss(inputs, token_loss, agg, settings.divisor)
     clipfrac = sample_mean_guard(inputs, (loss_clipped > loss_unclipped) * 1.0)

@@ -1,16 +1,16 @@
-"""`--key-style pipelinerl`: PipelineRL's `rl/*` loss and statistics (design/metrics.md §8.6).
+"""`--key-style pipelinerl`: PipelineRL's `rl/*` loss and statistics (docs/key-styles.md).
 
 What: the stats of `pipelinerl/finetune/rl/__init__.py::rl_step` (RLConfig `policy_loss = ppo`) after
 `pipelinerl/finetune/rl/utils.py::aggregate_rl_stats`, plus `rl/ess` from `pipelinerl/finetune_loop.py`.
 
 Why: PipelineRL weights every token by 1/N_i and divides by the samples of the step
 (`doc(x) = (1/S) Σ_i Σ_t m x / N_i`), divides its loss by `RLConfig.batch_size` (not by tokens), and its
-`clamp_log_ratio_new_old_indicator` is the **band** fraction (any advantage, §10 trap 1). The old log-probs
+`clamp_log_ratio_new_old_indicator` is the **band** fraction (any advantage). The old log-probs
 are the inference engine's (feed them as lp_old). Keys named "...min"/"...max" are extrema, "...sum" and
 "loss" are plain sums.
 
 How: `rl/loss` = Σ_t w_t [ℓ_t + kl_coef·k̂_t] with w_t = 1/batch_size (`--batch-size`, default S) or, with
-`--group-normalize`, 1/(mean input length of the sample's group); ℓ of §7.1 without dual clip or ratio
+`--group-normalize`, 1/(mean input length of the sample's group); ℓ = max(−A r, −A clip(r)) without dual clip or ratio
 clamp; k̂ = e^c − c − 1 with c = clamp(lp_ref − lp_new, ±10), only when a reference stream is present
 (`--kl-coef`, default 0.1). A step without labels logs no `rl/*` stats, as `rl_step` returns early.
 """
@@ -48,8 +48,8 @@ def check_pipelinerl_settings(settings: MetricSettings) -> None:
     """Reject flags PipelineRL has no setting for; only the `ppo` policy loss is reproduced."""
     check_flags("pipelinerl", settings, ALLOWED_FLAGS)
     resolve_alias("pipelinerl", settings.aggregation, _POLICY_LOSSES, "ppo")
-    if settings.batch_size is not None and settings.batch_size < 1:
-        raise UsageError("bad-flag", f"--batch-size must be >= 1 (got {settings.batch_size})")
+    if settings.style.batch_size is not None and settings.style.batch_size < 1:
+        raise UsageError("bad-flag", f"--batch-size must be >= 1 (got {settings.style.batch_size})")
 
 
 def compute_pipelinerl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
@@ -122,7 +122,7 @@ def _ratio_keys(
     d = inputs.lp_new - inputs.lp_old  # (M,)
     ratio = exp(d)
     ratio_sum, ratio_sq_sum = total(ratio), total(ratio * ratio)
-    band = clip_ratio(ratio, settings.eps_low, settings.eps_high) != ratio
+    band = clip_ratio(ratio, settings.clip.eps_low, settings.clip.eps_high) != ratio
     return [
         value("rl/ratio_new_old", doc(ratio), "ratio", "document", s),
         value("rl/ratio_new_old_sum", ratio_sum, "ratio", "sum", n),
@@ -142,20 +142,20 @@ def _loss(
     assert inputs.lp_new is not None and inputs.lp_old is not None and inputs.adv is not None
     notices = []
     token_loss = ppo_token_loss(
-        exp(inputs.lp_new - inputs.lp_old), inputs.adv, settings.eps_low, settings.eps_high
+        exp(inputs.lp_new - inputs.lp_old), inputs.adv, settings.clip.eps_low, settings.clip.eps_high
     )
-    kl_coef = DEFAULT_KL_COEF if settings.kl_coef is None else settings.kl_coef
+    kl_coef = DEFAULT_KL_COEF if settings.style.kl_coef is None else settings.style.kl_coef
     if kl_ref is not None:
         token_loss = token_loss + kl_coef * kl_ref
     elif kl_coef != 0.0:
         notices.append(
             f"pipelinerl: no reference stream, so the kl_coef = {kl_coef} term is left out of rl/loss"
         )
-    if settings.group_normalize:
+    if settings.style.group_normalize:
         groups, group_of_sample = np.unique(inputs.group, return_inverse=True)
         length_sum = np.bincount(group_of_sample, weights=inputs.seq_len, minlength=groups.shape[0])
         members = np.bincount(group_of_sample, minlength=groups.shape[0])
         group_length = (length_sum / members)[group_of_sample]  # (S,) mean input length of the group
         return total(token_loss / inputs.per_token(group_length)), notices
-    batch_size = settings.batch_size if settings.batch_size is not None else inputs.n_samples
+    batch_size = settings.style.batch_size if settings.style.batch_size is not None else inputs.n_samples
     return div(total(token_loss), batch_size), notices

@@ -1,11 +1,11 @@
-"""`--key-style trl`: TRL 1.16's GRPOTrainer loss and logged metrics (design/metrics.md §8.3).
+"""`--key-style trl`: TRL 1.16's GRPOTrainer loss and logged metrics (docs/key-styles.md).
 
 What: `loss`, `clip_ratio/*`, `entropy`, `kl` from `trl/trainer/grpo_trainer.py::GRPOTrainer._compute_loss`,
 and `sampling/*`, `frac_reward_zero_std` from `::_generate_and_score_completions`.
 
-Why: TRL takes **one advantage per sample** (pgdiag passes Ā_i, §10 trap 8), never clamps the ratio, guards
+Why: TRL takes **one advantage per sample** (pgdiag passes Ā_i), never clamps the ratio, guards
 every token mean with max(Σ m, 1), and picks its loss denominator by `loss_type` (grpo, bnpo, dr_grpo,
-dapo, luspo). Worked example (§11): `loss` = 0.080553 under `dapo` (the default) and 0.001114 under `grpo`.
+dapo, luspo). Worked example: `loss` = 0.080553 under `dapo` (the default) and 0.001114 under `grpo`.
 When a rollout stream is present the vLLM importance-sampling correction (`sequence_mask`, clip_max 3)
 multiplies the policy term per sample, as TRL does before adding β·KL.
 
@@ -65,21 +65,23 @@ def check_trl_settings(settings: MetricSettings) -> None:
 def compute_trl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     """TRL's keys for one step (one generation batch = one optimizer step, GA = 1, one process)."""
     loss_type = resolve_alias("trl", settings.aggregation, LOSS_TYPES, "dapo")
-    beta = DEFAULT_BETA if settings.beta is None else settings.beta
+    beta = DEFAULT_BETA if settings.style.beta is None else settings.style.beta
     if beta != 0.0 and inputs.lp_ref is None:
         raise UsageError(
             "bad-flag",
             f"--key-style trl --beta {beta}: the KL term needs a reference stream",
             "pass --ref STREAM, or leave --beta at TRL's default 0",
         )
-    use_is = settings.vllm_is and inputs.has_pair
+    use_is = settings.style.vllm_is and inputs.has_pair
     n = inputs.n_tokens
     out = []
     seq_isr = _importance_sampling_ratio(inputs) if use_is else None  # (S,)
     if inputs.has_policy and inputs.adv is not None:
         ratio = _ratio(inputs, settings)  # (M,)
         adv = inputs.per_token(inputs.sample_mean_adv())  # (M,) Ā_i
-        token_loss = -np.minimum(ratio * adv, clip_ratio(ratio, settings.eps_low, settings.eps_high) * adv)
+        token_loss = -np.minimum(
+            ratio * adv, clip_ratio(ratio, settings.clip.eps_low, settings.clip.eps_high) * adv
+        )
         if seq_isr is not None:
             token_loss = token_loss * inputs.per_token(seq_isr)
         if beta != 0.0:
@@ -102,7 +104,7 @@ def compute_trl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
 
 
 def aggregate_loss_type(inputs: StyleInputs, token_loss: np.ndarray, loss_type: str, divisor: float) -> float:
-    """The TRL/Liger loss-type denominators for one whole step (metrics.md §7.3); B counts empty rows."""
+    """The TRL/Liger loss-type denominators for one whole step (docs/metrics.md); B counts empty rows."""
     b = inputs.n_samples
     if loss_type == "grpo":
         per_sample = inputs.sample_sum(token_loss) / np.maximum(inputs.n_loss, 1)  # (S,)
@@ -129,16 +131,16 @@ def _clip_metrics(inputs: StyleInputs, settings: MetricSettings, ratio: np.ndarr
     seq_adv = inputs.sample_mean_adv()  # (S,)
     if settings.level == "sequence":
         seq_ratio = exp(inputs.seq_mean_logratio())  # (S,) R_i; empty rows have R = 1
-        low = (seq_ratio < 1.0 - settings.eps_low) & (seq_adv < 0)  # (S,)
-        high = (seq_ratio > 1.0 + settings.eps_high) & (seq_adv > 0)
+        low = (seq_ratio < 1.0 - settings.clip.eps_low) & (seq_adv < 0)  # (S,)
+        high = (seq_ratio > 1.0 + settings.clip.eps_high) & (seq_adv > 0)
         b = inputs.n_samples
         low_mean, high_mean, region_mean = (div(float(np.sum(x)), b) for x in (low, high, low | high))
         low_tok, high_tok = inputs.per_token(low), inputs.per_token(high)
         reduction, n = "sample", b
     else:
         adv = inputs.per_token(seq_adv)
-        low_tok = (ratio < 1.0 - settings.eps_low) & (adv < 0)  # (M,)
-        high_tok = (ratio > 1.0 + settings.eps_high) & (adv > 0)
+        low_tok = (ratio < 1.0 - settings.clip.eps_low) & (adv < 0)  # (M,)
+        high_tok = (ratio > 1.0 + settings.clip.eps_high) & (adv > 0)
         low_mean, high_mean, region_mean = (
             mean_guard(x * 1.0) for x in (low_tok, high_tok, low_tok | high_tok)
         )

@@ -1,4 +1,4 @@
-"""`--key-style verl`: verl 0.9.1's actor, advantage and rollout-correction keys (design/metrics.md §8.2).
+"""`--key-style verl`: verl 0.9.1's actor, advantage and rollout-correction keys (docs/key-styles.md).
 
 What: `actor/*` from `core_algos.py::compute_policy_loss_vanilla` / `compute_policy_loss_gspo` / `agg_loss` /
 `kl_penalty` (low_var_kl), `critic/advantages/*` from `metric_utils.py::compute_data_metrics`,
@@ -7,7 +7,7 @@ What: `actor/*` from `core_algos.py::compute_policy_loss_vanilla` / `compute_pol
 
 Why: verl clamps the log-ratio to ±20 before exp, always applies dual clip (c = 3), averages with
 `masked_mean` = Σ m x / (Σ m + 1e-8), and its `pg_clipfrac_lower` is the **dual-clip activation rate**
-(A < 0 and r > c), not a low-side clip fraction (§10 trap 2). Worked example (§11): `actor/pg_clipfrac` =
+(A < 0 and r > c), not a low-side clip fraction (docs/key-styles.md). Worked example: `actor/pg_clipfrac` =
 4 / (13 + 1e-8) = 0.307692, `actor/ppo_kl` = −0.15/13 = −0.011538, `actor/pg_loss` = 0.080553.
 
 How: `AGG` is `agg_loss` with global batch info (batch_num_tokens = N, global_batch_size = S, or S+ under
@@ -72,15 +72,15 @@ def check_verl_settings(settings: MetricSettings) -> None:
             "verl seq-mean-token-sum-norm needs --divisor (loss_scale_factor)",
             "verl's own default is the padded response width of the micro-batch, which pgdiag cannot see",
         )
-    if settings.rollout_is is not None and settings.rollout_is != "token":
+    if settings.style.rollout_is is not None and settings.style.rollout_is != "token":
         raise UsageError(
             "bad-flag",
-            f"--rollout-is {settings.rollout_is!r}: only token-level rollout IS metrics are reproduced",
+            f"--rollout-is {settings.style.rollout_is!r}: only token-level rollout IS metrics are reproduced",
             "sequence-level rollout IS and rejection sampling are out of scope for v1",
         )
-    if settings.rollout_is_threshold is not None and not settings.rollout_is_threshold > 0:
+    if settings.style.rollout_is_threshold is not None and not settings.style.rollout_is_threshold > 0:
         raise UsageError(
-            "bad-flag", f"--rollout-is-threshold must be > 0 (got {settings.rollout_is_threshold})"
+            "bad-flag", f"--rollout-is-threshold must be > 0 (got {settings.style.rollout_is_threshold})"
         )
 
 
@@ -91,7 +91,7 @@ def compute_verl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     notices = []
     if settings.divisor is not None and mode != "seq-mean-token-sum-norm":
         notices.append(f"verl: --divisor (loss_scale_factor) is unused by loss_agg_mode {mode}")
-    if settings.level == "sequence" and settings.dual_clip is not None:
+    if settings.level == "sequence" and settings.clip.dual_clip is not None:
         notices.append("verl: loss_mode gspo has no dual clip; --dual-clip is unused")
     out = []
     if inputs.has_policy and inputs.adv is not None:
@@ -143,14 +143,14 @@ def _actor_policy(inputs: StyleInputs, settings: MetricSettings, mode: str) -> l
     adv = inputs.adv
     ratio = _policy_ratio(inputs, settings)
     loss_unclipped = -adv * ratio
-    loss_clipped = -adv * clip_ratio(ratio, settings.eps_low, settings.eps_high)
+    loss_clipped = -adv * clip_ratio(ratio, settings.clip.eps_low, settings.clip.eps_high)
     clip1 = np.maximum(loss_unclipped, loss_clipped)
     clipfrac = mean_eps((loss_clipped > loss_unclipped).astype(np.float64))
     if settings.level == "sequence":
         token_loss = clip1
         clipfrac_lower = 0.0
     else:
-        c = settings.dual_clip if settings.dual_clip is not None else DEFAULT_CLIP_RATIO_C
+        c = settings.clip.dual_clip if settings.clip.dual_clip is not None else DEFAULT_CLIP_RATIO_C
         loss_dual = -adv * c
         token_loss = np.where(adv < 0, np.minimum(loss_dual, clip1), clip1)
         clipfrac_lower = mean_eps(((clip1 > loss_dual) & (adv < 0)).astype(np.float64))
@@ -229,14 +229,14 @@ def _rollout_corr(inputs: StyleInputs, settings: MetricSettings) -> list[MetricV
         float(np.mean(exp(2.0 * seq_delta_safe))) - 1.0,
     ]
     out = [value(k, v, u, r, n if r == "token" else s) for (k, u, r), v in zip(keys, vals, strict=True)]
-    if settings.rollout_is == "token":
+    if settings.style.rollout_is == "token":
         out += _rollout_is(delta_safe, settings)
     return out
 
 
 def _rollout_is(delta_safe: np.ndarray, settings: MetricSettings) -> list[MetricValue]:
     """Token-level truncated IS weights w = min(exp(clamp(Δ, ±20)), thr) and their statistics."""
-    threshold = settings.rollout_is_threshold or DEFAULT_ROLLOUT_IS_THRESHOLD
+    threshold = settings.style.rollout_is_threshold or DEFAULT_ROLLOUT_IS_THRESHOLD
     raw = exp(delta_safe)  # (M,)
     w = np.minimum(raw, threshold)  # (M,)
     n = w.shape[0]

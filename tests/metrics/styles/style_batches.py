@@ -1,4 +1,4 @@
-"""Small explicit `TokenBatch`es for the key-style tests, and the worked example of design/metrics.md §11.
+"""Small explicit `TokenBatch`es for the key-style tests, and the worked example of docs/metrics.md.
 
 Token-level inputs are given per sample as Python lists (loss positions only, so a masked token is simply
 left out); `make_batch` flattens them the way `pgdiag.data.runs.read_token_batch` lays out a real batch.
@@ -68,7 +68,7 @@ def make_batch(
 
 
 def settings_for(style: str, batch: TokenBatch, **overrides: object) -> MetricSettings:
-    """Settings of `style` with the roles of metrics.md §8: policy pair (old → new), mismatch pair
+    """Settings of `style` with the roles of docs/key-styles.md: policy pair (old → new), mismatch pair
     (rollout → old) when a rollout stream exists, ref and entropy when present."""
     has_rollout = "rollout" in batch.streams
     base: dict[str, object] = {
@@ -81,11 +81,11 @@ def settings_for(style: str, batch: TokenBatch, **overrides: object) -> MetricSe
         "key_style": style,
     }
     base.update(overrides)
-    return MetricSettings(**base)  # type: ignore[arg-type]
+    return MetricSettings.from_options(**base)
 
 
 def worked_example() -> TokenBatch:
-    """§11: two groups × two samples, ε = 0.2, the masked third token of s3 left out."""
+    """The worked example: two groups × two samples, ε = 0.2, the masked third token of s3 left out."""
     return make_batch(
         old=[[-1.0, -2.0, -0.5], [-0.3, -1.5, -3.0, -0.9], [-0.7, -1.2, -0.4], [-1.1, -0.3, -2.0]],
         new=[[-1.0, -1.7, -0.8], [-0.05, -1.8, -2.95, -0.9], [-0.5, -1.25, -0.3], [-1.35, -0.3, -1.85]],

@@ -1,4 +1,4 @@
-"""`--key-style fast-llm` against hand computations from Fast-LLM's definitions (design/metrics.md §8.1).
+"""`--key-style fast-llm` against hand computations from Fast-LLM's definitions (docs/key-styles.md).
 
 Fast-LLM reduces per document: doc(x) = (1/D) Σ_t x / max(N_d, 1), D counting fully masked documents; the
 clip fraction is the band (any A); the ratio is never clamped; the loss is Σ ℓ / max(N, 1) (grpo) or
@@ -24,12 +24,12 @@ def run(batch, **overrides):
 
 def test_worked_example_section_11() -> None:
     got = run(worked_example())
-    # per-token ℓ = max(−A r, −A clip(r)) of §11, summed over the 13 loss tokens
+    # per-token ℓ = max(−A r, −A clip(r)), summed over the 13 loss tokens
     losses = [-1.0, -1.2, -E(-0.3), E(0.25), 0.8, E(0.05), 1.0, -0.6, -0.5 * E(-0.05), -0.5 * E(0.1)]
     losses += [0.4, 0.5, 0.5 * E(0.15)]
     assert got["grpo"] == pytest.approx(math.fsum(losses) / 13, rel=1e-12)
     assert got["grpo"] == pytest.approx(0.080553, abs=5e-7)
-    # band fraction per document: s1 2/3, s2 2/4, s3 1/3, s4 1/3 (the A-independent band, §10 trap 1)
+    # band fraction per document: s1 2/3, s2 2/4, s3 1/3, s4 1/3 (the A-independent band)
     assert got["grpo_clipped_ratio_fraction"] == pytest.approx((2 / 3 + 2 / 4 + 1 / 3 + 1 / 3) / 4, rel=1e-12)
     assert got["grpo_clipped_ratio_fraction"] == pytest.approx(0.458333, abs=5e-7)
     ratios = [[1, E(0.3), E(-0.3)], [E(0.25), E(-0.3), E(0.05), 1], [E(0.2), E(-0.05), E(0.1)]]

@@ -1,4 +1,4 @@
-"""`--key-style liger` against hand computations from Liger-Kernel 0.8.5's `ppo_loss_fn` (metrics.md §8.4).
+"""`--key-style liger` against hand computations from Liger-Kernel 0.8.5's `ppo_loss_fn` (docs/key-styles.md).
 
 Liger: β = 0.04 by default (k3 of π_ref/π_new, 0 without a reference because Liger then uses lp_new), one
 advantage per sample, token means guarded by max(N, 1), `dr_grpo` needs max_completion_length, `luspo`

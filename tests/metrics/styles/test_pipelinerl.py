@@ -1,4 +1,4 @@
-"""`--key-style pipelinerl` against hand computations from PipelineRL's `rl_step` (design/metrics.md §8.6).
+"""`--key-style pipelinerl` against hand computations from PipelineRL's `rl_step` (docs/key-styles.md).
 
 PipelineRL: doc(x) = (1/S) Σ_i Σ_t x / N_i; the loss is Σ_t w_t [ℓ + kl_coef·k̂] with w = 1/batch_size (or
 1/(mean input length of the group) with group normalization); k̂ uses lp_ref − lp_new clamped to ±10; the

@@ -1,5 +1,5 @@
 """`compute_step_style`: dispatch, native counts and status, notices, and the cross-framework traps of
-design/metrics.md §10 checked on one batch under several styles (each number written out by hand)."""
+docs/key-styles.md checked on one batch under several styles (each number written out by hand)."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def test_many_samples_of_random_length_including_empty_ones() -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_styles_agree_with_the_native_engine_where_definitions_coincide(seed: int) -> None:
     """Identities between two independent implementations: on random batches with |d| < 1 (no clamp, no
-    r > 3) and A constant per sample, the framework losses equal the native modes they alias (§7.3)."""
+    r > 3) and A constant per sample, the framework losses equal the native modes they alias."""
     from pgdiag.metrics.engine import compute_step_native
 
     rng = np.random.default_rng(seed)

@@ -1,4 +1,4 @@
-"""`--key-style trl` against hand computations from TRL 1.16's GRPOTrainer (design/metrics.md §8.3).
+"""`--key-style trl` against hand computations from TRL 1.16's GRPOTrainer (docs/key-styles.md).
 
 TRL: one advantage per sample (Ā_i), ratio never clamped, no dual clip, token means guarded by max(Σ m, 1),
 loss denominators by loss_type, vLLM IS (sequence_mask, clip_max 3) multiplying the policy term per sample.
@@ -25,7 +25,7 @@ def test_worked_example_section_11() -> None:
     batch = worked_example()
     dapo = run(batch)
     assert dapo["loss"] == pytest.approx(0.080553, abs=5e-7)
-    # grpo: mean over the 4 samples of each sample's token mean of ℓ (§11)
+    # grpo: mean over the 4 samples of each sample's token mean of ℓ
     s1 = (-1.0 - 1.2 - E(-0.3)) / 3
     s2 = (E(0.25) + 0.8 + E(0.05) + 1.0) / 4
     s3 = (-0.6 - 0.5 * E(-0.05) - 0.5 * E(0.1)) / 3
@@ -43,7 +43,7 @@ def test_worked_example_section_11() -> None:
 
 
 def test_one_advantage_per_sample_is_the_token_mean() -> None:
-    # A varies over the sample (1, −1, 3): TRL sees Ā = 1 on every token (§10 trap 8)
+    # A varies over the sample (1, −1, 3): TRL sees Ā = 1 on every token (docs/key-styles.md)
     batch = make_batch(new=[[-1.0, -0.7, -1.3]], old=[[-1.0, -1.0, -1.0]], adv=[[1.0, -1.0, 3.0]])
     got = run(batch)
     assert got["loss"] == pytest.approx((-1.0 - 1.2 - E(-0.3)) / 3, rel=1e-12)

@@ -1,0 +1,66 @@
+"""`CompareSettings`: every choice of one `compare_runs` call, as one frozen dataclass validated when built.
+
+The defaults here are the only place they live; `pgdiag compare` reads its option defaults from this class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from pgdiag.data.validate import CheckSettings
+from pgdiag.errors import UsageError
+from pgdiag.metrics.settings import ClipBand, MetricSettings
+
+JOINS = ("auto", "id", "hash", "hash-any-step")
+BREAKDOWNS = ("position", "prob_bucket", "entropy_bucket", "length", "step", "env")
+
+
+@dataclass(frozen=True)
+class CompareSettings:
+    """Settings of one comparison (docs/compare.md).
+
+    `metrics` turns on each run's own metric set beside the parity table (None = off); those metrics use this
+    comparison's clip band, so `clip` moves the parity table's ``frac_out_clip`` and the side-by-side
+    ``policy/clip_frac_*`` together.
+    """
+
+    stream_a: str | None = None  # None: one run, rollout; two runs, new, old, the only tag, rollout
+    stream_b: str | None = None  # None: one run, old (else new, the only tag); two runs, stream_a
+    join: str = "auto"  # auto | id | hash | hash-any-step
+    by: tuple[str, ...] | None = None  # breakdowns; None = every one the data supports
+    worst_k: int = 20  # worst tokens and sequences listed
+    clip: ClipBand = field(default_factory=ClipBand)
+    label_a: str | None = None
+    label_b: str | None = None
+    metrics: MetricSettings | None = None  # side-by-side metric settings; None = no side-by-side metrics
+    checks: CheckSettings = field(default_factory=CheckSettings)
+    model: Path | None = None  # checkpoint for the exact temperature fit from logits
+    tokenizer: Path | None = None  # tokenizer.json (or its folder) for the worst tokens' text
+
+    def __post_init__(self) -> None:
+        if self.join not in JOINS:
+            raise UsageError("E503", f"--join {self.join!r}: choose {'|'.join(JOINS)}")
+        if self.by is not None:
+            object.__setattr__(self, "by", tuple(self.by))
+            unknown = [b for b in self.by if b not in BREAKDOWNS]
+            if unknown:
+                raise UsageError("E503", f"--by {unknown[0]!r}: choose {'|'.join(BREAKDOWNS)}")
+        if self.worst_k < 0:
+            raise UsageError("E503", f"--worst-k must be >= 0 (got {self.worst_k})")
+        if self.metrics is not None and self.metrics.clip != self.clip:
+            object.__setattr__(self, "metrics", replace(self.metrics, clip=self.clip))
+
+    @classmethod
+    def from_options(cls, **options: Any) -> CompareSettings:
+        """Settings from flat keyword options (`eps_low=0.1`, `ignore=["E306"]`, `by=["step"]`, ...)."""
+        clip_names = {f.name for f in fields(ClipBand)}
+        check_names = {f.name for f in fields(CheckSettings)}
+        own_names = {f.name for f in fields(cls)} - {"clip", "checks"}
+        unknown = set(options) - clip_names - check_names - own_names
+        if unknown:
+            raise UsageError("E112", f"unknown compare option(s): {', '.join(sorted(unknown))}")
+        clip = ClipBand(**{k: v for k, v in options.items() if k in clip_names})
+        checks = CheckSettings(**{k: v for k, v in options.items() if k in check_names})
+        return cls(**{k: v for k, v in options.items() if k in own_names}, clip=clip, checks=checks)

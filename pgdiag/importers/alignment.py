@@ -1,0 +1,197 @@
+"""Token alignment of per-token values, as flat numpy buffers (`pgdiag.data.flat.FlatList`).
+
+Every per-token list pgdiag stores is token-aligned and full length: element ``i`` scores token ``i`` given
+tokens ``< i``. Frameworks store four layouts; a preset turns its layout into that one with these helpers,
+vectorised over the whole step (no Python loop over tokens):
+
+* token-aligned, padded (NeMo-RL, prime-rl): `from_padded` cuts each row to its recorded length;
+* response-aligned (verl, TRL, slime, PipelineRL actor): element ``j`` is token ``P + j``, ``P`` the unpadded
+  prompt length: `response_aligned`;
+* right-aligned response block (SkyRL): token ``P + j`` sits at column ``A - R + j`` of width ``A``, ``R`` the
+  response length: `right_aligned_block`;
+* next-token columns (OpenRLHF): column ``c`` scores token ``c + 1``: `next_token`; `shift` is the general
+  ``--shift K`` move.
+
+Padding is removed with recorded lengths, never by matching pad ids (the pad id is often EOS). Positions a
+layout gives no value get a null (``valid`` false); the writer then nulls every stream and advantage off
+``loss_mask`` ("masks, not values"), so presets need not mask values themselves. `to_series` turns a flat list
+into a polars list column for `ImportedStep.rows`. Errors are E703 naming the file and field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from pgdiag.data.flat import FlatList, flat_list
+from pgdiag.importers.base import bad_layout
+
+
+def offsets_of(lengths: np.ndarray) -> np.ndarray:
+    """(R + 1,) int64 offsets of rows of the given (R,) lengths."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(lengths, dtype=np.int64), out=offsets[1:])
+    return offsets
+
+
+def _positions(offsets: np.ndarray) -> np.ndarray:
+    """(N,) position of every flat element inside its row."""
+    lengths = np.diff(offsets)
+    return np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+
+
+def from_rows(rows: Sequence[Sequence[float] | np.ndarray], dtype: np.dtype | type = np.float32) -> FlatList:
+    """A flat list from one sequence (list or array) per row; every element valid."""
+    arrays = [np.asarray(row, dtype=dtype).reshape(-1) for row in rows]
+    lengths = np.array([a.shape[0] for a in arrays], dtype=np.int64)
+    values = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
+    return FlatList(offsets_of(lengths), values, None, None)
+
+
+def from_series(series: pl.Series) -> FlatList:
+    """A flat list from a polars list column (zero-copy values)."""
+    return flat_list(series)
+
+
+def from_padded(
+    block: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    start: np.ndarray | None = None,
+    source: str = "",
+    field: str = "",
+) -> FlatList:
+    """Row r = ``block[r, start[r] : start[r] + lengths[r]]`` of a padded (R, W) block (start 0 by default).
+
+    Left padding: pass ``start = W - lengths``. A row running past the block's width is E703.
+    """
+    block = np.asarray(block)
+    n_rows, width = block.shape
+    lengths = np.asarray(lengths, dtype=np.int64)
+    start = np.zeros(n_rows, dtype=np.int64) if start is None else np.asarray(start, dtype=np.int64)
+    bad = np.flatnonzero((lengths < 0) | (start < 0) | (start + lengths > width))
+    if bad.size:
+        r = int(bad[0])
+        raise bad_layout(
+            source, field, f"columns {start[r]}..{start[r] + lengths[r]} inside width {width}", row=r
+        )
+    offsets = offsets_of(lengths)
+    cols = np.repeat(start, lengths) + _positions(offsets)
+    rows = np.repeat(np.arange(n_rows, dtype=np.int64), lengths)
+    return FlatList(offsets, block[rows, cols], None, None)
+
+
+def response_aligned(
+    response: FlatList, prompt_lens: np.ndarray, seq_lens: np.ndarray, *, source: str = "", field: str = ""
+) -> FlatList:
+    """Place response-aligned row values (element j = token P + j) into full-length token-aligned rows.
+
+    `response` holds R rows of any length <= T - P; `prompt_lens` (R,) P; `seq_lens` (R,) T. Positions before
+    P and after the response are null. A response longer than T - P is E703.
+    """
+    prompt_lens = np.asarray(prompt_lens, dtype=np.int64)
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    resp_lens = response.lengths
+    bad = np.flatnonzero((prompt_lens < 0) | (prompt_lens + resp_lens > seq_lens))
+    if bad.size:
+        r = int(bad[0])
+        raise bad_layout(
+            source,
+            field,
+            f"at most {seq_lens[r] - prompt_lens[r]} response values (T {seq_lens[r]} - prompt {prompt_lens[r]}), "
+            f"got {resp_lens[r]}",
+            row=r,
+        )
+    offsets = offsets_of(seq_lens)
+    values = np.zeros(offsets[-1], dtype=response.values.dtype)
+    valid = np.zeros(offsets[-1], dtype=bool)
+    dest = np.repeat(offsets[:-1] + prompt_lens, resp_lens) + _positions(response.offsets)
+    values[dest] = response.values
+    valid[dest] = True if response.valid is None else response.valid
+    return FlatList(offsets, values, valid, None)
+
+
+def right_aligned_block(
+    block: np.ndarray, prompt_lens: np.ndarray, response_lens: np.ndarray, seq_lens: np.ndarray
+) -> FlatList:
+    """Full-length rows from a right-aligned response block (SkyRL): token ``P + j`` at column ``A - R + j``.
+
+    `block` (R_rows, A); `prompt_lens` P, `response_lens` R, `seq_lens` T, each (R_rows,). Positions outside
+    the response are null.
+    """
+    block = np.asarray(block)
+    width = block.shape[1]
+    response = from_padded(block, response_lens, start=width - np.asarray(response_lens, dtype=np.int64))
+    return response_aligned(response, prompt_lens, seq_lens)
+
+
+def next_token(block: np.ndarray, seq_lens: np.ndarray, *, source: str = "", field: str = "") -> FlatList:
+    """Full-length rows from next-token columns (OpenRLHF): column c of `block` (R, A) scores token c + 1.
+
+    Token 0 of each row is null; token i in 1..T-1 takes column i - 1. A row needing more than A columns is E703.
+    """
+    block = np.asarray(block)
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    cols = from_padded(block, np.maximum(seq_lens - 1, 0), source=source, field=field)
+    return response_aligned(cols, np.minimum(seq_lens, 1), seq_lens, source=source, field=field)
+
+
+def shift(values: FlatList, seq_lens: np.ndarray, k: int, *, source: str = "", field: str = "") -> FlatList:
+    """Move element i of each row to position i + k of a row of length T (``--shift``).
+
+    A row may be T or T - |k| long. Elements moved past either end must be null or 0.0, else E201-like
+    E703; positions left empty are null.
+    """
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    lengths = values.lengths
+    bad = np.flatnonzero((lengths != seq_lens) & (lengths != seq_lens - abs(k)))
+    if bad.size:
+        r = int(bad[0])
+        raise bad_layout(
+            source,
+            field,
+            f"length {seq_lens[r]} or {seq_lens[r] - abs(k)} to shift by {k}, got {lengths[r]}",
+            row=r,
+        )
+    pos = _positions(values.offsets) + k
+    row = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    inside = (pos >= 0) & (pos < seq_lens[row])
+    valid_in = np.ones(values.values.shape[0], dtype=bool) if values.valid is None else values.valid
+    dropped = ~inside & valid_in & (values.values != 0)
+    if dropped.any():
+        first = int(np.flatnonzero(dropped)[0])
+        raise bad_layout(
+            source,
+            field,
+            f"null or 0.0 where --shift {k} moves past the row's end (value {values.values[first]!r})",
+            row=int(row[first]),
+        )
+    offsets = offsets_of(seq_lens)
+    out = np.zeros(offsets[-1], dtype=values.values.dtype)
+    valid = np.zeros(offsets[-1], dtype=bool)
+    dest = offsets[row[inside]] + pos[inside]
+    out[dest] = values.values[inside]
+    valid[dest] = valid_in[inside]
+    return FlatList(offsets, out, valid, None)
+
+
+def null_off_mask(values: FlatList, loss_mask: FlatList) -> FlatList:
+    """`values` with every element outside `loss_mask` null (both lists have the same offsets)."""
+    valid = loss_mask.values.astype(bool, copy=False)
+    if values.valid is not None:
+        valid = valid & values.valid
+    return FlatList(values.offsets, values.values, valid, values.row_valid)
+
+
+def to_series(name: str, flat: FlatList, dtype: pl.DataType) -> pl.Series:
+    """A polars list column from a flat list; elements whose `valid` is false are null."""
+    inner = pl.Series(flat.values).cast(dtype.inner).to_arrow()  # type: ignore[union-attr]
+    if flat.valid is not None and not flat.valid.all():
+        inner = pa.array(inner.to_numpy(zero_copy_only=False), mask=~flat.valid, type=inner.type)
+    offsets = pa.array(np.asarray(flat.offsets, dtype=np.int64), type=pa.int64())
+    mask = None if flat.row_valid is None else pa.array(~flat.row_valid)
+    array = pa.LargeListArray.from_arrays(offsets, inner, mask=mask)
+    return pl.Series(name, array)
