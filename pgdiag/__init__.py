@@ -46,6 +46,9 @@ _EXPORTS = {
     "compare_verdict": "pgdiag.report.verdict",
     "check_verdict": "pgdiag.report.verdict",
     "GateResult": "pgdiag.report.gates",
+    "GateSettings": "pgdiag.report.gates",
+    "Outcome": "pgdiag.report.gates",
+    "outcome": "pgdiag.report.gates",
     "compare_runs": "pgdiag.compare.api",
     "recompute_logprobs": "pgdiag.recompute.logprobs",
     "RecomputeResult": "pgdiag.recompute.logprobs",
@@ -62,6 +65,11 @@ _EXPORTS = {
     "plot_by_position": "pgdiag.report.plots",
     "plot_by_step": "pgdiag.report.plots",
     "plot_worst_trace": "pgdiag.report.plots",
+    "plot_dlogp_vs_logprob": "pgdiag.report.plots",
+    "plot_trend": "pgdiag.report.plots",
+    "build_figures": "pgdiag.report.plots",
+    "render_html": "pgdiag.report.html",
+    "write_html": "pgdiag.report.html",
 }
 
 __all__ = ["__version__", *_EXPORTS]

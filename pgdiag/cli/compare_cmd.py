@@ -214,6 +214,12 @@ def compare(
         Path | None,
         typer.Option("--tokens-out", help="Write the exploded token table here.", rich_help_panel=OUTPUT),
     ] = None,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html", help="Write a one-file HTML report (verdict, tables, plots).", rich_help_panel=OUTPUT
+        ),
+    ] = None,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -231,8 +237,7 @@ def compare(
         from pgdiag.compare.worst import token_decoder
         from pgdiag.data.runs import read_run
         from pgdiag.data.writing import check_destination
-        from pgdiag.errors import EXIT_GATE, EXIT_OK
-        from pgdiag.report.gates import evaluate_gates
+        from pgdiag.report.gates import GateSettings, outcome
         from pgdiag.report.verdict import compare_verdict
 
         # refuse an existing or impossible output, or a bad tokenizer, before any work
@@ -244,6 +249,13 @@ def compare(
             directory, planned = planned_outputs(out)
             check_destination(directory, planned, overwrite=overwrite)
         decode = token_decoder(tokenizer) if tokenizer is not None else None
+        gate_settings = GateSettings(
+            fail_on=tuple(list_option(fail_on)),
+            warn_on=tuple(list_option(warn_on)),
+            profile=profile,
+            strict=strict,
+            exit_zero=exit_zero,
+        )
         clip = ClipBand(eps_low=eps_low, eps_high=eps_high)
         side_metrics = None
         if side_by_side:
@@ -267,37 +279,28 @@ def compare(
             model=model,
             tokenizer=tokenizer,
         )
+        if html is not None:
+            from pgdiag.report.html import check_html_path
+
+            check_html_path(html, overwrite=overwrite)
         source_a = read_run(run_a, attach=list_option(attach), steps=steps, run=run_name)
         source_b = None if run_b is None else read_run(run_b, steps=steps, run=run_name)
         comparison = compare_runs(source_a, source_b, settings, decode=decode)
         report = comparison.report
-        gates = evaluate_gates(
-            report,
-            fail_on=list_option(fail_on),
-            warn_on=list_option(warn_on),
-            profile=profile,
-            default_family="mismatch",
-        )
-        verdict = compare_verdict(report, gates)
+        decision = outcome(report, gate_settings)
+        verdict = compare_verdict(report, decision.gates)
         if not quiet:  # rich lays tables out even on a quiet console: skip the work
             render_parity(console, report, verbose=verbose)
             if verbose:
                 render_breakdowns(console, report)
             render_worst_tokens(console, report, limit=worst_k if verbose else min(worst_k, 5), decode=decode)
             render_checks(console, report.checks)
-            render_gates(console, gates)
-        warned = report.checks.filter(report.checks["severity"] == "warning").height > 0
-        exit_code = gates.exit_code
-        if strict and warned:
-            exit_code = EXIT_GATE
-        status = "ok" if exit_code == EXIT_OK else "fail"
-        if exit_zero and exit_code == EXIT_GATE:
-            exit_code = EXIT_OK
+            render_gates(console, decision.gates)
         pair = comparison.pair
         result = result_object(
             "compare",
-            status=status,
-            exit_code=exit_code,
+            status=decision.status,
+            exit_code=decision.exit_code,
             inputs={
                 "runs": [pair.label_a] + ([pair.label_b] if run_b is not None else []),
                 "streams": [pair.stream_a, pair.stream_b],
@@ -307,7 +310,7 @@ def compare(
             },
             pairs=[pair.pair],
             summary=report.to_json_dict()["summary"],
-            gates=[g.__dict__ for g in gates.gates],
+            gates=[g.__dict__ for g in decision.gates.gates],
             checks=report.checks.to_dicts(),
             verdict=verdict.as_dict(),
         )
@@ -315,11 +318,24 @@ def compare(
             from pgdiag.compare.tokens import write_token_table
 
             result["files"]["tokens"] = str(write_token_table(pair, tokens_out, overwrite=overwrite))
-        if out is not None:
+        if html is not None:
+            from pgdiag.report.html import verdict_arguments, write_html
+            from pgdiag.report.plots import build_figures
+
+            page = write_html(
+                report.with_meta(verdict=verdict.as_dict()),
+                html,
+                overwrite=overwrite,
+                plot_set=build_figures(report, tokens=pair, trace=comparison.trace()),
+                argv=result["argv"],
+                **verdict_arguments(verdict),
+            )
+            result["files"]["html"] = str(page)
+        if out is not None:  # written last: its JSON lists every file
             from pgdiag.compare.output import write_outputs
 
             result["files"] = write_outputs(
-                comparison, out, result=result, gates=gates, verdict=verdict, overwrite=overwrite
+                comparison, out, result=result, gates=decision.gates, verdict=verdict, overwrite=overwrite
             )
         if not quiet:
             render_written(console, result["files"])

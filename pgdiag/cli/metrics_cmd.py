@@ -9,6 +9,7 @@ stderr, `--json` on stdout, `--out` report files). Example::
 from __future__ import annotations
 
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -236,6 +237,14 @@ def metrics(
         bool,
         typer.Option("--no-vllm-is", help="trl: disable the vLLM IS correction.", rich_help_panel=METRICS),
     ] = False,
+    no_kl_bias_correction: Annotated[
+        bool,
+        typer.Option(
+            "--no-kl-bias-correction",
+            help="trl: use_bias_correction_kl=False (KL term not multiplied by the ratio).",
+            rich_help_panel=METRICS,
+        ),
+    ] = False,
     pad_width: Annotated[
         int | None, typer.Option("--pad-width", help="liger: padded width T'.", rich_help_panel=METRICS)
     ] = None,
@@ -279,6 +288,14 @@ def metrics(
             rich_help_panel=OUTPUT,
         ),
     ] = False,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html",
+            help="Write a one-file HTML report (verdict, tables, trend plots).",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
     list_metrics: Annotated[
@@ -313,14 +330,20 @@ def metrics(
         from pgdiag.data.runs import read_run
         from pgdiag.data.writing import check_destination
         from pgdiag.metrics.api import compute_metrics
-        from pgdiag.metrics.catalog import METRIC_CATALOG
-        from pgdiag.report.gates import evaluate_gates
+        from pgdiag.report.gates import GateSettings, outcome
         from pgdiag.report.report import report_files
         from pgdiag.report.verdict import metrics_verdict
 
         if out is not None:  # refuse an existing or impossible output before any work
             planned = report_files(out, "metrics", worst=False)
             check_destination(planned.report.parent, [planned.report, planned.json], overwrite=overwrite)
+        gate_settings = GateSettings(
+            fail_on=tuple(list_option(fail_on)),
+            warn_on=tuple(list_option(warn_on)),
+            profile=profile,
+            strict=strict,
+            exit_zero=exit_zero,
+        )
         settings = MetricSettings(
             new=new,
             old=old,
@@ -346,6 +369,7 @@ def metrics(
                 rollout_is_threshold=rollout_is_threshold,
                 beta=beta,
                 vllm_is=not no_vllm_is,
+                kl_bias_correction=not no_kl_bias_correction,
                 pad_width=pad_width,
                 tis=tis,
                 batch_size=batch_size,
@@ -354,35 +378,25 @@ def metrics(
             ),
         )
         checks = CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
+        if html is not None:
+            from pgdiag.report.html import check_html_path
+
+            check_html_path(html, overwrite=overwrite)
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
         report = compute_metrics(source, settings, checks=checks)
-        fail = list(list_option(fail_on))
-        if settings.key_style == "pgdiag":
-            fail.append("count/tokens_invalid>0")  # the default gate of docs/metrics.md
-            if identity:
-                fail.append(f"policy/logratio_absmax>{identity_tol!r}")
-        known = [spec.key for spec in METRIC_CATALOG] if settings.key_style == "pgdiag" else []
-        gates = evaluate_gates(
-            report, fail_on=fail, warn_on=list_option(warn_on), profile=profile, known_metrics=known
-        )
-        n_warnings = report.checks.filter(report.checks["severity"] == "warning").height
-        exit_code = gates.exit_code
-        if strict and n_warnings:
-            exit_code = max(exit_code, 1)
-        if exit_zero and exit_code == 1:
-            exit_code = 0
+        decision = outcome(report, gate_settings)
         verdict = metrics_verdict(report)
         if not quiet:  # rich lays tables out even on a quiet console: skip the work
             render_checks(console, report.checks)
             render_metrics(
                 console, report, show_all=show_all, all_steps=all_steps, verbose=verbose, verdict=verdict
             )
-            render_gates(console, gates)
+            render_gates(console, decision.gates)
         inputs = report.meta["inputs"]
         result = result_object(
             "metrics",
-            status="ok" if gates.status != "fail" else "fail",
-            exit_code=exit_code,
+            status=decision.status,
+            exit_code=decision.exit_code,
             inputs={
                 "runs": inputs["runs"],
                 "streams": inputs["streams"],
@@ -391,7 +405,7 @@ def metrics(
                 "n_tokens": inputs["n_tokens"],
             },
             pairs=report.meta["pairs"],
-            gates=[g.__dict__ for g in gates.gates],
+            gates=[g.__dict__ for g in decision.gates.gates],
             checks=report.checks.to_dicts(),
         )
         json_view = report.to_json_dict()
@@ -400,11 +414,26 @@ def metrics(
         result["settings"] = report.meta["settings"]
         result["step_status"] = {str(s["step"]): s["status"] for s in report.meta["steps"]}
         result["verdict"] = verdict.as_dict()
-        if out is not None:
-            files = report.with_meta(verdict=verdict.as_dict()).write(out, overwrite=overwrite, result=result)
-            result["files"] = files.as_dict()
-            render_written(console, result["files"])
+        report = report.with_meta(verdict=verdict.as_dict())
+        if html is not None:
+            from pgdiag.report.html import verdict_arguments, write_html
+            from pgdiag.report.plots import build_figures
+
+            page = write_html(
+                report,
+                html,
+                overwrite=overwrite,
+                plot_set=build_figures(report),
+                argv=result["argv"],
+                **verdict_arguments(verdict),
+            )
+            result["files"]["html"] = str(page)
+        if out is not None:  # written last: its JSON lists every file
+            result["files"] = (
+                report.write(out, overwrite=overwrite, result=result).as_dict() | result["files"]
+            )
         if not quiet:
+            render_written(console, result["files"])
             render_verdict(console, verdict)
         return result
 

@@ -1,9 +1,11 @@
-"""`pgdiag plot SOURCE --kind KIND... --out DIR`: redraw a comparison's plots without recomputation.
+"""`pgdiag plot SOURCE --kind KIND... --out DIR [--html PAGE]`: redraw a report's plots without recomputation.
 
-SOURCE is a report written by `pgdiag compare --out` (its ``.parquet`` file or directory): the aggregate plots
-(`dlogp-hist`, `by-prob`, `by-position`, `by-step`) read its breakdown rows and `worst-trace` the
-``.worst_trace.parquet`` beside it; or a token table written with `--tokens-out` (a ``.parquet`` with lp_a and
-lp_b columns) for `hexbin` and `dlogp-hist`. Figures are written atomically with the Agg backend, never shown.
+SOURCE is a report written by `pgdiag compare --out` or `pgdiag metrics --out` (its ``.parquet`` file or
+directory), or a token table written with `compare --tokens-out`. A comparison draws its breakdown plots
+(`dlogp-hist`, `by-prob`, `by-position`, `by-step`) and `worst-trace` (the ``.worst_trace.parquet`` beside it);
+a metrics report draws the per-step trend plots (`trend-kl`, `trend-clip`, `trend-ess`, `trend-ratio`,
+`trend-mismatch`, `trend-loss`); a token table draws `dlogp-vs-logprob`, `hexbin` and `dlogp-hist`. `--kind all`
+(the default) lists every kind it left out and why. Figures are written atomically with the Agg backend.
 """
 
 from __future__ import annotations
@@ -19,12 +21,19 @@ from pgdiag.cli.common import OUTPUT, JsonOpt, OverwriteOpt, QuietOpt, execute, 
 
 
 class PlotKind(StrEnum):
+    dlogp_vs_logprob = "dlogp-vs-logprob"
     hexbin = "hexbin"
     dlogp_hist = "dlogp-hist"
     by_prob = "by-prob"
     by_position = "by-position"
     by_step = "by-step"
     worst_trace = "worst-trace"
+    trend_kl = "trend-kl"
+    trend_clip = "trend-clip"
+    trend_ess = "trend-ess"
+    trend_ratio = "trend-ratio"
+    trend_mismatch = "trend-mismatch"
+    trend_loss = "trend-loss"
     all = "all"
 
 
@@ -32,10 +41,6 @@ class PlotFormat(StrEnum):
     png = "png"
     svg = "svg"
     pdf = "pdf"
-
-
-REPORT_KINDS = ("dlogp-hist", "by-prob", "by-position", "by-step", "worst-trace")
-TOKEN_KINDS = ("hexbin", "dlogp-hist")
 
 
 def register(app: typer.Typer) -> None:
@@ -63,13 +68,21 @@ def plot(
     dpi: Annotated[
         int, typer.Option("--dpi", min=10, help="Resolution of raster figures.", rich_help_panel=OUTPUT)
     ] = 120,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html", help="Also write a one-file HTML report of a saved report.", rich_help_panel=OUTPUT
+        ),
+    ] = None,
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Redraw plots from a saved comparison report or token table.
+    """Redraw plots from a saved report (compare or metrics) or a token table, without recomputation.
 
-    Existing figures in --out are kept (E502) unless --overwrite is given; the figures written are listed.
+    --kind all (the default) draws every kind the source supports and lists those it leaves out, with why.
+    --html PAGE also writes a one-file HTML report of a saved report.
+    Existing figures in --out are kept (E502) unless --overwrite is given; the files written are listed.
     """
 
     def body(console: Console) -> dict[str, Any]:
@@ -77,35 +90,32 @@ def plot(
         import pyarrow.parquet as pq
 
         from pgdiag.cli.render import render_written
-        from pgdiag.compare.output import draw_plots, trace_path
+        from pgdiag.compare.output import trace_path
         from pgdiag.compare.tokens import TOKEN_TABLE_SCHEMA_ID
         from pgdiag.data.writing import check_destination
         from pgdiag.errors import UsageError
+        from pgdiag.report import plots
         from pgdiag.report.report import load_report
 
         if not source.exists():
             raise UsageError("E501", f"{source}: no such file or directory")
         check_destination(out, [], overwrite=overwrite, hint="--out takes the directory of the figures")
+        if html is not None:
+            from pgdiag.report.html import check_html_path
+
+            check_html_path(html, overwrite=overwrite)
         is_tokens = False
         if source.is_file():
             footer = pq.read_schema(source).metadata or {}
             is_tokens = footer.get(b"pgdiag.schema", b"").strip(b'"') == TOKEN_TABLE_SCHEMA_ID.encode()
         wanted = tuple(k.value for k in kind) if kind else ("all",)
+        report, tokens, trace = None, None, None
         if is_tokens:
-            tokens = pl.read_parquet(source)
-            kinds = TOKEN_KINDS if "all" in wanted else wanted
-            bad = [k for k in kinds if k not in TOKEN_KINDS]
-            if bad:
+            if html is not None:
                 raise UsageError(
-                    "E503", f"a token table draws {', '.join(TOKEN_KINDS)}, not {', '.join(bad)}"
+                    "E503", "--html needs a report (compare --out or metrics --out), not a token table"
                 )
-            written = {}
-            from pgdiag.report import plots
-
-            check_destination(out, [out / f"{k}.{fmt.value}" for k in kinds], overwrite=overwrite)
-            for k in kinds:
-                fig = plots.plot_hexbin(tokens) if k == "hexbin" else plots.plot_dlogp_hist(tokens)
-                written[k] = str(plots.save_figure(fig, out / f"{k}.{fmt.value}", dpi=dpi))
+            tokens = pl.read_parquet(source)
         else:
             report = load_report(source)
             report_file = (
@@ -115,19 +125,33 @@ def plot(
             )
             trace_file = trace_path(report_file)
             trace = pl.read_parquet(trace_file) if trace_file.exists() else None
-            if "all" in wanted:
-                has_step = report.summary.filter(pl.col("breakdown") == "step").height > 0
-                kinds = tuple(
-                    k
-                    for k in REPORT_KINDS
-                    if (k != "by-step" or has_step) and (k != "worst-trace" or trace is not None)
-                )
-            else:
-                kinds = wanted
-            check_destination(out, [out / f"{k}.{fmt.value}" for k in kinds], overwrite=overwrite)
-            written = draw_plots(report, trace, None, out, kinds=kinds, fmt=fmt.value, dpi=dpi)
-        files = {"plots": written}
+        page_verdict = _saved_verdict(report) if report is not None else {}
+        plot_set = plots.build_figures(
+            report, kinds=wanted, tokens=tokens, trace=trace, marks=page_verdict.get("marks", ())
+        )
+        figures = [out / f"{k}.{fmt.value}" for k in plot_set.figures]
+        check_destination(out, figures, overwrite=overwrite, hint="--out takes the directory of the figures")
+        written = plots.save_figures(plot_set, out, fmt=fmt.value, dpi=dpi)
+        files: dict[str, Any] = {"plots": written}
+        if html is not None:
+            from pgdiag.report.html import write_html
+
+            page = write_html(report, html, overwrite=overwrite, plot_set=plot_set, **page_verdict)
+            files["html"] = str(page)
         render_written(console, files)
-        return result_object("plot", files=files)
+        for k, why in plot_set.skipped.items():
+            console.print(f"skipped {k}: {why}", markup=False, soft_wrap=True)
+        return result_object("plot", files=files, plots_skipped=plot_set.skipped)
 
     execute("plot", body, json_out=json_out, quiet=quiet)
+
+
+def _saved_verdict(report: Any) -> dict[str, Any]:
+    """The page's verdict arguments from the verdict a saved report carries (``meta["verdict"]``), else a line
+    pointing at the command that states one."""
+    from pgdiag.report.html import verdict_arguments
+
+    saved = report.meta.get("verdict")
+    if not isinstance(saved, dict) or not saved.get("line"):
+        return {"verdict": f"{report.kind} report: rerun pgdiag {report.kind} for its verdict"}
+    return verdict_arguments(saved)

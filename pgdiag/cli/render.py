@@ -245,7 +245,7 @@ def render_checks(console: Console, checks: pl.DataFrame, hints: Sequence[str | 
 def render_gates(console: Console, gates: GateResult) -> None:
     """Gate outcomes that did not pass, then a one-line verdict when any gate ran."""
     for gate in gates.gates:
-        if gate.status == "pass":
+        if gate.status in ("pass", "skipped"):
             continue
         colour = "yellow" if gate.status == "warn" else "red"
         where = f" [{gate.pair}]" if gate.pair else ""
@@ -259,9 +259,13 @@ def render_gates(console: Console, gates: GateResult) -> None:
 
 
 def render_written(console: Console, files: Mapping[str, Any]) -> None:
-    """What a command wrote, one file a line (the same list as the `files` of its JSON object)."""
+    """What a command wrote, one file a line (the same list as the `files` of its JSON object), then the plots
+    left out (``files["plots_skipped"]``) with why."""
     paths: list[tuple[str, str]] = []
+    skipped = files.get("plots_skipped") or {}
     for role, value in files.items():
+        if role == "plots_skipped":
+            continue
         if isinstance(value, Mapping):
             paths += [(f"{role} {kind}", str(path)) for kind, path in value.items()]
         elif value is not None:
@@ -272,3 +276,5 @@ def render_written(console: Console, files: Mapping[str, Any]) -> None:
     console.print(Text(f"wrote {len(paths)} file{'s' if len(paths) != 1 else ''}:", style="bold"))
     for role, path in paths:
         console.print(Text.assemble(f"  {role:<{width}}  ", (path, "cyan")), soft_wrap=True)
+    for kind, why in skipped.items():
+        console.print(Text(f"  skipped {kind}: {why}", style="dim"), soft_wrap=True)

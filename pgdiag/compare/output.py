@@ -11,12 +11,12 @@ Why: one directory holds a comparison a reviewer can open without the runs. How:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
-from pgdiag.errors import UsageError
 from pgdiag.report.gates import GateResult
 from pgdiag.report.report import REPORT_SCHEMA_ID, Report
 from pgdiag.report.verdict import Verdict
@@ -45,19 +45,25 @@ def output_paths(out: str | Path) -> tuple[Path, str]:
     return out, "compare"
 
 
-PLOT_KINDS = ("hexbin", "dlogp-hist", "by-prob", "by-position", "by-step", "worst-trace")
-
-
 def planned_outputs(out: str | Path) -> tuple[Path, list[Path]]:
     """(directory, every file `write_outputs(..., out)` may write): checked before any work is done."""
+    from pgdiag.report.plots import COMPARE_KINDS
     from pgdiag.report.report import report_files
 
     directory, name = output_paths(out)
     report = report_files(directory / f"{name}.parquet", "compare")
     files = [p for p in (report.report, report.json, report.worst_tokens, report.worst_seqs) if p is not None]
     files += [directory / f"{name}.worst_trace.parquet", directory / f"{name}.md"]
-    files += [directory / f"{name}.plots" / f"{kind}.png" for kind in PLOT_KINDS]
+    files += [directory / f"{name}.plots" / f"{kind}.png" for kind in COMPARE_KINDS]
     return directory, files
+
+
+@dataclass(frozen=True)
+class PlotFiles:
+    """Figures written by `draw_plots` ({kind: path}) and the kinds left out ({kind: why})."""
+
+    written: dict[str, str]
+    skipped: dict[str, str]
 
 
 def trace_path(report_path: str | Path) -> Path:
@@ -72,37 +78,17 @@ def draw_plots(
     tokens: Any,
     directory: Path,
     *,
-    kinds: tuple[str, ...],
+    kinds: tuple[str, ...] = ("all",),
     fmt: str = "png",
     dpi: int = 120,
-) -> dict[str, str]:
-    """Draw `kinds` into `directory`; token plots need `tokens` (an AlignedPair or token frame), the trace plot
-    `trace`. Returns {kind: path}; a kind whose data is absent raises UsageError."""
+) -> PlotFiles:
+    """Draw `kinds` ("all" = every kind the data supports) into `directory`; token plots need `tokens` (an
+    AlignedPair or token frame), the trace plot `trace`. A kind named explicitly whose data is absent raises
+    UsageError; under "all" it is listed in `PlotFiles.skipped` with the reason."""
     from pgdiag.report import plots
 
-    drawers = {
-        "hexbin": lambda: plots.plot_hexbin(_need(tokens, "hexbin", "token data (--tokens-out table)")),
-        "dlogp-hist": lambda: plots.plot_dlogp_hist(report),
-        "by-prob": lambda: plots.plot_by_prob(report),
-        "by-position": lambda: plots.plot_by_position(report),
-        "by-step": lambda: plots.plot_by_step(report),
-        "worst-trace": lambda: plots.plot_worst_trace(
-            _need(trace, "worst-trace", "a .worst_trace.parquet file")
-        ),
-    }
-    written = {}
-    for kind in kinds:
-        if kind not in drawers:
-            raise UsageError("E503", f"unknown plot kind {kind!r}", f"choose from {', '.join(drawers)}, all")
-        fig = drawers[kind]()
-        written[kind] = str(plots.save_figure(fig, directory / f"{kind}.{fmt}", dpi=dpi))
-    return written
-
-
-def _need(value: Any, kind: str, what: str) -> Any:
-    if value is None:
-        raise UsageError("E503", f"plot {kind} needs {what}")
-    return value
+    plot_set = plots.build_figures(report, kinds=kinds, tokens=tokens, trace=trace)
+    return PlotFiles(plots.save_figures(plot_set, directory, fmt=fmt, dpi=dpi), plot_set.skipped)
 
 
 def summary_markdown(report: Report, gates: GateResult | None, verdict: Verdict | None = None) -> str:
@@ -171,10 +157,9 @@ def write_outputs(
     report: Report = comparison.report
     if verdict is not None:
         report = report.with_meta(verdict=verdict.as_dict())
-    kinds = tuple(k for k in PLOT_KINDS if k != "by-step" or "step" in report.meta.get("by", ()))
     trace = comparison.trace()
     write_parquet(trace, trace_file, metadata={"pgdiag.schema": REPORT_SCHEMA_ID})
-    plots = draw_plots(report, trace, comparison.pair, plot_dir, kinds=kinds)
+    plots = draw_plots(report, trace, comparison.pair, plot_dir)
     text = summary_markdown(report, gates, verdict)
     atomic_write(md_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     planned = report_files(directory / f"{name}.parquet", "compare")
@@ -186,7 +171,8 @@ def write_outputs(
         **({"worst_seqs": str(planned.worst_seqs)} if report.worst_seqs is not None else {}),
         "worst_trace": str(trace_file),
         "markdown": str(md_path),
-        "plots": plots,
+        "plots": plots.written,
+        "plots_skipped": plots.skipped,
     }
     saved = {**result, "files": files} if result is not None else None
     report.write(directory / f"{name}.parquet", overwrite=overwrite, result=saved)

@@ -1,10 +1,16 @@
-"""Matplotlib figures of a comparison: token scatter, Δ histogram, breakdowns, per-step drift, worst trace.
+"""Matplotlib figures of a report: comparison plots (Δ vs log-prob, hexbin, Δ histogram, breakdowns, per-step
+drift, worst trace) and per-step trend plots of a metrics report (KL, clip fractions, ESS, ratio extremes,
+mismatch, loss under each mode).
 
-What: every `plot_*(source, *, ax=None, ...) -> Figure` draws one diagnostic; `save_figure` writes it atomically.
-Sources: token plots (`plot_hexbin`, `plot_worst_trace`) take token data, an `AlignedPair` or a polars frame with
-``lp_a``/``lp_b`` columns (the `--tokens-out` table, a worst trace); aggregate plots (`plot_dlogp_hist`,
-`plot_by_prob`, `plot_by_position`, `plot_by_step`) take a `Report` and read its breakdown rows, so
-`pgdiag plot REPORT` redraws them without the runs.
+What: every `plot_*(source, *, ax=None, ...) -> Figure` draws one diagnostic; `build_figures` draws every kind a
+source supports and says why it skipped the others (`PlotSet`); `save_figure` writes a figure atomically.
+Sources: token plots (`plot_dlogp_vs_logprob`, `plot_hexbin`) take token data, an `AlignedPair` or a polars frame
+with ``lp_a``/``lp_b`` columns (the `--tokens-out` table); aggregate plots (`plot_dlogp_hist`, `plot_by_prob`,
+`plot_by_position`, `plot_by_step`, `plot_trend`) take a `Report` and read its rows, so `pgdiag plot REPORT`
+redraws them without the runs; `plot_worst_trace` takes a worst-trace frame.
+Conventions: every figure has a title and axis labels with units; bucket plots write each bucket's count (n) on
+it and fade buckets with fewer than `SMALL_BUCKET` tokens; magnitudes (|Δ|, KL k3, fractions, ESS) have a y axis
+from 0; steps are integer ticks labelled with their token counts; legends name the streams.
 Why: no display is ever needed: figures are built with `matplotlib.figure.Figure` (no pyplot, no global backend
 state), rendered by the Agg canvas, and matplotlib is imported only when a plot is drawn.
 How: pass `ax` to draw into an existing axes (its figure is returned), else a new figure is made.
@@ -12,6 +18,8 @@ How: pass `ax` to draw into an existing axes (its figure is returned), else a ne
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +34,107 @@ if TYPE_CHECKING:
 
 FIGSIZE = (6.4, 4.4)
 PLOT_FORMATS = ("png", "svg", "pdf")
+SMALL_BUCKET = 30  # buckets (and steps) with fewer tokens than this are drawn faded
+FADED_ALPHA = 0.3
+HEXBIN_GRIDSIZE = 60
+MAX_LABELLED_STEPS = 12  # above this many steps, tick labels carry the step only (no counts)
+
+COMPARE_KINDS = (
+    "dlogp-vs-logprob",
+    "hexbin",
+    "dlogp-hist",
+    "by-prob",
+    "by-position",
+    "by-step",
+    "worst-trace",
+)
+TOKEN_KINDS = ("dlogp-vs-logprob", "hexbin", "dlogp-hist")
+
+
+@dataclass(frozen=True)
+class TrendPanel:
+    """One trend plot of a metrics report: which metrics it draws per step, its unit and its y axis."""
+
+    title: str
+    metrics: tuple[str, ...]
+    unit: str
+    from_zero: bool = True  # a magnitude: y axis starts at 0
+    log_y: bool = False
+    prefix: str = ""  # metrics matching this prefix are drawn too (loss/<mode>)
+
+
+TREND_PANELS: dict[str, TrendPanel] = {
+    "trend-kl": TrendPanel(
+        "KL(old ‖ new) per step",
+        ("policy/kl_k1", "policy/kl_k3", "policy/kl_rev_k3"),
+        "nats",
+        from_zero=False,
+    ),
+    "trend-clip": TrendPanel(
+        "clip fractions per step",
+        (
+            "policy/clip_frac_band",
+            "policy/clip_frac_binding",
+            "policy/clip_frac_low",
+            "policy/clip_frac_high",
+        ),
+        "fraction",
+    ),
+    "trend-ess": TrendPanel(
+        "effective sample size per step",
+        ("policy/ess_token", "policy/ess_seq", "mismatch/ess_token", "mismatch/ess_seq"),
+        "fraction of N",
+    ),
+    "trend-ratio": TrendPanel(
+        "importance-ratio extremes per step",
+        ("policy/ratio_max", "policy/ratio_min", "policy/seq_ratio_max", "policy/seq_ratio_min"),
+        "ratio",
+        log_y=True,
+    ),
+    "trend-mismatch": TrendPanel(
+        "rollout vs trainer mismatch per step",
+        ("mismatch/abs_mean", "mismatch/abs_p99", "mismatch/abs_max", "mismatch/kl_k3"),
+        "nats",
+    ),
+    "trend-loss": TrendPanel(
+        "pg loss per step, every aggregation mode", (), "loss", from_zero=False, prefix="loss/"
+    ),
+}
+TREND_KINDS = tuple(TREND_PANELS)
+ALL_KINDS = COMPARE_KINDS + TREND_KINDS
+
+
+@dataclass(frozen=True)
+class Mark:
+    """An anomaly to mark on a trend plot: `metric` at `step`, with a short `label` (e.g. "ESS 0.015 < 0.1")."""
+
+    metric: str
+    step: int
+    label: str
+
+
+def finding_marks(findings: Iterable[Any]) -> list[Mark]:
+    """The marks of verdict findings (objects or dicts with ``metric``, ``step``, ``message``) that name one
+    metric at one integer step; the others (pooled, empty steps) mark nothing."""
+    marks = []
+    for finding in findings:
+        get = finding.get if isinstance(finding, Mapping) else lambda key, f=finding: getattr(f, key, None)
+        metric, step, message = get("metric"), get("step"), get("message")
+        try:
+            step_number = int(step)
+        except (TypeError, ValueError):
+            continue
+        if metric:
+            marks.append(Mark(str(metric), step_number, str(message or metric)))
+    return marks
+
+
+@dataclass(frozen=True)
+class PlotSet:
+    """Figures drawn by `build_figures` ({kind: Figure}, in drawing order) and the kinds it left out, with why."""
+
+    figures: dict[str, Figure] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
 
 
 def _axes(ax: Axes | None) -> tuple[Figure, Axes]:
@@ -35,6 +144,16 @@ def _axes(ax: Axes | None) -> tuple[Figure, Axes]:
 
     fig = Figure(figsize=FIGSIZE, layout="constrained")
     return fig, fig.add_subplot()
+
+
+def save_figures(
+    plot_set: PlotSet, directory: str | Path, *, fmt: str = "png", dpi: int = 120
+) -> dict[str, str]:
+    """Write every figure of `plot_set` as ``<directory>/<kind>.<fmt>``; returns {kind: path}."""
+    return {
+        kind: str(save_figure(fig, Path(directory) / f"{kind}.{fmt}", dpi=dpi))
+        for kind, fig in plot_set.figures.items()
+    }
 
 
 def save_figure(fig: Figure, path: str | Path, *, dpi: int = 120) -> Path:
@@ -53,15 +172,33 @@ def save_figure(fig: Figure, path: str | Path, *, dpi: int = 120) -> Path:
     return atomic_write(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=dpi))
 
 
+def figure_bytes(fig: Figure, *, fmt: str = "png", dpi: int = 110) -> bytes:
+    """`fig` rendered to bytes (for embedding in a page)."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=fmt, dpi=dpi)
+    return buffer.getvalue()
+
+
+def stream_names(pair: str) -> tuple[str, str]:
+    """("run_a:new", "run_b:new") of a pair label "run_a:new vs run_b:new"; ("a", "b") when it has no " vs "."""
+    a, sep, b = pair.partition(" vs ")
+    return (a, b) if sep and a and b else ("a", "b")
+
+
 def _token_arrays(source: Any) -> tuple[np.ndarray, np.ndarray, str]:
-    """(lp_a, lp_b, title) of an `AlignedPair` or a frame with lp_a/lp_b columns."""
+    """(lp_a, lp_b, pair) of an `AlignedPair` or a frame with lp_a/lp_b columns."""
     if isinstance(source, pl.DataFrame):
         if not {"lp_a", "lp_b"} <= set(source.columns):
             raise UsageError(
                 "E503", "token plots need a table with lp_a and lp_b columns (write it with --tokens-out)"
             )
-        title = str(source["pair"][0]) if "pair" in source.columns and source.height else ""
-        return source["lp_a"].to_numpy(), source["lp_b"].to_numpy(), title
+        pair = str(source["pair"][0]) if "pair" in source.columns and source.height else ""
+        return source["lp_a"].to_numpy(), source["lp_b"].to_numpy(), pair
     if hasattr(source, "lp_a") and hasattr(source, "lp_b"):
         return np.asarray(source.lp_a), np.asarray(source.lp_b), str(getattr(source, "pair", ""))
     raise UsageError("E503", f"cannot draw a token plot from {type(source).__name__}; give token data")
@@ -81,64 +218,199 @@ def _rows(report: Any, breakdown: str, metric: str) -> pl.DataFrame:
     return rows
 
 
-def plot_hexbin(source: Any, *, ax: Axes | None = None, gridsize: int = 60) -> Figure:
-    """Hexbin of lp_a (x) against lp_b (y), log colour scale, with the y = x line."""
-    lp_a, lp_b, title = _token_arrays(source)
+def _alpha(n: int) -> float:
+    return 1.0 if n >= SMALL_BUCKET else FADED_ALPHA
+
+
+def _legend(ax: Axes, counts: Sequence[int], **kwargs: Any) -> None:
+    """The axes' legend; when a bucket is faded, one more entry says what faded means."""
+    handles, labels = ax.get_legend_handles_labels()
+    if any(n < SMALL_BUCKET for n in counts):
+        from matplotlib.patches import Patch
+
+        handles.append(Patch(facecolor="0.5", alpha=FADED_ALPHA))
+        labels.append(f"faded: n < {SMALL_BUCKET}")
+    ax.legend(handles, labels, fontsize=7, **kwargs)
+
+
+def near_equal(lp_a: np.ndarray, lp_b: np.ndarray, *, gridsize: int = HEXBIN_GRIDSIZE) -> bool:
+    """True when a hexbin of lp_a vs lp_b cannot show the difference: p99 |Δ| is below one hexagon's width."""
+    if lp_a.size == 0:
+        return True
+    spread = float(np.ptp(np.concatenate([lp_a, lp_b])))
+    p99 = float(np.quantile(np.abs(lp_b - lp_a), 0.99))
+    return spread == 0 or p99 < spread / gridsize
+
+
+def plot_hexbin(source: Any, *, ax: Axes | None = None, gridsize: int = HEXBIN_GRIDSIZE) -> Figure:
+    """Hexbin of lp_a (x) against lp_b (y), log colour scale, with the y = x line. Near-equal runs all sit on
+    the line: `plot_dlogp_vs_logprob` shows their difference."""
+    lp_a, lp_b, pair = _token_arrays(source)
+    name_a, name_b = stream_names(pair)
     fig, ax = _axes(ax)
     if lp_a.size:
         art = ax.hexbin(lp_a, lp_b, gridsize=gridsize, bins="log", mincnt=1, cmap="viridis")
-        fig.colorbar(art, ax=ax, label="tokens")
+        fig.colorbar(art, ax=ax, label="tokens per hexagon")
         lo = float(min(lp_a.min(), lp_b.min()))
         ax.plot([lo, 0.0], [lo, 0.0], color="red", linewidth=0.8, label="y = x")
-        ax.legend(loc="upper left")
-    ax.set_xlabel("log-prob side a (nats)")
-    ax.set_ylabel("log-prob side b (nats)")
-    ax.set_title(title or "log-prob a vs b")
+        ax.legend(loc="upper left", fontsize=7)
+    ax.set_xlabel(f"log-prob, {name_a} (nats)")
+    ax.set_ylabel(f"log-prob, {name_b} (nats)")
+    ax.set_title(f"log-prob {name_b} vs {name_a}  (n = {lp_a.size:,} tokens)", fontsize=10)
     return fig
 
 
-def plot_dlogp_hist(source: Any, *, ax: Axes | None = None, bins: int = 200) -> Figure:
-    """Histogram of Δ = lp_b − lp_a with a log y axis: from a report's `dlogp` breakdown, or from token data."""
+def plot_dlogp_vs_logprob(source: Any, *, ax: Axes | None = None, gridsize: int = HEXBIN_GRIDSIZE) -> Figure:
+    """Δ = lp_b − lp_a (y) against lp_a (x): a hexbin with a log colour scale, the Δ = 0 line and the mean
+    |Δ| per log-prob bin. Shows near-equal runs, whose lp_b vs lp_a hexbin is a line, at the scale of Δ."""
+    lp_a, lp_b, pair = _token_arrays(source)
+    name_a, name_b = stream_names(pair)
+    fig, ax = _axes(ax)
+    delta = lp_b - lp_a  # (M,)
+    if lp_a.size:
+        art = ax.hexbin(lp_a, delta, gridsize=(gridsize, gridsize // 2), bins="log", mincnt=1, cmap="viridis")
+        fig.colorbar(art, ax=ax, label="tokens per hexagon")
+        ax.axhline(0.0, color="red", linewidth=0.8, label="Δ = 0")
+        edges = np.linspace(float(lp_a.min()), float(lp_a.max()) + 1e-12, 21)
+        which = np.clip(np.digitize(lp_a, edges) - 1, 0, len(edges) - 2)
+        counts = np.bincount(which, minlength=len(edges) - 1)
+        sums = np.bincount(which, weights=np.abs(delta), minlength=len(edges) - 1)
+        filled = counts > 0
+        centres = (edges[:-1] + edges[1:]) / 2
+        ax.plot(
+            centres[filled], sums[filled] / counts[filled], color="orange", linewidth=1.2, label="mean |Δ|"
+        )
+        ax.legend(loc="lower left", fontsize=7)
+    ax.set_xlabel(f"log-prob, {name_a} (nats)")
+    ax.set_ylabel(f"Δ = {name_b} − {name_a} (nats)")
+    ax.set_title(f"Δ vs log-prob  (n = {lp_a.size:,} tokens)", fontsize=10)
+    return fig
+
+
+def _bin_label(lo: float, hi: float, label: str) -> str:
+    return label if lo != hi else "0 (exact)"
+
+
+def plot_dlogp_hist(source: Any, *, ax: Axes | None = None, bins: int = 80) -> Figure:
+    """Histogram of Δ = lp_b − lp_a, log y axis: from a report's `dlogp` breakdown (its empty outer bins left out,
+    the exact-zero bin between the negative and positive ones), or from token data."""
     fig, ax = _axes(ax)
     if hasattr(source, "summary"):
-        rows = _rows(source, "dlogp", "count/tokens").sort("bucket_lo", "bucket_hi")
-        for pair in rows["pair"].unique(maintain_order=True).to_list():
+        rows = _rows(source, "dlogp", "count/tokens")
+        pairs = rows["pair"].unique(maintain_order=True).to_list()
+        # one x position per bin, ordered by (lo, hi): "[-1e-06,0)" < "0" < "[0,1e-06)"
+        bins_ = rows.select("bucket", "bucket_lo", "bucket_hi").unique().sort("bucket_lo", "bucket_hi")
+        totals = rows.group_by("bucket").agg(pl.col("value").sum())
+        filled = set(totals.filter(pl.col("value") > 0)["bucket"].to_list())
+        occupied = [i for i, b in enumerate(bins_["bucket"].to_list()) if b in filled]
+        if occupied:  # the occupied range, with one empty bin either side for context
+            first, last = max(occupied[0] - 1, 0), min(occupied[-1] + 1, bins_.height - 1)
+            bins_ = bins_.slice(first, last - first + 1)
+        labels = [_bin_label(lo, hi, b) for b, lo, hi in bins_.iter_rows()]
+        width = 0.8 / max(len(pairs), 1)
+        n_total = 0
+        for index, pair in enumerate(pairs):
             part = rows.filter(pl.col("pair") == pair)
-            labels = part[
-                "bucket"
-            ].to_list()  # "0" is the exact-zero bin, between the negative and positive bins
-            ax.bar(range(len(labels)), part["value"].to_numpy(), label=pair)
-            ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=6)
-        ax.set_title("Δ histogram (all tokens)")
-        ax.legend(loc="upper right", fontsize=7)
+            count_of = dict(zip(part["bucket"].to_list(), part["value"].to_list(), strict=True))
+            heights = [float(count_of.get(b) or 0) for b in bins_["bucket"].to_list()]
+            n_total += int(sum(count_of.get(b) or 0 for b in count_of))
+            x = np.arange(len(labels)) + (index - (len(pairs) - 1) / 2) * width
+            ax.bar(x, heights, width=width, label=" vs ".join(stream_names(pair)))
+        ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
+        ax.set_title(f"Δ histogram  (n = {n_total:,} tokens)", fontsize=10)
+        name_a, name_b = stream_names(pairs[0]) if len(pairs) == 1 else ("a", "b")
+        ax.set_xlabel(f"Δ = {name_b} − {name_a} (nats, bin edges)")
+        if len(pairs) > 1:
+            ax.legend(loc="upper right", fontsize=7)
     else:
-        lp_a, lp_b, title = _token_arrays(source)
-        d = lp_b - lp_a
-        ax.hist(d, bins=bins, log=True)
-        ax.set_title(title or "Δ histogram")
+        lp_a, lp_b, pair = _token_arrays(source)
+        name_a, name_b = stream_names(pair)
+        delta = lp_b - lp_a
+        lo, hi = (float(delta.min()), float(delta.max())) if delta.size else (-1.0, 1.0)
+        if lo == hi:
+            lo, hi = lo - 0.5, hi + 0.5
+        ax.hist(delta, bins=np.linspace(lo, hi, bins + 1))
+        ax.set_title(f"Δ histogram  (n = {delta.size:,} tokens)", fontsize=10)
+        ax.set_xlabel(f"Δ = {name_b} − {name_a} (nats)")
     ax.set_yscale("log")
-    ax.set_xlabel("Δ = lp_b − lp_a (nats)")
     ax.set_ylabel("tokens")
     return fig
 
 
+BUCKET_TITLES = {"position": "response position", "prob_bucket": "probability of the sampled token"}
+
+
+def _stat_label(metric: str) -> str:
+    stat = metric.split("/", 1)[-1]
+    return {
+        "abs_mean": "mean |Δ|",
+        "abs_p50": "median |Δ|",
+        "abs_p95": "p95 |Δ|",
+        "abs_p99": "p99 |Δ|",
+        "abs_max": "max |Δ|",
+        "bias": "mean Δ",
+        "rms": "rms Δ",
+    }.get(stat, metric)
+
+
+def _is_magnitude(values: np.ndarray) -> bool:
+    finite = values[np.isfinite(values)]
+    return finite.size == 0 or bool((finite >= 0).all())
+
+
 def _bucket_plot(report: Any, breakdown: str, metric: str, ax: Axes | None, xlabel: str) -> Figure:
+    """Bars of `metric` per bucket (grouped by pair), each with its count written on it, faded where n is
+    small; y from 0 when the values are a magnitude."""
     fig, ax = _axes(ax)
     rows = _rows(report, breakdown, metric).sort("bucket_lo")
-    for pair in rows["pair"].unique(maintain_order=True).to_list():
+    pairs = rows["pair"].unique(maintain_order=True).to_list()
+    labels = rows["bucket"].unique(maintain_order=True).to_list()
+    width = 0.8 / len(pairs)
+    unit = str(rows["unit"][0])
+    counts: list[int] = []
+    for index, pair in enumerate(pairs):
         part = rows.filter(pl.col("pair") == pair)
-        labels = part["bucket"].to_list()
-        ax.plot(range(len(labels)), part["value"].to_numpy(), marker="o", label=pair)
-        ax.set_xticks(range(len(labels)), labels, rotation=45, fontsize=7)
+        where = {b: (v, n) for b, v, n in part.select("bucket", "value", "n").iter_rows()}
+        colour = f"C{index}"
+        for i, bucket in enumerate(labels):
+            value, n = where.get(bucket, (None, 0))
+            x = i + (index - (len(pairs) - 1) / 2) * width
+            height = 0.0 if value is None else float(value)
+            ax.bar(
+                x,
+                height,
+                width=width,
+                color=colour,
+                alpha=_alpha(n),
+                label=" vs ".join(stream_names(pair)) if i == 0 else None,
+            )
+            ax.annotate(
+                f"n={n:,}",
+                (x, height),
+                xytext=(0, 2),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=6,
+                rotation=90 if len(labels) * len(pairs) > 8 else 0,
+            )
+            counts.append(int(n))
+    values = rows["value"].cast(pl.Float64).fill_null(0.0).to_numpy()
+    if _is_magnitude(values):
+        ax.set_ylim(
+            bottom=0.0, top=float(np.nanmax(values)) * 1.25 if values.size and np.nanmax(values) > 0 else 1.0
+        )
+    ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=7)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel(f"{metric} (nats)")
-    ax.legend(fontsize=7)
+    ax.set_ylabel(f"{_stat_label(metric)} ({unit})")
+    ax.set_title(f"{_stat_label(metric)} by {BUCKET_TITLES.get(breakdown, breakdown)}", fontsize=10)
+    _legend(ax, counts, loc="upper left")
     return fig
 
 
 def plot_by_position(report: Any, *, ax: Axes | None = None, metric: str = "mismatch/abs_mean") -> Figure:
     """`metric` (default mean |Δ|) by response position bucket (0 = first response token)."""
-    return _bucket_plot(report, "position", metric, ax, "response position")
+    return _bucket_plot(report, "position", metric, ax, "response position (tokens, 0 = first)")
 
 
 def plot_by_prob(report: Any, *, ax: Axes | None = None, metric: str = "mismatch/abs_mean") -> Figure:
@@ -146,22 +418,151 @@ def plot_by_prob(report: Any, *, ax: Axes | None = None, metric: str = "mismatch
     return _bucket_plot(report, "prob_bucket", metric, ax, "probability of the sampled token, side a")
 
 
+def _step_axis(ax: Axes, steps: Sequence[int], counts: Mapping[int, int]) -> None:
+    """Integer step ticks; with few steps each tick also carries the step's token count."""
+    from matplotlib.ticker import MaxNLocator
+
+    if len(steps) <= MAX_LABELLED_STEPS:
+        ax.set_xticks(list(steps), [f"{s}\nn={counts.get(s, 0):,}" for s in steps], fontsize=7)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+
+
+def _step_rows(summary: pl.DataFrame, metric: str) -> pl.DataFrame:
+    """Per-step rows of `metric` with an integer step column, in step order."""
+    rows = summary.filter((pl.col("breakdown") == "step") & (pl.col("metric") == metric))
+    return (
+        rows.with_columns(pl.col("bucket").cast(pl.Int64, strict=False).alias("step"))
+        .filter(pl.col("step").is_not_null())
+        .sort("step")
+    )
+
+
 def plot_by_step(report: Any, *, ax: Axes | None = None, metric: str = "mismatch/abs_mean") -> Figure:
     """`metric` per step: the pair's step breakdown, plus each run's own value when side-by-side rows exist."""
     fig, ax = _axes(ax)
-    summary = report.summary
-    rows = summary.filter((pl.col("breakdown") == "step") & (pl.col("metric") == metric))
+    rows = _step_rows(report.summary, metric)
     if rows.height == 0:
         raise UsageError(
             "E503", f"the report has no per-step rows of {metric}", "rerun compare with --by step"
         )
-    for pair in rows["pair"].unique(maintain_order=True).to_list():
-        part = rows.filter(pl.col("pair") == pair).sort("bucket_lo")
-        ax.plot(part["bucket_lo"].to_numpy(), part["value"].to_numpy(), marker="o", label=pair)
-    ax.set_xlabel("step")
-    ax.set_ylabel(metric)
-    ax.legend(fontsize=7)
+    counts: dict[int, int] = {}
+    for index, pair in enumerate(rows["pair"].unique(maintain_order=True).to_list()):
+        part = rows.filter(pl.col("pair") == pair)
+        steps, values, ns = part["step"].to_numpy(), part["value"].to_numpy(), part["n"].to_list()
+        ax.plot(steps, values, color=f"C{index}", linewidth=1.0, label=pair)
+        ax.scatter(steps, values, color=f"C{index}", alpha=[_alpha(n) for n in ns], zorder=3)
+        for step, n in zip(steps.tolist(), ns, strict=True):
+            counts.setdefault(int(step), int(n))
+    unit = str(rows["unit"][0])
+    values = rows["value"].cast(pl.Float64).fill_null(0.0).to_numpy()
+    if _is_magnitude(values):
+        ax.set_ylim(bottom=0.0, top=float(values.max()) * 1.15 if values.size and values.max() > 0 else 1.0)
+    _step_axis(ax, sorted(counts), counts)
+    ax.set_ylabel(f"{_stat_label(metric)} ({unit})")
+    ax.set_title(f"{_stat_label(metric)} per step", fontsize=10)
+    _legend(ax, list(counts.values()))
     return fig
+
+
+def plot_trend(report: Any, kind: str, *, ax: Axes | None = None, marks: Sequence[Mark] = ()) -> Figure:
+    """One `TREND_PANELS` plot of a metrics report: its metrics per step, `marks` ringed in red and labelled."""
+    if kind not in TREND_PANELS:
+        raise UsageError("E503", f"unknown trend plot {kind!r}", f"choose from {', '.join(TREND_PANELS)}")
+    panel = TREND_PANELS[kind]
+    metrics = trend_metrics(report, kind)
+    if not metrics:
+        raise UsageError("E503", f"the report has no per-step rows for {kind}", _trend_hint(kind))
+    if panel.prefix and ax is None:
+        return _trend_grid(report, kind, metrics, marks)
+    fig, ax = _axes(ax)
+    counts: dict[int, int] = {}
+    drawn: list[float] = []
+    pairs: list[str] = []
+    for index, metric in enumerate(metrics):
+        rows = _step_rows(report.summary, metric)
+        steps, values = rows["step"].to_numpy(), rows["value"].cast(pl.Float64).to_numpy()
+        values = np.where(np.isfinite(values), values, np.nan) if values.size else values
+        ax.plot(steps, values, marker="o", markersize=4, color=f"C{index}", linewidth=1.2, label=metric)
+        drawn += [v for v in values.tolist() if v == v]
+        pairs += [p for p in rows["pair"].unique(maintain_order=True).to_list() if p not in pairs]
+        for step, n in zip(steps.tolist(), rows["n"].to_list(), strict=True):
+            counts.setdefault(int(step), int(n))
+        for mark in marks:
+            if mark.metric != metric:
+                continue
+            hit = rows.filter(pl.col("step") == int(mark.step))
+            if hit.height == 0 or hit["value"][0] is None:
+                continue
+            y = float(hit["value"][0])
+            ax.scatter([mark.step], [y], s=140, facecolors="none", edgecolors="red", linewidths=1.8, zorder=4)
+            ax.annotate(
+                mark.label, (mark.step, y), xytext=(6, 6), textcoords="offset points", fontsize=7, color="red"
+            )
+    if panel.log_y and drawn and min(drawn) > 0:
+        ax.set_yscale("log")
+    elif panel.from_zero and drawn and min(drawn) >= 0:
+        ax.set_ylim(bottom=0.0, top=max(max(drawn) * 1.15, 1e-12))
+    _step_axis(ax, sorted(counts), counts)
+    ax.set_ylabel(f"{panel.unit}" if panel.unit != "loss" else "loss (per the mode's normaliser)")
+    ax.set_title(f"{panel.title}\n{', '.join(pairs)}", fontsize=9)
+    ax.legend(fontsize=6, loc="best")
+    return fig
+
+
+def _trend_grid(report: Any, kind: str, metrics: Sequence[str], marks: Sequence[Mark]) -> Figure:
+    """Small multiples: one axes per metric (the loss modes differ in scale by orders of magnitude)."""
+    from matplotlib.figure import Figure
+
+    panel = TREND_PANELS[kind]
+    columns = 3
+    rows_ = -(-len(metrics) // columns)
+    fig = Figure(figsize=(10, 2.4 * rows_ + 0.6), layout="constrained")
+    axes = fig.subplots(rows_, columns, squeeze=False).ravel()
+    pairs: list[str] = []
+    for ax, metric in zip(axes, metrics, strict=False):
+        rows = _step_rows(report.summary, metric)
+        steps, values = rows["step"].to_numpy(), rows["value"].cast(pl.Float64).to_numpy()
+        ax.plot(steps, values, marker="o", markersize=3, linewidth=1.2)
+        ax.axhline(0.0, color="0.6", linewidth=0.6)
+        for mark in marks:
+            hit = rows.filter(pl.col("step") == int(mark.step)) if mark.metric == metric else rows.clear()
+            if hit.height and hit["value"][0] is not None:
+                ax.scatter(
+                    [mark.step], [hit["value"][0]], s=120, facecolors="none", edgecolors="red", zorder=4
+                )
+        counts = dict(zip(rows["step"].to_list(), rows["n"].to_list(), strict=True))
+        _step_axis(ax, sorted(counts), counts)
+        ax.set_xlabel("")
+        ax.set_title(metric, fontsize=8)
+        ax.tick_params(labelsize=7)
+        pairs += [p for p in rows["pair"].unique(maintain_order=True).to_list() if p not in pairs]
+    for ax in axes[len(metrics) :]:
+        ax.set_visible(False)
+    fig.suptitle(
+        f"{panel.title} ({panel.unit}, per the mode's normaliser; x: step)\n{', '.join(pairs)}", fontsize=9
+    )
+    return fig
+
+
+def trend_metrics(report: Any, kind: str) -> list[str]:
+    """The metrics of trend plot `kind` that `report` has per-step values for (at least one not null)."""
+    panel = TREND_PANELS[kind]
+    summary = getattr(report, "summary", None)
+    if summary is None:
+        return []
+    stepped = summary.filter((pl.col("breakdown") == "step") & pl.col("value").is_not_null())
+    present = stepped["metric"].unique(maintain_order=True).to_list()
+    if panel.prefix:
+        return [m for m in present if m.startswith(panel.prefix)]
+    return [m for m in panel.metrics if m in present]
+
+
+def _trend_hint(kind: str) -> str:
+    if kind == "trend-mismatch":
+        return "the mismatch family needs a rollout stream beside old (or --stream-a/--stream-b)"
+    return "the report needs per-step rows of the policy family (old and new streams)"
 
 
 def plot_worst_trace(source: Any, *, ax: Axes | None = None) -> Figure:
@@ -169,16 +570,126 @@ def plot_worst_trace(source: Any, *, ax: Axes | None = None) -> Figure:
     if not isinstance(source, pl.DataFrame) or not {"resp_pos", "lp_a", "lp_b"} <= set(source.columns):
         raise UsageError("E503", "the worst-trace plot needs a trace table (resp_pos, lp_a, lp_b)")
     fig, ax = _axes(ax)
+    pair = str(source["pair"][0]) if "pair" in source.columns and source.height else ""
+    name_a, name_b = stream_names(pair)
     x = source["resp_pos"].to_numpy()
     lp_a, lp_b = source["lp_a"].to_numpy(), source["lp_b"].to_numpy()
-    ax.plot(x, lp_a, label="side a", linewidth=1.0)
-    ax.plot(x, lp_b, label="side b", linewidth=1.0, linestyle="--")
     twin = ax.twinx()
-    twin.bar(x, lp_b - lp_a, color="grey", alpha=0.4, label="Δ")
+    bars = twin.bar(x, lp_b - lp_a, color="grey", alpha=0.35, label=f"Δ = {name_b} − {name_a}")
     twin.set_ylabel("Δ (nats)")
+    line_a = ax.plot(x, lp_a, label=name_a, linewidth=1.2, marker=".")
+    line_b = ax.plot(x, lp_b, label=name_b, linewidth=1.2, linestyle="--", marker=".")
+    ax.set_zorder(twin.get_zorder() + 1)  # the streams above the Δ bars
+    ax.patch.set_visible(False)
     if source.height:
-        ax.set_title(f"worst sequence: step {source['step'][0]}, sample {source['sample_id'][0]}")
-    ax.set_xlabel("response position")
+        ax.set_title(
+            f"worst sequence: step {source['step'][0]}, sample {source['sample_id'][0]}"
+            f"  ({source.height} tokens)",
+            fontsize=10,
+        )
+    ax.set_xlabel("response position (tokens)")
     ax.set_ylabel("log-prob (nats)")
-    ax.legend(loc="lower left", fontsize=7)
+    ax.legend(handles=[*line_a, *line_b, bars], loc="lower left", fontsize=7)
     return fig
+
+
+def _report_kind(report: Any) -> str:
+    return str(getattr(report, "kind", "compare"))
+
+
+def build_figures(
+    report: Any = None,
+    *,
+    kinds: Sequence[str] = ("all",),
+    tokens: Any = None,
+    trace: pl.DataFrame | None = None,
+    marks: Sequence[Mark] = (),
+) -> PlotSet:
+    """Draw `kinds` ("all" = every kind the sources support) from a report, token data and a worst trace.
+
+    A kind named explicitly whose data is absent raises `UsageError` E503; under "all" it lands in
+    `PlotSet.skipped` with the reason (no token data, near-equal runs for the hexbin, no per-step rows, ...).
+    """
+    wanted_all = "all" in kinds
+    if report is None and tokens is None:
+        raise UsageError("E503", "nothing to plot: give a report or token data")
+    if wanted_all:
+        if report is None:
+            candidates: tuple[str, ...] = TOKEN_KINDS
+        elif _report_kind(report) == "metrics":
+            candidates = TREND_KINDS
+        else:
+            candidates = COMPARE_KINDS
+    else:
+        candidates = tuple(dict.fromkeys(kinds))
+    figures: dict[str, Figure] = {}
+    skipped: dict[str, str] = {}
+    for kind in candidates:
+        reason = _missing(kind, report, tokens, trace, wanted_all)
+        if reason is not None:
+            if not wanted_all:
+                raise UsageError("E503", f"plot {kind}: {reason}")
+            skipped[kind] = reason
+            continue
+        figures[kind] = _draw(kind, report, tokens, trace, marks)
+    return PlotSet(figures, skipped)
+
+
+def _missing(kind: str, report: Any, tokens: Any, trace: pl.DataFrame | None, wanted_all: bool) -> str | None:
+    """Why `kind` cannot (or, under "all", should not) be drawn from these sources; None when it can."""
+    if kind not in ALL_KINDS:
+        raise UsageError("E503", f"unknown plot kind {kind!r}", f"choose from {', '.join(ALL_KINDS)}, all")
+    if kind in ("dlogp-vs-logprob", "hexbin"):
+        if tokens is None:
+            return "needs token data: write it with compare --tokens-out and plot that table"
+        lp_a, lp_b, _ = _token_arrays(tokens)
+        if kind == "hexbin" and wanted_all and near_equal(lp_a, lp_b):
+            p99 = float(np.quantile(np.abs(lp_b - lp_a), 0.99)) if lp_a.size else 0.0
+            return (
+                f"near-equal runs (p99 |Δ| = {p99:.3g} nats, under one hexagon): every token sits on y = x; "
+                "dlogp-vs-logprob shows Δ instead (ask for --kind hexbin to draw it anyway)"
+            )
+        return None
+    if kind == "dlogp-hist":
+        if report is not None and _has(report, "dlogp"):
+            return None
+        return None if tokens is not None else "needs a report with Δ-histogram rows or token data"
+    if report is None:
+        return "needs a report"
+    if kind in TREND_KINDS:
+        if _report_kind(report) != "metrics" and not trend_metrics(report, kind):
+            return "a trend plot of a metrics report (pgdiag metrics --out)"
+        if not trend_metrics(report, kind):
+            return f"no per-step values of {', '.join(TREND_PANELS[kind].metrics) or 'loss/*'}: {_trend_hint(kind)}"
+        return None
+    if kind == "worst-trace":
+        return (
+            None if trace is not None else "needs the worst trace (compare --out writes it beside the report)"
+        )
+    breakdown = {"by-prob": "prob_bucket", "by-position": "position", "by-step": "step"}[kind]
+    if not _has(report, breakdown):
+        return f"the report has no {breakdown} breakdown (compare --by {breakdown})"
+    return None
+
+
+def _has(report: Any, breakdown: str) -> bool:
+    summary = getattr(report, "summary", None)
+    return summary is not None and summary.filter(pl.col("breakdown") == breakdown).height > 0
+
+
+def _draw(kind: str, report: Any, tokens: Any, trace: pl.DataFrame | None, marks: Sequence[Mark]) -> Figure:
+    if kind == "dlogp-vs-logprob":
+        return plot_dlogp_vs_logprob(tokens)
+    if kind == "hexbin":
+        return plot_hexbin(tokens)
+    if kind == "dlogp-hist":
+        return plot_dlogp_hist(report if report is not None and _has(report, "dlogp") else tokens)
+    if kind == "by-prob":
+        return plot_by_prob(report)
+    if kind == "by-position":
+        return plot_by_position(report)
+    if kind == "by-step":
+        return plot_by_step(report)
+    if kind == "worst-trace":
+        return plot_worst_trace(trace)
+    return plot_trend(report, kind, marks=marks)

@@ -230,8 +230,8 @@ class Report:
         """Write the report as ``<name>.parquet`` + ``<name>.json`` (+ worst-K tables), atomically.
 
         `path` is a directory (files ``<dir>/<kind>.*``) or a ``.parquet`` file name. `result` is the command's
-        `--json` object, stored as ``<name>.json`` (default: `to_json_dict()`); when its ``files`` is empty it is
-        filled with the files written here. UsageError E502 when a file exists (without `overwrite`) or a file
+        `--json` object, stored as ``<name>.json`` (default: `to_json_dict()`), its ``files`` completed with the
+        files written here. UsageError E502 when a file exists (without `overwrite`) or a file
         stands where the directory must be.
         """
         from pgdiag.data.writing import check_destination, write_json, write_parquet
@@ -243,8 +243,8 @@ class Report:
         targets = [p for p in (report_path, json_path, worst_tokens_path, worst_seqs_path) if p is not None]
         check_destination(report_path.parent, targets, overwrite=overwrite)
         written = ReportFiles(report_path, json_path, worst_tokens_path, worst_seqs_path)
-        if result is not None and not result.get("files"):
-            result = {**result, "files": written.as_dict()}
+        if result is not None:
+            result = {**result, "files": {**written.as_dict(), **(result.get("files") or {})}}
         metadata = {
             "pgdiag.schema": REPORT_SCHEMA_ID,
             "pgdiag.report": {"kind": self.kind, "meta": _jsonable(self.meta)},

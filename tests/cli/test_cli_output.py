@@ -133,8 +133,11 @@ def test_compare_lists_what_it_wrote_and_the_json_lists_the_same(tmp_path: Path)
     files = _json(result)["files"]
     saved = json.loads((out / "compare.json").read_text())["files"]
     assert saved == files
-    flat = [files[k] for k in files if k != "plots"] + list(files["plots"].values())
-    assert len(flat) == 13 and all(Path(p).is_file() for p in flat)
+    flat = [files[k] for k in files if k not in ("plots", "plots_skipped")] + list(files["plots"].values())
+    assert len(flat) >= 12 and all(Path(p).is_file() for p in flat)
+    assert {"report", "json", "worst_tokens", "worst_seqs", "worst_trace", "markdown", "tokens"} <= set(files)
+    on_disk = {str(p) for p in out.rglob("*") if p.is_file()} | {str(tmp_path / "tokens.parquet")}
+    assert set(flat) == on_disk  # every file written is listed, and only those
     for path in flat:
         assert path in result.stderr
     assert f"wrote {len(flat)} files:" in result.stderr

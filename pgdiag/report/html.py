@@ -1,0 +1,440 @@
+"""A one-file HTML report of `metrics` or `compare`: verdict, tables, plots, worst tokens, checks, settings.
+
+What: `render_html(report, verdict=..., plot_set=...)` returns one self-contained page: the verdict line at the
+top, the report's tables (metric families per step, or the parity table and its breakdowns), the plots as
+base64 PNG images, the worst tokens and sequences (with their decoded text when the comparison had a
+tokenizer), the checks and the settings. `write_html` writes it atomically (temp file, then rename).
+Why: a reviewer opens one file, offline, in any browser: no network, no JavaScript, no files beside it.
+How: every user string (labels, ids, paths, messages, token text) is HTML-escaped; the page's CSS is inline.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import html
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from pgdiag.errors import UsageError
+from pgdiag.report.plots import SMALL_BUCKET, Mark, PlotSet, figure_bytes
+from pgdiag.report.report import Report
+
+FAMILY_ORDER = ("policy", "loss", "mismatch", "advantage", "entropy", "group", "grad", "count")
+COLLAPSED_FAMILIES = ("grad", "count")  # long and rarely read first: folded
+HEADLINE_STATS = (  # the parity table's first rows; the other statistics fold under them
+    "abs_mean",
+    "bias",
+    "rms",
+    "abs_p99",
+    "abs_max",
+    "kl_k3",
+    "tmpe",
+    "frac_out_clip",
+    "frac_out_2x",
+    "pearson_r",
+    "fit_slope",
+    "ess_token",
+)
+BREAKDOWN_STATS = ("abs_mean", "abs_p99", "abs_max", "bias", "kl_k3", "frac_out_clip")
+GOOD_STATUSES = ("agree", "clean", "ok", "pass")
+WARN_STATUSES = ("warn", "warning", "warnings")
+
+CSS = """
+:root { --fg: #1d2330; --muted: #5b6475; --line: #d9dde5; --bg: #ffffff; --soft: #f5f7fa;
+        --good: #1a7f37; --good-bg: #e8f5ec; --bad: #c62828; --bad-bg: #fdecec; --warn: #9a6700;
+        --warn-bg: #fff6d6; --info-bg: #eef3fb; }
+* { box-sizing: border-box; }
+body { margin: 0; font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif;
+       color: var(--fg); background: var(--bg); }
+header { padding: 18px 28px 12px; border-bottom: 1px solid var(--line); background: var(--soft); }
+main { padding: 8px 28px 40px; max-width: 1400px; }
+.kicker { color: var(--muted); font-size: 12px; }
+h1 { font-size: 20px; margin: 4px 0 12px; word-break: break-word; }
+h2 { font-size: 17px; margin: 26px 0 8px; padding-bottom: 4px; border-bottom: 1px solid var(--line); }
+h3 { font-size: 14px; margin: 16px 0 6px; }
+.verdict { font-size: 16px; padding: 12px 16px; border-radius: 6px; border-left: 6px solid var(--muted);
+           background: var(--info-bg); word-break: break-word; }
+.verdict .word { font-weight: 700; margin-right: 8px; }
+.verdict.good { border-color: var(--good); background: var(--good-bg); }
+.verdict.good .word { color: var(--good); }
+.verdict.bad { border-color: var(--bad); background: var(--bad-bg); }
+.verdict.bad .word { color: var(--bad); }
+.verdict.warn { border-color: var(--warn); background: var(--warn-bg); }
+.verdict.warn .word { color: var(--warn); }
+.findings { margin: 8px 0 0 0; padding-left: 20px; font-size: 13px; }
+nav { margin-top: 10px; font-size: 13px; }
+nav a { margin-right: 14px; color: #1f5fbf; text-decoration: none; }
+.scroll { overflow-x: auto; }
+.blocks { display: flex; flex-wrap: wrap; gap: 8px 36px; align-items: flex-start; }
+table { border-collapse: collapse; font-size: 12.5px; margin: 4px 0 10px; }
+th, td { padding: 3px 10px; border-bottom: 1px solid var(--line); text-align: right; white-space: nowrap; }
+th { background: var(--soft); font-weight: 600; position: sticky; top: 0; }
+td.name, th.name, td.text { text-align: left; }
+td.name { font-family: ui-monospace, "DejaVu Sans Mono", monospace; }
+td.text { white-space: pre-wrap; font-family: ui-monospace, "DejaVu Sans Mono", monospace; max-width: 520px; }
+td.anomaly { background: var(--bad-bg); color: var(--bad); font-weight: 600; }
+td.unit { color: var(--muted); text-align: left; }
+tr.small td { color: var(--muted); }
+.plots { display: grid; grid-template-columns: repeat(auto-fill, minmax(560px, 1fr)); gap: 14px; }
+figure { margin: 0; border: 1px solid var(--line); border-radius: 6px; padding: 6px; background: #fff; }
+figure img { width: 100%; height: auto; display: block; }
+figcaption { font-size: 12px; color: var(--muted); margin-top: 4px; }
+.note { color: var(--muted); font-size: 12.5px; }
+details > summary { cursor: pointer; font-weight: 600; margin: 10px 0 4px; }
+code { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12.5px; }
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _num(value: Any, unit: str = "") -> str:
+    """A number for a cell: counts as integers, others with 6 significant digits; None as an em dash."""
+    if value is None:
+        return "—"
+    if isinstance(value, str):
+        return value
+    value = float(value)
+    if math.isnan(value):
+        return "—"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if unit == "count":
+        return f"{int(value):,}"
+    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-4):
+        return f"{value:.4e}"
+    return f"{value:.6g}"
+
+
+def _table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], *, left: int = 1, small: Sequence[bool] = ()
+) -> str:
+    """An HTML table; `rows` hold ready HTML cells (``<td ...>``) or plain strings (escaped, right-aligned
+    except the first `left` columns); rows flagged in `small` are greyed (a bucket with few tokens)."""
+    head = "".join(
+        f'<th class="name">{_e(h)}</th>' if i < left else f"<th>{_e(h)}</th>" for i, h in enumerate(header)
+    )
+    body = []
+    for index, row in enumerate(rows):
+        cells = []
+        for i, cell in enumerate(row):
+            if cell.startswith("<td"):
+                cells.append(cell)
+            else:
+                cells.append(f'<td class="name">{_e(cell)}</td>' if i < left else f"<td>{_e(cell)}</td>")
+        muted = ' class="small"' if index < len(small) and small[index] else ""
+        body.append(f"<tr{muted}>{''.join(cells)}</tr>")
+    return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
+
+
+def _status_class(status: str) -> str:
+    word = status.lower()
+    if word in GOOD_STATUSES:
+        return "good"
+    if word in WARN_STATUSES:
+        return "warn"
+    if word in ("info", ""):
+        return "info"
+    return "bad"
+
+
+def _verdict_block(status: str, line: str, findings: Sequence[str]) -> str:
+    items = "".join(f"<li>{_e(f)}</li>" for f in findings)
+    word = f'<span class="word">{_e(status)}</span>' if status and status != "info" else ""
+    listed = f'<ul class="findings">{items}</ul>' if items else ""
+    return f'<div id="verdict" class="verdict {_status_class(status)}">{word}{_e(line)}{listed}</div>'
+
+
+def _metrics_tables(report: Report, marks: Sequence[Mark]) -> str:
+    summary = report.summary
+    steps = summary.filter(pl.col("breakdown") == "step")["bucket"].unique(maintain_order=True).to_list()
+    per_step = {
+        (bucket, metric): value
+        for bucket, metric, value in summary.filter(pl.col("breakdown") == "step")
+        .select("bucket", "metric", "value")
+        .iter_rows()
+    }
+    marked = {(m.metric, str(m.step)): m.label for m in marks}
+    pooled = summary.filter(pl.col("breakdown") == "all")
+    families: dict[str, list[tuple[str, str, float | None, str]]] = {}
+    for pair, metric, value, unit in pooled.select("pair", "metric", "value", "unit").iter_rows():
+        family = metric.split("/", 1)[0] if "/" in metric else "metrics"
+        families.setdefault(family, []).append((pair, metric, value, unit))
+    last = len(FAMILY_ORDER)
+    ordered = sorted(families, key=lambda f: FAMILY_ORDER.index(f) if f in FAMILY_ORDER else last - 2.5)
+    parts = []
+    for family in ordered:
+        rows = families[family]
+        pairs = sorted({r[0] for r in rows})
+        body = []
+        for _pair, metric, value, unit in rows:
+            cells = [metric, _num(value, unit)]
+            for step in steps:
+                text = _num(per_step.get((step, metric)), unit)
+                label = marked.get((metric, str(step)))
+                cells.append(f'<td class="anomaly" title="{_e(label)}">{_e(text)}</td>' if label else text)
+            cells.append(f'<td class="unit">{_e(unit)}</td>')
+            body.append(cells)
+        table = _table(["metric", "all", *[f"step {s}" for s in steps], "unit"], body)
+        heading = f"{_e(family)} <span class='note'>({_e(', '.join(pairs))})</span>"
+        if family in COLLAPSED_FAMILIES:
+            parts.append(f"<details><summary>{heading}: {len(rows)} metrics</summary>{table}</details>")
+        else:
+            parts.append(f"<h3>{heading}</h3>{table}")
+    return "".join(parts)
+
+
+def _compare_tables(report: Report) -> str:
+    summary = report.summary
+    rows = summary.filter(pl.col("breakdown") == "all")
+    parts: list[str] = []
+    blocks: list[str] = []
+    for pair in rows["pair"].unique(maintain_order=True).to_list():
+        part = rows.filter(pl.col("pair") == pair)
+        scopes = part["scope"].unique().to_list()
+        if scopes == ["batch"]:
+            continue
+        cells = {(s, m): (v, u) for s, m, v, u in part.select("scope", "metric", "value", "unit").iter_rows()}
+        metrics = [
+            m for m in part["metric"].unique(maintain_order=True).to_list() if m.startswith("mismatch/")
+        ]
+        body, rest = [], []
+        for metric in metrics:
+            tok, seq = cells.get(("token", metric)), cells.get(("sequence", metric))
+            unit = (tok or seq)[1]
+            stat = metric.split("/", 1)[1]
+            (body if stat in HEADLINE_STATS else rest).append(
+                [
+                    stat,
+                    "" if tok is None else _num(tok[0], unit),
+                    "" if seq is None else _num(seq[0], unit),
+                    f'<td class="unit">{_e(unit)}</td>',
+                ]
+            )
+        body.sort(key=lambda row: HEADLINE_STATS.index(row[0]))
+        n_tok = cells.get(("token", "count/mismatch_tokens"), (None, ""))[0]
+        n_seq = cells.get(("sequence", "count/samples"), (None, ""))[0]
+        blocks.append(
+            f"<div><h3>parity <span class='note'>{_e(pair)}<br>Δ = lp_b − lp_a; {_num(n_tok, 'count')} "
+            f"tokens, {_num(n_seq, 'count')} sequences</span></h3>"
+            + _table(["statistic", "token", "sequence", "unit"], body)
+            + f"<details><summary>{len(rest)} more statistics</summary>"
+            + _table(["statistic", "token", "sequence", "unit"], rest)
+            + "</details></div>"
+        )
+    batch = rows.filter(pl.col("scope") == "batch")
+    if batch.height:
+        body = [
+            [p, m, _num(v, u), f'<td class="unit">{_e(u)}</td>']
+            for p, m, v, u in batch.select("pair", "metric", "value", "unit").iter_rows()
+        ]
+        parts.append("<details><summary>each run's own metrics (--metrics)</summary>")
+        parts.append(_table(["run", "metric", "all", "unit"], body, left=2) + "</details>")
+    breakdowns = summary.filter(
+        (pl.col("scope") == "token") & ~pl.col("breakdown").is_in(["all", "dlogp"]) & (pl.col("pair") != "")
+    )
+    for (pair, breakdown), part in breakdowns.group_by(["pair", "breakdown"], maintain_order=True):
+        wide = part.pivot(on="metric", index=["bucket", "bucket_lo", "n"], values="value").sort("bucket_lo")
+        body, small = [], []
+        for row in wide.iter_rows(named=True):
+            body.append(
+                [str(row["bucket"]), _num(row["n"], "count")]
+                + [_num(row.get(f"mismatch/{s}")) for s in BREAKDOWN_STATS]
+            )
+            small.append(int(row["n"] or 0) < SMALL_BUCKET)
+        blocks.append(
+            f"<div><h3>by {_e(breakdown)} <span class='note'>{_e(pair)}<br>grey rows: n &lt; {SMALL_BUCKET}"
+            "</span></h3>" + _table(["bucket", "n", *BREAKDOWN_STATS], body, small=small) + "</div>"
+        )
+    return f'<div class="blocks">{"".join(blocks)}</div>' + "".join(parts)
+
+
+def _plots(plot_set: PlotSet | None) -> str:
+    if plot_set is None or (not plot_set.figures and not plot_set.skipped):
+        return "<p class='note'>No plots.</p>"
+    figures = []
+    for kind, fig in plot_set.figures.items():
+        data = base64.b64encode(figure_bytes(fig, fmt="png")).decode("ascii")
+        figures.append(
+            f'<figure><img alt="{_e(kind)}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{_e(kind)}</figcaption></figure>"
+        )
+    skipped = "".join(f"<li><code>{_e(k)}</code>: {_e(why)}</li>" for k, why in plot_set.skipped.items())
+    note = f"<p class='note'>Not drawn:</p><ul class='note'>{skipped}</ul>" if skipped else ""
+    return f'<div class="plots">{"".join(figures)}</div>{note}'
+
+
+def _worst(report: Report) -> str:
+    parts = []
+    tokens = report.worst_tokens
+    if tokens is not None and tokens.height:
+        has_text = "context" in tokens.columns and tokens["context"].is_not_null().any()
+        text_column = "token_text" if "token_text" in tokens.columns else None
+        header = ["step", "sample", "pos", "resp pos", "token id"]
+        header += ["token"] if text_column else []
+        header += ["lp_a", "lp_b", "Δ"] + (["context (±8 loss tokens)"] if has_text else [])
+        body = []
+        for row in tokens.iter_rows(named=True):
+            cells = [
+                str(row["step"]),
+                str(row["sample_id"]),
+                str(row["pos"]),
+                str(row.get("resp_pos", "")),
+                str(row.get("token_id", "")),
+            ]
+            if text_column:
+                cells.append(f'<td class="text">{_e(row[text_column] or "")}</td>')
+            cells += [_num(row["lp_a"]), _num(row["lp_b"]), _num(row["dlogp"])]
+            if has_text:
+                cells.append(f'<td class="text">{_e(row["context"] or "")}</td>')
+            body.append(cells)
+        parts.append(f"<h3>worst tokens <span class='note'>(largest |Δ|, {tokens.height})</span></h3>")
+        if not has_text and not text_column:
+            parts.append("<p class='note'>Token text: rerun compare with --tokenizer PATH.</p>")
+        parts.append(_table(header, body, left=2))
+    seqs = report.worst_seqs
+    if seqs is not None and seqs.height:
+        columns = [
+            c
+            for c in (
+                "step",
+                "sample_id",
+                "n_tokens",
+                "dlogp_sum",
+                "dlogp_mean",
+                "abs_dlogp_max",
+                "reward",
+                "env",
+            )
+            if c in seqs.columns
+        ]
+        body = [
+            [
+                str(row[c])
+                if c in ("step", "sample_id", "env")
+                else _num(row[c], "count" if c == "n_tokens" else "")
+                for c in columns
+            ]
+            for row in seqs.iter_rows(named=True)
+        ]
+        parts.append(f"<h3>worst sequences <span class='note'>(largest |Σ Δ|, {seqs.height})</span></h3>")
+        parts.append(_table(columns, body, left=2))
+    return "".join(parts) or "<p class='note'>No worst-token tables in this report.</p>"
+
+
+def _checks(report: Report) -> str:
+    if report.checks.height == 0:
+        return "<p class='note'>No findings.</p>"
+    body = [
+        [c, s, f'<td class="text">{_e(m)}</td>']
+        for c, s, m in report.checks.select("code", "severity", "message").iter_rows()
+    ]
+    return _table(["code", "severity", "message"], body, left=2)
+
+
+def _flat(prefix: str, value: Any, out: list[tuple[str, str]]) -> None:
+    if isinstance(value, Mapping) and value:
+        for key, item in value.items():
+            _flat(f"{prefix}.{key}" if prefix else str(key), item, out)
+        return
+    out.append((prefix, value if isinstance(value, str) else json.dumps(value, default=str)))
+
+
+def _settings(report: Report, argv: Sequence[str] | None) -> str:
+    pairs: list[tuple[str, str]] = []
+    meta = {k: v for k, v in report.meta.items() if k not in ("steps", "notices", "diagnosis")}
+    _flat("", meta, pairs)
+    body = [[k, f'<td class="text">{_e(v)}</td>'] for k, v in pairs]
+    command = f"<p><code>pgdiag {_e(' '.join(argv))}</code></p>" if argv else ""
+    notices = "".join(f"<li>{_e(n)}</li>" for n in report.meta.get("notices", []))
+    return (
+        command + _table(["setting", "value"], body) + (f"<ul class='note'>{notices}</ul>" if notices else "")
+    )
+
+
+def verdict_arguments(verdict: Any) -> dict[str, Any]:
+    """`render_html`'s verdict arguments (verdict, status, findings, marks) from a verdict: an object with
+    ``line``, ``status`` and ``findings`` (each with ``metric``, ``step``, ``message``) or its dict form."""
+    from pgdiag.report.plots import finding_marks
+
+    def get(obj: Any, key: str) -> Any:
+        return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
+
+    findings = list(get(verdict, "findings") or ())
+    return {
+        "verdict": str(get(verdict, "line") or ""),
+        "status": str(get(verdict, "status") or "info"),
+        "findings": [str(get(f, "message") or "") for f in findings],
+        "marks": finding_marks(findings),
+    }
+
+
+def render_html(
+    report: Report,
+    *,
+    verdict: str,
+    status: str = "info",
+    findings: Sequence[str] = (),
+    plot_set: PlotSet | None = None,
+    marks: Sequence[Mark] = (),
+    argv: Sequence[str] | None = None,
+    title: str | None = None,
+) -> str:
+    """The self-contained page of `report`.
+
+    `verdict` is the one line printed at the top, `status` its word (AGREE, DISAGREE, clean, anomalies, ...;
+    "info" shows the line alone), `findings` the lines listed under it; `plot_set` the figures (from
+    `plots.build_figures`); `marks` the anomalies highlighted in the metric tables; `argv` the command that
+    made the report.
+    """
+    from pgdiag import __version__
+
+    pairs = report.meta.get("pairs", [])
+    heading = title or f"pgdiag {report.kind}: {', '.join(pairs) if pairs else ''}"
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    tables = _metrics_tables(report, marks) if report.kind == "metrics" else _compare_tables(report)
+    sections = [
+        ("tables", "Tables", tables),
+        ("plots", "Plots", _plots(plot_set)),
+    ]
+    if report.kind == "compare":
+        sections.append(("worst", "Worst tokens", _worst(report)))
+    sections += [("checks", "Checks", _checks(report)), ("settings", "Settings", _settings(report, argv))]
+    nav = "".join(f'<a href="#{key}">{_e(name)}</a>' for key, name, _ in sections)
+    body = "".join(
+        f'<section id="{key}"><h2>{_e(name)}</h2>{content}</section>' for key, name, content in sections
+    )
+    return (
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{_e(heading)}</title><style>{CSS}</style></head><body>"
+        f'<header><div class="kicker">pgdiag {_e(__version__)} · {_e(report.kind)} report · {_e(now)}</div>'
+        f"<h1>{_e(heading)}</h1>{_verdict_block(status, verdict, findings)}<nav>{nav}</nav></header>"
+        f"<main>{body}</main></body></html>\n"
+    )
+
+
+def check_html_path(path: str | Path, *, overwrite: bool = False) -> Path:
+    """Refuse an `--html` destination before any work: a directory, or an existing file without `overwrite`."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError("E502", f"{path} is a directory", "give a file name for the page, e.g. report.html")
+    if path.exists() and not overwrite:
+        raise UsageError("E502", f"{path} exists", "pass --overwrite to replace it")
+    return path
+
+
+def write_html(report: Report, path: str | Path, *, overwrite: bool = False, **page: Any) -> Path:
+    """Write `render_html(report, **page)` to `path` atomically (temp file, then rename); returns the path."""
+    from pgdiag.data.writing import atomic_write
+
+    path = check_html_path(path, overwrite=overwrite)
+    text = render_html(report, **page)
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
