@@ -404,7 +404,7 @@ def _render_summary(console: Console, result: RecomputeResult, *, verbose: bool)
         soft_wrap=True,
     )
     for warning in result.warnings:
-        console.print(f"[yellow]warning[/] {warning}", soft_wrap=True)
+        console.print(Text.assemble(("warning", "yellow"), f" {warning}"), soft_wrap=True)
     if verbose:
         console.print(f"settings: {result.settings.as_dict()}", markup=False, soft_wrap=True)
 
