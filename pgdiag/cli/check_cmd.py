@@ -1,6 +1,6 @@
 """`pgdiag check RUN [RUN_B]`: schema validation and alignment checks, the gate before any number is printed.
 
-Thin shell over `pgdiag.checks.semantic.check_run` (docs/cli.md). Exit 0 when clean (warnings
+Thin shell over `pgdiag.checks.run.check_run` (docs/cli.md). Exit 0 when clean (warnings
 allowed), 1 for warnings under `--strict`, 3 for any error.
 """
 
@@ -73,8 +73,13 @@ def check(
     """
 
     def body(console: Console) -> dict[str, Any]:
+<<<<<<< HEAD
         from pgdiag.checks.semantic import check_run
         from pgdiag.cli.render import render_checks, render_verdict
+=======
+        from pgdiag.checks.run import check_run
+        from pgdiag.cli.render import render_checks
+>>>>>>> main
         from pgdiag.data.runs import read_run
         from pgdiag.errors import UsageError
         from pgdiag.report.verdict import check_verdict

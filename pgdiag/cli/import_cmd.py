@@ -183,7 +183,9 @@ def import_command(
 
             def progress(summary: Any) -> None:
                 notes = "; ".join(
-                    f"{w.code} {w.message}" for w in summary.warnings if w.code.startswith("W70")
+                    f"{w.code} {w.message}" if w.severity == "warning" else w.message
+                    for w in summary.warnings
+                    if w.code.startswith("W70") or w.severity == "note"
                 )
                 console.print(
                     f"step {summary.step}: {summary.n_samples} samples, {summary.n_tokens} tokens "
