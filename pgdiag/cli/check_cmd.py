@@ -73,13 +73,8 @@ def check(
     """
 
     def body(console: Console) -> dict[str, Any]:
-<<<<<<< HEAD
-        from pgdiag.checks.semantic import check_run
-        from pgdiag.cli.render import render_checks, render_verdict
-=======
         from pgdiag.checks.run import check_run
-        from pgdiag.cli.render import render_checks
->>>>>>> main
+        from pgdiag.cli.render import render_checks, render_verdict
         from pgdiag.data.runs import read_run
         from pgdiag.errors import UsageError
         from pgdiag.report.verdict import check_verdict

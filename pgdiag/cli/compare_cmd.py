@@ -294,15 +294,11 @@ def compare(
             from pgdiag.report.html import check_html_path
 
             check_html_path(html, overwrite=overwrite)
-        source_a = read_run(run_a, attach=list_option(attach), steps=steps, run=run_name)
-        source_b = None if run_b is None else read_run(run_b, steps=steps, run=run_name)
-<<<<<<< HEAD
-        comparison = compare_runs(source_a, source_b, settings, decode=decode)
-=======
         if routing_replay is not None and run_b is not None:
             raise UsageError("E112", "--routing-replay compares streams of one run; give one RUN")
-        comparison = compare_runs(source_a, source_b, settings)
->>>>>>> main
+        source_a = read_run(run_a, attach=list_option(attach), steps=steps, run=run_name)
+        source_b = None if run_b is None else read_run(run_b, steps=steps, run=run_name)
+        comparison = compare_runs(source_a, source_b, settings, decode=decode)
         report = comparison.report
         decision = outcome(report, gate_settings)
         verdict = compare_verdict(report, decision.gates)
@@ -331,8 +327,6 @@ def compare(
             checks=report.checks.to_dicts(),
             verdict=verdict.as_dict(),
         )
-<<<<<<< HEAD
-=======
         if routing_replay is not None:
             from pgdiag.compare.routing import routing_attribution
 
@@ -343,8 +337,6 @@ def compare(
             result["routing"] = attribution.to_dicts()
             if not quiet:
                 _render_routing(console, attribution, pair.stream_b, routing_replay)
-        files: dict[str, Any] = {}
->>>>>>> main
         if tokens_out is not None:
             from pgdiag.compare.tokens import write_token_table
 
@@ -376,8 +368,6 @@ def compare(
     execute("compare", body, json_out=json_out, quiet=quiet)
 
 
-<<<<<<< HEAD
-=======
 def _render_routing(console: Console, attribution: Any, recompute: str, replay: str) -> None:
     """One line per step: mean |Δ| with the router's experts and with the engine's, the share routing explains."""
 
@@ -395,19 +385,6 @@ def _render_routing(console: Console, attribution: Any, recompute: str, replay: 
         )
 
 
-def _gate_verdict(gates: Any) -> tuple[str, str]:
-    """(status word, line) of the page's verdict from the gates."""
-    if not gates.gates:
-        return (
-            "info",
-            "no gates given: read the parity table (--fail-on or --profile give a pass/fail verdict)",
-        )
-    failed = [g.expr for g in gates.gates if g.status != "pass"]
-    line = f"{len(gates.gates)} gates evaluated" + (f"; not passed: {', '.join(failed)}" if failed else "")
-    return gates.status, line
-
-
->>>>>>> main
 def render_parity(console: Console, report: Any, *, verbose: bool = False) -> None:
     """The parity table: one row per statistic, token and sequence scope side by side, with units."""
     import polars as pl

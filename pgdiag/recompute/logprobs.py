@@ -273,6 +273,7 @@ def recompute_logprobs(
 
     # 2-3 fail or are interrupted before any part is on disk: remove the manifest again, so that nothing of a
     #     refused run is left (a later `pgdiag check` sees no incomplete recompute); written parts stay for resume
+    disagree: float | None = None
     try:
         # 2. compute this replica's pending parts; TP rank 0 writes them
         mine = [
@@ -302,6 +303,7 @@ def recompute_logprobs(
                 raise RuntimeError(
                     f"{len(missing)} planned parts missing after recompute (first: {missing[0]})"
                 )
+            disagree = write_routing_summary(out_dir, [p.relpath for p in parts]) if moe else None
             write_json({**manifest, "complete": True}, out_dir / MANIFEST_NAME)
         barrier()
     except BaseException:
@@ -309,18 +311,6 @@ def recompute_logprobs(
             discard_empty_output(out_dir)
         raise
 
-<<<<<<< HEAD
-=======
-    disagree: float | None = None
-    # 3. the marker, last: global rank 0 checks every planned part is on disk
-    if layout.is_main:
-        missing = [p.relpath for p in parts if not (out_dir / p.relpath).is_file()]
-        if missing:
-            raise RuntimeError(f"{len(missing)} planned parts missing after recompute (first: {missing[0]})")
-        disagree = write_routing_summary(out_dir, [p.relpath for p in parts]) if moe else None
-        write_json({**manifest, "complete": True}, out_dir / MANIFEST_NAME)
-    barrier()
->>>>>>> main
     return RecomputeResult(
         path=out_dir,
         tag=tag,
