@@ -22,7 +22,7 @@ from pgdiag.metrics.settings import ClipBand, MetricSettings, StyleOptions
 
 READ_OPTIONS = {"steps", "run_name", "label", "attach", "label_a", "label_b"}
 GATE_OPTIONS = {"fail_on", "warn_on", "profile", "strict", "exit_zero"}
-RENDER_OPTIONS = {"json_out", "out", "overwrite", "all_steps", "quiet", "verbose", "tokens_out"}
+RENDER_OPTIONS = {"json_out", "out", "overwrite", "all_steps", "quiet", "verbose", "tokens_out", "html"}
 
 
 class _Stop(UsageError):
