@@ -234,9 +234,15 @@ def compare(
         from pgdiag.cli.render import render_checks, render_gates
         from pgdiag.compare.api import compare_runs
         from pgdiag.data.runs import read_run
-        from pgdiag.errors import EXIT_GATE, EXIT_OK
-        from pgdiag.report.gates import evaluate_gates
+        from pgdiag.report.gates import GateSettings, outcome
 
+        gate_settings = GateSettings(
+            fail_on=tuple(list_option(fail_on)),
+            warn_on=tuple(list_option(warn_on)),
+            profile=profile,
+            strict=strict,
+            exit_zero=exit_zero,
+        )
         clip = ClipBand(eps_low=eps_low, eps_high=eps_high)
         side_metrics = None
         if side_by_side:
@@ -268,31 +274,18 @@ def compare(
         source_b = None if run_b is None else read_run(run_b, steps=steps, run=run_name)
         comparison = compare_runs(source_a, source_b, settings)
         report = comparison.report
-        gates = evaluate_gates(
-            report,
-            fail_on=list_option(fail_on),
-            warn_on=list_option(warn_on),
-            profile=profile,
-            default_family="mismatch",
-        )
+        verdict = outcome(report, gate_settings)
         if not quiet:  # rich lays tables out even on a quiet console: skip the work
             render_parity(console, report, verbose=verbose)
             if verbose:
                 render_breakdowns(console, report)
             render_checks(console, report.checks)
-            render_gates(console, gates)
-        warned = report.checks.filter(report.checks["severity"] == "warning").height > 0
-        exit_code = gates.exit_code
-        if strict and warned:
-            exit_code = EXIT_GATE
-        status = "ok" if exit_code == EXIT_OK else "fail"
-        if exit_zero and exit_code == EXIT_GATE:
-            exit_code = EXIT_OK
+            render_gates(console, verdict.gates)
         pair = comparison.pair
         result = result_object(
             "compare",
-            status=status,
-            exit_code=exit_code,
+            status=verdict.status,
+            exit_code=verdict.exit_code,
             inputs={
                 "runs": [pair.label_a] + ([pair.label_b] if run_b is not None else []),
                 "streams": [pair.stream_a, pair.stream_b],
@@ -302,7 +295,7 @@ def compare(
             },
             pairs=[pair.pair],
             summary=report.to_json_dict()["summary"],
-            gates=[g.__dict__ for g in gates.gates],
+            gates=[g.__dict__ for g in verdict.gates.gates],
             checks=report.checks.to_dicts(),
         )
         files: dict[str, Any] = {}
@@ -313,13 +306,15 @@ def compare(
         if out is not None:
             from pgdiag.compare.output import write_outputs
 
-            files.update(write_outputs(comparison, out, result=result, gates=gates, overwrite=overwrite))
+            files.update(
+                write_outputs(comparison, out, result=result, gates=verdict.gates, overwrite=overwrite)
+            )
         if html is not None:
             from pgdiag.report.html import write_html
             from pgdiag.report.plots import build_figures
 
             plot_set = build_figures(report, tokens=pair, trace=comparison.trace())
-            status_word, line = _gate_verdict(gates)
+            status_word, line = _gate_verdict(verdict.gates)
             page = write_html(
                 report,
                 html,

@@ -237,6 +237,14 @@ def metrics(
         bool,
         typer.Option("--no-vllm-is", help="trl: disable the vLLM IS correction.", rich_help_panel=METRICS),
     ] = False,
+    no_kl_bias_correction: Annotated[
+        bool,
+        typer.Option(
+            "--no-kl-bias-correction",
+            help="trl: use_bias_correction_kl=False (KL term not multiplied by the ratio).",
+            rich_help_panel=METRICS,
+        ),
+    ] = False,
     pad_width: Annotated[
         int | None, typer.Option("--pad-width", help="liger: padded width T'.", rich_help_panel=METRICS)
     ] = None,
@@ -295,9 +303,15 @@ def metrics(
         from pgdiag.cli.render import render_checks, render_gates, render_metrics
         from pgdiag.data.runs import read_run
         from pgdiag.metrics.api import compute_metrics
-        from pgdiag.metrics.catalog import METRIC_CATALOG
-        from pgdiag.report.gates import evaluate_gates
+        from pgdiag.report.gates import GateSettings, outcome
 
+        gate_settings = GateSettings(
+            fail_on=tuple(list_option(fail_on)),
+            warn_on=tuple(list_option(warn_on)),
+            profile=profile,
+            strict=strict,
+            exit_zero=exit_zero,
+        )
         settings = MetricSettings(
             new=new,
             old=old,
@@ -323,6 +337,7 @@ def metrics(
                 rollout_is_threshold=rollout_is_threshold,
                 beta=beta,
                 vllm_is=not no_vllm_is,
+                kl_bias_correction=not no_kl_bias_correction,
                 pad_width=pad_width,
                 tis=tis,
                 batch_size=batch_size,
@@ -337,30 +352,16 @@ def metrics(
             check_html_path(html, overwrite=overwrite)
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
         report = compute_metrics(source, settings, checks=checks)
-        fail = list(list_option(fail_on))
-        if settings.key_style == "pgdiag":
-            fail.append("count/tokens_invalid>0")  # the default gate of docs/metrics.md
-            if identity:
-                fail.append(f"policy/logratio_absmax>{identity_tol!r}")
-        known = [spec.key for spec in METRIC_CATALOG] if settings.key_style == "pgdiag" else []
-        gates = evaluate_gates(
-            report, fail_on=fail, warn_on=list_option(warn_on), profile=profile, known_metrics=known
-        )
-        n_warnings = report.checks.filter(report.checks["severity"] == "warning").height
-        exit_code = gates.exit_code
-        if strict and n_warnings:
-            exit_code = max(exit_code, 1)
-        if exit_zero and exit_code == 1:
-            exit_code = 0
+        verdict = outcome(report, gate_settings)
         if not quiet:  # rich lays tables out even on a quiet console: skip the work
             render_checks(console, report.checks)
             render_metrics(console, report, all_steps=all_steps, verbose=verbose)
-            render_gates(console, gates)
+            render_gates(console, verdict.gates)
         inputs = report.meta["inputs"]
         result = result_object(
             "metrics",
-            status="ok" if gates.status != "fail" else "fail",
-            exit_code=exit_code,
+            status=verdict.status,
+            exit_code=verdict.exit_code,
             inputs={
                 "runs": inputs["runs"],
                 "streams": inputs["streams"],
@@ -369,7 +370,7 @@ def metrics(
                 "n_tokens": inputs["n_tokens"],
             },
             pairs=report.meta["pairs"],
-            gates=[g.__dict__ for g in gates.gates],
+            gates=[g.__dict__ for g in verdict.gates.gates],
             checks=report.checks.to_dicts(),
         )
         json_view = report.to_json_dict()
@@ -389,8 +390,8 @@ def metrics(
                 report,
                 html,
                 overwrite=overwrite,
-                verdict=f"gates: {gates.status}",
-                status=gates.status,
+                verdict=f"gates: {verdict.gates.status}",
+                status=verdict.gates.status,
                 plot_set=build_figures(report),
                 argv=result["argv"],
             )

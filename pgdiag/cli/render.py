@@ -96,7 +96,7 @@ def render_checks(console: Console, checks: pl.DataFrame, hints: Sequence[str | 
 def render_gates(console: Console, gates: GateResult) -> None:
     """Gate outcomes that did not pass, then a one-line verdict when any gate ran."""
     for gate in gates.gates:
-        if gate.status == "pass":
+        if gate.status in ("pass", "skipped"):
             continue
         colour = "yellow" if gate.status == "warn" else "red"
         where = f" [{gate.pair}]" if gate.pair else ""

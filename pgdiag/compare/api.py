@@ -37,6 +37,7 @@ from pgdiag.compare.worst import token_decoder, worst_seqs, worst_tokens, worst_
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.validate import Issue
 from pgdiag.errors import UsageError
+from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import CHECKS_SCHEMA, Report, ReportRow, summary_frame
 
 if TYPE_CHECKING:
@@ -430,6 +431,7 @@ def compare_runs(
     checks = _checks_frame(issues, [side_a.checks] if one_run else [side_a.checks, side_b.checks])
     meta = {
         "pairs": [pair.pair],
+        "gate_policy": gate_policy(default_family="mismatch"),
         "labels": {"a": la, "b": lb},
         "streams": {"a": sa, "b": sb},
         "join": pair.join,

@@ -120,6 +120,8 @@ def _cast_column(name: str, column: pa.ChunkedArray, target: pa.DataType) -> pa.
         encoded = pc.dictionary_encode(strings.combine_chunks())
         return pa.chunked_array([encoded.cast(target)])
     source = column.type
+    if pa.types.is_map(target) and _is_key_value_list(source):
+        return pa.chunked_array([_as_map(chunk, target) for chunk in column.chunks], type=target)
     if pa.types.is_list(target) and pa.types.is_floating(target.value_type):
         values = pc.list_flatten(column)
         finite_max = pc.max(pc.abs(pc.if_else(pc.is_finite(values), values, 0.0))).as_py()
@@ -131,6 +133,31 @@ def _cast_column(name: str, column: pa.ChunkedArray, target: pa.DataType) -> pa.
         raise InvalidInputError(
             "E103", f"{name}: {source} cannot be cast losslessly to {target} ({exc})"
         ) from exc
+
+
+def _is_key_value_list(source: pa.DataType) -> bool:
+    """A list of {key, value} structs: how polars, which has no map type, holds a map column."""
+    if not (pa.types.is_list(source) or pa.types.is_large_list(source)):
+        return False
+    item = source.value_type
+    return pa.types.is_struct(item) and [item.field(i).name for i in range(item.num_fields)] == [
+        "key",
+        "value",
+    ]
+
+
+def _as_map(chunk: pa.Array, target: pa.MapType) -> pa.Array:
+    """A list<struct<key, value>> chunk as a map array of `target` (keys and values cast losslessly)."""
+    entries = chunk.flatten()  # (N,) struct, respecting the chunk's offset
+    keys = entries.field("key").cast(target.key_type, safe=True)
+    items = entries.field("value").cast(target.item_type, safe=True)
+    offsets = pc.subtract(chunk.offsets, chunk.offsets[0]).cast(pa.int32())
+    if chunk.null_count:
+        offsets = pa.array(
+            offsets.to_numpy(zero_copy_only=False),
+            mask=np.append(~chunk.is_valid().to_numpy(zero_copy_only=False), False),
+        )
+    return pa.MapArray.from_arrays(offsets, keys, items, type=target)
 
 
 def to_canonical_table(df: pl.DataFrame) -> pa.Table:

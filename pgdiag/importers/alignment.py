@@ -186,12 +186,44 @@ def null_off_mask(values: FlatList, loss_mask: FlatList) -> FlatList:
     return FlatList(values.offsets, values.values, valid, values.row_valid)
 
 
+_ARROW_OF_POLARS = {
+    pl.Float32: (pa.float32(), np.float32),
+    pl.Float64: (pa.float64(), np.float64),
+    pl.Int32: (pa.int32(), np.int32),
+    pl.Int64: (pa.int64(), np.int64),
+    pl.Int8: (pa.int8(), np.int8),
+    pl.Int16: (pa.int16(), np.int16),
+    pl.UInt8: (pa.uint8(), np.uint8),
+    pl.UInt32: (pa.uint32(), np.uint32),
+    pl.UInt64: (pa.uint64(), np.uint64),
+}
+
+
+def _bitmap(bits: np.ndarray) -> pa.Buffer:
+    return pa.py_buffer(np.packbits(bits, bitorder="little"))
+
+
 def to_series(name: str, flat: FlatList, dtype: pl.DataType) -> pl.Series:
-    """A polars list column from a flat list; elements whose `valid` is false are null."""
-    inner = pl.Series(flat.values).cast(dtype.inner).to_arrow()  # type: ignore[union-attr]
-    if flat.valid is not None and not flat.valid.all():
-        inner = pa.array(inner.to_numpy(zero_copy_only=False), mask=~flat.valid, type=inner.type)
-    offsets = pa.array(np.asarray(flat.offsets, dtype=np.int64), type=pa.int64())
-    mask = None if flat.row_valid is None else pa.array(~flat.row_valid)
-    array = pa.LargeListArray.from_arrays(offsets, inner, mask=mask)
+    """A polars list column from a flat list; elements whose `valid` is false are null.
+
+    Built from Arrow buffers directly (no per-element Python work, no pandas import).
+    """
+    inner_dtype = dtype.inner  # type: ignore[union-attr]
+    n = int(flat.values.shape[0])
+    nulls = 0 if flat.valid is None else n - int(np.count_nonzero(flat.valid))
+    validity = _bitmap(flat.valid) if nulls else None
+    if inner_dtype == pl.Boolean:
+        inner = pa.Array.from_buffers(
+            pa.bool_(), n, [validity, _bitmap(flat.values.astype(bool, copy=False))], nulls
+        )
+    else:
+        arrow_type, numpy_type = _ARROW_OF_POLARS[inner_dtype]
+        values = np.ascontiguousarray(flat.values, dtype=numpy_type)
+        inner = pa.Array.from_buffers(arrow_type, n, [validity, pa.py_buffer(values)], nulls)
+    offsets = pa.py_buffer(np.ascontiguousarray(flat.offsets, dtype=np.int64))
+    row_nulls = 0 if flat.row_valid is None else int(np.count_nonzero(~flat.row_valid))
+    row_validity = _bitmap(flat.row_valid) if row_nulls else None
+    array = pa.LargeListArray.from_buffers(
+        pa.large_list(inner.type), len(flat.offsets) - 1, [row_validity, offsets], row_nulls, children=[inner]
+    )
     return pl.Series(name, array)

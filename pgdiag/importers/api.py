@@ -26,14 +26,22 @@ def import_run(
     overwrite: bool = False,
     ignore: tuple[str, ...] = (),
     progress: Callable[[StepSummary], None] | None = None,
+    **option_values: Any,
 ) -> ImportResult:
     """Import the dump `src` with `preset` (``pgdiag import --preset``) into the run directory `out`.
 
-    `options` holds the common import options (`ImportOptions`); `ignore` silences validation warnings by code;
+    `options` holds the common import options (`ImportOptions`), or pass them as keywords
+    (``import_run("nemo-rl", src, out, temperature=1.0, group_by="prompt")``); `ignore` silences validation
+    warnings by code;
     `progress` is called with each step's `StepSummary`. Refusals: E701 (unsafe global), E702 (text only),
     E703 (torn or unknown layout), any validation error; on any of them nothing is written.
     """
-    options = options or ImportOptions()
+    if options is not None and option_values:
+        raise UsageError("E112", "pass import options either as options= or as keywords, not both")
+    try:
+        options = options or ImportOptions(**option_values)
+    except TypeError as exc:
+        raise UsageError("E112", f"unknown import option ({exc})") from None
     options.check()
     src = Path(src)
     if not src.exists():

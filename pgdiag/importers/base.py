@@ -178,6 +178,9 @@ class ImportedStep:
     warnings: list[ImportWarning] = field(default_factory=list)
     footer: Mapping[str, Any] = field(default_factory=dict)  # extra footer keys: tokenizer, model (win)
     shifts_applied: bool = False  # True when the preset applied --shift itself (canonical)
+    requires_stream: bool = (
+        True  # False only for text-only sources (verl-jsonl): streams come from a recompute
+    )
 
 
 ReadSteps = Callable[[Path, ImportOptions], Iterator[ImportedStep]]

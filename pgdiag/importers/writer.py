@@ -147,7 +147,7 @@ def finalize_rows(imported: ImportedStep, options: ImportOptions, *, label: str 
             raise InvalidInputError(
                 "E102", f"{source}: missing column {column}", "map it with --map SRC=" + column
             )
-    if not _stream_columns(df.columns):
+    if imported.requires_stream and not _stream_columns(df.columns):
         raise InvalidInputError(
             "E102",
             f"{source}: no log-prob stream (rollout_logprobs, old_logprobs, ref_logprobs or new_logprobs)",
@@ -376,6 +376,7 @@ def _write_step(
         raise error
     streams = _stream_columns(table.column_names)
     footer = _footer(imported, options, preset, streams)
+    footer["import"] = {**footer.get("import", {}), "ignored_codes": sorted(ignore)}
     if imported.step in {s.step for s in totals.steps}:
         raise InvalidInputError("E703", f"{source}: step {imported.step} appears twice in the source")
     path = tmp / _PARTS / f"step={imported.step}" / "part-00000.parquet"

@@ -15,6 +15,7 @@ from pgdiag.data.runs import Run, read_token_batch
 from pgdiag.data.validate import CheckSettings
 from pgdiag.errors import UsageError
 from pgdiag.metrics.settings import MetricSettings
+from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import Report, ReportRow, summary_frame
 
 _CANONICAL = ("rollout", "old", "ref", "new")
@@ -82,6 +83,19 @@ def _pair_names(label: str, settings: MetricSettings) -> tuple[str, str | None]:
         None if settings.stream_a is None else f"{label}:{settings.stream_a} vs {label}:{settings.stream_b}"
     )
     return policy, mismatch
+
+
+def default_gates(settings: MetricSettings) -> dict[str, Any]:
+    """The gates `metrics` always applies (docs/cli.md): no invalid token, and under `identity` the step-0
+    identity check; native metric names are valid gate names even where this report lacks them."""
+    from pgdiag.metrics.catalog import METRIC_CATALOG
+
+    if settings.key_style != "pgdiag":
+        return gate_policy()
+    fail = ["count/tokens_invalid>0"]
+    if settings.identity:
+        fail.append(f"policy/logratio_absmax>{settings.identity_tol!r}")
+    return gate_policy(fail_on=fail, known_metrics=[spec.key for spec in METRIC_CATALOG])
 
 
 def compute_metrics(
@@ -156,6 +170,7 @@ def compute_metrics(
             "ignored_codes": list(checks.ignore),
         },
         "pairs": [p for p in (policy_pair, mismatch_pair) if p],
+        "gate_policy": default_gates(settings),
         "steps": steps_meta,
         "notices": notices,
     }

@@ -56,6 +56,7 @@ class StyleOptions:
     rollout_is_threshold: float | None = None  # verl (2.0)
     beta: float | None = None  # trl (0.0) / liger (0.04)
     vllm_is: bool = True  # trl: vLLM IS correction when a rollout stream is present
+    kl_bias_correction: bool = True  # trl: use_bias_correction_kl (KL term × ratio), TRL 1.16 default
     pad_width: int | None = None  # liger T' (default: longest response in the step)
     tis: bool = False  # miles
     batch_size: int | None = None  # pipelinerl (default: S)

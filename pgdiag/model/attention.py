@@ -11,6 +11,11 @@ Why two backends, chosen by an argument (never an env var):
   for a sliding window shorter than the document). Runs everywhere, any dtype; the CPU path and the reference.
 `resolve_attention_backend("auto", device, dtype)` picks ``varlen`` on CUDA for a bf16/fp16 body when this torch
 has it, else ``sdpa``.
+
+Attention sinks (gpt-oss): one learned logit per head joins every query's softmax as an extra key whose value
+is zero, so the weights of the real keys sum to less than one. ``sdpa`` computes this per document as HF's
+eager attention does (the logits with the sink appended, softmax, sink dropped); ``varlen`` rescales the
+sink-free output by ``sigmoid(lse - sink)`` from the kernel's log-sum-exp, the same quantity.
 """
 
 from __future__ import annotations
@@ -81,16 +86,83 @@ def resolve_attention_backend(requested: str, device: torch.device, dtype: torch
 
 
 def packed_attention(
-    q: Tensor, k: Tensor, v: Tensor, docs: PackedDocs, *, window: int | None, backend: str
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    docs: PackedDocs,
+    *,
+    window: int | None,
+    backend: str,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention within each document.
 
     q: (N, Hq, D), k and v: (N, Hkv, D) with Hq a multiple of Hkv (GQA); returns (N, Hq, D).
     `window`: attend to the last `window` positions of the document (self included); None = full causal.
+    `sinks`: (Hq,) per-head sink logits (gpt-oss), or None.
     """
+    if sinks is not None:
+        return (
+            _varlen_sinks(q, k, v, docs, window, sinks)
+            if backend == "varlen"
+            else _eager_sinks(q, k, v, docs, window, sinks)
+        )
     if backend == "varlen":
         return _varlen(q, k, v, docs, window)
     return _sdpa_per_document(q, k, v, docs, window)
+
+
+def _eager_sinks(
+    q: Tensor, k: Tensor, v: Tensor, docs: PackedDocs, window: int | None, sinks: Tensor
+) -> Tensor:
+    """Per document: softmax over [q.k / sqrt(D) masked, sink], sink column dropped (HF's eager gpt-oss)."""
+    out = torch.empty_like(q)  # (N, Hq, D)
+    group = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5
+    for start, stop in pairwise(docs.bounds):
+        length = stop - start
+        qd = q[start:stop].transpose(0, 1)  # (Hq, L, D)
+        kd = k[start:stop].transpose(0, 1).repeat_interleave(group, dim=0)  # (Hq, L, D)
+        vd = v[start:stop].transpose(0, 1).repeat_interleave(group, dim=0)
+        i = torch.arange(length, device=q.device)
+        diff = i[:, None] - i[None, :]  # (L, L)
+        allowed = (diff >= 0) if window is None else (diff >= 0) & (diff < window)
+        logits = (qd @ kd.transpose(1, 2)) * scale  # (Hq, L, L)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        sink = sinks.to(logits.dtype).view(-1, 1, 1).expand(-1, length, 1)  # (Hq, L, 1)
+        combined = torch.cat([logits, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1)[..., :-1].to(vd.dtype)  # (Hq, L, L)
+        out[start:stop] = (probs @ vd).transpose(0, 1)
+    return out
+
+
+def _varlen_sinks(
+    q: Tensor, k: Tensor, v: Tensor, docs: PackedDocs, window: int | None, sinks: Tensor
+) -> Tensor:
+    """FlashAttention varlen with its log-sum-exp: out * sigmoid(lse - sink) adds the sink to each softmax."""
+    from torch.nn.attention import varlen as varlen_module
+
+    aux_request = getattr(varlen_module, "AuxRequest", None)
+    if aux_request is None:
+        return _eager_sinks(q, k, v, docs, window, sinks)
+    kwargs: dict[str, object] = {"window_size": (-1 if window is None else window - 1, 0)}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in inspect.signature(varlen_module.varlen_attn).parameters:
+            kwargs["enable_gqa"] = True
+        else:
+            group = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(group, dim=1)  # (N, Hq, D)
+            v = v.repeat_interleave(group, dim=1)
+    cu = docs.cu_seqlens
+    out, aux = varlen_module.varlen_attn(
+        q, k, v, cu, cu, docs.max_len, docs.max_len, return_aux=aux_request(lse=True), **kwargs
+    )
+    lse = aux.lse if hasattr(aux, "lse") else aux  # (Hq, N) or (N, Hq) fp32
+    if lse.shape[0] != q.shape[0]:
+        lse = lse.transpose(0, 1)  # (N, Hq)
+    scale = torch.sigmoid(lse.float() - sinks.float()[None, :])  # (N, Hq)
+    return (out.float() * scale[..., None]).to(out.dtype)
 
 
 def _sdpa_per_document(q: Tensor, k: Tensor, v: Tensor, docs: PackedDocs, window: int | None) -> Tensor:

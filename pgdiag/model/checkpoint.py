@@ -12,6 +12,14 @@ tensor must be present with its shape, every file tensor must be used (``rotary_
 E608 embedding rows != ``vocab_size``. Warnings on `CausalLM.load_warnings`: W606 (tied, but the file's
 ``lm_head.weight`` differs from the embedding: the embedding is used, as HF does) and W607 (fp32 weights
 rounded to a 16-bit body dtype). Legacy ``pytorch_model*.bin`` is read with ``weights_only=True`` (no pickle code).
+
+Experts (MoE): HF layouts load as they are and are converted to the model's canonical per-layer stacks
+(`pgdiag.model.moe.ExpertWeights`: ``gate_up`` (E_local, 2I, H) gate rows first, ``down`` (E_local, H, I)) while
+loading: Qwen2/3-MoE ``mlp.experts.<e>.{gate,up,down}_proj.weight``, Mixtral ``block_sparse_moe.experts.<e>.
+{w1,w3,w2}.weight``, gpt-oss fused ``mlp.experts.gate_up_proj`` (E, H, 2I, gate and up interleaved) and
+``down_proj`` (E, I, H) with their biases, or their MXFP4 form (``*_blocks`` uint8 (E, R, C/32, 16) two FP4
+values per byte, low nibble first, and ``*_scales`` uint8 (E, R, C/32) biased-127 powers of two), dequantized
+with `dequantize_mxfp4`. Each rank reads only the experts it owns.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from torch import Tensor
 from pgdiag.errors import UsageError
 from pgdiag.model.attention import resolve_attention_backend
 from pgdiag.model.config import ModelConfig, read_model_config
+from pgdiag.model.moe import resolve_expert_impl
 from pgdiag.model.tp import TensorSlice, TPLayout, group_rank_size, shard_slice, tp_layout
 from pgdiag.model.transformer import CausalLM, rope_inv_freq
 
@@ -167,6 +176,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if config.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (config.num_attention_heads,)
+        if config.moe is not None and config.moe.sparse_layers[i]:
+            shapes.update(_moe_shapes(config, p))
+            continue
         for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
             shapes[f"{p}mlp.{proj}.weight"] = shape
             if config.mlp_bias:
@@ -174,6 +188,98 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     return shapes
+
+
+_QWEN_EXPERT = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+_MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _moe_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes of one sparse layer with prefix `p` (``model.layers.3.``)."""
+    moe = config.moe
+    assert moe is not None
+    h, e, i = config.hidden_size, moe.num_experts, moe.expert_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    if moe.weight_layout == "gpt_oss":
+        shapes[p + "mlp.router.weight"] = (e, h)
+        shapes[p + "mlp.router.bias"] = (e,)
+        x = p + "mlp.experts."
+        if moe.mxfp4:
+            for proj, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+                shapes[f"{x}{proj}_blocks"] = (e, rows, cols // 32, 16)
+                shapes[f"{x}{proj}_scales"] = (e, rows, cols // 32)
+        else:
+            shapes[x + "gate_up_proj"] = (e, h, 2 * i)
+            shapes[x + "down_proj"] = (e, i, h)
+        shapes[x + "gate_up_proj_bias"] = (e, 2 * i)
+        shapes[x + "down_proj_bias"] = (e, h)
+        return shapes
+    block, names = (
+        ("mlp.", _QWEN_EXPERT) if moe.weight_layout == "qwen" else ("block_sparse_moe.", _MIXTRAL_EXPERT)
+    )
+    shapes[p + block + "gate.weight"] = (e, h)
+    for expert in range(e):
+        for role, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
+            shapes[f"{p}{block}experts.{expert}.{names[role]}.weight"] = shape
+    s = moe.shared_expert_intermediate_size
+    if s:
+        for proj, shape in (("gate_proj", (s, h)), ("up_proj", (s, h)), ("down_proj", (h, s))):
+            shapes[f"{p}mlp.shared_expert.{proj}.weight"] = shape
+        shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+    return shapes
+
+
+def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """MXFP4 -> floats: blocks uint8 (..., G, 16) hold 32 FP4 (e2m1) codes per group, low nibble first; scales
+    uint8 (..., G) are the group's power of two plus 127. Returns (..., G * 32) in `dtype` (exact in bf16/fp32)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # (..., G, 16, 2)
+    values = lut[codes].flatten(-2)  # (..., G, 32)
+    exponents = scales.to(torch.int32) - 127  # (..., G)
+    return torch.ldexp(values, exponents[..., None].float()).flatten(-2).to(dtype)
+
+
+def _read_experts(
+    source: TensorSource, config: ModelConfig, layout: TPLayout, prefix: str, param: str
+) -> tuple[Tensor, bool]:
+    """One canonical expert parameter of this rank (`param` in gate_up, down, gate_up_bias, down_bias) of the
+    sparse layer `prefix` (``model.layers.3.``) from the HF tensors; and whether any source tensor was fp32."""
+    moe = config.moe
+    assert moe is not None
+    first, count = layout.expert_start, layout.local_num_experts
+    experts = TensorSlice(0, first, first + count)
+    if moe.weight_layout == "gpt_oss":
+        x = prefix + "mlp.experts."
+        if param.endswith("_bias"):
+            name = x + ("gate_up_proj_bias" if param == "gate_up_bias" else "down_proj_bias")
+            value = source.read(name, experts)  # (e, 2I) interleaved or (e, H)
+            if param == "gate_up_bias":
+                value = torch.cat((value[:, 0::2], value[:, 1::2]), dim=1)
+            return value, source.is_fp32(name)
+        proj = "gate_up_proj" if param == "gate_up" else "down_proj"
+        if moe.mxfp4:
+            blocks = source.read(f"{x}{proj}_blocks", experts)
+            rows_by_cols = dequantize_mxfp4(blocks, source.read(f"{x}{proj}_scales", experts))  # (e, R, C)
+            weight, fp32 = rows_by_cols, False
+        else:
+            weight, fp32 = source.read(x + proj, experts).transpose(1, 2), source.is_fp32(x + proj)
+        if param == "gate_up":  # (e, 2I, H) rows interleaved gate, up, gate, ... -> gate rows then up rows
+            weight = torch.cat((weight[:, 0::2], weight[:, 1::2]), dim=1)
+        return weight.contiguous(), fp32
+    block, names = (
+        ("mlp.", _QWEN_EXPERT) if moe.weight_layout == "qwen" else ("block_sparse_moe.", _MIXTRAL_EXPERT)
+    )
+    roles = ("gate", "up") if param == "gate_up" else ("down",)
+    per_expert, fp32 = [], False
+    for expert in range(first, first + count):
+        parts = []
+        for role in roles:
+            name = f"{prefix}{block}experts.{expert}.{names[role]}.weight"
+            parts.append(source.read(name, None))
+            fp32 = fp32 or source.is_fp32(name)
+        per_expert.append(torch.cat(parts, dim=0))  # (2I, H) or (H, I)
+    return torch.stack(per_expert), fp32
 
 
 def check_tensor_names(config: ModelConfig, source: TensorSource, where: str) -> None:
@@ -234,18 +340,20 @@ def load_model(
     tp_group: dist.ProcessGroup | None = None,
     attention: str = "auto",
     fuse_pointwise: bool = False,
+    experts: str = "auto",
 ) -> CausalLM:
     """Load a HF checkpoint directory as this rank's `CausalLM` (see the module docstring for the checks).
 
     `attention`: "auto", "sdpa" or "varlen" (`pgdiag.model.attention`); `fuse_pointwise`: fuse RMSNorm, RoPE
-    and SwiGLU with `torch.compile` (a one-time compile; worth it on a GPU).
+    and SwiGLU with `torch.compile` (a one-time compile; worth it on a GPU); `experts`: "auto", "loop" or
+    "grouped", the expert compute of MoE layers (`pgdiag.model.moe`).
     """
     path = Path(path)
     config = read_model_config(path)
     with open_tensor_source(path) as source:
         return load_from_source(
             config, source, where=str(path), dtype=dtype, head_dtype=head_dtype, device=device,
-            tp_group=tp_group, attention=attention, fuse_pointwise=fuse_pointwise,
+            tp_group=tp_group, attention=attention, fuse_pointwise=fuse_pointwise, experts=experts,
         )  # fmt: skip
 
 
@@ -260,6 +368,7 @@ def load_from_source(
     tp_group: dist.ProcessGroup | None = None,
     attention: str = "auto",
     fuse_pointwise: bool = False,
+    experts: str = "auto",
 ) -> CausalLM:
     """Build and fill a `CausalLM` from any `TensorSource` (files, or tensors already on the device)."""
     body, head = parse_dtype(dtype, "--dtype"), parse_dtype(head_dtype, "--head-dtype")
@@ -267,14 +376,25 @@ def load_from_source(
     rank, size = group_rank_size(tp_group)
     layout = tp_layout(config, size, rank)
     backend = resolve_attention_backend(attention, device, body)
+    expert_impl = resolve_expert_impl(experts, device, body)
     check_tensor_names(config, source, where)
     with torch.device("meta"):
-        model = CausalLM(config, layout, tp_group=tp_group, attention=backend, fuse_pointwise=fuse_pointwise)
+        model = CausalLM(
+            config, layout, tp_group=tp_group, attention=backend, fuse_pointwise=fuse_pointwise,
+            expert_impl=expert_impl,
+        )  # fmt: skip
     rounded = 0
     for name, _ in _body_parameters(model):
-        part = shard_slice(name, source.shape(name), layout)
-        rounded += int(source.is_fp32(name) and body != torch.float32)
-        _assign(model, name, source.read(name, part).to(device=device, dtype=body))
+        prefix, expert_param = _expert_param(name)
+        if expert_param:
+            value, fp32 = _read_experts(source, config, layout, prefix, expert_param)
+        else:
+            value, fp32 = (
+                source.read(name, shard_slice(name, source.shape(name), layout)),
+                source.is_fp32(name),
+            )
+        rounded += int(fp32 and body != torch.float32)
+        _assign(model, name, value.to(device=device, dtype=body))
     head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     head_part = TensorSlice(0, layout.vocab_start, layout.vocab_end)
     head_store = _head_storage_dtype(head, source.is_fp32(head_name), source.dtype(head_name))
@@ -296,6 +416,15 @@ def _head_storage_dtype(head: torch.dtype, stored_fp32: bool, stored: torch.dtyp
     if head == torch.float32 and not stored_fp32 and stored in (torch.bfloat16, torch.float16):
         return stored
     return head
+
+
+def _expert_param(name: str) -> tuple[str, str]:
+    """(``model.layers.3.``, ``gate_up``) for a canonical expert parameter name, else ("", "")."""
+    for block in (".mlp.experts.", ".block_sparse_moe.experts."):
+        layer, sep, param = name.partition(block)
+        if sep and param in ("gate_up", "down", "gate_up_bias", "down_bias"):
+            return layer + ".", param
+    return "", ""
 
 
 def _body_parameters(model: CausalLM) -> list[tuple[str, torch.nn.Parameter]]:

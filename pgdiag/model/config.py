@@ -25,7 +25,9 @@ from typing import Any
 
 from pgdiag.errors import UsageError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -46,6 +48,40 @@ class RopeConfig:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts part of a config: routing rule, expert shapes and which layers are sparse.
+
+    Routers (`router`): ``softmax_topk`` = softmax over all experts in fp32, keep the top-k probabilities,
+    renormalize them when `norm_topk_prob` (Qwen2/3-MoE; Mixtral always renormalizes, which equals a softmax over
+    the selected logits); ``topk_softmax`` = top-k of the raw logits (plus the router bias), softmax over those k
+    (gpt-oss). Experts are SwiGLU (``silu``) or gpt-oss's clamped SwiGLU (``clamped_swiglu``:
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``).
+    """
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    router: str  # "softmax_topk" or "topk_softmax"
+    norm_topk_prob: bool
+    router_bias: bool  # the router linear has a bias (gpt-oss)
+    expert_bias: bool  # gate/up and down of every expert have a bias (gpt-oss)
+    activation: str  # "silu" or "clamped_swiglu"
+    swiglu_alpha: float  # clamped_swiglu only
+    swiglu_limit: float  # clamped_swiglu only
+    shared_expert_intermediate_size: int  # Qwen2-MoE's sigmoid-gated shared expert; 0 = none
+    sparse_layers: tuple[bool, ...]  # per layer: True = MoE block, False = dense MLP of intermediate_size
+    weight_layout: (
+        str  # "qwen" (mlp.experts.E.gate_proj), "mixtral" (block_sparse_moe.experts.E.w1), "gpt_oss"
+    )
+    mxfp4: bool  # gpt-oss expert weights stored as MXFP4 blocks and scales, dequantized at load
+
+    @property
+    def sparse_layer_indices(self) -> tuple[int, ...]:
+        """Indices of the MoE layers, in order: the layer axis of recorded routes."""
+        return tuple(i for i, sparse in enumerate(self.sparse_layers) if sparse)
 
 
 @dataclass(frozen=True)
@@ -71,6 +107,9 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...]  # per layer: window width in tokens, None = full causal
     storage_dtype: str | None  # "fp32" / "bf16" / "fp16" as config.json declares it, None if absent
     config_sha256: str  # sha256 of the config.json bytes ("" when built from a dict)
+    moe: MoeConfig | None = None  # None = dense
+    attention_sinks: bool = False  # one learned sink logit per head (gpt-oss: self_attn.sinks)
+    norm_weight_fp32: bool = False  # RMSNorm multiplies its weight before the cast back (gpt-oss)
 
     @classmethod
     def from_hf_dict(
@@ -97,9 +136,36 @@ class ModelConfig:
             attn += h
         if self.qk_norm:
             attn += 2 * d
-        mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
-        per_layer = attn + mlp + 2 * h
-        return self.num_hidden_layers * per_layer + h + self.vocab_size * h
+        if self.attention_sinks:
+            attn += self.num_attention_heads
+        total = self.num_hidden_layers * (attn + 2 * h) + h + self.vocab_size * h
+        for sparse in self.moe.sparse_layers if self.moe else (False,) * self.num_hidden_layers:
+            total += self._mlp_params(sparse, active=False)
+        return total
+
+    def active_params(self) -> int:
+        """Parameters a token multiplies by, excluding the input embedding: the attention, the router, the top-k
+        experts and any shared expert (equal to `non_embedding_params` for a dense model). The FLOPs of a
+        forward are 2 x this per token plus attention."""
+        if self.moe is None:
+            return self.non_embedding_params()
+        dense = self.non_embedding_params() - sum(
+            self._mlp_params(s, active=False) for s in self.moe.sparse_layers
+        )
+        return dense + sum(self._mlp_params(s, active=True) for s in self.moe.sparse_layers)
+
+    def _mlp_params(self, sparse: bool, *, active: bool) -> int:
+        h = self.hidden_size
+        if not sparse or self.moe is None:
+            return 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
+        moe = self.moe
+        i = moe.expert_intermediate_size
+        expert = 3 * h * i + (2 * i + h if moe.expert_bias else 0)
+        router = moe.num_experts * h + (moe.num_experts if moe.router_bias else 0)
+        shared = 3 * h * moe.shared_expert_intermediate_size + (
+            h if moe.shared_expert_intermediate_size else 0
+        )
+        return router + shared + expert * (moe.top_k if active else moe.num_experts)
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
@@ -145,8 +211,8 @@ def _parse(raw: dict[str, Any], source: str, sha256: str) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UsageError(
             "E601",
-            f"unsupported architecture '{arch}'; supported: Llama, Mistral, Qwen2, Qwen3 (dense). "
-            "pgdiag never runs checkpoint code.",
+            f"unsupported architecture '{arch}'; supported: Llama, Mistral, Qwen2, Qwen3 (dense), "
+            "Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss. pgdiag never runs checkpoint code.",
         )
 
     def req(name: str, kind: type = int) -> Any:
@@ -177,9 +243,12 @@ def _parse(raw: dict[str, Any], source: str, sha256: str) -> ModelConfig:
 
     attention_bias = _field(raw, "attention_bias", bool, source, False)
     is_qwen2 = arch == "Qwen2ForCausalLM"
+    no_bias = arch in ("MistralForCausalLM", "MixtralForCausalLM")
     # Qwen2: q/k/v bias always on, o_proj bias always off, whatever the config says (HF modular_qwen2.py).
-    qkv_bias = True if is_qwen2 else (attention_bias and arch != "MistralForCausalLM")
-    o_bias = False if is_qwen2 else (attention_bias and arch != "MistralForCausalLM")
+    qkv_bias = True if is_qwen2 else (attention_bias and not no_bias)
+    o_bias = False if is_qwen2 else (attention_bias and not no_bias)
+    if arch == "Qwen2MoeForCausalLM":  # q/k/v bias from `qkv_bias` (default on), o_proj never
+        qkv_bias, o_bias = _field(raw, "qkv_bias", bool, source, True), False
     mlp_bias = arch == "LlamaForCausalLM" and _field(raw, "mlp_bias", bool, source, False)
     max_pos = _field(raw, "max_position_embeddings", int, source, 0)
     dtype_name = raw.get("dtype") or raw.get("torch_dtype")
@@ -198,11 +267,64 @@ def _parse(raw: dict[str, Any], source: str, sha256: str) -> ModelConfig:
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=mlp_bias,
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         rope=_parse_rope(raw, source, max_pos),
         sliding_windows=_parse_sliding_windows(raw, arch, layers, source),
         storage_dtype=_DTYPE_NAMES.get(dtype_name, dtype_name) if isinstance(dtype_name, str) else None,
         config_sha256=sha256,
+        moe=_parse_moe(raw, arch, layers, source) if arch in MOE_ARCHITECTURES else None,
+        attention_sinks=arch == "GptOssForCausalLM",
+        norm_weight_fp32=arch == "GptOssForCausalLM",
+    )
+
+
+def _parse_moe(raw: dict[str, Any], arch: str, layers: int, source: str) -> MoeConfig:
+    """The MoE fields of the four supported MoE architectures (names and defaults as HF's config classes)."""
+
+    def req(name: str, kind: type = int) -> Any:
+        return _field(raw, name, kind, source)
+
+    qwen = arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+    # transformers 5 writes Qwen3-MoE's count as num_local_experts; released checkpoints say num_experts
+    experts = raw.get("num_experts") if qwen and "num_experts" in raw else req("num_local_experts")
+    if not isinstance(experts, int) or isinstance(experts, bool):
+        raise UsageError("E606", f"{source}: field 'num_experts' must be int, got {experts!r}")
+    top_k = req("num_experts_per_tok")
+    if experts <= 0 or not 0 < top_k <= experts:
+        raise UsageError("E606", f"{source}: num_experts_per_tok {top_k} must be in 1..{experts} experts")
+    sparse = (True,) * layers
+    if qwen:
+        only_dense = raw.get("mlp_only_layers") or []
+        step = _field(raw, "decoder_sparse_step", int, source, 1)
+        if not isinstance(only_dense, list) or not all(isinstance(i, int) for i in only_dense) or step < 1:
+            raise UsageError(
+                "E606", f"{source}: 'mlp_only_layers' must list layer indices, decoder_sparse_step >= 1"
+            )
+        sparse = tuple(i not in only_dense and (i + 1) % step == 0 for i in range(layers))
+    gpt_oss = arch == "GptOssForCausalLM"
+    quant = raw.get("quantization_config")
+    mxfp4 = isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
+    if quant is not None and not (gpt_oss and mxfp4):
+        raise UsageError(
+            "E606", f"{source}: quantization_config {quant!r} is not supported (only gpt-oss MXFP4)"
+        )
+    return MoeConfig(
+        num_experts=experts,
+        top_k=top_k,
+        expert_intermediate_size=req("moe_intermediate_size") if qwen else req("intermediate_size"),
+        router="topk_softmax" if gpt_oss else "softmax_topk",
+        norm_topk_prob=_field(raw, "norm_topk_prob", bool, source, False) if qwen else not gpt_oss,
+        router_bias=gpt_oss,
+        expert_bias=gpt_oss,
+        activation="clamped_swiglu" if gpt_oss else "silu",
+        swiglu_alpha=_field(raw, "swiglu_alpha", float, source, 1.702) if gpt_oss else 0.0,
+        swiglu_limit=_field(raw, "swiglu_limit", float, source, 7.0) if gpt_oss else 0.0,
+        shared_expert_intermediate_size=(
+            req("shared_expert_intermediate_size") if arch == "Qwen2MoeForCausalLM" else 0
+        ),
+        sparse_layers=sparse,
+        weight_layout="qwen" if qwen else ("gpt_oss" if gpt_oss else "mixtral"),
+        mxfp4=mxfp4,
     )
 
 
@@ -213,7 +335,12 @@ def _parse_sliding_windows(
     `use_sliding_window` + `max_window_layers` (layers at index >= max_window_layers slide)."""
     if arch == "LlamaForCausalLM":
         return (None,) * layers
-    if arch == "MistralForCausalLM":
+    if (
+        arch == "Qwen3MoeForCausalLM"
+    ):  # one width for every layer, only when use_sliding_window (HF config class)
+        used = _field(raw, "use_sliding_window", bool, source, False)
+        return ((_field(raw, "sliding_window", int, source, 0) or None) if used else None,) * layers
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (_field(raw, "sliding_window", int, source, 0) or None,) * layers
     use = _field(raw, "use_sliding_window", bool, source, False)
     window = raw.get("sliding_window") if use else None

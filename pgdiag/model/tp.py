@@ -12,6 +12,13 @@ How (Megatron layout): q/k/v, gate and up are column-parallel (output rows split
 attention heads and a slice of the MLP); o_proj and down_proj are row-parallel (input columns split), their
 partial outputs summed by `all_reduce_sum`, their bias added after the sum. Embeddings and norms are
 replicated. The vocabulary may split unevenly: the first ``vocab_size % tp`` ranks get one row more.
+
+Mixture of experts: the experts are split over the group (``EXPERTS``: rank r owns experts
+``r * E/tp : (r + 1) * E/tp`` whole, per-expert tensors read only by their owner, fused ones sliced along the
+expert axis); the router is replicated, so every rank routes every token alike and computes its own experts for
+the tokens sent to them; the partial outputs meet in the one `all_reduce_sum` after the combine, like a
+row-parallel MLP. A shared expert is an ordinary column/row-parallel MLP whose partial sum joins the same
+all-reduce. Attention sinks are per head, so they split with the heads.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from pgdiag.model.config import ModelConfig
 COLWISE = "colwise"  # split dim 0 (output features) evenly
 ROWWISE = "rowwise"  # split dim 1 (input features) evenly
 VOCAB = "vocab"  # split dim 0 (vocab rows), ragged
+EXPERTS = "experts"  # whole experts per rank: per-expert tensors to their owner, fused ones split along dim 0
 REPLICATE = "replicate"
 
 # HF parameter name pattern -> shard kind. First match wins.
@@ -37,12 +45,18 @@ SHARD_PLAN: tuple[tuple[str, str], ...] = (
     ("model.layers.*.self_attn.v_proj.*", COLWISE),
     ("model.layers.*.self_attn.o_proj.weight", ROWWISE),
     ("model.layers.*.self_attn.o_proj.bias", REPLICATE),  # added once, after the all-reduce
+    ("model.layers.*.self_attn.sinks", COLWISE),  # one per attention head
+    ("model.layers.*.mlp.experts.*", EXPERTS),
+    ("model.layers.*.block_sparse_moe.experts.*", EXPERTS),
+    ("model.layers.*.mlp.shared_expert.gate_proj.*", COLWISE),
+    ("model.layers.*.mlp.shared_expert.up_proj.*", COLWISE),
+    ("model.layers.*.mlp.shared_expert.down_proj.weight", ROWWISE),
     ("model.layers.*.mlp.gate_proj.*", COLWISE),
     ("model.layers.*.mlp.up_proj.*", COLWISE),
     ("model.layers.*.mlp.down_proj.weight", ROWWISE),
     ("model.layers.*.mlp.down_proj.bias", REPLICATE),  # added once, after the all-reduce
     ("lm_head.weight", VOCAB),
-    ("*", REPLICATE),  # embeddings, input/post-attention/final norms, q_norm/k_norm (per head_dim)
+    ("*", REPLICATE),  # embeddings, norms, q_norm/k_norm (per head_dim), routers, shared_expert_gate
 )
 
 
@@ -57,6 +71,9 @@ class TPLayout:
     local_intermediate_size: int
     vocab_start: int  # first global vocab id of this rank's head rows
     local_vocab_size: int
+    expert_start: int = 0  # first global expert index this rank owns (MoE)
+    local_num_experts: int = 0  # experts this rank owns (0 = dense model)
+    local_shared_intermediate_size: int = 0  # this rank's columns of a shared expert (Qwen2-MoE)
 
     @property
     def vocab_end(self) -> int:
@@ -73,19 +90,26 @@ class TensorSlice:
 
 
 def tp_layout(config: ModelConfig, tp_size: int, rank: int) -> TPLayout:
-    """Per-rank sizes; E605 when heads, kv heads or intermediate_size do not divide by `tp_size`."""
+    """Per-rank sizes; E605 when heads, kv heads, intermediate sizes or the experts do not divide by `tp_size`."""
     if tp_size < 1 or not 0 <= rank < tp_size:
         raise UsageError("E605", f"bad tensor-parallel rank {rank} of {tp_size}")
-    for name, value in (
+    moe = config.moe
+    sizes = [
         ("num_attention_heads", config.num_attention_heads),
         ("num_key_value_heads", config.num_key_value_heads),
-        ("intermediate_size", config.intermediate_size),
-    ):
+    ]
+    if moe is None or not all(moe.sparse_layers):  # a dense MLP exists
+        sizes.append(("intermediate_size", config.intermediate_size))
+    if moe is not None:
+        sizes.append(("the expert count", moe.num_experts))
+        sizes.append(("shared_expert_intermediate_size", moe.shared_expert_intermediate_size))
+    for name, value in sizes:
         if value % tp_size:
             raise UsageError(
                 "E605",
                 f"--tp {tp_size} does not divide {name} = {value}",
-                "heads, kv heads and intermediate_size must divide by the TP size; the vocab may split unevenly",
+                "heads, kv heads, intermediate sizes and the expert count must divide by the TP size "
+                "(each rank owns whole experts); the vocab may split unevenly",
             )
     base, extra = divmod(config.vocab_size, tp_size)
     local_vocab = base + (1 if rank < extra else 0)
@@ -98,6 +122,9 @@ def tp_layout(config: ModelConfig, tp_size: int, rank: int) -> TPLayout:
         local_intermediate_size=config.intermediate_size // tp_size,
         vocab_start=vocab_start,
         local_vocab_size=local_vocab,
+        expert_start=rank * (moe.num_experts // tp_size) if moe else 0,
+        local_num_experts=moe.num_experts // tp_size if moe else 0,
+        local_shared_intermediate_size=moe.shared_expert_intermediate_size // tp_size if moe else 0,
     )
 
 
@@ -113,6 +140,10 @@ def shard_slice(name: str, shape: tuple[int, ...], layout: TPLayout) -> TensorSl
         return None
     if kind == VOCAB:
         return TensorSlice(0, layout.vocab_start, layout.vocab_end)
+    if kind == EXPERTS:  # per-expert tensors (experts.7.w1.weight) are read whole by their owner
+        if name.split("experts.", 1)[1].split(".", 1)[0].isdigit():
+            return None
+        return TensorSlice(0, layout.expert_start, layout.expert_start + layout.local_num_experts)
     dim = 0 if kind == COLWISE else 1
     size = shape[dim] // layout.tp_size
     return TensorSlice(dim, layout.rank * size, (layout.rank + 1) * size)

@@ -1,4 +1,5 @@
-"""The native decoder: one implementation for Llama 2/3, Qwen2/2.5, Qwen3 and Mistral.
+"""The native decoder: one implementation for Llama 2/3, Qwen2/2.5, Qwen3, Mistral and, with `pgdiag.model.moe`
+in the sparse layers, Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss.
 
 What: `CausalLM.hidden_states(input_ids, position_ids, cu_seqlens)` runs the trunk on a packed batch of documents
 (N tokens, no padding) and returns the final-normed hidden states (N, H). The LM head is not applied here: the
@@ -14,7 +15,11 @@ Speed: matmuls and attention are PyTorch's own kernels; ``fuse_pointwise=True`` 
 (RMSNorm, RoPE, SwiGLU) through `torch.compile`, one fused kernel each (`PointwiseOps`), same math.
 
 Tensor parallelism: modules are built with this rank's local sizes (`TPLayout`); the only collectives are the
-two `all_reduce_sum` calls after the row-parallel o_proj and down_proj, visible in `forward`, identity at TP=1.
+two `all_reduce_sum` calls after the row-parallel o_proj and down_proj (or the MoE combine), visible in `forward`,
+identity at TP=1.
+
+Routing: `CausalLM.forward_packed(..., replay_experts=)` also returns the experts each sparse layer's router picked
+per token (`TrunkOutput.router_topk`), and runs the recorded experts instead when given (routing replay).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from torch import Tensor, nn
 
 from pgdiag.model.attention import PackedDocs, packed_attention
 from pgdiag.model.config import ModelConfig, RopeConfig
+from pgdiag.model.moe import MoeBlock, moe_combine
 from pgdiag.model.tp import TPLayout, all_reduce_sum
 
 
@@ -102,6 +108,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x32.to(x.dtype)
 
 
+def rms_norm_fp32_weight(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """gpt-oss's RMSNorm: the weight multiplies the fp32 normalized value, then one cast back."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * x32).to(x.dtype)
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half RoPE: x (N, heads, D), cos/sin (N, 1, D)."""
     return x * cos + rotate_half(x) * sin
@@ -117,27 +130,31 @@ class PointwiseOps:
     `torch.compile` (one kernel each instead of 3-6; same math, fp32 where HF computes in fp32)."""
 
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    rms_norm_fp32_weight: Callable[[Tensor, Tensor, float], Tensor]
     rope: Callable[[Tensor, Tensor, Tensor], Tensor]
     swiglu: Callable[[Tensor, Tensor], Tensor]
+    moe_combine: Callable[[Tensor, Tensor, Tensor], Tensor]  # pgdiag.model.moe.combine_rows
 
 
 def pointwise_ops(fused: bool) -> PointwiseOps:
     if not fused:
-        return PointwiseOps(rms_norm, apply_rope, swiglu)
+        return PointwiseOps(rms_norm, rms_norm_fp32_weight, apply_rope, swiglu, moe_combine(False))
     # emulate_precision_casts: round at every bf16 cast as eager (and HF) does, not once at the end
     fuse = partial(torch.compile, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
-    return PointwiseOps(fuse(rms_norm), fuse(apply_rope), fuse(swiglu))
+    return PointwiseOps(
+        fuse(rms_norm), fuse(rms_norm_fp32_weight), fuse(apply_rope), fuse(swiglu), moe_combine(True)
+    )
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: PointwiseOps) -> None:
+    def __init__(self, dim: int, eps: float, ops: PointwiseOps, weight_fp32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.ops = ops
+        self.norm = ops.rms_norm_fp32_weight if weight_fp32 else ops.rms_norm
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -158,6 +175,8 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, ops)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, ops)
+        if config.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.local_num_heads))  # (Hq_local,) one logit per head
 
     def forward(
         self,
@@ -176,7 +195,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (N, 1, D)
         q, k = self.ops.rope(q, cos, sin), self.ops.rope(k, cos, sin)
-        out = packed_attention(q, k, v, docs, window=self.window, backend=backend)  # (N, Hq_local, D)
+        sinks = getattr(self, "sinks", None)
+        out = packed_attention(
+            q, k, v, docs, window=self.window, backend=backend, sinks=sinks
+        )  # (N, Hq_local, D)
         out = all_reduce_sum(F.linear(out.reshape(n, -1), self.o_proj.weight), group)  # (N, H)
         return out if self.o_proj.bias is None else out + self.o_proj.bias
 
@@ -199,12 +221,24 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layout: TPLayout, window: int | None, ops: PointwiseOps) -> None:
+    """Attention then the feed-forward block: a dense `MLP`, or a `MoeBlock` in sparse layers (under HF's name,
+    ``mlp`` or Mixtral's ``block_sparse_moe``)."""
+
+    def __init__(
+        self, config: ModelConfig, layout: TPLayout, window: int | None, ops: PointwiseOps, sparse: bool
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        h, eps, fp32_weight = config.hidden_size, config.rms_norm_eps, config.norm_weight_fp32
+        self.input_layernorm = RMSNorm(h, eps, ops, fp32_weight)
         self.self_attn = Attention(config, layout, window, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config, layout, ops)
+        self.post_attention_layernorm = RMSNorm(h, eps, ops, fp32_weight)
+        self.sparse = sparse
+        moe_name = "block_sparse_moe" if config.moe and config.moe.weight_layout == "mixtral" else "mlp"
+        self.ffn_name = moe_name if sparse else "mlp"
+        self.add_module(
+            self.ffn_name,
+            MoeBlock(config, layout, ops.swiglu, ops.moe_combine) if sparse else MLP(config, layout, ops),
+        )
 
     def forward(
         self,
@@ -214,9 +248,16 @@ class DecoderLayer(nn.Module):
         docs: PackedDocs,
         backend: str,
         group: dist.ProcessGroup | None,
-    ) -> Tensor:
+        expert_impl: str = "loop",
+        replay: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """(x after the layer (N, H), the router's top-k (N, k) in a sparse layer else None)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, backend, group)
-        return x + self.mlp(self.post_attention_layernorm(x), group)
+        ffn = getattr(self, self.ffn_name)
+        if not self.sparse:
+            return x + ffn(self.post_attention_layernorm(x), group), None
+        out, chosen = ffn(self.post_attention_layernorm(x), group, expert_impl, replay)
+        return x + out, chosen
 
 
 class DecoderTrunk(nn.Module):
@@ -224,11 +265,23 @@ class DecoderTrunk(nn.Module):
 
     def __init__(self, config: ModelConfig, layout: TPLayout, ops: PointwiseOps) -> None:
         super().__init__()
+        sparse = config.moe.sparse_layers if config.moe else (False,) * config.num_hidden_layers
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layout, window, ops) for window in config.sliding_windows
+            DecoderLayer(config, layout, window, ops, is_sparse)
+            for window, is_sparse in zip(config.sliding_windows, sparse, strict=True)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_fp32)
+
+
+@dataclass(frozen=True)
+class TrunkOutput:
+    """What the trunk returns for a packed batch."""
+
+    hidden: Tensor  # (N, H) final-normed hidden states in the body dtype
+    router_topk: (
+        Tensor | None
+    )  # (N, L_sparse, k) int64: experts each sparse layer's router picked; None if dense
 
 
 class LMHeadShard(nn.Module):
@@ -250,12 +303,14 @@ class CausalLM(nn.Module):
         tp_group: dist.ProcessGroup | None,
         attention: str,
         fuse_pointwise: bool = False,
+        expert_impl: str = "loop",
     ) -> None:
         super().__init__()
         self.config = config
         self.layout = layout
         self.tp_group = tp_group
         self.attention_backend = attention
+        self.expert_impl = expert_impl  # "loop" or "grouped" (pgdiag.model.moe), resolved by the loader
         self.fuse_pointwise = fuse_pointwise
         self.model = DecoderTrunk(config, layout, pointwise_ops(fuse_pointwise))
         self.lm_head = LMHeadShard(layout.local_vocab_size, config.hidden_size)
@@ -283,6 +338,23 @@ class CausalLM(nn.Module):
         input_ids (N,) int64, position_ids (N,) int64 restarting at 0 in each document, cu_seqlens (D+1,) int32
         document boundaries. Attention is causal within each document only.
         """
+        return self.forward_packed(input_ids, position_ids, cu_seqlens).hidden
+
+    @torch.no_grad()
+    def forward_packed(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        cu_seqlens: Tensor,
+        *,
+        replay_experts: Tensor | None = None,
+    ) -> TrunkOutput:
+        """`hidden_states` plus the routing of the sparse layers.
+
+        replay_experts (N, L_sparse, k) integer: routing replay, the experts to run in each sparse layer (in
+        `MoeConfig.sparse_layer_indices` order) instead of the router's choice; their weights are recomputed from
+        the router. Entries < 0 (not recorded) keep the router's own choice for that token and layer.
+        """
         device = self.inv_freq.device
         n = input_ids.shape[0]
         if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
@@ -296,7 +368,21 @@ class CausalLM(nn.Module):
         dtype = self.body_dtype
         cos = (angles.cos() * self.rope_scale).to(dtype)
         sin = (angles.sin() * self.rope_scale).to(dtype)
+        moe = self.config.moe
+        if replay_experts is not None:
+            want = (n, len(moe.sparse_layer_indices), moe.top_k) if moe else None
+            if want is None or tuple(replay_experts.shape) != want:
+                raise ValueError(
+                    f"replay_experts must be (N, L_sparse, k) = {want}, got {replay_experts.shape}"
+                )
+            replay_experts = replay_experts.to(device=device, dtype=torch.int64)
         x = self.model.embed_tokens(input_ids)  # (N, H)
+        picked: list[Tensor] = []
         for layer in self.model.layers:
-            x = layer(x, cos, sin, docs, self.attention_backend, self.tp_group)
-        return self.model.norm(x)
+            replay = None if replay_experts is None or not layer.sparse else replay_experts[:, len(picked)]
+            x, chosen = layer(
+                x, cos, sin, docs, self.attention_backend, self.tp_group, self.expert_impl, replay
+            )
+            if chosen is not None:
+                picked.append(chosen)
+        return TrunkOutput(self.model.norm(x), torch.stack(picked, dim=1) if picked else None)

@@ -11,7 +11,8 @@ A gate is evaluated on the ``breakdown = all`` rows of every pair of a report; a
 it. A null value fails a `--fail-on` gate as ``missing``. Aliases: ``k1`` = ``kl_k1``, ``k3`` = ``kl_k3``,
 ``tau`` = ``tau_fit``, ``tau_dev`` = |tau_fit - 1|. A stat without a family is accepted when exactly one family has
 it (in `compare` the default family is ``mismatch``). Profiles add gates; an explicit flag on the same name and
-scope wins, and profile gates on metrics the report does not have are skipped.
+scope wins, and a profile gate whose metric the report lacks or could not compute is reported as ``skipped``
+(the same in `metrics` and `compare`).
 """
 
 from __future__ import annotations
@@ -85,7 +86,9 @@ class GateOutcome:
     pair: str | None
     metric: str | None
     value: float | None
-    status: str  # "pass" | "fail" | "warn" | "missing"
+    status: (
+        str  # "pass" | "fail" | "warn" | "missing" (explicit fail gate, no value) | "skipped" (profile gate)
+    )
 
 
 @dataclass(frozen=True)
@@ -176,23 +179,22 @@ def evaluate_gates(
             if (gate.name, gate.scope, gate.kind) in taken:
                 continue
             at_scope = rows.filter(pl.col("scope") == gate.scope)["metric"].unique().to_list()
-            keys = _resolve(gate, at_scope, default_family)
-            if keys is None:  # the command does not produce this metric at this scope: skipped
-                continue
-            gates.append((gate, keys))
+            gates.append((gate, _resolve(gate, at_scope, default_family)))
 
     outcomes: list[GateOutcome] = []
     for gate, keys in gates:
         compare = _OPS[gate.op]
+        # a value the report lacks: an explicit fail gate fails as `missing`; a profile gate is `skipped`
+        absent = "skipped" if gate.from_profile else ("missing" if gate.kind == "fail" else "pass")
         cells = rows.filter(pl.col("metric").is_in(keys or []) & (pl.col("scope") == gate.scope))
         if cells.height == 0:
-            outcomes.append(GateOutcome(gate.expr, gate.kind, None, (keys or [None])[0], None, "missing"))
+            outcomes.append(GateOutcome(gate.expr, gate.kind, None, (keys or [None])[0], None, absent))
             continue
         for pair, metric, value in cells.select("pair", "metric", "value").iter_rows():
             if value is not None and gate.name == "tau_dev":
                 value = abs(value - 1.0)
             if value is None:
-                status = "missing" if gate.kind == "fail" else "pass"
+                status = absent
             elif compare(value, gate.threshold):
                 status = gate.kind
             else:
@@ -203,3 +205,67 @@ def evaluate_gates(
     warned = any(o.status == "warn" for o in outcomes)
     status = "fail" if failed else ("warn" if warned else "pass")
     return GateResult(status, tuple(outcomes), EXIT_GATE if failed else EXIT_OK)
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """The user's gates and exit rule: `--fail-on`, `--warn-on`, `--profile`, `--strict`, `--exit-zero`."""
+
+    fail_on: tuple[str, ...] = ()
+    warn_on: tuple[str, ...] = ()
+    profile: str | None = None
+    strict: bool = False  # a check warning exits 1
+    exit_zero: bool = False  # a triggered gate exits 0 (the status stays "fail")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fail_on", tuple(self.fail_on))
+        object.__setattr__(self, "warn_on", tuple(self.warn_on))
+        for expr in (*self.fail_on, *self.warn_on):
+            parse_gate(expr)
+        if self.profile is not None and self.profile not in PROFILES:
+            raise UsageError(
+                "E110", f"unknown profile {self.profile!r}", f"choose one of {', '.join(PROFILES)}"
+            )
+
+
+def gate_policy(
+    *, fail_on: Sequence[str] = (), default_family: str | None = None, known_metrics: Sequence[str] = ()
+) -> dict[str, object]:
+    """The gates a command always applies, kept in `Report.meta["gate_policy"]` so `outcome` (and a saved
+    report loaded later) applies them too: default fail gates, the family of a bare stat name, and metric names
+    that are valid although this report may lack them."""
+    return {"fail_on": list(fail_on), "default_family": default_family, "known_metrics": list(known_metrics)}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The verdict of one command: status, exit code and every gate outcome."""
+
+    status: str  # "ok" | "fail"
+    exit_code: int  # 0 ok, 1 a fail gate triggered (or a check warning under strict), unless exit_zero
+    gates: GateResult
+
+
+def outcome(report: Report, settings: GateSettings | None = None) -> Outcome:
+    """Gates of `settings` plus the report's own default gates, and the status and exit-code rule of the CLI.
+
+    Exit 1 when a fail gate triggers (or a gate on a metric that could not be computed, `missing`) or, under
+    `strict`, when the checks found a warning; `exit_zero` turns that 1 into 0 and leaves the status "fail".
+    """
+    settings = settings or GateSettings()
+    policy = report.meta.get("gate_policy") or gate_policy()
+    gates = evaluate_gates(
+        report,
+        fail_on=[*settings.fail_on, *policy["fail_on"]],
+        warn_on=settings.warn_on,
+        profile=settings.profile,
+        default_family=policy["default_family"],
+        known_metrics=policy["known_metrics"],
+    )
+    exit_code = gates.exit_code
+    if settings.strict and report.checks.filter(pl.col("severity") == "warning").height:
+        exit_code = EXIT_GATE
+    status = "ok" if exit_code == EXIT_OK else "fail"
+    if settings.exit_zero and exit_code == EXIT_GATE:
+        exit_code = EXIT_OK
+    return Outcome(status, exit_code, gates)

@@ -20,8 +20,8 @@ from pgdiag.data.validate import CheckSettings
 from pgdiag.errors import UsageError
 from pgdiag.metrics.settings import ClipBand, MetricSettings, StyleOptions
 
-READ_OPTIONS = {"steps", "run_name", "label", "attach", "label_a", "label_b"}
-GATE_OPTIONS = {"fail_on", "warn_on", "profile", "strict", "exit_zero"}
+READ_OPTIONS = {"steps", "run_name", "label", "attach", "label_a", "label_b"}  # read_run's arguments
+GATE_OPTIONS = {"fail_on", "warn_on", "profile", "strict", "exit_zero"}  # GateSettings
 RENDER_OPTIONS = {"json_out", "out", "overwrite", "all_steps", "quiet", "verbose", "tokens_out", "html"}
 
 
@@ -73,12 +73,12 @@ METRIC_ARGS = (
 
 STYLE_ARGS = (
     "--loss-name", "x", "--rollout-is", "token", "--rollout-is-threshold", "1.5", "--beta", "0.1",
-    "--no-vllm-is", "--pad-width", "12", "--tis", "--batch-size", "6", "--group-normalize", "--kl-coef", "0.2",
+    "--no-vllm-is", "--no-kl-bias-correction", "--pad-width", "12", "--tis", "--batch-size", "6", "--group-normalize", "--kl-coef", "0.2",
 )  # fmt: skip
 
 
 def test_every_option_is_accounted_for() -> None:
-    metric_fields = {f for f in MetricSettings().to_dict()} | {"no_vllm_is"}
+    metric_fields = {f for f in MetricSettings().to_dict()} | {"no_vllm_is", "no_kl_bias_correction"}
     check_fields = {"ignore", "max_examples"}
     metrics_known = metric_fields | check_fields | READ_OPTIONS | GATE_OPTIONS | RENDER_OPTIONS | {"run"}
     assert _params("metrics") - metrics_known == set()
@@ -111,7 +111,7 @@ def test_style_options_arrive_in_style_options(monkeypatch: pytest.MonkeyPatch) 
     _capture_reads(monkeypatch)
     style = StyleOptions(
         loss_name="x", rollout_is="token", rollout_is_threshold=1.5, beta=0.1, vllm_is=False, pad_width=12,
-        tis=True, batch_size=6, group_normalize=True, kl_coef=0.2,
+        kl_bias_correction=False, tis=True, batch_size=6, group_normalize=True, kl_coef=0.2,
     )  # fmt: skip
     _invoke("metrics", "RUN", *STYLE_ARGS)
     assert seen["args"][1] == MetricSettings(style=style)
@@ -157,3 +157,36 @@ def test_compare_defaults_are_the_dataclass_defaults(monkeypatch: pytest.MonkeyP
     _capture_reads(monkeypatch)
     _invoke("compare", "A")
     assert seen["args"] == ("run:A", None, CompareSettings())
+
+
+GATE_ARGS = (
+    "--fail-on", "k3>1", "--fail-on", "mismatch/abs_mean>2", "--warn-on", "tmpe>3", "--profile", "nemo",
+    "--strict", "--exit-zero",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["metrics", "compare"])
+def test_gate_options_arrive_in_gate_settings(monkeypatch: pytest.MonkeyPatch, command: str) -> None:
+    from pgdiag.report.gates import GateSettings
+    from pgdiag.report.report import Report, summary_frame
+
+    report = Report(command, summary_frame([]))
+    if command == "metrics":
+        monkeypatch.setattr("pgdiag.metrics.api.compute_metrics", lambda *a, **k: report)
+    else:
+        monkeypatch.setattr(
+            "pgdiag.compare.api.compare_runs", lambda *a, **k: type("C", (), {"report": report})
+        )
+    _capture_reads(monkeypatch)
+    seen = _capture(monkeypatch, "pgdiag.report.gates", "outcome")
+    _invoke(command, "RUN", *GATE_ARGS)
+    expected = GateSettings(
+        fail_on=("k3>1", "mismatch/abs_mean>2"),
+        warn_on=("tmpe>3",),
+        profile="nemo",
+        strict=True,
+        exit_zero=True,
+    )
+    assert seen["args"] == (report, expected)
+    _invoke(command, "RUN")
+    assert seen["args"] == (report, GateSettings())

@@ -71,7 +71,9 @@ def test_identical_runs_pass_every_profile_with_zero_deltas(runs, tmp_path) -> N
     summary = obj["summary"]["engine:rollout vs trainer:rollout"]
     assert summary["mismatch/abs_mean"] == 0.0 and summary["mismatch/kl_k3"] == 0.0
     assert summary["sequence.mismatch/abs_max"] == 0.0
-    assert {g["status"] for g in obj["gates"]} == {"pass"}
+    assert {g["expr"]: g["status"] for g in obj["gates"] if g["status"] != "pass"} == {
+        "tau_dev>0.02": "skipped"
+    }
     for profile in ("nemo", "verl", "slime", "deterministic"):
         assert _invoke("compare", runs["a"], runs["same"], "--profile", profile).exit_code == 0, profile
 
@@ -337,3 +339,46 @@ def test_one_run_defaults_to_the_engine_vs_trainer_pair(tmp_path) -> None:
         streams={"rollout_logprobs": "rollout", "new_logprobs": "old"},
     )
     assert json.loads(_invoke("compare", no_old, "--json").stdout)["inputs"]["streams"] == ["rollout", "new"]
+
+
+def test_metrics_and_compare_agree_on_a_profile_verdict() -> None:
+    """Same pair, same profile: the same exit code, and `tau_dev` (no logits) skipped in both."""
+    run_a = SAMPLE_DATA / "run_a"
+    loose = (
+        "--profile",
+        "recommended",
+        "--fail-on",
+        "mismatch/abs_mean>1",
+        "--fail-on",
+        "mismatch/frac_out_2x>1",
+    )
+    results = [json.loads(_invoke(cmd, run_a, *loose, "--json").stdout) for cmd in ("metrics", "compare")]
+    assert [r["exit_code"] for r in results] == [0, 0]
+    for r in results:
+        tau = [g for g in r["gates"] if g["expr"] == "tau_dev>0.02"]
+        assert [g["status"] for g in tau] == ["skipped"]
+    strict = [_invoke(cmd, run_a, "--profile", "recommended").exit_code for cmd in ("metrics", "compare")]
+    assert strict == [1, 1]  # abs_mean 0.026 > 0.02 fails in both
+
+
+def test_library_outcome_is_the_cli_verdict() -> None:
+    """`pgdiag.outcome` on the library's report gives the exit code and gates the CLI prints."""
+    import pgdiag
+
+    run_a = SAMPLE_DATA / "run_a"
+    gate_settings = pgdiag.GateSettings(profile="recommended", fail_on=("policy/kl_k1>1",))
+    for command, report in (
+        ("metrics", pgdiag.compute_metrics(pgdiag.read_run(run_a))),
+        ("compare", pgdiag.compare_runs(run_a).report),
+    ):
+        fail_on = ("--fail-on", "policy/kl_k1>1") if command == "metrics" else ()
+        cli = json.loads(_invoke(command, run_a, "--profile", "recommended", *fail_on, "--json").stdout)
+        if command == "compare":
+            gate_settings = pgdiag.GateSettings(profile="recommended")
+        verdict = pgdiag.outcome(report, gate_settings)
+        assert (verdict.status, verdict.exit_code) == (cli["status"], cli["exit_code"]) == ("fail", 1)
+        assert [(g.expr, g.status) for g in verdict.gates.gates] == [
+            (g["expr"], g["status"]) for g in cli["gates"]
+        ]
+    defaults = [g.expr for g in pgdiag.outcome(pgdiag.compute_metrics(pgdiag.read_run(run_a))).gates.gates]
+    assert defaults == ["count/tokens_invalid>0"]  # the metrics default gate travels with the report

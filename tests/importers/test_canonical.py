@@ -195,3 +195,12 @@ def test_existing_output_needs_overwrite(tmp_path):
         "out",
         "r.jsonl",
     ]
+
+
+def test_import_run_takes_options_as_keywords(tmp_path):
+    src = _jsonl(tmp_path / "r.jsonl", ROWS)
+    pgdiag.import_run("canonical", src, tmp_path / "out", temperature=0.6, label="kw")
+    run = pgdiag.read_run(tmp_path / "out")
+    assert run.meta["sampling"]["temperature"] == 0.6 and run.label == "kw"
+    with pytest.raises(UsageError):
+        pgdiag.import_run("canonical", src, tmp_path / "o2", tempreature=0.6)

@@ -40,6 +40,7 @@ _FLAG_DEFAULTS: tuple[tuple[str, str, object], ...] = (
     ("rollout_is_threshold", "--rollout-is-threshold", None),
     ("beta", "--beta", None),
     ("vllm_is", "--no-vllm-is", True),
+    ("kl_bias_correction", "--no-kl-bias-correction", True),
     ("pad_width", "--pad-width", None),
     ("tis", "--tis", False),
     ("batch_size", "--batch-size", None),

@@ -11,7 +11,9 @@ multiplies the policy term per sample, as TRL does before adding β·KL.
 
 How: `--level sequence` is `importance_sampling_level = "sequence"`: the ratio is R_i = exp(Σ_t d / N_i)
 for every token of sample i, and the clip metrics average the per-sample indicator over all B rows.
-Defaults: β = 0 (`--beta`), max_completion_length = 512 (`--divisor`), IS on (`--no-vllm-is`).
+Defaults: β = 0 (`--beta`), max_completion_length = 512 (`--divisor`), IS on (`--no-vllm-is`), and
+`use_bias_correction_kl` on (TRL 1.16's default: the per-token KL, in the loss and in `kl`, is multiplied by the
+ratio; `--no-kl-bias-correction` turns it off).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pgdiag.metrics.styles.common import (
 )
 from pgdiag.metrics.values import MetricValue
 
-ALLOWED_FLAGS = frozenset({"divisor", "level", "beta", "vllm_is"})
+ALLOWED_FLAGS = frozenset({"divisor", "level", "beta", "vllm_is", "kl_bias_correction"})
 LOSS_TYPES = {
     "dapo": "dapo",
     "token_mean": "dapo",
@@ -85,8 +87,7 @@ def compute_trl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
         if seq_isr is not None:
             token_loss = token_loss * inputs.per_token(seq_isr)
         if beta != 0.0:
-            assert inputs.lp_ref is not None and inputs.lp_new is not None
-            token_loss = token_loss + beta * k3_ref(inputs.lp_ref, inputs.lp_new)
+            token_loss = token_loss + beta * _token_kl(inputs, settings, ratio)
         divisor = settings.divisor if settings.divisor is not None else DEFAULT_MAX_COMPLETION_LENGTH
         out.append(
             value("loss", aggregate_loss_type(inputs, token_loss, loss_type, divisor), "loss", "mode", n)
@@ -95,7 +96,10 @@ def compute_trl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     if inputs.entropy is not None:
         out.append(value("entropy", mean_guard(inputs.entropy), "nats", "token", n))
     if beta != 0.0 and inputs.lp_ref is not None and inputs.lp_new is not None:
-        out.append(value("kl", mean_guard(k3_ref(inputs.lp_ref, inputs.lp_new)), "nats", "token", n))
+        ratio_kl = (
+            _ratio(inputs, settings) if settings.style.kl_bias_correction and inputs.has_policy else None
+        )
+        out.append(value("kl", mean_guard(_token_kl(inputs, settings, ratio_kl)), "nats", "token", n))
     if seq_isr is not None:
         out += _sampling_metrics(inputs, seq_isr)
     if inputs.reward is not None:
@@ -116,6 +120,15 @@ def aggregate_loss_type(inputs: StyleInputs, token_loss: np.ndarray, loss_type: 
     if loss_type == "luspo":
         return div(total(token_loss), b)
     raise ValueError(f"unknown loss type {loss_type!r}")
+
+
+def _token_kl(inputs: StyleInputs, settings: MetricSettings, ratio: np.ndarray | None) -> np.ndarray:
+    """(M,) TRL's per-token KL: k3(lp_ref, lp_new), times the ratio under `use_bias_correction_kl` (default)."""
+    assert inputs.lp_ref is not None and inputs.lp_new is not None
+    kl = k3_ref(inputs.lp_ref, inputs.lp_new)
+    if settings.style.kl_bias_correction and ratio is not None:
+        kl = kl * ratio
+    return kl
 
 
 def _ratio(inputs: StyleInputs, settings: MetricSettings) -> np.ndarray:

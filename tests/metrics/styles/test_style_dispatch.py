@@ -82,7 +82,11 @@ def test_trap_3_kl_directions_signs_and_clamps() -> None:
     # log-ratio to 10; miles k1 is lp_new − lp_ref (negative here)
     x = [12.0, 0.5]
     ref_k3 = [E(v) - v - 1 for v in x]
-    assert styled("trl", batch, beta=0.1)["kl"] == pytest.approx(math.fsum(ref_k3) / 2, rel=1e-12)
+    # TRL 1.16 multiplies its KL by the ratio r = e^d by default (use_bias_correction_kl)
+    weighted = math.fsum(k * E(v) for k, v in zip(ref_k3, d, strict=True)) / 2
+    assert styled("trl", batch, beta=0.1)["kl"] == pytest.approx(weighted, rel=1e-12)
+    unweighted = styled("trl", batch, beta=0.1, kl_bias_correction=False)["kl"]
+    assert unweighted == pytest.approx(math.fsum(ref_k3) / 2, rel=1e-12)
     assert styled("liger", batch)["kl"] == pytest.approx(math.fsum(ref_k3) / 2, rel=1e-12)
     assert styled("verl", batch)["actor/kl_loss"] == pytest.approx((10.0 + ref_k3[1]) / 2, rel=1e-12)
     assert styled("pipelinerl", batch)["rl/kl"] == pytest.approx((E(10.0) - 11 + ref_k3[1]) / 2, rel=1e-12)
