@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from pgdiag.cli import check_cmd, compare_cmd, import_cmd, logprobs_cmd, metrics_cmd, plot_cmd
+from pgdiag.cli.common import Command, Group, help_text
 
 
 def _version(value: bool) -> None:
@@ -25,6 +26,7 @@ def _version(value: bool) -> None:
 def build_app() -> typer.Typer:
     """A fresh Typer app with every command registered."""
     app = typer.Typer(
+        cls=Group,
         name="pgdiag",
         help="Offline log-prob diagnostics for RL training of LLMs: validate rollouts, recompute log-probs, "
         "compute policy-gradient metrics, compare runs for parity.",
@@ -46,4 +48,7 @@ def build_app() -> typer.Typer:
 
     for module in (check_cmd, metrics_cmd, compare_cmd, plot_cmd, logprobs_cmd, import_cmd):
         module.register(app)
+    for info in app.registered_commands:  # plain flags, and help paragraphs without hard line breaks
+        info.cls = Command
+        info.help = help_text(info.help or (info.callback.__doc__ if info.callback else None))
     return app

@@ -77,7 +77,7 @@ class Device(StrEnum):
 def register(app: typer.Typer) -> None:
     """Add `logprobs` and its alias `recompute` to `app`."""
     app.command("logprobs")(logprobs)
-    app.command("recompute", help="Alias of `logprobs`.", hidden=True)(logprobs)
+    app.command("recompute", help="Alias of `logprobs`: the same command and options.")(logprobs)
 
 
 def _parse_temperature(value: str) -> float | str:

@@ -20,9 +20,21 @@ from pgdiag.data.validate import CheckSettings
 from pgdiag.errors import UsageError
 from pgdiag.metrics.settings import ClipBand, MetricSettings, StyleOptions
 
+TOKENIZER = Path(__file__).resolve().parents[2] / "sample_data" / "tiny-qwen" / "tokenizer.json"  # read first
 READ_OPTIONS = {"steps", "run_name", "label", "attach", "label_a", "label_b"}  # read_run's arguments
 GATE_OPTIONS = {"fail_on", "warn_on", "profile", "strict", "exit_zero"}  # GateSettings
-RENDER_OPTIONS = {"json_out", "out", "overwrite", "all_steps", "quiet", "verbose", "tokens_out", "html"}
+RENDER_OPTIONS = {
+    "json_out",
+    "out",
+    "overwrite",
+    "all_steps",
+    "show_all",
+    "list_metrics",
+    "quiet",
+    "verbose",
+    "tokens_out",
+    "html",
+}
 
 
 class _Stop(UsageError):
@@ -130,7 +142,7 @@ COMPARE_ARGS = (
     "--attach", "extra", "--stream-a", "old", "--stream-b", "new", "--join", "hash", "--ignore", "E306",
     "--max-examples", "2", "--eps-low", "0.05", "--eps-high", "0.07", "--by", "step", "--by", "position",
     "--metrics", "--aggregation", "constant", "--divisor", "9", "--key-style", "verl", "--model", "ckpt",
-    "--tokenizer", "tok.json", "--worst-k", "4",
+    "--tokenizer", str(TOKENIZER), "--worst-k", "4",
 )  # fmt: skip
 
 
@@ -147,7 +159,7 @@ def test_compare_options_arrive_in_compare_settings(monkeypatch: pytest.MonkeyPa
         stream_a="old", stream_b="new", join="hash", by=("step", "position"), worst_k=4, clip=clip,
         label_a="LA", label_b="LB",
         metrics=MetricSettings(aggregation="constant", divisor=9.0, key_style="verl", clip=clip),
-        checks=CheckSettings(ignore=("E306",), max_examples=2), model=Path("ckpt"), tokenizer=Path("tok.json"),
+        checks=CheckSettings(ignore=("E306",), max_examples=2), model=Path("ckpt"), tokenizer=TOKENIZER,
     ))  # fmt: skip
     assert seen["args"][2].metrics.clip == clip  # the side-by-side metrics use the same band
 
