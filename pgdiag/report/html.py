@@ -146,7 +146,7 @@ def _status_class(status: str) -> str:
 
 
 def _verdict_block(status: str, line: str, findings: Sequence[str]) -> str:
-    items = "".join(f"<li>{_e(f)}</li>" for f in findings)
+    items = "".join(f"<li>{_e(f)}</li>" for f in findings if f not in line)  # those the line leaves out
     word = f'<span class="word">{_e(status)}</span>' if status and status != "info" else ""
     listed = f'<ul class="findings">{items}</ul>' if items else ""
     return f'<div id="verdict" class="verdict {_status_class(status)}">{word}{_e(line)}{listed}</div>'

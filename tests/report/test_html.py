@@ -241,7 +241,16 @@ def test_plot_html_uses_the_verdict_a_report_carries(tmp_path) -> None:
     }
     text = page.read_text()
     assert '<span class="word">anomalies</span>metrics: 1 anomaly: step 1 ratio max' in text
-    assert '<td class="anomaly" title="step 1: policy/ratio_max 40 &gt; 10">40</td>' in text
+    assert '<td class="anomaly" title="policy/ratio_max 40 &gt; 10">40</td>' in text
     assert plots.finding_marks(verdict["findings"]) == [
-        plots.Mark("policy/ratio_max", 1, "step 1: policy/ratio_max 40 > 10")
+        plots.Mark("policy/ratio_max", 1, "policy/ratio_max 40 > 10")
     ]
+
+
+def test_verdict_lists_only_the_findings_its_line_leaves_out() -> None:
+    report = _hostile_report()
+    shown = "step 1: policy/ess_token 0.05 < 0.1"
+    page = render_html(
+        report, verdict=f"metrics: 2 anomalies: {shown}; and 1 more", findings=[shown, "hidden"]
+    )
+    assert "<li>hidden</li>" in page and f"<li>{shown.replace('<', '&lt;')}</li>" not in page
