@@ -4,6 +4,7 @@ console error, every image decoded, the verdict visible above the fold."""
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import struct
@@ -144,6 +145,8 @@ def pages(tmp_path_factory) -> dict[str, Path]:
         SAMPLE / "run_b",
         "--out",
         root / "parity",
+        "--tokenizer",
+        SAMPLE / "tiny-qwen",
         "--html",
         root / "compare.html",
         "--json",
@@ -171,6 +174,13 @@ def test_sample_pages_hold_tables_plots_and_settings(pages) -> None:
     assert "<code>hexbin</code>: near-equal runs" in compare  # said, not silently left out
     assert "worst tokens" in compare and "worst sequences" in compare and "by position" in compare
     assert "run_a:new vs run_b:new" in compare and "1,756 tokens" in compare
+    # the worst tokens with their text, decoded by the sample checkpoint's tokenizer
+    worst = pl.read_parquet(pages["compare"].parent / "parity" / "compare.worst_tokens.parquet").row(
+        0, named=True
+    )
+    assert worst["token_text"] and worst["context"] and worst["token_text"] in worst["context"]
+    assert html.escape(json.dumps(worst["token_text"], ensure_ascii=False)) in compare
+    assert html.escape(worst["context"]) in compare
     metrics = pages["metrics"].read_text()
     for kind in ("trend-kl", "trend-clip", "trend-ess", "trend-ratio", "trend-mismatch", "trend-loss"):
         assert f'<img alt="{kind}"' in metrics
