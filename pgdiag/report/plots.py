@@ -668,6 +668,9 @@ def _missing(kind: str, report: Any, tokens: Any, trace: pl.DataFrame | None, wa
     if kind in TREND_KINDS:
         if _report_kind(report) != "metrics" and not trend_metrics(report, kind):
             return "a trend plot of a metrics report (pgdiag metrics --out)"
+        key_style = (getattr(report, "meta", {}).get("settings") or {}).get("key_style")
+        if not trend_metrics(report, kind) and key_style not in (None, "pgdiag"):
+            return f"trend plots read pgdiag's own keys; this report has --key-style {key_style} keys"
         if not trend_metrics(report, kind):
             return f"no per-step values of {', '.join(TREND_PANELS[kind].metrics) or 'loss/*'}: {_trend_hint(kind)}"
         return None
