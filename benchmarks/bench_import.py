@@ -11,7 +11,8 @@ Cases (``--case``):
 
 The dump is built once (in ``--dir``, reused when present, else a temp dir), then each repeat imports it in a
 fresh subprocess so that peak RSS (``ru_maxrss``) is the import's own. Prints one JSON line per repeat and a
-summary line with the median.
+summary line with the median. Wall time depends on what else runs on the machine: the load average before and
+after is printed, and the child's CPU time (user + system) with it, which the load changes far less.
 
     python benchmarks/bench_import.py --case nemo-rl [--response-tokens 10000000] [--repeats 3] [--dir DIR]
 """
@@ -124,8 +125,10 @@ import pgdiag
 start = time.perf_counter()
 result = pgdiag.import_run({preset!r}, {src!r}, {out!r}, overwrite=True)
 seconds = time.perf_counter() - start
-print(json.dumps({{"seconds": seconds, "n_samples": result.n_samples, "n_tokens": result.n_tokens,
-                  "n_loss_tokens": result.n_loss_tokens, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({{"seconds": seconds, "cpu_s": usage.ru_utime + usage.ru_stime, "n_samples": result.n_samples,
+                  "n_tokens": result.n_tokens, "n_loss_tokens": result.n_loss_tokens,
+                  "peak_rss_mib": usage.ru_maxrss / 1024}}))
 """
 
 
@@ -160,6 +163,7 @@ def main() -> None:
             print(f"built {src} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         size_mib = sum(p.stat().st_size for p in src.rglob("*") if p.is_file()) / 2**20
         runs = []
+        print(json.dumps({"load_avg_1m_before": os.getloadavg()[0]}))
         for repeat in range(args.repeats):
             result = run_import(preset, src, work / "out")
             result.update(
@@ -175,8 +179,9 @@ def main() -> None:
             "case": args.case,
             "median_s": round(median, 2),
             "response_tokens_per_s": round(runs[0]["n_loss_tokens"] / median),
+            "cpu_s_median": round(statistics.median(r["cpu_s"] for r in runs), 2),
             "peak_rss_mib": round(max(r["peak_rss_mib"] for r in runs)),
-            "load_avg_1m": os.getloadavg()[0],
+            "load_avg_1m_after": os.getloadavg()[0],
         }
         print(json.dumps(summary))
     finally:

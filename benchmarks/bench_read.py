@@ -90,7 +90,7 @@ print(json.dumps({{"seconds": round(t1 - t0, 3), "seconds_after_import": round(t
 CHECK_SNIPPET = """
 import resource, sys, time, json
 sys.path.insert(0, {repo!r})
-from pgdiag.checks.semantic import check_run
+from pgdiag.checks.run import check_run
 from pgdiag.data.runs import read_run
 t0 = time.perf_counter()
 result = check_run(read_run({path!r}))

@@ -28,7 +28,7 @@ _EXPORTS = {
     "read_run": "pgdiag.data.runs",
     "Run": "pgdiag.data.runs",
     "read_token_batch": "pgdiag.data.runs",
-    "check_run": "pgdiag.checks.semantic",
+    "check_run": "pgdiag.checks.run",
     "CheckResult": "pgdiag.data.validate",
     "TokenBatch": "pgdiag.data.batch",
     "compute_metrics": "pgdiag.metrics.api",

@@ -24,6 +24,7 @@ POLARS_TYPES: dict[str, pl.DataType] = {
     "step": pl.Int64,
     "sample_id": pl.String,
     "segment_idx": pl.Int32,
+    "routed_experts": pl.List(pl.Int16),
     "group_id": pl.String,
     "seq_hash": pl.UInt64,
     "input_ids": pl.List(pl.Int32),

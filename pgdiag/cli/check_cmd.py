@@ -1,6 +1,6 @@
 """`pgdiag check RUN [RUN_B]`: schema validation and alignment checks, the gate before any number is printed.
 
-Thin shell over `pgdiag.checks.semantic.check_run` (docs/cli.md). Exit 0 when clean (warnings
+Thin shell over `pgdiag.checks.run.check_run` (docs/cli.md). Exit 0 when clean (warnings
 allowed), 1 for warnings under `--strict`, 3 for any error.
 """
 
@@ -73,7 +73,7 @@ def check(
     """
 
     def body(console: Console) -> dict[str, Any]:
-        from pgdiag.checks.semantic import check_run
+        from pgdiag.checks.run import check_run
         from pgdiag.cli.render import render_checks, render_verdict
         from pgdiag.data.runs import read_run
         from pgdiag.errors import UsageError

@@ -46,6 +46,7 @@ from pgdiag.cli.common import (
 )
 from pgdiag.compare.settings import CompareSettings
 from pgdiag.data.validate import CheckSettings
+from pgdiag.errors import UsageError
 from pgdiag.metrics.settings import ClipBand, MetricSettings
 
 _DEFAULTS = CompareSettings()
@@ -133,6 +134,16 @@ def compare(
         typer.Option(
             "--stream-b",
             help="Side b stream (one run: old, else new or the only tag; two runs: same as a).",
+            rich_help_panel=STREAMS,
+        ),
+    ] = None,
+    routing_replay: Annotated[
+        str | None,
+        typer.Option(
+            "--routing-replay",
+            help="MoE, one run: the tag of a `logprobs --routing replay` recompute; with --stream-b the same "
+            "run recomputed with --routing recompute, attributes the mismatch to routing per step "
+            "(routing/mismatch_share, routing/disagree_frac).",
             rich_help_panel=STREAMS,
         ),
     ] = None,
@@ -283,6 +294,8 @@ def compare(
             from pgdiag.report.html import check_html_path
 
             check_html_path(html, overwrite=overwrite)
+        if routing_replay is not None and run_b is not None:
+            raise UsageError("E112", "--routing-replay compares streams of one run; give one RUN")
         source_a = read_run(run_a, attach=list_option(attach), steps=steps, run=run_name)
         source_b = None if run_b is None else read_run(run_b, steps=steps, run=run_name)
         comparison = compare_runs(source_a, source_b, settings, decode=decode)
@@ -314,6 +327,16 @@ def compare(
             checks=report.checks.to_dicts(),
             verdict=verdict.as_dict(),
         )
+        if routing_replay is not None:
+            from pgdiag.compare.routing import routing_attribution
+
+            pair = comparison.pair
+            attribution = routing_attribution(
+                source_a, stream_a=pair.stream_a, recompute=pair.stream_b, replay=routing_replay
+            )
+            result["routing"] = attribution.to_dicts()
+            if not quiet:
+                _render_routing(console, attribution, pair.stream_b, routing_replay)
         if tokens_out is not None:
             from pgdiag.compare.tokens import write_token_table
 
@@ -343,6 +366,23 @@ def compare(
         return result
 
     execute("compare", body, json_out=json_out, quiet=quiet)
+
+
+def _render_routing(console: Console, attribution: Any, recompute: str, replay: str) -> None:
+    """One line per step: mean |Δ| with the router's experts and with the engine's, the share routing explains."""
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    console.print(
+        f"routing attribution ({recompute} = router's experts, {replay} = engine's experts):", markup=False
+    )
+    for step, rc, rp, share, disagree in attribution.iter_rows():
+        console.print(
+            f"  step {step:>5}: |Δ| {fmt(rc, '.4g')} -> {fmt(rp, '.4g')} with replay, "
+            f"routing/mismatch_share {fmt(share, '.1%')}, routing/disagree_frac {fmt(disagree, '.2%')}",
+            markup=False,
+        )
 
 
 def render_parity(console: Console, report: Any, *, verbose: bool = False) -> None:

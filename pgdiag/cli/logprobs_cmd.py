@@ -69,6 +69,17 @@ class Attention(StrEnum):
     varlen = "varlen"
 
 
+class Routing(StrEnum):
+    recompute = "recompute"
+    replay = "replay"
+
+
+class Experts(StrEnum):
+    auto = "auto"
+    loop = "loop"
+    grouped = "grouped"
+
+
 class Device(StrEnum):
     cuda = "cuda"
     cpu = "cpu"
@@ -143,10 +154,26 @@ def logprobs(
             rich_help_panel=MODEL,
         ),
     ] = Attention.auto,
+    routing: Annotated[
+        Routing,
+        typer.Option(
+            help="MoE models: recompute = the router picks the experts; replay = use the experts recorded in the "
+            "run's routed_experts column, recomputing only their weights. With the column, the per step and layer "
+            "routing/disagree_frac goes to _routing.parquet in the stream.",
+            rich_help_panel=MODEL,
+        ),
+    ] = Routing.recompute,
     impl: Annotated[
         Impl,
         typer.Option(help="LM-head kernel: auto = triton on CUDA, else torch.", rich_help_panel=PERFORMANCE),
     ] = Impl.auto,
+    experts: Annotated[
+        Experts,
+        typer.Option(
+            help="MoE expert compute: auto = grouped GEMM on CUDA in bf16, else a loop over experts.",
+            rich_help_panel=PERFORMANCE,
+        ),
+    ] = Experts.auto,
     batch_tokens: Annotated[
         int,
         typer.Option(
@@ -225,6 +252,8 @@ def logprobs(
             "micro_batch": micro_batch,
             "softmax_vocab": _parse_softmax_vocab(softmax_vocab),
             "attn": attn.value,
+            "routing": routing.value,
+            "experts": experts.value,
             "out": out,
             "resume": resume,
             "overwrite": overwrite,
@@ -403,8 +432,15 @@ def _render_summary(console: Console, result: RecomputeResult, *, verbose: bool)
         markup=False,
         soft_wrap=True,
     )
+    if result.routing_disagree_frac is not None:
+        console.print(
+            f"routing ({settings.routing}): {result.routing_disagree_frac:.2%} of recorded token x layer routes "
+            f"differ from the router's top-k -> {result.path / '_routing.parquet'}",
+            markup=False,
+            soft_wrap=True,
+        )
     for warning in result.warnings:
-        console.print(f"[yellow]warning[/] {warning}", soft_wrap=True)
+        console.print(Text.assemble(("warning", "yellow"), f" {warning}"), soft_wrap=True)
     if verbose:
         console.print(f"settings: {result.settings.as_dict()}", markup=False, soft_wrap=True)
 
@@ -435,6 +471,7 @@ def _result_json(result: RecomputeResult, run: str) -> dict[str, Any]:
                 "parts_computed": result.parts_computed,
                 "parts_skipped": result.parts_skipped,
                 "peak_memory_bytes": result.peak_memory_bytes,
+                "routing/disagree_frac": result.routing_disagree_frac,
                 "settings": result.settings.as_dict(),
             }
         },

@@ -317,6 +317,9 @@ def metrics(
     validated first (exit 3 on invalid data). Example:
 
     [cyan]pgdiag metrics sample_data/run_a --aggregation constant --divisor 40960[/]
+
+    The table shows the main metrics and the steps that fit the terminal (--all: every metric; --json, --out:
+    every step); the last line lists the anomalies found, each with its step. --list-metrics explains every key.
     """
 
     def body(console: Console) -> dict[str, Any]:

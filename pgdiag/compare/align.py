@@ -11,8 +11,8 @@ match. Loss positions are paired by (sample, pos) with a fast path when both mas
 order (each error raises `InvalidInputError`, exit 3, unless its code is in `ignore`):
 
     E304 nothing matched · E306 samples present on one side only · E301 token ids differ ·
-    E303/W303 loss masks differ · E302 off-by-one shift · E207 NaN/inf (or null) · E205 positive log-probs ·
-    E206 zero-filled log-probs
+    E303/W303 loss masks differ (`checks.samples.mask_issue`) · E302 off-by-one shift · E207 NaN/inf (or
+    null) · E205 positive log-probs · E206 zero-filled log-probs (`checks.pairs`, as `pgdiag check` runs them)
 
 Without a `seq_hash` per sample (a batch built in memory) the hash is a content hash of the loss tokens,
 their positions and the sequence length, computed vectorised; it plays the same role within one comparison.
@@ -21,20 +21,19 @@ their positions and the sequence length, computed vectorised; it plays the same 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import polars as pl
 
+from pgdiag.checks.pairs import Locations, nonfinite_issues, positive_issues, shift_issue, zero_fill_issues
+from pgdiag.checks.samples import mask_issue
 from pgdiag.data.batch import TokenBatch
+from pgdiag.data.schema import stream_column
 from pgdiag.data.validate import Issue
 from pgdiag.errors import InvalidInputError, UsageError
 
 JOIN_MODES = ("auto", "id", "hash", "hash-any-step")
-ZERO_FILL_FRACTION = 0.01  # E206: share of exact 0.0 on loss positions
-MASK_ERROR_FRACTION = 0.01  # E303 above, W303 below
-SHIFT_MIN_MEDIAN = 0.05  # E302: median |Δ| at offset 0 must exceed this (nats)
-SHIFT_SAMPLE_TOKENS = 262_144  # E302 medians on up to about this many tokens (strided sample)
 
 
 @dataclass(frozen=True)
@@ -191,20 +190,15 @@ def _raise_or_record(issue: Issue, ignore: Collection[str], issues: list[Issue])
     if issue.code in ignore:
         return
     if issue.severity == "error":
-        hint = _HINTS.get(issue.code)
+        hint = issue.hint or _HINTS.get(issue.code)
         raise InvalidInputError(issue.code, issue.message, hint)
     issues.append(issue)
 
 
 _HINTS = {
     "E301": "compare runs built from the same token ids (retokenized text or template drift?)",
-    "E302": "re-import with --shift to put element i at the position of token i",
-    "E303": "the two sides train different positions; check tool/observation tokens in loss_mask",
     "E304": "check --steps and --join (hash joins match sequences whose sample ids differ)",
     "E306": "compare matched samples only with --ignore E306",
-    "E205": "log-probs must be <= 0; a sign flip or a loss (negative log-prob) was stored?",
-    "E206": "re-import so that missing values are null, not 0.0",
-    "E207": "drop the non-finite tokens with --ignore E207 (they are counted)",
 }
 
 
@@ -220,8 +214,6 @@ def align_batches(
     stream_a: str,
     stream_b: str,
     join: str = "auto",
-    seq_hash_a: np.ndarray | None = None,
-    seq_hash_b: np.ndarray | None = None,
     ignore: Collection[str] = (),
 ) -> AlignedPair:
     """Pair the samples and loss tokens of `a` and `b` and run the alignment checks (module docstring)."""
@@ -230,6 +222,7 @@ def align_batches(
             listed = ", ".join(batch.streams) or "none"
             raise UsageError("E111", f"{batch.label}: no stream {stream!r} (side {side}); streams: {listed}")
     pair_name = f"{a.label}:{stream_a} vs {b.label}:{stream_b}"
+    seq_hash_a, seq_hash_b = a.seq_hash, b.seq_hash  # (S,) as read; None for batches built in memory
     use_seq_hash = seq_hash_a is not None and seq_hash_b is not None
 
     def hashes() -> tuple[np.ndarray, np.ndarray]:
@@ -283,31 +276,30 @@ def align_batches(
     same_layout = np.array_equal(off_a, off_b) and np.array_equal(
         _gather(a.pos, take_a), _gather(b.pos, take_b)
     )
+    mask = None
     if same_layout:
         idx_a, idx_b, offsets = take_a, take_b, off_a
     else:
         take_a, take_b = _indices(take_a, a.n_tokens), _indices(take_b, b.n_tokens)
         idx_a, idx_b, offsets = _intersect_positions(a, b, take_a, off_a, take_b, off_b)
         n_a, n_b, n_both = take_a.shape[0], take_b.shape[0], idx_a.shape[0]
-        only_frac = max((n_a - n_both) / max(n_a, 1), (n_b - n_both) / max(n_b, 1))
         row, pos = _first_mask_difference(a, b, take_a, off_a, take_b, off_b)
-        severity = "error" if only_frac > MASK_ERROR_FRACTION else "warning"
-        code = "E303" if severity == "error" else "W303"
-        _raise_or_record(
-            Issue(
-                code,
-                severity,
-                int(n_a - n_both + n_b - n_both),
-                f"{pair_name}: loss masks differ on {100 * only_frac:.3g} % of positions ({n_a - n_both} only in "
-                f"{a.label}, {n_b - n_both} only in {b.label}; first: {_where(step, sample_id, row, pos)}); "
-                "metrics use the intersection",
-                int(step[row]),
-                str(sample_id[row]),
-                pos,
-            ),
-            ignore,
-            issues,
+        mask = mask_issue(
+            n_a - n_both,
+            n_a,
+            n_b - n_both,
+            n_b,
+            f"{n_a - n_both} only in {a.label}, {n_b - n_both} only in {b.label}; first: "
+            f"{_where(step, sample_id, row, pos)}; metrics use the intersection",
         )
+        if mask is not None:
+            mask = replace(
+                mask,
+                message=f"{pair_name}: {mask.message}",
+                step=int(step[row]),
+                sample_id=str(sample_id[row]),
+                pos=pos,
+            )
     token_id = _gather(a.token_id, idx_a)
     tok_diff = token_id != _gather(b.token_id, idx_b)
     token_row = np.repeat(np.arange(ia.shape[0], dtype=np.int32), np.diff(offsets))  # S < 2^31
@@ -340,18 +332,29 @@ def align_batches(
             ignore,
             issues,
         )
+    if mask is not None:  # tokens first (E301), then masks, the order `pgdiag check` reports them in
+        _raise_or_record(mask, ignore, issues)
 
     lp_a = _gather(np.asarray(a.streams[stream_a], dtype=np.float64), idx_a)
     lp_b = _gather(np.asarray(b.streams[stream_b], dtype=np.float64), idx_b)
     pos = _gather(a.pos, idx_a)
     prompt_len = a.prompt_len[ia]
-    ctx = _Context(pair_name, step, sample_id, offsets, token_row, pos, ignore, issues)
+    where = Locations(offsets, pos, step, sample_id)
+    name_a, name_b = f"{a.label} {stream_column(stream_a)}", f"{b.label} {stream_column(stream_b)}"
 
-    # 3. values
-    _check_shift(lp_a, lp_b, ctx, a.label, b.label, stream_a, stream_b)
-    keep = _check_finite(lp_a, lp_b, ctx, a.label, b.label, stream_a, stream_b)
-    _check_positive(lp_a, lp_b, ctx, a.label, b.label, stream_a, stream_b)
-    _check_zero_fill(lp_a, lp_b, ctx, a.label, b.label, stream_a, stream_b)
+    # 3. values (checks.pairs, the functions `pgdiag check` runs)
+    shift = shift_issue(lp_a, lp_b, where, name_a=name_a, name_b=name_b)
+    for issue in [shift] if shift is not None else []:
+        _raise_or_record(replace(issue, message=f"{pair_name}: {issue.message}"), ignore, issues)
+    sides = [(lp_a, name_a), (lp_b, name_b)]
+    keep = None
+    for issue in nonfinite_issues(sides, where):
+        _raise_or_record(replace(issue, message=f"{pair_name}: {issue.message}"), ignore, issues)
+        keep = np.isfinite(lp_a) & np.isfinite(lp_b)
+    for issue in positive_issues(sides, where) + zero_fill_issues(
+        lp_a, lp_b, where, name_a=name_a, name_b=name_b
+    ):
+        _raise_or_record(replace(issue, message=f"{pair_name}: {issue.message}"), ignore, issues)
 
     entropy_src = b.entropy.get(stream_b)
     entropy = None if entropy_src is None else _gather(np.asarray(entropy_src, dtype=np.float64), idx_b)
@@ -455,132 +458,3 @@ def _first_mask_difference(
     only = np.setxor1d(key_a, key_b, assume_unique=True)
     first = int(only.min())
     return first >> 32, first & 0xFFFFFFFF
-
-
-@dataclass(frozen=True)
-class _Context:
-    pair: str
-    step: np.ndarray
-    sample_id: np.ndarray
-    offsets: np.ndarray
-    token_row: np.ndarray
-    pos: np.ndarray
-    ignore: Collection[str]
-    issues: list[Issue]
-
-    def locate(self, token: int) -> tuple[int, str, int, str]:
-        row = int(self.token_row[token])
-        pos = int(self.pos[token])
-        return int(self.step[row]), str(self.sample_id[row]), pos, _where(self.step, self.sample_id, row, pos)
-
-    def report(self, code: str, severity: str, count: int, message: str, token: int | None) -> None:
-        if token is None:
-            issue = Issue(code, severity, count, f"{self.pair}: {message}")
-        else:
-            step, sample, pos, where = self.locate(token)
-            issue = Issue(
-                code, severity, count, f"{self.pair}: {message} (first: {where})", step, sample, pos
-            )
-        _raise_or_record(issue, self.ignore, self.issues)
-
-
-def _check_shift(
-    lp_a: np.ndarray, lp_b: np.ndarray, ctx: _Context, label_a: str, label_b: str, sa: str, sb: str
-) -> None:
-    """E302: m_k = median |a_i − b_{i+k}| over consecutive positions of one sample, k ∈ {−1, 0, +1}."""
-    m = lp_a.shape[0]
-    if m < 2:
-        return
-    stride = max(1, m // SHIFT_SAMPLE_TOKENS)
-    i = np.arange(0, m - 1, stride)
-    same = (ctx.pos[i + 1] == ctx.pos[i] + 1) & (ctx.token_row[i + 1] == ctx.token_row[i])
-    i = i[same]
-    if i.size == 0:
-        return
-    with np.errstate(invalid="ignore"):
-        m0 = np.nanmedian(np.abs(lp_a[i] - lp_b[i]))
-        m_plus = np.nanmedian(np.abs(lp_a[i] - lp_b[i + 1]))  # b's value for token i sits at i + 1
-        m_minus = np.nanmedian(np.abs(lp_a[i + 1] - lp_b[i]))  # b's value for token i + 1 sits at i
-    if not (m0 > SHIFT_MIN_MEDIAN and min(m_plus, m_minus) < m0 / 2):
-        return
-    shift, m_k = ("+1", m_plus) if m_plus <= m_minus else ("-1", m_minus)
-    first = int(i[0])
-    ctx.report(
-        "E302",
-        "error",
-        int(i.size),
-        f"{label_b} {sb}_logprobs looks shifted by {shift} vs {label_a} {sa}_logprobs "
-        f"(median |Δ| {m_k:.3g} at {shift}, {m0:.3g} at 0)",
-        first,
-    )
-
-
-def _check_finite(
-    lp_a: np.ndarray, lp_b: np.ndarray, ctx: _Context, label_a: str, label_b: str, sa: str, sb: str
-) -> np.ndarray | None:
-    """E207 per side; returns the keep mask when non-finite tokens exist and E207 is ignored."""
-    bad_any = None
-    for values, label, stream in ((lp_a, label_a, sa), (lp_b, label_b, sb)):
-        bad = ~np.isfinite(values)
-        if not bad.any():
-            continue
-        n_nan, n_neg, n_pos = (
-            int(np.isnan(values).sum()),
-            int((values == -np.inf).sum()),
-            int((values == np.inf).sum()),
-        )
-        ctx.report(
-            "E207",
-            "error",
-            int(bad.sum()),
-            f"{label} {stream}_logprobs: {n_nan} NaN or null, {n_neg} -inf, {n_pos} +inf on matched loss positions",
-            int(np.flatnonzero(bad)[0]),
-        )
-        bad_any = bad if bad_any is None else bad_any | bad
-    return None if bad_any is None else ~bad_any
-
-
-def _check_positive(
-    lp_a: np.ndarray, lp_b: np.ndarray, ctx: _Context, label_a: str, label_b: str, sa: str, sb: str
-) -> None:
-    for values, label, stream in ((lp_a, label_a, sa), (lp_b, label_b, sb)):
-        with np.errstate(invalid="ignore"):
-            positive = values > 1e-6
-        if positive.any():
-            ctx.report(
-                "E205",
-                "error",
-                int(positive.sum()),
-                f"{label} {stream}_logprobs: {int(positive.sum())} positive values (max {np.nanmax(values):.3g})",
-                int(np.flatnonzero(positive)[0]),
-            )
-
-
-def _check_zero_fill(
-    lp_a: np.ndarray, lp_b: np.ndarray, ctx: _Context, label_a: str, label_b: str, sa: str, sb: str
-) -> None:
-    """E206: > 1 % exact 0.0, a sample whose ≥ 2 loss values are all 0.0, or 0.0 where the other side < −1."""
-    n_per_row = np.diff(ctx.offsets)
-    row = ctx.token_row
-    for values, other, label, stream in ((lp_a, lp_b, label_a, sa), (lp_b, lp_a, label_b, sb)):
-        zero = values == 0.0
-        n_zero = int(zero.sum())
-        if n_zero == 0:
-            continue
-        frac = n_zero / values.shape[0]
-        zeros_per_row = np.bincount(row[zero], minlength=n_per_row.shape[0])
-        all_zero_rows = np.flatnonzero((zeros_per_row == n_per_row) & (n_per_row >= 2))
-        with np.errstate(invalid="ignore"):
-            against = zero & (other < -1.0)
-        if frac > ZERO_FILL_FRACTION:
-            reason = f"{100 * frac:.3g} % exact 0.0 on loss positions"
-            first = int(np.flatnonzero(zero)[0])
-        elif all_zero_rows.size:
-            reason = f"{all_zero_rows.size} samples whose loss values are all exactly 0.0"
-            first = int(ctx.offsets[all_zero_rows[0]])
-        elif against.any():
-            reason = f"0.0 where the other side is < -1 on {int(against.sum())} tokens"
-            first = int(np.flatnonzero(against)[0])
-        else:
-            continue
-        ctx.report("E206", "error", n_zero, f"{label} {stream}_logprobs: {reason}; zero-filled?", first)

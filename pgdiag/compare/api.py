@@ -1,7 +1,7 @@
 """`compare_runs(a, b)`: the library function behind `pgdiag compare` (docs/compare.md).
 
 What: reads two runs (or two streams of one run), aligns them (`align`), computes the parity table at token and
-sequence scope (`parity`), the breakdowns (`breakdowns`), the logprob-only diagnosis (`diagnose`), the worst-K
+sequence scope (`parity`), the breakdowns (`breakdowns`), the logprob-only signatures (`pgdiag.checks.signatures`, as `pgdiag check` runs them), the worst-K
 tables (`worst`) and, on request, each run's own metric set side by side; returns one `Report`.
 Why: the CLI, notebooks and tests all get the same numbers from one call; nothing here prints.
 How: inputs are `Run`s, paths (read with `pgdiag.data.runs.read_run`) or in-memory `TokenBatch`es. Streams resolve as
@@ -12,7 +12,7 @@ report schema (docs/compare.md); side-by-side run metrics use scope `batch`, whi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
+from pgdiag.checks.signatures import signatures
 from pgdiag.compare import breakdowns as bd
 from pgdiag.compare.align import AlignedPair, align_batches
-from pgdiag.compare.diagnose import Diagnosis, diagnose
 from pgdiag.compare.parity import (
     bucket_table,
     sample_bucket_table,
@@ -33,10 +33,13 @@ from pgdiag.compare.parity import (
     unit_and_reduction,
 )
 from pgdiag.compare.settings import CompareSettings
+from pgdiag.compare.side_by_side import MetricSide, side_by_side_rows, side_settings
 from pgdiag.compare.worst import token_decoder, worst_seqs, worst_tokens, worst_trace
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.validate import Issue
+from pgdiag.data.validate import CheckSettings, Issue
 from pgdiag.errors import UsageError
+from pgdiag.metrics.api import metric_streams
+from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import CHECKS_SCHEMA, Report, ReportRow, summary_frame
 
@@ -50,12 +53,12 @@ DLOGP_EDGES = (-np.inf, *(-x for x in reversed(_DLOGP_STEPS)), 0.0, *_DLOGP_STEP
 
 @dataclass(frozen=True)
 class Side:
-    """One side of a comparison once read: its token batch, the seq_hash per sample when known, reader checks."""
+    """One side of a comparison once read: its token batch (with `seq_hash` when read from disk), reader checks."""
 
     batch: TokenBatch | None  # None once aligned (`_aligned`)
-    seq_hash: np.ndarray | None
     checks: pl.DataFrame | None
     run: Any  # the `Run`, or None for an in-memory batch
+    metrics: MetricSettings | None = None  # this side's resolved side-by-side metric settings
     sample_row: np.ndarray | None = None  # (S,) the batch's `sample_row`, kept when the batch is dropped
 
 
@@ -107,39 +110,32 @@ def resolve_streams(
     return stream_a, stream_b
 
 
-def _read_side(source: Any, streams: Sequence[str], *, ignore: Collection[str], max_examples: int) -> Side:
+def _read_side(
+    source: Any, streams: Sequence[str], checks: CheckSettings, metrics: MetricSettings | None
+) -> Side:
+    """Read `source` once: the compared `streams` plus, for side-by-side `metrics` (resolved), theirs."""
     if isinstance(source, TokenBatch):
-        return Side(source, None, None, None)
+        if metrics is not None:
+            side_settings(None, streams[-1], metrics)  # raises: side-by-side metrics need a run on disk
+        return Side(source, None, None)
     from pgdiag.data.runs import read_token_batch
 
     run = source
-    entropy = [s for s in streams if s in run.entropy_streams]
+    wanted = list(dict.fromkeys([*streams, *(metric_streams(metrics) if metrics is not None else [])]))
+    entropy = [s for s in wanted if s in run.entropy_streams]
+    if metrics is not None and metrics.entropy is not None and metrics.entropy not in entropy:
+        entropy.append(metrics.entropy)
     loaded = read_token_batch(
         run,
-        streams=list(streams),
+        streams=wanted,
         entropy=entropy,
-        advantages=False,
+        advantages=metrics is not None,
         reward=True,
         env=True,
-        ignore=tuple(ignore),
-        max_examples=max_examples,
+        ignore=checks.ignore,
+        max_examples=checks.max_examples,
     )
-    return Side(loaded.batch, _seq_hashes(run, loaded.batch), loaded.checks.issues, run)
-
-
-def _seq_hashes(run: Any, batch: TokenBatch) -> np.ndarray | None:
-    """(S,) uint64 `seq_hash` of the batch rows, read in the reader's row order; None if it cannot be matched."""
-    if batch.sample_row is None:
-        return None
-    keys = run.collect(["step", "sample_id", "seq_hash"])
-    rows = np.asarray(batch.sample_row, dtype=np.int64)
-    if rows.size and rows.max() >= keys.height:
-        return None
-    picked = keys[rows.tolist()] if rows.size else keys.head(0)
-    same = np.array_equal(picked["step"].to_numpy(), batch.step) and picked["sample_id"].cast(
-        pl.String
-    ).to_list() == [str(s) for s in batch.sample_id]
-    return picked["seq_hash"].cast(pl.UInt64).to_numpy() if same else None
+    return Side(loaded.batch, loaded.checks.issues, run, metrics)
 
 
 def _as_source(source: Any) -> Any:
@@ -183,8 +179,8 @@ def _rows(
 
 def parity_rows(
     pair: AlignedPair, *, by: Sequence[str], eps_low: float, eps_high: float
-) -> tuple[list[ReportRow], dict[str, float | None], dict[int, float]]:
-    """Every summary row of one pair; also the `all` token stats by name and the per-step mean |Δ|."""
+) -> tuple[list[ReportRow], dict[str, float | None]]:
+    """Every summary row of one pair; also the `all` token stats by name."""
     name = pair.pair
     rows: list[ReportRow] = []
     terms = token_terms(pair.lp_a, pair.lp_b, eps_low=eps_low, eps_high=eps_high, delta=pair.delta)
@@ -204,7 +200,6 @@ def parity_rows(
     n_seq = int(seqs["samples"][0])
     rows.append(ReportRow(name, "sequence", "all", "all", "count/samples", n_seq, "count", "sum", n_seq))
 
-    step_abs_mean: dict[int, float] = {}
     per_sample = None
     for breakdown in by:
         buckets = bd.assign(pair, breakdown)
@@ -221,20 +216,10 @@ def parity_rows(
                 continue
             lo, hi = float(buckets.lo[k]), float(buckets.hi[k])
             rows += _rows(name, "token", breakdown, table, k, label, lo, hi, "tokens")
-            if breakdown == "step":
-                step_abs_mean[int(buckets.lo[k])] = float(table["abs_mean"][k])
         del buckets  # its (M,) codes go before the next breakdown allocates its own
-    if "step" not in by:
-        buckets = bd.assign(pair, "step")
-        codes = buckets.codes  # (M,)
-        sums = np.bincount(codes, weights=np.abs(pair.delta), minlength=buckets.n_buckets)
-        counts = np.bincount(codes, minlength=buckets.n_buckets)
-        for k in range(buckets.n_buckets):
-            if counts[k]:
-                step_abs_mean[int(buckets.lo[k])] = float(sums[k] / counts[k])
     rows += _dlogp_rows(pair)
     stats = {k: (None if not np.isfinite(v[0]) else float(v[0])) for k, v in tokens.items()}
-    return rows, stats, step_abs_mean
+    return rows, stats
 
 
 def _dlogp_rows(pair: AlignedPair) -> list[ReportRow]:
@@ -344,7 +329,6 @@ def compare_runs(
     if decode is None and settings.tokenizer is not None:
         decode = token_decoder(settings.tokenizer)
     ignore = settings.checks.ignore
-    max_examples = settings.checks.max_examples
     eps_low, eps_high = settings.clip.eps_low, settings.clip.eps_high
     stream_a, stream_b, join, by = settings.stream_a, settings.stream_b, settings.join, settings.by
     label_a, label_b, worst_k, model = settings.label_a, settings.label_b, settings.worst_k, settings.model
@@ -358,28 +342,39 @@ def compare_runs(
         raise UsageError(
             "E111", f"run b has no stream {sb!r}; streams: {', '.join(streams_b)}", "name it with --stream-b"
         )
-    side_a = _read_side(a, [sa, sb] if one_run else [sa], ignore=ignore, max_examples=max_examples)
-    side_b = side_a if one_run else _read_side(b, [sb], ignore=ignore, max_examples=max_examples)
+    metrics_a = metrics_b = None
+    if settings.metrics is not None:  # each run's own metrics: resolved first, so each run is read once
+        metrics_a = side_settings(
+            None if isinstance(a, TokenBatch) else a, sb if one_run else sa, settings.metrics
+        )
+        if not one_run:
+            metrics_b = side_settings(None if isinstance(b, TokenBatch) else b, sb, settings.metrics)
+    side_a = _read_side(a, [sa, sb] if one_run else [sa], settings.checks, metrics_a)
+    side_b = side_a if one_run else _read_side(b, [sb], settings.checks, metrics_b)
     la, lb = _labels(side_a.batch, side_b.batch, label_a, label_b, one_run)
     batch_a = replace(side_a.batch, label=la)
     batch_b = batch_a if one_run else replace(side_b.batch, label=lb)
-    pair = align_batches(
-        batch_a,
-        batch_b,
-        stream_a=sa,
-        stream_b=sb,
-        join=join,
-        seq_hash_a=side_a.seq_hash,
-        seq_hash_b=side_b.seq_hash,
-        ignore=ignore,
-    )
+    pair = align_batches(batch_a, batch_b, stream_a=sa, stream_b=sb, join=join, ignore=ignore)
+    side_rows: list[ReportRow] = []
+    if settings.metrics is not None:
+        shown = [(la, side_a)] if one_run else [(la, side_a), (lb, side_b)]
+        side_rows = side_by_side_rows([MetricSide(lab, s.run, s.batch, s.metrics) for lab, s in shown])
     del batch_a, batch_b
     side_a = _aligned(side_a)
     side_b = side_a if one_run else _aligned(side_b)
 
     chosen = bd.available(pair) if by is None else tuple(by)
-    rows, stats, step_abs_mean = parity_rows(pair, by=chosen, eps_low=eps_low, eps_high=eps_high)
-    diagnosis: Diagnosis = diagnose(pair, stats, step_abs_mean)
+    rows, stats = parity_rows(pair, by=chosen, eps_low=eps_low, eps_high=eps_high)
+    diagnosis = signatures(
+        pair.lp_a,
+        pair.lp_b,
+        pair,
+        name=pair.pair,
+        name_a=pair.label_a,
+        name_b=pair.label_b,
+        sampling_side_is_engine=pair.stream_a == "rollout",
+        fit=(stats.get("fit_slope"), stats.get("pearson_r")),
+    )
     n = pair.n_tokens
     if diagnosis.first_token_ratio is not None:
         rows.append(
@@ -395,11 +390,9 @@ def compare_runs(
                 n,
             )
         )
-    if diagnosis.tau_hint is not None:
+    if diagnosis.slope is not None:
         rows.append(
-            ReportRow(
-                pair.pair, "token", "all", "all", "mismatch/tau_hint", diagnosis.tau_hint, "1", "fit", n
-            )
+            ReportRow(pair.pair, "token", "all", "all", "mismatch/tau_hint", diagnosis.slope, "1", "fit", n)
         )
     tau = None
     if model is not None:
@@ -413,11 +406,7 @@ def compare_runs(
         issues_tau = _tau_warning(pair, tau.tau)
     else:
         issues_tau = []
-    if settings.metrics is not None:
-        from pgdiag.compare.side_by_side import side_by_side_rows
-
-        runs = (side_a.run, None if one_run else side_b.run)
-        rows += side_by_side_rows(runs, (la, lb), (sa, sb), settings.metrics, settings.checks)
+    rows += side_rows
     if one_run:
         issues_meta = _metadata_issues(side_a, [sa, sb])
     else:
@@ -448,7 +437,7 @@ def compare_runs(
         },
         "diagnosis": {
             pair.pair: {
-                "tau_hint": diagnosis.tau_hint,
+                "tau_hint": diagnosis.slope,
                 "tau_fit": None if tau is None else tau.tau,
                 "tau_source": "logits (--model)" if tau is not None else "fit_slope (logprob-only hint)",
                 "first_token_ratio": diagnosis.first_token_ratio,
@@ -467,10 +456,10 @@ def compare_runs(
 
 
 def _metadata_issues(side: Side, streams: list[str]) -> list[Issue]:
-    """Footer checks of the compared streams (`pgdiag.checks.semantic.metadata_checks`: W402, W403, W405, W409, W411)."""
+    """Footer checks of the compared streams (`pgdiag.checks.metadata.metadata_checks`: W402, W403, W405, W409, W411)."""
     if side.run is None:
         return []
-    from pgdiag.checks.semantic import metadata_checks
+    from pgdiag.checks.metadata import metadata_checks
 
     return [
         Issue(i.code, i.severity, i.count, f"{side.run.label}: {i.message}", i.step, i.sample_id, i.pos)

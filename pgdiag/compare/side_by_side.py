@@ -1,72 +1,66 @@
-"""Each run's own metric set beside the comparison (`pgdiag compare --metrics`, issue 5 "metrics side by side").
+"""Each run's own metric set beside the comparison (`pgdiag compare --metrics`).
 
-What: `side_by_side_rows(runs, labels, streams, settings, checks)` runs `pgdiag.compute_metrics` on each run (any
-aggregation, any key style through its `MetricSettings`) and returns its rows with scope `batch`, per step and pooled, plus
-for two runs the deltas b − a of the pooled values (pair ``"<b> - <a>"``).
+What: `side_settings` picks each side's `MetricSettings` (the compared stream as `new`, the other canonical
+behaviour stream as `old`, resolved against the run) before the run is read, so `compare` reads each run once
+with the union of the streams both need; `side_by_side_rows` then runs `metrics.api.metrics_report` on those
+batches (any aggregation, any key style) and returns its rows with scope `batch`, per step and pooled, plus for
+two runs the deltas b − a of the pooled values (pair ``"<b> - <a>"``).
 Why: a parity table says the log-probs differ; the side-by-side metrics say what that does to the clip fractions,
 KL and losses each trainer logs. Scope `batch` keeps these rows out of compare's gates, and each run's own
 `mismatch/*` keys are left out: the compared pair is the mismatch this command reports.
-How: the compared stream is each run's `new`; its `old` is ``old``, else ``rollout``, when that differs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import polars as pl
 
-from pgdiag.data.validate import CheckSettings
+from pgdiag.data.batch import TokenBatch
 from pgdiag.errors import UsageError
+from pgdiag.metrics.api import metrics_report, resolve_streams
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import ReportRow
 
 
-def metric_streams(run: Any, stream: str, settings: MetricSettings) -> MetricSettings:
-    """`settings` with the compared stream as `new` and `old` the other canonical behaviour stream, unless set."""
+@dataclass(frozen=True)
+class MetricSide:
+    """One run whose own metrics are shown: its report label, the run, its batch and resolved settings."""
+
+    label: str
+    run: Any  # `Run`
+    batch: TokenBatch
+    settings: MetricSettings
+
+
+def side_settings(run: Any, stream: str, settings: MetricSettings) -> MetricSettings:
+    """`settings` with the compared stream as `new` and `old` the other canonical behaviour stream (unless set),
+    every stream resolved against `run` (`metrics.api.resolve_streams`)."""
+    if run is None:
+        raise UsageError("E503", "side-by-side metrics need runs read from disk, not in-memory batches")
     new = settings.new if settings.new is not None else (stream if stream != "rollout" else None)
     old = settings.old
     if old is None and new is not None:
         other = [s for s in ("old", "rollout") if s in run.streams and s != new]
         old = other[0] if other else None
-    return replace(settings, new=new, old=old)
+    return resolve_streams(run, replace(settings, new=new, old=old))
 
 
-def side_by_side_rows(
-    runs: tuple[Any, Any],
-    labels: tuple[str, str],
-    streams: tuple[str, str],
-    settings: MetricSettings,
-    checks: CheckSettings,
-) -> list[ReportRow]:
-    """Rows of scope `batch` for run a (and run b when `runs[1]` is not None) and the deltas b − a.
-
-    `runs` are `Run`s (None for b with one run), `labels` the report labels of a and b, `streams` the compared
-    streams of a and b (one run: b's stream is the one whose metrics are reported).
-    """
-    run_a, run_b = runs
-    if run_a is None:
-        raise UsageError("E503", "side-by-side metrics need runs read from disk, not in-memory batches")
-    from pgdiag.metrics.api import compute_metrics
-
-    one_run = run_b is None
-    sides: Sequence[tuple[str, Any, str]] = (
-        [(labels[0], run_a, streams[1])]
-        if one_run
-        else [(labels[0], run_a, streams[0]), (labels[1], run_b, streams[1])]
-    )
+def side_by_side_rows(sides: Sequence[MetricSide]) -> list[ReportRow]:
+    """Rows of scope `batch` for each side and, with two sides, the deltas of the pooled values b − a."""
     rows: list[ReportRow] = []
     pooled: dict[str, dict[str, tuple[float | None, str, str]]] = {}
-    for label, run, stream in sides:
-        report = compute_metrics(run, metric_streams(run, stream, settings), checks=checks)
+    for side in sides:
+        report = metrics_report(side.batch, side.settings, run=side.run)
         frame = report.summary.filter(
             pl.col("breakdown").is_in(["all", "step"]) & ~pl.col("metric").str.starts_with("mismatch/")
         )
         for r in frame.iter_rows(named=True):
             rows.append(
                 ReportRow(
-                    r["pair"].replace(f"{run.label}:", f"{label}:"),
+                    r["pair"].replace(f"{side.run.label}:", f"{side.label}:"),
                     "batch",
                     r["breakdown"],
                     r["bucket"],
@@ -80,9 +74,9 @@ def side_by_side_rows(
                 )
             )
             if r["breakdown"] == "all":
-                pooled.setdefault(label, {})[r["metric"]] = (r["value"], r["unit"], r["reduction"])
-    if not one_run:
-        la, lb = labels
+                pooled.setdefault(side.label, {})[r["metric"]] = (r["value"], r["unit"], r["reduction"])
+    if len(sides) == 2:
+        la, lb = sides[0].label, sides[1].label
         for metric, (vb, unit, reduction) in pooled.get(lb, {}).items():
             va = pooled.get(la, {}).get(metric, (None,))[0]
             delta = None if va is None or vb is None else vb - va

@@ -43,6 +43,7 @@ class TokenBatch:
     reward: np.ndarray | None = None  # (S,) float64, NaN where null
     env: np.ndarray | None = None  # (S,) object (str) or None
     sample_row: np.ndarray | None = None  # (S,) int64 row index in the source (for messages)
+    seq_hash: np.ndarray | None = None  # (S,) uint64 `seq_hash` as read (None for a batch built in memory)
 
     @property
     def n_samples(self) -> int:
@@ -100,6 +101,7 @@ class TokenBatch:
             reward=opt(self.reward, lambda a: a[rows]),
             env=opt(self.env, lambda a: a[rows]),
             sample_row=opt(self.sample_row, lambda a: a[rows]),
+            seq_hash=opt(self.seq_hash, lambda a: a[rows]),
         )
 
     def with_steps(self, step: np.ndarray) -> TokenBatch:

@@ -288,11 +288,13 @@ def read_run(
         conditions.append(pl.col("run").cast(pl.String) == run)
     labels: list[str] = []
     if "run" in schema:
-        labels = sorted(
-            str(v)
-            for v in base.select(pl.col("run").cast(pl.String).unique()).collect()["run"].to_list()
-            if v is not None
-        )
+        labels = _run_labels(paths)
+        if labels is None:  # no usable statistics: read the one column
+            labels = sorted(
+                str(v)
+                for v in base.select(pl.col("run").cast(pl.String).unique()).collect()["run"].to_list()
+                if v is not None
+            )
         if run is not None and run not in labels:
             raise UsageError(
                 "E501", f"--run {run}: no rows with that run label in {path}", f"labels: {labels}"
@@ -318,6 +320,24 @@ def read_run(
         hive=hive,
         row_filter=row_filter,
     )
+
+
+def _run_labels(paths: Sequence[Path]) -> list[str] | None:
+    """The distinct `run` labels from the Parquet row-group statistics, without reading the column; None when a
+    file lacks the column or a row group's statistics do not pin one label (min != max, nulls, none kept)."""
+    labels: set[str] = set()
+    for path in paths:
+        metadata = pq.ParquetFile(path).metadata
+        names = [metadata.schema.column(i).path for i in range(metadata.num_columns)]
+        if "run" not in names:
+            return None
+        column = names.index("run")
+        for group in range(metadata.num_row_groups):
+            stats = metadata.row_group(group).column(column).statistics
+            if stats is None or not stats.has_min_max or stats.null_count or stats.min != stats.max:
+                return None
+            labels.add(str(stats.min.decode() if isinstance(stats.min, bytes) else stats.min))
+    return sorted(labels)
 
 
 def _step_condition(spec: StepSpec, base: pl.LazyFrame) -> pl.Expr:
@@ -624,6 +644,9 @@ def build_token_batch(
         if env and "env" in frame.columns
         else None,
         sample_row=np.arange(n_rows, dtype=np.int64) if sample_row is None else sample_row,
+        seq_hash=frame["seq_hash"].cast(pl.UInt64).fill_null(0).to_numpy()
+        if "seq_hash" in frame.columns
+        else None,
     )
 
 

@@ -79,6 +79,9 @@ ROLLOUT_ARROW_TYPES: dict[str, pa.DataType] = {
     "min_p": pa.float32(),
     "logprobs_mode": _DICT_STRING,
     "env": _DICT_STRING,
+    # MoE routing replay: per sample T x L x k expert ids, flat in token, then MoE layer, then rank order;
+    # -1 = not recorded (docs/models.md, "Routing replay")
+    "routed_experts": pa.list_(pa.int16()),
 }
 
 # Column kinds that decide which polars dtypes are accepted (lossless cast).
@@ -100,6 +103,7 @@ _KIND_OF: dict[str, str] = {
     "temperature": "float",
     "temperature_tok": "float_list",
     "policy_version": "int64",
+    "routed_experts": "int32_list",
 }
 _INTS = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32, pl.UInt64)
 _FLOATS = (pl.Float16, pl.Float32, pl.Float64) if hasattr(pl, "Float16") else (pl.Float32, pl.Float64)

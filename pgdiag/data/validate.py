@@ -37,6 +37,31 @@ ISSUE_SCHEMA = {
 
 
 @dataclass(frozen=True)
+class ZeroFill:
+    """Exact zeros of one log-prob stream on its loss positions, by the E206 rule."""
+
+    zero: np.ndarray  # (Z,) token indices holding exactly 0.0
+    all_zero_rows: np.ndarray  # (R,) samples with >= 2 loss values, every one exactly 0.0
+    fraction: float  # Z / M
+
+    @property
+    def fraction_filled(self) -> bool:
+        return self.fraction > ZERO_FILL_FRACTION
+
+
+def zero_fill_rows(values: np.ndarray, offsets: np.ndarray) -> ZeroFill:
+    """The one-stream zero-fill rule (E206: > 1 % exact 0.0, or a sample whose >= 2 loss values are all 0.0)
+    on the (M,) loss-position values of one stream, samples delimited by `offsets` (S + 1,)."""
+    zero = np.flatnonzero(values == 0.0)
+    n_loss = np.diff(offsets)
+    rows = np.searchsorted(offsets, zero, side="right") - 1
+    zero_per_row = np.bincount(rows, minlength=n_loss.shape[0])
+    all_zero_rows = np.flatnonzero((zero_per_row == n_loss) & (n_loss >= 2))
+    fraction = zero.size / values.shape[0] if values.shape[0] else 0.0
+    return ZeroFill(zero, all_zero_rows, fraction)
+
+
+@dataclass(frozen=True)
 class CheckSettings:
     """What every command's checks skip and show: codes to ignore and examples per issue."""
 
@@ -565,14 +590,11 @@ class _Rules:
                     pos=view.index[where] - offsets[rows],
                 )
             )
-        zero = np.flatnonzero(at_loss == 0.0)
+        filled = zero_fill_rows(at_loss, view.row_start)
+        zero, all_zero_rows, fraction = filled.zero, filled.all_zero_rows, filled.fraction
         tiny = np.flatnonzero((at_loss > 0.0) & ~positive)
-        n_loss = np.diff(view.row_start)
         zero_rows = view.rows_of(zero)
-        zero_per_row = np.bincount(zero_rows, minlength=n_loss.shape[0])
-        all_zero_rows = np.flatnonzero((zero_per_row == n_loss) & (n_loss >= 2))
-        fraction = zero.size / at_loss.shape[0] if at_loss.shape[0] else 0.0
-        if (fraction > ZERO_FILL_FRACTION or all_zero_rows.size) and self.on("E206"):
+        if (filled.fraction_filled or all_zero_rows.size) and self.on("E206"):
             if all_zero_rows.size and fraction <= ZERO_FILL_FRACTION:
                 text = f"{column}: {all_zero_rows.size} samples with every loss value exactly 0.0"
                 rows, count, pos = all_zero_rows, all_zero_rows.size, None

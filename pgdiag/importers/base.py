@@ -144,7 +144,7 @@ class DegenerateStream:
 class ImportWarning:
     """An import warning (W701-W703) or a note on dropped rows, printed per step and kept in the sidecar."""
 
-    code: str  # W701..W703, or "note" for dropped rows and derived ids
+    code: str  # W701..W703, or "note" for dropped rows and derived ids (shown per step, never a warning)
     message: str
 
 

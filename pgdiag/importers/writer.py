@@ -278,6 +278,7 @@ class _Totals:
     retokenized: bool = False
     label: str = ""
     warnings: list[Issue] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     degenerate: dict[tuple[str, str], _Degenerate] = field(default_factory=dict)
 
 
@@ -385,7 +386,11 @@ def _write_step(
         table, path, metadata=footer, row_group_rows=sequence_row_group_rows(table.num_rows, n_bytes)
     )
     mask = rows.lists["loss_mask"]
-    warnings = [Issue(w.code, "warning", 1, w.message) for w in imported.warnings]
+    # import warnings (W70x) and notes (dropped rows, derived ids: code "note", never counted as warnings)
+    warnings = [
+        Issue(w.code, "warning" if w.code.startswith("W") else "note", 1, w.message)
+        for w in imported.warnings
+    ]
     warnings += [i for i in found.issues if i.severity == "warning"]
     summary = StepSummary(
         step=imported.step,
@@ -415,7 +420,8 @@ def _write_step(
         totals.footer["source"] = footer["source"]
     totals.unsafe_load |= imported.unsafe_load
     totals.retokenized |= imported.retokenized
-    totals.warnings.extend(warnings)
+    totals.warnings.extend(w for w in warnings if w.severity == "warning")
+    totals.notes.extend(w.message for w in warnings if w.severity == "note")
     return summary
 
 
@@ -488,6 +494,7 @@ def _sidecar(totals: _Totals, out: Path, tmp: Path, dropped: list[str]) -> dict[
             if state.rule.column in dropped
         },
         "warnings": [{"code": w.code, "message": w.message} for w in totals.warnings],
+        "notes": totals.notes,
     }
 
 

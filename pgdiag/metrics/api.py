@@ -8,9 +8,13 @@ or a framework key style on every step and on the pooled ``all`` row.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import polars as pl
+
+from pgdiag.data.batch import TokenBatch
 from pgdiag.data.runs import Run, read_token_batch
 from pgdiag.data.validate import CheckSettings
 from pgdiag.errors import UsageError
@@ -112,9 +116,6 @@ def compute_metrics(
     `checks` names the check codes to ignore and the examples per issue. Every aggregation mode is always
     reported (``loss/<mode>``); `settings.aggregation` picks the headline ``loss/pg``.
     """
-    from pgdiag.metrics.engine import compute_by_step, compute_native
-    from pgdiag.metrics.styles import compute_step_style
-
     if settings is None:
         settings = MetricSettings.from_options(**options)
     elif options:
@@ -122,21 +123,34 @@ def compute_metrics(
     checks = checks or CheckSettings()
     settings = resolve_streams(run, settings)
 
-    streams = [
-        s
-        for s in dict.fromkeys(
-            [settings.new, settings.old, settings.stream_a, settings.stream_b, settings.ref]
-        )
-        if s
-    ]
     loaded = read_token_batch(
         run,
-        streams=streams,
+        streams=metric_streams(settings),
         entropy=[settings.entropy] if settings.entropy else [],
         ignore=checks.ignore,
         max_examples=checks.max_examples,
     )
-    batch = loaded.batch
+    return metrics_report(loaded.batch, settings, run=run, checks=loaded.checks.issues, ignored=checks.ignore)
+
+
+def metric_streams(settings: MetricSettings) -> list[str]:
+    """The streams resolved `settings` read (new, old, the mismatch pair, ref), each once."""
+    names = [settings.new, settings.old, settings.stream_a, settings.stream_b, settings.ref]
+    return [s for s in dict.fromkeys(names) if s]
+
+
+def metrics_report(
+    batch: TokenBatch,
+    settings: MetricSettings,
+    *,
+    run: Run,
+    checks: pl.DataFrame | None = None,
+    ignored: Sequence[str] = (),
+) -> Report:
+    """The metric set of an already read and validated `batch` of `run` under stream-resolved `settings`
+    (`resolve_streams`); `compare --metrics` calls it on the batch it read, so no run is read twice."""
+    from pgdiag.metrics.engine import compute_by_step, compute_native
+    from pgdiag.metrics.styles import compute_step_style
 
     if settings.key_style == "pgdiag":
         results = compute_native(batch, settings)
@@ -163,15 +177,17 @@ def compute_metrics(
         "inputs": {
             "runs": [run.label],
             "paths": [str(p) for p in run.paths],
-            "streams": streams,
+            "streams": metric_streams(settings),
             "entropy": settings.entropy,
             "n_samples": batch.n_samples,
             "n_tokens": batch.n_tokens,
-            "ignored_codes": list(checks.ignore),
+            "ignored_codes": list(ignored),
         },
         "pairs": [p for p in (policy_pair, mismatch_pair) if p],
         "gate_policy": default_gates(settings),
         "steps": steps_meta,
         "notices": notices,
     }
-    return Report(kind="metrics", summary=summary_frame(rows), meta=meta, checks=loaded.checks.issues)
+    if checks is None:
+        return Report(kind="metrics", summary=summary_frame(rows), meta=meta)
+    return Report(kind="metrics", summary=summary_frame(rows), meta=meta, checks=checks)

@@ -1,4 +1,5 @@
-"""pgdiag's native decoder for log-prob recompute: Llama 2/3, Qwen2/2.5, Qwen3 (dense) and Mistral.
+"""pgdiag's native decoder for log-prob recompute: Llama 2/3, Qwen2/2.5, Qwen3, Mistral, and the MoE models
+Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss (`forward_packed` also returns and replays the routing).
 
 `load_model(path, dtype=, head_dtype=, device=, tp_group=, attention=)` reads a HF checkpoint strictly (no code
 from the checkpoint ever runs) into a `CausalLM` holding this tensor-parallel rank's shard. Its

@@ -1,8 +1,9 @@
 """`ModelConfig`: the decoder's shape and options, read from a Hugging Face ``config.json``.
 
-What: one frozen dataclass for the four supported dense decoders (Llama 2/3, Qwen2/2.5, Qwen3, Mistral). The
-architectures differ only in config fields (biases, q/k norm, head_dim, RoPE scaling, sliding windows), so one
-model implementation (`transformer.py`) serves them all (docs/models.md).
+What: one frozen dataclass for the four supported dense decoders (Llama 2/3, Qwen2/2.5, Qwen3, Mistral) and the
+four mixture-of-experts ones (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss; their MoE fields in `MoeConfig`). The
+architectures differ only in config fields (biases, q/k norm, head_dim, RoPE scaling, sliding windows, sinks,
+routing), so one model implementation (`transformer.py`, `moe.py`) serves them all (docs/models.md).
 
 Why strict: pgdiag exists to find small numerical mismatches, so a guessed field is a wrong number. Every value
 comes from ``config.json`` or from the documented HF default for that architecture; anything else is a one-line

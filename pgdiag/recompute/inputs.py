@@ -45,6 +45,9 @@ class RecomputeInputs:
     input_ids: np.ndarray  # (T_total,) int64
     loss_mask: np.ndarray  # (T_total,) bool
     temperature: np.ndarray | None  # (T_total,) float64 per-token temperature, None when uniform
+    routed_experts: np.ndarray | None = (
+        None  # (T_total, L_sparse, k) int16 recorded routes, -1 = not recorded
+    )
 
     def keys(self, rows: range) -> list[tuple[int, str, int, int]]:
         return [
@@ -80,8 +83,24 @@ def _where(inputs_source: str, step: np.ndarray, sample_id: np.ndarray, row: int
     return f"{inputs_source}: step {int(step[row])}, sample {sample_id[row]}"
 
 
-def read_inputs(run: Run, vocab_size: int) -> RecomputeInputs:
-    """The columns recompute needs, sorted by the part-plan order, flattened and checked (E102/E201/E203/E208/E213)."""
+@dataclass(frozen=True)
+class RouteShape:
+    """What a recorded route must look like for this model: MoE layers, experts per token, expert count."""
+
+    layers: int
+    top_k: int
+    num_experts: int
+
+
+ROUTES_COLUMN = "routed_experts"
+
+
+def read_inputs(run: Run, vocab_size: int, routes: RouteShape | None = None) -> RecomputeInputs:
+    """The columns recompute needs, sorted by the part-plan order, flattened and checked (E102/E201/E203/E208/E213).
+
+    `routes`: read the optional ``routed_experts`` column (MoE models) and check it against this shape
+    (E201 length, E218 expert id out of range); None or no such column leaves `routed_experts` None.
+    """
     source = str(run.root if run.root is not None else (run.paths[0] if run.paths else "RUN"))
     names = run.lazy.collect_schema().names()
     required = ("step", "sample_id", "group_id", "seq_hash", "input_ids", "loss_mask")
@@ -90,7 +109,8 @@ def read_inputs(run: Run, vocab_size: int) -> RecomputeInputs:
             raise InvalidInputError(
                 "E102", f"{source}: missing column {name}", "re-import with pgdiag import"
             )
-    optional = [c for c in ("segment_idx", "temperature", "temperature_tok") if c in names]
+    wanted = ("segment_idx", "temperature", "temperature_tok", *((ROUTES_COLUMN,) if routes else ()))
+    optional = [c for c in wanted if c in names]
     frame = run.lazy.select([*required, *optional]).collect()
     if "segment_idx" not in optional:
         frame = frame.with_columns(pl.lit(0, dtype=pl.Int32).alias("segment_idx"))
@@ -158,7 +178,50 @@ def read_inputs(run: Run, vocab_size: int) -> RecomputeInputs:
         input_ids=ids,
         loss_mask=mask,
         temperature=_token_temperatures(frame, offsets),
+        routed_experts=_routes(frame, offsets, routes, source, step, sample_id) if routes else None,
     )
+
+
+def _routes(
+    frame: pl.DataFrame,
+    offsets: np.ndarray,
+    shape: RouteShape,
+    source: str,
+    step: np.ndarray,
+    sample_id: np.ndarray,
+) -> np.ndarray | None:
+    """(T_total, L, k) int16 from ``routed_experts``; a null row is an unrecorded sample (all -1)."""
+    if ROUTES_COLUMN not in frame.columns:
+        return None
+    per_token = shape.layers * shape.top_k
+    lengths = np.diff(offsets)
+    flat = flat_list(frame[ROUTES_COLUMN].cast(pl.List(pl.Int64)))
+    recorded = np.ones(frame.height, dtype=bool) if flat.row_valid is None else flat.row_valid.copy()
+    bad = np.flatnonzero(recorded & (flat.lengths != lengths * per_token))
+    if bad.size:
+        r = int(bad[0])
+        raise InvalidInputError(
+            "E201",
+            f"{_where(source, step, sample_id, r)}: {ROUTES_COLUMN} length {flat.lengths[r]} != input_ids "
+            f"{lengths[r]} x {shape.layers} MoE layers x top-{shape.top_k}",
+            "the routes were recorded for another model, or not for every token (pad with -1)",
+        )
+    values = flat.values if flat.valid is None else np.where(flat.valid, flat.values, -1)
+    out_of_range = np.flatnonzero((values < -1) | (values >= shape.num_experts))
+    if out_of_range.size:
+        first = int(out_of_range[0])
+        r = int(np.searchsorted(flat.offsets, first, side="right") - 1)
+        raise InvalidInputError(
+            "E218",
+            f"{_where(source, step, sample_id, r)}, {ROUTES_COLUMN} element {first - flat.offsets[r]}: expert "
+            f"{values[first]} outside [-1, {shape.num_experts})",
+            "the routes were recorded for another model; check --model",
+        )
+    routes = np.full((int(offsets[-1]), shape.layers, shape.top_k), -1, dtype=np.int16)
+    token_rows = np.repeat(recorded, lengths)  # (T_total,) tokens of recorded samples
+    value_rows = np.repeat(recorded, flat.lengths)
+    routes[token_rows] = values[value_rows].reshape(-1, shape.layers, shape.top_k)
+    return routes
 
 
 def _token_temperatures(frame: pl.DataFrame, offsets: np.ndarray) -> np.ndarray | None:

@@ -39,11 +39,15 @@ from pgdiag.data.seqhash import input_fingerprint
 from pgdiag.data.writing import write_json
 from pgdiag.errors import UsageError
 from pgdiag.kernels import lm_head_logprobs, resolve_impl
+from pgdiag.model.checkpoint import parse_dtype
+from pgdiag.model.moe import resolve_expert_impl
 from pgdiag.recompute.inputs import (
     DEFAULT_BATCH_TOKENS,
     DEFAULT_PART_SAMPLES,
+    ROUTES_COLUMN,
     Part,
     RecomputeInputs,
+    RouteShape,
     plan_parts,
     read_inputs,
     resolve_temperature,
@@ -58,6 +62,7 @@ from pgdiag.recompute.output import (
     write_part,
 )
 from pgdiag.recompute.packing import PackOrder, pack_samples, plan_batches, plan_micro_batches
+from pgdiag.recompute.routing import footer_entry, routing_counts, write_routing_summary
 
 if TYPE_CHECKING:
     from pgdiag.data.runs import Run
@@ -65,6 +70,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("bf16", "fp32")
 IMPLS = ("auto", "triton", "torch")
+ROUTING_MODES = ("recompute", "replay")
 _IGNORED = -100
 
 
@@ -88,6 +94,8 @@ class RecomputeSettings:
     micro_batch: int | None  # fixed samples per forward; None = pack into batch_tokens
     pack: bool = True
     deterministic: bool = False
+    routing: str = "recompute"  # MoE: "recompute" (the router picks) or "replay" (the recorded experts)
+    experts: str = "none"  # MoE expert compute, resolved: loop or grouped; "none" for a dense model
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,6 +128,9 @@ class RecomputeResult:
     parts_skipped: int
     peak_memory_bytes: int
     warnings: tuple[str, ...] = ()
+    routing_disagree_frac: float | None = (
+        None  # MoE with recorded routes: tokens x layers whose top-k set differs
+    )
 
 
 def default_tag(dtype: str, head_dtype: str) -> str:
@@ -149,6 +160,8 @@ def recompute_logprobs(
     entropy: bool = True,
     device: str | torch.device | None = None,
     progress: Callable[[ProgressUpdate], None] | None = None,
+    routing: str = "recompute",
+    experts: str = "auto",
 ) -> RecomputeResult:
     """Recompute log-probs and entropy of `run` (a `pgdiag.Run` or a path) with `model` (a checkpoint directory or
     a loaded `pgdiag.model.CausalLM`) and write them as the stream `tag` (default ``rc_<dtype>_<head_dtype>``).
@@ -160,9 +173,15 @@ def recompute_logprobs(
     tokenizer length), to test the padded-vocabulary gotcha; `micro_batch` forwards a fixed number of samples at a
     time instead of packing into `batch_tokens`; `attn` picks the body's attention backend (docs/models.md).
     Under torch.distributed every rank calls this with the same arguments and its own `tp_group`.
+    MoE models: `routing` ``"replay"`` runs the experts recorded in the run's ``routed_experts`` column (their
+    weights recomputed by the router), ``"recompute"`` lets the router choose; either way, when the column exists,
+    the per step and layer fraction of tokens whose router top-k differs from the recorded one is written to
+    ``_routing.parquet`` in the stream (`pgdiag.recompute.routing`). `experts`: "auto", "loop" or "grouped".
     """
     start_time = time.perf_counter()
     _check_options(dtype, head_dtype, impl, batch_tokens, part_samples, temperature)
+    if routing not in ROUTING_MODES:
+        raise UsageError("E505", f"routing {routing!r} is not one of {', '.join(ROUTING_MODES)}")
     if micro_batch is not None and micro_batch < 1:
         raise UsageError("E505", f"micro_batch must be >= 1, got {micro_batch}")
     tag = tag or default_tag(dtype, head_dtype)
@@ -175,7 +194,20 @@ def recompute_logprobs(
     # 0. everything that needs no weights first, so a refusal (E208, E502, E503) costs no model load
     spec = _model_spec(model, device=device, attn=attn, dtype=dtype)
     vocab_size = _softmax_vocab(softmax_vocab, run_obj, int(spec.config.vocab_size))
-    inputs = read_inputs(run_obj, vocab_size)
+    moe = spec.config.moe
+    if routing == "replay" and moe is None:
+        raise UsageError(
+            "E505", f"--routing replay needs a mixture-of-experts model; {spec.config.architecture} is dense"
+        )
+    shape = RouteShape(len(moe.sparse_layer_indices), moe.top_k, moe.num_experts) if moe else None
+    inputs = read_inputs(run_obj, vocab_size, routes=shape)
+    if routing == "replay" and inputs.routed_experts is None:
+        raise UsageError(
+            "E505",
+            f"--routing replay: the run has no '{ROUTES_COLUMN}' column",
+            "import the rollouts with their recorded routes (slime/miles rollout_routed_experts, prime-rl "
+            "routed_experts), or use --routing recompute",
+        )
     temp_value, temp_source, warnings = resolve_temperature(run_obj, inputs, temperature)
     if temp_value is None and inputs.temperature is None:
         raise UsageError("E505", "per-token temperature requested but no temperature column found")
@@ -196,6 +228,8 @@ def recompute_logprobs(
         entropy=entropy,
         attn=spec.attn,
         micro_batch=micro_batch,
+        routing=routing,
+        experts=resolve_expert_impl(experts, spec.device, parse_dtype(dtype, "--dtype")) if moe else "none",
     )
     model_meta = spec.meta()
     parts = plan_parts(inputs, part_samples)
@@ -224,7 +258,9 @@ def recompute_logprobs(
     #    error is raised on all ranks alike and none waits at a barrier.
     done = inspect_output(out_dir, manifest, parts, footer_base, resume=resume, overwrite=overwrite, tag=tag)
     model_obj = (
-        spec.load(dtype=dtype, head_dtype=head_dtype, tp_group=tp_group) if len(done) < len(parts) else None
+        spec.load(dtype=dtype, head_dtype=head_dtype, tp_group=tp_group, experts=settings.experts)
+        if len(done) < len(parts)
+        else None
     )
     if model_obj is not None:
         warnings = (*(f"{code}: {message}" for code, message in model_obj.load_warnings), *warnings)
@@ -237,6 +273,7 @@ def recompute_logprobs(
 
     # 2-3 fail or are interrupted before any part is on disk: remove the manifest again, so that nothing of a
     #     refused run is left (a later `pgdiag check` sees no incomplete recompute); written parts stay for resume
+    disagree: float | None = None
     try:
         # 2. compute this replica's pending parts; TP rank 0 writes them
         mine = [
@@ -266,6 +303,7 @@ def recompute_logprobs(
                 raise RuntimeError(
                     f"{len(missing)} planned parts missing after recompute (first: {missing[0]})"
                 )
+            disagree = write_routing_summary(out_dir, [p.relpath for p in parts]) if moe else None
             write_json({**manifest, "complete": True}, out_dir / MANIFEST_NAME)
         barrier()
     except BaseException:
@@ -285,6 +323,7 @@ def recompute_logprobs(
         parts_skipped=len(done),
         peak_memory_bytes=_peak_memory(spec.device),
         warnings=warnings,
+        routing_disagree_frac=disagree,
     )
 
 
@@ -374,7 +413,7 @@ class _ModelSpec:
             "storage_dtype": self.config.storage_dtype,
         }
 
-    def load(self, *, dtype: str, head_dtype: str, tp_group: Any) -> CausalLM:
+    def load(self, *, dtype: str, head_dtype: str, tp_group: Any, experts: str) -> CausalLM:
         """This rank's shard of the model (a model passed in already loaded is returned as it is)."""
         if not isinstance(self.source, Path):
             return self.source
@@ -387,6 +426,7 @@ class _ModelSpec:
             device=self.device,
             tp_group=tp_group,
             attention=self.attn,
+            experts="loop" if experts == "none" else experts,
             # one compiled kernel each for RMSNorm, RoPE and SwiGLU: +28% tokens/s on an H100 (docs/benchmarks.md)
             fuse_pointwise=torch.device(self.device).type == "cuda",
         )
@@ -461,10 +501,14 @@ def _compute_parts(
     head = _head_rows(model, settings.softmax_vocab)  # (V_used, H)
     ids_rows = [inputs.input_ids[inputs.offsets[r] : inputs.offsets[r + 1]] for r in range(len(lengths))]
     mask_rows = [inputs.loss_mask[inputs.offsets[r] : inputs.offsets[r + 1]] for r in range(len(lengths))]
+    moe = model.config.moe
+    sparse_layers = moe.sparse_layer_indices if moe else ()
     for done_parts, (part, rows) in enumerate(active):
         logprobs = np.zeros(int(inputs.offsets[part.stop] - inputs.offsets[part.start]), dtype=np.float32)
         entropy = np.zeros_like(logprobs)
         base = int(inputs.offsets[part.start])
+        route_tokens = np.zeros(len(sparse_layers), dtype=np.int64)
+        route_disagree = np.zeros(len(sparse_layers), dtype=np.int64)
         with torch.inference_mode():
             if settings.micro_batch is None:
                 batches = plan_batches(lengths[rows], settings.batch_tokens, order=settings.order)
@@ -472,9 +516,18 @@ def _compute_parts(
                 batches = plan_micro_batches(lengths[rows], settings.micro_batch, order=settings.order)
             for batch in batches:
                 packed = pack_samples(ids_rows, mask_rows, rows[batch])
-                hidden = model.hidden_states(
-                    packed.input_ids.to(device), packed.position_ids.to(device), packed.cu_seqlens.to(device)
-                )  # (N, H)
+                recorded = _recorded_routes(inputs, packed.sample_index)  # (N, L, k) or None
+                trunk = model.forward_packed(
+                    packed.input_ids.to(device),
+                    packed.position_ids.to(device),
+                    packed.cu_seqlens.to(device),
+                    replay_experts=recorded if settings.routing == "replay" else None,
+                )
+                if recorded is not None:
+                    tokens, disagree = routing_counts(recorded, trunk.router_topk)
+                    route_tokens += tokens
+                    route_disagree += disagree
+                hidden = trunk.hidden  # (N, H)
                 hidden = hidden.index_select(0, packed.hidden_index.to(device))  # (K, H)
                 targets = packed.targets.to(device)  # (K,)
                 flat = inputs.offsets[packed.target_sample] + packed.target_pos  # (K,) run token index
@@ -503,9 +556,13 @@ def _compute_parts(
                         )
                     )
         if layout.is_writer:
-            write_part(
-                inputs, part, logprobs, entropy, out_dir, footer_base, with_entropy=settings.entropy, tag=tag
+            routing = (
+                footer_entry(sparse_layers, route_tokens, route_disagree) if route_tokens.any() else None
             )
+            write_part(
+                inputs, part, logprobs, entropy, out_dir, footer_base, with_entropy=settings.entropy, tag=tag,
+                routing=routing,
+            )  # fmt: skip
         samples_done += (part.stop - part.start) - len(rows)
         if progress is not None:
             progress(
@@ -514,6 +571,16 @@ def _compute_parts(
                 )
             )
     return [tokens_done, loss_done, len(parts)]
+
+
+def _recorded_routes(inputs: RecomputeInputs, sample_index: np.ndarray) -> torch.Tensor | None:
+    """(N, L, k) int64 recorded experts of the packed samples' tokens, or None when the run records none."""
+    if inputs.routed_experts is None:
+        return None
+    tokens = np.concatenate(
+        [np.arange(inputs.offsets[r], inputs.offsets[r + 1]) for r in sample_index.tolist()]
+    )
+    return torch.from_numpy(inputs.routed_experts[tokens].astype(np.int64))
 
 
 def _temperature_groups(

@@ -102,6 +102,7 @@ def clear_output(out_dir: Path) -> None:
         *out_dir.glob("step=*/part-*.parquet"),
         *out_dir.glob("step=*/.part-*.tmp-*"),
         out_dir / MANIFEST_NAME,
+        out_dir / "_routing.parquet",
     ]:
         path.unlink(missing_ok=True)
     for step_dir in out_dir.glob("step=*"):
@@ -130,10 +131,12 @@ def write_part(
     *,
     with_entropy: bool,
     tag: str,
+    routing: dict[str, Any] | None = None,
 ) -> None:
     """One pgdiag.logprobs/v1 file: full-length lists, null off the loss positions.
 
     `logprobs` and `entropy` are (T_part,) float32 over the part's tokens; values off the loss mask are ignored.
+    `routing`: the part's MoE routing counts (`pgdiag.recompute.routing.footer_entry`), kept in the footer.
     """
     rows = slice(part.start, part.stop)
     base = int(inputs.offsets[part.start])
@@ -156,5 +159,6 @@ def write_part(
     }
     if with_entropy:
         columns["entropy"] = tokens(entropy)
-    footer = {"schema": LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY: {**footer_base, "part": part.plan_entry()}}
+    recompute = {**footer_base, "part": part.plan_entry(), **({"routing": routing} if routing else {})}
+    footer = {"schema": LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY: recompute}
     write_parquet(pa.table(columns), out_dir / part.relpath, metadata=footer)

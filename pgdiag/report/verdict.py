@@ -244,35 +244,27 @@ def compare_verdict(
     )
     values = {(p, m): float(v) for p, m, v in pooled.select("pair", "metric", "value").iter_rows()}
     pairs = [p for p in report.meta.get("pairs", []) if any(k[0] == p for k in values)]
+    gate_list = gates.gates if gates is not None else ()
+    failing = [g for g in gate_list if g.kind == "fail" and g.status in ("fail", "missing")]
+    if failing:
+        gate_findings = tuple(
+            Finding(
+                "disagree",
+                g.metric,
+                None,
+                g.value,
+                None,
+                f"{g.pair + ': ' if g.pair else ''}gate {g.expr} ({_fmt(g.value)})",
+            )
+            for g in failing
+        )
+        first = failing[0]
+        where = _where(report, first.pair, first.metric) if first.pair and first.metric else ""
+        line = f"compare: DISAGREE ({len(gate_list)} gates): {_joined(gate_findings)}"
+        return Verdict("compare", "DISAGREE", line + (f"; {where}" if where else ""), gate_findings)
+    # no fail gate triggered: the worst statistic relative to the agreement thresholds
     findings: list[Finding] = []
     worst: tuple[float, str, str, float, float] | None = None  # (excess, pair, metric, value, threshold)
-    gate_list = gates.gates if gates is not None else ()
-    if gate_list:
-        for gate in gate_list:
-            if gate.status in ("fail", "missing") and gate.kind == "fail":
-                where = f"{gate.pair}: " if gate.pair else ""
-                findings.append(
-                    Finding(
-                        "disagree",
-                        gate.metric,
-                        None,
-                        gate.value,
-                        None,
-                        f"{where}gate {gate.expr} ({_fmt(gate.value)})",
-                    )
-                )
-        failing = [g for g in gate_list if g.status in ("fail", "missing") and g.kind == "fail"]
-        status = "DISAGREE" if failing else "AGREE"
-        basis = f"{len(gate_list)} gates"
-        first = failing[0] if failing else None
-        if first is not None and first.pair and first.metric and first.metric.startswith("mismatch/"):
-            where = _where(report, first.pair, first.metric)
-            line = f"compare: DISAGREE ({basis}): {findings[0].message}" + (f"; {where}" if where else "")
-            return Verdict("compare", status, line, tuple(findings))
-        if first is not None:
-            return Verdict(
-                "compare", status, f"compare: DISAGREE ({basis}): {_joined(findings)}", tuple(findings)
-            )
     for pair in pairs:
         for metric, threshold in thresholds.agree:
             value = values.get((pair, metric))
@@ -293,9 +285,7 @@ def compare_verdict(
                     )
                 )
     if worst is None:
-        return Verdict(
-            "compare", "AGREE" if gate_list else "NO DATA", "compare: nothing to compare", tuple(findings)
-        )
+        return Verdict("compare", "NO DATA", "compare: NO DATA (no parity statistic could be computed)")
     _, pair, metric, value, threshold = worst
     where = _where(report, pair, metric)
     if gate_list:

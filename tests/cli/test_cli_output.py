@@ -28,13 +28,11 @@ def _json(result) -> dict:
     return json.loads(result.stdout)
 
 
-@pytest.mark.parametrize("extra", [(), ("--all",), ("--all-steps",)])
+@pytest.mark.parametrize("extra", [(), ("--all",), ("--all-steps",), ("--key-style", "verl")])
 def test_metrics_fits_80_columns_and_no_name_is_cut(extra: tuple[str, ...]) -> None:
     result = invoke("metrics", RUN_A, "--json", *extra)
     assert result.exit_code == 0, result.stderr
-    known = set(_json(result)["summary"]["run_a:old vs run_a:new"]) | set(
-        _json(result)["summary"]["run_a:rollout vs run_a:old"]
-    )
+    known = {key for pair in _json(result)["summary"].values() for key in pair}
     lines = result.stderr.splitlines()
     assert max(len(line) for line in lines) <= 80
     assert "…" not in result.stderr
@@ -42,7 +40,7 @@ def test_metrics_fits_80_columns_and_no_name_is_cut(extra: tuple[str, ...]) -> N
     table_rows = [name for name in shown if not name.startswith(("docs/", "run_a"))]
     assert len(table_rows) >= 20
     assert set(table_rows) <= known, set(table_rows) - known  # every name whole: a cut one is not a key
-    if "--all" in extra:
+    if "--all" in extra or "--key-style" in extra:
         assert set(table_rows) == {k for k in known if "." not in k}  # every metric, none left out
     else:
         assert {"policy/ess_token", "policy/ratio_max", "loss/pg", "mismatch/kl_k3"} <= set(table_rows)
@@ -91,6 +89,12 @@ def test_compare_run_with_itself_keeps_labels_as_text_and_agrees() -> None:
     assert not re.search(r"[\U0001F100-\U0001FAFF]", result.stderr)  # no emoji anywhere
     lines = result.stderr.splitlines()
     assert max(len(line) for line in lines) <= 80 and "…" not in result.stderr
+    from pgdiag.cli.compare_cmd import TABLE_STATS
+
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["metric"])
+    end = next(i for i in range(start + 2, len(lines)) if "│" not in lines[i])
+    rows = [line.split()[0] for line in lines[start + 2 : end]]
+    assert rows == [s for s in TABLE_STATS if s in rows] and len(rows) >= 20  # whole names, in order
     assert " ".join(lines[-3:]).split().count("compare:") == 1
     assert "compare: AGREE" in " ".join(result.stderr.split())
     assert _json(result)["verdict"]["status"] == "AGREE"
@@ -208,3 +212,35 @@ def test_flags_are_plain_switches_and_help_paragraphs_are_not_broken() -> None:
     assert invoke("check", RUN_A, "--no-strict").exit_code == 0
     root = CliRunner().invoke(app, [], env=wide).stdout
     assert re.search(r"recompute\s+Alias of `logprobs`", root)
+
+
+def test_sample_tokenizer_matches_the_tiny_models_vocabulary() -> None:
+    from tokenizers import Tokenizer
+
+    import pgdiag
+
+    tokenizer = Tokenizer.from_file(str(TINY / "tokenizer.json"))
+    vocab = json.loads((TINY / "vocab.json").read_text())
+    assert tokenizer.get_vocab() == vocab  # the same ids, word for word
+    ids = pgdiag.read_run(RUN_A).collect(["input_ids"])["input_ids"].to_list()
+    for sample in ids[:16]:  # decode then encode gives back the stored token ids
+        text = tokenizer.decode(sample, skip_special_tokens=False)
+        assert tokenizer.encode(text).ids == sample
+    assert tokenizer.decode(ids[0][:3], skip_special_tokens=False) == " ".join(
+        {v: k for k, v in vocab.items()}[i] for i in ids[0][:3]
+    )
+
+
+def test_compare_shows_the_worst_tokens_with_their_text() -> None:
+    plain = invoke("compare", RUN_A, RUN_B)  # without a tokenizer: ids only, and a pointer to the option
+    assert plain.exit_code == 0 and "--tokenizer PATH shows each token's text" in plain.stderr
+    result = invoke("compare", RUN_A, RUN_B, "--tokenizer", TINY, env={**ENV_80, "COLUMNS": "120"})
+    assert result.exit_code == 0, result.stderr
+    vocab = {v: k for k, v in json.loads((TINY / "vocab.json").read_text()).items()}
+    import pgdiag
+
+    top = pgdiag.compare_runs(RUN_A, RUN_B).report.worst_tokens.row(0, named=True)
+    table = result.stderr[result.stderr.index("worst tokens") :]
+    first = next(line for line in table.splitlines() if line.split()[:2] == [str(top["step"]), "│"])
+    assert f"'{vocab[top['token_id']]}'" in first  # the token itself, as text
+    assert "text (±8 tokens)" in table and "<eos>" in table

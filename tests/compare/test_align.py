@@ -67,7 +67,7 @@ def test_identical_sequences_in_one_step_pair_by_sample_id() -> None:
 
 
 def test_shift_by_one_position_is_e302() -> None:
-    sa, sb = _pair()
+    sa, sb = _pair(n=24)  # the shift test needs 200 adjacent token pairs (`checks.pairs.MIN_STAT_TOKENS`)
     for s in sb:
         lp = s["streams"]["rollout"]
         s["streams"]["rollout"] = np.concatenate([lp[1:], lp[-1:]])  # b's value for token i sits at i - 1

@@ -382,3 +382,13 @@ def test_library_outcome_is_the_cli_verdict() -> None:
         ]
     defaults = [g.expr for g in pgdiag.outcome(pgdiag.compute_metrics(pgdiag.read_run(run_a))).gates.gates]
     assert defaults == ["count/tokens_invalid>0"]  # the metrics default gate travels with the report
+
+
+def test_check_and_compare_name_the_same_first_error() -> None:
+    """Runs built from different tokens: `check` and `compare` both report E301 first (tokens before masks)."""
+    pair = (SAMPLE_DATA / "run_a", SAMPLE_DATA / "synthetic_a")
+    check = json.loads(_invoke("check", *pair, "--json").stdout)
+    compare = json.loads(_invoke("compare", *pair, "--json").stdout)
+    first_check = next(c["code"] for c in check["checks"] if c["severity"] == "error")
+    assert (check["exit_code"], compare["exit_code"]) == (3, 3)
+    assert first_check == compare["error"]["code"] == "E301"

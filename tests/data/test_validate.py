@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from rollout_factory import valid_rows, write_rollouts_file
 
-from pgdiag.checks.semantic import check_run
+from pgdiag.checks.run import check_run
 from pgdiag.data.runs import read_run, read_token_batch
 from pgdiag.data.validate import CheckResult
 from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK, InvalidInputError

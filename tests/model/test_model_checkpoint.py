@@ -92,10 +92,11 @@ def test_embedding_rows_differ_from_vocab(llama: Path) -> None:
 
 
 def test_unknown_architecture(llama: Path) -> None:
-    rewrite_config(llama, lambda c: c.update(architectures=["Qwen3MoeForCausalLM"]))
-    err = expect_error(llama, "E601", "unsupported architecture 'Qwen3MoeForCausalLM'")
+    rewrite_config(llama, lambda c: c.update(architectures=["DeepseekV3ForCausalLM"]))
+    err = expect_error(llama, "E601", "unsupported architecture 'DeepseekV3ForCausalLM'")
     assert err.message.endswith(
-        "supported: Llama, Mistral, Qwen2, Qwen3 (dense). pgdiag never runs checkpoint code."
+        "supported: Llama, Mistral, Qwen2, Qwen3 (dense), Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss. "
+        "pgdiag never runs checkpoint code."
     )
 
 

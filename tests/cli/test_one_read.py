@@ -1,0 +1,50 @@
+"""Each command reads each run's rollouts once: the Parquet scans that polars collects are counted per run."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from pgdiag.cli.app import build_app
+
+SAMPLE_DATA = Path(__file__).resolve().parents[2] / "sample_data"
+RUN_A, RUN_B = SAMPLE_DATA / "run_a", SAMPLE_DATA / "run_b"
+
+
+@pytest.fixture
+def scans(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Counts, per run directory, every `LazyFrame.collect` whose plan scans that run's Parquet files."""
+    counted: Counter = Counter()
+    collect = pl.LazyFrame.collect
+
+    def counting_collect(self: pl.LazyFrame, *args, **kwargs):  # type: ignore[no-untyped-def]
+        for source in re.findall(r"Parquet SCAN \[([^,\]]+)", self.explain()):
+            for run in (RUN_A, RUN_B):
+                if Path(source).resolve().is_relative_to(run):
+                    counted[run.name] += 1
+        return collect(self, *args, **kwargs)
+
+    monkeypatch.setattr(pl.LazyFrame, "collect", counting_collect)
+    return counted
+
+
+@pytest.mark.parametrize(
+    ("args", "runs"),
+    [
+        (("check", RUN_A, RUN_B), ("run_a", "run_b")),
+        (("metrics", RUN_A), ("run_a",)),
+        (("compare", RUN_A, RUN_B), ("run_a", "run_b")),
+        (("compare", RUN_A, RUN_B, "--metrics"), ("run_a", "run_b")),
+        (("compare", RUN_A, "--metrics"), ("run_a",)),
+    ],
+    ids=["check", "metrics", "compare", "compare-metrics", "compare-one-run-metrics"],
+)
+def test_each_run_is_read_once(scans: Counter, args: tuple, runs: tuple) -> None:
+    result = CliRunner().invoke(build_app(), [str(a) for a in args])
+    assert result.exit_code in (0, 1), result.output
+    assert dict(scans) == dict.fromkeys(runs, 1)
