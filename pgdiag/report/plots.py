@@ -315,7 +315,7 @@ def plot_dlogp_hist(source: Any, *, ax: Axes | None = None, bins: int = 80) -> F
             part = rows.filter(pl.col("pair") == pair)
             count_of = dict(zip(part["bucket"].to_list(), part["value"].to_list(), strict=True))
             heights = [float(count_of.get(b) or 0) for b in bins_["bucket"].to_list()]
-            n_total += int(sum(count_of.get(b) or 0 for b in count_of))
+            n_total += int(sum(v or 0 for v in count_of.values()))
             x = np.arange(len(labels)) + (index - (len(pairs) - 1) / 2) * width
             ax.bar(x, heights, width=width, label=" vs ".join(stream_names(pair)))
         ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
