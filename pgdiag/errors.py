@@ -1,11 +1,18 @@
-"""Library errors and the CLI exit codes they map to (docs/cli.md).
+"""Library errors, the catalogue of error and warning codes, and the CLI exit codes they map to (docs/cli.md).
 
-Every expected failure is a `PgdiagError` carrying a spec code (``E201``), a one-line message that names
+Every expected failure is a `PgdiagError` carrying a catalogue code (``E201``), a one-line message that names
 the file, sample and column where it can, and an optional hint. The CLI prints ``error[CODE] message`` plus
 ``hint: ...`` and exits with `exit_code`; nothing else in pgdiag turns errors into exit codes.
+
+`Code` is the one catalogue: each code has one meaning and one exit code (2 usage/IO, 3 invalid data; a
+warning exits 0, or 1 under ``--strict``). docs/cli.md repeats the table for users and a test keeps the two,
+and every code written anywhere in pgdiag, in sync. An error raised with a code outside the catalogue is a bug
+(``ValueError``, exit 101).
 """
 
 from __future__ import annotations
+
+from enum import StrEnum
 
 EXIT_OK = 0
 EXIT_GATE = 1
@@ -15,14 +22,134 @@ EXIT_INTERNAL = 101
 EXIT_INTERRUPTED = 130
 
 
+class Code(StrEnum):
+    """One error (``E``) or warning (``W``) code: its short meaning and the exit code it leads to."""
+
+    meaning: str
+    exit_code: int
+
+    def __new__(cls, code: str, meaning: str, exit_code: int) -> Code:
+        member = str.__new__(cls, code)
+        member._value_ = code
+        member.meaning = meaning
+        member.exit_code = exit_code
+        return member
+
+    # file, footer and type rules of the rollout schema
+    NOT_ROLLOUTS_FILE = ("E101", "not a pgdiag rollouts file (footer schema missing or another version)", 3)
+    MISSING_COLUMN = ("E102", "a required column is missing", 3)
+    LOSSY_CAST = ("E103", "a column cannot be cast losslessly to its schema type", 3)
+    ALIGNMENT_UNSUPPORTED = ("E104", "the file's alignment is not `token`", 3)
+    # usage errors found while parsing options
+    BAD_GATE = ("E110", "a gate expression or profile cannot be parsed or names no known metric", 2)
+    STREAM_NOT_FOUND = ("E111", "a named stream or entropy is not in the run", 2)
+    UNPARSABLE_OPTION = (
+        "E112",
+        "an option's text cannot be parsed (--steps, --streams A,B, --shift, --map)",
+        2,
+    )
+    # row and token rules of the rollout schema
+    LENGTH_MISMATCH = ("E201", "a per-token list and input_ids differ in length", 3)
+    BAD_PROMPT_LEN = ("E202", "prompt_len outside [1, T]", 3)
+    LOSS_WITHOUT_CONTEXT = ("E203", "a loss position at 0 or before prompt_len", 3)
+    NULL_ON_LOSS = ("E204", "a stream is null on a loss position", 3)
+    POSITIVE_LOGPROB = ("E205", "a log-prob > 1e-6", 3)
+    ZERO_FILLED = ("E206", "log-probs zero-filled (exact 0.0 used for missing values)", 3)
+    NON_FINITE = ("E207", "NaN or ±inf in a float column", 3)
+    TOKEN_OUT_OF_VOCAB = ("E208", "a token id < 0 or >= the vocabulary size", 3)
+    NO_LOSS_TOKENS = ("E209", "the selection has no loss tokens", 3)
+    DUPLICATE_SAMPLE = ("E210", "duplicate (run, step, sample_id, segment_idx)", 3)
+    MISSING_GROUP = ("E211", "group_id null or empty", 3)
+    SEQ_HASH_MISMATCH = ("E212", "seq_hash differs from the hash of input_ids", 3)
+    NULL_REQUIRED = ("E213", "a null inside input_ids or loss_mask, or a null required scalar", 3)
+    EXPERT_OUT_OF_RANGE = ("E218", "a routed_experts id outside [-1, num_experts)", 3)
+    VALUE_OFF_LOSS = ("W214", "a per-token value set outside loss_mask (ignored)", 0)
+    EMPTY_LOSS_MASK = ("W215", "a sample with an empty loss_mask", 0)
+    ISOLATED_ZEROS = ("W216", "isolated exact 0.0 log-probs below the E206 limits, or 0 < lp <= 1e-6", 0)
+    UNEQUAL_GROUPS = ("W217", "prompt groups of unequal size within a step", 0)
+    # semantic checks of stream pairs and of two runs
+    TOKENS_DIFFER = ("E301", "matched samples differ in tokens", 3)
+    SHIFTED = ("E302", "a stream looks shifted by one position against its pair", 3)
+    MASKS_DIFFER = ("E303", "loss masks differ on over 1 % of positions", 3)
+    NOTHING_MATCHED = ("E304", "no sample of the two sides matched", 3)
+    STALE_RECOMPUTE = ("E305", "a recompute stream was computed on other rollouts", 3)
+    UNMATCHED_SAMPLES = ("E306", "samples of one side have no match on the other", 3)
+    MASKS_DIFFER_SLIGHTLY = ("W303", "loss masks differ on some positions (1 % or fewer)", 0)
+    ONE_SIDED_TEMPERATURE = ("W401", "one side looks tempered (temperature on one side only)", 0)
+    TEMPERATURE_METADATA = ("W402", "the streams' temperature metadata disagree", 0)
+    PROCESSED_LOGPROBS = ("W403", "processed (top-p/top-k renormalised) log-probs on one side", 0)
+    RETOKENIZED = ("W405", "token ids were re-tokenized from text", 0)
+    FIRST_TOKEN_DOMINATES = ("W406", "the first response token dominates the mismatch", 0)
+    STALE_WEIGHTS = ("W407", "a step's mismatch jumps (resume or weight sync?)", 0)
+    NO_OLD_STREAM = ("W408", "TRL single iteration: no old stream", 0)
+    UNKNOWN_SEMANTICS = ("W409", "a stream's tempering or logprobs mode is unknown", 0)
+    EXTREME_TOKENS = ("W410", "tokens with |Δ| > 20 (counted, not clamped)", 0)
+    PRECISION_MISMATCH = ("W411", "the streams record different head or body dtypes", 0)
+    # inputs, outputs and settings
+    INPUT_NOT_FOUND = ("E501", "an input path matched nothing", 2)
+    OUTPUT_EXISTS = ("E502", "the output exists and cannot be reused (pass --overwrite)", 2)
+    BAD_OPTION_VALUE = ("E503", "an option value is outside its range or not one of its choices", 2)
+    INCOMPLETE_RECOMPUTE = ("E504", "a recompute dataset is incomplete", 2)
+    UNFINISHED_RECOMPUTE = (
+        "W504",
+        "an unfinished recompute under RUN/logprobs/ is left out (resume or remove it)",
+        0,
+    )
+    AMBIGUOUS_INPUT = ("E505", "the input holds several runs or file kinds; pick one", 2)
+    MISSING_SETTING = ("E506", "a setting needs another setting or an input column that is missing", 2)
+    NOT_IN_KEY_STYLE = ("E507", "a setting the chosen --key-style or --level does not have", 2)
+    DEVICE_UNAVAILABLE = ("E508", "the requested device or backend is not available here", 2)
+    MISSING_PACKAGE = ("E509", "an optional package needed by this option is not installed", 2)
+    BAD_PARALLEL_LAUNCH = ("E510", "the parallel launch does not fit the processes started", 2)
+    WRONG_PLOT_INPUT = ("E511", "the plot's input lacks the table or rows it draws", 2)
+    NEEDS_RUN_ON_DISK = ("E512", "the option reads the run from disk, but in-memory batches were given", 2)
+    BAD_TENSORS = ("E513", "tensor shapes, dtypes or devices of a library call do not fit together", 2)
+    SETTINGS_TWICE = ("E514", "settings given twice: a settings object and keyword options", 2)
+    # imports of framework dumps
+    UNSAFE_PICKLE_GLOBAL = ("E701", "a pickle needs a global outside the preset's allow-list", 2)
+    TEXT_ONLY_SOURCE = ("E702", "the source holds text but no token ids (pass --retokenize --tokenizer)", 2)
+    BAD_DUMP_LAYOUT = ("E703", "a dump file is torn, truncated or not in the preset's layout", 3)
+    STREAM_ALL_ZEROS = ("W701", "a stream the source writes as zeros was dropped", 0)
+    STREAM_COPIED = ("W702", "a stream the source writes as a copy of another was dropped", 0)
+    TRAIN_FORWARD_LOGPROBS = (
+        "W703",
+        "the dump's old log-probs come from the training forward (kept, flagged)",
+        0,
+    )
+    # checkpoints
+    UNSUPPORTED_ARCHITECTURE = ("E601", "unsupported model architecture", 2)
+    UNSUPPORTED_ROPE = ("E602", "unsupported RoPE configuration", 2)
+    TENSORS_MISMATCH = ("E603", "checkpoint tensors do not match the config", 2)
+    CHECKPOINT_FILE_MISSING = ("E604", "a checkpoint file or shard is missing", 2)
+    BAD_TP_SIZE = ("E605", "the TP size does not divide heads, kv heads or intermediate_size", 2)
+    BAD_MODEL_CONFIG = ("E606", "config.json lacks a needed field or has an unsupported value", 2)
+    UNKNOWN_DTYPE = ("E607", "an unknown dtype name", 2)
+    EMBEDDING_ROWS = ("E608", "embedding rows differ from vocab_size", 2)
+    TIED_HEAD_DIFFERS = ("W606", "tied embeddings, but the file's lm_head.weight differs (embedding used)", 0)
+    FP32_ROUNDED = ("W607", "fp32 weights rounded to a 16-bit body dtype", 0)
+
+
+def catalogued(code: str) -> Code:
+    """The catalogue entry of `code`; ValueError (a bug in pgdiag) for a code outside the catalogue."""
+    try:
+        return Code(code)
+    except ValueError:
+        raise ValueError(f"{code!r} is not a pgdiag error or warning code (see pgdiag.errors.Code)") from None
+
+
 class PgdiagError(Exception):
-    """An expected failure: a spec code, a one-line message and an optional hint."""
+    """An expected failure: a catalogue code, a one-line message and an optional hint."""
 
     exit_code: int = EXIT_USAGE
 
-    def __init__(self, code: str, message: str, hint: str | None = None) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
+    def __init__(self, code: Code | str, message: str, hint: str | None = None) -> None:
+        entry = catalogued(code)
+        if type(self) is not PgdiagError and entry.exit_code != self.exit_code:
+            raise ValueError(
+                f"{entry.value} exits {entry.exit_code}, not {self.exit_code}: raise the other class"
+            )
+        super().__init__(f"{entry.value}: {message}")
+        self.code = entry.value
         self.message = message
         self.hint = hint
 

@@ -45,9 +45,9 @@ class CaptureSettings:
 
     def check(self) -> None:
         if self.docs_per_step is not None and self.docs_per_step < 1:
-            raise UsageError("E112", f"--docs-per-step {self.docs_per_step}: expected >= 1")
+            raise UsageError("E503", f"--docs-per-step {self.docs_per_step}: expected >= 1")
         if self.first_step < 0:
-            raise UsageError("E112", f"--first-step {self.first_step}: steps are >= 0")
+            raise UsageError("E503", f"--first-step {self.first_step}: steps are >= 0")
 
 
 @dataclass
@@ -144,7 +144,7 @@ def capture(
         import redis
     except ImportError as exc:
         raise UsageError(
-            "E112", "the Fast-LLM capture needs the redis package", "pip install 'pgdiag[redis]'"
+            "E509", "the Fast-LLM capture needs the redis package", "pip install 'pgdiag[redis]'"
         ) from exc
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

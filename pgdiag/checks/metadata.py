@@ -69,7 +69,7 @@ def metadata_checks(
                     "warning",
                     1,
                     f"{stream_column(stream)}: {' and '.join(unknown)} unknown",
-                    hint="pass --tempered / --logprobs-mode at import",
+                    hint="pass --tempered / --logprobs-mode to pgdiag import",
                 )
             )
         mode = info.get("logprobs_mode") or sampling.get("logprobs_mode")

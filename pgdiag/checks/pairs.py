@@ -112,7 +112,7 @@ def shift_issue(
         int(i.size),
         f"{name_b} looks shifted by {shift} vs {name_a} (median |Δ| {m_k:.3g} at {shift}, {m0:.3g} at 0; "
         f"first: {text})",
-        hint="re-import with --shift to put element i at the position of token i",
+        hint="re-import with pgdiag import --shift to put element i at the position of token i",
         **first,
     )
 

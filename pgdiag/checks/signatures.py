@@ -147,7 +147,7 @@ def signatures(
                     n_ge,
                     f"{name}: {name_a} ≥ {name_b} on {100 * n_ge / n:.3g} % of tokens (mean Δ {mean_delta:.3g}, "
                     f"implied kept mass {np.exp(mean_delta):.3g}): processed log-probs with top-p/top-k?",
-                    hint="log raw log-probs (vLLM --logprobs-mode raw_logprobs)",
+                    hint="log raw log-probs (vLLM: logprobs_mode=raw_logprobs)",
                 )
             )
     steps, step_mean = step_abs_means(delta, where)

@@ -249,7 +249,20 @@ def metrics(
         int | None, typer.Option("--pad-width", help="liger: padded width T'.", rich_help_panel=METRICS)
     ] = None,
     tis: Annotated[
-        bool, typer.Option("--tis", help="miles: truncated IS metrics.", rich_help_panel=METRICS)
+        bool,
+        typer.Option(
+            "--tis",
+            help="miles: --use-tis (TIS-weighted pg_loss, tis and ois keys).",
+            rich_help_panel=METRICS,
+        ),
+    ] = False,
+    mismatch_metrics: Annotated[
+        bool,
+        typer.Option(
+            "--mismatch-metrics",
+            help="miles: --get-mismatch-metrics (the same TIS branch: weighted pg_loss, tis and ois keys).",
+            rich_help_panel=METRICS,
+        ),
     ] = False,
     batch_size: Annotated[
         int | None,
@@ -375,6 +388,7 @@ def metrics(
                 kl_bias_correction=not no_kl_bias_correction,
                 pad_width=pad_width,
                 tis=tis,
+                mismatch_metrics=mismatch_metrics,
                 batch_size=batch_size,
                 group_normalize=group_normalize,
                 kl_coef=kl_coef,

@@ -113,7 +113,7 @@ def plot(
         if is_tokens:
             if html is not None:
                 raise UsageError(
-                    "E503", "--html needs a report (compare --out or metrics --out), not a token table"
+                    "E511", "--html needs a report (compare --out or metrics --out), not a token table"
                 )
             tokens = pl.read_parquet(source)
         else:

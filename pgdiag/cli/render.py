@@ -227,7 +227,9 @@ def render_verdict(console: Console, verdict: Verdict) -> None:
     colour = {"clean": "green", "AGREE": "green", "warnings": "yellow"}.get(verdict.status, "red")
     head, _, rest = verdict.line.partition(": ")
     status, _, detail = rest.partition(" ")
-    console.print(Text.assemble((f"{head}: ", "bold"), (status, f"bold {colour}"), " ", detail))
+    console.print(
+        Text.assemble((f"{head}: ", "bold"), (status, f"bold {colour}"), f" {detail}" if detail else "")
+    )
 
 
 def render_checks(console: Console, checks: pl.DataFrame, hints: Sequence[str | None] = ()) -> None:

@@ -325,7 +325,7 @@ def compare_runs(
     if settings is None:
         settings = CompareSettings.from_options(**options)
     elif options:
-        raise UsageError("E112", "give either a CompareSettings or keyword options, not both")
+        raise UsageError("E514", "give either a CompareSettings or keyword options, not both")
     if decode is None and settings.tokenizer is not None:
         decode = token_decoder(settings.tokenizer)
     ignore = settings.checks.ignore
@@ -474,7 +474,7 @@ def _exact_tau(pair: AlignedPair, side_b: Side, model: str | Path) -> Temperatur
     """The exact τ fit with side b's logits; needs side b read from disk (its input_ids)."""
     if side_b.run is None or side_b.sample_row is None:
         raise UsageError(
-            "E503", "--model needs runs read from disk (the fit recomputes logits from input_ids)"
+            "E512", "--model needs runs read from disk (the fit recomputes logits from input_ids)"
         )
     from pgdiag.compare.tau import exact_tau
 

@@ -141,6 +141,6 @@ def assign(pair: AlignedPair, name: str) -> Buckets:
         return _categorical(name, pair.step, sample, numeric=True)
     if name == "env":
         if pair.env is None:
-            raise UsageError("E111", f"{pair.pair}: --by env needs an env column")
+            raise UsageError("E506", f"{pair.pair}: --by env needs an env column")
         return _categorical(name, np.asarray([str(e) for e in pair.env], dtype=object), sample, numeric=False)
     raise UsageError("E503", f"unknown breakdown {name!r}", f"choose from {', '.join(BREAKDOWNS)}")

@@ -60,7 +60,7 @@ class CompareSettings:
         own_names = {f.name for f in fields(cls)} - {"clip", "checks"}
         unknown = set(options) - clip_names - check_names - own_names
         if unknown:
-            raise UsageError("E112", f"unknown compare option(s): {', '.join(sorted(unknown))}")
+            raise UsageError("E503", f"unknown compare option(s): {', '.join(sorted(unknown))}")
         clip = ClipBand(**{k: v for k, v in options.items() if k in clip_names})
         checks = CheckSettings(**{k: v for k, v in options.items() if k in check_names})
         return cls(**{k: v for k, v in options.items() if k in own_names}, clip=clip, checks=checks)

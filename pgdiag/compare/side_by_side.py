@@ -39,7 +39,7 @@ def side_settings(run: Any, stream: str, settings: MetricSettings) -> MetricSett
     """`settings` with the compared stream as `new` and `old` the other canonical behaviour stream (unless set),
     every stream resolved against `run` (`metrics.api.resolve_streams`)."""
     if run is None:
-        raise UsageError("E503", "side-by-side metrics need runs read from disk, not in-memory batches")
+        raise UsageError("E512", "side-by-side metrics need runs read from disk, not in-memory batches")
     new = settings.new if settings.new is not None else (stream if stream != "rollout" else None)
     old = settings.old
     if old is None and new is not None:

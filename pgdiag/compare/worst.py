@@ -29,7 +29,7 @@ def token_decoder(tokenizer: Path) -> Callable[[Sequence[int]], str]:
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise UsageError("E503", "--tokenizer needs the optional 'tokenizers' package") from None
+        raise UsageError("E509", "--tokenizer needs the optional 'tokenizers' package") from None
     if not path.exists():
         raise UsageError("E501", f"{path}: no such tokenizer file")
     loaded = Tokenizer.from_file(str(path))

@@ -44,7 +44,7 @@ REQUIRED_COLUMNS = (
     "loss_mask",
 )
 REQUIRED_HINTS = {
-    "group_id": "re-import with --group-by",
+    "group_id": "re-import with pgdiag import --group-by",
     "seq_hash": "re-import (pgdiag import --preset canonical fills it)",
 }
 

@@ -21,7 +21,7 @@ import polars as pl
 from pgdiag.data.flat import FlatList, LossView, RowTable, loss_view, subset_rows
 from pgdiag.data.schema import REQUIRED_HINTS
 from pgdiag.data.seqhash import seq_hashes
-from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK, UsageError
+from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK, UsageError, catalogued
 
 LOGPROB_POSITIVE_TOL = 1e-6
 ZERO_FILL_FRACTION = 0.01
@@ -79,13 +79,19 @@ class Issue:
     """One violated rule: its code, severity, how many locations violate it, and the first location."""
 
     code: str
-    severity: str  # "error" | "warning"
+    severity: str  # "error" | "warning" | "note"
     count: int
     message: str
     step: int | None = None
     sample_id: str | None = None
     pos: int | None = None
     hint: str | None = None
+
+    def __post_init__(self) -> None:
+        if (
+            self.severity != "note"
+        ):  # a note (rows dropped at import) carries the code "note", not a catalogue code
+            catalogued(self.code)  # ValueError for a code outside the catalogue: a bug in pgdiag
 
 
 @dataclass(frozen=True)
@@ -570,7 +576,7 @@ class _Rules:
                     f"{column} looks shifted by -1: set just before each loss span and null on the last loss token",
                     rows,
                     rows.size,
-                    hint="next-token aligned values? re-import with --shift 1",
+                    hint="next-token aligned values? re-import with pgdiag import --shift 1",
                 )
             )
 

@@ -36,6 +36,8 @@ from pgdiag.hooks.dump import HookGuard, cpu_copy, framework_version, plain, wri
 
 _RESPONSE_FIELDS = ("response_mask", "rollout_log_probs", "old_log_probs", "ref_log_prob", "advantages")
 _ID_LISTS = ("uid", "request_id", "data_source")
+# numeric non-tensor keys that are not rewards
+_NOT_REWARD = frozenset({"index", "num_turns", "__num_turns__"})
 
 
 def _config_value(config: Any, path: str) -> Any:
@@ -134,6 +136,8 @@ class _VerlRecorder:
         for name, values in batch.non_tensor_batch.items():
             if name in _ID_LISTS:
                 lists[name] = [plain(v) for v in values.tolist()]
+            elif name in _NOT_REWARD:
+                continue
             elif (numeric := _numeric_list(values)) is not None and len(numeric) == prompts.shape[0]:
                 lists[f"extra.{name}"] = numeric
         self._write(step, tensors, lists)

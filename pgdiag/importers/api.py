@@ -37,11 +37,11 @@ def import_run(
     E703 (torn or unknown layout), any validation error; on any of them nothing is written.
     """
     if options is not None and option_values:
-        raise UsageError("E112", "pass import options either as options= or as keywords, not both")
+        raise UsageError("E514", "pass import options either as options= or as keywords, not both")
     try:
         options = options or ImportOptions(**option_values)
     except TypeError as exc:
-        raise UsageError("E112", f"unknown import option ({exc})") from None
+        raise UsageError("E503", f"unknown import option ({exc})") from None
     options.check()
     src = Path(src)
     if not src.exists():

@@ -96,15 +96,15 @@ class ImportOptions:
                     "e.g. --group-by contiguous:8 for 8 samples per prompt in row order",
                 )
         if self.tempered is not None and self.tempered not in TEMPERED_CHOICES:
-            raise UsageError("E112", f"--tempered {self.tempered!r}: expected yes, no or unknown")
+            raise UsageError("E503", f"--tempered {self.tempered!r}: expected yes, no or unknown")
         if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
             raise UsageError(
-                "E112", f"--logprobs-mode {self.logprobs_mode!r}: expected raw, processed or unknown"
+                "E503", f"--logprobs-mode {self.logprobs_mode!r}: expected raw, processed or unknown"
             )
         if self.step is not None and self.step < 0:
-            raise UsageError("E112", f"--step {self.step}: steps are >= 0")
+            raise UsageError("E503", f"--step {self.step}: steps are >= 0")
         if self.retokenize and self.tokenizer is None:
-            raise UsageError("E112", "--retokenize needs --tokenizer PATH (a tokenizer.json or its folder)")
+            raise UsageError("E506", "--retokenize needs --tokenizer PATH (a tokenizer.json or its folder)")
 
     def sampling_fallback(self) -> dict[str, Any]:
         """The sampling values given on the command line, unset ones left out."""
@@ -204,7 +204,7 @@ def load_preset(name: str) -> Preset:
     """The `Preset` registered as `name` (its module imported now); UsageError E112 for an unknown name."""
     entry = PRESET_MODULES.get(name)
     if entry is None:
-        raise UsageError("E112", f"unknown preset {name!r}", f"presets: {', '.join(preset_names())}")
+        raise UsageError("E503", f"unknown preset {name!r}", f"presets: {', '.join(preset_names())}")
     module = importlib.import_module(entry[0])
     return module.PRESET
 

@@ -46,7 +46,7 @@ def _source_files(src: Path) -> list[Path]:
         raise UsageError("E501", f"{src}: no .parquet or .jsonl file found")
     kinds = {p.suffix for p in files}
     if len(kinds) > 1:
-        raise UsageError("E501", f"{src}: holds both .parquet and .jsonl files; point SRC at one kind")
+        raise UsageError("E505", f"{src}: holds both .parquet and .jsonl files; point SRC at one kind")
     return files
 
 
@@ -54,7 +54,7 @@ def _renamed(df: pl.DataFrame, maps: tuple[tuple[str, str], ...], source: str) -
     for old, _new in maps:
         if old not in df.columns:
             raise UsageError(
-                "E112", f"{source}: --map {old}=...: no column {old}", f"columns: {', '.join(df.columns)}"
+                "E506", f"{source}: --map {old}=...: no column {old}", f"columns: {', '.join(df.columns)}"
             )
     return df.rename(dict(maps)) if maps else df
 

@@ -53,7 +53,7 @@ def load_tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
         from tokenizers import Tokenizer
     except ImportError as exc:  # pragma: no cover - transformers brings it
         raise UsageError(
-            "E112", "--retokenize needs the tokenizers package", "pip install tokenizers"
+            "E509", "--retokenize needs the tokenizers package", "pip install tokenizers"
         ) from exc
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():

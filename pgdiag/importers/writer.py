@@ -92,7 +92,7 @@ def run_label(label: str | None, out: Path) -> str:
     """The run label: `label`, else OUT's name (without ``.parquet``); UsageError E112 when not a valid label."""
     name = label if label is not None else out.name.removesuffix(".parquet")
     if not LABEL_PATTERN.fullmatch(name):
-        raise UsageError("E112", f"run label {name!r} is not [A-Za-z0-9_.-]{{1,64}}", "pass --label NAME")
+        raise UsageError("E503", f"run label {name!r} is not [A-Za-z0-9_.-]{{1,64}}", "pass --label NAME")
     return name
 
 
@@ -113,7 +113,7 @@ def apply_shifts(df: pl.DataFrame, shifts: Iterable[tuple[str | None, int]], sou
         for target in targets:
             if target not in df.columns:
                 raise UsageError(
-                    "E112", f"--shift {target}={k}: no column {target}", f"columns: {', '.join(columns)}"
+                    "E506", f"--shift {target}={k}: no column {target}", f"columns: {', '.join(columns)}"
                 )
             dtype = df.schema[target]
             moved = alignment.shift(flat_list(df[target]), seq_lens, k, source=source, field=target)
@@ -127,7 +127,7 @@ def _group_ids(df: pl.DataFrame, group_by: str, step: int, prompt_len: np.ndarra
     if group_by == "field":
         if "group_id" not in df.columns:
             raise UsageError(
-                "E112",
+                "E506",
                 f"{source}: --group-by field, but the source has no group ids",
                 "pass --group-by prompt or --group-by contiguous:N",
             )

@@ -56,8 +56,9 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     """ "auto" -> "triton" on CUDA when triton is installed, "torch" elsewhere; "torch" and "triton" are
     returned as given.
 
-    UsageError E503 when "triton" cannot run: the triton package is missing (it comes with CUDA builds of
-    torch, or the `gpu` extra), or `device` is not CUDA and the Triton interpreter (TRITON_INTERPRET=1) is off.
+    UsageError when "triton" cannot run: E509 when the triton package is missing (it comes with CUDA builds of
+    torch, or the `gpu` extra), E508 when `device` is not CUDA and the Triton interpreter (TRITON_INTERPRET=1)
+    is off.
     """
     if impl not in IMPLS:
         raise UsageError("E503", f"impl {impl!r} is not one of {', '.join(IMPLS)}")
@@ -70,13 +71,13 @@ def resolve_impl(impl: str, device: torch.device) -> str:
             import triton
         except ImportError:
             raise UsageError(
-                "E503",
+                "E509",
                 "impl 'triton' needs the triton package, which is not installed",
                 "use --impl torch, or install it: pip install 'pgdiag[gpu]' (CUDA builds of torch bring it)",
             ) from None
         if device.type != "cuda" and not triton.knobs.runtime.interpret:
             raise UsageError(
-                "E503",
+                "E508",
                 f"impl 'triton' needs a CUDA device, got {device.type}",
                 "use --impl torch (the default off CUDA), or TRITON_INTERPRET=1 for the slow Triton interpreter",
             )
@@ -148,7 +149,15 @@ def lm_head_logprobs(
 def _check_arguments(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, head_dtype: str
 ) -> None:
-    """Raise UsageError E503 for shapes, dtypes or options that cannot work together."""
+    """Raise UsageError E503 for an option value out of range, E513 for tensors that do not fit together."""
+    if not (temperature > 0.0 and temperature < float("inf")):
+        raise UsageError(
+            "E503", f"lm_head_logprobs: temperature must be a positive finite number, got {temperature}"
+        )
+    if head_dtype not in HEAD_DTYPES:
+        raise UsageError(
+            "E503", f"lm_head_logprobs: head_dtype {head_dtype!r} is not one of {', '.join(HEAD_DTYPES)}"
+        )
     problems = []
     if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
         problems.append(
@@ -162,11 +171,7 @@ def _check_arguments(
         )
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         problems.append(f"targets must be integer token ids, got {targets.dtype}")
-    if not (temperature > 0.0 and temperature < float("inf")):
-        problems.append(f"temperature must be a positive finite number, got {temperature}")
-    if head_dtype not in HEAD_DTYPES:
-        problems.append(f"head_dtype {head_dtype!r} is not one of {', '.join(HEAD_DTYPES)}")
     if hidden.device != weight.device or hidden.device != targets.device:
         problems.append(f"tensors on different devices: {hidden.device}, {weight.device}, {targets.device}")
     if problems:
-        raise UsageError("E503", "lm_head_logprobs: " + "; ".join(problems))
+        raise UsageError("E513", "lm_head_logprobs: " + "; ".join(problems))

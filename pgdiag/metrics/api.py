@@ -119,7 +119,7 @@ def compute_metrics(
     if settings is None:
         settings = MetricSettings.from_options(**options)
     elif options:
-        raise UsageError("E112", "give either a MetricSettings or keyword options, not both")
+        raise UsageError("E514", "give either a MetricSettings or keyword options, not both")
     checks = checks or CheckSettings()
     settings = resolve_streams(run, settings)
 

@@ -379,7 +379,7 @@ def _stream(batch: TokenBatch, name: str | None, role: str) -> np.ndarray | None
     if name not in batch.streams:
         present = ", ".join(sorted(batch.streams)) or "none"
         raise UsageError(
-            "E503", f"{batch.label}: stream {name!r} (--{role}) is not in the batch", f"streams: {present}"
+            "E111", f"{batch.label}: stream {name!r} (--{role}) is not in the batch", f"streams: {present}"
         )
     return batch.streams[name]
 
@@ -389,7 +389,7 @@ def _entropy(batch: TokenBatch, tag: str) -> np.ndarray:
     if tag not in batch.entropy:
         present = ", ".join(sorted(batch.entropy)) or "none"
         raise UsageError(
-            "E503", f"{batch.label}: no entropy for recompute tag {tag!r}", f"tags with entropy: {present}"
+            "E111", f"{batch.label}: no entropy for recompute tag {tag!r}", f"tags with entropy: {present}"
         )
     return batch.entropy[tag]
 

@@ -122,7 +122,7 @@ def resolve_aggregation(name: str | None, settings: MetricSettings) -> ResolvedA
         mode = rule.token_mode if settings.level == "token" else rule.sequence_mode
         if mode is None:
             raise UsageError(
-                "E503",
+                "E507",
                 f"--aggregation {name}: {rule.framework} {rule.name} has no native loss mode at --level "
                 f"{settings.level}",
                 "liger:luspo at token level exists only under --key-style liger; verl token-sum, "
@@ -133,7 +133,7 @@ def resolve_aggregation(name: str | None, settings: MetricSettings) -> ResolvedA
         divisor = rule.default_divisor
     if mode == "constant" and divisor is None:
         raise UsageError(
-            "E503",
+            "E506",
             f"--aggregation {name} resolves to `constant`, which needs --divisor L (loss = Σ m'ℓ / (L·S))",
             "pass --divisor, e.g. the max_completion_length or loss_scale_factor of the run",
         )

@@ -58,7 +58,8 @@ class StyleOptions:
     vllm_is: bool = True  # trl: vLLM IS correction when a rollout stream is present
     kl_bias_correction: bool = True  # trl: use_bias_correction_kl (KL term × ratio), TRL 1.16 default
     pad_width: int | None = None  # liger T' (default: longest response in the step)
-    tis: bool = False  # miles
+    tis: bool = False  # miles --use-tis
+    mismatch_metrics: bool = False  # miles --get-mismatch-metrics (the same TIS branch as --tis)
     batch_size: int | None = None  # pipelinerl (default: S)
     group_normalize: bool = False  # pipelinerl
     kl_coef: float | None = None  # pipelinerl (0.1)
@@ -92,7 +93,7 @@ class MetricSettings:
     style: StyleOptions = field(default_factory=StyleOptions)
 
     def __post_init__(self) -> None:
-        """Reject values no computation can honour (UsageError E503, exit 2) before any data is read."""
+        """Reject values no computation can honour (UsageError E503, E506, E507; exit 2) before any data is read."""
         choices = {
             "key_style": KEY_STYLES,
             "metric_reduction": METRIC_REDUCTIONS,
@@ -122,7 +123,7 @@ class MetricSettings:
         own_names = {f.name for f in fields(cls)} - {"clip", "style"}
         unknown = set(options) - clip_names - style_names - own_names
         if unknown:
-            raise UsageError("E112", f"unknown metric option(s): {', '.join(sorted(unknown))}")
+            raise UsageError("E503", f"unknown metric option(s): {', '.join(sorted(unknown))}")
         clip = ClipBand(**{k: v for k, v in options.items() if k in clip_names})
         style = StyleOptions(**{k: v for k, v in options.items() if k in style_names})
         return cls(**{k: v for k, v in options.items() if k in own_names}, clip=clip, style=style)

@@ -78,7 +78,7 @@ def resolve_attention_backend(requested: str, device: torch.device, dtype: torch
         return "varlen" if varlen_ok else "sdpa"
     if requested == "varlen" and not varlen_ok:
         raise UsageError(
-            "E503",
+            "E508",
             f"attention backend 'varlen' needs CUDA, torch.nn.attention.varlen and a 16-bit body (got {dtype})",
             "use --attn sdpa or auto",
         )

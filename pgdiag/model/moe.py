@@ -58,9 +58,9 @@ def resolve_expert_impl(requested: str, device: torch.device, dtype: torch.dtype
         return "grouped" if available and device.type == "cuda" and dtype == torch.bfloat16 else "loop"
     if requested == "grouped" and not (available and cuda_ok):
         raise UsageError(
-            "E503",
+            "E508",
             f"expert implementation 'grouped' needs torch's grouped matmul (and a bf16 body on CUDA); got {dtype}",
-            "use --experts loop or auto",
+            "load the model with experts='loop' or 'auto'",
         )
     return requested
 
@@ -272,14 +272,17 @@ class MoeBlock(nn.Module):
         """(output (N, H) reduced over the group, the router's own top-k (N, k) int64).
 
         `replay` (N, k) int64: experts to use instead of the router's choice (recomputing only their weights);
-        entries < 0 fall back to the router's own choice for that token.
+        a token with any entry < 0 (not recorded) keeps the router's own choice.
         """
         router: nn.Linear = getattr(self, self.router_name)
         logits = router(x)  # (N, E) body dtype
         weights, chosen = route(logits, self.moe)  # (N, k) fp32, (N, k)
         experts = chosen
         if replay is not None:
-            experts = torch.where(replay >= 0, replay, chosen)
+            recorded = (replay >= 0).all(
+                dim=-1, keepdim=True
+            )  # (N, 1) a token with any -1 keeps its own routes
+            experts = torch.where(recorded, replay, chosen)
             weights = replay_weights(logits, experts, self.moe)
         w = self.experts
         out = expert_outputs(

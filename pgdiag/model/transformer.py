@@ -353,7 +353,7 @@ class CausalLM(nn.Module):
 
         replay_experts (N, L_sparse, k) integer: routing replay, the experts to run in each sparse layer (in
         `MoeConfig.sparse_layer_indices` order) instead of the router's choice; their weights are recomputed from
-        the router. Entries < 0 (not recorded) keep the router's own choice for that token and layer.
+        the router. A token and layer with an entry < 0 (not recorded) keeps the router's own choice.
         """
         device = self.inv_freq.device
         n = input_ids.shape[0]

@@ -72,15 +72,15 @@ def current_layout(tp_group: dist.ProcessGroup | None) -> ParallelLayout:
     """The layout implied by the default process group and `tp_group` (TP-contiguous ranks)."""
     if not (dist.is_available() and dist.is_initialized()):
         if tp_group is not None:
-            raise UsageError("E505", "a tp_group was given but torch.distributed is not initialised")
+            raise UsageError("E510", "a tp_group was given but torch.distributed is not initialised")
         return single_process_layout()
     rank, world = dist.get_rank(), dist.get_world_size()
     tp = 1 if tp_group is None else dist.get_world_size(tp_group)
     if world % tp:
-        raise UsageError("E505", f"TP group size {tp} does not divide the world size {world}")
+        raise UsageError("E510", f"TP group size {tp} does not divide the world size {world}")
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
     if tp_rank != rank % tp:
-        raise UsageError("E505", "TP groups must be contiguous ranks (replica d = ranks d*tp .. d*tp+tp-1)")
+        raise UsageError("E510", "TP groups must be contiguous ranks (replica d = ranks d*tp .. d*tp+tp-1)")
     return ParallelLayout(
         rank=rank, world_size=world, tp_rank=tp_rank, tp_size=tp, dp_rank=rank // tp, dp_size=world // tp
     )
@@ -100,7 +100,7 @@ def resolve_degrees(world_size: int, tp: int | None, dp: int | None) -> tuple[in
         dp = world_size // tp if tp > 0 else 0
     if tp < 1 or dp < 1 or tp * dp != world_size:
         raise UsageError(
-            "E505",
+            "E510",
             f"--tp {tp} x --dp {dp} does not equal the world size {world_size}",
             hint="tp must divide the number of processes; dp = world / tp",
         )
@@ -114,11 +114,11 @@ def setup_distributed(*, tp: int | None, dp: int | None, device: str | None) -> 
     Every rank must call this with the same arguments (``new_group`` is collective).
     """
     if not launched_by_torchrun():
-        raise UsageError("E505", "no RANK/WORLD_SIZE in the environment; start with torchrun or --tp N")
+        raise UsageError("E510", "no RANK/WORLD_SIZE in the environment; start with torchrun or --tp N")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
     if use_cuda and not torch.cuda.is_available():
-        raise UsageError("E505", "--device cuda but CUDA is not available")
+        raise UsageError("E508", "--device cuda but CUDA is not available")
     if use_cuda:
         torch.cuda.set_device(local_rank)
     backend = "nccl" if use_cuda else "gloo"
@@ -169,7 +169,7 @@ def run_workers(entry: Callable[[T], Any], job: T, *, nproc: int) -> dict[int, A
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if nproc < 1:
-        raise UsageError("E505", f"need at least one worker, got {nproc}")
+        raise UsageError("E510", f"need at least one worker, got {nproc}")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

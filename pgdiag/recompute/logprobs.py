@@ -76,7 +76,7 @@ _IGNORED = -100
 
 @dataclass(frozen=True)
 class RecomputeSettings:
-    """Every choice that changes the numbers of a recompute; a resume must match it exactly (else E503)."""
+    """Every choice that changes the numbers of a recompute; a resume must match it exactly (else E502)."""
 
     dtype: str
     head_dtype: str
@@ -166,8 +166,8 @@ def recompute_logprobs(
     """Recompute log-probs and entropy of `run` (a `pgdiag.Run` or a path) with `model` (a checkpoint directory or
     a loaded `pgdiag.model.CausalLM`) and write them as the stream `tag` (default ``rc_<dtype>_<head_dtype>``).
 
-    Raises UsageError E505 (bad option), E502 (output exists: complete, or without resume; pass `overwrite`), E503
-    (the output under this tag was made with other settings or inputs), InvalidInputError E102/E201/E203/E208/E213
+    Raises UsageError E503 (bad option value), E506 (a setting needs what is missing), E508 (CUDA unavailable), E502
+    (output exists: complete, without resume, or made with other settings or inputs; pass `overwrite`), InvalidInputError E102/E201/E203/E208/E213
     (bad rollouts: missing column, length mismatch, loss at position 0, token id outside the vocabulary, nulls).
     `softmax_vocab` restricts the softmax to the first N head rows (``"tokenizer"``: the run's recorded
     tokenizer length), to test the padded-vocabulary gotcha; `micro_batch` forwards a fixed number of samples at a
@@ -181,12 +181,12 @@ def recompute_logprobs(
     start_time = time.perf_counter()
     _check_options(dtype, head_dtype, impl, batch_tokens, part_samples, temperature)
     if routing not in ROUTING_MODES:
-        raise UsageError("E505", f"routing {routing!r} is not one of {', '.join(ROUTING_MODES)}")
+        raise UsageError("E503", f"routing {routing!r} is not one of {', '.join(ROUTING_MODES)}")
     if micro_batch is not None and micro_batch < 1:
-        raise UsageError("E505", f"micro_batch must be >= 1, got {micro_batch}")
+        raise UsageError("E503", f"micro_batch must be >= 1, got {micro_batch}")
     tag = tag or default_tag(dtype, head_dtype)
     if not TAG_PATTERN.fullmatch(tag) or tag in BASE_STREAMS:
-        raise UsageError("E505", f"invalid tag {tag!r}", "use [a-z][a-z0-9_]{0,39}, not rollout/old/ref/new")
+        raise UsageError("E503", f"invalid tag {tag!r}", "use [a-z][a-z0-9_]{0,39}, not rollout/old/ref/new")
     layout = current_layout(tp_group)
     run_obj = _as_run(run)
     out_dir = _output_dir(run_obj, tag, out)
@@ -197,20 +197,20 @@ def recompute_logprobs(
     moe = spec.config.moe
     if routing == "replay" and moe is None:
         raise UsageError(
-            "E505", f"--routing replay needs a mixture-of-experts model; {spec.config.architecture} is dense"
+            "E506", f"--routing replay needs a mixture-of-experts model; {spec.config.architecture} is dense"
         )
     shape = RouteShape(len(moe.sparse_layer_indices), moe.top_k, moe.num_experts) if moe else None
     inputs = read_inputs(run_obj, vocab_size, routes=shape)
     if routing == "replay" and inputs.routed_experts is None:
         raise UsageError(
-            "E505",
+            "E506",
             f"--routing replay: the run has no '{ROUTES_COLUMN}' column",
             "import the rollouts with their recorded routes (slime/miles rollout_routed_experts, prime-rl "
             "routed_experts), or use --routing recompute",
         )
     temp_value, temp_source, warnings = resolve_temperature(run_obj, inputs, temperature)
     if temp_value is None and inputs.temperature is None:
-        raise UsageError("E505", "per-token temperature requested but no temperature column found")
+        raise UsageError("E506", "per-token temperature requested but no temperature column found")
     if temp_value is not None:
         inputs = with_uniform_temperature(inputs)
     settings = RecomputeSettings(
@@ -364,13 +364,13 @@ def _check_options(
         ("impl", impl, IMPLS),
     ):
         if value not in choices:
-            raise UsageError("E505", f"{name} {value!r} is not one of {', '.join(choices)}")
+            raise UsageError("E503", f"{name} {value!r} is not one of {', '.join(choices)}")
     if batch_tokens < 1 or part_samples < 1:
         raise UsageError(
-            "E505", f"batch_tokens ({batch_tokens}) and part_samples ({part_samples}) must be >= 1"
+            "E503", f"batch_tokens ({batch_tokens}) and part_samples ({part_samples}) must be >= 1"
         )
     if temperature != "auto" and not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise UsageError("E505", f"temperature must be 'auto' or a positive number, got {temperature!r}")
+        raise UsageError("E503", f"temperature must be 'auto' or a positive number, got {temperature!r}")
 
 
 def _version() -> str:
@@ -390,7 +390,7 @@ def _output_dir(run: Run, tag: str, out: str | Path | None) -> Path:
         return Path(out)
     if run.root is None:
         raise UsageError(
-            "E505", "RUN is not a run directory, so the recompute output has no home", "pass --out DIR"
+            "E506", "RUN is not a run directory, so the recompute output has no home", "pass --out DIR"
         )
     return Path(run.root) / "logprobs" / tag
 
@@ -444,7 +444,7 @@ def _model_spec(
 
     where = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if where.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("E505", f"device {where} requested but CUDA is not available", "use --device cpu")
+        raise UsageError("E508", f"device {where} requested but CUDA is not available", "use --device cpu")
     config = read_model_config(model)
     backend = resolve_attention_backend(attn, where, parse_dtype(dtype, "--dtype"))
     return _ModelSpec(Path(model), config, where, backend)
@@ -459,12 +459,12 @@ def _softmax_vocab(option: int | str, run: Run, config_vocab: int) -> int:
         length = tokenizer.get("tokenizer_len") if isinstance(tokenizer, dict) else None
         if not isinstance(length, int):
             raise UsageError(
-                "E505", "--softmax-vocab tokenizer: the run records no tokenizer length", "pass a number"
+                "E506", "--softmax-vocab tokenizer: the run records no tokenizer length", "pass a number"
             )
         option = length
     if not isinstance(option, int) or not 1 <= option <= config_vocab:
         raise UsageError(
-            "E505", f"softmax_vocab must be 'config', 'tokenizer' or 1..{config_vocab}, got {option!r}"
+            "E503", f"softmax_vocab must be 'config', 'tokenizer' or 1..{config_vocab}, got {option!r}"
         )
     return option
 

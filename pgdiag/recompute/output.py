@@ -2,7 +2,7 @@
 
 What: `inspect_output` decides, before anything is written, whether a recompute under a tag starts fresh,
 resumes (and which parts are already done), or must refuse: E502 when the output exists (complete, or
-incomplete without resume) and `overwrite` is not given, E503 when it was made with other settings, another
+incomplete without resume) and `overwrite` is not given, or when it was made with other settings, another
 model or other input. `clear_output` removes a previous recompute's files and nothing else. `write_part` writes
 one `pgdiag.logprobs/v1` file: full-length, token-aligned ``logprobs``/``entropy`` lists, null off the loss
 positions, with the ``pgdiag.recompute`` footer.
@@ -44,7 +44,7 @@ def inspect_output(
     overwrite: bool,
     tag: str,
 ) -> set[str]:
-    """The relative paths of parts already done; raises E502/E503 when the existing output may not be touched."""
+    """The relative paths of parts already done; raises E502 when the existing output may not be touched."""
     if overwrite:
         return set()
     manifest_path = out_dir / MANIFEST_NAME
@@ -57,11 +57,11 @@ def inspect_output(
     try:
         old = json.loads(manifest_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
-        raise UsageError("E503", f"{manifest_path} is unreadable ({exc})", "pass --overwrite") from exc
+        raise UsageError("E502", f"{manifest_path} is unreadable ({exc})", "pass --overwrite") from exc
     for key in _COMPARED:
         if old.get(key) != manifest[key]:
             raise UsageError(
-                "E503",
+                "E502",
                 f"{out_dir} holds tag {tag} made with other {key} ({_first_difference(old.get(key), manifest[key])})",
                 "pass --overwrite to replace it, or choose another --tag",
             )

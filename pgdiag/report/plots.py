@@ -197,26 +197,25 @@ def _token_arrays(source: Any) -> tuple[np.ndarray, np.ndarray, str]:
     if isinstance(source, pl.DataFrame):
         if not {"lp_a", "lp_b"} <= set(source.columns):
             raise UsageError(
-                "E503", "token plots need a table with lp_a and lp_b columns (write it with --tokens-out)"
+                "E511", "token plots need a table with lp_a and lp_b columns (write it with --tokens-out)"
             )
         pair = str(source["pair"][0]) if "pair" in source.columns and source.height else ""
         return source["lp_a"].to_numpy(), source["lp_b"].to_numpy(), pair
     if hasattr(source, "lp_a") and hasattr(source, "lp_b"):
         return np.asarray(source.lp_a), np.asarray(source.lp_b), str(getattr(source, "pair", ""))
-    raise UsageError("E503", f"cannot draw a token plot from {type(source).__name__}; give token data")
+    raise UsageError("E511", f"cannot draw a token plot from {type(source).__name__}; give token data")
 
 
-def _rows(report: Any, breakdown: str, metric: str) -> pl.DataFrame:
+def _rows(report: Any, breakdown: str, metric: str, hint: str) -> pl.DataFrame:
+    """The token-scope rows of `breakdown` and `metric` in `report`; E511 (with `hint`) when there are none."""
     summary = getattr(report, "summary", None)
     if summary is None:
-        raise UsageError("E503", f"the {breakdown} plot needs a report (got {type(report).__name__})")
+        raise UsageError("E511", f"the {breakdown} plot needs a report (got {type(report).__name__})")
     rows = summary.filter(
         (pl.col("breakdown") == breakdown) & (pl.col("metric") == metric) & (pl.col("scope") == "token")
     )
     if rows.height == 0:
-        raise UsageError(
-            "E503", f"the report has no {breakdown} rows of {metric}", f"rerun compare with --by {breakdown}"
-        )
+        raise UsageError("E511", f"the report has no {breakdown} rows of {metric}", hint)
     return rows
 
 
@@ -298,7 +297,9 @@ def plot_dlogp_hist(source: Any, *, ax: Axes | None = None, bins: int = 80) -> F
     the exact-zero bin between the negative and positive ones), or from token data."""
     fig, ax = _axes(ax)
     if hasattr(source, "summary"):
-        rows = _rows(source, "dlogp", "count/tokens")
+        rows = _rows(
+            source, "dlogp", "count/tokens", "give a report written by pgdiag compare (it always has them)"
+        )
         pairs = rows["pair"].unique(maintain_order=True).to_list()
         # one x position per bin, ordered by (lo, hi): "[-1e-06,0)" < "0" < "[0,1e-06)"
         bins_ = rows.select("bucket", "bucket_lo", "bucket_hi").unique().sort("bucket_lo", "bucket_hi")
@@ -364,7 +365,7 @@ def _bucket_plot(report: Any, breakdown: str, metric: str, ax: Axes | None, xlab
     """Bars of `metric` per bucket (grouped by pair), each with its count written on it, faded where n is
     small; y from 0 when the values are a magnitude."""
     fig, ax = _axes(ax)
-    rows = _rows(report, breakdown, metric).sort("bucket_lo")
+    rows = _rows(report, breakdown, metric, f"rerun pgdiag compare with --by {breakdown}").sort("bucket_lo")
     pairs = rows["pair"].unique(maintain_order=True).to_list()
     labels = rows["bucket"].unique(maintain_order=True).to_list()
     width = 0.8 / len(pairs)
@@ -447,7 +448,7 @@ def plot_by_step(report: Any, *, ax: Axes | None = None, metric: str = "mismatch
     rows = _step_rows(report.summary, metric)
     if rows.height == 0:
         raise UsageError(
-            "E503", f"the report has no per-step rows of {metric}", "rerun compare with --by step"
+            "E511", f"the report has no per-step rows of {metric}", "rerun pgdiag compare with --by step"
         )
     counts: dict[int, int] = {}
     for index, pair in enumerate(rows["pair"].unique(maintain_order=True).to_list()):
@@ -475,7 +476,7 @@ def plot_trend(report: Any, kind: str, *, ax: Axes | None = None, marks: Sequenc
     panel = TREND_PANELS[kind]
     metrics = trend_metrics(report, kind)
     if not metrics:
-        raise UsageError("E503", f"the report has no per-step rows for {kind}", _trend_hint(kind))
+        raise UsageError("E511", f"the report has no per-step rows for {kind}", _trend_hint(kind))
     if panel.prefix and ax is None:
         return _trend_grid(report, kind, metrics, marks)
     fig, ax = _axes(ax)
@@ -577,7 +578,7 @@ def _trend_hint(kind: str) -> str:
 def plot_worst_trace(source: Any, *, ax: Axes | None = None) -> Figure:
     """Both log-prob streams along the worst sequence (a `worst_trace` frame), with Δ on a twin axis."""
     if not isinstance(source, pl.DataFrame) or not {"resp_pos", "lp_a", "lp_b"} <= set(source.columns):
-        raise UsageError("E503", "the worst-trace plot needs a trace table (resp_pos, lp_a, lp_b)")
+        raise UsageError("E511", "the worst-trace plot needs a trace table (resp_pos, lp_a, lp_b)")
     fig, ax = _axes(ax)
     pair = str(source["pair"][0]) if "pair" in source.columns and source.height else ""
     name_a, name_b = stream_names(pair)
@@ -621,7 +622,7 @@ def build_figures(
     """
     wanted_all = "all" in kinds
     if report is None and tokens is None:
-        raise UsageError("E503", "nothing to plot: give a report or token data")
+        raise UsageError("E511", "nothing to plot: give a report or token data")
     if wanted_all:
         if report is None:
             candidates: tuple[str, ...] = TOKEN_KINDS
@@ -637,7 +638,7 @@ def build_figures(
         reason = _missing(kind, report, tokens, trace, wanted_all)
         if reason is not None:
             if not wanted_all:
-                raise UsageError("E503", f"plot {kind}: {reason}")
+                raise UsageError("E511", f"plot {kind}: {reason}")
             skipped[kind] = reason
             continue
         figures[kind] = _draw(kind, report, tokens, trace, marks)

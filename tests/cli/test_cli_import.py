@@ -61,7 +61,7 @@ def test_torn_file_is_exit_3(tmp_path):
 
 def test_bad_options_are_exit_2(tmp_path):
     res = _invoke("--preset", "nope", str(tmp_path), str(tmp_path / "run"))
-    assert res.exit_code == 2 and "error[E112]" in res.stderr
+    assert res.exit_code == 2 and "error[E503]" in res.stderr  # not one of the presets
     res = _invoke("--preset", "canonical", str(tmp_path), str(tmp_path / "run"), "--group-by", "contig")
     assert res.exit_code == 2 and "error[E112]" in res.stderr
     res = _invoke("--preset", "canonical", str(tmp_path), str(tmp_path / "run"), "--shift", "x=y")

@@ -226,3 +226,17 @@ def test_list_metrics_prints_the_catalogue_and_help_does_not(runner: CliRunner) 
     help_text = runner.invoke(build_app(), ["metrics", "--help"], env=env).stdout
     assert "--list-metrics" in help_text
     assert "policy/ratio_std" not in help_text and len(help_text.splitlines()) < 200
+
+
+def test_miles_mismatch_metrics_reaches_the_style(runner: CliRunner) -> None:
+    run_a = Path(__file__).resolve().parents[2] / "sample_data" / "run_a"
+    outputs = {}
+    for flags in ((), ("--mismatch-metrics",), ("--tis",)):
+        result = invoke(runner, "metrics", run_a, "--key-style", "miles", *flags, "--json", "-q")
+        assert result.exit_code == 0, result.stderr
+        outputs[flags] = json.loads(result.stdout)["summary"]
+    plain, mismatch, tis = outputs[()], outputs[("--mismatch-metrics",)], outputs[("--tis",)]
+    pair = next(iter(mismatch))
+    assert "train/ois" not in plain[pair] and mismatch[pair]["train/ois"] > 0
+    assert mismatch == tis  # one branch of miles' loss
+    assert mismatch[pair]["train/pg_loss"] != plain[pair]["train/pg_loss"]  # TIS-weighted

@@ -62,7 +62,7 @@ def test_e102_missing_column(tmp_path: Path) -> None:
     assert result.exit_code == EXIT_INVALID
     with pytest.raises(InvalidInputError) as raised:
         read_token_batch(read_run(path), streams=["rollout"])
-    assert raised.value.code == "E102" and raised.value.hint == "re-import with --group-by"
+    assert raised.value.code == "E102" and raised.value.hint == "re-import with pgdiag import --group-by"
 
 
 def test_e103_uncastable_type_and_overflow(tmp_path: Path) -> None:

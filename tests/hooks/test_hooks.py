@@ -164,3 +164,43 @@ def test_install_twice_and_bad_every_are_refused(tmp_path: Path):
     pgdiag.hooks.trl.install(trainer, tmp_path)
     with pytest.raises(ValueError, match="already installed"):
         pgdiag.hooks.trl.install(trainer, tmp_path)
+
+
+def test_verl_and_openrlhf_hooks_are_inert(tmp_path: Path):
+    pytest.importorskip("tensordict")
+    import pgdiag.hooks.openrlhf
+    import pgdiag.hooks.verl
+    from tests.importers.hook_fixtures import openrlhf_experiences, verl_batch, verl_trainer
+
+    trainer = verl_trainer(2)
+    pgdiag.hooks.verl.install(trainer, tmp_path / "verl", every=2)
+    batch = verl_batch()
+    before = {k: v.clone() for k, v in batch.batch.items()}
+    rng = _rng_states()
+    assert trainer._update_actor(batch) == {"updated": True}
+    after = _rng_states()
+    assert torch.equal(rng[0], after[0]) and rng[1] == after[1] and np.array_equal(rng[2], after[2])
+    assert all(torch.equal(before[k], batch.batch[k]) for k in before)
+    trainer.global_steps = 3  # not a multiple of every=2: nothing written
+    trainer._update_actor(batch)
+    assert [p.name for p in (tmp_path / "verl").iterdir()] == ["step_2.pt"]
+
+    experiences = openrlhf_experiences()
+    snapshot = [e.sequences.clone() for e in experiences]
+    orl = SimpleNamespace(
+        experience_maker=SimpleNamespace(make_experience_batch=lambda samples: experiences),
+        strategy=SimpleNamespace(args=SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=2))),
+    )
+    orl.train_step = lambda samples, step: (orl.experience_maker.make_experience_batch(samples), step + 1)
+    pgdiag.hooks.openrlhf.install(orl, tmp_path / "orl")
+    rng = _rng_states()
+    result, next_step = orl.train_step(["x"], 9)
+    after = _rng_states()
+    assert result is experiences and next_step == 10
+    assert torch.equal(rng[0], after[0]) and rng[1] == after[1] and np.array_equal(rng[2], after[2])
+    assert all(torch.equal(a, e.sequences) for a, e in zip(snapshot, experiences, strict=True))
+    dump = torch.load(tmp_path / "orl" / "step_9.pt", weights_only=True)
+    assert dump["lists"]["index"] == [0, 1, 2, 3] and dump["meta"]["n_samples_per_prompt"] == 2
+    # the experience maker called outside train_step (e.g. evaluation) records nothing
+    orl.experience_maker.make_experience_batch(["y"])
+    assert [p.name for p in (tmp_path / "orl").iterdir()] == ["step_9.pt"]

@@ -73,6 +73,7 @@ def verl_batch(*, bypass: bool = False, seed: int = 0) -> SimpleNamespace:
         "uid": np.array(["u0", "u1", "u0", "u1"], dtype=object),
         "data_source": np.array(["gsm8k", "math", "gsm8k", "math"], dtype=object),
         "acc": np.array([1.0, 0.0, 0.0, 1.0]),
+        "index": np.array([0, 1, 2, 3]),  # a dataset index, not a reward: kept out of reward_components
     }
     return SimpleNamespace(
         batch=TensorDict(tensors, batch_size=[b]), non_tensor_batch=non_tensor, meta_info={}

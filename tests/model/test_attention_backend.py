@@ -28,6 +28,6 @@ def test_auto_picks_varlen_only_for_16_bit_bodies_on_cuda(varlen_present: None) 
 def test_explicit_varlen_with_fp32_is_a_usage_error(varlen_present: None) -> None:
     with pytest.raises(UsageError) as info:
         attention.resolve_attention_backend("varlen", torch.device("cuda"), torch.float32)
-    assert info.value.code == "E503" and "16-bit" in info.value.message
+    assert info.value.code == "E508" and "16-bit" in info.value.message
     with pytest.raises(UsageError, match="unknown attention backend"):
         attention.resolve_attention_backend("flash", torch.device("cuda"), torch.bfloat16)

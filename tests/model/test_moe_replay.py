@@ -51,6 +51,9 @@ def test_replaying_own_routes_is_the_recompute(moe_model) -> None:
     # -1 (not recorded) falls back to the router's own choice
     unrecorded = torch.full_like(own.router_topk, -1)
     assert torch.equal(moe_model.forward_packed(ids, pos, cu, replay_experts=unrecorded).hidden, own.hidden)
+    partly = (own.router_topk + 1) % moe_model.config.moe.num_experts  # other experts everywhere ...
+    partly[:, :, 0] = -1  # ... but no token fully recorded: every token keeps its own routes
+    assert torch.equal(moe_model.forward_packed(ids, pos, cu, replay_experts=partly).hidden, own.hidden)
 
 
 def test_changed_routes_give_their_fraction_and_a_growing_mismatch(moe_model) -> None:

@@ -33,7 +33,7 @@ def test_resolve_degrees() -> None:
     for world, tp, dp in ((4, 3, None), (4, 2, 3), (2, None, 4)):
         with pytest.raises(UsageError) as error:
             resolve_degrees(world, tp, dp)
-        assert error.value.code == "E505"
+        assert error.value.code == "E510"  # the launch does not fit the world size
 
 
 def test_single_process_layout_and_torchrun_detection() -> None:

@@ -227,7 +227,7 @@ def test_softmax_vocab_restricts_the_head(checkpoint, tmp_path: Path) -> None:
     assert error.value.code == "E208" and "vocab_size 40" in error.value.message
     with pytest.raises(UsageError) as no_tokenizer:
         recompute_logprobs(run, ckpt, softmax_vocab="tokenizer", tag="tok", device="cpu")
-    assert no_tokenizer.value.code == "E505"
+    assert no_tokenizer.value.code == "E506"  # the run records no tokenizer length
 
 
 class _StopAfter:
@@ -271,7 +271,7 @@ def test_existing_output_needs_overwrite_and_same_settings(checkpoint, run_dir: 
     assert complete.value.code == "E502" and "--overwrite" in complete.value.hint
     with pytest.raises(UsageError) as changed:
         recompute_logprobs(run_dir, ckpt, dtype="fp32", head_dtype="bf16", tag="rc", device="cpu")
-    assert changed.value.code == "E503" and "head_dtype" in changed.value.message
+    assert changed.value.code == "E502" and "head_dtype" in changed.value.message
     again = recompute_logprobs(
         run_dir, ckpt, dtype="fp32", head_dtype="bf16", tag="rc", overwrite=True, device="cpu"
     )
@@ -336,7 +336,7 @@ def test_bad_options_are_usage_errors(checkpoint, run_dir: Path) -> None:
     ):
         with pytest.raises(UsageError) as error:
             recompute_logprobs(run_dir, ckpt, device="cpu", **kwargs)
-        assert error.value.code == "E505"
+        assert error.value.code == "E503"
 
 
 def test_metrics_reads_the_recomputed_stream(checkpoint, run_dir: Path) -> None:

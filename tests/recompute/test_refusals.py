@@ -54,7 +54,7 @@ def test_triton_on_cpu_is_refused_before_anything_is_written(
     monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
     result = invoke("logprobs", run_copy, "--model", TINY, "--impl", "triton")
     assert result.exit_code == 2
-    assert result.stderr.startswith("error[E503] impl 'triton' needs a CUDA device, got cpu")
+    assert result.stderr.startswith("error[E508] impl 'triton' needs a CUDA device, got cpu")
     assert not (run_copy / "logprobs").exists()
     check = invoke("check", run_copy)
     assert check.exit_code == 0 and check.stderr.strip().endswith("check: clean")
@@ -64,7 +64,7 @@ def test_triton_not_installed_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
     with pytest.raises(UsageError) as error:
         resolve_impl("triton", torch.device("cuda", 0))
-    assert error.value.code == "E503" and "needs the triton package" in error.value.message
+    assert error.value.code == "E509" and "needs the triton package" in error.value.message
     assert "pgdiag[gpu]" in error.value.hint
     assert resolve_impl("torch", torch.device("cpu")) == "torch"
 

@@ -121,7 +121,7 @@ def test_routing_errors(tmp_path: Path, checkpoint: Path) -> None:
     plain = write_run(tmp_path / "plain", rows)
     with pytest.raises(UsageError, match="no 'routed_experts' column") as err:
         recompute_logprobs(plain, checkpoint, routing="replay", dtype="fp32", device="cpu")
-    assert err.value.code == "E505"
+    assert err.value.code == "E506"  # replay needs the routes column
     result = recompute_logprobs(plain, checkpoint, routing="recompute", dtype="fp32", device="cpu")
     assert result.routing_disagree_frac is None and not (result.path / "_routing.parquet").exists()
     short = [{**r, "routed_experts": [0] * (len(r["input_ids"]) * 2 * TOP_K - 1)} for r in rows]
@@ -152,7 +152,7 @@ def test_cli_routing_replay_reports_the_fraction(tmp_path: Path, checkpoint: Pat
         cli_app(), ["logprobs", str(run), "--model", str(dense), "--routing", "replay"]
     )
     assert result.exit_code == 2
-    assert "E505" in result.output and "dense" in result.output
+    assert "E506" in result.output and "dense" in result.output
 
 
 def test_compare_attributes_the_mismatch_to_routing(tmp_path: Path, checkpoint: Path) -> None:

@@ -194,7 +194,7 @@ def test_all_says_what_it_skipped_and_named_kinds_fail(comparison) -> None:
     assert "--tokens-out" in plot_set.skipped["hexbin"]
     with pytest.raises(UsageError, match="plot hexbin: needs token data") as info:
         plots.build_figures(comparison.report, kinds=("hexbin",))
-    assert info.value.code == "E503"
+    assert info.value.code == "E511"  # the plot's input lacks its data
     with pytest.raises(UsageError, match="unknown plot kind"):
         plots.build_figures(comparison.report, kinds=("pie",))
 

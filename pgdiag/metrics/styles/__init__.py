@@ -52,9 +52,9 @@ def check_style_settings(settings: MetricSettings) -> None:
     """Raise `UsageError` for a style flag `settings.key_style`'s framework does not have (docs/key-styles.md)."""
     if settings.key_style not in _STYLES:
         raise UsageError(
-            "E112",
+            "E503",
             f"--key-style {settings.key_style!r} is not a framework style",
-            f"choose {'|'.join(STYLE_NAMES)} (or pgdiag for the native keys)",
+            f"choose {'|'.join(STYLE_NAMES)}; the native keys need no --key-style",
         )
     check, _ = _STYLES[settings.key_style]
     check(settings)

@@ -43,6 +43,7 @@ _FLAG_DEFAULTS: tuple[tuple[str, str, object], ...] = (
     ("kl_bias_correction", "--no-kl-bias-correction", True),
     ("pad_width", "--pad-width", None),
     ("tis", "--tis", False),
+    ("mismatch_metrics", "--mismatch-metrics", False),
     ("batch_size", "--batch-size", None),
     ("group_normalize", "--group-normalize", False),
     ("kl_coef", "--kl-coef", None),
@@ -231,7 +232,7 @@ def check_flags(style: str, settings: MetricSettings, allowed: frozenset[str]) -
             continue
         if given[attr] != unset:
             raise UsageError(
-                "bad-flag",
+                "E507",
                 f"{flag} is not a setting of --key-style {style} (got {given[attr]!r})",
                 "see docs/key-styles.md for the flags each style accepts",
             )
@@ -247,7 +248,7 @@ def resolve_alias(style: str, aggregation: str | None, table: Mapping[str, str],
         return table[name]
     accepted = ", ".join(sorted(table))
     raise UsageError(
-        "bad-flag",
+        "E507",
         f"--aggregation {aggregation!r} is not a loss aggregation of --key-style {style}",
         f"accepted: {accepted}",
     )

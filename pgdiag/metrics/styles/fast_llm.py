@@ -2,7 +2,8 @@
 
 What: the keys Fast-LLM `7d61a1ba` logs from `fast_llm/layers/language_model/loss/policy_gradient.py`
 (`LanguageModelGRPOLoss.fused_core`, `grpo_metrics_core`, `_policy_metrics_reduce`, `LanguageModelGSPOLoss`),
-prefixed by the loss name (``grpo`` by default, `--loss-name`).
+prefixed by the loss name (``grpo`` by default, `--loss-name`), and ``lm_head_loss``: when the policy-gradient loss
+is the head's only loss of weight 1, `LanguageModelHead` logs its value under that name instead (same value).
 
 Why: Fast-LLM reduces its metrics per **document** (`doc(x) = (1/D) Σ_t m x / max(N_d, 1)`, D counting fully
 masked documents), never clamps the ratio, and its `clipped_ratio_fraction` is the **band** fraction (ratio
@@ -10,12 +11,16 @@ outside [1 − ε_l, 1 + ε_h] whatever the advantage), so its numbers differ fr
 same batch. Worked example: `grpo_clipped_ratio_fraction` = (2/3 + 2/4 + 1/3 + 1/3)/4 = 0.458333,
 `grpo` = 1.047195/13 = 0.080553.
 
-How: `--level sequence` is the `gspo` loss: the ratio fields use the segment (row) ratio
-R_s = exp(Σ_t d / N_s) broadcast to its tokens, and the loss is (1/D) Σ_s N_s l_s with
-l_s = −min(R_s Ā_s, clip(R_s) Ā_s) (length-proportional since Fast-LLM PR #544).
+How: `--level sequence` is the `gspo` loss: the segment is the **document** (every row of one `sample_id`,
+as Fast-LLM sums the weighted log-ratio per document index), the ratio fields use the document ratio
+R_d = exp(Σ_t d / N_d) broadcast to its tokens, the loss is (1/D) Σ_d N_d l_d with
+l_d = −min(R_d Ā_d, clip(R_d) Ā_d) (length-proportional since Fast-LLM PR #544), and `num_segments` counts
+documents with a loss token.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,6 +39,7 @@ from pgdiag.metrics.styles.common import (
 )
 
 ALLOWED_FLAGS = frozenset({"level", "loss_name"})
+LM_HEAD_LOSS = "lm_head_loss"  # Fast-LLM LM_HEAD_LOSS_NAME: the head's total loss
 _TOKEN_LOSSES = {"token_mean": "grpo", "grpo": "grpo"}
 _SEQUENCE_LOSSES = {"token_mean": "gspo", "gspo": "gspo", "gspo_length_prop": "gspo"}
 
@@ -49,9 +55,9 @@ def compute_fast_llm(inputs: StyleInputs, settings: MetricSettings) -> StyleOutp
     """Fast-LLM's keys for one step (one micro-batch, one process)."""
     prefix = settings.style.loss_name or "grpo"
     sequence = settings.level == "sequence"
-    n_docs = int(inputs.document.max()) + 1 if inputs.n_samples else 0
-    doc_tokens = np.bincount(inputs.document, weights=inputs.n_loss, minlength=n_docs)  # (D,) N_d
-    token_weight = 1.0 / np.maximum(doc_tokens[inputs.document[inputs.token_sample]], 1.0)  # (M,)
+    docs = _Documents.of(inputs)
+    n_docs = docs.count
+    token_weight = 1.0 / np.maximum(docs.tokens[docs.of_token], 1.0)  # (M,)
 
     def doc(x: np.ndarray) -> float:
         return div(total(x * token_weight), n_docs)
@@ -59,13 +65,16 @@ def compute_fast_llm(inputs: StyleInputs, settings: MetricSettings) -> StyleOutp
     n = inputs.n_tokens
     out = []
     if inputs.has_policy and inputs.adv is not None:
-        out.append(value(prefix, _loss(inputs, settings, n_docs), "loss", "mode", n))
+        loss = _loss(inputs, settings, docs)
+        # the head logs a lone weight-1 loss under `lm_head_loss` instead of its own name: print both
+        out.append(value(prefix, loss, "loss", "mode", n))
+        out.append(value(LM_HEAD_LOSS, loss, "loss", "mode", n))
     if inputs.lp_new is not None:
         out.append(value(f"{prefix}_new_logprobs", doc(inputs.lp_new), "nats", "document", n))
     if inputs.lp_old is not None:
         out.append(value(f"{prefix}_old_logprobs", doc(inputs.lp_old), "nats", "document", n))
     if inputs.has_policy:
-        ratio, kl, band, ratio_sum, ratio_sq_sum = _ratio_fields(inputs, settings)
+        ratio, kl, band, ratio_sum, ratio_sq_sum = _ratio_fields(inputs, settings, docs)
         out += [
             value(f"{prefix}_ratio_new_old", doc(ratio), "ratio", "document", n),
             value(f"{prefix}_ratio_new_old_sum", ratio_sum, "ratio", "sum", n),
@@ -83,36 +92,70 @@ def compute_fast_llm(inputs: StyleInputs, settings: MetricSettings) -> StyleOutp
         ]
     out.append(value(f"{prefix}_num_tokens", n, "count", "cnt", n))
     if sequence:
-        segments = int(np.count_nonzero(inputs.n_loss))
+        segments = int(np.count_nonzero(docs.tokens))  # documents with a loss token, not rows
         out.append(value(f"{prefix}_num_segments", segments, "count", "cnt", segments))
     if inputs.entropy is not None:
         out.append(value(f"{prefix}_entropy", doc(inputs.entropy), "nats", "document", n))
     if inputs.reward is not None:
-        reward = inputs.per_token(inputs.reward)
-        out.append(value(f"{prefix}_train_samples_reward", doc(reward), "1", "document", n))
+        reward = inputs.per_token(inputs.reward)  # (M,) the sample's reward on each loss token
+        out += [
+            value(f"{prefix}_train_samples_reward", doc(reward), "1", "document", n),
+            # torch.where(mask, reward, ∓inf).max()/.min(): −inf / +inf on a step without tokens
+            value(
+                f"{prefix}_max_train_samples_reward",
+                float(np.max(reward)) if n else -np.inf,
+                "1",
+                "extremum",
+                n,
+            ),
+            value(
+                f"{prefix}_min_train_samples_reward",
+                float(np.min(reward)) if n else np.inf,
+                "1",
+                "extremum",
+                n,
+            ),
+        ]
     return StyleOutput(tuple(out))
 
 
+@dataclass(frozen=True)
+class _Documents:
+    """Fast-LLM's documents of a step: every row of one `sample_id` (consecutive rows) is one document."""
+
+    of_token: np.ndarray  # (M,) document of each loss token
+    tokens: np.ndarray  # (D,) N_d, loss tokens per document
+    count: int  # D, fully masked documents included
+
+    @staticmethod
+    def of(inputs: StyleInputs) -> _Documents:
+        count = int(inputs.document.max()) + 1 if inputs.n_samples else 0
+        tokens = np.bincount(inputs.document, weights=inputs.n_loss, minlength=count)  # (D,)
+        return _Documents(inputs.document[inputs.token_sample], tokens, count)
+
+    def mean(self, x: np.ndarray) -> np.ndarray:
+        """(D,) Σ_t x / max(N_d, 1) over each document's tokens (0 for a fully masked one)."""
+        return np.bincount(self.of_token, weights=x, minlength=self.count) / np.maximum(self.tokens, 1.0)
+
+
 def _ratio_fields(
-    inputs: StyleInputs, settings: MetricSettings
+    inputs: StyleInputs, settings: MetricSettings, docs: _Documents
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
-    """Per-token ratio, kl_new_old and band indicator (sequence level: the segment's values broadcast),
+    """Per-token ratio, kl_new_old and band indicator (sequence level: the document's values broadcast),
     plus the raw ratio sums."""
     assert inputs.lp_new is not None and inputs.lp_old is not None
     if settings.level == "sequence":
-        mean_d = inputs.seq_mean_logratio()  # (S,)
-        seq_ratio = exp(mean_d)  # (S,) R_s
-        band = _band(seq_ratio, settings)
-        kl = seq_ratio - 1.0 - mean_d
-        has_tokens = inputs.n_loss > 0
-        ratio_sum = total(seq_ratio[has_tokens])
-        ratio_sq_sum = total(seq_ratio[has_tokens] ** 2)
+        mean_d = docs.mean(inputs.lp_new - inputs.lp_old)  # (D,) δ̄_d
+        doc_ratio = exp(mean_d)  # (D,) R_d
+        band = _band(doc_ratio, settings)
+        kl = doc_ratio - 1.0 - mean_d
+        has_tokens = docs.tokens > 0
         return (
-            inputs.per_token(seq_ratio),
-            inputs.per_token(kl),
-            inputs.per_token(band),
-            ratio_sum,
-            ratio_sq_sum,
+            doc_ratio[docs.of_token],
+            kl[docs.of_token],
+            band[docs.of_token],
+            total(doc_ratio[has_tokens]),
+            total(doc_ratio[has_tokens] ** 2),
         )
     d = inputs.lp_new - inputs.lp_old  # (M,)
     ratio = exp(d)
@@ -124,15 +167,15 @@ def _band(ratio: np.ndarray, settings: MetricSettings) -> np.ndarray:
     return ((ratio < 1.0 - settings.clip.eps_low) | (ratio > 1.0 + settings.clip.eps_high)).astype(np.float64)
 
 
-def _loss(inputs: StyleInputs, settings: MetricSettings, n_docs: int) -> float:
-    """`grpo`: Σ m ℓ / max(N, 1); `gspo`: (1/D) Σ_s N_s l_s (length-proportional GSPO)."""
+def _loss(inputs: StyleInputs, settings: MetricSettings, docs: _Documents) -> float:
+    """`grpo`: Σ m ℓ / N, NaN (null) with N = 0 as Fast-LLM's unguarded `reduce_losses`; `gspo`: (1/D) Σ_d N_d l_d (length-proportional GSPO over documents)."""
     assert inputs.lp_new is not None and inputs.lp_old is not None and inputs.adv is not None
     if settings.level == "sequence":
-        seq_ratio = exp(inputs.seq_mean_logratio())  # (S,) R_s
-        seq_adv = inputs.sample_mean_adv()  # (S,) Ā_s
-        clipped = clip_ratio(seq_ratio, settings.clip.eps_low, settings.clip.eps_high)
-        seq_loss = -np.minimum(seq_ratio * seq_adv, clipped * seq_adv)  # (S,) l_s
-        return div(total(inputs.n_loss * seq_loss), n_docs)
+        doc_ratio = exp(docs.mean(inputs.lp_new - inputs.lp_old))  # (D,) R_d
+        doc_adv = docs.mean(inputs.adv)  # (D,) Ā_d
+        clipped = clip_ratio(doc_ratio, settings.clip.eps_low, settings.clip.eps_high)
+        doc_loss = -np.minimum(doc_ratio * doc_adv, clipped * doc_adv)  # (D,) l_d
+        return div(total(docs.tokens * doc_loss), docs.count)
     ratio = exp(inputs.lp_new - inputs.lp_old)
     token_loss = ppo_token_loss(ratio, inputs.adv, settings.clip.eps_low, settings.clip.eps_high)
-    return div(total(token_loss), max(inputs.n_tokens, 1))
+    return div(total(token_loss), inputs.n_tokens)  # num_labels_in_batch, no max(·, 1) guard

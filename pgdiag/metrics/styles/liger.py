@@ -46,11 +46,11 @@ def check_liger_settings(settings: MetricSettings) -> None:
     loss_type = resolve_alias("liger", settings.aggregation, LOSS_TYPES, "dapo")
     if loss_type == "dr_grpo" and settings.divisor is None:
         raise UsageError(
-            "bad-flag",
+            "E506",
             "liger dr_grpo needs --divisor (max_completion_length); Liger has no default for it",
         )
     if settings.style.pad_width is not None and settings.style.pad_width < 1:
-        raise UsageError("bad-flag", f"--pad-width must be >= 1 (got {settings.style.pad_width})")
+        raise UsageError("E503", f"--pad-width must be >= 1 (got {settings.style.pad_width})")
 
 
 def compute_liger(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:

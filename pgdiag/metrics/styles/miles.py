@@ -6,7 +6,8 @@ and `get_pg_loss_reducer`, `loss_hub/math_utils.py::compute_policy_loss`, `compu
 
 Why: miles reports every metric as a **sample mean** `SM(x) = (1/S) Σ_i Σ_t m x / max(N_i, 1)` (empty samples
 add 0 and count in S), stores `ppo_kl = lp_old − lp_new` (sign opposite to verl's naming) and
-clamps log-ratios to ±20 after mapping NaN → 0 and ±inf → ±20. Worked example: `train/ppo_kl` =
+zeroes every non-finite log-ratio before the loss, which then clamps it to ±20; `train/ois` = SM(exp(−ppo_kl)) is not
+clamped and exists only under TIS. Worked example: `train/ppo_kl` =
 (0 + 0 − 0.25/3 + 0.1/3)/4 = −0.0125, against verl's token mean −0.011538.
 
 How: `--aggregation` picks `--loss-aggregation` (sample_mean default, prompt_mean, token_mean, constant with
@@ -14,7 +15,9 @@ How: `--aggregation` picks `--loss-aggregation` (sample_mean default, prompt_mea
 native default ``token_mean`` cannot be told apart from "not given", so it means miles' default
 sample_mean (with a notice); ask for miles' token mean with ``miles:token_mean``. `--tis` turns on
 truncated importance sampling: the weight clamp(e^Δ, 0, 2) multiplies the per-token loss and `train/tis*`
-are logged. One row per rollout is assumed.
+are logged; `--mismatch-metrics` (miles `--get-mismatch-metrics`) enters the same branch of miles'
+`policy_loss_function`, so it TIS-weights `pg_loss` too (with miles' built-in TIS function). One row per
+rollout is assumed.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from pgdiag.metrics.styles.common import (
 )
 from pgdiag.metrics.values import MetricValue
 
-ALLOWED_FLAGS = frozenset({"dual_clip", "divisor", "tis"})
+ALLOWED_FLAGS = frozenset({"dual_clip", "divisor", "tis", "mismatch_metrics"})
 _LOSS_AGGREGATIONS = {
     "sample_mean": "sample_mean",
     "prompt_mean": "prompt_mean",
@@ -46,6 +49,11 @@ _LOSS_AGGREGATIONS = {
 }
 _LOG_RATIO_CLAMP = 20.0
 TIS_CLIP_LOW, TIS_CLIP_HIGH = 0.0, 2.0
+
+
+def tis_branch(settings: MetricSettings) -> bool:
+    """miles' `if args.get_mismatch_metrics or args.use_tis` branch: TIS-weighted pg_loss, ois and tis keys."""
+    return settings.style.tis or settings.style.mismatch_metrics
 
 
 def loss_aggregation(settings: MetricSettings) -> str:
@@ -60,7 +68,7 @@ def check_miles_settings(settings: MetricSettings) -> None:
     check_flags("miles", settings, ALLOWED_FLAGS)
     if loss_aggregation(settings) == "constant" and settings.divisor is None:
         raise UsageError(
-            "bad-flag", "miles --loss-aggregation constant needs --divisor (loss-aggregation-divisor)"
+            "E506", "miles --loss-aggregation constant needs --divisor (loss-aggregation-divisor)"
         )
 
 
@@ -77,8 +85,9 @@ def compute_miles(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     notices = []
     if s and int(np.max(np.bincount(inputs.document))) > 1:
         notices.append("miles: documents with several rows (multi-sample rollouts) are not reproduced in v1")
-    if settings.style.tis and not inputs.has_pair:
-        raise UsageError("bad-flag", "miles --tis needs a rollout stream (--stream-a) for the TIS weights")
+    if tis_branch(settings) and not inputs.has_pair:
+        flag = "--tis" if settings.style.tis else "--mismatch-metrics"
+        raise UsageError("E506", f"miles {flag} needs a rollout stream (--stream-a) for the TIS weights")
 
     def sm(x: np.ndarray) -> float:
         return sample_mean_guard(inputs, x)
@@ -86,16 +95,16 @@ def compute_miles(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     out: list[MetricValue] = []
     if inputs.has_policy:
         assert inputs.lp_new is not None and inputs.lp_old is not None
-        d = inputs.lp_new - inputs.lp_old  # (M,)
-        ratio = exp(safe_log_ratio(d))  # (M,) r̂
+        ppo_kl = inputs.lp_old - inputs.lp_new  # (M,)
+        ppo_kl[~np.isfinite(ppo_kl)] = 0.0  # nan_to_num(ppo_kl, nan=0, posinf=0, neginf=0) on loss tokens
+        ratio = exp(safe_log_ratio(-ppo_kl))  # (M,) r̂: the ±20 clamp only ever meets finite values
         if inputs.adv is not None:
             out += _policy_loss(inputs, settings, agg, ratio)
-        ppo_kl = -d
-        ppo_kl[~np.isfinite(ppo_kl)] = 0.0
         out.append(value("train/ppo_kl", sm(ppo_kl), "nats", "sample", s))
         out.append(_ess_ratio(inputs, ratio, agg))
-        if inputs.has_pair:
-            out.append(value("train/ois", sm(ratio), "ratio", "sample", s))
+        if tis_branch(settings):
+            # ois = (−ppo_kl).exp() with no ±20 clamp, only in miles' TIS / mismatch-metrics branch
+            out.append(value("train/ois", sm(exp(-ppo_kl)), "ratio", "sample", s))
     if inputs.entropy is not None:
         out.append(value("train/entropy_loss", sm(inputs.entropy), "nats", "sample", s))
     if inputs.has_pair:
@@ -109,7 +118,7 @@ def compute_miles(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
         ]
     if inputs.lp_new is not None and inputs.lp_ref is not None:
         out.append(value("train/kl_loss", sm(inputs.lp_new - inputs.lp_ref), "nats", "sample", s))
-    if settings.style.tis:
+    if tis_branch(settings):
         tis = _tis_weight_raw(inputs)  # (M,)
         clipped = np.clip(tis, TIS_CLIP_LOW, TIS_CLIP_HIGH)
         out += [
@@ -137,7 +146,7 @@ def _policy_loss(
     token_loss = np.maximum(loss_unclipped, loss_clipped)  # (M,) ℓ̂
     if settings.clip.dual_clip is not None:
         token_loss = np.where(adv < 0, np.minimum(-settings.clip.dual_clip * adv, token_loss), token_loss)
-    if settings.style.tis:
+    if tis_branch(settings):
         token_loss = token_loss * np.clip(_tis_weight_raw(inputs), TIS_CLIP_LOW, TIS_CLIP_HIGH)
     pg_loss = _reduce_loss(inputs, token_loss, agg, settings.divisor)
     clipfrac = sample_mean_guard(inputs, (loss_clipped > loss_unclipped) * 1.0)

@@ -49,7 +49,7 @@ def check_pipelinerl_settings(settings: MetricSettings) -> None:
     check_flags("pipelinerl", settings, ALLOWED_FLAGS)
     resolve_alias("pipelinerl", settings.aggregation, _POLICY_LOSSES, "ppo")
     if settings.style.batch_size is not None and settings.style.batch_size < 1:
-        raise UsageError("bad-flag", f"--batch-size must be >= 1 (got {settings.style.batch_size})")
+        raise UsageError("E503", f"--batch-size must be >= 1 (got {settings.style.batch_size})")
 
 
 def compute_pipelinerl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:

@@ -70,7 +70,7 @@ def compute_trl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     beta = DEFAULT_BETA if settings.style.beta is None else settings.style.beta
     if beta != 0.0 and inputs.lp_ref is None:
         raise UsageError(
-            "bad-flag",
+            "E506",
             f"--key-style trl --beta {beta}: the KL term needs a reference stream",
             "pass --ref STREAM, or leave --beta at TRL's default 0",
         )

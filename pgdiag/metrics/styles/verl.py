@@ -68,19 +68,19 @@ def check_verl_settings(settings: MetricSettings) -> None:
     mode = resolve_alias("verl", settings.aggregation, _LOSS_AGG_MODES, "token-mean")
     if mode == "seq-mean-token-sum-norm" and settings.divisor is None:
         raise UsageError(
-            "bad-flag",
+            "E506",
             "verl seq-mean-token-sum-norm needs --divisor (loss_scale_factor)",
-            "verl's own default is the padded response width of the micro-batch, which pgdiag cannot see",
+            "verl's own default is the padded response width of the micro-batch, which the run does not record",
         )
     if settings.style.rollout_is is not None and settings.style.rollout_is != "token":
         raise UsageError(
-            "bad-flag",
+            "E507",
             f"--rollout-is {settings.style.rollout_is!r}: only token-level rollout IS metrics are reproduced",
             "sequence-level rollout IS and rejection sampling are out of scope for v1",
         )
     if settings.style.rollout_is_threshold is not None and not settings.style.rollout_is_threshold > 0:
         raise UsageError(
-            "bad-flag", f"--rollout-is-threshold must be > 0 (got {settings.style.rollout_is_threshold})"
+            "E503", f"--rollout-is-threshold must be > 0 (got {settings.style.rollout_is_threshold})"
         )
 
 

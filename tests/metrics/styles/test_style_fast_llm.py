@@ -1,8 +1,8 @@
 """`--key-style fast-llm` against hand computations from Fast-LLM's definitions (docs/key-styles.md).
 
 Fast-LLM reduces per document: doc(x) = (1/D) Σ_t x / max(N_d, 1), D counting fully masked documents; the
-clip fraction is the band (any A); the ratio is never clamped; the loss is Σ ℓ / max(N, 1) (grpo) or
-(1/D) Σ_s N_s l_s (gspo). Every expected number below is written out from those definitions.
+clip fraction is the band (any A); the ratio is never clamped; the loss is Σ ℓ / N (grpo; null with N = 0) or
+(1/D) Σ_d N_d l_d over documents (gspo). Every expected number below is written out from those definitions.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def test_fully_masked_document_counts_in_d_and_empty_step_guards() -> None:
     assert got["grpo_ratio_new_old"] == pytest.approx(E(0.3) / 2, rel=1e-12)
     assert got["grpo"] == pytest.approx(-1.2 / 1)  # Σ ℓ / N with N = 1
     empty = run(make_batch(new=[[]], old=[[]], adv=[[]]))
-    assert empty["grpo"] == 0.0  # 0 / max(0, 1)
+    # Σ ℓ / N with N = 0: NaN in Fast-LLM (reduce_losses divides by 0), null here
+    assert empty["grpo"] is None
     assert empty["grpo_num_tokens"] == 0
     assert empty["grpo_max_advantage"] == -math.inf and empty["grpo_min_advantage"] == math.inf
 
@@ -108,6 +109,30 @@ def test_gspo_sequence_level_is_length_proportional() -> None:
     assert got["grpo_num_segments"] == 2
 
 
+def test_gspo_segment_is_the_document_over_all_rows_of_a_sample() -> None:
+    # document "a" is split over two rows (d = 0.3, 0.1 | −0.2, A = 1); document "b" is one row (d = −0.1, A = −1).
+    # Fast-LLM sums the weighted log-ratio per document index, so R_a = e^((0.3 + 0.1 − 0.2)/3), not one
+    # ratio per row (row a0 alone would give e^0.2 > 1.2, in the band and clipped).
+    batch = make_batch(
+        new=[[-0.7, -0.9], [-1.2], [-1.1]],
+        old=[[-1.0, -1.0], [-1.0], [-1.0]],
+        adv=[[1.0, 1.0], [1.0], [-1.0]],
+        sample_id=["a", "a", "b"],
+    )
+    got = run(batch, level="sequence", aggregation="fast-llm:gspo")
+    mean_a = (0.3 + 0.1 - 0.2) / 3
+    r_a, r_b = E(mean_a), E(-0.1)  # both inside [0.8, 1.2]: l_a = −R_a (A = 1), l_b = R_b (A = −1)
+    assert got["grpo"] == pytest.approx((3 * -r_a + 1 * r_b) / 2, rel=1e-12)  # (1/D) Σ_d N_d l_d, D = 2
+    assert got["grpo_ratio_new_old"] == pytest.approx((r_a + r_b) / 2, rel=1e-12)
+    assert got["grpo_ratio_new_old_sum"] == pytest.approx(r_a + r_b, rel=1e-12)
+    assert got["grpo_ratio_new_old_squared_sum"] == pytest.approx(r_a**2 + r_b**2, rel=1e-12)
+    assert got["grpo_kl_new_old"] == pytest.approx((r_a - 1 - mean_a + r_b - 1 + 0.1) / 2, rel=1e-12)
+    assert got["grpo_clipped_ratio_fraction"] == 0.0
+    assert got["grpo_advantage"] == pytest.approx((1.0 - 1.0) / 2)
+    assert got["grpo_num_segments"] == 2  # documents with a token, not rows
+    assert got["grpo_num_tokens"] == 4
+
+
 def test_loss_name_entropy_and_reward() -> None:
     batch = make_batch(
         new=[[-1.0, -1.0], [-1.0]],
@@ -120,25 +145,43 @@ def test_loss_name_entropy_and_reward() -> None:
     assert got["gspo_metrics_entropy"] == pytest.approx((6.0 / 2 + 1.0) / 2)
     assert got["gspo_metrics_train_samples_reward"] == pytest.approx((1.0 + 0.0) / 2)
     assert got["gspo_metrics_advantage"] == pytest.approx((0.5 - 0.5) / 2)
+    # extrema of the reward broadcast to the loss tokens (Fast-LLM `_register_data_metrics`)
+    assert got["gspo_metrics_max_train_samples_reward"] == 1.0
+    assert got["gspo_metrics_min_train_samples_reward"] == 0.0
+    masked = run(make_batch(new=[[-1.0], []], old=[[-1.0], []], adv=[[0.5], []], reward=[0.25, 3.0]))
+    assert masked["grpo_max_train_samples_reward"] == masked["grpo_min_train_samples_reward"] == 0.25
+    empty = run(make_batch(new=[[]], old=[[]], adv=[[]], reward=[3.0]))  # torch.where(mask, x, ∓inf).max/min
+    assert empty["grpo_max_train_samples_reward"] == -math.inf
+    assert empty["grpo_min_train_samples_reward"] == math.inf
     assert "grpo" not in got
 
 
+def test_lm_head_loss_repeats_the_policy_gradient_loss() -> None:
+    # Fast-LLM's head logs a lone weight-1 loss as `lm_head_loss` (LanguageModelHead registers the total under
+    # LM_HEAD_LOSS_NAME and skips the loss's own name); the style prints both names with one value
+    grpo = run(worked_example())
+    assert grpo["lm_head_loss"] == grpo["grpo"] == pytest.approx(0.080553, abs=5e-7)
+    gspo = run(worked_example(), level="sequence", aggregation="fast-llm:gspo", loss_name="gspo")
+    assert gspo["lm_head_loss"] == gspo["gspo"] is not None
+    assert run(make_batch(new=[[]], old=[[]], adv=[[]]))["lm_head_loss"] is None
+
+
 @pytest.mark.parametrize(
-    "overrides",
+    ("overrides", "code"),
     [
-        {"dual_clip": 3.0},
-        {"beta": 0.1},
-        {"tis": True},
-        {"divisor": 10.0},
-        {"empty_seqs": "skip"},
-        {"aggregation": "sample_mean"},
-        {"aggregation": "fast-llm:gspo"},
-        {"batch_size": 4},
+        ({"dual_clip": 3.0}, "E507"),
+        ({"beta": 0.1}, "E507"),
+        ({"tis": True}, "E507"),
+        ({"divisor": 10.0}, "E507"),
+        ({"empty_seqs": "skip"}, "E507"),
+        ({"aggregation": "sample_mean"}, "E507"),
+        ({"aggregation": "fast-llm:gspo"}, "E507"),
+        ({"batch_size": 4}, "E507"),
     ],
-    ids=lambda o: next(iter(o)),
+    ids=str,
 )
-def test_flags_fast_llm_does_not_have_are_rejected(overrides: dict) -> None:
+def test_flags_fast_llm_does_not_have_are_rejected(overrides: dict, code: str) -> None:
     batch = worked_example()
     with pytest.raises(UsageError) as excinfo:
         compute_step_style(batch, settings_for("fast-llm", batch, **overrides))
-    assert excinfo.value.code == "bad-flag"
+    assert excinfo.value.code == code  # E503 out of range, E506 needs a setting, E507 not the style's

@@ -1,7 +1,7 @@
 """`--key-style miles` against hand computations from miles' loss hub (docs/key-styles.md).
 
-miles: SM(x) = (1/S) Σ_i Σ_t x / max(N_i, 1) for every metric; r̂ = exp(clamp(z(d), ±20)) with NaN → 0 and
-±inf → ±20; `ppo_kl` = lp_old − lp_new with non-finite values zeroed; `--loss-aggregation` picks the loss
+miles: SM(x) = (1/S) Σ_i Σ_t x / max(N_i, 1) for every metric; r̂ = exp(clamp(z(d), ±20)) with every
+non-finite d → 0; `ppo_kl` = lp_old − lp_new with non-finite values zeroed; `--loss-aggregation` picks the loss
 reducer; TIS weights clamp(e^Δ, 0, 2) multiply the per-token loss.
 """
 
@@ -43,12 +43,15 @@ def test_worked_example_section_11() -> None:
 
 
 def test_safe_clamp_of_log_ratio_nan_and_inf() -> None:
-    # d = 25 → 20; d = NaN → 0; d = +inf (lp_old = −inf) → 20
+    # d = 25 → 20 (_safe_clamp_log_ratio); d = NaN → 0; d = +inf (lp_old = −inf) → 0, not 20: miles zeroes every
+    # non-finite ppo_kl on loss tokens (nan_to_num(…, nan=0, posinf=0, neginf=0)) before compute_policy_loss
     batch = make_batch(new=[[-1.0, math.nan, -1.0]], old=[[-26.0, -1.0, -math.inf]], adv=[[1.0, 1.0, -1.0]])
     result = compute_step_style(batch, settings_for("miles", batch))
     got = values_of(result)
-    # ℓ̂: max(−e^20, −1.2) = −1.2; r̂ = 1 → −1; A = −1: max(e^20, 0.8) = e^20
-    assert got["train/pg_loss"] == pytest.approx((-1.2 - 1.0 + E(20.0)) / 3, rel=1e-12)
+    # ℓ̂: max(−e^20, −1.2) = −1.2; r̂ = 1 → −1; A = −1, r̂ = 1: max(1, 1) = 1
+    assert got["train/pg_loss"] == pytest.approx((-1.2 - 1.0 + 1.0) / 3, rel=1e-12)
+    # per-sample Kish ESS over r̂ = (e^20, 1, 1)
+    assert got["train/ess_ratio"] == pytest.approx((E(20.0) + 2) ** 2 / (3 * (E(40.0) + 2)), rel=1e-12)
     assert got["train/pg_clipfrac"] == pytest.approx(1 / 3)
     # ppo_kl = lp_old − lp_new = −25 (kept, no clamp), NaN → 0, −inf → 0
     assert got["train/ppo_kl"] == pytest.approx(-25 / 3, rel=1e-12)
@@ -93,7 +96,7 @@ def test_rollout_pair_keys_and_tis() -> None:
     old = [[-1.0, -1.0]]
     batch = make_batch(new=old, old=old, rollout=[[-1.5, -26.0]], adv=[[1.0, 1.0]], ref=[[-1.5, -0.5]])
     got = run(batch)
-    assert got["train/ois"] == 1.0
+    assert "train/ois" not in got  # miles computes ois only with --use-tis or --get-mismatch-metrics
     assert got["train/train_rollout_logprob_abs_diff"] == pytest.approx((0.5 + 25) / 2, rel=1e-12)
     assert got["train/train_rollout_kl"] == pytest.approx((E(0.5) - 1.5 + 10.0) / 2, rel=1e-12)
     assert got["train/kl_loss"] == pytest.approx((0.5 - 0.5) / 2)  # k1 = lp_new − lp_ref
@@ -105,6 +108,36 @@ def test_rollout_pair_keys_and_tis() -> None:
     assert tis["train/tis"] == pytest.approx((E(0.5) + E(1.0)) / 2, rel=1e-12)
     assert tis["train/tis_clipfrac"] == pytest.approx(1 / 2)
     assert tis["train/tis_abs"] == pytest.approx((E(0.5) - 1 + E(1.0) - 1) / 2, rel=1e-12)
+    assert tis["train/ois"] == 1.0  # new = old
+
+
+def test_mismatch_metrics_is_the_tis_branch_with_a_tis_weighted_loss() -> None:
+    # miles: `if args.get_mismatch_metrics or args.use_tis`: pg_loss · clamp(e^Δ, 0, 2), ois and tis* logged
+    old = [[-1.0, -1.0]]
+    batch = make_batch(new=[[-0.9, -1.0]], old=old, rollout=[[-1.5, -2.0]], adv=[[1.0, 1.0]])
+    plain, mismatch = run(batch), run(batch, mismatch_metrics=True)
+    assert plain["train/pg_loss"] == pytest.approx((-E(0.1) - 1.0) / 2, rel=1e-12)  # r = e^0.1 and 1
+    assert mismatch["train/pg_loss"] == pytest.approx((-E(0.1) * E(0.5) - 1.0 * 2.0) / 2, rel=1e-12)
+    assert mismatch["train/ois"] == pytest.approx((E(0.1) + 1.0) / 2, rel=1e-12)
+    assert mismatch["train/tis"] == pytest.approx((E(0.5) + E(1.0)) / 2, rel=1e-12)
+    assert mismatch == run(batch, tis=True)
+    assert "train/ois" not in plain and "train/tis" not in plain
+    with pytest.raises(UsageError) as excinfo:  # the TIS weights need the rollout stream
+        run(worked_example(), mismatch_metrics=True)
+    assert excinfo.value.code == "E506" and "--mismatch-metrics" in excinfo.value.message
+
+
+def test_ois_has_no_clamp_and_maps_non_finite_log_ratios_to_zero() -> None:
+    # d = lp_new − lp_old = 25, NaN, +inf; miles: ppo_kl = nan_to_num(lp_old − lp_new, 0), ois = exp(−ppo_kl)
+    # without _safe_clamp_log_ratio, so e^25 (not e^20) and 1 for both non-finite tokens
+    batch = make_batch(
+        new=[[-1.0, math.nan, -1.0]],
+        old=[[-26.0, -1.0, -math.inf]],
+        rollout=[[-26.0, -1.0, -1.0]],
+        adv=[[1.0, 1.0, -1.0]],
+    )
+    got = run(batch, tis=True)
+    assert got["train/ois"] == pytest.approx((E(25.0) + 1.0 + 1.0) / 3, rel=1e-12)
 
 
 def test_default_aggregation_is_miles_sample_mean_and_token_mean_is_honoured() -> None:
@@ -117,24 +150,22 @@ def test_default_aggregation_is_miles_sample_mean_and_token_mean_is_honoured() -
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    ("overrides", "code"),
     [
-        {"beta": 0.1},
-        {"level": "sequence"},
-        {"empty_seqs": "skip"},
-        {"pad_width": 4},
-        {"rollout_is": "token"},
-        {"aggregation": "constant"},
-        {"aggregation": "seq-mean-token-mean"},
-        {"tis": True},
-        {"dual_clip": 0.5},
+        ({"beta": 0.1}, "E507"),
+        ({"level": "sequence"}, "E507"),
+        ({"empty_seqs": "skip"}, "E507"),
+        ({"pad_width": 4}, "E507"),
+        ({"rollout_is": "token"}, "E507"),
+        ({"aggregation": "constant"}, "E506"),
+        ({"aggregation": "seq-mean-token-mean"}, "E507"),
+        ({"tis": True}, "E506"),
+        ({"dual_clip": 0.5}, "E503"),
     ],
-    ids=lambda o: f"{next(iter(o))}={next(iter(o.values()))}",
+    ids=str,
 )
-def test_flags_miles_does_not_have_are_rejected(overrides: dict) -> None:
+def test_flags_miles_does_not_have_are_rejected(overrides: dict, code: str) -> None:
     batch = worked_example()  # no rollout stream, so --tis has nothing to weight
     with pytest.raises(UsageError) as excinfo:
         compute_step_style(batch, settings_for("miles", batch, **overrides))
-    assert excinfo.value.code == (
-        "E503" if "dual_clip" in overrides else "bad-flag"
-    )  # ClipBand rejects C <= 1
+    assert excinfo.value.code == code  # E503 out of range, E506 needs a setting, E507 not the style's
