@@ -432,13 +432,14 @@ def metrics(
             from pgdiag.report.html import verdict_arguments, write_html
             from pgdiag.report.plots import build_figures
 
+            page_verdict = verdict_arguments(verdict)  # its findings also ring the trend plots
             page = write_html(
                 report,
                 html,
                 overwrite=overwrite,
-                plot_set=build_figures(report),
+                plot_set=build_figures(report, marks=page_verdict["marks"]),
                 argv=result["argv"],
-                **verdict_arguments(verdict),
+                **page_verdict,
             )
             result["files"]["html"] = str(page)
         if out is not None:  # written last: its JSON lists every file

@@ -146,7 +146,7 @@ def _status_class(status: str) -> str:
 
 
 def _verdict_block(status: str, line: str, findings: Sequence[str]) -> str:
-    items = "".join(f"<li>{_e(f)}</li>" for f in findings)
+    items = "".join(f"<li>{_e(f)}</li>" for f in findings if f not in line)  # those the line leaves out
     word = f'<span class="word">{_e(status)}</span>' if status and status != "info" else ""
     listed = f'<ul class="findings">{items}</ul>' if items else ""
     return f'<div id="verdict" class="verdict {_status_class(status)}">{word}{_e(line)}{listed}</div>'
@@ -276,9 +276,10 @@ def _worst(report: Report) -> str:
     tokens = report.worst_tokens
     if tokens is not None and tokens.height:
         has_text = "context" in tokens.columns and tokens["context"].is_not_null().any()
-        text_column = "token_text" if "token_text" in tokens.columns else None
+        has_token_text = "token_text" in tokens.columns and tokens["token_text"].is_not_null().any()
+        text_column = "token_text" if has_token_text else None
         header = ["step", "sample", "pos", "resp pos", "token id"]
-        header += ["token"] if text_column else []
+        header += ["token text"] if text_column else []
         header += ["lp_a", "lp_b", "Δ"] + (["context (±8 loss tokens)"] if has_text else [])
         body = []
         for row in tokens.iter_rows(named=True):
@@ -290,7 +291,10 @@ def _worst(report: Report) -> str:
                 str(row.get("token_id", "")),
             ]
             if text_column:
-                cells.append(f'<td class="text">{_e(row[text_column] or "")}</td>')
+                text = row[text_column]  # quoted: a token's leading space or newline stays visible
+                cells.append(
+                    f'<td class="text">{_e("" if text is None else json.dumps(text, ensure_ascii=False))}</td>'
+                )
             cells += [_num(row["lp_a"]), _num(row["lp_b"]), _num(row["dlogp"])]
             if has_text:
                 cells.append(f'<td class="text">{_e(row["context"] or "")}</td>')

@@ -18,6 +18,7 @@ How: pass `ax` to draw into an existing axes (its figure is returned), else a ne
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +66,7 @@ class TrendPanel:
 
 TREND_PANELS: dict[str, TrendPanel] = {
     "trend-kl": TrendPanel(
-        "KL(old ‖ new) per step",
+        "KL estimators per step",
         ("policy/kl_k1", "policy/kl_k3", "policy/kl_rev_k3"),
         "nats",
         from_zero=False,
@@ -125,7 +126,8 @@ def finding_marks(findings: Iterable[Any]) -> list[Mark]:
         except (TypeError, ValueError):
             continue
         if metric:
-            marks.append(Mark(str(metric), step_number, str(message or metric)))
+            label = re.sub(r"^step \S+: ", "", str(message or metric))  # the x axis says the step
+            marks.append(Mark(str(metric), step_number, label))
     return marks
 
 
@@ -314,7 +316,7 @@ def plot_dlogp_hist(source: Any, *, ax: Axes | None = None, bins: int = 80) -> F
             part = rows.filter(pl.col("pair") == pair)
             count_of = dict(zip(part["bucket"].to_list(), part["value"].to_list(), strict=True))
             heights = [float(count_of.get(b) or 0) for b in bins_["bucket"].to_list()]
-            n_total += int(sum(count_of.get(b) or 0 for b in count_of))
+            n_total += int(sum(v or 0 for v in count_of.values()))
             x = np.arange(len(labels)) + (index - (len(pairs) - 1) / 2) * width
             ax.bar(x, heights, width=width, label=" vs ".join(stream_names(pair)))
         ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
@@ -498,8 +500,15 @@ def plot_trend(report: Any, kind: str, *, ax: Axes | None = None, marks: Sequenc
                 continue
             y = float(hit["value"][0])
             ax.scatter([mark.step], [y], s=140, facecolors="none", edgecolors="red", linewidths=1.8, zorder=4)
+            right_half = len(counts) > 1 and mark.step > (min(counts) + max(counts)) / 2
             ax.annotate(
-                mark.label, (mark.step, y), xytext=(6, 6), textcoords="offset points", fontsize=7, color="red"
+                mark.label,
+                (mark.step, y),
+                xytext=(-6 if right_half else 6, 6),
+                textcoords="offset points",
+                ha="right" if right_half else "left",
+                fontsize=7,
+                color="red",
             )
     if panel.log_y and drawn and min(drawn) > 0:
         ax.set_yscale("log")
@@ -660,6 +669,9 @@ def _missing(kind: str, report: Any, tokens: Any, trace: pl.DataFrame | None, wa
     if kind in TREND_KINDS:
         if _report_kind(report) != "metrics" and not trend_metrics(report, kind):
             return "a trend plot of a metrics report (pgdiag metrics --out)"
+        key_style = (getattr(report, "meta", {}).get("settings") or {}).get("key_style")
+        if not trend_metrics(report, kind) and key_style not in (None, "pgdiag"):
+            return f"trend plots read pgdiag's own keys; this report has --key-style {key_style} keys"
         if not trend_metrics(report, kind):
             return f"no per-step values of {', '.join(TREND_PANELS[kind].metrics) or 'loss/*'}: {_trend_hint(kind)}"
         return None
