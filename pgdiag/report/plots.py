@@ -694,3 +694,38 @@ def _draw(kind: str, report: Any, tokens: Any, trace: pl.DataFrame | None, marks
     if kind == "worst-trace":
         return plot_worst_trace(trace)
     return plot_trend(report, kind, marks=marks)
+
+
+def plot_whatif(report: Any, *, ax: Axes | None = None) -> Figure:
+    """Data kept (fraction of tokens) vs token ESS after each correction rule of a whatif report, one marker per
+    rule family, each point labelled with its thresholds; the uncorrected batch (ESS before) is a dashed line."""
+    summary = report.summary.filter(pl.col("breakdown") == "threshold")
+    wide = summary.pivot(on="metric", index="bucket", values="value", aggregate_function="first")
+    needed = {"whatif/tokens_kept", "whatif/ess_token_after"}
+    if not needed <= set(wide.columns):
+        raise UsageError("E511", "the whatif plot needs a whatif report (threshold rows)")
+    fig, ax = _axes(ax)
+    rules = wide.filter(pl.col("bucket") != "none")
+    families: dict[str, list[tuple[float, float, str]]] = {}
+    for bucket, kept, ess in rules.select(
+        "bucket", "whatif/tokens_kept", "whatif/ess_token_after"
+    ).iter_rows():
+        if kept is None or ess is None:
+            continue
+        family, threshold = bucket.split(":", 1)
+        families.setdefault(family, []).append((float(kept), float(ess), threshold))
+    markers = "osD^vP*X"
+    for i, (family, points) in enumerate(families.items()):
+        xs, ys, _ = zip(*points, strict=True)
+        ax.scatter(xs, ys, marker=markers[i % len(markers)], label=family)
+        for x, y, label in points:
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    before = wide.filter(pl.col("bucket") == "none")
+    if before.height and "whatif/ess_token" in before.columns and before["whatif/ess_token"][0] is not None:
+        ax.axhline(before["whatif/ess_token"][0], linestyle="--", color="grey", label="no correction")
+    ax.set_xlabel("tokens kept (fraction)")
+    ax.set_ylabel("token ESS after the rule (fraction)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"whatif: data kept vs ESS ({report.meta.get('pairs', [''])[0]})")
+    ax.legend(fontsize=8)
+    return fig
