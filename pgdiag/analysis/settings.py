@@ -94,3 +94,36 @@ class WhatifSettings:
     def grid(self) -> tuple[CorrectionRule, ...]:
         """The rules to replay: the user's, else the default grid."""
         return self.rules if self.rules else default_grid()
+
+
+DRIFT_HEADLINE = (
+    "policy/kl_k3",
+    "policy/clip_frac_binding",
+    "policy/ess_token",
+    "mismatch/abs_mean",
+    "mismatch/kl_k3",
+    "mismatch/ess_token",
+    "loss/pg",
+)
+
+
+@dataclass(frozen=True)
+class ChangePointSettings:
+    """Binary segmentation on the standardised CUSUM of a mean shift (docs/drift.md).
+
+        `threshold`: the smallest standardised jump |μ_after − μ_before|·√(k(n−k)/n)/σ that counts, σ the robust
+        noise scale of the series (MAD of first differences / (0.6745·√2)). `min_segment`: steps on each side;
+    `min_steps`: shorter series are not searched.
+        `metrics`: the series searched (default: the headline metrics the report has; with a key style, all).
+    """
+
+    threshold: float = 6.0
+    min_segment: int = 2
+    min_steps: int = 8  # fewer steps: no search (the noise scale cannot be estimated)
+    metrics: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.threshold > 0:
+            raise UsageError("E503", f"--cp-threshold must be > 0, got {self.threshold}")
+        if self.min_segment < 1:
+            raise UsageError("E503", f"--min-segment must be >= 1, got {self.min_segment}")
