@@ -13,6 +13,7 @@ log-probs, no reward, status or groups (grouped by prompt).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -190,10 +191,8 @@ def _read_dashboard(folder: Path) -> Iterator[ImportedStep]:
                 }
             )
         samples = read_rollout_samples(path, {"samples": records}, step)
-        frame_out = samples.frame.select("sample_id") if "sample_id" in samples.frame.columns else None
-        samples = RolloutSamples(
-            **{**samples.__dict__, "frame": frame_out if frame_out is not None else pl.DataFrame()}
-        )
+        # the Parquet mirror has ids only: no group, reward, status or version columns
+        samples = dataclasses.replace(samples, frame=samples.frame.select(pl.col("^sample_id$")))
         rows = base_rows(samples, {})
         yield ImportedStep(
             step=step,

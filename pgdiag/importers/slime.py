@@ -137,11 +137,12 @@ def read_rollout_samples(path: Path, payload: Any, rollout_id: int) -> RolloutSa
         response_lens[row] = n_resp
         ids_rows.append(tokens)
         raw_mask = sample.get("loss_mask")
-        mask = (
-            np.ones(n_resp, dtype=bool)
-            if raw_mask is None
-            else float_row(raw_mask, n_resp, path, "loss_mask", row) != 0
-        )
+        if raw_mask is None or (
+            isinstance(raw_mask, list) and len(raw_mask) == n_resp and raw_mask.count(1) == n_resp
+        ):
+            mask = np.ones(n_resp, dtype=bool)  # None means all ones; an all-ones list needs no conversion
+        else:
+            mask = float_row(raw_mask, n_resp, path, "loss_mask", row) != 0
         if sample.get("remove_sample"):
             mask = np.zeros(n_resp, dtype=bool)
         mask_rows.append(mask)
@@ -220,12 +221,12 @@ def base_rows(samples: RolloutSamples, streams: Mapping[str, FlatList]) -> pl.Da
     return pl.DataFrame(columns).hstack(samples.frame)
 
 
-def rollout_files(src: Path, *, allow_single_file: bool = True) -> tuple[Path, list[tuple[int, Path]]]:
+def rollout_files(src: Path) -> tuple[Path, list[tuple[int, Path]]]:
     """(the dump directory D, [(id, D/rollout_data/<id>.pt)] sorted by id); evaluation dumps skipped.
 
-    SRC may be D, D/rollout_data or one ``<id>.pt`` file. No rollout file: E501-like E703 naming the folder.
+    SRC may be D, D/rollout_data or one ``<id>.pt`` file. No rollout file: E703 naming the folder.
     """
-    if src.is_file() and allow_single_file:
+    if src.is_file():
         match = _ROLLOUT_NAME.match(src.name)
         if match is None:
             raise bad_layout(src, "file name", "<rollout_id>.pt")
@@ -275,11 +276,8 @@ def _optimizer_steps(payload: Mapping[str, Any]) -> int:
 TRAIN_STREAMS = {"log_probs": "old_logprobs", "ref_log_probs": "ref_logprobs", "advantages": "advantages"}
 
 
-def join_train(
-    samples: RolloutSamples, train: list[Mapping[str, Any]], path: Path
-) -> tuple[dict[str, FlatList], list[int]]:
-    """Train values per rollout row: {canonical column: response-aligned rows}, and the rollout position of
-    each train sample. The join key is ``rollout_position`` (the sample's position in the rollout dump, what
+def join_train(samples: RolloutSamples, train: list[Mapping[str, Any]], path: Path) -> dict[str, FlatList]:
+    """Train values per rollout row: {canonical column: response-aligned rows}. The join key is ``rollout_position`` (the sample's position in the rollout dump, what
     slime sorts the dump by) where every sample has one, else ``sample_index`` = ``Sample.index``."""
     n_rows = samples.input_ids.lengths.shape[0]
     if all("rollout_position" in t for t in train):
@@ -323,7 +321,7 @@ def join_train(
                 valid[flat.offsets[r] : flat.offsets[r + 1]] = False
             flat = FlatList(flat.offsets, flat.values, valid, None)
         flats[TRAIN_STREAMS[key]] = flat
-    return flats, positions
+    return flats
 
 
 def _raw_rewards(samples: RolloutSamples, payload: Mapping[str, Any], frame: pl.DataFrame) -> pl.DataFrame:
@@ -353,7 +351,7 @@ def _read(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
             unsafe = unsafe or train_loaded.unsafe_load
             train_payload = train_loaded.value
             train = _train_samples(train_path, train_payload)
-            streams, _ = join_train(samples, train, train_path)
+            streams = join_train(samples, train, train_path)
             src_files.append(str(train_path))
             n_steps = _optimizer_steps(train_payload)
             if "old_logprobs" in streams and n_steps > 1:

@@ -264,3 +264,11 @@ def test_cli_w703_is_printed_and_old_kept(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.stderr
     assert "W703" in result.stderr
     assert "old_logprobs" in read_rows(out).columns
+
+
+def test_numpy_routing_replay_arrays_load(tmp_path: Path) -> None:
+    import numpy as np
+
+    experts = {0: {"extra": {"rollout_routed_experts": np.arange(24, dtype=np.int32).reshape(6, 2, 2)}}}
+    (step,) = _read(_dump(tmp_path, overrides=experts, train=False))
+    assert step.rows["input_ids"].to_list()[0] == PROMPTS[0] + RESPONSES[0]
