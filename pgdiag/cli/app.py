@@ -3,7 +3,7 @@
 Commands: ``check`` (validation and alignment), ``metrics`` (policy-gradient metric set and every loss
 aggregation), ``compare`` (parity of two runs), ``plot`` (redraw a report's plots), ``logprobs``/``recompute``
 (new log-probs and entropy from a checkpoint), ``import`` (a framework's rollout dump to a canonical run), ``whatif`` (off-policy correction rules replayed
-on a saved batch), ``drift`` (per-step metrics over a whole run, with change points). ``python -m pgdiag`` is the same program.
+on a saved batch), ``drift`` (per-step metrics over a whole run, with change points), ``report`` (re-render a saved report). ``python -m pgdiag`` is the same program.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pgdiag.cli import (
     logprobs_cmd,
     metrics_cmd,
     plot_cmd,
+    report_cmd,
     whatif_cmd,
 )
 
@@ -63,6 +64,7 @@ def build_app() -> typer.Typer:
         import_cmd,
         whatif_cmd,
         drift_cmd,
+        report_cmd,
     ):
         module.register(app)
     return app
