@@ -93,6 +93,14 @@ def drift(
             "--plot", help="Write the trend plot with change points (.png/.svg/.pdf).", rich_help_panel=OUTPUT
         ),
     ] = None,
+    to_tensorboard: Annotated[
+        Path | None,
+        typer.Option(
+            "--to-tensorboard",
+            help="Write the per-step scalars as TensorBoard events in this directory.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
     overwrite: OverwriteOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -158,6 +166,12 @@ def drift(
             path = save_figure(plot_drift(report), plot)
             result.setdefault("files", {})["plots"] = [str(path)]
             console.print(f"plot written to {path}", markup=False)
+        if to_tensorboard is not None:
+            from pgdiag.report.export import export_tensorboard
+
+            events = export_tensorboard(report, to_tensorboard)
+            result.setdefault("files", {})["tensorboard"] = str(events)
+            console.print(f"tensorboard events written to {events}", markup=False)
         return result
 
     execute("drift", body, json_out=json_out, quiet=quiet)

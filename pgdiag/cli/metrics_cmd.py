@@ -284,6 +284,14 @@ def metrics(
     exit_zero: ExitZeroOpt = False,
     json_out: JsonOpt = False,
     out: OutOpt = None,
+    to_tensorboard: Annotated[
+        Path | None,
+        typer.Option(
+            "--to-tensorboard",
+            help="Write the per-step scalars as TensorBoard events in this directory.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
     overwrite: OverwriteOpt = False,
     all_steps: Annotated[
         bool,
@@ -411,6 +419,12 @@ def metrics(
             )
             result.setdefault("files", {})["html"] = str(page)
             console.print(f"html report written to {page}", markup=False)
+        if to_tensorboard is not None:
+            from pgdiag.report.export import export_tensorboard
+
+            events = export_tensorboard(report, to_tensorboard)
+            result.setdefault("files", {})["tensorboard"] = str(events)
+            console.print(f"tensorboard events written to {events}", markup=False)
         return result
 
     execute("metrics", body, json_out=json_out, quiet=quiet)
