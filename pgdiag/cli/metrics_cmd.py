@@ -286,6 +286,14 @@ def metrics(
     exit_zero: ExitZeroOpt = False,
     json_out: JsonOpt = False,
     out: OutOpt = None,
+    to_tensorboard: Annotated[
+        Path | None,
+        typer.Option(
+            "--to-tensorboard",
+            help="Write the per-step scalars as TensorBoard events in this directory.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
     overwrite: OverwriteOpt = False,
     show_all: Annotated[
         bool,
@@ -442,6 +450,10 @@ def metrics(
                 **page_verdict,
             )
             result["files"]["html"] = str(page)
+        if to_tensorboard is not None:
+            from pgdiag.report.export import export_tensorboard
+
+            result["files"]["tensorboard"] = str(export_tensorboard(report, to_tensorboard))
         if out is not None:  # written last: its JSON lists every file
             result["files"] = (
                 report.write(out, overwrite=overwrite, result=result).as_dict() | result["files"]
