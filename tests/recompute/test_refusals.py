@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from pgdiag.cli.app import build_app
 from pgdiag.errors import UsageError
 from pgdiag.kernels import resolve_impl
-from pgdiag.recompute.logprobs import ProgressUpdate, recompute_logprobs
+from pgdiag.recompute.jobs import recompute_logprobs
+from pgdiag.recompute.logprobs import ProgressUpdate
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "sample_data" / "tiny-qwen"
