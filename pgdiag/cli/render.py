@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from pgdiag.report.format import format_value
 from pgdiag.report.gates import GateResult
 from pgdiag.report.report import Report
 from pgdiag.report.verdict import Verdict
@@ -42,19 +42,6 @@ COMPACT_METRICS = (
     "count/samples",
     "count/samples_empty",
 )
-
-
-def format_value(value: float | None, unit: str, *, digits: int = 6) -> str:
-    """A number for a table cell: counts as integers, others with `digits` significant digits; None as '—'."""
-    if value is None:
-        return "—"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    if unit == "count":
-        return f"{int(value):,}"
-    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-4):
-        return f"{value:.{max(digits - 2, 1)}e}"
-    return f"{value:.{digits}g}"
 
 
 def _family(metric: str) -> str:

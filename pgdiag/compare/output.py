@@ -17,24 +17,10 @@ from typing import Any
 
 import polars as pl
 
+from pgdiag.report.format import PARITY_HEADLINE_STATS
 from pgdiag.report.gates import GateResult
 from pgdiag.report.report import REPORT_SCHEMA_ID, Report
 from pgdiag.report.verdict import Verdict
-
-SUMMARY_STATS = (
-    "abs_mean",
-    "bias",
-    "rms",
-    "abs_p99",
-    "abs_max",
-    "kl_k3",
-    "tmpe",
-    "frac_out_clip",
-    "frac_out_2x",
-    "pearson_r",
-    "fit_slope",
-    "ess_token",
-)
 
 
 def output_paths(out: str | Path) -> tuple[Path, str]:
@@ -103,7 +89,7 @@ def summary_markdown(report: Report, gates: GateResult | None, verdict: Verdict 
         n_tok = cell.get(("token", "count/mismatch_tokens"), (None, ""))[0]
         lines += [f"## `{pair}`", "", f"{int(n_tok or 0):,} matched tokens. Δ = lp_b − lp_a.", ""]
         lines += ["| metric | token | sequence | unit |", "|---|---|---|---|"]
-        for stat in SUMMARY_STATS:
+        for stat in PARITY_HEADLINE_STATS:
             tok = cell.get(("token", f"mismatch/{stat}"))
             seq = cell.get(("sequence", f"mismatch/{stat}"))
             if tok is None and seq is None:

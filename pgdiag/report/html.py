@@ -22,25 +22,13 @@ from typing import Any
 import polars as pl
 
 from pgdiag.errors import UsageError
+from pgdiag.report.format import PARITY_HEADLINE_STATS, format_value
 from pgdiag.report.plots import SMALL_BUCKET, Mark, PlotSet, figure_bytes
 from pgdiag.report.report import Report
 
 FAMILY_ORDER = ("policy", "loss", "mismatch", "advantage", "entropy", "group", "grad", "count")
 COLLAPSED_FAMILIES = ("grad", "count")  # long and rarely read first: folded
-HEADLINE_STATS = (  # the parity table's first rows; the other statistics fold under them
-    "abs_mean",
-    "bias",
-    "rms",
-    "abs_p99",
-    "abs_max",
-    "kl_k3",
-    "tmpe",
-    "frac_out_clip",
-    "frac_out_2x",
-    "pearson_r",
-    "fit_slope",
-    "ess_token",
-)
+HEADLINE_STATS = PARITY_HEADLINE_STATS  # the parity table's first rows; the other statistics fold under them
 BREAKDOWN_STATS = ("abs_mean", "abs_p99", "abs_max", "bias", "kl_k3", "frac_out_clip")
 GOOD_STATUSES = ("agree", "clean", "ok", "pass")
 WARN_STATUSES = ("warn", "warning", "warnings")
@@ -104,13 +92,7 @@ def _num(value: Any, unit: str = "") -> str:
     value = float(value)
     if math.isnan(value):
         return "—"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    if unit == "count":
-        return f"{int(value):,}"
-    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-4):
-        return f"{value:.4e}"
-    return f"{value:.6g}"
+    return format_value(value, unit)
 
 
 def _table(
