@@ -34,6 +34,7 @@ RENDER_OPTIONS = {
     "verbose",
     "tokens_out",
     "html",
+    "to_tensorboard",  # report/export.py: the report's per-step rows, tests/report/test_export.py
 }
 
 
@@ -100,6 +101,7 @@ def test_every_option_is_accounted_for() -> None:
     }  # fmt: skip
     compare_known = compare_fields | check_fields | READ_OPTIONS | GATE_OPTIONS | RENDER_OPTIONS
     compare_known |= {"routing_replay"}  # routing_attribution's, tests/recompute/test_routing_replay.py
+    compare_known |= {"baseline"}  # compare_many's, tests/compare/test_nway.py
     assert _params("compare") - compare_known - {"run_a", "run_b"} == set()
 
 
