@@ -99,4 +99,11 @@ def test_compiled_combine_equals_eager() -> None:
     eager = combine_rows(rows, row_of, weights)
     fused = moe_combine(True)(rows, row_of, weights)
     assert fused.dtype == torch.bfloat16
-    torch.testing.assert_close(fused, eager, rtol=0, atol=0)
+    # both round each weighted row to bf16 (as HF), sum the k in fp32 and round once; the compiled kernel may
+    # order or fuse that sum differently, so a rare element lands one bf16 ulp away: each must be within one
+    # ulp (2^-8 relative, plus the fp32 sum's own error) of the same products summed in fp64
+    products = (rows[row_of].float() * weights[..., None]).bfloat16()  # (n, k, h), what both sum
+    exact = products.double().sum(1)  # (n, h)
+    for got in (fused, eager):
+        torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5)
+    assert (fused != eager).float().mean().item() < 1e-4  # and they agree but for those rare ties
