@@ -40,6 +40,7 @@ class Code(StrEnum):
     MISSING_COLUMN = ("E102", "a required column is missing", 3)
     LOSSY_CAST = ("E103", "a column cannot be cast losslessly to its schema type", 3)
     ALIGNMENT_UNSUPPORTED = ("E104", "the file's alignment is not `token`", 3)
+    BAD_FOOTER_SHAPE = ("E105", "a footer entry is not JSON of the documented shape", 3)
     # usage errors found while parsing options
     BAD_GATE = ("E110", "a gate expression or profile cannot be parsed or names no known metric", 2)
     STREAM_NOT_FOUND = ("E111", "a named stream or entropy is not in the run", 2)

@@ -192,13 +192,18 @@ def _recompute_dirs(root: Path | None, attach: Sequence[str | Path]) -> dict[str
             )
         tag = directory.name
         manifest = directory / "_manifest.json"
-        if manifest.is_file():
-            try:
-                tag = str(json.loads(manifest.read_text(encoding="utf-8")).get("tag", tag))
-            except (json.JSONDecodeError, AttributeError):
-                tag = directory.name
+        tag = str(_manifest_object(manifest).get("tag", tag))
         found[tag] = directory
     return found
+
+
+def _manifest_object(manifest: Path) -> dict[str, Any]:
+    """A recompute ``_manifest.json`` as an object; {} when it is absent, unreadable or JSON of another shape."""
+    try:
+        value = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _part_schema_has_entropy(directory: Path) -> bool:
@@ -303,13 +308,7 @@ def _recompute_frame(run: Run, tag: str, want_logprobs: bool, want_entropy: bool
             "E111", f"stream {tag!r} not found in {run.label}", f"streams: {', '.join(run.streams)}"
         )
     manifest = directory / "_manifest.json"
-    complete = False
-    if manifest.is_file():
-        try:
-            complete = json.loads(manifest.read_text(encoding="utf-8")).get("complete") is True
-        except json.JSONDecodeError:
-            complete = False
-    if not complete:
+    if _manifest_object(manifest).get("complete") is not True:
         raise UsageError(
             "E504",
             f"{directory}: recompute dataset is incomplete (no _manifest.json with complete: true)",

@@ -1,0 +1,75 @@
+"""The ten worst defects of the reliability campaign (and the smaller ones listed with them), each a test.
+
+Every test here failed before its fix: an exit 101, a traceback, a multi-line message, a silently accepted
+invalid input or a half-written output. See docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+from clean_error import error_code, files_under, run_cli
+from rollout_factory import valid_rows, write_rollouts_file
+
+from pgdiag.report.report import load_report
+
+SAMPLE_RUN = Path(__file__).resolve().parents[2] / "sample_data" / "run_a"
+
+
+def long_samples(n_tokens: int, gap: float) -> list[dict]:
+    """Two samples of `n_tokens` response tokens whose two streams differ by `gap` and 2·`gap` nats per token."""
+    rows = []
+    for s in range(2):
+        rows.append(
+            {
+                "step": 0,
+                "sample_id": f"s{s}",
+                "group_id": "g",
+                "input_ids": [5] * (n_tokens + 1),
+                "prompt_len": 1,
+                "loss_mask": [False] + [True] * n_tokens,
+                "old_logprobs": [None] + [-0.1] * n_tokens,
+                "rollout_logprobs": [None] + [-0.1 - gap * (s + 1)] * n_tokens,
+                "advantages": [None] + [1.0] * n_tokens,
+                "reward": 1.0,
+            }
+        )
+    return rows
+
+
+def test_summed_log_ratio_past_exp_range_is_inf_not_overflow(tmp_path: Path) -> None:
+    # (1) 3,000 tokens 0.3 nats apart: Σd = 900 nats > 709.78, where math.exp overflowed (exit 101).
+    run = write_rollouts_file(tmp_path / "run.parquet", long_samples(3000, 0.3))
+    out = tmp_path / "out"
+    result = run_cli(["metrics", run, "--new", "old", "--old", "rollout", "--out", out])
+    assert result.exit_code == 0, result.output
+    report = load_report(out)
+    assert report.value("mismatch/seq_sum_delta_p99") is not None
+    value = report.value("mismatch/seq_ratio_p99")
+    assert value is not None and math.isinf(value) and value > 0
+
+
+def test_footer_of_the_wrong_json_shape_is_e105(tmp_path: Path) -> None:
+    # (10) valid JSON of the wrong shape: every command crashed with AttributeError on `.get` (exit 101).
+    cases = {"streams": ["old"], "source": "x", "sampling": [0.7]}
+    for key, value in cases.items():
+        run = write_rollouts_file(tmp_path / f"{key}.parquet", valid_rows(), **{key: value})
+        for command in (["check", run], ["metrics", run, "--new", "old", "--old", "rollout"]):
+            result = run_cli(command)
+            assert error_code(result) == "E105", result.output
+            assert f"pgdiag.{key} is a" in result.output
+    run = write_rollouts_file(tmp_path / "stream.parquet", valid_rows(), streams={"old": [1]})
+    assert error_code(run_cli(["check", run])) == "E105"
+
+
+def test_manifest_that_is_a_list_is_an_incomplete_recompute(tmp_path: Path) -> None:
+    # (10) a recompute `_manifest.json` holding a JSON list crashed check/metrics/compare (exit 101).
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE_RUN, run)
+    (run / "logprobs" / "t1").mkdir(parents=True)
+    (run / "logprobs" / "t1" / "_manifest.json").write_text("[1, 2]", encoding="utf-8")
+    before = files_under(run)
+    assert error_code(run_cli(["check", run])) == "E504"
+    assert files_under(run) == before
