@@ -13,6 +13,7 @@ from pathlib import Path
 from clean_error import error_code, files_under, run_cli
 from rollout_factory import valid_rows, write_rollouts_file
 
+from pgdiag.cli import run
 from pgdiag.report.report import load_report
 
 SAMPLE_RUN = Path(__file__).resolve().parents[2] / "sample_data" / "run_a"
@@ -73,3 +74,27 @@ def test_manifest_that_is_a_list_is_an_incomplete_recompute(tmp_path: Path) -> N
     before = files_under(run)
     assert error_code(run_cli(["check", run])) == "E504"
     assert files_under(run) == before
+
+
+def test_bad_command_line_is_one_error_line(capsys) -> None:
+    # Typer printed a multi-line box for an unknown option or a bad choice; now one error line, exit 2.
+    for args, code in (
+        (["metrics", "run", "--bogus"], "E515"),
+        (["metrics", str(SAMPLE_RUN), "--level", "zzz"], "E503"),
+        (["compare"], "E515"),
+    ):
+        assert run(args) == 2
+        err = capsys.readouterr()
+        text = err.out + err.err
+        lines = text.strip().splitlines()
+        assert lines[0].startswith(f"error[{code}] "), text
+        assert all(line.startswith("hint: ") for line in lines[1:]), text
+        assert "╭" not in text
+
+
+def test_newline_in_a_message_keeps_the_one_line_rule(tmp_path: Path) -> None:
+    # a path (or id) holding a newline broke the one-line rule: it is written as a backslash and n.
+    missing = tmp_path / "no\nsuch"
+    result = run_cli(["check", missing])
+    assert error_code(result) == "E501"
+    assert "no\\nsuch" in result.output
