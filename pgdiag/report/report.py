@@ -211,7 +211,7 @@ class Report:
         `path` is a directory (files ``<dir>/<kind>.*``) or a ``.parquet`` file name. `result` is the command's
         `--json` object, stored as ``<name>.json`` (default: `to_json_dict()`).
         """
-        from pgdiag.data.writing import write_json, write_parquet
+        from pgdiag.data.writing import directory_lock, write_json, write_parquet
 
         path = Path(path)
         if path.suffix == ".parquet":
@@ -226,25 +226,30 @@ class Report:
         )
         worst_seqs_path = directory / f"{name}.worst_seqs.parquet" if self.worst_seqs is not None else None
         targets = [p for p in (report_path, json_path, worst_tokens_path, worst_seqs_path) if p is not None]
-        if not overwrite:
-            existing = [p for p in targets if p.exists()]
-            if existing:
-                raise UsageError("E502", f"{existing[0]} exists", "pass --overwrite to replace it")
-        metadata = {
-            "pgdiag.schema": REPORT_SCHEMA_ID,
-            "pgdiag.report": {"kind": self.kind, "meta": _jsonable(self.meta)},
-            "pgdiag.checks": _jsonable(self.checks.to_dicts()),
-        }
-        table = self.summary.to_arrow()
-        for name_ in CATEGORICAL_COLUMNS:
-            index = table.schema.get_field_index(name_)
-            table = table.set_column(index, name_, table.column(name_).dictionary_encode())
-        if worst_tokens_path is not None:
-            write_parquet(self.worst_tokens, worst_tokens_path, metadata={"pgdiag.schema": REPORT_SCHEMA_ID})
-        if worst_seqs_path is not None:
-            write_parquet(self.worst_seqs, worst_seqs_path, metadata={"pgdiag.schema": REPORT_SCHEMA_ID})
-        write_parquet(table, report_path, metadata=metadata)
-        write_json(_jsonable(result if result is not None else self.to_json_dict()), json_path)
+        with directory_lock(
+            directory
+        ):  # a second writer waits, then finds the report (E502) or replaces it whole
+            if not overwrite:
+                existing = [p for p in targets if p.exists()]
+                if existing:
+                    raise UsageError("E502", f"{existing[0]} exists", "pass --overwrite to replace it")
+            metadata = {
+                "pgdiag.schema": REPORT_SCHEMA_ID,
+                "pgdiag.report": {"kind": self.kind, "meta": _jsonable(self.meta)},
+                "pgdiag.checks": _jsonable(self.checks.to_dicts()),
+            }
+            table = self.summary.to_arrow()
+            for name_ in CATEGORICAL_COLUMNS:
+                index = table.schema.get_field_index(name_)
+                table = table.set_column(index, name_, table.column(name_).dictionary_encode())
+            if worst_tokens_path is not None:
+                write_parquet(
+                    self.worst_tokens, worst_tokens_path, metadata={"pgdiag.schema": REPORT_SCHEMA_ID}
+                )
+            if worst_seqs_path is not None:
+                write_parquet(self.worst_seqs, worst_seqs_path, metadata={"pgdiag.schema": REPORT_SCHEMA_ID})
+            write_parquet(table, report_path, metadata=metadata)
+            write_json(_jsonable(result if result is not None else self.to_json_dict()), json_path)
         return ReportFiles(report_path, json_path, worst_tokens_path, worst_seqs_path)
 
 
