@@ -171,6 +171,7 @@ def _scan(
     lazy = pl.scan_parquet(
         [str(p) for p in paths],
         hive_partitioning=hive,
+        glob=False,  # a path holding `[` or `?` is a name, not a pattern (globs are expanded by resolve_paths)
         include_file_paths=FILE_COLUMN if with_file else None,
         missing_columns="insert",
         extra_columns="ignore",
@@ -319,7 +320,9 @@ def _recompute_frame(run: Run, tag: str, want_logprobs: bool, want_entropy: bool
         raise UsageError("E504", f"{directory}: no recompute parts", "rerun pgdiag logprobs")
     for part in parts:
         check_logprobs_footer(read_footer(part), part)
-    lazy = pl.scan_parquet([str(p) for p in parts], hive_partitioning=False, missing_columns="insert")
+    lazy = pl.scan_parquet(
+        [str(p) for p in parts], hive_partitioning=False, glob=False, missing_columns="insert"
+    )
     columns = [
         pl.col("step").cast(pl.Int64),
         pl.col("sample_id").cast(pl.String),

@@ -6,6 +6,7 @@ invalid input or a half-written output. See docs/reliability.md.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -98,3 +99,14 @@ def test_newline_in_a_message_keeps_the_one_line_rule(tmp_path: Path) -> None:
     result = run_cli(["check", missing])
     assert error_code(result) == "E501"
     assert "no\\nsuch" in result.output
+
+
+def test_path_with_glob_characters_is_read_as_a_name(tmp_path: Path) -> None:
+    # (6) polars expanded `run[1].parquet` as a pattern and read run1.parquet (another step) instead.
+    rows = valid_rows()
+    write_rollouts_file(tmp_path / "run[1].parquet", [r for r in rows if r["step"] == 0])
+    write_rollouts_file(tmp_path / "run1.parquet", [r for r in rows if r["step"] == 1])
+    result = run_cli(["metrics", tmp_path / "run[1].parquet", "--new", "old", "--old", "rollout", "--json"])
+    assert result.exit_code == 0, result.output
+    inputs = json.loads(result.output.strip().splitlines()[-1])["inputs"]
+    assert inputs["steps"] == ["0"]
