@@ -101,6 +101,11 @@ class Code(StrEnum):
     NEEDS_RUN_ON_DISK = ("E512", "the option reads the run from disk, but in-memory batches were given", 2)
     BAD_TENSORS = ("E513", "tensor shapes, dtypes or devices of a library call do not fit together", 2)
     SETTINGS_TWICE = ("E514", "settings given twice: a settings object and keyword options", 2)
+    UNREADABLE_PATH = (
+        "E516",
+        "a file or folder of the input cannot be read (permission, link, not a folder)",
+        2,
+    )
     BAD_COMMAND_LINE = ("E515", "the command line cannot be parsed (unknown option, missing argument)", 2)
     # imports of framework dumps
     UNSAFE_PICKLE_GLOBAL = ("E701", "a pickle needs a global outside the preset's allow-list", 2)

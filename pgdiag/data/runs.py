@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob as globlib
 import json
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -134,7 +135,31 @@ def _natural_key(path: Path) -> tuple:
 
 
 def _parquet_under(directory: Path) -> list[Path]:
-    return [p for p in directory.rglob("*.parquet") if p.is_file() and _visible(p, directory)]
+    """Every visible ``*.parquet`` file below `directory`; a folder or link that cannot be read is E516.
+
+    (``Path.rglob`` skipped an unreadable ``step=N/`` folder silently, so a command ran on part of the run.)
+    """
+
+    def refuse(error: OSError) -> None:
+        raise UsageError(
+            "E516",
+            f"{error.filename or directory}: cannot be read ({error.strerror or error})",
+            "fix its permissions or link, or move it out of the run",
+        )
+
+    found: list[Path] = []
+    for folder, subfolders, names in os.walk(directory, onerror=refuse, followlinks=True):
+        base = Path(folder)
+        subfolders[:] = [name for name in subfolders if _visible(base / name, directory)]
+        for name in names:
+            path = base / name
+            if not _visible(path, directory):
+                continue
+            if path.is_symlink() and not path.exists():  # dangling, or a loop of links
+                refuse(OSError(40, "a link that leads nowhere or loops", str(path)))
+            if name.endswith(".parquet") and path.is_file():
+                found.append(path)
+    return found
 
 
 def resolve_paths(path: str | Path) -> tuple[tuple[Path, ...], Path | None]:

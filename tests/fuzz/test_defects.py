@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -110,3 +111,29 @@ def test_path_with_glob_characters_is_read_as_a_name(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     inputs = json.loads(result.output.strip().splitlines()[-1])["inputs"]
     assert inputs["steps"] == ["0"]
+
+
+def test_unreadable_step_folder_is_e516_not_skipped(tmp_path: Path, monkeypatch) -> None:
+    # (3) an unreadable step=N/ folder was skipped silently: every command exited 0 on part of the run.
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE_RUN, run)
+    link = run / "rollouts" / "step=7"
+    link.symlink_to(tmp_path / "nowhere")
+    assert error_code(run_cli(["check", run])) == "E516"
+    link.unlink()
+    link.symlink_to(link.name)  # a loop
+    assert error_code(run_cli(["check", run])) == "E516"
+    link.unlink()
+    assert run_cli(["check", run]).exit_code == 0
+    # a folder the user may not list (root reads every folder, so the denial is simulated)
+    real_scandir = os.scandir
+
+    def denied(path="."):
+        if str(path).endswith("step=2"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", denied)
+    result = run_cli(["metrics", run, "--new", "old", "--old", "rollout"])
+    assert error_code(result) == "E516"
+    assert "step=2: cannot be read (Permission denied)" in result.output
