@@ -86,7 +86,7 @@ class ImportOptions:
     tokenizer: Path | None = None
 
     def check(self) -> None:
-        """Raise UsageError E112 for an option outside its choices."""
+        """Raise UsageError for an option outside its choices (E112 unparsable --group-by, E503, E506)."""
         if self.group_by not in GROUP_BY_CHOICES:
             prefix, _, size = self.group_by.partition(":")
             if prefix != "contiguous" or not size.isdigit() or int(size) < 1:
@@ -201,7 +201,7 @@ def preset_names() -> tuple[str, ...]:
 
 
 def load_preset(name: str) -> Preset:
-    """The `Preset` registered as `name` (its module imported now); UsageError E112 for an unknown name."""
+    """The `Preset` registered as `name` (its module imported now); UsageError E503 for an unknown name."""
     entry = PRESET_MODULES.get(name)
     if entry is None:
         raise UsageError("E503", f"unknown preset {name!r}", f"presets: {', '.join(preset_names())}")

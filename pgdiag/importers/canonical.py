@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from pgdiag.data.flat import flat_list
+from pgdiag.data.flat import FlatList, flat_list
 from pgdiag.data.schema import ROLLOUTS_SCHEMA, decode_footer
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.importers import alignment
@@ -87,7 +87,7 @@ def _place_response_aligned(df: pl.DataFrame, shifted: set[str], source: str) ->
             )
         placed = alignment.response_aligned(values, prompt_len, seq_lens, source=source, field=column)
         if dtype.inner == pl.Boolean:  # type: ignore[union-attr]
-            placed = type(placed)(placed.offsets, placed.values & placed.valid, None, None)
+            placed = FlatList(placed.offsets, placed.values & placed.valid, None, None)
         replaced.append(alignment.to_series(column, placed, dtype))
     return df.with_columns(replaced) if replaced else df
 

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from pgdiag.data.flat import FlatList
 from pgdiag.errors import UsageError
 from pgdiag.importers import alignment
 from pgdiag.importers.base import ImportedStep, ImportOptions, Preset, bad_layout, text_only
@@ -138,7 +139,7 @@ def read_step(step: int, path: Path, tokenizer: Any, tokenizer_meta: dict[str, A
         "input_ids": alignment.to_series("input_ids", ids, pl.List(pl.Int32)),
         "prompt_len": pl.Series("prompt_len", prompt_lens, dtype=pl.Int32),
         "loss_mask": alignment.to_series(
-            "loss_mask", type(ids)(ids.offsets, mask, None, None), pl.List(pl.Boolean)
+            "loss_mask", FlatList(ids.offsets, mask, None, None), pl.List(pl.Boolean)
         ),
     }
     scores = [row.get("score") for row in rows]

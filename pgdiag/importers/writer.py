@@ -29,7 +29,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pgdiag.data.flat import FlatList, RowTable, flat_list
-from pgdiag.data.schema import LABEL_PATTERN, ROLLOUTS_SCHEMA, RUN_SIDECAR_SCHEMA, decode_footer
+from pgdiag.data.schema import (
+    LABEL_PATTERN,
+    ROLLOUTS_SCHEMA,
+    RUN_SIDECAR_SCHEMA,
+    decode_footer,
+    stream_column,
+)
 from pgdiag.data.validate import CheckResult, Issue, check_result, validate_rows
 from pgdiag.data.writing import (
     _with_seq_hash,
@@ -44,7 +50,6 @@ from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.importers import alignment, ids
 from pgdiag.importers.base import DegenerateStream, ImportedStep, ImportOptions
 
-STREAM_NAMES = ("rollout", "old", "ref", "new")
 MASKED_COLUMNS_SUFFIX = "_logprobs"  # every stream column, plus "advantages"
 _PARTS = "rollouts"
 
@@ -89,7 +94,7 @@ def _stream_columns(columns: Iterable[str]) -> list[str]:
 
 
 def run_label(label: str | None, out: Path) -> str:
-    """The run label: `label`, else OUT's name (without ``.parquet``); UsageError E112 when not a valid label."""
+    """The run label: `label`, else OUT's name (without ``.parquet``); UsageError E503 when not a valid label."""
     name = label if label is not None else out.name.removesuffix(".parquet")
     if not LABEL_PATTERN.fullmatch(name):
         raise UsageError("E503", f"run label {name!r} is not [A-Za-z0-9_.-]{{1,64}}", "pass --label NAME")
@@ -468,11 +473,7 @@ def _drop_degenerate(totals: _Totals) -> list[str]:
     return dropped
 
 
-def stream_column(stream: str) -> str:
-    return f"{stream}{MASKED_COLUMNS_SUFFIX}"
-
-
-def _sidecar(totals: _Totals, out: Path, tmp: Path, dropped: list[str]) -> dict[str, Any]:
+def _sidecar(totals: _Totals, tmp: Path, dropped: list[str]) -> dict[str, Any]:
     steps = sorted(s.step for s in totals.steps)
     source = dict(totals.footer.get("source") or {})
     source["unsafe_load"] = bool(source.get("unsafe_load")) or totals.unsafe_load
@@ -553,7 +554,7 @@ def write_steps(
             os.replace(totals.files[0], single)
             totals.files[0].parent.rmdir()
             totals.files = [single]
-        write_json(_sidecar(totals, out, tmp, dropped), tmp / "pgdiag.json")
+        write_json(_sidecar(totals, tmp, dropped), tmp / "pgdiag.json")
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -565,7 +566,7 @@ def write_steps(
         n_tokens=totals.n_tokens,
         n_loss_tokens=totals.n_loss_tokens,
         steps=tuple(totals.steps),
-        issues=check_result(totals.warnings),
+        issues=check_result([w for w in totals.warnings if w.code not in ignore]),  # hides, never acts
         streams=streams,
         dropped_streams=tuple(_stream_of(c) for c in dropped),
     )

@@ -27,7 +27,7 @@ RENDER_OPTIONS = {"json_out", "out", "overwrite", "all_steps", "quiet", "verbose
 
 class _Stop(UsageError):
     def __init__(self) -> None:
-        super().__init__("E999", "stopped by the test")
+        super().__init__("E503", "stopped by the test")
 
 
 def _capture(monkeypatch: pytest.MonkeyPatch, module: str, name: str) -> dict[str, Any]:
@@ -59,7 +59,7 @@ def _params(command: str) -> set[str]:
 
 def _invoke(*args: str) -> None:
     result = CliRunner().invoke(build_app(), [str(a) for a in args])
-    assert result.exit_code == 2 and "E999" in result.stderr, result.stderr
+    assert result.exit_code == 2 and "stopped by the test" in result.stderr, result.stderr
 
 
 METRIC_ARGS = (

@@ -177,3 +177,10 @@ def test_cli_import_then_compare_zero_deltas(tmp_path):
         v for pair in summary.values() for k, v in pair.items() if k.endswith(("abs_mean", "/rms", "/bias"))
     ]
     assert values and np.allclose(values, 0.0, atol=0) and all(v == 0.0 for v in values)
+
+
+def test_ignore_hides_w701_but_still_drops(tmp_path):
+    src, _ = _dump(tmp_path, force_on_policy_ratio=True)
+    result = pgdiag.import_run("nemo-rl", src, tmp_path / "out", ignore=("W701",))
+    assert result.dropped_streams == ("old",) and "W701" not in result.issues.issues["code"].to_list()
+    assert pgdiag.read_run(tmp_path / "out").meta["import"]["ignored_codes"] == ["W701"]
