@@ -22,18 +22,21 @@ def run_cli(args: list[str]) -> Result:
     return CliRunner().invoke(build_app(), [str(a) for a in args])
 
 
-def error_code(result: Result) -> str:
-    """The code of the one error line of a failed command; AssertionError when the contract is broken."""
+def error_code(result: Result, *, check: bool = False) -> str:
+    """The code of the one error line of a failed command; AssertionError when the contract is broken.
+
+    `check`: the output of ``pgdiag check``, which lists every rule a file breaks (one line each) and a verdict.
+    """
     output = result.output
     assert "Traceback" not in output, output
     assert "internal error" not in output, output
     assert result.exit_code in (2, 3), (result.exit_code, output)
     lines = [line for line in output.splitlines() if line.startswith("error[")]
-    assert len(lines) == 1, output
+    assert len(lines) == 1 or (check and lines), output
+    assert all(ERROR_LINE.match(line) for line in lines), output
     match = ERROR_LINE.match(lines[0])
-    assert match, output
-    following = output.split(lines[0], 1)[1].strip().splitlines()
-    assert all(line.startswith("hint: ") for line in following), output
+    following = [line for line in output.split(lines[0], 1)[1].strip().splitlines() if line not in lines]
+    assert all(line.startswith(("hint: ", "check: ")) for line in following), output  # check adds its verdict
     code = match.group(1)
     assert Code(code).exit_code == result.exit_code, (code, result.exit_code)
     return code
