@@ -46,7 +46,7 @@ _EXPORTS = {
     "Outcome": "pgdiag.report.gates",
     "outcome": "pgdiag.report.gates",
     "compare_runs": "pgdiag.compare.api",
-    "recompute_logprobs": "pgdiag.recompute.logprobs",
+    "recompute_logprobs": "pgdiag.recompute.jobs",
     "RecomputeResult": "pgdiag.recompute.logprobs",
     "load_model": "pgdiag.model",
     "lm_head_logprobs": "pgdiag.kernels",

@@ -165,6 +165,6 @@ class UsageError(PgdiagError):
 
 
 class InvalidInputError(PgdiagError):
-    """Validation or alignment error in the input data (E1xx-E3xx), or nothing to compare (exit 3)."""
+    """Validation or alignment error in the input data (E1xx-E3xx, E703), or nothing to compare (exit 3)."""
 
     exit_code = EXIT_INVALID

@@ -3,8 +3,8 @@
 `check` runs them on two streams of one run, `compare` on two aligned runs; both pass the same arrays (side a's
 and side b's (M,) log-probs plus where each token sits), so both report the same codes with the same thresholds:
 
-    E302 a stream shifted by ±1 position · E205 positive log-probs · E206 zero-filled log-probs ·
-    E207 NaN/inf log-probs
+    E302 a stream shifted by ±1 position · E207 NaN/inf log-probs · E205 positive log-probs ·
+    E206 zero-filled log-probs
 
 `where` is any object with `offsets` (S+1,), `pos` (M,), `step` (S,), `sample_id` (S,) and `token_sample()`
 (M,) (a `TokenBatch`, or `compare.align.AlignedPair`). Medians run over at most `STAT_SAMPLE_TOKENS` evenly
@@ -117,48 +117,38 @@ def shift_issue(
     )
 
 
-def nonfinite_issues(sides: list[tuple[np.ndarray, str]], where: TokenLocations) -> list[Issue]:
-    """E207 per side: NaN (or null), -inf and +inf log-probs on the paired tokens."""
+def value_issues(sides: list[tuple[np.ndarray, str]], where: TokenLocations) -> list[Issue]:
+    """E207 (NaN or null, -inf, +inf) then E205 (above `LOGPROB_POSITIVE_TOL`), per side, on the paired tokens."""
     issues = []
-    for values, name in sides:
-        bad = ~np.isfinite(values)
-        if not bad.any():
-            continue
-        n_nan, n_neg = int(np.isnan(values).sum()), int((values == -np.inf).sum())
-        n_pos = int((values == np.inf).sum())
-        text, first = locate(where, np.flatnonzero(bad))
-        issues.append(
-            Issue(
-                "E207",
-                "error",
-                int(bad.sum()),
-                f"{name}: {n_nan} NaN or null, {n_neg} -inf, {n_pos} +inf on matched loss positions (first: {text})",
-                hint="drop the non-finite tokens with --ignore E207 (they are counted)",
-                **first,
-            )
-        )
-    return issues
-
-
-def positive_issues(sides: list[tuple[np.ndarray, str]], where: TokenLocations) -> list[Issue]:
-    """E205 per side: log-probs above `LOGPROB_POSITIVE_TOL`."""
-    issues = []
-    for values, name in sides:
-        with np.errstate(invalid="ignore"):
-            positive = values > LOGPROB_POSITIVE_TOL
-        if positive.any():
-            text, first = locate(where, np.flatnonzero(positive))
+    for code in ("E207", "E205"):
+        for values, name in sides:
+            with np.errstate(invalid="ignore"):
+                bad = ~np.isfinite(values) if code == "E207" else values > LOGPROB_POSITIVE_TOL
+            if not bad.any():
+                continue
+            text, first = locate(where, np.flatnonzero(bad))
+            if code == "E207":
+                n_nan, n_neg = int(np.isnan(values).sum()), int((values == -np.inf).sum())
+                what = f"{n_nan} NaN or null, {n_neg} -inf, {int((values == np.inf).sum())} +inf on matched loss positions"
+            else:
+                what = f"{int(bad.sum())} positive values (max {np.nanmax(values):.3g})"
             issues.append(
                 Issue(
-                    "E205",
+                    code,
                     "error",
-                    int(positive.sum()),
-                    f"{name}: {int(positive.sum())} positive values (max {np.nanmax(values):.3g}; first: {text})",
-                    hint="log-probs must be <= 0; a sign flip or a loss (negative log-prob) was stored?",
+                    int(bad.sum()),
+                    f"{name}: {what} (first: {text})",
+                    hint=_HINTS[code],
                     **first,
                 )
             )
     return issues
+
+
+_HINTS = {
+    "E207": "drop the non-finite tokens with --ignore E207 (they are counted)",
+    "E205": "log-probs must be <= 0; a sign flip or a loss (negative log-prob) was stored?",
+}
 
 
 def zero_fill_issues(

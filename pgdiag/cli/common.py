@@ -222,3 +222,25 @@ def execute(command: str, body: Callable[[Console], dict[str, Any]], *, json_out
 def list_option(values: list[Any] | None) -> tuple[Any, ...]:
     """A repeatable option's values as a tuple (Typer gives None when absent)."""
     return tuple(values or ())
+
+
+def gate_settings(
+    fail_on: list[str] | None, warn_on: list[str] | None, profile: str | None, strict: bool, exit_zero: bool
+) -> Any:
+    """The `report.gates.GateSettings` of the gate options every reporting command shares."""
+    from pgdiag.report.gates import GateSettings
+
+    return GateSettings(
+        fail_on=tuple(list_option(fail_on)),
+        warn_on=tuple(list_option(warn_on)),
+        profile=profile,
+        strict=strict,
+        exit_zero=exit_zero,
+    )
+
+
+def check_settings(ignore: list[str] | None, max_examples: int) -> Any:
+    """The `data.validate.CheckSettings` of `--ignore` and `--max-examples`."""
+    from pgdiag.data.validate import CheckSettings
+
+    return CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)

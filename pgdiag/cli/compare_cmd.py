@@ -40,12 +40,13 @@ from pgdiag.cli.common import (
     StrictOpt,
     VerboseOpt,
     WarnOnOpt,
+    check_settings,
     execute,
+    gate_settings,
     list_option,
     result_object,
 )
 from pgdiag.compare.settings import CompareSettings
-from pgdiag.data.validate import CheckSettings
 from pgdiag.errors import UsageError
 from pgdiag.metrics.settings import ClipBand, MetricSettings
 
@@ -245,15 +246,9 @@ def compare(
         from pgdiag.cli.render import render_checks, render_gates
         from pgdiag.compare.api import compare_runs
         from pgdiag.data.runs import read_run
-        from pgdiag.report.gates import GateSettings, outcome
+        from pgdiag.report.gates import outcome
 
-        gate_settings = GateSettings(
-            fail_on=tuple(list_option(fail_on)),
-            warn_on=tuple(list_option(warn_on)),
-            profile=profile,
-            strict=strict,
-            exit_zero=exit_zero,
-        )
+        gates = gate_settings(fail_on, warn_on, profile, strict, exit_zero)
         clip = ClipBand(eps_low=eps_low, eps_high=eps_high)
         side_metrics = None
         if side_by_side:
@@ -273,7 +268,7 @@ def compare(
             label_a=label_a,
             label_b=label_b,
             metrics=side_metrics,
-            checks=CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples),
+            checks=check_settings(ignore, max_examples),
             model=model,
             tokenizer=tokenizer,
         )
@@ -287,7 +282,7 @@ def compare(
             raise UsageError("E112", "--routing-replay compares streams of one run; give one RUN")
         comparison = compare_runs(source_a, source_b, settings)
         report = comparison.report
-        verdict = outcome(report, gate_settings)
+        verdict = outcome(report, gates)
         if not quiet:  # rich lays tables out even on a quiet console: skip the work
             render_parity(console, report, verbose=verbose)
             if verbose:

@@ -1,7 +1,7 @@
 """`pgdiag logprobs RUN --model CKPT` (alias `recompute`): recompute log-probs and entropy beside a run.
 
-Thin shell over `pgdiag.recompute.logprobs.recompute_logprobs`: parse options, pick how to run (one process; every rank of
-a ``torchrun`` job; or ``--tp N [--dp M]`` local workers started through `pgdiag.recompute.launch.run_workers`), render a
+Thin shell over `pgdiag.recompute.jobs.recompute_logprobs` (which picks how to run: one process; every rank of
+a ``torchrun`` job; or ``--tp N [--dp M]`` local workers it starts itself): parse options, call it once, render a
 progress bar with tokens/s and ETA on stderr (global rank 0 only) and a summary; ``--json`` prints the result
 object on stdout. Examples::
 
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
-from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -38,7 +36,6 @@ from pgdiag.cli.common import (
     make_console,
     result_object,
 )
-from pgdiag.errors import EXIT_INTERNAL, EXIT_INVALID, InvalidInputError, PgdiagError, UsageError
 from pgdiag.recompute.inputs import DEFAULT_BATCH_TOKENS, DEFAULT_PART_SAMPLES
 
 if TYPE_CHECKING:
@@ -238,129 +235,45 @@ def logprobs(
 ) -> None:
     """Recompute per-token log-probs and entropy of RUN's stored tokens with a checkpoint, at loss positions."""
     body_dtype, head = (Dtype.fp32, Dtype.fp32) if reference else (dtype, head_dtype)
-    job = RecomputeJob(
-        run=run,
-        model=str(model),
-        options={
-            "tag": tag or ("rc_ref" if reference else None),
-            "dtype": body_dtype.value,
-            "head_dtype": head.value,
-            "temperature": _parse_temperature(temperature),
-            "impl": impl.value,
-            "batch_tokens": batch_tokens,
-            "order": order.value,
-            "micro_batch": micro_batch,
-            "softmax_vocab": _parse_softmax_vocab(softmax_vocab),
-            "attn": attn.value,
-            "routing": routing.value,
-            "experts": experts.value,
-            "out": out,
-            "resume": resume,
-            "overwrite": overwrite,
-            "part_samples": part_samples,
-            "entropy": entropy,
-        },
-        tp=tp,
-        dp=dp,
-        device=None if device is None else device.value,
-        show_progress=not quiet,
-    )
+    options = {
+        "tag": tag or ("rc_ref" if reference else None),
+        "dtype": body_dtype.value,
+        "head_dtype": head.value,
+        "temperature": _parse_temperature(temperature),
+        "impl": impl.value,
+        "batch_tokens": batch_tokens,
+        "order": order.value,
+        "micro_batch": micro_batch,
+        "softmax_vocab": _parse_softmax_vocab(softmax_vocab),
+        "attn": attn.value,
+        "routing": routing.value,
+        "experts": experts.value,
+        "out": out,
+        "resume": resume,
+        "overwrite": overwrite,
+        "part_samples": part_samples,
+        "entropy": entropy,
+    }
     rank = int(os.environ.get("RANK", "0"))
 
     def body(console: Console) -> dict[str, Any]:
-        result = _run_job(job)
+        from pgdiag.recompute.jobs import recompute_logprobs
+
+        result = recompute_logprobs(
+            run,
+            str(model),
+            tp=tp,
+            dp=dp,
+            device=None if device is None else device.value,
+            progress=ProgressRenderer(quiet=quiet),
+            **options,
+        )
         if result is None:  # a non-zero rank of a torchrun job: rank 0 reports
             return result_object("logprobs")
         _render_summary(console, result, verbose=verbose)
         return _result_json(result, run)
 
     execute("logprobs", body, json_out=json_out and rank == 0, quiet=quiet or rank != 0)
-
-
-@dataclass(frozen=True)
-class RecomputeJob:
-    """Everything a worker needs to run `recompute_logprobs` (picklable for spawned workers)."""
-
-    run: str
-    model: str
-    options: dict[str, Any] = field(default_factory=dict)
-    tp: int | None = None
-    dp: int | None = None
-    device: str | None = None
-    show_progress: bool = True
-
-
-@dataclass(frozen=True)
-class WorkerOutcome:
-    """A worker's answer: its exit code, the result (global rank 0) and the error it raised, if any."""
-
-    exit_code: int
-    result: RecomputeResult | None = None
-    error: tuple[str, str, str, str | None] | None = None  # (kind, code, message, hint)
-
-
-def _run_job(job: RecomputeJob) -> RecomputeResult | None:
-    """Run in this process (plain or torchrun) or start tp x dp local workers; None on non-zero torchrun ranks."""
-    from pgdiag.recompute.launch import launched_by_torchrun, run_workers, teardown_distributed
-
-    if launched_by_torchrun():
-        try:
-            return _run_ranked(job)
-        finally:
-            teardown_distributed()
-    nproc = (job.tp or 1) * (job.dp or 1)
-    if nproc == 1:
-        return _recompute(job, tp_group=None, device=job.device, show_progress=job.show_progress)
-    outcomes: dict[int, WorkerOutcome] = run_workers(_worker, job, nproc=nproc)
-    worst = max(outcomes.values(), key=lambda o: o.exit_code)
-    if worst.error is not None:
-        kind, code, message, hint = worst.error
-        if kind == "internal":
-            raise RuntimeError(message)
-        raise (InvalidInputError if worst.exit_code == EXIT_INVALID else UsageError)(code, message, hint)
-    return outcomes[0].result
-
-
-def _run_ranked(job: RecomputeJob) -> RecomputeResult | None:
-    from pgdiag.recompute.launch import setup_distributed
-
-    setup = setup_distributed(tp=job.tp, dp=job.dp, device=job.device)
-    result = _recompute(
-        job,
-        tp_group=setup.tp_group,
-        device=str(setup.device),
-        show_progress=job.show_progress and setup.layout.is_main,
-    )
-    return result if setup.layout.is_main else None
-
-
-def _worker(job: RecomputeJob) -> WorkerOutcome:
-    """Entry point of a self-launched worker: never raises, so the parent can report the worst exit code."""
-    from pgdiag.recompute.launch import teardown_distributed
-
-    try:
-        return WorkerOutcome(0, _run_ranked(job))
-    except PgdiagError as error:
-        kind = "invalid" if isinstance(error, InvalidInputError) else "usage"
-        return WorkerOutcome(error.exit_code, None, (kind, error.code, error.message, error.hint))
-    except Exception as error:
-        detail = traceback.format_exc() if os.environ.get("PGDIAG_TRACEBACK") == "1" else ""
-        message = f"worker {os.environ.get('RANK', '?')}: {type(error).__name__}: {error}{detail}"
-        return WorkerOutcome(EXIT_INTERNAL, None, ("internal", "INTERNAL", message, None))
-    finally:
-        teardown_distributed()
-
-
-def _recompute(
-    job: RecomputeJob, *, tp_group: Any, device: str | None, show_progress: bool
-) -> RecomputeResult:
-    from pgdiag.recompute.logprobs import recompute_logprobs
-
-    options = dict(job.options)
-    with ProgressRenderer(make_console(quiet=not show_progress)) as renderer:
-        return recompute_logprobs(
-            job.run, job.model, tp_group=tp_group, device=device, progress=renderer, **options
-        )
 
 
 class _TokensPerSecond(ProgressColumn):
@@ -370,25 +283,30 @@ class _TokensPerSecond(ProgressColumn):
 
 
 class ProgressRenderer:
-    """Progress callback: a Rich bar (tokens, tok/s, ETA) on a terminal, one plain line every 30 s otherwise."""
+    """Progress callback: a Rich bar (tokens, tok/s, ETA) on a terminal, one plain line every 30 s otherwise.
 
-    def __init__(self, console: Console) -> None:
-        self.console = console
-        self.live = console.is_terminal and not console.quiet
+    Picklable until entered (the recompute's local workers receive it); the console is made on entry, in the
+    process that renders (global rank 0).
+    """
+
+    def __init__(self, *, quiet: bool) -> None:
+        self.quiet = quiet
+
+    def __enter__(self) -> ProgressRenderer:
+        self.console = make_console(quiet=self.quiet)
+        self.live = self.console.is_terminal and not self.console.quiet
         self.progress = Progress(
             TextColumn("recompute"),
             BarColumn(),
             TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
             _TokensPerSecond(),
             TimeRemainingColumn(),
-            console=console,
+            console=self.console,
             transient=True,
         )
         self.task: int | None = None
         self.start = time.perf_counter()
         self.last_line = self.start
-
-    def __enter__(self) -> ProgressRenderer:
         if self.live:
             self.progress.start()
         return self

@@ -38,7 +38,9 @@ from pgdiag.cli.common import (
     StrictOpt,
     VerboseOpt,
     WarnOnOpt,
+    check_settings,
     execute,
+    gate_settings,
     list_option,
     result_object,
 )
@@ -316,15 +318,9 @@ def metrics(
         from pgdiag.cli.render import render_checks, render_gates, render_metrics
         from pgdiag.data.runs import read_run
         from pgdiag.metrics.api import compute_metrics
-        from pgdiag.report.gates import GateSettings, outcome
+        from pgdiag.report.gates import outcome
 
-        gate_settings = GateSettings(
-            fail_on=tuple(list_option(fail_on)),
-            warn_on=tuple(list_option(warn_on)),
-            profile=profile,
-            strict=strict,
-            exit_zero=exit_zero,
-        )
+        gates = gate_settings(fail_on, warn_on, profile, strict, exit_zero)
         settings = MetricSettings(
             new=new,
             old=old,
@@ -359,14 +355,14 @@ def metrics(
                 kl_coef=kl_coef,
             ),
         )
-        checks = CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
+        checks = check_settings(ignore, max_examples)
         if html is not None:
             from pgdiag.report.html import check_html_path
 
             check_html_path(html, overwrite=overwrite)
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
         report = compute_metrics(source, settings, checks=checks)
-        verdict = outcome(report, gate_settings)
+        verdict = outcome(report, gates)
         if not quiet:  # rich lays tables out even on a quiet console: skip the work
             render_checks(console, report.checks)
             render_metrics(console, report, all_steps=all_steps, verbose=verbose)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import polars as pl
 
-from pgdiag.checks.pairs import Locations, nonfinite_issues, positive_issues, shift_issue, zero_fill_issues
+from pgdiag.checks.pairs import Locations, shift_issue, value_issues, zero_fill_issues
 from pgdiag.checks.samples import mask_issue
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.schema import stream_column
@@ -346,15 +346,12 @@ def align_batches(
     shift = shift_issue(lp_a, lp_b, where, name_a=name_a, name_b=name_b)
     for issue in [shift] if shift is not None else []:
         _raise_or_record(replace(issue, message=f"{pair_name}: {issue.message}"), ignore, issues)
-    sides = [(lp_a, name_a), (lp_b, name_b)]
-    keep = None
-    for issue in nonfinite_issues(sides, where):
+    values = value_issues([(lp_a, name_a), (lp_b, name_b)], where)
+    for issue in values + zero_fill_issues(lp_a, lp_b, where, name_a=name_a, name_b=name_b):
         _raise_or_record(replace(issue, message=f"{pair_name}: {issue.message}"), ignore, issues)
+    keep = None  # E207 ignored: the non-finite tokens are dropped and counted
+    if any(i.code == "E207" for i in values):
         keep = np.isfinite(lp_a) & np.isfinite(lp_b)
-    for issue in positive_issues(sides, where) + zero_fill_issues(
-        lp_a, lp_b, where, name_a=name_a, name_b=name_b
-    ):
-        _raise_or_record(replace(issue, message=f"{pair_name}: {issue.message}"), ignore, issues)
 
     entropy_src = b.entropy.get(stream_b)
     entropy = None if entropy_src is None else _gather(np.asarray(entropy_src, dtype=np.float64), idx_b)

@@ -8,7 +8,8 @@ two cores). `token_table` computes the full set over all tokens with NumPy pairw
 mean first (no subtraction of squares); quantiles are Hyndman–Fan type 7. Breakdowns use `token_terms` (the
 per-token inputs, computed once) and `bucket_table` (one `np.bincount` per statistic, quantiles from one radix
 sort of the small integer bucket codes), for a reduced set: location, spread, |Δ| quantiles, three bands, k1,
-k3, tmpe, |Δp|. Exact-zero cases stay exact: k3 uses expm1(Δ) − Δ and chi-square expm1(2Δ), so identical
+k3, tmpe, |Δp|. The per-token terms (k3, reverse KL, chi-square, tmpe, |Δp|, the band edges) are those of
+`pgdiag.metrics.terms`, which `metrics` reduces too. Exact-zero cases stay exact: k3 uses expm1(Δ) − Δ and chi-square expm1(2Δ), so identical
 streams give 0, not rounding noise.
 How: `sequence_table` reduces each sample to its mean log-probs (length-normalised, GSPO scale) and applies
 `token_table` over samples, then adds the product-ratio keys (`chi2_seq`, `ess_seq`, `seq_sum_delta_p*`,
@@ -23,14 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# (lo, hi) ratio bands of mismatch/frac_out_*; `clip` takes its edges from eps_low / eps_high.
-BANDS: dict[str, tuple[float, float] | None] = {
-    "strict": (0.999, 1.002),
-    "1pct": (0.99, 1.01),
-    "10pct": (0.9, 1.1),
-    "clip": None,
-    "2x": (0.5, 2.0),
-}
+from pgdiag.metrics import terms as terms_fn
+from pgdiag.metrics.settings import ClipBand
+from pgdiag.metrics.terms import BANDS, band_edges
+
 BREAKDOWN_BANDS = ("10pct", "clip", "2x")
 QUANTILE_SAMPLE_TOKENS = 2_000_000  # breakdown |Δ| quantiles above 2× this use every (M // this)-th token
 ABS_QUANTILES = {"abs_p50": 0.5, "abs_p95": 0.95, "abs_p99": 0.99}
@@ -148,29 +145,22 @@ def token_table(
     out.update({k: _one(v) for k, v in linear_fit(lp_a, lp_b, scratch=(b1, b2)).items()})
 
     # 3. band fractions: ratio outside [lo, hi], tested on Δ
-    for band, (log_lo, log_hi) in band_edges(eps_low, eps_high).items():
+    for band, (log_lo, log_hi) in band_edges(ClipBand(eps_low, eps_high)).items():
         flags = terms.outside.get(band)
         count = np.count_nonzero(flags if flags is not None else (d < log_lo) | (d > log_hi))
         out[f"frac_out_{band}"] = _one(_safe_div(count, n))
 
-    # 4. KL estimators, tmpe, chi-square, ESS (ρ = 1 + expm1(Δ); exact zeros for Δ = 0)
+    # 4. KL estimators, tmpe, chi-square, ESS from the per-token terms of `metrics.terms`
     with np.errstate(over="ignore", invalid="ignore"):
-        em1 = np.expm1(d, out=b1)  # (M,) ρ − 1
-        sum_em1 = np.sum(em1)
-        chi2 = np.add(em1, 2.0, out=b2)
-        chi2 *= em1  # ρ² − 1 = expm1(Δ)·(expm1(Δ) + 2)
-        out["chi2_token"] = _one(_safe_div(np.sum(chi2), n))
+        out["chi2_token"] = _one(_safe_div(np.sum(terms_fn.chi2(d, b1, b2)), n))
         out["kl_k1"] = _one(0.0 - bias)
-        k3 = np.subtract(em1, d, out=b2)  # (M,) ρ − 1 − Δ, as `TokenTerms.k3`
-        out["kl_k3"] = _one(_safe_div(np.sum(k3), n))
-        rho = np.add(em1, 1.0, out=b1)  # (M,) ρ
-        rho_d = np.dot(rho, d)
-        out["kl_rev_k1"] = _one(_safe_div(rho_d, n))
-        out["kl_rev_k3"] = _one(_safe_div(rho_d - sum_em1, n))
+        out["kl_k3"] = _one(_safe_div(np.sum(terms.k3()), n))
+        out["kl_rev_k1"] = _one(_safe_div(np.sum(terms_fn.rev_k1(d, b1)), n))
+        out["kl_rev_k3"] = _one(_safe_div(np.sum(terms_fn.rev_k3(d, b1, b2)), n))
+        rho = terms_fn.ratio(d, b1)  # (M,) ρ
         sum_rho, sum_rho2 = np.sum(rho), np.dot(rho, rho)
         out["ess_token"] = _one(_safe_div(sum_rho * sum_rho, n * sum_rho2))
-        tmpe = np.maximum(rho, np.reciprocal(rho, out=b2), out=b2)  # (M,) as `TokenTerms.tmpe`
-        out["tmpe"] = _one(_safe_div(np.sum(tmpe), n))
+        out["tmpe"] = _one(_safe_div(np.sum(terms.tmpe()), n))
     out["abs_delta_gt_20"] = _one(np.count_nonzero(abs_d > 20.0))
 
     # 5. quantiles and max of |Δ| (on a copy: the breakdowns keep reading abs_d)
@@ -189,15 +179,6 @@ def token_table(
     out["abs_dprob_mean"] = _one(dprob_mean)
     out["abs_dprob_p99"], out["abs_dprob_max"] = _one(q[0]), _one(q[1])
     return out
-
-
-def band_edges(eps_low: float, eps_high: float) -> dict[str, tuple[float, float]]:
-    """{band: (ln lo, ln hi)} of the five ratio bands."""
-    edges = {}
-    for band, pair in BANDS.items():
-        lo, hi = pair if pair is not None else (1.0 - eps_low, 1.0 + eps_high)
-        edges[band] = (math.log(lo) if lo > 0 else -math.inf, math.log(hi))
-    return edges
 
 
 def linear_fit(
@@ -251,25 +232,16 @@ class TokenTerms:
     scratch: tuple[np.ndarray, np.ndarray]
 
     def k3(self) -> np.ndarray:
-        """(M,) e^Δ − 1 − Δ = expm1(Δ) − Δ in scratch[0] (exact 0 for Δ = 0)."""
-        with np.errstate(over="ignore", invalid="ignore"):
-            em1 = np.expm1(self.d, out=self.scratch[0])
-            return np.subtract(em1, self.d, out=em1)
+        """(M,) ρ − 1 − Δ in scratch[0] (`metrics.terms.k3`)."""
+        return terms_fn.k3(self.d, self.scratch[0])
 
     def tmpe(self) -> np.ndarray:
-        """(M,) e^|Δ| = max(ρ, 1/ρ) in scratch[1], without another exponential (scratch[0] holds ρ)."""
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            rho = np.expm1(self.d, out=self.scratch[0])
-            rho += 1.0
-            inverse = np.reciprocal(rho, out=self.scratch[1])
-            return np.maximum(rho, inverse, out=inverse)
+        """(M,) e^|Δ| in scratch[0] (`metrics.terms.tmpe`; scratch[1] holds ρ)."""
+        return terms_fn.tmpe(self.d, self.scratch[0], self.scratch[1])
 
     def abs_dprob(self) -> np.ndarray:
-        """(M,) |e^lp_b − e^lp_a| in scratch[1] (scratch[0] holds e^lp_a)."""
-        prob_a = np.exp(self.lp_a, out=self.scratch[0])
-        out = np.exp(self.lp_b, out=self.scratch[1])
-        out -= prob_a
-        return np.abs(out, out=out)
+        """(M,) |e^lp_b − e^lp_a| in scratch[1] (`metrics.terms.abs_dprob`; scratch[0] holds e^lp_a)."""
+        return terms_fn.abs_dprob(self.lp_a, self.lp_b, self.scratch[1], self.scratch[0])
 
 
 def token_terms(
@@ -278,7 +250,7 @@ def token_terms(
     """The per-token terms; `delta` (lp_b − lp_a) is used as is when given (see `TokenTerms` on memory)."""
     d = lp_b - lp_a if delta is None else delta
     abs_d = np.abs(d)
-    edges = band_edges(eps_low, eps_high)
+    edges = band_edges(ClipBand(eps_low, eps_high))
     outside = {b: (d < edges[b][0]) | (d > edges[b][1]) for b in BREAKDOWN_BANDS}
     return TokenTerms(lp_a, lp_b, d, abs_d, outside, (np.empty_like(d), np.empty_like(d)))
 

@@ -19,6 +19,7 @@ from typing import Any
 import polars as pl
 
 from pgdiag.compare.api import compare_runs
+from pgdiag.data.schema import ROUTING_FILE
 from pgdiag.errors import UsageError
 
 ATTRIBUTION_COLUMNS = (
@@ -62,8 +63,6 @@ def _abs_means(report: Any) -> dict[str, float | None]:
 
 def _disagree(run: Any, tag: str) -> dict[str, float]:
     """Token-weighted disagree fraction over layers, per step and "all", from the stream's _routing.parquet."""
-    from pgdiag.recompute.routing import ROUTING_FILE
-
     if run.root is None:
         return {}
     path = Path(run.root) / "logprobs" / tag / ROUTING_FILE

@@ -5,13 +5,13 @@ The defaults here are the only place they live; `pgdiag compare` reads its optio
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pgdiag.data.validate import CheckSettings
 from pgdiag.errors import UsageError
-from pgdiag.metrics.settings import ClipBand, MetricSettings
+from pgdiag.metrics.settings import ClipBand, MetricSettings, from_flat_options
 
 JOINS = ("auto", "id", "hash", "hash-any-step")
 BREAKDOWNS = ("position", "prob_bucket", "entropy_bucket", "length", "step", "env")
@@ -55,12 +55,4 @@ class CompareSettings:
     @classmethod
     def from_options(cls, **options: Any) -> CompareSettings:
         """Settings from flat keyword options (`eps_low=0.1`, `ignore=["E306"]`, `by=["step"]`, ...)."""
-        clip_names = {f.name for f in fields(ClipBand)}
-        check_names = {f.name for f in fields(CheckSettings)}
-        own_names = {f.name for f in fields(cls)} - {"clip", "checks"}
-        unknown = set(options) - clip_names - check_names - own_names
-        if unknown:
-            raise UsageError("E503", f"unknown compare option(s): {', '.join(sorted(unknown))}")
-        clip = ClipBand(**{k: v for k, v in options.items() if k in clip_names})
-        checks = CheckSettings(**{k: v for k, v in options.items() if k in check_names})
-        return cls(**{k: v for k, v in options.items() if k in own_names}, clip=clip, checks=checks)
+        return from_flat_options(cls, {"clip": ClipBand, "checks": CheckSettings}, options, "compare")

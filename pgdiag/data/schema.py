@@ -27,6 +27,7 @@ LOGPROBS_SCHEMA = "pgdiag.logprobs/v1"
 RUN_SIDECAR_SCHEMA = "pgdiag.run/v1"
 FOOTER_PREFIX = "pgdiag."
 RECOMPUTE_FOOTER_KEY = "recompute"  # pgdiag.recompute in logprobs parts
+ROUTING_FILE = "_routing.parquet"  # per step/layer routing counts in a recompute stream; "_": never a part
 
 BASE_STREAMS = ("rollout", "old", "ref", "new")
 LABEL_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -7,7 +7,9 @@ length; a mismatch is E703 naming the field. A micro-batch packs several samples
 ``position_ids`` restart at 0 (``seq_lens`` cannot be used: padding extends the last sample's entry), and the
 padding segment (token 1, loss false, env "") is dropped, as are dummy micro-batches whose loss mask is all
 false (rank balancing). Values are token-aligned. There is no old stream (the trainer computes it in the
-loss) and no reward; groups are by prompt (packing sorts by length and keeps no ids).
+loss) and no reward; groups are by prompt (packing sorts by length and keeps no ids). ``routed_experts`` (MoE
+router replay, ``[tokens, layers, top_k]`` raw bytes for the whole micro-batch) is cut per packed sample and kept
+flat as the ``routed_experts`` column (docs/schema.md); a micro-batch without it gives null rows.
 """
 
 from __future__ import annotations
@@ -129,6 +131,35 @@ def _micro_batch(raw: Any, path: Path, mb: int) -> dict[str, Any]:
     return fields
 
 
+def _routes(fields: dict[str, Any], path: Path, mb: int) -> np.ndarray | None:
+    """(N, L, k) expert ids of the micro-batch's N tokens, or None where it recorded none."""
+    value = fields["routed_experts"]
+    if value is None:
+        return None
+    data, shape, dtype = value
+    n_tokens = len(fields["input_ids"])
+    dims = (
+        np.asarray(shape) if isinstance(shape, list | np.ndarray) else np.zeros(0)
+    )  # the decoder reads int lists as arrays
+    try:
+        width = np.dtype(dtype)
+    except TypeError:
+        width = np.dtype(object)
+    if dims.shape != (3,) or dims.dtype.kind not in "iu" or width.kind not in "iu" or dims[0] != n_tokens:
+        raise bad_layout(
+            path,
+            "routed_experts",
+            f"[{n_tokens}, layers, top_k] integer ids (micro-batch {mb}), got {shape} {dtype}",
+        )
+    shape = [int(d) for d in dims]
+    if len(data) != int(np.prod(shape)) * width.itemsize:
+        raise bad_layout(path, "routed_experts", f"{shape} x {dtype} bytes of data (micro-batch {mb})")
+    routes = np.frombuffer(data, dtype=width).reshape(shape)  # (N, L, k)
+    if routes.size and (routes.min() < -1 or routes.max() > np.iinfo(np.int16).max):
+        raise bad_layout(path, "routed_experts", f"expert ids in [-1, 32767] (micro-batch {mb})")
+    return routes
+
+
 def _segments(fields: dict[str, Any], path: Path, mb: int) -> list[tuple[int, int]]:
     """(start, end) of each packed sample: where position_ids restart at 0, padding segment dropped."""
     positions = np.asarray(fields["position_ids"], dtype=np.int64)
@@ -154,6 +185,7 @@ def _read_step(step: int, files: list[Path]) -> ImportedStep:
     masks: list[np.ndarray] = []
     streams: dict[str, list[np.ndarray]] = {"rollout_logprobs": [], "advantages": [], "temperature_tok": []}
     refs: list[np.ndarray | None] = []
+    routes: list[np.ndarray | None] = []
     envs: list[str] = []
     dummies = 0
     for path in files:
@@ -172,6 +204,7 @@ def _read_step(step: int, files: list[Path]) -> ImportedStep:
                 continue
             if fields["rl_weights"] is not None:
                 loss = loss & (np.asarray(fields["rl_weights"], dtype=np.float64) != 0)
+            batch_routes = _routes(fields, path, mb)  # (N, L, k) or None
             for s, e in _segments(fields, path, mb):
                 ids.append(np.asarray(fields["input_ids"][s:e], dtype=np.int64))
                 masks.append(loss[s:e])
@@ -182,6 +215,9 @@ def _read_step(step: int, files: list[Path]) -> ImportedStep:
                 streams["temperature_tok"].append(np.asarray(fields["temperatures"][s:e], dtype=np.float32))
                 ref = fields["ref_logprobs"]
                 refs.append(None if ref is None else np.asarray(ref[s:e], dtype=np.float32))
+                routes.append(
+                    None if batch_routes is None else batch_routes[s:e].reshape(-1).astype(np.int16)
+                )
                 envs.append(fields["env_names"][s])
     if not ids:
         raise bad_layout(files[0].parent, "loss_mask", "at least one micro-batch with loss tokens")
@@ -199,6 +235,12 @@ def _read_step(step: int, files: list[Path]) -> ImportedStep:
             )
         columns.append(to_series("ref_logprobs", from_rows(refs), pl.List(pl.Float32)))  # type: ignore[arg-type]
         fields_used["ref_logprobs"] = "ref_logprobs"
+    if any(r is not None for r in routes):
+        columns.append(
+            pl.Series(
+                "routed_experts", [None if r is None else r.tolist() for r in routes], pl.List(pl.Int16)
+            )
+        )
     columns.append(pl.Series("env", envs, dtype=pl.String))
     columns.append(pl.Series("sample_id", [f"{step}:{k}" for k in range(len(ids))], dtype=pl.String))
     warnings = (

@@ -103,6 +103,29 @@ def _reward(value: Any, path: Path, row: int) -> tuple[float | None, dict[str, f
     raise bad_layout(path, "reward", f"a number, a dict or None, got {type(value).__name__}", row=row)
 
 
+def _routes_row(value: Any, n_tokens: int, path: Path, row: int) -> np.ndarray:
+    """``rollout_routed_experts`` ((T - 1, L, k): the engine records no route for the last token) as the flat
+    int16 ``routed_experts`` row of docs/schema.md, the last token's k x L entries -1."""
+    try:
+        routes = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+    except (TypeError, ValueError) as exc:
+        raise bad_layout(
+            path, "rollout_routed_experts", "a (tokens - 1, layers, top_k) array", row=row
+        ) from exc
+    if routes.ndim != 3 or routes.dtype.kind not in "iu" or routes.shape[0] not in (n_tokens - 1, n_tokens):
+        raise bad_layout(
+            path,
+            "rollout_routed_experts",
+            f"integer ids of shape ({n_tokens - 1}, layers, top_k), got {routes.dtype} {routes.shape}",
+            row=row,
+        )
+    if routes.size and (routes.min() < -1 or routes.max() > np.iinfo(np.int16).max):
+        raise bad_layout(path, "rollout_routed_experts", "expert ids in [-1, 32767]", row=row)
+    full = np.full((n_tokens, *routes.shape[1:]), -1, dtype=np.int16)  # (T, L, k)
+    full[: routes.shape[0]] = routes
+    return full.reshape(-1)
+
+
 def read_rollout_samples(path: Path, payload: Any, rollout_id: int) -> RolloutSamples:
     """Parse one rollout dump's ``samples`` (slime and miles write the same `Sample.to_dict` records)."""
     samples = payload.get("samples") if isinstance(payload, Mapping) else None
@@ -118,6 +141,7 @@ def read_rollout_samples(path: Path, payload: Any, rollout_id: int) -> RolloutSa
     components: list[dict[str, float] | None] = []
     finish: list[str | None] = []
     versions: list[int | None] = []
+    routes: list[np.ndarray | None] = []
     with_rollout = [isinstance(s, Mapping) and s.get("rollout_log_probs") is not None for s in samples]
     if any(with_rollout) and not all(with_rollout):
         row = with_rollout.index(not with_rollout[0])
@@ -159,6 +183,8 @@ def read_rollout_samples(path: Path, payload: Any, rollout_id: int) -> RolloutSa
         status = sample.get("status")
         finish.append(FINISH_REASONS.get(getattr(status, "value", status)))
         versions.append(_policy_version(sample.get("weight_versions")))
+        raw_routes = sample.get("rollout_routed_experts")
+        routes.append(None if raw_routes is None else _routes_row(raw_routes, tokens.shape[0], path, row))
     frame = pl.DataFrame(
         {
             "sample_id": pl.Series(sample_ids, dtype=pl.String),
@@ -168,6 +194,12 @@ def read_rollout_samples(path: Path, payload: Any, rollout_id: int) -> RolloutSa
             "policy_version": pl.Series(versions, dtype=pl.Int64),
         }
     )
+    if any(r is not None for r in routes):  # MoE routing replay (docs/schema.md)
+        frame = frame.with_columns(
+            pl.Series(
+                "routed_experts", [None if r is None else r.tolist() for r in routes], dtype=pl.List(pl.Int16)
+            )
+        )
     dict_rewards = any(c is not None for c in components)
     if dict_rewards:
         frame = frame.with_columns(reward_components_series(components))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pgdiag.errors import InvalidInputError
+from pgdiag.metrics import terms
 from pgdiag.metrics.catalog import MetricSink
 from pgdiag.metrics.reduce import (
     SAMPLE_AXIS,
@@ -38,22 +39,12 @@ from pgdiag.metrics.reduce import (
     segment_sums,
 )
 from pgdiag.metrics.settings import MetricSettings
+from pgdiag.metrics.terms import band_edges
 
 SEQ_QUANTILES = (("p1", 0.01), ("p5", 0.05), ("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
 TAU_RANGE = (0.05, 20.0)
 TAU_GRID_POINTS = 200
 TAU_LOG_TOL = 1e-6
-
-
-def mismatch_bands(settings: MetricSettings) -> tuple[tuple[str, float, float], ...]:
-    """The five ρ bands of `frac_out_*`: (name, low, high)."""
-    return (
-        ("strict", 0.999, 1.002),
-        ("1pct", 0.99, 1.01),
-        ("10pct", 0.9, 1.1),
-        ("clip", 1.0 - settings.clip.eps_low, 1.0 + settings.clip.eps_high),
-        ("2x", 0.5, 2.0),
-    )
 
 
 @dataclass(frozen=True)
@@ -72,13 +63,14 @@ class MismatchTables:
     sum_delta: np.ndarray = field(metadata=SAMPLE_AXIS)
     sum_delta2: np.ndarray = field(metadata=SAMPLE_AXIS)
     sum_abs: np.ndarray = field(metadata=SAMPLE_AXIS)
-    n_out: np.ndarray = field(metadata=SAMPLE_AXIS)  # (S, 5) tokens outside each band of `mismatch_bands`
+    n_out: np.ndarray = field(metadata=SAMPLE_AXIS)  # (S, 5) tokens outside each band of `terms.BANDS`
     sum_k3: np.ndarray = field(metadata=SAMPLE_AXIS)  # Σ_t (ρ − 1 − Δ)
     sum_rev_k1: np.ndarray = field(metadata=SAMPLE_AXIS)  # Σ_t ρΔ
     sum_rev_k3: np.ndarray = field(metadata=SAMPLE_AXIS)  # Σ_t (1 − ρ + ρΔ)
     sum_tmpe: np.ndarray = field(metadata=SAMPLE_AXIS)  # Σ_t e^|Δ|
     sum_rho: np.ndarray = field(metadata=SAMPLE_AXIS)
     sum_rho2: np.ndarray = field(metadata=SAMPLE_AXIS)
+    sum_chi2: np.ndarray = field(metadata=SAMPLE_AXIS)  # Σ_t (ρ² − 1)
     sum_dprob: np.ndarray = field(metadata=SAMPLE_AXIS)
     sum_a: np.ndarray = field(metadata=SAMPLE_AXIS)  # Σ_t lp_a
     c_aa: np.ndarray = field(metadata=SAMPLE_AXIS)
@@ -117,26 +109,26 @@ def build_mismatch_tables(
     if n_abs_gt_20 is None:
         any_big = abs_delta.shape[0] > 0 and float(np.max(abs_delta)) > 20.0
         n_abs_gt_20 = sums(abs_delta > 20.0, scratch) if any_big else np.zeros(lengths.shape[0])
+    spare = np.empty_like(delta)
     with np.errstate(over="ignore", invalid="ignore"):
-        rho = np.exp(delta)  # (N,)
         n_out = np.stack(
             [
-                sums(delta < math.log(low), scratch) + sums(delta > math.log(high), scratch)
-                for _, low, high in mismatch_bands(settings)
+                sums(delta < log_lo, scratch) + sums(delta > log_hi, scratch)
+                for log_lo, log_hi in band_edges(settings.clip).values()
             ],
             axis=1,
         )
+        # the per-token terms of `metrics.terms`, shared with compare's parity table
+        rho = terms.ratio(delta, np.empty_like(delta))  # (N,)
         sum_rho = sums(rho)
         sum_rho2 = sums(np.multiply(rho, rho, out=scratch))
-        sum_rev_k1 = sums(np.multiply(rho, delta, out=scratch))
-        np.subtract(rho, 1.0, out=scratch)
-        sum_k3 = sums(np.subtract(scratch, delta, out=scratch))
-        np.subtract(delta, 1.0, out=scratch)
-        np.multiply(scratch, rho, out=scratch)
-        sum_rev_k3 = sums(np.add(scratch, 1.0, out=scratch))
-        sum_tmpe = sums(np.exp(abs_delta, out=scratch))
+        sum_chi2 = sums(terms.chi2(delta, scratch, spare))
+        sum_rev_k1 = sums(terms.rev_k1(delta, scratch))
+        sum_k3 = sums(terms.k3(delta, scratch))
+        sum_rev_k3 = sums(terms.rev_k3(delta, scratch, spare))
+        sum_tmpe = sums(terms.tmpe(delta, scratch, spare))
+        abs_dprob = terms.abs_dprob(lp_a, lp_b, np.empty_like(delta), spare)  # (N,)
         prob_a, prob_b = np.exp(lp_a), np.exp(lp_b)
-        abs_dprob = np.abs(prob_b - prob_a)
     sum_delta, sum_a = sums(delta), sums(lp_a)
     sum_pa, sum_pb = sums(prob_a), sums(prob_b)
     a_c = lp_a - red.broadcast(red.sample_means(sum_a))  # (N,) centred within samples
@@ -163,6 +155,7 @@ def build_mismatch_tables(
         sum_tmpe=sum_tmpe,
         sum_rho=sum_rho,
         sum_rho2=sum_rho2,
+        sum_chi2=sum_chi2,
         sum_dprob=sums(abs_dprob),
         sum_a=sum_a,
         c_aa=co_moment(a_c, a_c),
@@ -235,9 +228,9 @@ def add_mismatch_metrics(t: MismatchTables, settings: MetricSettings, sink: Metr
         _add_fit(t, n_i, sink)
         # 2. band fractions, token and sequence level (tested on Δ against ln of the band edges)
         mean_delta = t.sum_delta[ne] / n_i[ne]  # (S+,) δ̄^Δ_i
-        for column, (name, low, high) in enumerate(mismatch_bands(settings)):
+        for column, (name, (log_lo, log_hi)) in enumerate(band_edges(settings.clip).items()):
             sink.add(f"mismatch/frac_out_{name}", mean(t.n_out[:, column]), n_red)
-            seq_out = (mean_delta < math.log(low)) | (mean_delta > math.log(high))
+            seq_out = (mean_delta < log_lo) | (mean_delta > log_hi)
             sink.add(f"mismatch/seq_frac_out_{name}", fraction(seq_out), n_seq)
         # 3. KL estimators and moments of ρ
         sink.add("mismatch/kl_k1", None if bias is None else -bias, n_red)
@@ -245,11 +238,9 @@ def add_mismatch_metrics(t: MismatchTables, settings: MetricSettings, sink: Metr
         sink.add("mismatch/kl_rev_k1", mean(t.sum_rev_k1), n_red)
         sink.add("mismatch/kl_rev_k3", mean(t.sum_rev_k3), n_red)
         sink.add("mismatch/tmpe", mean(t.sum_tmpe), n_red)
-        rho_sq_mean = mean(t.sum_rho2)
-        sink.add("mismatch/chi2_token", None if rho_sq_mean is None else rho_sq_mean - 1.0, n_red)
+        sink.add("mismatch/chi2_token", mean(t.sum_chi2), n_red)
         seq_sum = t.sum_delta[ne]  # (S+,)
-        chi2_seq = plain_mean(np.exp(2.0 * seq_sum))
-        sink.add("mismatch/chi2_seq", None if chi2_seq is None else chi2_seq - 1.0, n_seq)
+        sink.add("mismatch/chi2_seq", plain_mean(np.expm1(2.0 * seq_sum)), n_seq)
         total_rho, total_rho2 = float(np.sum(t.sum_rho)), float(np.sum(t.sum_rho2))
         ess_token = total_rho * total_rho / (n_tok * total_rho2) if n_tok and total_rho2 > 0 else None
         sink.add("mismatch/ess_token", ess_token, n_tok)

@@ -21,6 +21,21 @@ LEVELS = ("token", "sequence")
 EMPTY_SEQS = ("count", "skip")
 
 
+def from_flat_options(cls: type, nested: dict[str, type], options: dict[str, Any], what: str) -> Any:
+    """`cls` built from flat keyword options, the fields of each `nested` dataclass (field name -> its class)
+    gathered into it; UsageError E112 naming every option that is no field of any of them."""
+    parts = {name: {f.name for f in fields(part)} for name, part in nested.items()}
+    own = {f.name for f in fields(cls)} - set(nested)
+    unknown = set(options) - own - set().union(*parts.values())
+    if unknown:
+        raise UsageError("E503", f"unknown {what} option(s): {', '.join(sorted(unknown))}")
+    built = {
+        name: nested[name](**{k: v for k, v in options.items() if k in names})
+        for name, names in parts.items()
+    }
+    return cls(**{k: v for k, v in options.items() if k in own}, **built)
+
+
 @dataclass(frozen=True)
 class ClipBand:
     """The PPO clip band [1 − eps_low, 1 + eps_high] and the dual-clip constant C (None = off)."""
@@ -118,15 +133,7 @@ class MetricSettings:
     @classmethod
     def from_options(cls, **options: Any) -> MetricSettings:
         """Settings from flat keyword options (`eps_low=0.1`, `tis=True`, ...): the notebook form of the CLI flags."""
-        clip_names = {f.name for f in fields(ClipBand)}
-        style_names = {f.name for f in fields(StyleOptions)}
-        own_names = {f.name for f in fields(cls)} - {"clip", "style"}
-        unknown = set(options) - clip_names - style_names - own_names
-        if unknown:
-            raise UsageError("E503", f"unknown metric option(s): {', '.join(sorted(unknown))}")
-        clip = ClipBand(**{k: v for k, v in options.items() if k in clip_names})
-        style = StyleOptions(**{k: v for k, v in options.items() if k in style_names})
-        return cls(**{k: v for k, v in options.items() if k in own_names}, clip=clip, style=style)
+        return from_flat_options(cls, {"clip": ClipBand, "style": StyleOptions}, options, "metric")
 
     def to_dict(self) -> dict[str, Any]:
         """Every setting by its flat option name (the report header's `settings`)."""

@@ -1,6 +1,6 @@
 """Recompute per-token log-probs and entropies of a run's stored tokens with a checkpoint (`pgdiag logprobs`).
 
-What: `recompute_logprobs(run, model)` teacher-forces every sample of a run through the model and writes a
+What: `recompute_rank(run, model)` teacher-forces every sample of a run through the model and writes a
 `pgdiag.logprobs/v1` stream beside it (docs/recompute.md): ``RUN/logprobs/<tag>/step=<S>/part-<NNNNN>
 .parquet`` with full-length, token-aligned ``logprobs`` and ``entropy`` lists that are non-null exactly on loss
 positions, and ``_manifest.json`` (settings, input fingerprint, part plan) written before work starts and again
@@ -18,7 +18,8 @@ head shard to `pgdiag.kernels.lm_head_logprobs` (fp32 statistics, temperature ap
 ``(K,)`` results are scattered back into per-sample lists. What is read and in which order lives in
 `pgdiag.recompute.inputs`; the part files, the manifest and the resume decision in `pgdiag.recompute.output`.
 
-    result = recompute_logprobs("sample_data/run_a", "sample_data/tiny-qwen", dtype="fp32")
+    result = recompute_rank("sample_data/run_a", "sample_data/tiny-qwen", dtype="fp32")  # one process
+    result = pgdiag.recompute_logprobs("sample_data/run_a", "sample_data/tiny-qwen", tp=2)  # recompute.jobs
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def default_tag(dtype: str, head_dtype: str) -> str:
     return f"rc_{dtype}_{head_dtype}"
 
 
-def recompute_logprobs(
+def recompute_rank(
     run: Run | str | Path,
     model: CausalLM | str | Path,
     *,
@@ -166,7 +167,8 @@ def recompute_logprobs(
     `softmax_vocab` restricts the softmax to the first N head rows (``"tokenizer"``: the run's recorded
     tokenizer length), to test the padded-vocabulary gotcha; `micro_batch` forwards a fixed number of samples at a
     time instead of packing into `batch_tokens`; `attn` picks the body's attention backend (docs/models.md).
-    Under torch.distributed every rank calls this with the same arguments and its own `tp_group`.
+    Under torch.distributed every rank calls this with the same arguments and its own `tp_group`;
+    `pgdiag.recompute_logprobs` (`recompute.jobs`) starts the ranks, or runs this once in a plain process.
     MoE models: `routing` ``"replay"`` runs the experts recorded in the run's ``routed_experts`` column (their
     weights recomputed by the router), ``"recompute"`` lets the router choose; either way, when the column exists,
     the per step and layer fraction of tokens whose router top-k differs from the recorded one is written to

@@ -23,11 +23,10 @@ import polars as pl
 import pyarrow as pa
 import torch
 
-from pgdiag.data.schema import RECOMPUTE_FOOTER_KEY, read_footer
+from pgdiag.data.schema import RECOMPUTE_FOOTER_KEY, ROUTING_FILE, read_footer
 from pgdiag.data.writing import write_parquet
 from pgdiag.model.moe import different_sets
 
-ROUTING_FILE = "_routing.parquet"  # leading "_": never read as a log-prob part
 ROUTING_METRIC = "routing/disagree_frac"
 ROUTING_SCHEMA = "pgdiag.routing/v1"
 

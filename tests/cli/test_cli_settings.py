@@ -73,7 +73,7 @@ METRIC_ARGS = (
 
 STYLE_ARGS = (
     "--loss-name", "x", "--rollout-is", "token", "--rollout-is-threshold", "1.5", "--beta", "0.1",
-    "--no-vllm-is", "--no-kl-bias-correction", "--pad-width", "12", "--tis", "--batch-size", "6", "--group-normalize", "--kl-coef", "0.2",
+    "--no-vllm-is", "--no-kl-bias-correction", "--pad-width", "12", "--tis", "--mismatch-metrics", "--batch-size", "6", "--group-normalize", "--kl-coef", "0.2",
 )  # fmt: skip
 
 
@@ -112,7 +112,7 @@ def test_style_options_arrive_in_style_options(monkeypatch: pytest.MonkeyPatch) 
     _capture_reads(monkeypatch)
     style = StyleOptions(
         loss_name="x", rollout_is="token", rollout_is_threshold=1.5, beta=0.1, vllm_is=False, pad_width=12,
-        kl_bias_correction=False, tis=True, batch_size=6, group_normalize=True, kl_coef=0.2,
+        kl_bias_correction=False, tis=True, mismatch_metrics=True, batch_size=6, group_normalize=True, kl_coef=0.2,
     )  # fmt: skip
     _invoke("metrics", "RUN", *STYLE_ARGS)
     assert seen["args"][1] == MetricSettings(style=style)

@@ -392,3 +392,16 @@ def test_check_and_compare_name_the_same_first_error() -> None:
     first_check = next(c["code"] for c in check["checks"] if c["severity"] == "error")
     assert (check["exit_code"], compare["exit_code"]) == (3, 3)
     assert first_check == compare["error"]["code"] == "E301"
+
+
+def test_metrics_and_compare_reduce_the_same_mismatch_terms() -> None:
+    """`metrics.terms` is the one implementation of the per-token mismatch terms: on the same pair the KL, chi-square
+    and tmpe values of `metrics` and of compare's parity table are the same numbers, bit for bit."""
+    import pgdiag
+
+    run = pgdiag.read_run(SAMPLE_DATA / "run_a")
+    ours = pgdiag.compare_runs(run).report  # rollout vs old
+    theirs = pgdiag.compute_metrics(run)
+    for stat in ("kl_k3", "kl_rev_k3", "chi2_token", "tmpe", "abs_mean", "bias"):
+        key = f"mismatch/{stat}"
+        assert ours.value(key, scope="token") == theirs.value(key, pair="run_a:rollout vs run_a:old"), stat

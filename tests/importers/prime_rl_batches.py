@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import numpy as np
 
 
 class EncodedTensor(msgspec.Struct, array_like=True, gc=False):
@@ -60,6 +61,9 @@ class Sample:
     env_name: str
     ref_logprobs: list[float] | None = None
     rl_weights: list[float] | None = None
+    routed_experts: np.ndarray | None = (
+        None  # (T, layers, top_k), as the orchestrator encodes a branch's routes
+    )
 
 
 def pack(samples: list[Sample], pad_to_multiple_of: int = 1) -> MicroBatch:
@@ -81,6 +85,9 @@ def pack(samples: list[Sample], pad_to_multiple_of: int = 1) -> MicroBatch:
         if with_rl
         else None,
     )
+    if samples[0].routed_experts is not None:  # prepare_sample concatenates the samples' RoutedExperts bytes
+        routes = np.concatenate([s.routed_experts for s in samples], axis=0)  # type: ignore[misc]
+        batch.routed_experts = RoutedExperts(routes.tobytes(), list(routes.shape), str(routes.dtype))
     padding = -total % pad_to_multiple_of
     if padding:
         batch.input_ids.extend([1] * padding)
@@ -96,6 +103,12 @@ def pack(samples: list[Sample], pad_to_multiple_of: int = 1) -> MicroBatch:
         if batch.rl_weights is not None:
             batch.rl_weights.extend([0.0] * padding)
         batch.env_names.extend([""] * padding)
+        if batch.routed_experts is not None:  # _pad_routed_experts: zero bytes, shape[0] += padding
+            row = batch.routed_experts.shape[1] * batch.routed_experts.shape[2]
+            batch.routed_experts.data += b"\0" * (
+                padding * row * np.dtype(batch.routed_experts.dtype).itemsize
+            )
+            batch.routed_experts.shape[0] += padding
     return batch
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import polars as pl
 import pytest
 
 from pgdiag.errors import InvalidInputError
@@ -128,3 +129,41 @@ def test_cli_import_and_zero_filled_refusal(tmp_path: Path) -> None:
     result = import_cli("prime-rl", _dump(tmp_path / "z", zeros), out2)
     assert result.exit_code == 3 and "error[E206]" in result.stderr
     assert_nothing_written(out2)
+
+
+def _with_routes(samples: list[Sample], layers: int = 2, top_k: int = 3) -> list[Sample]:
+    """The samples with engine routes: expert (7 t + 3 l + j) % 16 of token t, layer l, rank j (uint8 as vLLM)."""
+    out = []
+    for s in samples:
+        t = np.arange(len(s.token_ids))[:, None, None]
+        routes = ((7 * t + 3 * np.arange(layers)[None, :, None] + np.arange(top_k)) % 16).astype(np.uint8)
+        out.append(Sample(**{**s.__dict__, "routed_experts": routes}))
+    return out
+
+
+def test_routed_experts_cut_per_sample_and_kept_flat(tmp_path: Path) -> None:
+    samples = _with_routes(SAMPLES)
+    (step,) = _read(_dump(tmp_path, samples))
+    got = step.rows["routed_experts"].to_list()
+    assert step.rows.schema["routed_experts"] == pl.List(pl.Int16)
+    assert got == [s.routed_experts.reshape(-1).astype(int).tolist() for s in samples]  # type: ignore[union-attr]
+
+
+def test_routed_experts_reach_the_written_run(tmp_path: Path) -> None:
+    samples = _with_routes(SAMPLES)
+    out = tmp_path / "run"
+    result = import_cli("prime-rl", _dump(tmp_path, samples), out)
+    assert result.exit_code == 0, result.output
+    rows = read_rows(out).sort("sample_id")
+    assert rows["routed_experts"].to_list() == [
+        s.routed_experts.reshape(-1).astype(int).tolist()  # type: ignore[union-attr]
+        for s in samples
+    ]
+
+
+def test_routed_experts_of_the_wrong_token_count_are_e703(tmp_path: Path) -> None:
+    samples = _with_routes(SAMPLES)
+    samples[1] = Sample(**{**samples[1].__dict__, "routed_experts": samples[1].routed_experts[:-1]})  # type: ignore[index]
+    with pytest.raises(InvalidInputError) as err:
+        _read(_dump(tmp_path, samples))
+    assert err.value.code == "E703" and "routed_experts" in err.value.message

@@ -269,6 +269,21 @@ def test_cli_w703_is_printed_and_old_kept(tmp_path: Path) -> None:
 def test_numpy_routing_replay_arrays_load(tmp_path: Path) -> None:
     import numpy as np
 
-    experts = {0: {"extra": {"rollout_routed_experts": np.arange(24, dtype=np.int32).reshape(6, 2, 2)}}}
+    routes = np.arange(24, dtype=np.int32).reshape(
+        6, 2, 2
+    )  # (T - 1, layers, top_k): no route for the last token
+    experts = {0: {"extra": {"rollout_routed_experts": routes}}}
     (step,) = _read(_dump(tmp_path, overrides=experts, train=False))
     assert step.rows["input_ids"].to_list()[0] == PROMPTS[0] + RESPONSES[0]
+    got = step.rows["routed_experts"].to_list()
+    assert got[0] == [*range(24), -1, -1, -1, -1]  # flat (T, L, k), the last token's 2 x 2 entries -1
+    assert got[1:] == [None, None, None]  # samples without routes
+
+
+def test_routing_replay_arrays_of_the_wrong_length_are_e703(tmp_path: Path) -> None:
+    import numpy as np
+
+    experts = {0: {"extra": {"rollout_routed_experts": np.zeros((4, 2, 2), dtype=np.int32)}}}
+    with pytest.raises(InvalidInputError) as err:
+        _read(_dump(tmp_path, overrides=experts, train=False))
+    assert err.value.code == "E703" and "rollout_routed_experts" in err.value.message

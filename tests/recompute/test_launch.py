@@ -90,6 +90,36 @@ def test_cli_tp2_and_dp2_self_launch_equal_one_process(ckpt: Path, tmp_path: Pat
     assert manifest["complete"].item() is True and manifest["settings"].struct.field("dp").item() == 2
 
 
+class FileProgress:
+    """A picklable progress callback that appends the tokens done to a file (workers run in other processes)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __call__(self, update) -> None:  # type: ignore[no-untyped-def]
+        with self.path.open("a") as out:
+            out.write(f"{update.tokens_done} {update.tokens_total}\n")
+
+
+def test_python_tp2_equals_tp1_with_progress_on_rank_0(ckpt: Path, tmp_path: Path) -> None:
+    """`pgdiag.recompute_logprobs(..., tp=2)` from Python starts gloo workers itself and writes what tp=1 does."""
+    import pgdiag
+
+    run = write_run(tmp_path / "run", make_rows(seed=5))
+    common = {"dtype": "fp32", "device": "cpu", "part_samples": 3}
+    one = pgdiag.recompute_logprobs(run, ckpt, tag="py1", **common)
+    progress = FileProgress(tmp_path / "progress.txt")
+    two = pgdiag.recompute_logprobs(run, str(ckpt), tag="py2", tp=2, progress=progress, **common)
+    assert (one.settings.tp, two.settings.tp) == (1, 2) and two.n_samples == one.n_samples
+    ids1, v1 = _stream_values(one.path)
+    ids2, v2 = _stream_values(two.path)
+    assert ids2 == ids1 and np.array_equal(np.isnan(v2), np.isnan(v1))
+    np.testing.assert_allclose(v2[~np.isnan(v2)], v1[~np.isnan(v1)], atol=1e-5, rtol=0)
+    lines = (tmp_path / "progress.txt").read_text().split()
+    done, total = int(lines[-2]), int(lines[-1])
+    assert done == total == two.n_tokens  # only global rank 0 reports, and it reports every token
+
+
 def test_torchrun_two_ranks_write_one_stream_and_one_json_object(ckpt: Path, tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", make_rows(seed=13, n_steps=1))
     args = ["logprobs", str(run), "--model", str(ckpt), "--dtype", "fp32", "--device", "cpu"]

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from pgdiag.compare.routing import routing_attribution
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.model import load_model
-from pgdiag.recompute.logprobs import recompute_logprobs
+from pgdiag.recompute.jobs import recompute_logprobs
 from pgdiag.recompute.routing import ROUTING_METRIC, read_routing
 
 VOCAB = 97

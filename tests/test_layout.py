@@ -1,0 +1,103 @@
+"""The layout rules as code: which stage of pgdiag/ may import which, and what the top of pgdiag/ holds.
+
+Every ``import``/``from ... import`` in pgdiag/ (also those inside functions) is parsed. Arrows point down only:
+`cli` -> every stage; `compare` -> checks, metrics, report, data (and model, for the exact temperature fit from
+logits); `recompute` -> model, kernels, data; `metrics`, `checks`, `importers` -> report, data; `model`, `kernels`
+-> errors only (never polars); `data` -> errors only (never torch). Only `cli/` imports typer and rich; only
+`report/plots.py` and `report/html.py` import matplotlib. ``import pgdiag`` (the version) is allowed everywhere.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "pgdiag"
+
+# stage -> the pgdiag stages it may import (besides itself); `errors` is importable by everyone
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "data": set(),
+    "model": set(),
+    "kernels": set(),
+    "report": {"data"},
+    "checks": {"report", "data"},
+    "metrics": {"report", "data"},
+    "importers": {"report", "data"},
+    "analysis": {"report", "data", "metrics", "checks"},
+    "recompute": {"model", "kernels", "data"},
+    "compare": {"checks", "metrics", "report", "data", "model"},  # model: `compare/tau.py` needs logits
+    "hooks": {"data", "importers"},
+    "capture": {"data", "importers", "hooks"},
+    "cli": {"*"},
+    "__init__": {"*"},
+    "__main__": {"cli"},
+}
+THIRD_PARTY_ONLY_IN = {
+    "typer": {"cli"},
+    "rich": {"cli"},
+    "matplotlib": {"report/plots.py", "report/html.py"},
+}
+NEVER_IN = {"model": {"polars"}, "kernels": {"polars"}, "data": {"torch"}}
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def _stage(root: Path, path: Path) -> str:
+    rel = path.relative_to(root)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def violations(root: Path) -> list[str]:
+    """Every import under `root` (a pgdiag/ tree) that breaks a rule, as ``"file imports name"``."""
+    wrong = []
+    for path in sorted(root.rglob("*.py")):
+        stage, rel = _stage(root, path), path.relative_to(root).as_posix()
+        if stage not in ALLOWED:
+            wrong.append(f"{rel}: stage {stage!r} has no import rule")
+            continue
+        allowed = ALLOWED[stage]
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if top == "pgdiag":
+                target = name.split(".")[1] if "." in name else "__init__"
+                if (
+                    target not in (stage, "errors", "__init__")
+                    and "*" not in allowed
+                    and target not in allowed
+                ):
+                    wrong.append(f"{rel} imports {name}")
+            for package, where in THIRD_PARTY_ONLY_IN.items():
+                if top == package and stage not in where and rel not in where:
+                    wrong.append(f"{rel} imports {name}")
+            if top in NEVER_IN.get(stage, set()):
+                wrong.append(f"{rel} imports {name}")
+    return wrong
+
+
+def test_no_stage_imports_one_above_it() -> None:
+    assert violations(PKG) == []
+
+
+def test_the_rules_catch_upward_and_forbidden_imports(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x.py").write_text(
+        "import numpy\nfrom pgdiag.data import batch\n\ndef f():\n    from pgdiag.compare.api import compare_runs\n"
+    )
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "y.py").write_text("import rich\nfrom pgdiag.report import report\n")
+    assert violations(tmp_path) == ["data/x.py imports pgdiag.compare.api", "metrics/y.py imports rich"]
+
+
+def test_top_of_pgdiag_holds_at_most_four_files() -> None:
+    files = sorted(p.name for p in PKG.iterdir() if p.is_file() and p.suffix == ".py")
+    assert len(files) <= 4, files
