@@ -91,6 +91,11 @@ class Code(StrEnum):
     OUTPUT_EXISTS = ("E502", "the output exists and cannot be reused (pass --overwrite)", 2)
     BAD_OPTION_VALUE = ("E503", "an option value is outside its range or not one of its choices", 2)
     INCOMPLETE_RECOMPUTE = ("E504", "a recompute dataset is incomplete", 2)
+    UNFINISHED_RECOMPUTE = (
+        "W504",
+        "an unfinished recompute under RUN/logprobs/ is left out (resume or remove it)",
+        0,
+    )
     AMBIGUOUS_INPUT = ("E505", "the input holds several runs or file kinds; pick one", 2)
     MISSING_SETTING = ("E506", "a setting needs another setting or an input column that is missing", 2)
     NOT_IN_KEY_STYLE = ("E507", "a setting the chosen --key-style or --level does not have", 2)

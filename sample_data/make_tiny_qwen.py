@@ -5,7 +5,7 @@ answered through a calculator tool call, and templated stories), (2) trains a 4-
 4/2 heads, head_dim 32 != hidden/heads, tied embeddings, vocab 512 of which 308 are used) on it for a few
 hundred steps on the CPU, so its next-token distributions are peaked like a real LM's, (3) saves it as
 ``sample_data/tiny-qwen/`` (config.json with ``architectures: ["Qwen3ForCausalLM"]``, model.safetensors, fp32,
-plus the vocabulary as vocab.json), and (4) plays a small GRPO loop with it: 4 steps x 8 prompt groups x 4
+plus the vocabulary as vocab.json and a matching tokenizer.json), and (4) plays a small GRPO loop with it: 4 steps x 8 prompt groups x 4
 samples, sampled at temperature 0.7 with a KV cache by a bf16 copy of the model (the "engine"), tool
 observations inserted by the environment and masked out of the loss, a 0/1 reward and group-normalised
 advantages.
@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import torch
+from make_tokenizer import write_tokenizer  # sample_data/, this script's directory
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from pgdiag.data.writing import source_meta, stream_meta, write_rollouts
@@ -394,6 +395,7 @@ def main() -> None:
     model.save_pretrained(ckpt, safe_serialization=True)
     (ckpt / "generation_config.json").unlink(missing_ok=True)
     (ckpt / "vocab.json").write_text(json.dumps(TOKEN, indent=0) + "\n", encoding="utf-8")
+    write_tokenizer(ckpt)  # tokenizer.json over the same ids, for --tokenizer
 
     engine = copy.deepcopy(model).to(torch.bfloat16)  # the inference engine: bf16 body and head
     trainer_b = copy.deepcopy(model).to(torch.bfloat16)  # run_b's trainer: bf16 numerics

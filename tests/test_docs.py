@@ -31,9 +31,25 @@ def test_ci_runs_the_readme_setup_commands() -> None:
     readme = (ROOT / "README.md").read_text()
     setup = _blocks(readme.split("## Set up", 1)[1], "bash")[0].strip().splitlines()
     assert len(setup) == 2, setup  # exactly two set-up commands: install; run the tests
+    install, run_tests = setup
+    # the install command creates and activates a virtual environment, then installs into it
+    assert re.fullmatch(r"python3 -m venv (\S+) && source \1/bin/activate && pip install .+", install), (
+        install
+    )
+    assert run_tests == "python -m pytest -q"
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for command in setup:
         assert command in ci, command
+    # and CI does exactly that: no environment or install of its own beside the README's (apt-get for system
+    # packages aside), and the lint and tests run after the install, inside its environment
+    own = [
+        line
+        for line in ci
+        if not line.startswith("#") and re.search(r"\bvenv\b|activate|pip install", line) and line != install
+    ]
+    assert not own, own
+    assert ci.index(install) < ci.index(run_tests)
+    assert ci.index(install) < ci.index("ruff check .")
 
 
 def test_every_command_is_documented() -> None:

@@ -2,7 +2,8 @@
 
 Commands: ``check`` (validation and alignment), ``metrics`` (policy-gradient metric set and every loss
 aggregation), ``compare`` (parity of two runs), ``plot`` (redraw a report's plots), ``logprobs``/``recompute``
-(new log-probs and entropy from a checkpoint), ``import`` (a framework's rollout dump to a canonical run). ``python -m pgdiag`` is the same program.
+(new log-probs and entropy from a checkpoint), ``import`` (a framework's rollout dump to a canonical run), ``whatif`` (off-policy correction rules replayed
+on a saved batch), ``drift`` (per-step metrics over a whole run, with change points), ``report`` (re-render a saved report). ``python -m pgdiag`` is the same program.
 """
 
 from __future__ import annotations
@@ -11,7 +12,18 @@ from typing import Annotated
 
 import typer
 
-from pgdiag.cli import check_cmd, compare_cmd, import_cmd, logprobs_cmd, metrics_cmd, plot_cmd
+from pgdiag.cli import (
+    check_cmd,
+    compare_cmd,
+    drift_cmd,
+    import_cmd,
+    logprobs_cmd,
+    metrics_cmd,
+    plot_cmd,
+    report_cmd,
+    whatif_cmd,
+)
+from pgdiag.cli.common import Command, Group, help_text
 
 
 def _version(value: bool) -> None:
@@ -25,6 +37,7 @@ def _version(value: bool) -> None:
 def build_app() -> typer.Typer:
     """A fresh Typer app with every command registered."""
     app = typer.Typer(
+        cls=Group,
         name="pgdiag",
         help="Offline log-prob diagnostics for RL training of LLMs: validate rollouts, recompute log-probs, "
         "compute policy-gradient metrics, compare runs for parity.",
@@ -44,6 +57,19 @@ def build_app() -> typer.Typer:
     ) -> None:
         """pgdiag: offline log-prob diagnostics for RL training of LLMs."""
 
-    for module in (check_cmd, metrics_cmd, compare_cmd, plot_cmd, logprobs_cmd, import_cmd):
+    for module in (
+        check_cmd,
+        metrics_cmd,
+        compare_cmd,
+        plot_cmd,
+        logprobs_cmd,
+        import_cmd,
+        whatif_cmd,
+        drift_cmd,
+        report_cmd,
+    ):
         module.register(app)
+    for info in app.registered_commands:  # plain flags, and help paragraphs without hard line breaks
+        info.cls = Command
+        info.help = help_text(info.help or (info.callback.__doc__ if info.callback else None))
     return app

@@ -74,9 +74,10 @@ def check(
 
     def body(console: Console) -> dict[str, Any]:
         from pgdiag.checks.run import check_run
-        from pgdiag.cli.render import render_checks
+        from pgdiag.cli.render import render_checks, render_verdict
         from pgdiag.data.runs import read_run
         from pgdiag.errors import UsageError
+        from pgdiag.report.verdict import check_verdict
 
         pair = None
         if streams is not None:
@@ -95,12 +96,8 @@ def check(
             strict=strict,
         )
         render_checks(console, result.issues, result.hints)
-        verdict = "errors" if result.n_errors else ("warnings" if result.n_warnings else "clean")
-        colour = {"errors": "red", "warnings": "yellow", "clean": "green"}[verdict]
-        console.print(
-            f"[{colour}]check: {verdict}[/] ({result.n_errors} errors, {result.n_warnings} warnings) "
-            f"{source.label}" + (f" vs {other.label}" if other is not None else "")
-        )
+        verdict = check_verdict(result)
+        render_verdict(console, verdict)
         return result_object(
             "check",
             status="ok" if result.exit_code == 0 else ("fail" if result.exit_code == 1 else "error"),
@@ -110,6 +107,7 @@ def check(
                 "streams": list(source.streams),
             },
             checks=result.issues.to_dicts(),
+            verdict=verdict.as_dict(),
         )
 
     execute("check", body, json_out=json_out, quiet=quiet)

@@ -8,6 +8,7 @@ shows it for internal errors). Tables, progress and diagnostics go to stderr so 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -18,9 +19,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup
 
 from pgdiag.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, PgdiagError
 from pgdiag.report.report import _jsonable
@@ -76,7 +79,9 @@ IgnoreOpt = Annotated[
     list[str] | None,
     typer.Option("--ignore", help="Silence a check code, e.g. W217 (repeatable).", rich_help_panel=ALIGNMENT),
 ]
-StrictOpt = Annotated[bool, typer.Option("--strict", help="Warnings exit 1.", rich_help_panel=ALIGNMENT)]
+StrictOpt = Annotated[
+    bool, typer.Option("--strict/--no-strict", help="Warnings exit 1.", rich_help_panel=ALIGNMENT)
+]
 MaxExamplesOpt = Annotated[
     int,
     typer.Option(
@@ -127,16 +132,46 @@ VerboseOpt = Annotated[
 ]
 
 
-def make_console(*, quiet: bool = False) -> Console:
+def _plain_flags(params: list[click.Parameter]) -> list[click.Parameter]:
+    for param in params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""  # a flag takes no value: no `<bool>` in --help
+    return params
+
+
+class Command(TyperCommand):
+    """A Typer command whose flags show no value placeholder in `--help`."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        return _plain_flags(super().get_params(ctx))
+
+
+class Group(TyperGroup):
+    """The Typer group of `pgdiag`, with the same plain flags as `Command`."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        return _plain_flags(super().get_params(ctx))
+
+
+def help_text(doc: str | None) -> str:
+    """A docstring as `--help` text: paragraphs kept, the line breaks inside a paragraph joined."""
+    paragraphs = inspect.cleandoc(doc or "").split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+def make_console(*, quiet: bool = False, width: int | None = None) -> Console:
     """The stderr console; honours NO_COLOR / FORCE_COLOR / COLUMNS / TERMINAL_WIDTH through rich.
+
+    Emoji codes are off (a label such as ``run_a:new:`` stays text); user strings are printed escaped or with
+    markup off. `width` fixes the width (tests).
 
     Off a terminal (CI logs, pipes) rich would wrap tables at 80 columns and truncate metric names; there the
     width is 160 unless COLUMNS or TERMINAL_WIDTH says otherwise.
     """
-    width = None
-    if not sys.stderr.isatty() and not (os.environ.get("COLUMNS") or os.environ.get("TERMINAL_WIDTH")):
+    sized = os.environ.get("COLUMNS") or os.environ.get("TERMINAL_WIDTH")
+    if width is None and not sys.stderr.isatty() and not sized:
         width = 160
-    return Console(stderr=True, quiet=quiet, highlight=False, width=width)
+    return Console(stderr=True, quiet=quiet, highlight=False, emoji=False, width=width)
 
 
 def result_object(command: str, **fields: Any) -> dict[str, Any]:

@@ -243,11 +243,24 @@ def compare(
     """
 
     def body(console: Console) -> dict[str, Any]:
-        from pgdiag.cli.render import render_checks, render_gates
+        from pgdiag.cli.render import render_checks, render_gates, render_verdict, render_written
         from pgdiag.compare.api import compare_runs
+        from pgdiag.compare.output import planned_outputs
+        from pgdiag.compare.worst import token_decoder
         from pgdiag.data.runs import read_run
+        from pgdiag.data.writing import check_destination
         from pgdiag.report.gates import outcome
+        from pgdiag.report.verdict import compare_verdict
 
+        # refuse an existing or impossible output, or a bad tokenizer, before any work
+        if tokens_out is not None:
+            check_destination(
+                tokens_out.parent, [tokens_out], overwrite=overwrite, hint="--tokens-out takes a file name"
+            )
+        if out is not None:
+            directory, planned = planned_outputs(out)
+            check_destination(directory, planned, overwrite=overwrite)
+        decode = token_decoder(tokenizer) if tokenizer is not None else None
         gates = gate_settings(fail_on, warn_on, profile, strict, exit_zero)
         clip = ClipBand(eps_low=eps_low, eps_high=eps_high)
         side_metrics = None
@@ -276,24 +289,26 @@ def compare(
             from pgdiag.report.html import check_html_path
 
             check_html_path(html, overwrite=overwrite)
-        source_a = read_run(run_a, attach=list_option(attach), steps=steps, run=run_name)
-        source_b = None if run_b is None else read_run(run_b, steps=steps, run=run_name)
         if routing_replay is not None and run_b is not None:
             raise UsageError("E112", "--routing-replay compares streams of one run; give one RUN")
-        comparison = compare_runs(source_a, source_b, settings)
+        source_a = read_run(run_a, attach=list_option(attach), steps=steps, run=run_name)
+        source_b = None if run_b is None else read_run(run_b, steps=steps, run=run_name)
+        comparison = compare_runs(source_a, source_b, settings, decode=decode)
         report = comparison.report
-        verdict = outcome(report, gates)
+        decision = outcome(report, gates)
+        verdict = compare_verdict(report, decision.gates)
         if not quiet:  # rich lays tables out even on a quiet console: skip the work
             render_parity(console, report, verbose=verbose)
             if verbose:
                 render_breakdowns(console, report)
+            render_worst_tokens(console, report, limit=worst_k if verbose else min(worst_k, 5), decode=decode)
             render_checks(console, report.checks)
-            render_gates(console, verdict.gates)
+            render_gates(console, decision.gates)
         pair = comparison.pair
         result = result_object(
             "compare",
-            status=verdict.status,
-            exit_code=verdict.exit_code,
+            status=decision.status,
+            exit_code=decision.exit_code,
             inputs={
                 "runs": [pair.label_a] + ([pair.label_b] if run_b is not None else []),
                 "streams": [pair.stream_a, pair.stream_b],
@@ -303,8 +318,9 @@ def compare(
             },
             pairs=[pair.pair],
             summary=report.to_json_dict()["summary"],
-            gates=[g.__dict__ for g in verdict.gates.gates],
+            gates=[g.__dict__ for g in decision.gates.gates],
             checks=report.checks.to_dicts(),
+            verdict=verdict.as_dict(),
         )
         if routing_replay is not None:
             from pgdiag.compare.routing import routing_attribution
@@ -316,35 +332,32 @@ def compare(
             result["routing"] = attribution.to_dicts()
             if not quiet:
                 _render_routing(console, attribution, pair.stream_b, routing_replay)
-        files: dict[str, Any] = {}
         if tokens_out is not None:
             from pgdiag.compare.tokens import write_token_table
 
-            files["tokens"] = str(write_token_table(pair, tokens_out, overwrite=overwrite))
-        if out is not None:
-            from pgdiag.compare.output import write_outputs
-
-            files.update(
-                write_outputs(comparison, out, result=result, gates=verdict.gates, overwrite=overwrite)
-            )
+            result["files"]["tokens"] = str(write_token_table(pair, tokens_out, overwrite=overwrite))
         if html is not None:
-            from pgdiag.report.html import write_html
+            from pgdiag.report.html import verdict_arguments, write_html
             from pgdiag.report.plots import build_figures
 
-            plot_set = build_figures(report, tokens=pair, trace=comparison.trace())
-            status_word, line = _gate_verdict(verdict.gates)
             page = write_html(
-                report,
+                report.with_meta(verdict=verdict.as_dict()),
                 html,
                 overwrite=overwrite,
-                verdict=line,
-                status=status_word,
-                plot_set=plot_set,
+                plot_set=build_figures(report, tokens=pair, trace=comparison.trace()),
                 argv=result["argv"],
+                **verdict_arguments(verdict),
             )
-            files["html"] = str(page)
-            console.print(f"html report written to {page}", markup=False)
-        result["files"] = files
+            result["files"]["html"] = str(page)
+        if out is not None:  # written last: its JSON lists every file
+            from pgdiag.compare.output import write_outputs
+
+            result["files"] = write_outputs(
+                comparison, out, result=result, gates=decision.gates, verdict=verdict, overwrite=overwrite
+            )
+        if not quiet:
+            render_written(console, result["files"])
+            render_verdict(console, verdict)
         return result
 
     execute("compare", body, json_out=json_out, quiet=quiet)
@@ -367,22 +380,11 @@ def _render_routing(console: Console, attribution: Any, recompute: str, replay: 
         )
 
 
-def _gate_verdict(gates: Any) -> tuple[str, str]:
-    """(status word, line) of the page's verdict from the gates."""
-    if not gates.gates:
-        return (
-            "info",
-            "no gates given: read the parity table (--fail-on or --profile give a pass/fail verdict)",
-        )
-    failed = [g.expr for g in gates.gates if g.status != "pass"]
-    line = f"{len(gates.gates)} gates evaluated" + (f"; not passed: {', '.join(failed)}" if failed else "")
-    return gates.status, line
-
-
 def render_parity(console: Console, report: Any, *, verbose: bool = False) -> None:
     """The parity table: one row per statistic, token and sequence scope side by side, with units."""
     import polars as pl
     from rich.table import Table
+    from rich.text import Text
 
     from pgdiag.cli.render import format_value
 
@@ -396,7 +398,9 @@ def render_parity(console: Console, report: Any, *, verbose: bool = False) -> No
             for scope, metric, value, unit in part.select("scope", "metric", "value", "unit").iter_rows()
         }
         table = Table(
-            title=f"parity  [dim]{pair}  (Δ = lp_b − lp_a)[/]", title_justify="left", show_edge=False
+            title=Text.assemble(("parity", "bold"), "  ", (f"{pair}  (Δ = lp_b − lp_a)", "dim")),
+            title_justify="left",
+            show_edge=False,
         )
         for name, justify in (
             ("metric", "left"),
@@ -404,7 +408,7 @@ def render_parity(console: Console, report: Any, *, verbose: bool = False) -> No
             ("sequence", "right"),
             ("unit", "left"),
         ):
-            table.add_column(name, justify=justify)
+            table.add_column(name, justify=justify, no_wrap=True)
         stats = TABLE_STATS if not verbose else tuple(dict.fromkeys(m.split("/", 1)[1] for _, m in cells))
         for stat in stats:
             key = f"mismatch/{stat}"
@@ -428,6 +432,7 @@ def render_breakdowns(console: Console, report: Any) -> None:
     """One table per token-scope breakdown: n, mean |Δ|, p99 |Δ|, max |Δ|, k3 and the clip-band share per bucket."""
     import polars as pl
     from rich.table import Table
+    from rich.text import Text
 
     from pgdiag.cli.render import format_value
 
@@ -437,7 +442,11 @@ def render_breakdowns(console: Console, report: Any) -> None:
     )
     for (pair, breakdown), part in rows.group_by(["pair", "breakdown"], maintain_order=True):
         wide = part.pivot(on="metric", index=["bucket", "bucket_lo", "n"], values="value").sort("bucket_lo")
-        table = Table(title=f"by {breakdown}  [dim]{pair}[/]", title_justify="left", show_edge=False)
+        table = Table(
+            title=Text.assemble((f"by {breakdown}", "bold"), "  ", (pair, "dim")),
+            title_justify="left",
+            show_edge=False,
+        )
         for name in ("bucket", "n", *stats):
             table.add_column(name, justify="left" if name == "bucket" else "right")
         for row in wide.iter_rows(named=True):
@@ -445,3 +454,42 @@ def render_breakdowns(console: Console, report: Any) -> None:
             cells += [format_value(row.get(f"mismatch/{s}"), "") for s in stats]
             table.add_row(*cells)
         console.print(table)
+
+
+def render_worst_tokens(console: Console, report: Any, *, limit: int, decode: Any = None) -> None:
+    """The tokens with the largest |Δ|: where they are, both log-probs, Δ and, with --tokenizer, their text."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from pgdiag.cli.render import format_value
+
+    tokens = report.worst_tokens
+    if tokens is None or tokens.height == 0 or limit <= 0:
+        return
+    tokens = tokens.head(limit)
+    has_text = tokens["context"].null_count() < tokens.height
+    table = Table(
+        title=Text.assemble(("worst tokens", "bold"), "  ", ("largest |Δ| first", "dim")),
+        title_justify="left",
+        show_edge=False,
+    )
+    for name in ("step", "sample", "pos", "token", "lp_a", "lp_b", "Δ"):
+        table.add_column(name, justify="left" if name == "sample" else "right", no_wrap=True)
+    if has_text:
+        table.add_column("text (±8 tokens)", overflow="fold")
+    for row in tokens.iter_rows(named=True):
+        cells = [
+            Text(str(row["step"])),
+            Text(str(row["sample_id"])),
+            Text(str(row["pos"])),
+            Text(repr(decode([row["token_id"]])) if decode is not None else str(row["token_id"])),
+            Text(format_value(row["lp_a"], "", digits=4)),
+            Text(format_value(row["lp_b"], "", digits=4)),
+            Text(format_value(row["dlogp"], "", digits=3), style="bold"),
+        ]
+        if has_text:
+            cells.append(Text(row["context"] or ""))
+        table.add_row(*cells)
+    console.print(table)
+    if not has_text:
+        console.print(Text("--tokenizer PATH shows each token's text", style="dim"))

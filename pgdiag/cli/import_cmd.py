@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from pgdiag.cli.common import (
     ALIGNMENT,
@@ -178,7 +179,7 @@ def import_command(
             console.print(
                 "[yellow]warning:[/] --allow-unsafe-pickle: code inside the dump may run while loading"
             )
-        with console.status(f"importing {src} ({preset})", spinner="dots") as status:
+        with console.status(Text(f"importing {src} ({preset})"), spinner="dots") as status:
 
             def progress(summary: Any) -> None:
                 notes = "; ".join(
@@ -193,7 +194,7 @@ def import_command(
                     markup=False,
                     soft_wrap=True,
                 )
-                status.update(f"importing {src} ({preset}): step {summary.step} done")
+                status.update(Text(f"importing {src} ({preset}): step {summary.step} done"))
 
             result = import_run(
                 preset,
@@ -208,8 +209,12 @@ def import_command(
         if result.dropped_streams:
             console.print(f"dropped degenerate streams: {', '.join(result.dropped_streams)}", markup=False)
         console.print(
-            f"[green]imported[/] {result.n_samples} samples, {result.n_tokens} tokens, {len(result.steps)} steps, "
-            f"streams {', '.join(result.streams)} -> {result.path}"
+            Text.assemble(
+                ("imported", "green"),
+                f" {result.n_samples} samples, {result.n_tokens} tokens, {len(result.steps)} steps, "
+                f"streams {', '.join(result.streams)} -> {result.path}",
+            ),
+            soft_wrap=True,
         )
         exit_code = 1 if strict and result.issues.n_warnings else 0
         return result_object(

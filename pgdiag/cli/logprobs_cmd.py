@@ -85,7 +85,7 @@ class Device(StrEnum):
 def register(app: typer.Typer) -> None:
     """Add `logprobs` and its alias `recompute` to `app`."""
     app.command("logprobs")(logprobs)
-    app.command("recompute", help="Alias of `logprobs`.", hidden=True)(logprobs)
+    app.command("recompute", help="Alias of `logprobs`: the same command and options.")(logprobs)
 
 
 def _parse_temperature(value: str) -> float | str:
@@ -358,7 +358,7 @@ def _render_summary(console: Console, result: RecomputeResult, *, verbose: bool)
             soft_wrap=True,
         )
     for warning in result.warnings:
-        console.print(f"[yellow]warning[/] {warning}", soft_wrap=True)
+        console.print(Text.assemble(("warning", "yellow"), f" {warning}"), soft_wrap=True)
     if verbose:
         console.print(f"settings: {result.settings.as_dict()}", markup=False, soft_wrap=True)
 

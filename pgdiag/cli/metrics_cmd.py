@@ -66,18 +66,18 @@ class EmptySeqs(StrEnum):
     skip = "skip"
 
 
-def _metric_epilog() -> str:
-    """One line per native metric (key, unit, reduction, meaning) for `--help`, from the catalog."""
-    from pgdiag.metrics.catalog import METRIC_CATALOG
+def _list_metrics(value: bool) -> None:
+    """`--list-metrics`: print the catalogue of native metrics on stdout and exit."""
+    if value:
+        from pgdiag.cli.render import render_catalog
 
-    lines = ["[bold]Metrics[/] (key, unit, reduction: meaning). Full reference: docs/metrics.md."]
-    lines += [f"{entry.key} ({entry.unit}, {entry.reduction}): {entry.meaning}" for entry in METRIC_CATALOG]
-    return "\n\n".join(lines)
+        render_catalog()
+        raise typer.Exit()
 
 
 def register(app: typer.Typer) -> None:
     """Add the `metrics` command to `app`."""
-    app.command("metrics", epilog=_metric_epilog(), rich_help_panel=None)(metrics)
+    app.command("metrics", rich_help_panel=None)(metrics)
 
 
 def metrics(
@@ -286,11 +286,29 @@ def metrics(
     exit_zero: ExitZeroOpt = False,
     json_out: JsonOpt = False,
     out: OutOpt = None,
+    to_tensorboard: Annotated[
+        Path | None,
+        typer.Option(
+            "--to-tensorboard",
+            help="Write the per-step scalars as TensorBoard events in this directory.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
     overwrite: OverwriteOpt = False,
+    show_all: Annotated[
+        bool,
+        typer.Option(
+            "--all",
+            help="Show every metric, one table per family (default: the main metrics).",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = False,
     all_steps: Annotated[
         bool,
         typer.Option(
-            "--all-steps", help="Show every step in the table (default: up to 6).", rich_help_panel=OUTPUT
+            "--all-steps",
+            help="Show every step, in further tables when they do not fit the terminal width.",
+            rich_help_panel=OUTPUT,
         ),
     ] = False,
     html: Annotated[
@@ -303,6 +321,16 @@ def metrics(
     ] = None,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
+    list_metrics: Annotated[
+        bool,
+        typer.Option(
+            "--list-metrics",
+            callback=_list_metrics,
+            is_eager=True,
+            help="Print every native metric (key, unit, reduction, meaning) and exit.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = False,
 ) -> None:
     """Compute the policy-gradient metric set and the pg loss under every aggregation mode.
 
@@ -312,14 +340,29 @@ def metrics(
     validated first (exit 3 on invalid data). Example:
 
     [cyan]pgdiag metrics sample_data/run_a --aggregation constant --divisor 40960[/]
+
+    The table shows the main metrics and the steps that fit the terminal (--all: every metric; --json, --out:
+    every step); the last line lists the anomalies found, each with its step. --list-metrics explains every key.
     """
 
     def body(console: Console) -> dict[str, Any]:
-        from pgdiag.cli.render import render_checks, render_gates, render_metrics
+        from pgdiag.cli.render import (
+            render_checks,
+            render_gates,
+            render_metrics,
+            render_verdict,
+            render_written,
+        )
         from pgdiag.data.runs import read_run
+        from pgdiag.data.writing import check_destination
         from pgdiag.metrics.api import compute_metrics
         from pgdiag.report.gates import outcome
+        from pgdiag.report.report import report_files
+        from pgdiag.report.verdict import metrics_verdict
 
+        if out is not None:  # refuse an existing or impossible output before any work
+            planned = report_files(out, "metrics", worst=False)
+            check_destination(planned.report.parent, [planned.report, planned.json], overwrite=overwrite)
         gates = gate_settings(fail_on, warn_on, profile, strict, exit_zero)
         settings = MetricSettings(
             new=new,
@@ -362,16 +405,19 @@ def metrics(
             check_html_path(html, overwrite=overwrite)
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
         report = compute_metrics(source, settings, checks=checks)
-        verdict = outcome(report, gates)
+        decision = outcome(report, gates)
+        verdict = metrics_verdict(report)
         if not quiet:  # rich lays tables out even on a quiet console: skip the work
             render_checks(console, report.checks)
-            render_metrics(console, report, all_steps=all_steps, verbose=verbose)
-            render_gates(console, verdict.gates)
+            render_metrics(
+                console, report, show_all=show_all, all_steps=all_steps, verbose=verbose, verdict=verdict
+            )
+            render_gates(console, decision.gates)
         inputs = report.meta["inputs"]
         result = result_object(
             "metrics",
-            status=verdict.status,
-            exit_code=verdict.exit_code,
+            status=decision.status,
+            exit_code=decision.exit_code,
             inputs={
                 "runs": inputs["runs"],
                 "streams": inputs["streams"],
@@ -380,7 +426,7 @@ def metrics(
                 "n_tokens": inputs["n_tokens"],
             },
             pairs=report.meta["pairs"],
-            gates=[g.__dict__ for g in verdict.gates.gates],
+            gates=[g.__dict__ for g in decision.gates.gates],
             checks=report.checks.to_dicts(),
         )
         json_view = report.to_json_dict()
@@ -388,25 +434,33 @@ def metrics(
         result["per_step"] = json_view["breakdowns"].get("step", {})
         result["settings"] = report.meta["settings"]
         result["step_status"] = {str(s["step"]): s["status"] for s in report.meta["steps"]}
-        if out is not None:
-            files = report.write(out, overwrite=overwrite, result=result)
-            result["files"] = {"report": str(files.report), "json": str(files.json)}
-            console.print(f"report written to {files.report}", markup=False)
+        result["verdict"] = verdict.as_dict()
+        report = report.with_meta(verdict=verdict.as_dict())
         if html is not None:
-            from pgdiag.report.html import write_html
+            from pgdiag.report.html import verdict_arguments, write_html
             from pgdiag.report.plots import build_figures
 
+            page_verdict = verdict_arguments(verdict)  # its findings also ring the trend plots
             page = write_html(
                 report,
                 html,
                 overwrite=overwrite,
-                verdict=f"gates: {verdict.gates.status}",
-                status=verdict.gates.status,
-                plot_set=build_figures(report),
+                plot_set=build_figures(report, marks=page_verdict["marks"]),
                 argv=result["argv"],
+                **page_verdict,
             )
-            result.setdefault("files", {})["html"] = str(page)
-            console.print(f"html report written to {page}", markup=False)
+            result["files"]["html"] = str(page)
+        if to_tensorboard is not None:
+            from pgdiag.report.export import export_tensorboard
+
+            result["files"]["tensorboard"] = str(export_tensorboard(report, to_tensorboard))
+        if out is not None:  # written last: its JSON lists every file
+            result["files"] = (
+                report.write(out, overwrite=overwrite, result=result).as_dict() | result["files"]
+            )
+        if not quiet:
+            render_written(console, result["files"])
+            render_verdict(console, verdict)
         return result
 
     execute("metrics", body, json_out=json_out, quiet=quiet)

@@ -82,20 +82,24 @@ def plot(
 
     --kind all (the default) draws every kind the source supports and lists those it leaves out, with why.
     --html PAGE also writes a one-file HTML report of a saved report.
+    Existing figures in --out are kept (E502) unless --overwrite is given; the files written are listed.
     """
 
     def body(console: Console) -> dict[str, Any]:
         import polars as pl
         import pyarrow.parquet as pq
 
+        from pgdiag.cli.render import render_written
         from pgdiag.compare.output import trace_path
         from pgdiag.compare.tokens import TOKEN_TABLE_SCHEMA_ID
+        from pgdiag.data.writing import check_destination
         from pgdiag.errors import UsageError
         from pgdiag.report import plots
         from pgdiag.report.report import load_report
 
         if not source.exists():
             raise UsageError("E501", f"{source}: no such file or directory")
+        check_destination(out, [], overwrite=overwrite, hint="--out takes the directory of the figures")
         if html is not None:
             from pgdiag.report.html import check_html_path
 
@@ -125,18 +129,18 @@ def plot(
         plot_set = plots.build_figures(
             report, kinds=wanted, tokens=tokens, trace=trace, marks=page_verdict.get("marks", ())
         )
+        figures = [out / f"{k}.{fmt.value}" for k in plot_set.figures]
+        check_destination(out, figures, overwrite=overwrite, hint="--out takes the directory of the figures")
         written = plots.save_figures(plot_set, out, fmt=fmt.value, dpi=dpi)
-        for k, path in written.items():
-            console.print(f"{k}: {path}", markup=False)
-        for k, why in plot_set.skipped.items():
-            console.print(f"skipped {k}: {why}", markup=False, soft_wrap=True)
         files: dict[str, Any] = {"plots": written}
         if html is not None:
             from pgdiag.report.html import write_html
 
             page = write_html(report, html, overwrite=overwrite, plot_set=plot_set, **page_verdict)
             files["html"] = str(page)
-            console.print(f"html: {page}", markup=False)
+        render_written(console, files)
+        for k, why in plot_set.skipped.items():
+            console.print(f"skipped {k}: {why}", markup=False, soft_wrap=True)
         return result_object("plot", files=files, plots_skipped=plot_set.skipped)
 
     execute("plot", body, json_out=json_out, quiet=quiet)

@@ -2,40 +2,81 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import polars as pl
+from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
+from pgdiag.report.format import format_value
 from pgdiag.report.gates import GateResult
 from pgdiag.report.report import Report
+from pgdiag.report.verdict import Verdict
 
-MAX_STEP_COLUMNS = 6
 FAMILY_ORDER = ("loss", "grad", "policy", "mismatch", "advantage", "entropy", "group", "count")
+# The default `metrics` view: what a user looks at first, in this order.
+COMPACT_METRICS = (
+    "loss/pg",
+    "policy/ratio_mean",
+    "policy/ratio_min",
+    "policy/ratio_max",
+    "policy/logratio_absmax",
+    "policy/kl_k1",
+    "policy/kl_k3",
+    "policy/clip_frac_band",
+    "policy/clip_frac_binding",
+    "policy/ess_token",
+    "mismatch/abs_mean",
+    "mismatch/kl_k3",
+    "mismatch/tmpe",
+    "mismatch/frac_out_2x",
+    "mismatch/ess_token",
+    "advantage/mean",
+    "advantage/frac_zero",
+    "entropy/mean",
+    "count/tokens",
+    "count/samples",
+    "count/samples_empty",
+)
 
 
-def format_value(value: float | None, unit: str) -> str:
-    """A number for a table cell: counts as integers, others with 6 significant digits; None as '—'."""
-    if value is None:
-        return "—"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    if unit == "count":
-        return f"{int(value):,}"
-    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-4):
-        return f"{value:.4e}"
-    return f"{value:.6g}"
+def _family(metric: str) -> str:
+    return metric.split("/", 1)[0] if "/" in metric else "metrics"
+
+
+def _steps_that_fit(width: int, fixed: int, step_widths: Sequence[int]) -> int:
+    """How many step columns (each `step_widths[i]` wide plus a 2-character gap) fit beside `fixed` columns."""
+    used, count = fixed, 0
+    for step_width in step_widths:
+        if used + 2 + step_width > width:
+            break
+        used += 2 + step_width
+        count += 1
+    return count
 
 
 def render_metrics(
-    console: Console, report: Report, *, all_steps: bool = False, verbose: bool = False
+    console: Console,
+    report: Report,
+    *,
+    show_all: bool = False,
+    all_steps: bool = False,
+    verbose: bool = False,
+    verdict: Verdict | None = None,
 ) -> None:
-    """One table per metric family: the pooled value, up to `MAX_STEP_COLUMNS` steps, unit, reduction, n."""
+    """The metrics table, sized to the console so that no metric name is ever cut.
+
+    Default: the metrics a user looks at first (`COMPACT_METRICS`; under a key style every key), one row each with
+    its full name, the pooled value, as many steps as fit and the unit. `show_all`: every metric, one table per
+    family, with its reduction. Steps that do not fit are named below the table (`all_steps` prints them in
+    further tables instead). Cells of `verdict`'s anomalies are red.
+    """
     summary = report.summary
     steps = summary.filter(pl.col("breakdown") == "step")["bucket"].unique(maintain_order=True).to_list()
-    shown = steps if (all_steps or len(steps) <= MAX_STEP_COLUMNS) else steps[:MAX_STEP_COLUMNS]
     pooled = summary.filter(pl.col("breakdown") == "all")
     per_step = {
         (bucket, metric): value
@@ -43,42 +84,139 @@ def render_metrics(
         .select("bucket", "metric", "value")
         .iter_rows()
     }
+    rows = list(pooled.select("pair", "metric", "value", "unit", "reduction", "n").iter_rows())
+    native = report.meta.get("settings", {}).get("key_style", "pgdiag") == "pgdiag"
+    if not show_all and native:
+        order = {name: i for i, name in enumerate(COMPACT_METRICS)}
+        rows = sorted((r for r in rows if r[1] in order), key=lambda r: order[r[1]])
     families: dict[str, list[tuple]] = {}
-    for pair, metric, value, unit, reduction, n in pooled.select(
-        "pair", "metric", "value", "unit", "reduction", "n"
-    ).iter_rows():
-        family = metric.split("/", 1)[0] if "/" in metric else "metrics"
-        families.setdefault(family, []).append((pair, metric, value, unit, reduction, n))
-    statuses = {str(s["step"]): s["status"] for s in report.meta.get("steps", [])}
-    # native families in their order; a key style's own families (actor/, rollout_corr/, ...) before count/
+    for row in rows:
+        families.setdefault(_family(row[1]) if show_all else "", []).append(row)
     count_at = FAMILY_ORDER.index("count")
     ordered = sorted(families, key=lambda f: FAMILY_ORDER.index(f) if f in FAMILY_ORDER else count_at - 0.5)
-    for family in ordered:
-        rows = families[family]
-        pairs = sorted({r[0] for r in rows})
-        title = f"{family}  [dim]({', '.join(pairs)})[/]"
-        table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-        table.add_column("metric", style="bold")
-        table.add_column("all", justify="right")
-        for step in shown:
-            status = statuses.get(step, "ok")
-            table.add_column(f"step {step}" + ("" if status == "ok" else f" ({status})"), justify="right")
-        table.add_column("unit")
-        table.add_column("reduction")
-        if verbose:
-            table.add_column("n", justify="right")
-        for _pair, metric, value, unit, reduction, n in rows:
-            cells = [metric, format_value(value, unit)]
-            cells += [format_value(per_step.get((step, metric)), unit) for step in shown]
-            cells += [unit, reduction]
+    statuses = {str(s["step"]): s["status"] for s in report.meta.get("steps", [])}
+    flagged = {(f.step, f.metric) for f in (verdict.findings if verdict is not None else ())}
+    digits = 6 if show_all or verbose else 4
+    all_rows = [r for f in ordered for r in families[f]]
+    if not all_rows:
+        return
+    name_width = max(len("metric"), *(len(r[1]) for r in all_rows))
+    unit_width = max(len("unit"), *(len(r[3]) for r in all_rows))
+    extra = []
+    if show_all:
+        extra.append(max(len("reduction"), *(len(r[4]) for r in all_rows)))
+    if verbose:
+        extra.append(max(len("n"), *(len(f"{r[5]:,}") for r in all_rows)))
+
+    def cell_width(column: str | None) -> int:
+        header = "all" if column is None else _step_header(column, statuses)
+        values = (
+            format_value(r[2] if column is None else per_step.get((column, r[1])), r[3], digits=digits)
+            for r in all_rows
+        )
+        return max(len(header), *(len(v) for v in values))
+
+    fixed = name_width + 2 + cell_width(None) + 2 + unit_width + sum(2 + w for w in extra)
+    widths = [cell_width(step) for step in steps]
+    fit = _steps_that_fit(console.width, fixed, widths)
+    blocks = [steps[:fit]]
+    if all_steps:
+        blocks = [steps[i : i + max(fit, 1)] for i in range(0, len(steps), max(fit, 1))] or [[]]
+    pairs = sorted({r[0] for r in all_rows})
+    for block_index, shown in enumerate(blocks):
+        for family in ordered:
+            title = family or "metrics"
+            if block_index:
+                title += f" (steps {shown[0]}–{shown[-1]})"
+            table = Table(
+                title=Text.assemble((title, "bold"), "  ", (", ".join(pairs), "dim")),
+                title_justify="left",
+                box=box.SIMPLE_HEAD,
+                show_edge=False,
+                pad_edge=False,
+                padding=(0, 1),
+                collapse_padding=True,
+            )
+            table.add_column("metric", min_width=name_width, no_wrap=True)
+            table.add_column("all", justify="right", no_wrap=True)
+            for step in shown:
+                table.add_column(_step_header(step, statuses), justify="right", no_wrap=True)
+            table.add_column("unit", no_wrap=True)
+            if show_all:
+                table.add_column("reduction", no_wrap=True)
             if verbose:
-                cells.append(f"{n:,}")
-            table.add_row(*cells)
-        console.print(table)
-    if len(shown) < len(steps):
-        console.print(f"[dim]{len(steps) - len(shown)} more steps: --all-steps, --json or --out show them[/]")
+                table.add_column("n", justify="right", no_wrap=True)
+            for _pair, metric, value, unit, reduction, n in families[family]:
+                cells = [Text(metric), _cell(value, unit, digits, ("all", metric) in flagged)]
+                cells += [
+                    _cell(per_step.get((step, metric)), unit, digits, (step, metric) in flagged)
+                    for step in shown
+                ]
+                cells.append(Text(unit, style="dim"))
+                if show_all:
+                    cells.append(Text(reduction, style="dim"))
+                if verbose:
+                    cells.append(Text(f"{n:,}"))
+                table.add_row(*cells)
+            console.print(table)
+    hidden = [] if all_steps else steps[fit:]
+    if hidden:
+        console.print(
+            Text(
+                f"{len(hidden)} of {len(steps)} steps not shown at {console.width} columns "
+                f"(step{'s' if len(hidden) > 1 else ''} {', '.join(hidden[:8])}{', …' if len(hidden) > 8 else ''}): --all-steps, --json or --out "
+                "show them",
+                style="dim",
+            )
+        )
+    if not show_all and native:
+        console.print(
+            Text("the main metrics only: --all shows every metric, --list-metrics explains them", style="dim")
+        )
     for notice in report.meta.get("notices", []):
-        console.print(f"[yellow]note:[/] {notice}", soft_wrap=True)
+        console.print(Text.assemble(("note: ", "yellow"), notice))
+
+
+def _step_header(step: str, statuses: dict[str, str]) -> str:
+    status = statuses.get(step, "ok")
+    return f"step {step}" + ("" if status == "ok" else f" ({status})")
+
+
+def _cell(value: float | None, unit: str, digits: int, flagged: bool) -> Text:
+    return Text(format_value(value, unit, digits=digits), style="bold red" if flagged else "")
+
+
+def render_catalog(console: Console | None = None) -> None:
+    """Every native metric (`pgdiag metrics --list-metrics`), on stdout: by family, each key whole on its own
+    line with its unit and reduction, then its meaning indented below."""
+    from pgdiag.metrics.catalog import METRIC_CATALOG
+
+    console = console or Console(highlight=False, emoji=False)
+    family = None
+    for entry in METRIC_CATALOG:
+        if entry.family != family:
+            family = entry.family
+            console.print(Text(f"\n{family}", style="bold underline"))
+        console.print(Text.assemble((entry.key, "bold"), (f"  {entry.unit}, {entry.reduction}", "dim")))
+        console.print(Text(f"    {entry.meaning}"))
+    console.print(
+        Text(
+            "\nreduction: R = --metric-reduction (token, sample or document), tok = over tokens, seq = over "
+            "samples, grp = over groups, step = per step, cnt = a count, mode = per aggregation mode. Formulas: "
+            "docs/metrics.md.",
+            style="dim",
+        )
+    )
+
+
+def render_verdict(console: Console, verdict: Verdict) -> None:
+    """The verdict line, last; green when clean or AGREE, yellow for warnings, red otherwise."""
+    colour = {"clean": "green", "AGREE": "green", "warnings": "yellow"}.get(verdict.status, "red")
+    head, _, rest = verdict.line.partition(": ")
+    status, _, detail = rest.partition(" ")
+    console.print(
+        Text.assemble((f"{head}: ", "bold"), (status, f"bold {colour}"), f" {detail}" if detail else "")
+    )
 
 
 def render_checks(console: Console, checks: pl.DataFrame, hints: Sequence[str | None] = ()) -> None:
@@ -86,7 +224,7 @@ def render_checks(console: Console, checks: pl.DataFrame, hints: Sequence[str | 
     rows = checks.select("code", "severity", "message").iter_rows()
     for index, (code, severity, message) in enumerate(rows):
         colour = "red" if severity == "error" else "yellow"
-        console.print(f"[{colour}]{severity}[{code}][/] ", end="")
+        console.print(f"[{colour}]{severity}{escape(f'[{code}]')}[/] ", end="")
         console.print(message, markup=False, soft_wrap=True)
         hint = hints[index] if index < len(hints) else None
         if hint:
@@ -101,7 +239,31 @@ def render_gates(console: Console, gates: GateResult) -> None:
         colour = "yellow" if gate.status == "warn" else "red"
         where = f" [{gate.pair}]" if gate.pair else ""
         value = "missing" if gate.value is None else format_value(gate.value, "")
-        console.print(f"[{colour}]gate {gate.status}[/] {gate.expr}{where}: {value}", soft_wrap=True)
+        console.print(
+            Text.assemble((f"gate {gate.status}", colour), f" {gate.expr}{where}: {value}"), soft_wrap=True
+        )
     if gates.gates:
         colour = {"pass": "green", "warn": "yellow", "fail": "red"}[gates.status]
         console.print(f"[{colour}]gates: {gates.status}[/] ({len(gates.gates)} evaluated)")
+
+
+def render_written(console: Console, files: Mapping[str, Any]) -> None:
+    """What a command wrote, one file a line (the same list as the `files` of its JSON object), then the plots
+    left out (``files["plots_skipped"]``) with why."""
+    paths: list[tuple[str, str]] = []
+    skipped = files.get("plots_skipped") or {}
+    for role, value in files.items():
+        if role == "plots_skipped":
+            continue
+        if isinstance(value, Mapping):
+            paths += [(f"{role} {kind}", str(path)) for kind, path in value.items()]
+        elif value is not None:
+            paths.append((role, str(value)))
+    if not paths:
+        return
+    width = max(len(role) for role, _ in paths)
+    console.print(Text(f"wrote {len(paths)} file{'s' if len(paths) != 1 else ''}:", style="bold"))
+    for role, path in paths:
+        console.print(Text.assemble(f"  {role:<{width}}  ", (path, "cyan")), soft_wrap=True)
+    for kind, why in skipped.items():
+        console.print(Text(f"  skipped {kind}: {why}", style="dim"), soft_wrap=True)

@@ -17,24 +17,10 @@ from typing import Any
 
 import polars as pl
 
-from pgdiag.errors import UsageError
+from pgdiag.report.format import PARITY_HEADLINE_STATS
 from pgdiag.report.gates import GateResult
 from pgdiag.report.report import REPORT_SCHEMA_ID, Report
-
-SUMMARY_STATS = (
-    "abs_mean",
-    "bias",
-    "rms",
-    "abs_p99",
-    "abs_max",
-    "kl_k3",
-    "tmpe",
-    "frac_out_clip",
-    "frac_out_2x",
-    "pearson_r",
-    "fit_slope",
-    "ess_token",
-)
+from pgdiag.report.verdict import Verdict
 
 
 def output_paths(out: str | Path) -> tuple[Path, str]:
@@ -43,6 +29,19 @@ def output_paths(out: str | Path) -> tuple[Path, str]:
     if out.suffix == ".parquet":
         return out.parent, out.stem
     return out, "compare"
+
+
+def planned_outputs(out: str | Path) -> tuple[Path, list[Path]]:
+    """(directory, every file `write_outputs(..., out)` may write): checked before any work is done."""
+    from pgdiag.report.plots import COMPARE_KINDS
+    from pgdiag.report.report import report_files
+
+    directory, name = output_paths(out)
+    report = report_files(directory / f"{name}.parquet", "compare")
+    files = [p for p in (report.report, report.json, report.worst_tokens, report.worst_seqs) if p is not None]
+    files += [directory / f"{name}.worst_trace.parquet", directory / f"{name}.md"]
+    files += [directory / f"{name}.plots" / f"{kind}.png" for kind in COMPARE_KINDS]
+    return directory, files
 
 
 @dataclass(frozen=True)
@@ -78,17 +77,19 @@ def draw_plots(
     return PlotFiles(plots.save_figures(plot_set, directory, fmt=fmt, dpi=dpi), plot_set.skipped)
 
 
-def summary_markdown(report: Report, gates: GateResult | None) -> str:
-    """A short markdown summary: pairs, headline numbers at both scopes, checks and gates."""
+def summary_markdown(report: Report, gates: GateResult | None, verdict: Verdict | None = None) -> str:
+    """A short markdown summary: the verdict, pairs, headline numbers at both scopes, checks and gates."""
     rows = report.summary.filter(pl.col("breakdown") == "all")
     lines = ["# pgdiag compare", ""]
+    if verdict is not None:
+        lines += [f"**{verdict.line}**", ""]
     for pair in report.meta.get("pairs", []):
         part = rows.filter(pl.col("pair") == pair)
         cell = {(s, m): (v, u) for s, m, v, u in part.select("scope", "metric", "value", "unit").iter_rows()}
         n_tok = cell.get(("token", "count/mismatch_tokens"), (None, ""))[0]
         lines += [f"## `{pair}`", "", f"{int(n_tok or 0):,} matched tokens. Δ = lp_b − lp_a.", ""]
         lines += ["| metric | token | sequence | unit |", "|---|---|---|---|"]
-        for stat in SUMMARY_STATS:
+        for stat in PARITY_HEADLINE_STATS:
             tok = cell.get(("token", f"mismatch/{stat}"))
             seq = cell.get(("sequence", f"mismatch/{stat}"))
             if tok is None and seq is None:
@@ -123,35 +124,42 @@ def write_outputs(
     *,
     result: Mapping[str, Any] | None = None,
     gates: GateResult | None = None,
+    verdict: Verdict | None = None,
     overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Write every output of `comparison` (a `compare.api.Comparison`) under `out`; returns the JSON `files`."""
-    from pgdiag.data.writing import atomic_write, write_parquet
+    """Write every output of `comparison` (a `compare.api.Comparison`) under `out`; returns the JSON `files`
+    (with those already in ``result["files"]``), which the saved ``<name>.json`` lists too. `verdict` is saved
+    in the report's meta and heads the markdown summary."""
+    from pgdiag.data.writing import atomic_write, check_destination, write_parquet
+    from pgdiag.report.report import report_files
 
     directory, name = output_paths(out)
+    check_destination(directory, planned_outputs(out)[1], overwrite=overwrite)
     md_path, trace_file, plot_dir = (
         directory / f"{name}.md",
         directory / f"{name}.worst_trace.parquet",
         directory / f"{name}.plots",
     )
-    if not overwrite:
-        for path in (md_path, trace_file):
-            if path.exists():
-                raise UsageError("E502", f"{path} exists", "pass --overwrite to replace it")
     report: Report = comparison.report
+    if verdict is not None:
+        report = report.with_meta(verdict=verdict.as_dict())
     trace = comparison.trace()
-    files = report.write(directory / f"{name}.parquet", overwrite=overwrite, result=result)
     write_parquet(trace, trace_file, metadata={"pgdiag.schema": REPORT_SCHEMA_ID})
     plots = draw_plots(report, trace, comparison.pair, plot_dir)
-    text = summary_markdown(report, gates)
+    text = summary_markdown(report, gates, verdict)
     atomic_write(md_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-    return {
-        "report": str(files.report),
-        "json": str(files.json),
-        "worst_tokens": None if files.worst_tokens is None else str(files.worst_tokens),
-        "worst_seqs": None if files.worst_seqs is None else str(files.worst_seqs),
+    planned = report_files(directory / f"{name}.parquet", "compare")
+    files: dict[str, Any] = {  # the report and its JSON are written last, listing every file
+        **(dict(result.get("files") or {}) if result is not None else {}),
+        "report": str(planned.report),
+        "json": str(planned.json),
+        **({"worst_tokens": str(planned.worst_tokens)} if report.worst_tokens is not None else {}),
+        **({"worst_seqs": str(planned.worst_seqs)} if report.worst_seqs is not None else {}),
         "worst_trace": str(trace_file),
         "markdown": str(md_path),
         "plots": plots.written,
         "plots_skipped": plots.skipped,
     }
+    saved = {**result, "files": files} if result is not None else None
+    report.write(directory / f"{name}.parquet", overwrite=overwrite, result=saved)
+    return files

@@ -5,7 +5,8 @@ log of the sequence importance ratio, what sequence-level corrections act on), `
 streams along the worst sequence for the trace plot.
 Why: a parity number needs an address: the step, sample and position to open in the rollout.
 How: `np.argpartition` picks the top K in O(M) before a sort of K rows; per-sample sums are `np.add.reduceat`.
-`decode` (optional, e.g. a tokenizer's ``decode``) renders ±8 tokens of loss context around each worst token.
+`decode` (optional, e.g. a tokenizer's ``decode``) renders each worst token's text and the ±8 tokens of loss
+context around it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ WORST_TOKENS_SCHEMA: dict[str, pl.DataType] = {
     "lp_a": pl.Float64(),
     "lp_b": pl.Float64(),
     "dlogp": pl.Float64(),
+    "token_text": pl.String(),
     "context": pl.String(),
 }
 WORST_SEQS_SCHEMA: dict[str, pl.DataType] = {
@@ -91,8 +93,10 @@ def worst_tokens(
     top = _top_k_tokens(pair, k)
     row = np.searchsorted(pair.offsets, top, side="right") - 1
     context: list[str | None] = [None] * top.shape[0]
+    token_text: list[str | None] = [None] * top.shape[0]
     if decode is not None:
         for j, (t, r) in enumerate(zip(top.tolist(), row.tolist(), strict=True)):
+            token_text[j] = decode([int(pair.token_id[t])])
             lo = max(int(pair.offsets[r]), t - CONTEXT_TOKENS)
             hi = min(int(pair.offsets[r + 1]), t + CONTEXT_TOKENS + 1)
             context[j] = decode(pair.token_id[lo:hi].tolist())
@@ -107,6 +111,7 @@ def worst_tokens(
             "lp_a": pair.lp_a[top],
             "lp_b": pair.lp_b[top],
             "dlogp": d[top],
+            "token_text": token_text,
             "context": context,
         },
         schema=WORST_TOKENS_SCHEMA,

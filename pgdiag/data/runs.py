@@ -99,6 +99,9 @@ class Run:
     paths: tuple[Path, ...]  # rollouts files, in read order
     root: Path | None  # the run directory when RUN is one
     recompute: Mapping[str, Path] = field(default_factory=dict)  # tag -> directory of logprobs parts
+    incomplete: Mapping[str, Path] = field(
+        default_factory=dict
+    )  # tag -> unfinished RUN/logprobs/<tag>, unread
     hive: bool = False
     row_filter: pl.Expr | None = None
 
@@ -108,6 +111,9 @@ class Run:
 
     def collect(self, columns: Sequence[str]) -> pl.DataFrame:
         """The named columns, recompute columns (``<tag>_logprobs``, ``<tag>_entropy``) joined in."""
+        for tag in self.incomplete:
+            if {stream_column(tag), entropy_column(tag)} & set(columns):
+                raise _incomplete_error(self, tag)
         lazy = _with_recompute(self, self.lazy, columns)
         try:
             return lazy.select(list(columns)).collect()
@@ -204,12 +210,29 @@ def _scan(
     return lazy if row_filter is None else lazy.filter(row_filter)
 
 
-def _recompute_dirs(root: Path | None, attach: Sequence[str | Path]) -> dict[str, Path]:
+def _manifest(directory: Path) -> dict[str, Any]:
+    """The recompute manifest of `directory` ({} when absent or unreadable)."""
+    try:
+        manifest = json.loads((directory / "_manifest.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def _recompute_dirs(
+    root: Path | None, attach: Sequence[str | Path]
+) -> tuple[dict[str, Path], dict[str, Path]]:
+    """(complete, incomplete) recompute directories by tag. Found under RUN/logprobs/, an unfinished one
+    (interrupted or refused run) is set aside as incomplete; an --attach directory is always used (E504 later)."""
     found: dict[str, Path] = {}
+    incomplete: dict[str, Path] = {}
     if root is not None and (root / "logprobs").is_dir():
         for sub in sorted((root / "logprobs").iterdir()):
             if sub.is_dir() and not sub.name.startswith(("_", ".")):
-                found[sub.name] = sub
+                if _manifest(sub).get("complete") is True:
+                    found[sub.name] = sub
+                else:
+                    incomplete[sub.name] = sub
     for directory in attach:
         directory = Path(directory)
         if not directory.is_dir():
@@ -220,7 +243,38 @@ def _recompute_dirs(root: Path | None, attach: Sequence[str | Path]) -> dict[str
         manifest = directory / "_manifest.json"
         tag = str(_manifest_object(manifest).get("tag", tag))
         found[tag] = directory
-    return found
+        incomplete.pop(tag, None)
+    return found, incomplete
+
+
+def _finish_hint(run: Run, tag: str) -> str:
+    """The commands that finish (resume) or remove the unfinished recompute `tag` of `run`."""
+    directory = run.incomplete[tag]
+    finish = (
+        _manifest(directory).get("resume_command") or f"pgdiag logprobs {run.root} --model CKPT --tag {tag}"
+    )
+    return f"finish it: {finish} (resumes); or remove it: rm -r {directory}"
+
+
+def _incomplete_error(run: Run, tag: str) -> UsageError:
+    return UsageError(
+        "E504", f"{run.incomplete[tag]}: recompute {tag!r} is incomplete", _finish_hint(run, tag)
+    )
+
+
+def _incomplete_issues(run: Run) -> list[Issue]:
+    """W504 for every unfinished recompute under RUN/logprobs/: named, with the commands that finish or remove it."""
+    return [
+        Issue(
+            "W504",
+            "warning",
+            1,
+            f"{directory}: incomplete recompute {tag!r} (interrupted, or refused before its first part); "
+            "its stream is not read",
+            hint=_finish_hint(run, tag),
+        )
+        for tag, directory in run.incomplete.items()
+    ]
 
 
 def _manifest_object(manifest: Path) -> dict[str, Any]:
@@ -282,7 +336,7 @@ def read_run(
         conditions.append(_step_condition(parse_steps(steps), base))
     row_filter = pl.all_horizontal(conditions) if conditions else None
     default_label = run or (labels[0] if labels else (root.name if root is not None else Path(paths[0]).stem))
-    recompute = _recompute_dirs(root, attach)
+    recompute, incomplete = _recompute_dirs(root, attach)
     present = [s for s in BASE_STREAMS if stream_column(s) in schema]
     return Run(
         label=label or default_label,
@@ -293,6 +347,7 @@ def read_run(
         paths=paths,
         root=root,
         recompute=recompute,
+        incomplete=incomplete,
         hive=hive,
         row_filter=row_filter,
     )
@@ -452,6 +507,9 @@ def load_rows(
     schema = run.lazy.collect_schema()
     stream_cols = [stream_column(s) for s in streams]
     entropy_cols = [entropy_column(t) for t in entropy]
+    for stream in (*streams, *entropy):
+        if stream in run.incomplete:
+            raise _incomplete_error(run, stream)
     for stream in streams:
         if stream not in run.streams:
             raise UsageError(
@@ -498,7 +556,7 @@ def load_rows(
         ) from exc
     shown = {f: run.display_path(f) for f in frame[FILE_COLUMN].unique().to_list()}
     frame = frame.with_columns(pl.col(FILE_COLUMN).replace_strict(shown, return_dtype=pl.String))
-    issues = [*_recompute_issues(run, frame, recompute_hash)]
+    issues = [*_incomplete_issues(run), *_recompute_issues(run, frame, recompute_hash)]
     list_cols = [
         "input_ids",
         "loss_mask",

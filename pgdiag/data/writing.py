@@ -91,6 +91,32 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
+def check_destination(
+    directory: str | Path,
+    files: Sequence[str | Path],
+    *,
+    overwrite: bool,
+    hint: str = "--out takes a directory (or a report file name ending in .parquet)",
+) -> None:
+    """Refuse an output before any work is done: UsageError E502 when a file stands where `directory` (or one
+    of its parents) must be (with `hint`), or when one of `files` exists and `overwrite` is false."""
+    directory = Path(directory)
+    for ancestor in (directory, *directory.parents):
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise UsageError(
+                    "E502",
+                    f"{ancestor} is a file, not a directory",
+                    hint,
+                )
+            break
+    for file in map(Path, files):
+        if file.is_dir():
+            raise UsageError("E502", f"{file} is a directory, not a file", "choose another --out")
+        if file.exists() and not overwrite:
+            raise UsageError("E502", f"{file} exists", "pass --overwrite to replace it")
+
+
 def sequence_row_group_rows(n_rows: int, n_bytes: int) -> int:
     """Rows per row group of a sequence table: 128 MiB uncompressed per group, capped at 1,048,576."""
     if n_rows <= 0:

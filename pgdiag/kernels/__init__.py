@@ -21,6 +21,7 @@ not depend on the target). Any other target outside [0, V) raises `InvalidInputE
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -52,11 +53,34 @@ class TokenLogprobs:
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
-    """ "auto" -> "triton" on CUDA, "torch" elsewhere; "torch" and "triton" are returned as given."""
+    """ "auto" -> "triton" on CUDA when triton is installed, "torch" elsewhere; "torch" and "triton" are
+    returned as given.
+
+    UsageError when "triton" cannot run: E509 when the triton package is missing (it comes with CUDA builds of
+    torch, or the `gpu` extra), E508 when `device` is not CUDA and the Triton interpreter (TRITON_INTERPRET=1)
+    is off.
+    """
     if impl not in IMPLS:
         raise UsageError("E503", f"impl {impl!r} is not one of {', '.join(IMPLS)}")
     if impl == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return (
+            "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
+        )
+    if impl == "triton":
+        try:
+            import triton
+        except ImportError:
+            raise UsageError(
+                "E509",
+                "impl 'triton' needs the triton package, which is not installed",
+                "use --impl torch, or install it: pip install 'pgdiag[gpu]' (CUDA builds of torch bring it)",
+            ) from None
+        if device.type != "cuda" and not triton.knobs.runtime.interpret:
+            raise UsageError(
+                "E508",
+                f"impl 'triton' needs a CUDA device, got {device.type}",
+                "use --impl torch (the default off CUDA), or TRITON_INTERPRET=1 for the slow Triton interpreter",
+            )
     return impl
 
 

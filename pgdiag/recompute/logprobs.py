@@ -55,7 +55,13 @@ from pgdiag.recompute.inputs import (
     with_uniform_temperature,
 )
 from pgdiag.recompute.launch import ParallelLayout, barrier, current_layout
-from pgdiag.recompute.output import MANIFEST_NAME, clear_output, inspect_output, write_part
+from pgdiag.recompute.output import (
+    MANIFEST_NAME,
+    clear_output,
+    discard_empty_output,
+    inspect_output,
+    write_part,
+)
 from pgdiag.recompute.packing import PackOrder, pack_samples, plan_batches, plan_micro_batches
 from pgdiag.recompute.routing import footer_entry, routing_counts, write_routing_summary
 
@@ -239,6 +245,7 @@ def recompute_rank(
         "input_fingerprint": fingerprint,
         "n_samples": len(inputs.step),
         "parts": [{"path": p.relpath, **p.plan_entry()} for p in parts],
+        "resume_command": resume_command(run_obj, model_meta.get("path"), tag, settings, out),
         "complete": False,
     }
     footer_base = {
@@ -266,34 +273,46 @@ def recompute_rank(
         write_json(manifest, out_dir / MANIFEST_NAME)
     barrier()
 
-    # 2. compute this replica's pending parts; TP rank 0 writes them
-    mine = [p for i, p in enumerate(parts) if i % layout.dp_size == layout.dp_rank and p.relpath not in done]
-    counts = [0, 0, 0]
-    if mine and model_obj is not None:
-        counts = _compute_parts(
-            model_obj,
-            inputs,
-            mine,
-            out_dir,
-            settings,
-            footer_base,
-            layout,
-            progress,
-            tp_group=tp_group,
-            tag=tag,
-        )
-    counts = _sum_over_ranks(counts, layout, spec.device)
-    barrier()
-
+    # 2-3 fail or are interrupted before any part is on disk: remove the manifest again, so that nothing of a
+    #     refused run is left (a later `pgdiag check` sees no incomplete recompute); written parts stay for resume
     disagree: float | None = None
-    # 3. the marker, last: global rank 0 checks every planned part is on disk
-    if layout.is_main:
-        missing = [p.relpath for p in parts if not (out_dir / p.relpath).is_file()]
-        if missing:
-            raise RuntimeError(f"{len(missing)} planned parts missing after recompute (first: {missing[0]})")
-        disagree = write_routing_summary(out_dir, [p.relpath for p in parts]) if moe else None
-        write_json({**manifest, "complete": True}, out_dir / MANIFEST_NAME)
-    barrier()
+    try:
+        # 2. compute this replica's pending parts; TP rank 0 writes them
+        mine = [
+            p for i, p in enumerate(parts) if i % layout.dp_size == layout.dp_rank and p.relpath not in done
+        ]
+        counts = [0, 0, 0]
+        if mine and model_obj is not None:
+            counts = _compute_parts(
+                model_obj,
+                inputs,
+                mine,
+                out_dir,
+                settings,
+                footer_base,
+                layout,
+                progress,
+                tp_group=tp_group,
+                tag=tag,
+            )
+        counts = _sum_over_ranks(counts, layout, spec.device)
+        barrier()
+
+        # 3. the marker, last: global rank 0 checks every planned part is on disk
+        if layout.is_main:
+            missing = [p.relpath for p in parts if not (out_dir / p.relpath).is_file()]
+            if missing:
+                raise RuntimeError(
+                    f"{len(missing)} planned parts missing after recompute (first: {missing[0]})"
+                )
+            disagree = write_routing_summary(out_dir, [p.relpath for p in parts]) if moe else None
+            write_json({**manifest, "complete": True}, out_dir / MANIFEST_NAME)
+        barrier()
+    except BaseException:
+        if layout.is_main:
+            discard_empty_output(out_dir)
+        raise
+
     return RecomputeResult(
         path=out_dir,
         tag=tag,
@@ -308,6 +327,34 @@ def recompute_rank(
         warnings=warnings,
         routing_disagree_frac=disagree,
     )
+
+
+def resume_command(
+    run: Run, model_path: str | None, tag: str, settings: RecomputeSettings, out: str | Path | None
+) -> str:
+    """The `pgdiag logprobs` command that reproduces these settings, so resumes an unfinished `tag` (the hint of
+    warning W504). Options at their defaults are left out; a resolved impl/attention is left to resolve again."""
+    where = run.root if run.root is not None else (run.paths[0] if run.paths else "RUN")
+    words = ["pgdiag logprobs", str(where), "--model", model_path or "CKPT", "--tag", tag]
+    words += ["--dtype", settings.dtype, "--head-dtype", settings.head_dtype]
+    if settings.temperature_source == "option" and settings.temperature is not None:
+        words += ["--temperature", f"{settings.temperature:g}"]
+    if settings.impl == "triton":
+        words += ["--impl", "triton"]
+    optional = (
+        ("--batch-tokens", settings.batch_tokens, DEFAULT_BATCH_TOKENS),
+        ("--order", settings.order, "length"),
+        ("--part-samples", settings.part_samples, DEFAULT_PART_SAMPLES),
+        ("--micro-batch", settings.micro_batch, None),
+    )
+    words += [f"{option} {value}" for option, value, default in optional if value != default]
+    if not settings.entropy:
+        words.append("--no-entropy")
+    if settings.tp > 1 or settings.dp > 1:
+        words += ["--tp", str(settings.tp), "--dp", str(settings.dp)]
+    if out is not None:
+        words += ["--out", str(out)]
+    return " ".join(words)
 
 
 def _check_options(

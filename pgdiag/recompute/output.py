@@ -112,6 +112,17 @@ def clear_output(out_dir: Path) -> None:
             step_dir.rmdir()
 
 
+def discard_empty_output(out_dir: Path) -> None:
+    """After a failed or interrupted recompute: when no part is on disk, remove the manifest (and the tag
+    directory when nothing else is in it), so that no incomplete dataset is left; parts on disk are kept, and a
+    rerun resumes from them."""
+    if any(out_dir.glob("step=*/part-*.parquet")):
+        return
+    clear_output(out_dir)
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
+        out_dir.rmdir()
+
+
 def write_part(
     inputs: RecomputeInputs,
     part: Part,

@@ -22,25 +22,13 @@ from typing import Any
 import polars as pl
 
 from pgdiag.errors import UsageError
+from pgdiag.report.format import PARITY_HEADLINE_STATS, format_value
 from pgdiag.report.plots import SMALL_BUCKET, Mark, PlotSet, figure_bytes
 from pgdiag.report.report import Report
 
 FAMILY_ORDER = ("policy", "loss", "mismatch", "advantage", "entropy", "group", "grad", "count")
 COLLAPSED_FAMILIES = ("grad", "count")  # long and rarely read first: folded
-HEADLINE_STATS = (  # the parity table's first rows; the other statistics fold under them
-    "abs_mean",
-    "bias",
-    "rms",
-    "abs_p99",
-    "abs_max",
-    "kl_k3",
-    "tmpe",
-    "frac_out_clip",
-    "frac_out_2x",
-    "pearson_r",
-    "fit_slope",
-    "ess_token",
-)
+HEADLINE_STATS = PARITY_HEADLINE_STATS  # the parity table's first rows; the other statistics fold under them
 BREAKDOWN_STATS = ("abs_mean", "abs_p99", "abs_max", "bias", "kl_k3", "frac_out_clip")
 GOOD_STATUSES = ("agree", "clean", "ok", "pass")
 WARN_STATUSES = ("warn", "warning", "warnings")
@@ -104,13 +92,7 @@ def _num(value: Any, unit: str = "") -> str:
     value = float(value)
     if math.isnan(value):
         return "—"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    if unit == "count":
-        return f"{int(value):,}"
-    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-4):
-        return f"{value:.4e}"
-    return f"{value:.6g}"
+    return format_value(value, unit)
 
 
 def _table(
@@ -146,7 +128,7 @@ def _status_class(status: str) -> str:
 
 
 def _verdict_block(status: str, line: str, findings: Sequence[str]) -> str:
-    items = "".join(f"<li>{_e(f)}</li>" for f in findings)
+    items = "".join(f"<li>{_e(f)}</li>" for f in findings if f not in line)  # those the line leaves out
     word = f'<span class="word">{_e(status)}</span>' if status and status != "info" else ""
     listed = f'<ul class="findings">{items}</ul>' if items else ""
     return f'<div id="verdict" class="verdict {_status_class(status)}">{word}{_e(line)}{listed}</div>'
@@ -276,9 +258,10 @@ def _worst(report: Report) -> str:
     tokens = report.worst_tokens
     if tokens is not None and tokens.height:
         has_text = "context" in tokens.columns and tokens["context"].is_not_null().any()
-        text_column = "token_text" if "token_text" in tokens.columns else None
+        has_token_text = "token_text" in tokens.columns and tokens["token_text"].is_not_null().any()
+        text_column = "token_text" if has_token_text else None
         header = ["step", "sample", "pos", "resp pos", "token id"]
-        header += ["token"] if text_column else []
+        header += ["token text"] if text_column else []
         header += ["lp_a", "lp_b", "Δ"] + (["context (±8 loss tokens)"] if has_text else [])
         body = []
         for row in tokens.iter_rows(named=True):
@@ -290,7 +273,10 @@ def _worst(report: Report) -> str:
                 str(row.get("token_id", "")),
             ]
             if text_column:
-                cells.append(f'<td class="text">{_e(row[text_column] or "")}</td>')
+                text = row[text_column]  # quoted: a token's leading space or newline stays visible
+                cells.append(
+                    f'<td class="text">{_e("" if text is None else json.dumps(text, ensure_ascii=False))}</td>'
+                )
             cells += [_num(row["lp_a"]), _num(row["lp_b"]), _num(row["dlogp"])]
             if has_text:
                 cells.append(f'<td class="text">{_e(row["context"] or "")}</td>')

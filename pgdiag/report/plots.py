@@ -18,6 +18,7 @@ How: pass `ax` to draw into an existing axes (its figure is returned), else a ne
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +66,7 @@ class TrendPanel:
 
 TREND_PANELS: dict[str, TrendPanel] = {
     "trend-kl": TrendPanel(
-        "KL(old ‖ new) per step",
+        "KL estimators per step",
         ("policy/kl_k1", "policy/kl_k3", "policy/kl_rev_k3"),
         "nats",
         from_zero=False,
@@ -125,7 +126,8 @@ def finding_marks(findings: Iterable[Any]) -> list[Mark]:
         except (TypeError, ValueError):
             continue
         if metric:
-            marks.append(Mark(str(metric), step_number, str(message or metric)))
+            label = re.sub(r"^step \S+: ", "", str(message or metric))  # the x axis says the step
+            marks.append(Mark(str(metric), step_number, label))
     return marks
 
 
@@ -314,7 +316,7 @@ def plot_dlogp_hist(source: Any, *, ax: Axes | None = None, bins: int = 80) -> F
             part = rows.filter(pl.col("pair") == pair)
             count_of = dict(zip(part["bucket"].to_list(), part["value"].to_list(), strict=True))
             heights = [float(count_of.get(b) or 0) for b in bins_["bucket"].to_list()]
-            n_total += int(sum(count_of.get(b) or 0 for b in count_of))
+            n_total += int(sum(v or 0 for v in count_of.values()))
             x = np.arange(len(labels)) + (index - (len(pairs) - 1) / 2) * width
             ax.bar(x, heights, width=width, label=" vs ".join(stream_names(pair)))
         ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
@@ -498,8 +500,15 @@ def plot_trend(report: Any, kind: str, *, ax: Axes | None = None, marks: Sequenc
                 continue
             y = float(hit["value"][0])
             ax.scatter([mark.step], [y], s=140, facecolors="none", edgecolors="red", linewidths=1.8, zorder=4)
+            right_half = len(counts) > 1 and mark.step > (min(counts) + max(counts)) / 2
             ax.annotate(
-                mark.label, (mark.step, y), xytext=(6, 6), textcoords="offset points", fontsize=7, color="red"
+                mark.label,
+                (mark.step, y),
+                xytext=(-6 if right_half else 6, 6),
+                textcoords="offset points",
+                ha="right" if right_half else "left",
+                fontsize=7,
+                color="red",
             )
     if panel.log_y and drawn and min(drawn) > 0:
         ax.set_yscale("log")
@@ -660,6 +669,9 @@ def _missing(kind: str, report: Any, tokens: Any, trace: pl.DataFrame | None, wa
     if kind in TREND_KINDS:
         if _report_kind(report) != "metrics" and not trend_metrics(report, kind):
             return "a trend plot of a metrics report (pgdiag metrics --out)"
+        key_style = (getattr(report, "meta", {}).get("settings") or {}).get("key_style")
+        if not trend_metrics(report, kind) and key_style not in (None, "pgdiag"):
+            return f"trend plots read pgdiag's own keys; this report has --key-style {key_style} keys"
         if not trend_metrics(report, kind):
             return f"no per-step values of {', '.join(TREND_PANELS[kind].metrics) or 'loss/*'}: {_trend_hint(kind)}"
         return None
@@ -694,3 +706,71 @@ def _draw(kind: str, report: Any, tokens: Any, trace: pl.DataFrame | None, marks
     if kind == "worst-trace":
         return plot_worst_trace(trace)
     return plot_trend(report, kind, marks=marks)
+
+
+def plot_whatif(report: Any, *, ax: Axes | None = None) -> Figure:
+    """Data kept (fraction of tokens) vs token ESS after each correction rule of a whatif report, one marker per
+    rule family, each point labelled with its thresholds; the uncorrected batch (ESS before) is a dashed line."""
+    summary = report.summary.filter(pl.col("breakdown") == "threshold")
+    wide = summary.pivot(on="metric", index="bucket", values="value", aggregate_function="first")
+    needed = {"whatif/tokens_kept", "whatif/ess_token_after"}
+    if not needed <= set(wide.columns):
+        raise UsageError("E511", "the whatif plot needs a whatif report (threshold rows)")
+    fig, ax = _axes(ax)
+    rules = wide.filter(pl.col("bucket") != "none")
+    families: dict[str, list[tuple[float, float, str]]] = {}
+    for bucket, kept, ess in rules.select(
+        "bucket", "whatif/tokens_kept", "whatif/ess_token_after"
+    ).iter_rows():
+        if kept is None or ess is None:
+            continue
+        family, threshold = bucket.split(":", 1)
+        families.setdefault(family, []).append((float(kept), float(ess), threshold))
+    markers = "osD^vP*X"
+    for i, (family, points) in enumerate(families.items()):
+        xs, ys, _ = zip(*points, strict=True)
+        ax.scatter(xs, ys, marker=markers[i % len(markers)], label=family)
+        for x, y, label in points:
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    before = wide.filter(pl.col("bucket") == "none")
+    if before.height and "whatif/ess_token" in before.columns and before["whatif/ess_token"][0] is not None:
+        ax.axhline(before["whatif/ess_token"][0], linestyle="--", color="grey", label="no correction")
+    ax.set_xlabel("tokens kept (fraction)")
+    ax.set_ylabel("token ESS after the rule (fraction)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"whatif: data kept vs ESS ({report.meta.get('pairs', [''])[0]})")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_drift(report: Any, *, metrics: Sequence[str] = ()) -> Figure:
+    """Small multiples of a drift report: each searched headline metric per step, its change points as dashed
+    vertical lines labelled with the jump. `metrics` empty: the series that have change points, else the first
+    four per-step metrics."""
+    from matplotlib.figure import Figure
+
+    found = report.meta.get("change_points", {}).get("found", [])
+    step_metrics = (
+        report.summary.filter(pl.col("breakdown") == "step")["metric"].unique(maintain_order=True).to_list()
+    )
+    if not step_metrics:
+        raise UsageError("E511", "the drift plot needs per-step rows (a drift or metrics report)")
+    chosen = list(metrics) or list(dict.fromkeys(cp["metric"] for cp in found)) or step_metrics[:4]
+    columns = min(2, len(chosen))
+    grid_rows = (len(chosen) + columns - 1) // columns
+    fig = Figure(figsize=(FIGSIZE[0] * columns * 0.8, FIGSIZE[1] * grid_rows * 0.7), layout="constrained")
+    for index, metric in enumerate(chosen):
+        ax = fig.add_subplot(grid_rows, columns, index + 1)
+        rows = _step_rows(report.summary, metric)
+        ax.plot(rows["step"].to_numpy(), rows["value"].cast(pl.Float64).to_numpy(), marker="o", markersize=3)
+        for cp in (c for c in found if c["metric"] == metric):
+            ax.axvline(cp["step"] - 0.5, color="red", linestyle="--", linewidth=1)
+            ax.annotate(
+                f"step {cp['step']}: {cp['jump']:+.3g}", (cp["step"], cp["after"]), xytext=(4, 4),
+                textcoords="offset points", fontsize=7, color="red",
+            )  # fmt: skip
+        ax.set_title(metric, fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel(str(rows["unit"][0]) if rows.height else "")
+    fig.suptitle(f"drift: {', '.join(report.meta.get('pairs', [])[:1])}", fontsize=9)
+    return fig

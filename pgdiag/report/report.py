@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +139,23 @@ class ReportFiles:
     worst_tokens: Path | None = None
     worst_seqs: Path | None = None
 
+    def as_dict(self) -> dict[str, str]:
+        """{role: path} of the files written (the `files` of the `--json` object)."""
+        return {k: str(v) for k, v in self.__dict__.items() if v is not None}
+
+
+def report_files(path: str | Path, kind: str, *, worst: bool = True) -> ReportFiles:
+    """Where `Report.write(path)` puts a `kind` report: ``<dir>/<kind>.*`` or ``<name>.parquet`` and its siblings
+    (`worst`: with the worst-K tables). Pure path arithmetic: nothing is read or written."""
+    path = Path(path)
+    directory, name = (path.parent, path.stem) if path.suffix == ".parquet" else (path, kind)
+    return ReportFiles(
+        directory / f"{name}.parquet",
+        directory / f"{name}.json",
+        directory / f"{name}.worst_tokens.parquet" if worst else None,
+        directory / f"{name}.worst_seqs.parquet" if worst else None,
+    )
+
 
 @dataclass(frozen=True)
 class Report:
@@ -150,6 +167,10 @@ class Report:
     checks: pl.DataFrame = field(default_factory=empty_checks)
     worst_tokens: pl.DataFrame | None = None
     worst_seqs: pl.DataFrame | None = None
+
+    def with_meta(self, **fields: Any) -> Report:
+        """This report with `fields` added to its `meta` (e.g. the verdict before it is saved)."""
+        return replace(self, meta={**self.meta, **fields})
 
     def wide(self) -> pl.DataFrame:
         """One row per (pair, scope, breakdown, bucket), one column per metric."""
@@ -209,30 +230,25 @@ class Report:
         """Write the report as ``<name>.parquet`` + ``<name>.json`` (+ worst-K tables), atomically.
 
         `path` is a directory (files ``<dir>/<kind>.*``) or a ``.parquet`` file name. `result` is the command's
-        `--json` object, stored as ``<name>.json`` (default: `to_json_dict()`).
+        `--json` object, stored as ``<name>.json`` (default: `to_json_dict()`), its ``files`` completed with the
+        files written here. UsageError E502 when a file exists (without `overwrite`) or a file
+        stands where the directory must be.
         """
-        from pgdiag.data.writing import directory_lock, write_json, write_parquet
+        from pgdiag.data.writing import check_destination, directory_lock, write_json, write_parquet
 
-        path = Path(path)
-        if path.suffix == ".parquet":
-            directory, name = path.parent, path.stem
-        else:
-            directory, name = path, self.kind
-        directory.mkdir(parents=True, exist_ok=True)
-        report_path = directory / f"{name}.parquet"
-        json_path = directory / f"{name}.json"
-        worst_tokens_path = (
-            directory / f"{name}.worst_tokens.parquet" if self.worst_tokens is not None else None
-        )
-        worst_seqs_path = directory / f"{name}.worst_seqs.parquet" if self.worst_seqs is not None else None
+        planned = report_files(path, self.kind)
+        report_path, json_path = planned.report, planned.json
+        worst_tokens_path = planned.worst_tokens if self.worst_tokens is not None else None
+        worst_seqs_path = planned.worst_seqs if self.worst_seqs is not None else None
         targets = [p for p in (report_path, json_path, worst_tokens_path, worst_seqs_path) if p is not None]
-        with directory_lock(
-            directory
-        ):  # a second writer waits, then finds the report (E502) or replaces it whole
-            if not overwrite:
-                existing = [p for p in targets if p.exists()]
-                if existing:
-                    raise UsageError("E502", f"{existing[0]} exists", "pass --overwrite to replace it")
+        check_destination(report_path.parent, targets, overwrite=overwrite)
+        report_path.parent.mkdir(parents=True, exist_ok=True)
+        # a second writer waits, then finds the first report (E502) or, with overwrite, replaces it whole
+        with directory_lock(report_path.parent):
+            check_destination(report_path.parent, targets, overwrite=overwrite)
+            written = ReportFiles(report_path, json_path, worst_tokens_path, worst_seqs_path)
+            if result is not None:
+                result = {**result, "files": {**written.as_dict(), **(result.get("files") or {})}}
             metadata = {
                 "pgdiag.schema": REPORT_SCHEMA_ID,
                 "pgdiag.report": {"kind": self.kind, "meta": _jsonable(self.meta)},
@@ -250,7 +266,7 @@ class Report:
                 write_parquet(self.worst_seqs, worst_seqs_path, metadata={"pgdiag.schema": REPORT_SCHEMA_ID})
             write_parquet(table, report_path, metadata=metadata)
             write_json(_jsonable(result if result is not None else self.to_json_dict()), json_path)
-        return ReportFiles(report_path, json_path, worst_tokens_path, worst_seqs_path)
+        return written
 
 
 def load_report(path: str | Path) -> Report:

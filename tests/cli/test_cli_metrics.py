@@ -158,7 +158,8 @@ def test_out_writes_report_that_loads(runner: CliRunner, worked: Path, tmp_path:
     steps = report.summary.filter(pl.col("breakdown") == "step")["bucket"].unique().to_list()
     assert steps == ["0"]
     stored = json.loads((out / "metrics.json").read_text())
-    assert stored["command"] == "metrics" and stored["files"] == {}
+    files = {"report": str(out / "metrics.parquet"), "json": str(out / "metrics.json")}
+    assert stored["command"] == "metrics" and stored["files"] == files
     # existing output: E502, exit 2, nothing overwritten
     before = (out / "metrics.parquet").read_bytes()
     result = invoke(runner, "metrics", worked, "--out", out, "-q")
@@ -211,14 +212,20 @@ def test_check_command(runner: CliRunner, worked: Path, tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_help_lists_every_metric(runner: CliRunner) -> None:
+def test_list_metrics_prints_the_catalogue_and_help_does_not(runner: CliRunner) -> None:
     from pgdiag.metrics.catalog import METRIC_CATALOG
 
-    result = runner.invoke(build_app(), ["metrics", "--help"], env={"COLUMNS": "400", "NO_COLOR": "1"})
-    assert result.exit_code == 0
-    text = " ".join(result.stdout.split())
-    missing = [spec.key for spec in METRIC_CATALOG if spec.key not in text]
-    assert not missing, missing[:5]
+    env = {"COLUMNS": "80", "NO_COLOR": "1"}
+    result = runner.invoke(build_app(), ["metrics", "--list-metrics"], env=env)  # no RUN needed
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    missing = [
+        spec.key for spec in METRIC_CATALOG if not any(line.split()[:1] == [spec.key] for line in lines)
+    ]
+    assert not missing, missing[:5]  # every key whole, at the start of its row, at 80 columns
+    help_text = runner.invoke(build_app(), ["metrics", "--help"], env=env).stdout
+    assert "--list-metrics" in help_text
+    assert "policy/ratio_std" not in help_text and len(help_text.splitlines()) < 200
 
 
 def test_miles_mismatch_metrics_reaches_the_style(runner: CliRunner) -> None:

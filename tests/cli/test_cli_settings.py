@@ -20,14 +20,26 @@ from pgdiag.data.validate import CheckSettings
 from pgdiag.errors import UsageError
 from pgdiag.metrics.settings import ClipBand, MetricSettings, StyleOptions
 
+TOKENIZER = Path(__file__).resolve().parents[2] / "sample_data" / "tiny-qwen" / "tokenizer.json"  # read first
 READ_OPTIONS = {"steps", "run_name", "label", "attach", "label_a", "label_b"}  # read_run's arguments
 GATE_OPTIONS = {"fail_on", "warn_on", "profile", "strict", "exit_zero"}  # GateSettings
-RENDER_OPTIONS = {"json_out", "out", "overwrite", "all_steps", "quiet", "verbose", "tokens_out", "html"}
+RENDER_OPTIONS = {
+    "json_out",
+    "out",
+    "overwrite",
+    "all_steps",
+    "show_all",
+    "list_metrics",
+    "quiet",
+    "verbose",
+    "tokens_out",
+    "html",
+}
 
 
 class _Stop(UsageError):
     def __init__(self) -> None:
-        super().__init__("E503", "stopped by the test")
+        super().__init__("E503", "stopped by the test")  # a catalogued code: pgdiag refuses any other
 
 
 def _capture(monkeypatch: pytest.MonkeyPatch, module: str, name: str) -> dict[str, Any]:
@@ -59,7 +71,7 @@ def _params(command: str) -> set[str]:
 
 def _invoke(*args: str) -> None:
     result = CliRunner().invoke(build_app(), [str(a) for a in args])
-    assert result.exit_code == 2 and "stopped by the test" in result.stderr, result.stderr
+    assert result.exit_code == 2 and "error[E503] stopped by the test" in result.stderr, result.stderr
 
 
 METRIC_ARGS = (
@@ -73,7 +85,7 @@ METRIC_ARGS = (
 
 STYLE_ARGS = (
     "--loss-name", "x", "--rollout-is", "token", "--rollout-is-threshold", "1.5", "--beta", "0.1",
-    "--no-vllm-is", "--no-kl-bias-correction", "--pad-width", "12", "--tis", "--mismatch-metrics", "--batch-size", "6", "--group-normalize", "--kl-coef", "0.2",
+    "--no-vllm-is", "--no-kl-bias-correction", "--pad-width", "12", "--tis", "--batch-size", "6", "--group-normalize", "--kl-coef", "0.2",
 )  # fmt: skip
 
 
@@ -84,7 +96,7 @@ def test_every_option_is_accounted_for() -> None:
     assert _params("metrics") - metrics_known == set()
     compare_fields = {
         "stream_a", "stream_b", "join", "by", "worst_k", "eps_low", "eps_high", "model", "tokenizer",
-        "side_by_side", "aggregation", "divisor", "key_style",
+        "side_by_side", "aggregation", "divisor", "key_style", "routing_replay",
     }  # fmt: skip
     compare_known = compare_fields | check_fields | READ_OPTIONS | GATE_OPTIONS | RENDER_OPTIONS
     compare_known |= {"routing_replay"}  # routing_attribution's, tests/recompute/test_routing_replay.py
@@ -112,7 +124,7 @@ def test_style_options_arrive_in_style_options(monkeypatch: pytest.MonkeyPatch) 
     _capture_reads(monkeypatch)
     style = StyleOptions(
         loss_name="x", rollout_is="token", rollout_is_threshold=1.5, beta=0.1, vllm_is=False, pad_width=12,
-        kl_bias_correction=False, tis=True, mismatch_metrics=True, batch_size=6, group_normalize=True, kl_coef=0.2,
+        kl_bias_correction=False, tis=True, batch_size=6, group_normalize=True, kl_coef=0.2,
     )  # fmt: skip
     _invoke("metrics", "RUN", *STYLE_ARGS)
     assert seen["args"][1] == MetricSettings(style=style)
@@ -131,7 +143,7 @@ COMPARE_ARGS = (
     "--attach", "extra", "--stream-a", "old", "--stream-b", "new", "--join", "hash", "--ignore", "E306",
     "--max-examples", "2", "--eps-low", "0.05", "--eps-high", "0.07", "--by", "step", "--by", "position",
     "--metrics", "--aggregation", "constant", "--divisor", "9", "--key-style", "verl", "--model", "ckpt",
-    "--tokenizer", "tok.json", "--worst-k", "4",
+    "--tokenizer", str(TOKENIZER), "--worst-k", "4",
 )  # fmt: skip
 
 
@@ -148,7 +160,7 @@ def test_compare_options_arrive_in_compare_settings(monkeypatch: pytest.MonkeyPa
         stream_a="old", stream_b="new", join="hash", by=("step", "position"), worst_k=4, clip=clip,
         label_a="LA", label_b="LB",
         metrics=MetricSettings(aggregation="constant", divisor=9.0, key_style="verl", clip=clip),
-        checks=CheckSettings(ignore=("E306",), max_examples=2), model=Path("ckpt"), tokenizer=Path("tok.json"),
+        checks=CheckSettings(ignore=("E306",), max_examples=2), model=Path("ckpt"), tokenizer=TOKENIZER,
     ))  # fmt: skip
     assert seen["args"][2].metrics.clip == clip  # the side-by-side metrics use the same band
 

@@ -85,6 +85,7 @@ def test_worst_tables_rank_and_locate() -> None:
     assert tokens["sample_id"].to_list() == ["x", "y", "x"]  # |Δ| = 0.2 tie: x's token comes first
     assert tokens["pos"].to_list() == [2, 3, 6] and tokens["resp_pos"].to_list() == [0, 1, 4]
     assert tokens["context"][0] == "102 103 104 105 106"  # the loss tokens of x within ±8
+    assert tokens["token_text"].to_list() == ["102", "103", "106"]  # each worst token alone: id 100 + pos
     seqs = worst_seqs(pair, 5)
     assert seqs["sample_id"].to_list() == ["x", "y"]
     assert seqs["dlogp_sum"].to_list() == pytest.approx([0.6, 0.1])

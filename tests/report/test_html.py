@@ -4,6 +4,7 @@ console error, every image decoded, the verdict visible above the fold."""
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import struct
@@ -144,6 +145,8 @@ def pages(tmp_path_factory) -> dict[str, Path]:
         SAMPLE / "run_b",
         "--out",
         root / "parity",
+        "--tokenizer",
+        SAMPLE / "tiny-qwen",
         "--html",
         root / "compare.html",
         "--json",
@@ -171,6 +174,13 @@ def test_sample_pages_hold_tables_plots_and_settings(pages) -> None:
     assert "<code>hexbin</code>: near-equal runs" in compare  # said, not silently left out
     assert "worst tokens" in compare and "worst sequences" in compare and "by position" in compare
     assert "run_a:new vs run_b:new" in compare and "1,756 tokens" in compare
+    # the worst tokens with their text, decoded by the sample checkpoint's tokenizer
+    worst = pl.read_parquet(pages["compare"].parent / "parity" / "compare.worst_tokens.parquet").row(
+        0, named=True
+    )
+    assert worst["token_text"] and worst["context"] and worst["token_text"] in worst["context"]
+    assert html.escape(json.dumps(worst["token_text"], ensure_ascii=False)) in compare
+    assert html.escape(worst["context"]) in compare
     metrics = pages["metrics"].read_text()
     for kind in ("trend-kl", "trend-clip", "trend-ess", "trend-ratio", "trend-mismatch", "trend-loss"):
         assert f'<img alt="{kind}"' in metrics
@@ -241,7 +251,16 @@ def test_plot_html_uses_the_verdict_a_report_carries(tmp_path) -> None:
     }
     text = page.read_text()
     assert '<span class="word">anomalies</span>metrics: 1 anomaly: step 1 ratio max' in text
-    assert '<td class="anomaly" title="step 1: policy/ratio_max 40 &gt; 10">40</td>' in text
+    assert '<td class="anomaly" title="policy/ratio_max 40 &gt; 10">40</td>' in text
     assert plots.finding_marks(verdict["findings"]) == [
-        plots.Mark("policy/ratio_max", 1, "step 1: policy/ratio_max 40 > 10")
+        plots.Mark("policy/ratio_max", 1, "policy/ratio_max 40 > 10")
     ]
+
+
+def test_verdict_lists_only_the_findings_its_line_leaves_out() -> None:
+    report = _hostile_report()
+    shown = "step 1: policy/ess_token 0.05 < 0.1"
+    page = render_html(
+        report, verdict=f"metrics: 2 anomalies: {shown}; and 1 more", findings=[shown, "hidden"]
+    )
+    assert "<li>hidden</li>" in page and f"<li>{shown.replace('<', '&lt;')}</li>" not in page

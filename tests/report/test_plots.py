@@ -281,3 +281,32 @@ def test_save_figures_writes_each_kind(comparison, tmp_path) -> None:
     assert set(written) == {"by-step", "dlogp-hist"}
     assert all(Path(p).read_text().lstrip().startswith("<?xml") for p in written.values())
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_many_steps_keep_integer_ticks() -> None:
+    rows = [
+        ReportRow(
+            "r:old vs r:new", "token", "step", str(s), "policy/kl_k3", 0.001 * s, "nats", "token", 50, s, s
+        )
+        for s in range(40)
+    ]
+    report = Report("metrics", summary_frame(rows), meta={})
+    ax = plots.plot_trend(report, "trend-kl").axes[0]
+    fig = ax.figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()  # the locator places its ticks at draw time
+    ticks = [t for t in ax.get_xticks().tolist() if 0 <= t <= 39]
+    assert len(ticks) >= 3 and all(float(t).is_integer() for t in ticks)
+    assert ax.lines[0].get_xdata().tolist() == list(range(40))
+
+
+def test_key_style_report_says_why_it_has_no_trends() -> None:
+    rows = [ReportRow("r:old vs r:new", "token", "step", "0", "actor/ppo_kl", 0.1, "nats", "token", 5, 0, 0)]
+    report = Report("metrics", summary_frame(rows), meta={"settings": {"key_style": "verl"}})
+    plot_set = plots.build_figures(report)
+    assert not plot_set.figures and set(plot_set.skipped) == set(plots.TREND_KINDS)
+    assert (
+        plot_set.skipped["trend-kl"]
+        == "trend plots read pgdiag's own keys; this report has --key-style verl keys"
+    )

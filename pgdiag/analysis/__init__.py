@@ -1,0 +1,1 @@
+"""Analyses over a batch or a whole run: `whatif` (off-policy correction rules replayed on a saved batch)."""

@@ -1,0 +1,234 @@
+"""`pgdiag whatif RUN`: replay off-policy correction rules (TIS, MIS, geometric mask, IcePop) on a saved batch.
+
+Thin shell over `pgdiag.analysis.whatif.whatif` (docs/whatif.md): parse the thresholds -> replay -> render a table
+on stderr, `--json` on stdout, `--out` report files, `--plot` the data-kept-vs-ESS figure. Example::
+
+    pgdiag whatif sample_data/run_a --token-tis 2 --icepop 0.5,5 --seq-mis 0.5,2
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from pgdiag.cli.common import (
+    OUTPUT,
+    STREAMS,
+    THRESHOLDS,
+    AttachOpt,
+    IgnoreOpt,
+    JsonOpt,
+    LabelOpt,
+    MaxExamplesOpt,
+    OutOpt,
+    OverwriteOpt,
+    QuietOpt,
+    RunArg,
+    RunNameOpt,
+    StepsOpt,
+    execute,
+    list_option,
+    result_object,
+)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `whatif` command to `app`."""
+    app.command("whatif")(whatif)
+
+
+def _cap_option(flag: str, text: str) -> Any:
+    return typer.Option(flag, help=text, rich_help_panel=THRESHOLDS)
+
+
+def parse_rules(
+    *,
+    token_tis: tuple[float, ...],
+    token_mis: tuple[str, ...],
+    seq_tis: tuple[float, ...],
+    seq_mis: tuple[str, ...],
+    geo_mask: tuple[str, ...],
+    icepop: tuple[str, ...],
+) -> tuple[Any, ...]:
+    """The `CorrectionRule`s named on the command line, in flag order (E503 for a malformed LO,HI)."""
+    from pgdiag.analysis.settings import CorrectionRule
+    from pgdiag.errors import UsageError
+
+    def band(kind: str, text: str) -> CorrectionRule:
+        parts = [p.strip() for p in text.split(",")]
+        try:
+            lo, hi = (float(p) for p in parts)
+        except ValueError:
+            raise UsageError(
+                "E503", f"--{kind.replace('_', '-')} {text!r}: give two numbers, 'LO,HI'"
+            ) from None
+        return CorrectionRule(kind, hi, lo)
+
+    rules = [CorrectionRule("token_tis", c) for c in token_tis]
+    rules += [band("token_mis", t) for t in token_mis]
+    rules += [CorrectionRule("seq_tis", c) for c in seq_tis]
+    rules += [band("seq_mis", t) for t in seq_mis]
+    rules += [band("geo_mask", t) for t in geo_mask]
+    rules += [band("icepop", t) for t in icepop]
+    return tuple(rules)
+
+
+TABLE_METRICS = (
+    ("whatif/tokens_affected", "tokens hit"),
+    ("whatif/seqs_affected", "seqs hit"),
+    ("whatif/tokens_kept", "tokens kept"),
+    ("whatif/ess_token_after", "ESS tok"),
+    ("whatif/ess_seq_after", "ESS seq"),
+    ("whatif/loss_delta/token_mean", "Δ token_mean"),
+    ("whatif/loss_delta/sample_mean", "Δ sample_mean"),
+)
+
+
+def whatif(
+    run: RunArg,
+    *,
+    behavior: Annotated[
+        str, typer.Option("--behavior", help="The stream that sampled.", rich_help_panel=STREAMS)
+    ] = "rollout",
+    target: Annotated[
+        str | None,
+        typer.Option(
+            "--target",
+            help="The trainer's stream (default: old, else the single recompute tag).",
+            rich_help_panel=STREAMS,
+        ),
+    ] = None,
+    token_tis: Annotated[
+        list[float] | None, _cap_option("--token-tis", "Token TIS: truncate e^d at C.")
+    ] = None,
+    token_mis: Annotated[
+        list[str] | None, _cap_option("--token-mis", "Token MIS: drop tokens outside LO,HI (verl token_k1).")
+    ] = None,
+    seq_tis: Annotated[
+        list[float] | None, _cap_option("--seq-tis", "Sequence TIS: truncate the product ratio at C.")
+    ] = None,
+    seq_mis: Annotated[
+        list[str] | None,
+        _cap_option("--seq-mis", "Sequence MIS: drop sequences whose product is outside LO,HI."),
+    ] = None,
+    geo_mask: Annotated[
+        list[str] | None,
+        _cap_option("--geo-mask", "Geometric mask: drop sequences whose geometric mean is outside LO,HI."),
+    ] = None,
+    icepop: Annotated[
+        list[str] | None, _cap_option("--icepop", "IcePop: zero the weight of tokens whose ratio leaves A,B.")
+    ] = None,
+    divisor: Annotated[
+        float | None,
+        typer.Option("--divisor", help="L of the `constant` loss mode.", rich_help_panel=THRESHOLDS),
+    ] = None,
+    steps: StepsOpt = None,
+    run_name: RunNameOpt = None,
+    label: LabelOpt = None,
+    attach: AttachOpt = None,
+    ignore: IgnoreOpt = None,
+    max_examples: MaxExamplesOpt = 5,
+    json_out: JsonOpt = False,
+    out: OutOpt = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot", help="Write the data-kept vs ESS figure here (.png/.svg/.pdf).", rich_help_panel=OUTPUT
+        ),
+    ] = None,
+    overwrite: OverwriteOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Replay off-policy corrections on a saved batch: how much data each rule drops, and where.
+
+    Behaviour stream (rollout) against the target (old, else the single recompute tag). Rules, each as the
+    framework that ships it defines it (docs/whatif.md): token TIS, token MIS, sequence TIS and MIS on the product
+    ratio, geometric masking, IcePop. Without any rule flag the default grid runs (token 1.5/2/3/5, sequence
+    2/5/10, IcePop 0.5,5). Per rule: fraction of tokens and sequences truncated or dropped, token and sequence ESS
+    before and after, the change of every loss mode, and the steps, envs and positions that lose the most.
+    """
+
+    def body(console: Console) -> dict[str, Any]:
+        from rich.table import Table
+
+        from pgdiag.analysis.settings import WhatifSettings
+        from pgdiag.analysis.whatif import whatif as replay
+        from pgdiag.analysis.whatif import worst_buckets
+        from pgdiag.cli.render import format_value, render_checks
+        from pgdiag.data.runs import read_run
+        from pgdiag.data.validate import CheckSettings
+
+        rules = parse_rules(
+            token_tis=list_option(token_tis),
+            token_mis=list_option(token_mis),
+            seq_tis=list_option(seq_tis),
+            seq_mis=list_option(seq_mis),
+            geo_mask=list_option(geo_mask),
+            icepop=list_option(icepop),
+        )
+        settings = WhatifSettings(behavior=behavior, target=target, rules=rules, divisor=divisor)
+        checks = CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
+        source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
+        report = replay(source, settings, checks=checks)
+        worst = worst_buckets(report)
+        if not quiet:
+            render_checks(console, report.checks)
+            table = Table(title=f"whatif {report.meta['pairs'][0]}", title_justify="left")
+            table.add_column("rule")
+            for _, header in TABLE_METRICS:
+                table.add_column(header, justify="right")
+            table.add_column("worst step")
+            wide = report.wide().filter(report.wide()["breakdown"] == "threshold")
+            for row in wide.iter_rows(named=True):
+                rule = row["bucket"]
+                if rule == "none":  # the uncorrected batch: everything kept, ESS before any rule
+                    row = {
+                        **row,
+                        "whatif/tokens_kept": 1.0,
+                        "whatif/ess_token_after": row.get("whatif/ess_token"),
+                    }
+                    row["whatif/ess_seq_after"] = row.get("whatif/ess_seq")
+                cells = [format_value(row.get(metric), "fraction") for metric, _ in TABLE_METRICS]
+                top = worst.get(rule, {}).get("step", [])
+                where = (
+                    f"{top[0]['bucket']} ({format_value(top[0]['tokens_affected'], 'fraction')})"
+                    if top
+                    else "—"
+                )
+                table.add_row(rule, *cells, where if rule != "none" else "")
+            console.print(table)
+        inputs = report.meta["inputs"]
+        result = result_object(
+            "whatif",
+            inputs={
+                "runs": inputs["runs"],
+                "streams": inputs["streams"],
+                "n_samples": inputs["n_samples"],
+                "n_tokens": inputs["n_tokens"],
+            },
+            pairs=report.meta["pairs"],
+            checks=report.checks.to_dicts(),
+        )
+        json_view = report.to_json_dict()
+        result["summary"] = json_view["breakdowns"].get("threshold", {})
+        result["worst"] = worst
+        result["settings"] = report.meta["settings"]
+        if out is not None:
+            files = report.write(out, overwrite=overwrite, result=result)
+            result["files"] = {"report": str(files.report), "json": str(files.json)}
+            console.print(f"report written to {files.report}", markup=False)
+        if plot is not None:
+            from pgdiag.errors import UsageError
+            from pgdiag.report.plots import plot_whatif, save_figure
+
+            if plot.exists() and not overwrite:
+                raise UsageError("E502", f"{plot} exists", "pass --overwrite to replace it")
+            path = save_figure(plot_whatif(report), plot)
+            result.setdefault("files", {})["plots"] = [str(path)]
+            console.print(f"plot written to {path}", markup=False)
+        return result
+
+    execute("whatif", body, json_out=json_out, quiet=quiet)

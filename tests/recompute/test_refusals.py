@@ -1,0 +1,113 @@
+"""A refused or interrupted recompute never blocks the run: a refusal (``--impl triton`` on a CPU, triton not
+installed) leaves no file, an interruption before the first part leaves none either, and one after some parts
+leaves a resumable dataset that `check`, `metrics` and `compare` report as warning W504 (naming the tag and the
+commands that finish or remove it) instead of failing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from pgdiag.cli.app import build_app
+from pgdiag.errors import UsageError
+from pgdiag.kernels import resolve_impl
+from pgdiag.recompute.jobs import recompute_logprobs
+from pgdiag.recompute.logprobs import ProgressUpdate
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "sample_data" / "tiny-qwen"
+
+
+@pytest.fixture
+def run_copy(tmp_path: Path) -> Path:
+    run = tmp_path / "run_a"
+    shutil.copytree(ROOT / "sample_data" / "run_a", run, ignore=shutil.ignore_patterns("logprobs"))
+    return run
+
+
+def invoke(*args: object):
+    return CliRunner().invoke(build_app(), [str(a) for a in args], env={"COLUMNS": "200", "NO_COLOR": "1"})
+
+
+class _StopAt:
+    """A progress callback that raises KeyboardInterrupt once `parts` parts are done (Ctrl-C)."""
+
+    def __init__(self, parts: int) -> None:
+        self.parts = parts
+
+    def __call__(self, update: ProgressUpdate) -> None:
+        if update.parts_done >= self.parts:
+            raise KeyboardInterrupt
+
+
+def test_triton_on_cpu_is_refused_before_anything_is_written(
+    run_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import triton
+
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    result = invoke("logprobs", run_copy, "--model", TINY, "--impl", "triton")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error[E508] impl 'triton' needs a CUDA device, got cpu")
+    assert not (run_copy / "logprobs").exists()
+    check = invoke("check", run_copy)
+    assert check.exit_code == 0 and check.stderr.strip().endswith("check: clean")
+
+
+def test_triton_not_installed_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    with pytest.raises(UsageError) as error:
+        resolve_impl("triton", torch.device("cuda", 0))
+    assert error.value.code == "E509" and "needs the triton package" in error.value.message
+    assert "pgdiag[gpu]" in error.value.hint
+    assert resolve_impl("torch", torch.device("cpu")) == "torch"
+
+
+def test_interrupted_before_the_first_part_leaves_nothing(run_copy: Path) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        recompute_logprobs(run_copy, TINY, device="cpu", part_samples=8, progress=_StopAt(0))
+    assert not (run_copy / "logprobs" / "rc_bf16_fp32").exists()
+    assert invoke("check", run_copy).exit_code == 0
+
+
+def test_interrupted_after_some_parts_is_a_warning_naming_the_tag(run_copy: Path) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        recompute_logprobs(run_copy, TINY, device="cpu", part_samples=8, progress=_StopAt(2))
+    out_dir = run_copy / "logprobs" / "rc_bf16_fp32"
+    assert len(list(out_dir.glob("step=*/part-*.parquet"))) == 2
+    assert json.loads((out_dir / "_manifest.json").read_text())["complete"] is False
+    check = invoke("check", run_copy, "--json")
+    assert check.exit_code == 0, check.stderr  # a warning, not E504 for the whole run
+    (finding,) = [c for c in json.loads(check.stdout)["checks"] if c["code"] == "W504"]
+    assert finding["severity"] == "warning" and "'rc_bf16_fp32'" in finding["message"]
+    stderr = " ".join(check.stderr.split())
+    finish = (
+        f"pgdiag logprobs {run_copy} --model {TINY.resolve()} --tag rc_bf16_fp32 --dtype bf16 --head-dtype fp32"
+        " --part-samples 8"
+    )
+    assert f"hint: finish it: {finish} (resumes); or remove it: rm -r {out_dir}" in stderr
+    assert "check: warnings (1 warning); first: warning[W504]" in stderr
+    assert invoke("check", run_copy, "--strict").exit_code == 1
+    metrics = invoke("metrics", run_copy, "--json")
+    assert metrics.exit_code == 0 and "W504" in {c["code"] for c in json.loads(metrics.stdout)["checks"]}
+    explicit = invoke("metrics", run_copy, "--new", "rc_bf16_fp32")  # not a stream until it is finished
+    assert explicit.exit_code == 2 and explicit.stderr.startswith("error[E111]")
+    with pytest.raises(UsageError) as read:  # the library names the unfinished tag and the way out
+        from pgdiag.data.runs import read_run
+
+        read_run(run_copy).collect(["rc_bf16_fp32_logprobs"])
+    assert read.value.code == "E504" and "finish it: pgdiag logprobs" in read.value.hint
+    # the command the hint names finishes it: the warning is gone and the stream is read
+    resumed = invoke(*finish.split()[1:], "-q", "--json")
+    assert resumed.exit_code == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["summary"]["rc_bf16_fp32"]["parts_skipped"] == 2
+    done = invoke("check", run_copy, "--json")
+    assert done.exit_code == 0 and not json.loads(done.stdout)["checks"]
+    assert invoke("metrics", run_copy, "--new", "rc_bf16_fp32", "-q").exit_code == 0
