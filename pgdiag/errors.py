@@ -40,6 +40,7 @@ class Code(StrEnum):
     MISSING_COLUMN = ("E102", "a required column is missing", 3)
     LOSSY_CAST = ("E103", "a column cannot be cast losslessly to its schema type", 3)
     ALIGNMENT_UNSUPPORTED = ("E104", "the file's alignment is not `token`", 3)
+    BAD_FOOTER_SHAPE = ("E105", "a footer entry is not JSON of the documented shape", 3)
     # usage errors found while parsing options
     BAD_GATE = ("E110", "a gate expression or profile cannot be parsed or names no known metric", 2)
     STREAM_NOT_FOUND = ("E111", "a named stream or entropy is not in the run", 2)
@@ -105,6 +106,12 @@ class Code(StrEnum):
     NEEDS_RUN_ON_DISK = ("E512", "the option reads the run from disk, but in-memory batches were given", 2)
     BAD_TENSORS = ("E513", "tensor shapes, dtypes or devices of a library call do not fit together", 2)
     SETTINGS_TWICE = ("E514", "settings given twice: a settings object and keyword options", 2)
+    UNREADABLE_PATH = (
+        "E516",
+        "a file or folder of the input cannot be read (permission, link, not a folder)",
+        2,
+    )
+    BAD_COMMAND_LINE = ("E515", "the command line cannot be parsed (unknown option, missing argument)", 2)
     # imports of framework dumps
     UNSAFE_PICKLE_GLOBAL = ("E701", "a pickle needs a global outside the preset's allow-list", 2)
     TEXT_ONLY_SOURCE = ("E702", "the source holds text but no token ids (pass --retokenize --tokenizer)", 2)
@@ -125,6 +132,8 @@ class Code(StrEnum):
     BAD_MODEL_CONFIG = ("E606", "config.json lacks a needed field or has an unsupported value", 2)
     UNKNOWN_DTYPE = ("E607", "an unknown dtype name", 2)
     EMBEDDING_ROWS = ("E608", "embedding rows differ from vocab_size", 2)
+    PICKLE_CHECKPOINT = ("E609", "a pickle checkpoint (.bin/.pt): convert it to safetensors", 2)
+    DAMAGED_SAFETENSORS = ("E610", "a safetensors file is damaged or not safetensors", 2)
     TIED_HEAD_DIFFERS = ("W606", "tied embeddings, but the file's lm_head.weight differs (embedding used)", 0)
     FP32_ROUNDED = ("W607", "fp32 weights rounded to a 16-bit body dtype", 0)
 

@@ -28,3 +28,15 @@ def valid_rollouts_file(tmp_path: Path, rollout_rows: list[dict[str, Any]]) -> P
     from rollout_factory import write_rollouts_file
 
     return write_rollouts_file(tmp_path / "valid.parquet", rollout_rows)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slow", action="store_true", default=False, help="run the fuzz suite (tests/fuzz) at its large size"
+    )
+
+
+@pytest.fixture
+def fuzz_examples(request: pytest.FixtureRequest) -> int:
+    """Hypothesis examples per fuzz test: small in CI, large under --slow (docs/reliability.md)."""
+    return 400 if request.config.getoption("--slow") else 4

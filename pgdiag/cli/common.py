@@ -198,11 +198,16 @@ def result_object(command: str, **fields: Any) -> dict[str, Any]:
     return base
 
 
+def one_line(text: str) -> str:
+    """`text` with line breaks written as ``\\n`` / ``\\r``, so an id or an exception text cannot break the one-line rule."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 def print_error(console: Console, error: PgdiagError) -> None:
     console.print(f"[bold red]error{escape(f'[{error.code}]')}[/] ", end="", markup=True)
-    console.print(error.message, markup=False, soft_wrap=True)
+    console.print(one_line(error.message), markup=False, soft_wrap=True)
     if error.hint:
-        console.print(f"hint: {error.hint}", markup=False, soft_wrap=True)
+        console.print(f"hint: {one_line(error.hint)}", markup=False, soft_wrap=True)
 
 
 def execute(command: str, body: Callable[[Console], dict[str, Any]], *, json_out: bool, quiet: bool) -> None:
@@ -232,7 +237,7 @@ def execute(command: str, body: Callable[[Console], dict[str, Any]], *, json_out
         if os.environ.get("PGDIAG_TRACEBACK") == "1":
             err_console.print(traceback.format_exc(), markup=False)
         err_console.print(
-            f"internal error: {type(error).__name__}: {error} (please report it with PGDIAG_TRACEBACK=1)",
+            f"internal error: {type(error).__name__}: {one_line(str(error))} (please report it with PGDIAG_TRACEBACK=1)",
             markup=False,
             soft_wrap=True,
         )

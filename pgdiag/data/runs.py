@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob as globlib
 import json
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -140,7 +141,31 @@ def _natural_key(path: Path) -> tuple:
 
 
 def _parquet_under(directory: Path) -> list[Path]:
-    return [p for p in directory.rglob("*.parquet") if p.is_file() and _visible(p, directory)]
+    """Every visible ``*.parquet`` file below `directory`; a folder or link that cannot be read is E516.
+
+    (``Path.rglob`` skipped an unreadable ``step=N/`` folder silently, so a command ran on part of the run.)
+    """
+
+    def refuse(error: OSError) -> None:
+        raise UsageError(
+            "E516",
+            f"{error.filename or directory}: cannot be read ({error.strerror or error})",
+            "fix its permissions or link, or move it out of the run",
+        )
+
+    found: list[Path] = []
+    for folder, subfolders, names in os.walk(directory, onerror=refuse, followlinks=True):
+        base = Path(folder)
+        subfolders[:] = [name for name in subfolders if _visible(base / name, directory)]
+        for name in names:
+            path = base / name
+            if not _visible(path, directory):
+                continue
+            if path.is_symlink() and not path.exists():  # dangling, or a loop of links
+                refuse(OSError(40, "a link that leads nowhere or loops", str(path)))
+            if name.endswith(".parquet") and path.is_file():
+                found.append(path)
+    return found
 
 
 def resolve_paths(path: str | Path) -> tuple[tuple[Path, ...], Path | None]:
@@ -177,6 +202,7 @@ def _scan(
     lazy = pl.scan_parquet(
         [str(p) for p in paths],
         hive_partitioning=hive,
+        glob=False,  # a path holding `[` or `?` is a name, not a pattern (globs are expanded by resolve_paths)
         include_file_paths=FILE_COLUMN if with_file else None,
         missing_columns="insert",
         extra_columns="ignore",
@@ -215,11 +241,7 @@ def _recompute_dirs(
             )
         tag = directory.name
         manifest = directory / "_manifest.json"
-        if manifest.is_file():
-            try:
-                tag = str(json.loads(manifest.read_text(encoding="utf-8")).get("tag", tag))
-            except (json.JSONDecodeError, AttributeError):
-                tag = directory.name
+        tag = str(_manifest_object(manifest).get("tag", tag))
         found[tag] = directory
         incomplete.pop(tag, None)
     return found, incomplete
@@ -253,6 +275,15 @@ def _incomplete_issues(run: Run) -> list[Issue]:
         )
         for tag, directory in run.incomplete.items()
     ]
+
+
+def _manifest_object(manifest: Path) -> dict[str, Any]:
+    """A recompute ``_manifest.json`` as an object; {} when it is absent, unreadable or JSON of another shape."""
+    try:
+        value = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _part_schema_has_entropy(directory: Path) -> bool:
@@ -358,13 +389,7 @@ def _recompute_frame(run: Run, tag: str, want_logprobs: bool, want_entropy: bool
             "E111", f"stream {tag!r} not found in {run.label}", f"streams: {', '.join(run.streams)}"
         )
     manifest = directory / "_manifest.json"
-    complete = False
-    if manifest.is_file():
-        try:
-            complete = json.loads(manifest.read_text(encoding="utf-8")).get("complete") is True
-        except json.JSONDecodeError:
-            complete = False
-    if not complete:
+    if _manifest_object(manifest).get("complete") is not True:
         raise UsageError(
             "E504",
             f"{directory}: recompute dataset is incomplete (no _manifest.json with complete: true)",
@@ -375,7 +400,9 @@ def _recompute_frame(run: Run, tag: str, want_logprobs: bool, want_entropy: bool
         raise UsageError("E504", f"{directory}: no recompute parts", "rerun pgdiag logprobs")
     for part in parts:
         check_logprobs_footer(read_footer(part), part)
-    lazy = pl.scan_parquet([str(p) for p in parts], hive_partitioning=False, missing_columns="insert")
+    lazy = pl.scan_parquet(
+        [str(p) for p in parts], hive_partitioning=False, glob=False, missing_columns="insert"
+    )
     columns = [
         pl.col("step").cast(pl.Int64),
         pl.col("sample_id").cast(pl.String),

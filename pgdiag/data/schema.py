@@ -209,6 +209,31 @@ def check_rollouts_footer(meta: Mapping[str, Any], path: Path) -> None:
         raise InvalidInputError(
             "E104", f"{path}: alignment {alignment!r} is not supported", "re-import with pgdiag import"
         )
+    check_footer_shape(meta, path)
+
+
+_FOOTER_OBJECTS = ("source", "streams", "sampling", "tokenizer", "model", "import", "recompute")
+
+
+def check_footer_shape(meta: Mapping[str, Any], path: Path) -> None:
+    """Raise E105 when a footer entry documented as a JSON object (docs/schema.md) is anything else.
+
+    Checked before any reader calls ``.get`` on it; every stream entry of ``streams`` must be an object too.
+    """
+    for key in _FOOTER_OBJECTS:
+        if key in meta and not isinstance(meta[key], dict):
+            raise InvalidInputError(
+                "E105",
+                f"{path}: footer pgdiag.{key} is a {type(meta[key]).__name__}, not a JSON object",
+                "re-import the run with pgdiag import",
+            )
+    for name, entry in meta.get("streams", {}).items():
+        if not isinstance(entry, dict):
+            raise InvalidInputError(
+                "E105",
+                f"{path}: footer pgdiag.streams.{name} is a {type(entry).__name__}, not a JSON object",
+                "re-import the run with pgdiag import",
+            )
 
 
 def check_logprobs_footer(meta: Mapping[str, Any], path: Path) -> None:

@@ -14,7 +14,8 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,26 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def directory_lock(directory: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on `directory` itself (no lock file), waiting for another holder to finish.
+
+    Two processes writing one output directory take turns, so a set of files (a report's ``.parquet`` and
+    ``.json``) always comes from one writer; the kernel drops the lock when its holder dies (SIGKILL leaves none).
+    """
+    if os.name != "posix":
+        yield
+        return
+    import fcntl
+
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:

@@ -192,7 +192,7 @@ def read(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
         return
     footer = _parquet_footer(files)
     sampling = footer.pop("sampling", None) or options.sampling_fallback()
-    lazy = pl.scan_parquet(files, hive_partitioning=False)
+    lazy = pl.scan_parquet(files, hive_partitioning=False, glob=False)
     step_source = next((old for old, new in options.maps if new == "step"), "step")
     if step_source not in lazy.collect_schema().names():
         df = lazy.collect()

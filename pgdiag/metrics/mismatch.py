@@ -261,9 +261,14 @@ def add_mismatch_metrics(t: MismatchTables, settings: MetricSettings, sink: Metr
         qs = tuple(q for _, q in SEQ_QUANTILES)
         for (name, _), value in zip(SEQ_QUANTILES, quantiles(seq_sum, qs), strict=True):
             sink.add(f"mismatch/seq_sum_delta_{name}", value, n_seq)
-            sink.add(f"mismatch/seq_ratio_{name}", None if value is None else math.exp(value), n_seq)
+            sink.add(f"mismatch/seq_ratio_{name}", None if value is None else exp_saturating(value), n_seq)
     sink.add("mismatch/tau_fit", None, n_tok)
     sink.add("mismatch/tau_fit_rms", None, n_tok)
+
+
+def exp_saturating(log_value: float) -> float:
+    """exp(log_value), +inf past the float64 range (a summed log-ratio above 709.78 nats) instead of OverflowError."""
+    return math.inf if log_value > math.log(np.finfo(np.float64).max) else math.exp(log_value)
 
 
 def _add_fit(t: MismatchTables, n_i: np.ndarray, sink: MetricSink) -> None:

@@ -11,7 +11,8 @@ tensor must be present with its shape, every file tensor must be used (``rotary_
 ``_orig_mod.``, untied without ``lm_head.weight``), E604 missing file or shard, E607 unknown dtype name,
 E608 embedding rows != ``vocab_size``. Warnings on `CausalLM.load_warnings`: W606 (tied, but the file's
 ``lm_head.weight`` differs from the embedding: the embedding is used, as HF does) and W607 (fp32 weights
-rounded to a 16-bit body dtype). Legacy ``pytorch_model*.bin`` is read with ``weights_only=True`` (no pickle code).
+rounded to a 16-bit body dtype). A pickle checkpoint (``pytorch_model*.bin``, ``*.pt``) is refused (E609, the hint
+says how to convert it), a damaged safetensors file is E610: weights load only from safetensors.
 
 Experts (MoE): HF layouts load as they are and are converted to the model's canonical per-layer stacks
 (`pgdiag.model.moe.ExpertWeights`: ``gate_up`` (E_local, 2I, H) gate rows first, ``down`` (E_local, H, I)) while
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from pgdiag.errors import UsageError
@@ -79,11 +80,16 @@ class TensorSource:
 
     def _slice(self, name: str):  # safetensors PySafeSlice
         file = self._files[name]
-        if file not in self._handles:
-            self._handles[file] = self._stack.enter_context(
-                safe_open(str(file), framework="pt", device="cpu")
-            )
-        return self._handles[file].get_slice(name)
+        try:
+            if file not in self._handles:
+                self._handles[file] = self._stack.enter_context(
+                    safe_open(str(file), framework="pt", device="cpu")
+                )
+            return self._handles[file].get_slice(name)
+        except (SafetensorError, OSError) as error:
+            raise UsageError(
+                "E610", f"{file}: not a readable safetensors file ({one_line_text(error)})"
+            ) from None
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name in self._tensors:
@@ -126,23 +132,27 @@ def open_tensor_source(path: Path) -> TensorSource:
                 raise UsageError("E604", f"{index}: shard {shard.name} listed in weight_map is missing")
         return TensorSource(files=files)
     if single.is_file():
-        with safe_open(str(single), framework="pt", device="cpu") as f:
-            return TensorSource(files=dict.fromkeys(f.keys(), single))
-    bins = [path / "pytorch_model.bin"] if (path / "pytorch_model.bin").is_file() else []
-    if (path / "pytorch_model.bin.index.json").is_file():
-        bin_index = path / "pytorch_model.bin.index.json"
-        bins = [path / s for s in sorted(set(_read_index(bin_index).values()))]
-        missing = [b for b in bins if not b.is_file()]
-        if missing:
-            raise UsageError("E604", f"{bin_index}: shard {missing[0].name} listed in weight_map is missing")
-    if not bins:
+        try:
+            with safe_open(str(single), framework="pt", device="cpu") as f:
+                return TensorSource(files=dict.fromkeys(f.keys(), single))
+        except (SafetensorError, OSError) as error:
+            raise UsageError(
+                "E610", f"{single}: not a readable safetensors file ({one_line_text(error)})"
+            ) from None
+    pickles = sorted(p.name for p in path.glob("*") if p.suffix in (".bin", ".pt", ".pth") and p.is_file())
+    if pickles:
         raise UsageError(
-            "E604", f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
+            "E609",
+            f"{path}: {pickles[0]} is a pickle checkpoint; pgdiag loads weights only from safetensors",
+            'convert it once, where you trust the file: python -c "import torch; from safetensors.torch '
+            f"import save_file; save_file(torch.load('{pickles[0]}', weights_only=True), 'model.safetensors')\"",
         )
-    tensors: dict[str, Tensor] = {}
-    for b in bins:
-        tensors.update(torch.load(b, map_location="cpu", mmap=True, weights_only=True))
-    return TensorSource(tensors=tensors)
+    raise UsageError("E604", f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def one_line_text(error: BaseException) -> str:
+    """An exception's text on one line."""
+    return " ".join(str(error).split())
 
 
 def _read_index(index: Path) -> dict[str, str]:

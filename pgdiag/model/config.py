@@ -223,11 +223,6 @@ def _parse(raw: dict[str, Any], source: str, sha256: str) -> ModelConfig:
     heads = req("num_attention_heads")
     layers = req("num_hidden_layers")
     kv_heads = _field(raw, "num_key_value_heads", int, source, heads)
-    head_dim_default = hidden // heads if hidden % heads == 0 else None
-    head_dim = _field(raw, "head_dim", int, source, head_dim_default)
-    act = _field(raw, "hidden_act", str, source, "silu")
-    if act != "silu":
-        raise UsageError("E606", f"{source}: hidden_act '{act}' is not supported (only 'silu')")
     for name, value in (
         ("hidden_size", hidden),
         ("num_attention_heads", heads),
@@ -235,6 +230,13 @@ def _parse(raw: dict[str, Any], source: str, sha256: str) -> ModelConfig:
     ):
         if value <= 0:
             raise UsageError("E606", f"{source}: field '{name}' must be positive, got {value}")
+    head_dim_default = hidden // heads if hidden % heads == 0 else None
+    head_dim = _field(raw, "head_dim", int, source, head_dim_default)
+    if head_dim <= 0 or req("vocab_size") <= 0:
+        raise UsageError("E606", f"{source}: head_dim and vocab_size must be positive")
+    act = _field(raw, "hidden_act", str, source, "silu")
+    if act != "silu":
+        raise UsageError("E606", f"{source}: hidden_act '{act}' is not supported (only 'silu')")
     if kv_heads <= 0 or heads % kv_heads != 0:
         raise UsageError(
             "E606", f"{source}: num_attention_heads {heads} is not a multiple of kv heads {kv_heads}"

@@ -56,8 +56,10 @@ def inspect_output(
         return set()
     try:
         old = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError("E502", f"{manifest_path} is unreadable ({exc})", "pass --overwrite") from exc
+    if not isinstance(old, dict):
+        raise UsageError("E502", f"{manifest_path} is not a JSON object", "pass --overwrite")
     for key in _COMPARED:
         if old.get(key) != manifest[key]:
             raise UsageError(

@@ -234,7 +234,7 @@ class Report:
         files written here. UsageError E502 when a file exists (without `overwrite`) or a file
         stands where the directory must be.
         """
-        from pgdiag.data.writing import check_destination, write_json, write_parquet
+        from pgdiag.data.writing import check_destination, directory_lock, write_json, write_parquet
 
         planned = report_files(path, self.kind)
         report_path, json_path = planned.report, planned.json
@@ -242,24 +242,30 @@ class Report:
         worst_seqs_path = planned.worst_seqs if self.worst_seqs is not None else None
         targets = [p for p in (report_path, json_path, worst_tokens_path, worst_seqs_path) if p is not None]
         check_destination(report_path.parent, targets, overwrite=overwrite)
-        written = ReportFiles(report_path, json_path, worst_tokens_path, worst_seqs_path)
-        if result is not None:
-            result = {**result, "files": {**written.as_dict(), **(result.get("files") or {})}}
-        metadata = {
-            "pgdiag.schema": REPORT_SCHEMA_ID,
-            "pgdiag.report": {"kind": self.kind, "meta": _jsonable(self.meta)},
-            "pgdiag.checks": _jsonable(self.checks.to_dicts()),
-        }
-        table = self.summary.to_arrow()
-        for name_ in CATEGORICAL_COLUMNS:
-            index = table.schema.get_field_index(name_)
-            table = table.set_column(index, name_, table.column(name_).dictionary_encode())
-        if worst_tokens_path is not None:
-            write_parquet(self.worst_tokens, worst_tokens_path, metadata={"pgdiag.schema": REPORT_SCHEMA_ID})
-        if worst_seqs_path is not None:
-            write_parquet(self.worst_seqs, worst_seqs_path, metadata={"pgdiag.schema": REPORT_SCHEMA_ID})
-        write_parquet(table, report_path, metadata=metadata)
-        write_json(_jsonable(result if result is not None else self.to_json_dict()), json_path)
+        report_path.parent.mkdir(parents=True, exist_ok=True)
+        # a second writer waits, then finds the first report (E502) or, with overwrite, replaces it whole
+        with directory_lock(report_path.parent):
+            check_destination(report_path.parent, targets, overwrite=overwrite)
+            written = ReportFiles(report_path, json_path, worst_tokens_path, worst_seqs_path)
+            if result is not None:
+                result = {**result, "files": {**written.as_dict(), **(result.get("files") or {})}}
+            metadata = {
+                "pgdiag.schema": REPORT_SCHEMA_ID,
+                "pgdiag.report": {"kind": self.kind, "meta": _jsonable(self.meta)},
+                "pgdiag.checks": _jsonable(self.checks.to_dicts()),
+            }
+            table = self.summary.to_arrow()
+            for name_ in CATEGORICAL_COLUMNS:
+                index = table.schema.get_field_index(name_)
+                table = table.set_column(index, name_, table.column(name_).dictionary_encode())
+            if worst_tokens_path is not None:
+                write_parquet(
+                    self.worst_tokens, worst_tokens_path, metadata={"pgdiag.schema": REPORT_SCHEMA_ID}
+                )
+            if worst_seqs_path is not None:
+                write_parquet(self.worst_seqs, worst_seqs_path, metadata={"pgdiag.schema": REPORT_SCHEMA_ID})
+            write_parquet(table, report_path, metadata=metadata)
+            write_json(_jsonable(result if result is not None else self.to_json_dict()), json_path)
         return written
 
 

@@ -147,14 +147,36 @@ def test_tied_with_differing_lm_head_warns_and_uses_embedding(tmp_path: Path) ->
     )
 
 
-def test_legacy_bin_loads_like_safetensors(tmp_path: Path) -> None:
+def test_pickle_checkpoint_is_refused_with_the_conversion(tmp_path: Path) -> None:
+    # safe by default: a .bin is never unpickled (before: torch.load, and exit 101 on a legacy or garbage file)
     save_hf_model(tmp_path / "st", "LlamaForCausalLM")
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "config.json").write_text((tmp_path / "st" / "config.json").read_text())
-    torch.save(load_file(tmp_path / "st" / "model.safetensors"), tmp_path / "bin" / "pytorch_model.bin")
-    a, b = load_model(tmp_path / "st", dtype="fp32"), load_model(tmp_path / "bin", dtype="fp32")
-    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
-        assert torch.equal(pa, pb), name
+    for name, content in (
+        ("pytorch_model.bin", None),
+        ("model.pt", b"garbage"),
+        ("legacy.bin", b"PK\x03\x04"),
+    ):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text((tmp_path / "st" / "config.json").read_text())
+        if content is None:
+            torch.save(load_file(tmp_path / "st" / "model.safetensors"), folder / name)
+        else:
+            (folder / name).write_bytes(content)
+        with pytest.raises(UsageError) as caught:
+            load_model(folder, dtype="fp32")
+        assert caught.value.code == "E609"
+        assert f"torch.load('{name}', weights_only=True)" in caught.value.hint
+
+
+def test_damaged_safetensors_is_e610(tmp_path: Path) -> None:
+    save_hf_model(tmp_path, "LlamaForCausalLM")
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    for damaged in (data[: len(data) // 2], b"\xff" * 16, data[:4]):
+        weights.write_bytes(damaged)
+        with pytest.raises(UsageError) as caught:
+            load_model(tmp_path, dtype="fp32")
+        assert caught.value.code == "E610", caught.value
 
 
 def test_rank_slices_concatenate_to_the_full_tensor(tmp_path: Path) -> None:

@@ -85,6 +85,9 @@ def test_qwen_sliding_window_layers() -> None:
         ({"rope_theta": 1e4, "rope_scaling": {"rope_type": "linear"}}, "E606", "needs field 'factor'"),
         ({"rope_theta": 1e4, "hidden_size": "64"}, "E606", "'hidden_size' must be int"),
         ({"rope_theta": 1e4, "num_key_value_heads": 3}, "E606", "not a multiple"),
+        ({"rope_theta": 1e4, "num_attention_heads": 0}, "E606", "'num_attention_heads' must be positive"),
+        ({"rope_theta": 1e4, "head_dim": 0}, "E606", "head_dim and vocab_size must be positive"),
+        ({"rope_theta": 1e4, "vocab_size": 0}, "E606", "head_dim and vocab_size must be positive"),
         ({"rope_theta": 1e4, "architectures": ["GemmaForCausalLM"]}, "E601", "'GemmaForCausalLM'"),
     ],
 )  # fmt: skip

@@ -1,0 +1,100 @@
+"""Two processes writing one `--out` report at the same time never mix their files (docs/reliability.md).
+
+Writers of one output directory take turns on an ``flock`` of that directory: without ``--overwrite`` the
+second finds the first's report and exits E502; with ``--overwrite`` the last writer's whole set wins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pgdiag.report.report import load_report
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNS = (ROOT / "sample_data" / "run_a", ROOT / "sample_data" / "run_b")
+
+
+def start_both(out: Path, *extra: str) -> list[subprocess.CompletedProcess]:
+    """Start `pgdiag metrics RUN --out OUT` on both sample runs at once; wait for both."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "pgdiag", "metrics", str(run), "--out", str(out), "--quiet", *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for run in RUNS
+    ]
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=300), *p.communicate()) for p in procs]
+
+
+def report_runs(out: Path) -> tuple[list[str], list[str]]:
+    """The run named by the report's JSON and by its Parquet footer (equal when one writer wrote both)."""
+    result = json.loads((out / "metrics.json").read_text(encoding="utf-8"))
+    return result["inputs"]["runs"], load_report(out).meta["inputs"]["runs"]
+
+
+def test_second_writer_without_overwrite_gets_e502(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = start_both(out)
+    codes = sorted(p.returncode for p in done)
+    assert codes == [0, 2], [(p.returncode, p.stderr) for p in done]
+    loser = next(p for p in done if p.returncode == 2)
+    assert loser.stderr.strip().splitlines()[0].startswith("error[E502] "), loser.stderr
+    from_json, from_parquet = report_runs(out)
+    assert from_json == from_parquet
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "metrics.parquet"]
+
+
+def test_two_writers_with_overwrite_leave_one_whole_report(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = start_both(out, "--overwrite")
+    assert [p.returncode for p in done] == [0, 0], [p.stderr for p in done]
+    from_json, from_parquet = report_runs(out)
+    assert from_json == from_parquet and from_json in (["run_a"], ["run_b"])
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "metrics.parquet"]
+
+
+def test_report_writers_take_turns_even_in_the_race_window(tmp_path: Path, monkeypatch) -> None:
+    # Deterministic form of the race: each writer sleeps inside its first file write, so both pass the
+    # "exists?" check at once unless the directory lock serialises them (before: both exited 0, files mixed).
+    import threading
+    import time
+
+    from clean_error import run_cli
+
+    import pgdiag.data.writing as writing
+
+    source = tmp_path / "source"
+    assert run_cli(["metrics", str(RUNS[0]), "--out", str(source), "--quiet"]).exit_code == 0
+    report = load_report(source)
+    real_write_parquet = writing.write_parquet
+
+    def slow_write_parquet(*args, **kwargs):
+        time.sleep(0.5)
+        return real_write_parquet(*args, **kwargs)
+
+    monkeypatch.setattr(writing, "write_parquet", slow_write_parquet)
+    out = tmp_path / "out"
+    out.mkdir()
+    outcomes: list[str] = []
+
+    def write() -> None:
+        try:
+            report.write(out)
+            outcomes.append("written")
+        except Exception as error:
+            outcomes.append(getattr(error, "code", repr(error)))
+
+    threads = [threading.Thread(target=write) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes) == ["E502", "written"]
