@@ -34,6 +34,9 @@ RENDER_OPTIONS = {
     "verbose",
     "tokens_out",
     "html",
+    "to_tensorboard",
+    "to_wandb",
+    "wandb_dir",
 }
 
 
