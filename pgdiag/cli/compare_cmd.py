@@ -110,11 +110,24 @@ def register(app: typer.Typer) -> None:
 def compare(
     run_a: RunArg,
     run_b: Annotated[
-        str | None, typer.Argument(help="The second run (omit to compare two streams of RUN_A).")
+        list[str] | None,
+        typer.Argument(
+            help="The second run (omit to compare two streams of RUN_A), or several runs: N-way compare against "
+            "the baseline (--baseline) on the samples every run holds, with a matrix of mismatch/abs_mean.",
+            show_default=False,
+        ),
     ] = None,
     *,
     steps: StepsOpt = None,
     run_name: RunNameOpt = None,
+    baseline: Annotated[
+        str | None,
+        typer.Option(
+            "--baseline",
+            help="N-way compare: the run every other run is compared with (its path or label; default the first).",
+            rich_help_panel=INPUTS,
+        ),
+    ] = None,
     label_a: Annotated[
         str | None, typer.Option("--label-a", help="Label of run a in reports.", rich_help_panel=INPUTS)
     ] = None,
@@ -289,10 +302,20 @@ def compare(
             from pgdiag.report.html import check_html_path
 
             check_html_path(html, overwrite=overwrite)
-        if routing_replay is not None and run_b is not None:
+        others = list(run_b or [])
+        if routing_replay is not None and others:
             raise UsageError("E112", "--routing-replay compares streams of one run; give one RUN")
+        if baseline is not None and len(others) < 2:
+            raise UsageError(
+                "E503", "--baseline picks the reference of an N-way compare: give three RUNs or more"
+            )
         source_a = read_run(run_a, attach=list_option(attach), steps=steps, run=run_name)
-        source_b = None if run_b is None else read_run(run_b, steps=steps, run=run_name)
+        if len(others) >= 2:
+            sources = [source_a, *(read_run(r, steps=steps, run=run_name) for r in others)]
+            return _compare_many(
+                console, sources, [run_a, *others], baseline, settings, gates, out, overwrite, quiet
+            )
+        source_b = None if not others else read_run(others[0], steps=steps, run=run_name)
         comparison = compare_runs(source_a, source_b, settings, decode=decode)
         report = comparison.report
         decision = outcome(report, gates)
@@ -310,7 +333,7 @@ def compare(
             status=decision.status,
             exit_code=decision.exit_code,
             inputs={
-                "runs": [pair.label_a] + ([pair.label_b] if run_b is not None else []),
+                "runs": [pair.label_a] + ([pair.label_b] if others else []),
                 "streams": [pair.stream_a, pair.stream_b],
                 "steps": report.meta["inputs"]["steps"],
                 "n_samples": pair.n_samples,
@@ -361,6 +384,72 @@ def compare(
         return result
 
     execute("compare", body, json_out=json_out, quiet=quiet)
+
+
+def _compare_many(
+    console: Console,
+    sources: list[Any],
+    paths: list[str],
+    baseline: str | None,
+    settings: Any,
+    gates: Any,
+    out: Path | None,
+    overwrite: bool,
+    quiet: bool,
+) -> dict[str, Any]:
+    """`compare A B C ...`: every run against the baseline on the common samples, the matrix, gates per pair."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from pgdiag.cli.render import format_value, render_checks, render_gates, render_verdict, render_written
+    from pgdiag.compare.nway import compare_many
+    from pgdiag.report.gates import outcome
+    from pgdiag.report.verdict import compare_verdict
+
+    if any(x is not None for x in (settings.metrics, settings.model)) or settings.tokenizer is not None:
+        raise UsageError("E503", "--metrics, --model and --tokenizer compare two runs; drop them for N-way")
+    index = 0
+    if baseline is not None:
+        names = [[str(p), Path(p).name, s.label] for p, s in zip(paths, sources, strict=True)]
+        matches = [i for i, n in enumerate(names) if baseline in n]
+        if len(matches) != 1:
+            raise UsageError(
+                "E503", f"--baseline {baseline!r} names {len(matches)} of the runs; give a path or label"
+            )
+        index = matches[0]
+    nway = compare_many(sources, settings, baseline=index)
+    report = nway.report
+    decision = outcome(report, gates)
+    verdict = compare_verdict(report, decision.gates)
+    if not quiet:
+        render_parity(console, report)
+        table = Table(title="mismatch/abs_mean (nats) between every pair", title_justify="left")
+        for column in ("run a", "run b", "mean |Δ|"):
+            table.add_column(column, justify="right" if column == "mean |Δ|" else "left")
+        for row in nway.matrix.iter_rows(named=True):
+            table.add_row(Text(row["run_a"]), Text(row["run_b"]), format_value(row["value"], "nats"))
+        console.print(table)
+        render_checks(console, report.checks)
+        render_gates(console, decision.gates)
+    result = result_object(
+        "compare",
+        status=decision.status,
+        exit_code=decision.exit_code,
+        inputs={"runs": report.meta["runs"], "baseline": report.meta["baseline"]},
+        pairs=report.meta["pairs"],
+        summary=report.to_json_dict()["summary"],
+        gates=[g.__dict__ for g in decision.gates.gates],
+        checks=report.checks.to_dicts(),
+        verdict=verdict.as_dict(),
+    )
+    result["matrix"] = nway.matrix.to_dicts()
+    if out is not None:
+        files = report.with_meta(verdict=verdict.as_dict()).write(out, overwrite=overwrite, result=result)
+        result["files"] = files.as_dict()
+    if not quiet:
+        render_written(console, result["files"])
+        render_verdict(console, verdict)
+    return result
 
 
 def _render_routing(console: Console, attribution: Any, recompute: str, replay: str) -> None:

@@ -34,8 +34,8 @@ RENDER_OPTIONS = {
     "verbose",
     "tokens_out",
     "html",
-    "to_tensorboard",
-    "to_wandb",
+    "to_tensorboard",  # report/export.py: the report's per-step rows, tests/report/test_export.py
+    "to_wandb",  # the same rows as a W&B run, also tests/report/test_export.py
     "wandb_dir",
 }
 
@@ -103,6 +103,7 @@ def test_every_option_is_accounted_for() -> None:
     }  # fmt: skip
     compare_known = compare_fields | check_fields | READ_OPTIONS | GATE_OPTIONS | RENDER_OPTIONS
     compare_known |= {"routing_replay"}  # routing_attribution's, tests/recompute/test_routing_replay.py
+    compare_known |= {"baseline"}  # compare_many's, tests/compare/test_nway.py
     assert _params("compare") - compare_known - {"run_a", "run_b"} == set()
 
 
