@@ -124,12 +124,38 @@ OutOpt = Annotated[
 OverwriteOpt = Annotated[
     bool, typer.Option("--overwrite", help="Replace existing output files.", rich_help_panel=OUTPUT)
 ]
+ToWandbOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--to-wandb",
+        metavar="PROJECT",
+        help="Log the per-step scalars as a W&B run of this project (offline unless WANDB_MODE is set).",
+        rich_help_panel=OUTPUT,
+    ),
+]
+WandbDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--wandb-dir",
+        help="Where --to-wandb writes its wandb/ folder [default: beside the --out report, else here].",
+        rich_help_panel=OUTPUT,
+    ),
+]
 QuietOpt = Annotated[
     bool, typer.Option("--quiet", "-q", help="No tables or progress on stderr.", rich_help_panel=OUTPUT)
 ]
 VerboseOpt = Annotated[
     bool, typer.Option("--verbose", "-v", help="More detail on stderr.", rich_help_panel=OUTPUT)
 ]
+
+
+def wandb_directory(wandb_dir: Path | None, out: Path | None) -> Path:
+    """The folder that gets `wandb/`: --wandb-dir, else the folder of the --out report, else the current one."""
+    if wandb_dir is not None:
+        return wandb_dir
+    if out is not None:
+        return out.parent if out.suffix == ".parquet" else out
+    return Path.cwd()
 
 
 def _plain_flags(params: list[click.Parameter]) -> list[click.Parameter]:

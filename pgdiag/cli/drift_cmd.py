@@ -33,9 +33,12 @@ from pgdiag.cli.common import (
     RunArg,
     RunNameOpt,
     StepsOpt,
+    ToWandbOpt,
+    WandbDirOpt,
     execute,
     list_option,
     result_object,
+    wandb_directory,
 )
 
 
@@ -101,6 +104,8 @@ def drift(
             rich_help_panel=OUTPUT,
         ),
     ] = None,
+    to_wandb: ToWandbOpt = None,
+    wandb_dir: WandbDirOpt = None,
     overwrite: OverwriteOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -172,6 +177,12 @@ def drift(
             events = export_tensorboard(report, to_tensorboard)
             result.setdefault("files", {})["tensorboard"] = str(events)
             console.print(f"tensorboard events written to {events}", markup=False)
+        if to_wandb is not None:
+            from pgdiag.report.export import export_wandb
+
+            run_dir = export_wandb(report, to_wandb, wandb_directory(wandb_dir, out))
+            result.setdefault("files", {})["wandb"] = str(run_dir)
+            console.print(f"wandb run written to {run_dir}", markup=False)
         return result
 
     execute("drift", body, json_out=json_out, quiet=quiet)

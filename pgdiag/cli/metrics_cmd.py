@@ -36,13 +36,16 @@ from pgdiag.cli.common import (
     RunNameOpt,
     StepsOpt,
     StrictOpt,
+    ToWandbOpt,
     VerboseOpt,
+    WandbDirOpt,
     WarnOnOpt,
     check_settings,
     execute,
     gate_settings,
     list_option,
     result_object,
+    wandb_directory,
 )
 from pgdiag.data.validate import CheckSettings
 from pgdiag.metrics.settings import ClipBand, MetricSettings, StyleOptions
@@ -294,6 +297,8 @@ def metrics(
             rich_help_panel=OUTPUT,
         ),
     ] = None,
+    to_wandb: ToWandbOpt = None,
+    wandb_dir: WandbDirOpt = None,
     overwrite: OverwriteOpt = False,
     show_all: Annotated[
         bool,
@@ -454,6 +459,11 @@ def metrics(
             from pgdiag.report.export import export_tensorboard
 
             result["files"]["tensorboard"] = str(export_tensorboard(report, to_tensorboard))
+        if to_wandb is not None:
+            from pgdiag.report.export import export_wandb
+
+            run_dir = export_wandb(report, to_wandb, wandb_directory(wandb_dir, out))
+            result["files"]["wandb"] = str(run_dir)
         if out is not None:  # written last: its JSON lists every file
             result["files"] = (
                 report.write(out, overwrite=overwrite, result=result).as_dict() | result["files"]

@@ -1,14 +1,16 @@
-"""Export a report's per-step scalars to TensorBoard, so pgdiag's curves overlay the training dashboard's
-(`--to-tensorboard DIR` on `metrics` and `drift`, docs/cli.md).
+"""Export a report's per-step scalars to TensorBoard or Weights & Biases, so pgdiag's curves overlay the training
+dashboard's (`--to-tensorboard DIR` and `--to-wandb PROJECT` on `metrics` and `drift`, docs/cli.md).
 
 Every per-step row (``breakdown = step``) becomes one scalar: tag = the metric key as the report holds it (so
 `--key-style verl` gives verl's own keys), step = the row's step. Rows without a value are left out (TensorBoard
 has no null). Written with tensorboard's own event-file writer (the optional extra `tensorboard`); the scalars
-are float32 in the event file, as every TensorBoard scalar is.
+are float32 in the event file, as every TensorBoard scalar is. W&B gets the same rows (`step_scalars`) through
+`wandb.log` in offline mode unless WANDB_MODE says otherwise (the optional extra `wandb`); its values stay float64.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -51,3 +53,30 @@ def export_tensorboard(report: Report, logdir: str | Path) -> Path:
     writer.close()
     (written,) = set(logdir.glob("events.out.tfevents.*")) - before
     return written
+
+
+def export_wandb(report: Report, project: str, directory: str | Path) -> Path:
+    """Log every per-step scalar of `report` as one W&B run of `project` under `directory`/wandb/; returns the
+    run directory. Offline (no network) unless the environment sets WANDB_MODE."""
+    try:
+        import wandb
+    except ImportError:
+        raise UsageError(
+            "E509", "--to-wandb needs the wandb package", "pip install 'pgdiag[wandb]'"
+        ) from None
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(
+        project=project,
+        dir=str(directory),
+        mode=os.environ.get("WANDB_MODE", "offline"),
+        settings=wandb.Settings(silent=True, console="off"),
+    )
+    try:
+        scalars = step_scalars(report)
+        for (step,), rows in scalars.group_by(["step"], maintain_order=True):
+            run.log({tag: float(v) for tag, v in rows.select("metric", "value").iter_rows()}, step=int(step))
+        run_dir = Path(run.dir).parent  # run.dir is the run's files/ folder
+    finally:
+        run.finish()
+    return run_dir

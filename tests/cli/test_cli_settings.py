@@ -35,6 +35,8 @@ RENDER_OPTIONS = {
     "tokens_out",
     "html",
     "to_tensorboard",  # report/export.py: the report's per-step rows, tests/report/test_export.py
+    "to_wandb",  # the same rows as a W&B run, also tests/report/test_export.py
+    "wandb_dir",
 }
 
 
