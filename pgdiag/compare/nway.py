@@ -59,7 +59,9 @@ def _common_rows(batches: Sequence[TokenBatch], join: str) -> list[np.ndarray]:
         common = np.intersect1d(common, k)
     if common.size == 0:
         raise InvalidInputError(
-            "E304", "the runs share no sample: nothing to compare", "check --join and --steps"
+            "E304",
+            "the runs share no sample: nothing to compare",
+            "check the runs' steps (--steps) and the sample join (--join)",
         )
     return [np.flatnonzero(np.isin(k, common)) for k in keys]
 
