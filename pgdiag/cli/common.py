@@ -305,3 +305,39 @@ def check_settings(ignore: list[str] | None, max_examples: int) -> Any:
     from pgdiag.data.validate import CheckSettings
 
     return CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
+
+
+def check_report_outputs(kind: str, out: Path | None, plot: Path | None, *, overwrite: bool) -> None:
+    """Refuse an existing `kind` report (`--out`) or figure (`--plot`) before any work: E502 unless
+    `overwrite`, or a file standing where a directory must be."""
+    from pgdiag.data.writing import check_destination
+    from pgdiag.report.report import report_files
+
+    if out is not None:
+        planned = report_files(out, kind, worst=False)
+        check_destination(planned.report.parent, [planned.report, planned.json], overwrite=overwrite)
+    if plot is not None:
+        check_destination(plot.parent, [plot], overwrite=overwrite, hint="--plot takes a file name")
+
+
+def write_report_outputs(
+    console: Console,
+    report: Any,
+    result: dict[str, Any],
+    *,
+    out: Path | None,
+    plot: Path | None,
+    draw: Callable[[Any], Any],
+    overwrite: bool,
+) -> None:
+    """Write `report` to `out` and `draw(report)` to `plot` (each when given), listing them in `result["files"]`."""
+    if out is not None:
+        files = report.write(out, overwrite=overwrite, result=result)
+        result["files"] = {**result.get("files", {}), "report": str(files.report), "json": str(files.json)}
+        console.print(f"report written to {files.report}", markup=False)
+    if plot is not None:
+        from pgdiag.report.plots import save_figure
+
+        path = save_figure(draw(report), plot)
+        result.setdefault("files", {})["plots"] = [str(path)]
+        console.print(f"plot written to {path}", markup=False)

@@ -35,10 +35,12 @@ from pgdiag.cli.common import (
     StepsOpt,
     ToWandbOpt,
     WandbDirOpt,
+    check_report_outputs,
     execute,
     list_option,
     result_object,
     wandb_directory,
+    write_report_outputs,
 )
 
 
@@ -118,6 +120,7 @@ def drift(
     def body(console: Console) -> dict[str, Any]:
         from rich.table import Table
 
+        check_report_outputs("drift", out, plot, overwrite=overwrite)
         from pgdiag.analysis.drift import drift as compute_drift
         from pgdiag.analysis.settings import ChangePointSettings
         from pgdiag.cli.render import format_value, render_checks
@@ -158,19 +161,11 @@ def drift(
         result["per_step"] = json_view["breakdowns"].get("step", {})
         result["change_points"] = found
         result["settings"] = report.meta["settings"]
-        if out is not None:
-            files = report.write(out, overwrite=overwrite, result=result)
-            result["files"] = {"report": str(files.report), "json": str(files.json)}
-            console.print(f"report written to {files.report}", markup=False)
-        if plot is not None:
-            from pgdiag.errors import UsageError
-            from pgdiag.report.plots import plot_drift, save_figure
+        from pgdiag.report.plots import plot_drift
 
-            if plot.exists() and not overwrite:
-                raise UsageError("E502", f"{plot} exists", "pass --overwrite to replace it")
-            path = save_figure(plot_drift(report), plot)
-            result.setdefault("files", {})["plots"] = [str(path)]
-            console.print(f"plot written to {path}", markup=False)
+        write_report_outputs(
+            console, report, result, out=out, plot=plot, draw=plot_drift, overwrite=overwrite
+        )
         if to_tensorboard is not None:
             from pgdiag.report.export import export_tensorboard
 

@@ -29,9 +29,11 @@ from pgdiag.cli.common import (
     RunArg,
     RunNameOpt,
     StepsOpt,
+    check_report_outputs,
     execute,
     list_option,
     result_object,
+    write_report_outputs,
 )
 
 
@@ -154,6 +156,7 @@ def whatif(
     def body(console: Console) -> dict[str, Any]:
         from rich.table import Table
 
+        check_report_outputs("whatif", out, plot, overwrite=overwrite)
         from pgdiag.analysis.settings import WhatifSettings
         from pgdiag.analysis.whatif import whatif as replay
         from pgdiag.analysis.whatif import worst_buckets
@@ -216,19 +219,11 @@ def whatif(
         result["summary"] = json_view["breakdowns"].get("threshold", {})
         result["worst"] = worst
         result["settings"] = report.meta["settings"]
-        if out is not None:
-            files = report.write(out, overwrite=overwrite, result=result)
-            result["files"] = {"report": str(files.report), "json": str(files.json)}
-            console.print(f"report written to {files.report}", markup=False)
-        if plot is not None:
-            from pgdiag.errors import UsageError
-            from pgdiag.report.plots import plot_whatif, save_figure
+        from pgdiag.report.plots import plot_whatif
 
-            if plot.exists() and not overwrite:
-                raise UsageError("E502", f"{plot} exists", "pass --overwrite to replace it")
-            path = save_figure(plot_whatif(report), plot)
-            result.setdefault("files", {})["plots"] = [str(path)]
-            console.print(f"plot written to {path}", markup=False)
+        write_report_outputs(
+            console, report, result, out=out, plot=plot, draw=plot_whatif, overwrite=overwrite
+        )
         return result
 
     execute("whatif", body, json_out=json_out, quiet=quiet)

@@ -74,3 +74,13 @@ def test_bad_options_exit_2(args: tuple[str, ...], code: str):
     result = invoke("whatif", RUN, *args)
     assert result.exit_code == 2
     assert f"error[{code}]" in result.output
+
+
+@pytest.mark.parametrize("command", ["whatif", "drift"])
+def test_existing_plot_is_refused_before_any_work(tmp_path: Path, command: str):
+    plot = tmp_path / "kept.png"
+    plot.write_bytes(b"not mine")
+    out = tmp_path / "report"
+    result = invoke(command, RUN, "--plot", str(plot), "--out", str(out), "-q")
+    assert result.exit_code == 2 and "E502" in result.stderr
+    assert not out.exists() and plot.read_bytes() == b"not mine"  # nothing written, the figure untouched
