@@ -124,6 +124,14 @@ OutOpt = Annotated[
 OverwriteOpt = Annotated[
     bool, typer.Option("--overwrite", help="Replace existing output files.", rich_help_panel=OUTPUT)
 ]
+ToTensorboardOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--to-tensorboard",
+        help="Write the per-step scalars as TensorBoard events in this directory.",
+        rich_help_panel=OUTPUT,
+    ),
+]
 ToWandbOpt = Annotated[
     str | None,
     typer.Option(

@@ -33,6 +33,7 @@ from pgdiag.cli.common import (
     RunArg,
     RunNameOpt,
     StepsOpt,
+    ToTensorboardOpt,
     ToWandbOpt,
     WandbDirOpt,
     check_report_outputs,
@@ -98,14 +99,7 @@ def drift(
             "--plot", help="Write the trend plot with change points (.png/.svg/.pdf).", rich_help_panel=OUTPUT
         ),
     ] = None,
-    to_tensorboard: Annotated[
-        Path | None,
-        typer.Option(
-            "--to-tensorboard",
-            help="Write the per-step scalars as TensorBoard events in this directory.",
-            rich_help_panel=OUTPUT,
-        ),
-    ] = None,
+    to_tensorboard: ToTensorboardOpt = None,
     to_wandb: ToWandbOpt = None,
     wandb_dir: WandbDirOpt = None,
     overwrite: OverwriteOpt = False,

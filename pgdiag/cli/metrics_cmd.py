@@ -36,6 +36,7 @@ from pgdiag.cli.common import (
     RunNameOpt,
     StepsOpt,
     StrictOpt,
+    ToTensorboardOpt,
     ToWandbOpt,
     VerboseOpt,
     WandbDirOpt,
@@ -289,14 +290,7 @@ def metrics(
     exit_zero: ExitZeroOpt = False,
     json_out: JsonOpt = False,
     out: OutOpt = None,
-    to_tensorboard: Annotated[
-        Path | None,
-        typer.Option(
-            "--to-tensorboard",
-            help="Write the per-step scalars as TensorBoard events in this directory.",
-            rich_help_panel=OUTPUT,
-        ),
-    ] = None,
+    to_tensorboard: ToTensorboardOpt = None,
     to_wandb: ToWandbOpt = None,
     wandb_dir: WandbDirOpt = None,
     overwrite: OverwriteOpt = False,
