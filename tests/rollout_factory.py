@@ -33,6 +33,8 @@ POLARS_TYPES: dict[str, pl.DataType] = {
     "advantage": pl.Float32,
     "reward": pl.Float32,
     "env": pl.String,
+    "temperature": pl.Float32,
+    "temperature_tok": pl.List(pl.Float32),
 }
 
 

@@ -87,7 +87,7 @@ def loss_view(table: RowTable) -> LossView:
 
 
 def subset_rows(table: RowTable, keep: np.ndarray) -> RowTable:
-    """The rows `keep` ((K,) int64 indices, increasing) of `table`, every list column re-flattened."""
+    """The rows `keep` ((K,) int64 indices, in the order given) of `table`, every list column re-flattened."""
     keep = np.asarray(keep, dtype=np.int64)
     lists = {}
     for column, flat in table.lists.items():

@@ -105,10 +105,11 @@ class Run:
     hive: bool = False
     row_filter: pl.Expr | None = None
     step_subset: tuple[int, ...] | None = None  # set by `restrict_steps`: the recompute join reads only these
+    widened: pl.Schema | None = None  # files of one run whose integer/float widths differ: the widest of each
 
     def scan(self, *, with_file: bool = False) -> pl.LazyFrame:
         """A fresh scan of the rollouts with the run's filters; `with_file` adds the ``__file`` column."""
-        return _scan(self.paths, self.hive, self.row_filter, with_file=with_file)
+        return _scan(self.paths, self.hive, self.row_filter, with_file=with_file, widened=self.widened)
 
     def collect(self, columns: Sequence[str]) -> pl.DataFrame:
         """The named columns, recompute columns (``<tag>_logprobs``, ``<tag>_entropy``) joined in."""
@@ -198,10 +199,17 @@ def resolve_paths(path: str | Path) -> tuple[tuple[Path, ...], Path | None]:
 
 
 def _scan(
-    paths: Sequence[Path], hive: bool, row_filter: pl.Expr | None, *, with_file: bool = False
+    paths: Sequence[Path],
+    hive: bool,
+    row_filter: pl.Expr | None,
+    *,
+    with_file: bool = False,
+    widened: pl.Schema | None = None,
 ) -> pl.LazyFrame:
     lazy = pl.scan_parquet(
         [str(p) for p in paths],
+        schema=widened,
+        cast_options=pl.ScanCastOptions(integer_cast="upcast", float_cast="upcast"),
         hive_partitioning=hive,
         glob=False,  # a path holding `[` or `?` is a name, not a pattern (globs are expanded by resolve_paths)
         include_file_paths=FILE_COLUMN if with_file else None,
@@ -209,6 +217,40 @@ def _scan(
         extra_columns="ignore",
     )
     return lazy if row_filter is None else lazy.filter(row_filter)
+
+
+_WIDTHS = (
+    (pl.Int8, pl.Int16, pl.Int32, pl.Int64),
+    (pl.UInt8, pl.UInt16, pl.UInt32, pl.UInt64),
+    (pl.Float32, pl.Float64),
+)
+
+
+def _wider(a: pl.DataType, b: pl.DataType) -> pl.DataType | None:
+    """The wider of two integer (same signedness) or float types, also inside lists; None for other pairs."""
+    if isinstance(a, pl.List) and isinstance(b, pl.List):
+        inner = _wider(a.inner, b.inner)
+        return None if inner is None else pl.List(inner)
+    for family in _WIDTHS:
+        if a in family and b in family:
+            return a if family.index(a) >= family.index(b) else b
+    return None
+
+
+def _widened_schema(paths: Sequence[Path]) -> pl.Schema | None:
+    """The first file's schema with each column widened to the widest integer/float width any file stores it
+    in (int32 ids in one file, int64 in another: a lossless upcast), or None when the files agree.
+
+    Other disagreements are left to the reader, which refuses them (E103)."""
+    if len(paths) < 2:
+        return None
+    schemas = [pl.scan_parquet(str(p), glob=False).collect_schema() for p in paths]
+    merged = dict(schemas[0])
+    for schema in schemas[1:]:
+        for name, dtype in schema.items():
+            if name in merged and merged[name] != dtype:
+                merged[name] = _wider(merged[name], dtype) or merged[name]
+    return None if merged == dict(schemas[0]) else pl.Schema(merged)
 
 
 def _manifest(directory: Path) -> dict[str, Any]:
@@ -310,8 +352,9 @@ def read_run(
     for meta, file in zip(metas, paths, strict=True):
         check_rollouts_footer(meta, file)
     hive = any(_HIVE_DIR.match(part) for p in paths for part in p.parent.parts)
-    base = _scan(paths, hive, None)
     try:
+        widened = _widened_schema(paths)
+        base = _scan(paths, hive, None, widened=widened)
         schema = base.collect_schema()
     except pl.exceptions.PolarsError as exc:
         raise InvalidInputError("E101", f"{path}: cannot read the Parquet schema ({exc})") from exc
@@ -341,7 +384,7 @@ def read_run(
     present = [s for s in BASE_STREAMS if stream_column(s) in schema]
     return Run(
         label=label or default_label,
-        lazy=_scan(paths, hive, row_filter),
+        lazy=_scan(paths, hive, row_filter, widened=widened),
         streams=(*present, *recompute),
         entropy_streams=tuple(tag for tag, d in recompute.items() if _part_schema_has_entropy(d)),
         meta=metas[0],
@@ -351,6 +394,7 @@ def read_run(
         incomplete=incomplete,
         hive=hive,
         row_filter=row_filter,
+        widened=widened,
     )
 
 
@@ -406,7 +450,10 @@ def restrict_steps(run: Run, steps: Sequence[int]) -> Run:
     condition = pl.col("step").is_in(list(wanted))
     row_filter = condition if run.row_filter is None else (run.row_filter & condition)
     return replace(
-        run, lazy=_scan(run.paths, run.hive, row_filter), row_filter=row_filter, step_subset=wanted
+        run,
+        lazy=_scan(run.paths, run.hive, row_filter, widened=run.widened),
+        row_filter=row_filter,
+        step_subset=wanted,
     )
 
 

@@ -1,9 +1,10 @@
 """The samples a recompute reads: checked, ordered, flattened, with their temperatures and the part plan.
 
 What: `read_inputs` collects the columns `pgdiag logprobs` needs from a run (step, sample_id, group_id,
-segment_idx, seq_hash, input_ids, loss_mask and the optional temperature columns), sorts them in part-plan order
-(step, group_id, sample_id, segment_idx), flattens the token lists into one buffer with per-sample offsets, and
-refuses what cannot be recomputed (E102, E201, E203, E208, E213) with one line naming the step and sample.
+segment_idx, seq_hash, input_ids, loss_mask and the optional temperature columns) with the reader and the row
+rules every command runs (`pgdiag.data.runs.load_rows`, `pgdiag.data.validate.validate_rows`: E102, E103,
+E201-E203, E208, E210-E213, one line naming the file, step and sample), sorts them in part-plan order
+(step, group_id, sample_id, segment_idx) and flattens the token lists into one buffer with per-sample offsets.
 `resolve_temperature` applies the `--temperature auto` rule and `plan_parts` cuts the rows into output parts.
 
 Why a module of its own: these are the input rules of recompute (what is read, in which order, which rows go to
@@ -15,17 +16,16 @@ How: ``inputs = read_inputs(run, vocab_size)``; ``parts = plan_parts(inputs, 204
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import polars as pl
 
-from pgdiag.data.flat import flat_list
+from pgdiag.data.flat import flat_list, subset_rows
+from pgdiag.data.runs import Run, load_rows
 from pgdiag.data.seqhash import input_fingerprint
+from pgdiag.data.validate import validate_rows
 from pgdiag.errors import InvalidInputError
-
-if TYPE_CHECKING:
-    from pgdiag.data.runs import Run
 
 # Defaults of `recompute_logprobs`, kept in this torch-free module so the CLI can show them without importing torch.
 DEFAULT_BATCH_TOKENS = 32768
@@ -95,88 +95,51 @@ class RouteShape:
 ROUTES_COLUMN = "routed_experts"
 
 
-def read_inputs(run: Run, vocab_size: int, routes: RouteShape | None = None) -> RecomputeInputs:
-    """The columns recompute needs, sorted by the part-plan order, flattened and checked (E102/E201/E203/E208/E213).
+# A step without loss tokens is recomputed as all-null lists, not refused as `check` and `metrics` refuse it.
+_NOT_RECOMPUTE_ERRORS = ("E209",)
+_HINTS = {"E208": "the rollouts were made with another tokenizer or model; check --model"}
 
+
+def read_inputs(run: Run, vocab_size: int, routes: RouteShape | None = None) -> RecomputeInputs:
+    """The columns recompute needs, checked by the rules every command runs, sorted in part-plan order.
+
+    The rows are read and validated as `check` reads them (`pgdiag.data.runs.load_rows`, then
+    `pgdiag.data.validate.validate_rows` with the model's `vocab_size`): types (E103), structure and keys
+    (E201, E202, E210-E213), loss positions (E203) and token ids (E208); the first error is raised.
     `routes`: read the optional ``routed_experts`` column (MoE models) and check it against this shape
     (E201 length, E218 expert id out of range); None or no such column leaves `routed_experts` None.
     """
     source = str(run.root if run.root is not None else (run.paths[0] if run.paths else "RUN"))
-    names = run.lazy.collect_schema().names()
-    required = ("step", "sample_id", "group_id", "seq_hash", "input_ids", "loss_mask")
-    for name in required:
-        if name not in names:
-            raise InvalidInputError(
-                "E102", f"{source}: missing column {name}", "re-import with pgdiag import"
-            )
-    wanted = ("segment_idx", "temperature", "temperature_tok", *((ROUTES_COLUMN,) if routes else ()))
-    optional = [c for c in wanted if c in names]
-    frame = run.lazy.select([*required, *optional]).collect()
-    if "segment_idx" not in optional:
-        frame = frame.with_columns(pl.lit(0, dtype=pl.Int32).alias("segment_idx"))
-    frame = frame.with_columns(pl.col("segment_idx").fill_null(0).cast(pl.Int32))
-    frame = frame.sort(["step", "group_id", "sample_id", "segment_idx"], maintain_order=True)
+    optional = ("temperature", "temperature_tok", *((ROUTES_COLUMN,) if routes else ()))
+    rows = load_rows(run, streams=(), scalars=optional)
+    found = validate_rows(rows.table, ignore=_NOT_RECOMPUTE_ERRORS, vocab_size=vocab_size)
+    errors = sorted((i for i in (*rows.issues, *found.issues) if i.severity == "error"), key=lambda i: i.code)
+    if errors:
+        first = errors[0]
+        raise InvalidInputError(first.code, first.message, first.hint or _HINTS.get(first.code))
+    table = rows.table
+    if "segment_idx" not in table.frame.columns:
+        table = replace(table, frame=table.frame.with_columns(pl.lit(0, dtype=pl.Int32).alias("segment_idx")))
+    order = (
+        table.frame.with_row_index("__row")
+        .with_columns(pl.col("segment_idx").fill_null(0))
+        .sort(["step", "group_id", "sample_id", "segment_idx"], maintain_order=True)["__row"]
+        .to_numpy()
+    )
+    table = subset_rows(table, order)
+    frame = table.frame
+    ids, offsets = table.lists["input_ids"], table.lists["input_ids"].offsets
     step = frame["step"].cast(pl.Int64).to_numpy()
     sample_id = frame["sample_id"].cast(pl.String).to_numpy().astype(object)
-    for name in ("step", "sample_id"):
-        nulls = frame[name].null_count()
-        if nulls:
-            raise InvalidInputError("E213", f"{source}: {name} has {nulls} nulls")
-    null_hash = np.flatnonzero(frame["seq_hash"].is_null().to_numpy())
-    if null_hash.size:
-        where = _where(source, step, sample_id, int(null_hash[0]))
-        raise InvalidInputError(
-            "E213", f"{where}: seq_hash is null ({null_hash.size} rows)", "re-import the run"
-        )
-    ids_flat, mask_flat = flat_list(frame["input_ids"]), flat_list(frame["loss_mask"])
-    for name, flat in (("input_ids", ids_flat), ("loss_mask", mask_flat)):
-        null_rows = np.zeros(frame.height, dtype=bool) if flat.row_valid is None else ~flat.row_valid
-        if flat.valid is not None:  # a null element marks its row
-            nulls = np.concatenate([[0], np.cumsum(~flat.valid, dtype=np.int64)])  # (N+1,)
-            null_rows |= (nulls[flat.offsets[1:]] - nulls[flat.offsets[:-1]]) > 0
-        bad = np.flatnonzero(null_rows)
-        if bad.size:
-            raise InvalidInputError(
-                "E213", f"{_where(source, step, sample_id, int(bad[0]))}: {name} has nulls"
-            )
-    offsets, mask = ids_flat.offsets, mask_flat.values.astype(bool)
-    lengths, mask_lengths = ids_flat.lengths, mask_flat.lengths
-    bad = np.flatnonzero(lengths != mask_lengths)
-    if bad.size:
-        r = int(bad[0])
-        raise InvalidInputError(
-            "E201",
-            f"{_where(source, step, sample_id, r)}: loss_mask length {mask_lengths[r]} != input_ids {lengths[r]}",
-        )
-    first_is_loss = np.zeros(lengths.shape[0], dtype=bool)
-    first_is_loss[lengths > 0] = mask[offsets[:-1][lengths > 0]].astype(bool)
-    bad = np.flatnonzero((lengths == 0) | first_is_loss)
-    if bad.size:
-        r = int(bad[0])
-        raise InvalidInputError(
-            "E203",
-            f"{_where(source, step, sample_id, r)}: loss position 0 has no context (or empty input_ids)",
-        )
-    ids = ids_flat.values.astype(np.int64)
-    out_of_range = np.flatnonzero((ids < 0) | (ids >= vocab_size))
-    if out_of_range.size:
-        first = int(out_of_range[0])
-        r = int(np.searchsorted(offsets, first, side="right") - 1)
-        raise InvalidInputError(
-            "E208",
-            f"{_where(source, step, sample_id, r)}, input_ids pos {first - offsets[r]}: "
-            f"token {ids[first]} outside [0, vocab_size {vocab_size}) ({out_of_range.size} such tokens)",
-            "the rollouts were made with another tokenizer or model; check --model",
-        )
     return RecomputeInputs(
         source=source,
         step=step,
         sample_id=sample_id,
-        segment_idx=frame["segment_idx"].to_numpy(),
+        segment_idx=frame["segment_idx"].fill_null(0).cast(pl.Int32).to_numpy(),
         seq_hash=frame["seq_hash"].cast(pl.UInt64).to_numpy(),
         offsets=offsets,
-        input_ids=ids,
-        loss_mask=mask,
+        input_ids=ids.values.astype(np.int64),
+        loss_mask=table.lists["loss_mask"].values.astype(bool),
         temperature=_token_temperatures(frame, offsets),
         routed_experts=_routes(frame, offsets, routes, source, step, sample_id) if routes else None,
     )
