@@ -64,6 +64,12 @@ class Code(StrEnum):
     SEQ_HASH_MISMATCH = ("E212", "seq_hash differs from the hash of input_ids", 3)
     NULL_REQUIRED = ("E213", "a null inside input_ids or loss_mask, or a null required scalar", 3)
     EXPERT_OUT_OF_RANGE = ("E218", "a routed_experts id outside [-1, num_experts)", 3)
+    BAD_TEMPERATURE = (
+        "E219",
+        "a temperature the recompute cannot use (temperature_tok or temperature missing, of the wrong length, "
+        "or not a number > 0)",
+        3,
+    )
     VALUE_OFF_LOSS = ("W214", "a per-token value set outside loss_mask (ignored)", 0)
     EMPTY_LOSS_MASK = ("W215", "a sample with an empty loss_mask", 0)
     ISOLATED_ZEROS = ("W216", "isolated exact 0.0 log-probs below the E206 limits, or 0 < lp <= 1e-6", 0)

@@ -131,7 +131,8 @@ def logprobs(
     temperature: Annotated[
         str,
         typer.Option(
-            help="'auto' (temperature_tok, then temperature, then the run's sampling metadata, else 1.0) or a number.",
+            help="'auto': the run's temperature_tok per token, else its temperature per row (unusable values "
+            "are refused, E219), else its sampling metadata, else 1.0; or a number > 0 for every token.",
             rich_help_panel=MODEL,
         ),
     ] = "auto",

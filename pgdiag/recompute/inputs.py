@@ -15,6 +15,7 @@ How: ``inputs = read_inputs(run, vocab_size)``; ``parts = plan_parts(inputs, 204
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,7 +23,7 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.flat import flat_list, subset_rows
-from pgdiag.data.runs import Run, load_rows
+from pgdiag.data.runs import FILE_COLUMN, Run, load_rows
 from pgdiag.data.seqhash import input_fingerprint
 from pgdiag.data.validate import validate_rows
 from pgdiag.errors import InvalidInputError
@@ -79,8 +80,9 @@ class Part:
         }
 
 
-def _where(inputs_source: str, step: np.ndarray, sample_id: np.ndarray, row: int) -> str:
-    return f"{inputs_source}: step {int(step[row])}, sample {sample_id[row]}"
+def _where(frame: pl.DataFrame, row: int) -> str:
+    """``FILE, step S, sample ID`` of row `row` of a frame read by `load_rows` (which adds ``__file``)."""
+    return f"{frame[FILE_COLUMN][row]}, step {frame['step'][row]}, sample {frame['sample_id'][row]}"
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,9 @@ _NOT_RECOMPUTE_ERRORS = ("E209",)
 _HINTS = {"E208": "the rollouts were made with another tokenizer or model; check --model"}
 
 
-def read_inputs(run: Run, vocab_size: int, routes: RouteShape | None = None) -> RecomputeInputs:
+def read_inputs(
+    run: Run, vocab_size: int, routes: RouteShape | None = None, *, temperatures: bool = True
+) -> RecomputeInputs:
     """The columns recompute needs, checked by the rules every command runs, sorted in part-plan order.
 
     The rows are read and validated as `check` reads them (`pgdiag.data.runs.load_rows`, then
@@ -108,10 +112,15 @@ def read_inputs(run: Run, vocab_size: int, routes: RouteShape | None = None) -> 
     (E201, E202, E210-E213), loss positions (E203) and token ids (E208); the first error is raised.
     `routes`: read the optional ``routed_experts`` column (MoE models) and check it against this shape
     (E201 length, E218 expert id out of range); None or no such column leaves `routed_experts` None.
+    `temperatures`: read the per-token temperatures (`--temperature auto`; E219 when unusable); False (an
+    explicit temperature) leaves the temperature columns unread.
     """
     source = str(run.root if run.root is not None else (run.paths[0] if run.paths else "RUN"))
-    optional = ("temperature", "temperature_tok", *((ROUTES_COLUMN,) if routes else ()))
-    rows = load_rows(run, streams=(), scalars=optional)
+    optional = (
+        *(("temperature", "temperature_tok") if temperatures else ()),
+        *((ROUTES_COLUMN,) if routes else ()),
+    )
+    rows = load_rows(run, streams=(), scalars=optional)  # only the columns the run has
     found = validate_rows(rows.table, ignore=_NOT_RECOMPUTE_ERRORS, vocab_size=vocab_size)
     errors = sorted((i for i in (*rows.issues, *found.issues) if i.severity == "error"), key=lambda i: i.code)
     if errors:
@@ -129,30 +138,22 @@ def read_inputs(run: Run, vocab_size: int, routes: RouteShape | None = None) -> 
     table = subset_rows(table, order)
     frame = table.frame
     ids, offsets = table.lists["input_ids"], table.lists["input_ids"].offsets
-    step = frame["step"].cast(pl.Int64).to_numpy()
-    sample_id = frame["sample_id"].cast(pl.String).to_numpy().astype(object)
+    mask = table.lists["loss_mask"].values.astype(bool)  # (T_total,)
     return RecomputeInputs(
         source=source,
-        step=step,
-        sample_id=sample_id,
+        step=frame["step"].cast(pl.Int64).to_numpy(),
+        sample_id=frame["sample_id"].cast(pl.String).to_numpy().astype(object),
         segment_idx=frame["segment_idx"].fill_null(0).cast(pl.Int32).to_numpy(),
         seq_hash=frame["seq_hash"].cast(pl.UInt64).to_numpy(),
         offsets=offsets,
         input_ids=ids.values.astype(np.int64),
-        loss_mask=table.lists["loss_mask"].values.astype(bool),
-        temperature=_token_temperatures(frame, offsets),
-        routed_experts=_routes(frame, offsets, routes, source, step, sample_id) if routes else None,
+        loss_mask=mask,
+        temperature=_token_temperatures(frame, offsets, mask) if temperatures else None,
+        routed_experts=_routes(frame, offsets, routes) if routes else None,
     )
 
 
-def _routes(
-    frame: pl.DataFrame,
-    offsets: np.ndarray,
-    shape: RouteShape,
-    source: str,
-    step: np.ndarray,
-    sample_id: np.ndarray,
-) -> np.ndarray | None:
+def _routes(frame: pl.DataFrame, offsets: np.ndarray, shape: RouteShape) -> np.ndarray | None:
     """(T_total, L, k) int16 from ``routed_experts``; a null row is an unrecorded sample (all -1)."""
     if ROUTES_COLUMN not in frame.columns:
         return None
@@ -165,7 +166,7 @@ def _routes(
         r = int(bad[0])
         raise InvalidInputError(
             "E201",
-            f"{_where(source, step, sample_id, r)}: {ROUTES_COLUMN} length {flat.lengths[r]} != input_ids "
+            f"{_where(frame, r)}: {ROUTES_COLUMN} length {flat.lengths[r]} != input_ids "
             f"{lengths[r]} x {shape.layers} MoE layers x top-{shape.top_k}",
             "the routes were recorded for another model, or not for every token (pad with -1)",
         )
@@ -176,7 +177,7 @@ def _routes(
         r = int(np.searchsorted(flat.offsets, first, side="right") - 1)
         raise InvalidInputError(
             "E218",
-            f"{_where(source, step, sample_id, r)}, {ROUTES_COLUMN} element {first - flat.offsets[r]}: expert "
+            f"{_where(frame, r)}, {ROUTES_COLUMN} element {first - flat.offsets[r]}: expert "
             f"{values[first]} outside [-1, {shape.num_experts})",
             "the routes were recorded for another model; check --model",
         )
@@ -187,42 +188,94 @@ def _routes(
     return routes
 
 
-def _token_temperatures(frame: pl.DataFrame, offsets: np.ndarray) -> np.ndarray | None:
-    """(T_total,) per-token temperature from `temperature_tok`, else the row `temperature`; None without either."""
-    lengths = np.diff(offsets)
-    row = None
-    if "temperature" in frame.columns and frame["temperature"].null_count() < frame.height:
-        row = np.repeat(frame["temperature"].cast(pl.Float64).fill_null(np.nan).to_numpy(), lengths)
-    if "temperature_tok" not in frame.columns:
-        return row
-    flat = flat_list(frame["temperature_tok"].cast(pl.List(pl.Float64)))
-    values = flat.values if flat.valid is None else np.where(flat.valid, flat.values, np.nan)  # (N_tok,)
-    rows_ok = flat.lengths == lengths  # null or short lists fall back to the row temperature
-    if flat.row_valid is not None:
-        rows_ok &= flat.row_valid
-    tok = np.full(int(offsets[-1]), np.nan)
-    tok[np.repeat(rows_ok, lengths)] = values[np.repeat(rows_ok, flat.lengths)]
-    if row is not None:
-        tok = np.where(np.isnan(tok), row, tok)
-    return tok if not np.all(np.isnan(tok)) else row
+def _token_temperatures(frame: pl.DataFrame, offsets: np.ndarray, loss_mask: np.ndarray) -> np.ndarray | None:
+    """(T_total,) temperature of every token from the run's columns (`--temperature auto`), or None when
+    neither ``temperature_tok`` nor ``temperature`` holds a value. The rule (docs/recompute.md):
+
+    a sample's ``temperature_tok`` list, when not null, gives its tokens' temperatures and must have one value
+    per token; a sample whose list is null (or a run without the column) takes its row ``temperature``; a sample
+    with neither, while others have one, is refused. Every loss position's temperature must be a number > 0
+    (finite). Each violation is E219 naming the file, step, sample, column and position.
+    """
+    lengths = np.diff(offsets)  # (S,)
+    n_rows = frame.height
+    row_has = np.zeros(n_rows, dtype=bool)
+    row_temperature = np.full(n_rows, np.nan)
+    if "temperature" in frame.columns:
+        row_has = frame["temperature"].is_not_null().to_numpy()
+        row_temperature = frame["temperature"].cast(pl.Float64).fill_null(np.nan).to_numpy()
+    list_has = np.zeros(n_rows, dtype=bool)
+    listed = None
+    if "temperature_tok" in frame.columns:
+        listed = flat_list(frame["temperature_tok"].cast(pl.List(pl.Float64)))
+        list_has = np.ones(n_rows, dtype=bool) if listed.row_valid is None else listed.row_valid.copy()
+    if not (list_has.any() or row_has.any()):
+        return None
+    neither = np.flatnonzero(~list_has & ~row_has)
+    if neither.size:
+        raise InvalidInputError(
+            "E219",
+            f"{_where(frame, int(neither[0]))}: no temperature_tok list and no temperature, while other samples "
+            f"have one ({neither.size} such samples)",
+            "fill the missing temperatures, or pass --temperature T to use one for every token",
+        )
+    temperature = np.repeat(row_temperature, lengths)  # (T_total,)
+    column = np.repeat(np.where(list_has, "temperature_tok", "temperature"), lengths)  # (T_total,)
+    null = np.zeros(temperature.shape[0], dtype=bool)  # (T_total,) a null element of a temperature_tok list
+    if listed is not None:
+        wrong = np.flatnonzero(list_has & (listed.lengths != lengths))
+        if wrong.size:
+            r = int(wrong[0])
+            raise InvalidInputError(
+                "E219",
+                f"{_where(frame, r)}: temperature_tok has {listed.lengths[r]} values for {lengths[r]} tokens "
+                f"({wrong.size} such samples)",
+                "temperature_tok holds one temperature per token of input_ids; or pass --temperature T",
+            )
+        from_list = np.repeat(list_has, lengths)  # (T_total,)
+        temperature[from_list] = listed.values[np.repeat(list_has, listed.lengths)]
+        if listed.valid is not None:
+            null[from_list] = ~listed.valid[np.repeat(list_has, listed.lengths)]
+    bad = np.flatnonzero(loss_mask & (null | ~(np.isfinite(temperature) & (temperature > 0))))
+    if bad.size:
+        first = int(bad[0])
+        r = int(np.searchsorted(offsets, first, side="right") - 1)
+        value = "null" if null[first] else f"{temperature[first]:g}"
+        raise InvalidInputError(
+            "E219",
+            f"{_where(frame, r)}, {column[first]} pos {first - offsets[r]}: temperature {value} on a loss "
+            f"position is not a number > 0 ({bad.size} such tokens)",
+            "fix the temperatures, or pass --temperature T to use one for every token",
+        )
+    return temperature
 
 
 def resolve_temperature(
     run: Run, inputs: RecomputeInputs, temperature: float | str
 ) -> tuple[float | None, str, tuple[str, ...]]:
-    """(value or None for per-token, source, warnings) following `--temperature auto`."""
+    """(value or None for per-token, source, warnings) following `--temperature auto` (docs/recompute.md).
+
+    An explicit `temperature` wins; else the run's columns (one value when every loss token shares it);
+    else ``pgdiag.sampling.temperature``, which must be a number > 0 (E219); else 1.0 with warning W409.
+    """
     if temperature != "auto":
         return float(temperature), "option", ()
     if inputs.temperature is not None:
-        on_loss = inputs.temperature[inputs.loss_mask]
-        if on_loss.size and not np.isnan(on_loss).any():
-            values = np.unique(on_loss)
-            if values.size == 1:
-                return float(values[0]), "column", ()
-            return None, "column", ()
+        values = np.unique(inputs.temperature[inputs.loss_mask])
+        if values.size <= 1:
+            return float(values[0]) if values.size else 1.0, "column", ()
+        return None, "column", ()
     sampling = (run.meta or {}).get("sampling") or {}
-    if isinstance(sampling, dict) and isinstance(sampling.get("temperature"), (int, float)):
-        return float(sampling["temperature"]), "sampling", ()
+    value = sampling.get("temperature") if isinstance(sampling, dict) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not (math.isfinite(value) and value > 0):
+            where = run.paths[0] if run.paths else inputs.source
+            raise InvalidInputError(
+                "E219",
+                f"{where}: pgdiag.sampling.temperature {value!r} is not a number > 0",
+                "pass --temperature T, the temperature the engine sampled at",
+            )
+        return float(value), "sampling", ()
     return 1.0, "default", ("W409: no temperature in the rollouts or their metadata; recomputed at T=1.0",)
 
 

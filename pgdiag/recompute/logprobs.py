@@ -168,8 +168,8 @@ def recompute_rank(
     a loaded `pgdiag.model.CausalLM`) and write them as the stream `tag` (default ``rc_<dtype>_<head_dtype>``).
 
     Raises UsageError E503 (bad option value), E506 (a setting needs what is missing), E508 (CUDA unavailable), E502
-    (output exists: complete, without resume, or made with other settings or inputs; pass `overwrite`), InvalidInputError E102/E201/E203/E208/E213
-    (bad rollouts: missing column, length mismatch, loss at position 0, token id outside the vocabulary, nulls).
+    (output exists: complete, without resume, or made with other settings or inputs; pass `overwrite`), InvalidInputError E102/E103/E201-E213
+    (bad rollouts, by the row rules of `pgdiag check`) and E219 (a temperature `--temperature auto` cannot use).
     `softmax_vocab` restricts the softmax to the first N head rows (``"tokenizer"``: the run's recorded
     tokenizer length), to test the padded-vocabulary gotcha; `micro_batch` forwards a fixed number of samples at a
     time instead of packing into `batch_tokens`; `attn` picks the body's attention backend (docs/models.md).
@@ -202,7 +202,7 @@ def recompute_rank(
             "E506", f"--routing replay needs a mixture-of-experts model; {spec.config.architecture} is dense"
         )
     shape = RouteShape(len(moe.sparse_layer_indices), moe.top_k, moe.num_experts) if moe else None
-    inputs = read_inputs(run_obj, vocab_size, routes=shape)
+    inputs = read_inputs(run_obj, vocab_size, routes=shape, temperatures=temperature == "auto")
     if routing == "replay" and inputs.routed_experts is None:
         raise UsageError(
             "E506",
@@ -211,8 +211,6 @@ def recompute_rank(
             "routed_experts), or use --routing recompute",
         )
     temp_value, temp_source, warnings = resolve_temperature(run_obj, inputs, temperature)
-    if temp_value is None and inputs.temperature is None:
-        raise UsageError("E506", "per-token temperature requested but no temperature column found")
     if temp_value is not None:
         inputs = with_uniform_temperature(inputs)
     settings = RecomputeSettings(
