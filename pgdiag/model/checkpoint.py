@@ -78,6 +78,10 @@ class TensorSource:
     def names(self) -> list[str]:
         return sorted({*self._files, *self._tensors})
 
+    def file_of(self, name: str) -> Path | None:
+        """The safetensors file holding tensor `name` (None for an in-memory tensor or an unknown name)."""
+        return self._files.get(name)
+
     def _slice(self, name: str):  # safetensors PySafeSlice
         file = self._files[name]
         try:

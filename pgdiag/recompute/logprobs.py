@@ -263,6 +263,7 @@ def recompute_rank(
         else None
     )
     if model_obj is not None:
+        _check_finite_weights(model_obj, spec, layout)
         warnings = (*(f"{code}: {message}" for code, message in model_obj.load_warnings), *warnings)
     barrier()
     if layout.is_main:
@@ -450,6 +451,41 @@ def _model_spec(
     return _ModelSpec(Path(model), config, where, backend)
 
 
+def _nonfinite_count(values: torch.Tensor) -> int:
+    """Elements of `values` that are NaN or inf; a sum first (NaN and inf propagate into it), so a finite
+    tensor costs one reduction and no (N,)-sized temporary."""
+    if torch.isfinite(values.sum(dtype=torch.float32)):
+        return 0
+    return sum(int((~torch.isfinite(chunk)).sum()) for chunk in values.detach().reshape(-1).split(1 << 24))
+
+
+def _check_finite_weights(model: CausalLM, spec: _ModelSpec, layout: ParallelLayout) -> None:
+    """E611 when a weight of the loaded model holds NaN or inf (before anything is written). Every rank checks
+    its shard and learns whether any rank found one, so all ranks raise and none waits at a barrier."""
+    bad = next(((n, c) for n, p in model.named_parameters() if (c := _nonfinite_count(p))), None)
+    anywhere = bad is not None
+    if layout.world_size > 1:
+        flag = torch.tensor([int(anywhere)], dtype=torch.int64, device=spec.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        anywhere = bool(flag.item())
+    if not anywhere:
+        return
+    where = str(spec.source) if isinstance(spec.source, Path) else "the model"
+    hint = "the checkpoint is damaged (a diverged run or a faulty conversion?): recompute with another checkpoint"
+    if bad is None:
+        raise UsageError("E611", f"{where}: a weight of another tensor-parallel rank holds NaN or inf", hint)
+    name, count = bad
+    if isinstance(spec.source, Path):
+        from pgdiag.model.checkpoint import open_tensor_source
+
+        with open_tensor_source(spec.source) as source:
+            where = str(source.file_of(name) or spec.source)
+    dtype = str(dict(model.named_parameters())[name].dtype).removeprefix("torch.")
+    raise UsageError(
+        "E611", f"{where}: tensor '{name}' holds {count} NaN or inf values (loaded as {dtype})", hint
+    )
+
+
 def _softmax_vocab(option: int | str, run: Run, config_vocab: int) -> int:
     """The number of head rows the softmax runs over: the config's vocab_size, the run's tokenizer length, or N."""
     if option == "config":
@@ -529,6 +565,8 @@ def _compute_parts(
                     route_disagree += disagree
                 hidden = trunk.hidden  # (N, H)
                 hidden = hidden.index_select(0, packed.hidden_index.to(device))  # (K, H)
+                if _nonfinite_count(hidden):
+                    _raise_overflow(hidden, inputs, packed.target_sample, settings.dtype)
                 targets = packed.targets.to(device)  # (K,)
                 flat = inputs.offsets[packed.target_sample] + packed.target_pos  # (K,) run token index
                 for temp, select in _temperature_groups(settings.temperature, inputs.temperature, flat):
@@ -571,6 +609,22 @@ def _compute_parts(
                 )
             )
     return [tokens_done, loss_done, len(parts)]
+
+
+def _raise_overflow(
+    hidden: torch.Tensor, inputs: RecomputeInputs, target_sample: np.ndarray, dtype: str
+) -> None:
+    """E611 naming the first sample whose final hidden states (K, H) hold NaN or inf (finite weights, so the
+    forward overflowed)."""
+    row = int(target_sample[int((~torch.isfinite(hidden).all(dim=1)).nonzero()[0, 0])])
+    raise UsageError(
+        "E611",
+        f"{inputs.source}: step {int(inputs.step[row])}, sample {inputs.sample_id[row]}: the model's hidden states "
+        f"hold NaN or inf (the forward overflows in {dtype})",
+        "recompute with --dtype fp32"
+        if dtype != "fp32"
+        else "the checkpoint's activations overflow even in fp32",
+    )
 
 
 def _recorded_routes(inputs: RecomputeInputs, sample_index: np.ndarray) -> torch.Tensor | None:

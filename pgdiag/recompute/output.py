@@ -145,8 +145,10 @@ def write_part(
     offsets = (inputs.offsets[part.start : part.stop + 1] - base).astype(np.int32)  # (n+1,)
     valid = inputs.loss_mask[base : int(inputs.offsets[part.stop])]  # (T_part,)
     if not np.isfinite(logprobs[valid]).all() or not np.isfinite(entropy[valid]).all():
-        raise RuntimeError(
-            f"non-finite log-probs in {tag} step {part.step} part {part.index}: model or head overflow"
+        raise UsageError(
+            "E611",
+            f"{out_dir}: non-finite log-probs in step {part.step} part {part.index} (the LM head overflows)",
+            "recompute with --head-dtype fp32",
         )
 
     def tokens(values: np.ndarray) -> pa.ListArray:

@@ -10,6 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -111,3 +112,73 @@ def test_interrupted_after_some_parts_is_a_warning_naming_the_tag(run_copy: Path
     done = invoke("check", run_copy, "--json")
     assert done.exit_code == 0 and not json.loads(done.stdout)["checks"]
     assert invoke("metrics", run_copy, "--new", "rc_bf16_fp32", "-q").exit_code == 0
+
+
+def poisoned_checkpoint(directory: Path, tensor: str, value: float, *, whole: bool = False) -> Path:
+    """A copy of the tiny checkpoint with one element of `tensor` (every element when `whole`) set to `value`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(TINY, directory)
+    weights = load_file(directory / "model.safetensors")
+    if whole:
+        weights[tensor][:] = value
+    else:
+        weights[tensor][0, 0] = value
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def no_writes(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Record every file pgdiag writes (every write goes through `atomic_write`), writing none."""
+    import pgdiag.data.writing as writing
+
+    written: list[Path] = []
+    monkeypatch.setattr(writing, "atomic_write", lambda path, write: written.append(Path(path)))
+    return written
+
+
+@pytest.mark.parametrize("case", ["nan_weight", "inf_weight", "sampling_temperature_0", "token_out_of_vocab"])
+def test_refusals_come_before_anything_is_written(
+    case: str, run_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: the manifest was written first and removed again on the error, leaving RUN/logprobs/ behind; a
+    # NaN weight surfaced as E208 ("token ... is not in the vocabulary") from the LM head.
+    model = TINY
+    if case in ("nan_weight", "inf_weight"):
+        value = float("nan") if case == "nan_weight" else float("inf")
+        model = poisoned_checkpoint(tmp_path / "ckpt", "model.layers.2.mlp.down_proj.weight", value)
+    if case == "sampling_temperature_0":
+        path = next((run_copy / "rollouts").glob("step=0/*.parquet"))
+        table = pq.read_table(path)
+        metadata = {**table.schema.metadata, b"pgdiag.sampling": json.dumps({"temperature": 0.0}).encode()}
+        pq.write_table(table.replace_schema_metadata(metadata), path)
+        for other in (run_copy / "rollouts").glob("step=[123]"):
+            shutil.rmtree(other)
+    written = no_writes(monkeypatch)
+    result = invoke("logprobs", run_copy, "--model", model, "--dtype", "fp32", *(
+        ["--softmax-vocab", "100"] if case == "token_out_of_vocab" else []
+    ))  # fmt: skip
+    expected = {
+        "nan_weight": ("E611", 2, f"{model / 'model.safetensors'}: tensor 'model.layers.2.mlp.down_proj.weight' "
+                       "holds 1 NaN or inf values (loaded as float32)"),
+        "inf_weight": ("E611", 2, "tensor 'model.layers.2.mlp.down_proj.weight' holds 1 NaN or inf values"),
+        "sampling_temperature_0": ("E219", 3, "pgdiag.sampling.temperature 0.0 is not a number > 0"),
+        "token_out_of_vocab": ("E208", 3, "input_ids: token id < 0 or >= vocab_size 100"),
+    }[case]  # fmt: skip
+    code, exit_code, text = expected
+    assert result.exit_code == exit_code, result.output
+    assert result.stderr.startswith(f"error[{code}] ") and text in result.stderr, result.stderr
+    assert written == [] and not (run_copy / "logprobs").exists()
+
+
+def test_forward_overflow_is_e611_naming_the_sample(run_copy: Path, tmp_path: Path) -> None:
+    # finite weights whose activations overflow fp32: an MLP projection of all 3e38 (was E208 from the head)
+    model = poisoned_checkpoint(tmp_path / "ckpt", "model.layers.0.mlp.up_proj.weight", 3e38, whole=True)
+    result = invoke("logprobs", run_copy, "--model", model, "--dtype", "fp32")
+    assert result.exit_code == 2, result.output
+    first = result.stderr.splitlines()[0]
+    assert (
+        first.startswith(f"error[E611] {run_copy}: step 0, sample ")
+        and "hidden states hold NaN or inf" in first
+    )
+    assert not list((run_copy / "logprobs").rglob("*.parquet"))
