@@ -118,6 +118,7 @@ class Code(StrEnum):
         2,
     )
     BAD_COMMAND_LINE = ("E515", "the command line cannot be parsed (unknown option, missing argument)", 2)
+    OUTPUT_BUSY = ("E517", "another process is writing this output now", 2)
     # imports of framework dumps
     UNSAFE_PICKLE_GLOBAL = ("E701", "a pickle needs a global outside the preset's allow-list", 2)
     TEXT_ONLY_SOURCE = ("E702", "the source holds text but no token ids (pass --retokenize --tokenizer)", 2)

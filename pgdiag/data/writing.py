@@ -51,11 +51,12 @@ def _fsync_dir(directory: Path) -> None:
 
 
 @contextmanager
-def directory_lock(directory: Path) -> Iterator[None]:
+def directory_lock(directory: Path, *, wait: bool = True) -> Iterator[None]:
     """Hold an exclusive ``flock`` on `directory` itself (no lock file), waiting for another holder to finish.
 
     Two processes writing one output directory take turns, so a set of files (a report's ``.parquet`` and
     ``.json``) always comes from one writer; the kernel drops the lock when its holder dies (SIGKILL leaves none).
+    `wait` False: UsageError E517 at once when another process holds the lock (for writers that hold it long).
     """
     if os.name != "posix":
         yield
@@ -64,7 +65,14 @@ def directory_lock(directory: Path) -> Iterator[None]:
 
     fd = os.open(directory, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(
+                "E517",
+                f"{directory}: another process is writing this output now",
+                "wait for it to finish (or stop it), then run again; or choose another output",
+            ) from None
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock

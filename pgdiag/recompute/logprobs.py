@@ -24,10 +24,11 @@ head shard to `pgdiag.kernels.lm_head_logprobs` (fp32 statistics, temperature ap
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -37,7 +38,7 @@ import torch
 
 from pgdiag.data.schema import BASE_STREAMS, LOGPROBS_SCHEMA, TAG_PATTERN
 from pgdiag.data.seqhash import input_fingerprint
-from pgdiag.data.writing import write_json
+from pgdiag.data.writing import check_destination, directory_lock, write_json
 from pgdiag.errors import UsageError
 from pgdiag.kernels import lm_head_logprobs, resolve_impl
 from pgdiag.model.checkpoint import parse_dtype
@@ -60,6 +61,7 @@ from pgdiag.recompute.output import (
     clear_output,
     discard_empty_output,
     inspect_output,
+    remove_temp_files,
     write_part,
 )
 from pgdiag.recompute.packing import PackOrder, pack_samples, plan_batches, plan_micro_batches
@@ -192,6 +194,7 @@ def recompute_rank(
     layout = current_layout(tp_group)
     run_obj = _as_run(run)
     out_dir = _output_dir(run_obj, tag, out)
+    check_destination(out_dir, [], overwrite=overwrite, hint="--out takes a directory")
 
     # 0. everything that needs no weights first, so a refusal (E208, E502, E503) costs no model load
     spec = _model_spec(model, device=device, attn=attn, dtype=dtype)
@@ -254,8 +257,8 @@ def recompute_rank(
     }
 
     # 1. decide (every rank, before anyone writes): fresh, resume, or refuse; then load the weights, so that a
-    #    refused checkpoint (E60x) leaves no output behind. Every rank loads when any part is pending, so a load
-    #    error is raised on all ranks alike and none waits at a barrier.
+    #    refused checkpoint (E60x, E611) leaves no output behind. Every rank loads when any part is pending, so a
+    #    load error is raised on all ranks alike and none waits at a barrier.
     done = inspect_output(out_dir, manifest, parts, footer_base, resume=resume, overwrite=overwrite, tag=tag)
     model_obj = (
         spec.load(dtype=dtype, head_dtype=head_dtype, tp_group=tp_group, experts=settings.experts)
@@ -265,52 +268,74 @@ def recompute_rank(
     if model_obj is not None:
         _check_finite_weights(model_obj, spec, layout)
         warnings = (*(f"{code}: {message}" for code, message in model_obj.load_warnings), *warnings)
-    barrier()
-    if layout.is_main:
-        if overwrite:
-            clear_output(out_dir)
-        write_json(manifest, out_dir / MANIFEST_NAME)
-    barrier()
 
-    # 2-3 fail or are interrupted before any part is on disk: remove the manifest again, so that nothing of a
-    #     refused run is left (a later `pgdiag check` sees no incomplete recompute); written parts stay for resume
+    # 2. one writer per tag: global rank 0 holds the tag directory's lock until the end (a second writer gets
+    #    E517 at once), decides again under it (another writer may have finished meanwhile), removes the temp
+    #    files a killed writer left, and writes the manifest. A failure or interruption before any part is on
+    #    disk removes what it wrote (a later `pgdiag check` sees no incomplete recompute); parts stay for resume.
     disagree: float | None = None
-    try:
-        # 2. compute this replica's pending parts; TP rank 0 writes them
-        mine = [
-            p for i, p in enumerate(parts) if i % layout.dp_size == layout.dp_rank and p.relpath not in done
-        ]
-        counts = [0, 0, 0]
-        if mine and model_obj is not None:
-            counts = _compute_parts(
-                model_obj,
-                inputs,
-                mine,
-                out_dir,
-                settings,
-                footer_base,
-                layout,
-                progress,
-                tp_group=tp_group,
-                tag=tag,
-            )
-        counts = _sum_over_ranks(counts, layout, spec.device)
-        barrier()
-
-        # 3. the marker, last: global rank 0 checks every planned part is on disk
-        if layout.is_main:
-            missing = [p.relpath for p in parts if not (out_dir / p.relpath).is_file()]
-            if missing:
-                raise RuntimeError(
-                    f"{len(missing)} planned parts missing after recompute (first: {missing[0]})"
+    created = [
+        d for d in (out_dir, *out_dir.parents) if not d.exists()
+    ]  # removed again on failure when empty
+    with _writer_lock(out_dir, layout, spec.device, created):
+        try:
+            if (
+                inspect_output(
+                    out_dir, manifest, parts, footer_base, resume=resume, overwrite=overwrite, tag=tag
                 )
-            disagree = write_routing_summary(out_dir, [p.relpath for p in parts]) if moe else None
-            write_json({**manifest, "complete": True}, out_dir / MANIFEST_NAME)
-        barrier()
-    except BaseException:
-        if layout.is_main:
-            discard_empty_output(out_dir)
-        raise
+                != done
+            ):
+                raise UsageError(
+                    "E517", f"{out_dir}: another process changed this output while the recompute started",
+                    "run again",
+                )  # fmt: skip
+            barrier()  # every rank has decided before rank 0 writes
+            if layout.is_main:
+                if overwrite:
+                    clear_output(out_dir)
+                else:
+                    remove_temp_files(out_dir)
+                write_json(manifest, out_dir / MANIFEST_NAME)
+            barrier()
+
+            # 3. compute this replica's pending parts; TP rank 0 writes them
+            mine = [
+                p
+                for i, p in enumerate(parts)
+                if i % layout.dp_size == layout.dp_rank and p.relpath not in done
+            ]
+            counts = [0, 0, 0]
+            if mine and model_obj is not None:
+                counts = _compute_parts(
+                    model_obj,
+                    inputs,
+                    mine,
+                    out_dir,
+                    settings,
+                    footer_base,
+                    layout,
+                    progress,
+                    tp_group=tp_group,
+                    tag=tag,
+                )
+            counts = _sum_over_ranks(counts, layout, spec.device)
+            barrier()
+
+            # 4. the marker, last: global rank 0 checks every planned part is on disk
+            if layout.is_main:
+                missing = [p.relpath for p in parts if not (out_dir / p.relpath).is_file()]
+                if missing:
+                    raise RuntimeError(
+                        f"{len(missing)} planned parts missing after recompute (first: {missing[0]})"
+                    )
+                disagree = write_routing_summary(out_dir, [p.relpath for p in parts]) if moe else None
+                write_json({**manifest, "complete": True}, out_dir / MANIFEST_NAME)
+            barrier()
+        except BaseException:
+            if layout.is_main:
+                discard_empty_output(out_dir)
+                _remove_empty(created)
+            raise
 
     return RecomputeResult(
         path=out_dir,
@@ -463,12 +488,7 @@ def _check_finite_weights(model: CausalLM, spec: _ModelSpec, layout: ParallelLay
     """E611 when a weight of the loaded model holds NaN or inf (before anything is written). Every rank checks
     its shard and learns whether any rank found one, so all ranks raise and none waits at a barrier."""
     bad = next(((n, c) for n, p in model.named_parameters() if (c := _nonfinite_count(p))), None)
-    anywhere = bad is not None
-    if layout.world_size > 1:
-        flag = torch.tensor([int(anywhere)], dtype=torch.int64, device=spec.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        anywhere = bool(flag.item())
-    if not anywhere:
+    if not _any_rank(bad is not None, layout, spec.device):
         return
     where = str(spec.source) if isinstance(spec.source, Path) else "the model"
     hint = "the checkpoint is damaged (a diverged run or a faulty conversion?): recompute with another checkpoint"
@@ -645,6 +665,43 @@ def _temperature_groups(
         return [(1.0 if uniform is None else uniform, None)]
     temps = per_token[flat]  # (K,)
     return [(float(t), torch.from_numpy(np.flatnonzero(temps == t))) for t in np.unique(temps)]
+
+
+@contextlib.contextmanager
+def _writer_lock(
+    out_dir: Path, layout: ParallelLayout, device: torch.device, created: list[Path]
+) -> Iterator[None]:
+    """Global rank 0 creates `out_dir` and holds its exclusive lock (`pgdiag.data.writing.directory_lock`)
+    while the block runs; when another process holds it, every rank raises E517 (nothing of ours written)."""
+    with contextlib.ExitStack() as held:
+        busy: UsageError | None = None
+        if layout.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                held.enter_context(directory_lock(out_dir, wait=False))
+            except UsageError as error:
+                busy = error
+        if _any_rank(busy is not None, layout, device):
+            if layout.is_main:
+                _remove_empty(created)
+            raise busy or UsageError("E517", f"{out_dir}: another process is writing this output now")
+        yield
+
+
+def _remove_empty(directories: list[Path]) -> None:
+    """Remove those of `directories` (made by this recompute, deepest first) that are empty."""
+    for directory in directories:
+        if directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()
+
+
+def _any_rank(flag: bool, layout: ParallelLayout, device: torch.device) -> bool:
+    """Whether `flag` holds on any rank (every rank must call this)."""
+    if layout.world_size == 1:
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _sum_over_ranks(counts: list[int], layout: ParallelLayout, device: torch.device) -> list[int]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from pgdiag.data.schema import LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY, read_footer
+from pgdiag.data.schema import LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY, ROUTING_FILE, read_footer
 from pgdiag.data.writing import write_parquet
 from pgdiag.errors import InvalidInputError, UsageError
 
@@ -98,13 +98,26 @@ def _first_difference(old: Any, new: Any) -> str:
     return f"{old!r} on disk vs {new!r} now"
 
 
+def remove_temp_files(out_dir: Path) -> int:
+    """Remove the temp files a killed writer left (``.<name>.tmp-<pid>-<random>`` of parts, manifest, routing
+    summary); only safe while this process holds the tag's lock. Returns how many were removed."""
+    stale = [
+        *out_dir.glob("step=*/.part-*.tmp-*"),
+        *out_dir.glob(f".{MANIFEST_NAME}.tmp-*"),
+        *out_dir.glob(f".{ROUTING_FILE}.tmp-*"),
+    ]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return len(stale)
+
+
 def clear_output(out_dir: Path) -> None:
     """Remove a previous recompute's files (manifest, parts, temp files) and nothing else."""
+    remove_temp_files(out_dir)
     for path in [
         *out_dir.glob("step=*/part-*.parquet"),
-        *out_dir.glob("step=*/.part-*.tmp-*"),
         out_dir / MANIFEST_NAME,
-        out_dir / "_routing.parquet",
+        out_dir / ROUTING_FILE,
     ]:
         path.unlink(missing_ok=True)
     for step_dir in out_dir.glob("step=*"):

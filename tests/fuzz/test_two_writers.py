@@ -98,3 +98,101 @@ def test_report_writers_take_turns_even_in_the_race_window(tmp_path: Path, monke
     for thread in threads:
         thread.join()
     assert sorted(outcomes) == ["E502", "written"]
+
+
+# ---- two `pgdiag logprobs` of one recompute tag ------------------------------------------------------------------
+# The writer holds the tag directory's lock from its decision to its final manifest; a second writer is refused
+# at once with E517 (a recompute can run for hours: it does not wait), or, when the first has already finished,
+# finds its complete result (E502). Before, both wrote parts and manifests into one directory.
+
+TINY = ROOT / "sample_data" / "tiny-qwen"
+LOGPROBS = ["--model", str(TINY), "--tag", "rc", "--dtype", "fp32", "--part-samples", "4", "--device", "cpu"]
+
+
+def one_step_run(tmp_path: Path) -> Path:
+    import shutil
+
+    run = tmp_path / "run_a"
+    shutil.copytree(RUNS[0], run, ignore=shutil.ignore_patterns("logprobs", "step=[123]"))
+    return run
+
+
+def stream_table(directory: Path):
+    import polars as pl
+
+    parts = sorted(directory.glob("step=*/part-*.parquet"))
+    return pl.concat([pl.read_parquet(p) for p in parts]).sort("sample_id").select("sample_id", "logprobs")
+
+
+def test_two_logprobs_writers_of_one_tag_leave_one_whole_dataset(tmp_path: Path) -> None:
+    run = one_step_run(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "pgdiag", "logprobs", str(run), *LOGPROBS, "-q"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
+    done = [subprocess.CompletedProcess(p.args, p.wait(timeout=300), *p.communicate()) for p in procs]
+    assert sorted(p.returncode for p in done) == [0, 2], [(p.returncode, p.stderr) for p in done]
+    loser = next(p for p in done if p.returncode == 2)
+    first = loser.stderr.strip().splitlines()[0]
+    assert first.startswith(("error[E517] ", "error[E502] ")), loser.stderr
+    out_dir = run / "logprobs" / "rc"
+    assert json.loads((out_dir / "_manifest.json").read_text())["complete"] is True
+    assert not [p for p in out_dir.rglob("*") if ".tmp-" in p.name]
+    from clean_error import run_cli
+
+    assert (
+        run_cli(["logprobs", str(run), "--model", str(TINY), "--tag", "single", *LOGPROBS[4:]]).exit_code == 0
+    )
+    ours, reference = stream_table(out_dir), stream_table(run / "logprobs" / "single")
+    assert ours.height == 32 and ours.equals(reference)  # every sample once, the values of one writer
+
+
+def test_logprobs_second_writer_is_refused_while_the_first_holds_the_tag(tmp_path: Path, monkeypatch) -> None:
+    # Deterministic form of the race: the first writer waits inside its first part write, holding the tag's
+    # lock; a second writer is refused with E517 and touches nothing; even --overwrite cannot take the tag.
+    import threading
+
+    import pgdiag.recompute.logprobs as logprobs
+    from pgdiag.recompute.jobs import recompute_logprobs
+
+    run = one_step_run(tmp_path)
+    real_write_part = logprobs.write_part
+    started, release = threading.Event(), threading.Event()
+
+    def slow_write_part(*args, **kwargs):
+        if threading.current_thread() is first:
+            started.set()
+            release.wait(timeout=300)
+        return real_write_part(*args, **kwargs)
+
+    monkeypatch.setattr(logprobs, "write_part", slow_write_part)
+    options = {"tag": "rc", "dtype": "fp32", "part_samples": 4, "device": "cpu"}
+    outcomes: dict[str, str] = {}
+
+    def write(name: str, **extra) -> None:
+        try:
+            recompute_logprobs(run, TINY, **options, **extra)
+            outcomes[name] = "written"
+        except Exception as error:
+            outcomes[name] = f"{getattr(error, 'code', repr(error))} {error}"
+
+    first = threading.Thread(target=write, args=("first",))
+    first.start()
+    assert started.wait(timeout=300)  # the first writer is inside its first part
+    for name, extra in (("second", {}), ("overwrite", {"overwrite": True})):
+        write(name, **extra)
+    release.set()
+    first.join()
+    assert outcomes["first"] == "written", outcomes
+    for name in ("second", "overwrite"):
+        assert outcomes[name].startswith("E517 E517: ") and "another process is writing" in outcomes[name]
+    out_dir = run / "logprobs" / "rc"
+    assert json.loads((out_dir / "_manifest.json").read_text())["complete"] is True
+    assert stream_table(out_dir).height == 32
