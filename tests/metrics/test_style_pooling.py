@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -171,7 +172,7 @@ def _sample_batch(name: str, settings: MetricSettings) -> tuple[TokenBatch, Metr
     return _read_sample(name, tuple(metric_streams(settings))), settings
 
 
-@pytest.mark.parametrize("docs_per_step", [None, 3, 16])
+@pytest.mark.parametrize("docs_per_step", [None, 3])
 @pytest.mark.parametrize(("style", "flags"), STYLE_FLAGS, ids=[f"{s}-{'-'.join(f)}" for s, f in STYLE_FLAGS])
 @pytest.mark.parametrize("run", ["run_a", "synthetic_b"])
 def test_sample_runs_pool_to_the_pooled_batch(
@@ -238,7 +239,7 @@ def synthetic_run(*, seed: int, nonfinite: bool = False, group_size: int = 3) ->
 
 
 def _synthetic_settings(style: str, flags: dict[str, object], **extra: object) -> MetricSettings:
-    base = {
+    roles = {
         "new": "new",
         "old": "old",
         "stream_a": "rollout",
@@ -246,7 +247,7 @@ def _synthetic_settings(style: str, flags: dict[str, object], **extra: object) -
         "ref": "ref",
         "entropy": "rc",
     }
-    return MetricSettings.from_options(key_style=style, **base, **flags, **extra)
+    return MetricSettings.from_options(key_style=style, **{**roles, **flags, **extra})
 
 
 @pytest.mark.parametrize(
@@ -274,3 +275,193 @@ def test_every_printed_key_has_a_rule() -> None:
         for v in compute_step_style(batch, settings, groups_split=0).values:
             assert v.key in rules, (style, v.key)
     assert set(POOL_RULES) == set(STYLE_NAMES)
+
+
+# ---- hand-computed two-step examples, one per pooling rule --------------------------------------------------
+# step 0: rows A (2 tokens), B (1 token); step 1: rows C (3 tokens), D (no loss token).
+# d = new − old: A [0, 0.5], B [0], C [−0.25, 0, 0]; A = +1 except B (−1); ε = 0.2.
+OLD = [[-1.0, -2.0], [-0.5], [-1.0, -1.5, -0.25], []]
+NEW = [[-1.0, -1.5], [-0.5], [-1.25, -1.5, -0.25], []]
+ROLLOUT = [[-1.5, -2.0], [-0.25], [-1.0, -1.75, -0.5], []]
+ADV = [[1.0, 1.0], [-1.0], [1.0, 1.0, 1.0], []]
+ENTROPY = [[0.5, 1.5], [1.0], [2.0, 0.0, 1.0], []]
+
+
+def two_steps(**overrides: object) -> TokenBatch:
+    fields: dict[str, object] = {
+        "new": NEW,
+        "old": OLD,
+        "rollout": ROLLOUT,
+        "advantages": ADV,
+        "entropy": ENTROPY,
+        "steps": [0, 0, 1, 1],
+        "groups": ["g0", "g0", "g1", "g1"],
+        "reward": [1.0, 1.0, 0.0, 1.0],
+        "lengths": [2, 1, 3, 0],
+    }
+    fields.update(overrides)
+    return make_batch(**fields)  # type: ignore[arg-type]
+
+
+def all_row(style: str, batch: TokenBatch | None = None, **flags: object) -> dict[str, float | None]:
+    batch = two_steps() if batch is None else batch
+    settings = _synthetic_settings(style, flags, ref=None)
+    rows = compute_by_step(
+        batch, settings, lambda b, s, n: compute_step_style(b, s, groups_split=n, partials=True)
+    )
+    assert rows[-1][0] == "all"
+    return {v.key: v.value for v in rows[-1][1].values}
+
+
+def test_token_means_under_verl_eps_guard_and_counts_exact() -> None:
+    got = all_row("verl")
+    assert got["actor/pg_clipfrac"] == 1.0 / (6 + 1e-8)  # A's r = e^0.5 binds; C's e^−0.25 (A > 0) does not
+    assert got["actor/ppo_kl"] == pytest.approx(-0.25 / (6 + 1e-8), rel=1e-12)
+    assert got["actor/pg_clipfrac_lower"] == 0.0
+    assert got["critic/advantages/mean"] == pytest.approx(4.0 / 6.0, rel=1e-15)
+    assert (got["critic/advantages/max"], got["critic/advantages/min"]) == (1.0, -1.0)
+    assert got["count/tokens"] == 6.0 and got["count/samples"] == 4.0 and got["count/samples_empty"] == 1.0
+
+
+def test_loss_keys_are_the_mean_over_steps() -> None:
+    got = all_row("verl")
+    # token-mean ℓ = max(−A r, −A clip(r)): A's tokens −1 and −1.2 (e^0.5 clipped), B (A = −1, r = 1) +1
+    step0 = (-1.0 - 1.2 + 1.0) / 3
+    step1 = (-math.exp(-0.25) - 1.0 - 1.0) / 3  # C: −r (the low clip of e^−0.25 binds only for A < 0)
+    assert got["actor/pg_loss"] == pytest.approx((step0 + step1) / 2, rel=1e-12)
+    entropy0, entropy1 = (0.5 + 1.5 + 1.0) / 3, (2.0 + 0.0 + 1.0) / 3  # actor/entropy: agg_loss, a loss key
+    assert got["actor/entropy"] == pytest.approx((entropy0 + entropy1) / 2, rel=1e-15)
+
+
+def test_token_mean_under_max1_guard() -> None:
+    got = all_row("trl")
+    assert got["entropy"] == 1.0  # (0.5 + 1.5 + 1 + 2 + 0 + 1) / max(6, 1)
+    # binding high side on Ā_i: A (Ā = 1, r = e^0.5); none low (B has r = 1)
+    assert (got["clip_ratio/high_mean"], got["clip_ratio/low_mean"]) == (1.0 / 6.0, 0.0)
+    assert got["clip_ratio/high_max"] == 0.5 and got["clip_ratio/low_min"] == 0.0
+    assert got["frac_reward_zero_std"] == 0.5  # group (0, g0) = {A, B} has rewards {1, 1}; (1, g1) {0, 1}
+
+
+def test_sample_mean_of_miles() -> None:
+    got = all_row("miles")
+    # SM(lp_old − lp_new) = (1/4)(−0.5/2 + 0 + 0.25/3 + 0)
+    assert got["train/ppo_kl"] == pytest.approx((-0.25 + 0.25 / 3) / 4, rel=1e-12)
+    assert got["train/entropy_loss"] == pytest.approx((1.0 + 1.0 + 1.0 + 0.0) / 4, rel=1e-15)
+
+
+def test_document_mean_of_fast_llm_and_sums() -> None:
+    got = all_row("fast-llm")
+    # doc(lp_new) over D = 4 documents: A −1.25, B −0.5, C −1.0, D (no token) 0
+    assert got["grpo_new_logprobs"] == pytest.approx((-1.25 - 0.5 - 1.0 + 0.0) / 4, rel=1e-15)
+    ratios = [1.0, math.exp(0.5), 1.0, math.exp(-0.25), 1.0, 1.0]
+    assert got["grpo_ratio_new_old_sum"] == pytest.approx(math.fsum(ratios), rel=1e-15)
+    assert got["grpo_ratio_new_old_squared_sum"] == pytest.approx(math.fsum(r * r for r in ratios), rel=1e-15)
+    assert got["grpo_num_tokens"] == 6.0
+    assert (got["grpo_max_advantage"], got["grpo_min_advantage"]) == (1.0, -1.0)
+
+
+def test_pipelinerl_doc_mean_counts_the_empty_rows_and_ess_from_pooled_sums() -> None:
+    batch = two_steps(steps=[0, 0, 1, 2], lengths=[2, 1, 3, 0])  # step 2: one row without labels
+    got = all_row("pipelinerl", batch)
+    # (1/S) Σ_i Σ_t x / N_i over S = 4 rows: the row of the label-less step adds 0 and counts
+    assert got["rl/new_logprobs"] == pytest.approx((-1.25 - 0.5 - 1.0) / 4, rel=1e-15)
+    ratios = [1.0, math.exp(0.5), 1.0, math.exp(-0.25), 1.0, 1.0]
+    ess = math.fsum(ratios) ** 2 / math.fsum(r * r for r in ratios) / 6
+    assert got["rl/ess"] == pytest.approx(ess, rel=1e-14)
+    assert "rl/max_kl" not in got  # no reference stream: no kl keys
+
+
+def test_verl_rows_of_a_label_less_step_count_as_ppl_one() -> None:
+    batch = two_steps(steps=[0, 0, 1, 2], lengths=[2, 1, 3, 0])
+    got = all_row("verl", batch)
+    # per-row μ = Σ lp / (N_i + 1e-8) of lp_old (side b) and lp_rollout (side a); the empty row has μ = 0
+    mu_b = [-3.0 / (2 + 1e-8), -0.5 / (1 + 1e-8), -2.75 / (3 + 1e-8), 0.0]
+    mu_a = [-3.5 / (2 + 1e-8), -0.25 / (1 + 1e-8), -3.25 / (3 + 1e-8), 0.0]
+    want_ppl = math.fsum(math.exp(-m) for m in mu_b) / 4
+    assert got["rollout_corr/training_ppl"] == pytest.approx(want_ppl, rel=1e-14)
+    diffs = [a - b for a, b in zip(mu_a, mu_b, strict=True)]
+    assert got["rollout_corr/log_ppl_diff_max"] == pytest.approx(max(diffs), rel=1e-14)
+    assert got["rollout_corr/log_ppl_diff_min"] == pytest.approx(min(diffs), rel=1e-14)
+
+
+def test_verl_std_and_correlation_against_exact_statistics() -> None:
+    got = all_row("verl")
+    p_b = [math.exp(x) for row in OLD for x in row]
+    p_a = [math.exp(x) for row in ROLLOUT for x in row]
+    diff = [abs(b - a) for a, b in zip(p_a, p_b, strict=True)]
+    assert got["training/rollout_probs_diff_std"] == pytest.approx(statistics.stdev(diff), rel=1e-13)
+    assert got["training/rollout_actor_probs_pearson_corr"] == pytest.approx(
+        statistics.correlation(p_b, p_a), rel=1e-13
+    )
+
+
+def test_verl_is_weight_std_and_ess_from_step_mean_and_ess() -> None:
+    got = all_row("verl", rollout_is="token")
+    delta = [b - a for rb, ra in zip(OLD, ROLLOUT, strict=True) for b, a in zip(rb, ra, strict=True)]
+    w = [min(math.exp(x), 2.0) for x in delta]
+    mean = math.fsum(w) / (6 + 1e-8)
+    second = math.fsum(x * x for x in w) / (6 + 1e-8)
+    assert got["rollout_corr/rollout_is_mean"] == pytest.approx(mean, rel=1e-14)
+    assert got["rollout_corr/rollout_is_std"] == pytest.approx(math.sqrt(second - mean**2), rel=1e-12)
+    assert got["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(
+        (mean + 1e-8) ** 2 / second, rel=1e-13
+    )
+    assert got["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
+
+
+def test_groups_straddling_a_docs_per_step_cut_are_null_with_a_notice() -> None:
+    batch = two_steps(groups=["g0", "g1", "g1", "g2"])  # cut after 2 documents: g1 = {B, C} straddles
+    settings = _synthetic_settings("trl", {}, ref=None, docs_per_step=2)
+    rows = compute_by_step(batch, settings, lambda b, s, n: compute_step_style(b, s, groups_split=n))
+    last = rows[-1][1]
+    got = last.by_key()
+    for key in WHOLE_GROUP_KEYS:
+        assert got[key].value is None
+    assert any("straddle --docs-per-step" in n for n in last.notices)
+    assert got["count/samples"].value == 4.0 and got["entropy"].value == 1.0
+    aligned = all_row("trl", two_steps(groups=["g0", "g0", "g1", "g1"]), docs_per_step=2)
+    assert (aligned["count/groups"], aligned["count/groups_split"], aligned["frac_reward_zero_std"]) == (
+        2.0,
+        0.0,
+        0.5,
+    )
+
+
+def test_status_and_notices() -> None:
+    nan_old = [[math.nan, -2.0], [-0.5], [-1.0, -1.5, -0.25], []]
+    settings = _synthetic_settings("verl", {}, ref=None)
+    rows = compute_by_step(
+        two_steps(old=nan_old), settings, lambda b, s, n: compute_step_style(b, s, groups_split=n)
+    )
+    assert [m.status for _, m in rows] == ["nonfinite", "ok", "nonfinite"]
+    assert rows[-1][1].by_key()["actor/ppo_kl"].value is None  # NaN in step 0 poisons the pooled mean
+    empty = two_steps(
+        lengths=[0, 0, 0, 0],
+        new=[[]] * 4,
+        old=[[]] * 4,
+        rollout=[[]] * 4,
+        advantages=[[]] * 4,
+        entropy=[[]] * 4,
+    )
+    rows = compute_by_step(empty, settings, lambda b, s, n: compute_step_style(b, s, groups_split=n))
+    assert [m.status for _, m in rows] == ["empty", "empty", "empty"]
+    assert rows[-1][1].by_key()["rollout_corr/kl"].value is None
+    dps = _synthetic_settings("verl", {}, ref=None, docs_per_step=2)  # documents A, B | C + D (partial)
+    rows = compute_by_step(
+        two_steps(sample_ids=["a", "b", "c", "c"]),
+        dps,
+        lambda b, s, n: compute_step_style(b, s, groups_split=n),
+    )
+    assert [m.status for _, m in rows] == ["ok", "partial", "ok"]  # the all row is the pooled tokens' status
+    assert "step 1: final partial step of --docs-per-step" in rows[-1][1].notices
+
+
+def test_step_rows_carry_no_partial_values() -> None:
+    settings = _synthetic_settings("verl", {}, ref=None)
+    rows = compute_by_step(
+        two_steps(), settings, lambda b, s, n: compute_step_style(b, s, groups_split=n, partials=True)
+    )
+    assert all(v.reduction != "partial" for _, m in rows for v in m.values)
+    without = compute_by_step(two_steps(), settings, lambda b, s, n: compute_step_style(b, s, groups_split=n))
+    assert without[-1][1].by_key()["training/rollout_actor_probs_pearson_corr"].value is None
+    assert any("pearson_corr is null" in n for n in without[-1][1].notices)

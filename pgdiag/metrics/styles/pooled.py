@@ -266,7 +266,8 @@ def pool_style_steps(steps: Sequence[StepMetrics], settings: MetricSettings) -> 
     not_pooled: list[str] = []
     straddled: list[str] = []
     derived: list[tuple[str, MetricValue, PoolRule]] = []
-    for key in _key_order(steps):
+    order = _key_order(steps)
+    for key in order:
         template = next(row[key] for row in rows if key in row)
         if template.reduction == PARTIAL:
             continue
@@ -300,7 +301,7 @@ def pool_style_steps(steps: Sequence[StepMetrics], settings: MetricSettings) -> 
             f"all row: {', '.join(straddled)} null: prompt groups straddle --docs-per-step cuts, and a "
             "group split over steps cannot be pooled from per-step values (docs/key-styles.md)"
         )
-    ordered = tuple(out[key] for key in _key_order(steps) if key in out)
+    ordered = tuple(out[key] for key in order if key in out)
     return StepMetrics(ordered, _pooled_status(steps), tuple(notices))
 
 
@@ -532,11 +533,13 @@ def _fallback_rule(template: MetricValue) -> PoolRule:
 def _key_order(steps: Sequence[StepMetrics]) -> list[str]:
     """Every key of any step once, in the style's order (a key a step lacks goes after its predecessor)."""
     order: list[str] = []
+    seen: set[str] = set()
     for step in steps:
         previous = None
         for value in step.values:
-            if value.key not in order:
+            if value.key not in seen:
                 order.insert(0 if previous is None else order.index(previous) + 1, value.key)
+                seen.add(value.key)
             previous = value.key
     return order
 
