@@ -12,7 +12,7 @@ per-token advantages), so each style is reproduced separately rather than mapped
 How: `check_style_settings` rejects any flag the framework has no setting for (`UsageError`, exit 2) and any
 `--aggregation` it cannot name; each style module (`fast_llm`, `verl`, `trl`, `liger`, `miles`,
 `pipelinerl`) computes from `common.StyleInputs`. `--metric-reduction` is ignored (the style fixes every
-reduction) with a notice.
+reduction) with a notice. The run's `all` row is pooled from the step results (`pooled.pool_style_steps`).
 """
 
 from __future__ import annotations
