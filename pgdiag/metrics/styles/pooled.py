@@ -10,15 +10,19 @@ Each style's reductions are sums over tokens, samples or documents divided by a 
 guard, so the pooled value is recovered from the step value and its count: a `mean_guard` value x_s over
 N_s tokens has numerator x_s·N_s, a `mean_eps` value has x_s·(N_s + 1e-8), and a fraction of an integer
 count recovers that count exactly by rounding (bit-identical to the pooled computation). Loss keys (``mode``)
-are the unweighted mean over steps, as before. Two things are not recoverable from per-step values: a
-Pearson correlation (verl's probability correlation) and anything computed over whole prompt groups once a
-group straddles a `--docs-per-step` cut; the `all` row gives null there, with a notice.
+are the unweighted mean over steps, as before. A Pearson correlation (verl's probability correlation) needs
+five partial sums per step, which `compute_step_style(..., partials=True)` adds as values of reduction
+``partial`` (`step_partials`; `public_values` strips them from a step row). Statistics over whole prompt
+groups cannot be pooled once a group straddles a `--docs-per-step` cut: the `all` row gives null there,
+with a notice.
 
-How: `POOL_RULES[style][key]` is a `PoolRule`: its `kind` (mode, sum, max, min, mean, std, derived, none) and, for means, the weight of a step (its tokens ``n``, `count/samples` or `count/docs`), the framework's
+How: `POOL_RULES[style][key]` is a `PoolRule`: its `kind` (mode, sum, max, min, mean, std, derived, none)
+and, for means, the weight of a step (its tokens ``n``, `count/samples` or `count/docs`), the framework's
 guard (plain Σ/W, ``max1`` Σ/max(W, 1), ``eps`` Σ/(W + 1e-8)), whether the numerator is an integer count, an
 offset (verl's χ² values are mean − 1) and the value of an empty row where a step with no loss tokens prints
 none. A key the table does not know gets the rule of its reduction (``mode`` → mode, ``cnt``/``sum`` → sum),
-else null with a notice.
+else null with a notice. The status is the pooled tokens' (`empty` when every step is, `nonfinite` when
+one is, else `ok`); the notices are the steps' own, each once.
 """
 
 from __future__ import annotations
@@ -46,7 +50,6 @@ PEARSON_PARTIALS = (
     "partial/probs_a_css",
     "partial/probs_csp",
 )
-_STATUS_ORDER = ("ok", "nonfinite", "empty")
 
 
 @dataclass(frozen=True)
