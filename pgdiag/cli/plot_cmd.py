@@ -34,6 +34,8 @@ class PlotKind(StrEnum):
     trend_ratio = "trend-ratio"
     trend_mismatch = "trend-mismatch"
     trend_loss = "trend-loss"
+    whatif = "whatif"
+    drift = "drift"
     all = "all"
 
 
