@@ -65,7 +65,8 @@ class Verdict:
     """A command's verdict: its status word, the one line printed last, and the findings behind it."""
 
     command: str  # metrics | compare | whatif | drift | check
-    # metrics, drift: clean|anomalies; compare: AGREE|DISAGREE|NO DATA; whatif: clean|warnings|NO DATA;
+    # metrics: clean|anomalies; drift: clean|anomalies|NO DATA; compare: AGREE|DISAGREE|NO DATA;
+    # whatif: clean|warnings|NO DATA;
     # check: clean|warnings|errors
     status: str
     line: str
@@ -364,7 +365,7 @@ def whatif_verdict(report: Report, thresholds: VerdictThresholds = VerdictThresh
     lossy = [
         (rule, kept)
         for rule in rules
-        if (kept := values.get((rule, "whatif/tokens_kept"))) is not None and 1.0 - kept > t.whatif_lost_max
+        if (kept := values.get((rule, "whatif/tokens_kept"))) is not None and kept < 1.0 - t.whatif_lost_max
     ]
     lossy.sort(key=lambda item: item[1])  # the most data lost first
     for rule, kept in lossy:
@@ -401,7 +402,8 @@ def whatif_verdict(report: Report, thresholds: VerdictThresholds = VerdictThresh
 
 def drift_verdict(report: Report) -> Verdict:
     """`anomalies` when change points were found, each with its step, series, the levels before and after and
-    its z score (in step order), else `clean` with the steps and series searched."""
+    its z score (in step order); `NO DATA` when the run has too few steps to search; else `clean` with the steps
+    and series searched."""
     meta = report.meta.get("change_points") or {}
     found = sorted(meta.get("found") or [], key=lambda cp: (int(cp["step"]), str(cp["metric"])))
     n_steps = len((report.meta.get("inputs") or {}).get("steps") or [])
@@ -421,6 +423,10 @@ def drift_verdict(report: Report) -> Verdict:
         noun = "change point" if len(findings) == 1 else "change points"
         line = f"drift: {len(findings)} {noun} over {n_steps} steps: {_joined(findings)}"
         return Verdict("drift", "anomalies", line, findings)
+    min_steps = meta.get("min_steps")
+    if min_steps is not None and n_steps < int(min_steps):  # no series was searched
+        line = f"drift: NO DATA: {n_steps} steps, fewer than the {min_steps} a change-point search needs"
+        return Verdict("drift", "NO DATA", line)
     series = meta.get("series")
     searched = f" in {len(series)} series" if series is not None else ""
     threshold = meta.get("threshold")
