@@ -331,20 +331,19 @@ def _whatif_tables(report: Report) -> str:
 
 
 def _series_table(
-    per_step: Mapping[tuple[str, str], tuple[float | None, str]],
+    per_step: Mapping[tuple[str, str], float | None],
+    units: Mapping[str, str],
     steps: Sequence[str],
     metrics: Sequence[str],
     marked: Mapping[tuple[str, str], str],
 ) -> str:
     """Rows = steps, columns = `metrics` (with their units); cells in `marked` are red with the label as tooltip."""
-    units = {m: next((u for (s, k), (_, u) in per_step.items() if k == m), "") for m in metrics}
-    header = ["step", *[f"{m} ({units[m]})" if units[m] else m for m in metrics]]
+    header = ["step", *[f"{m} ({units[m]})" if units.get(m) else m for m in metrics]]
     body = []
     for step in steps:
         row = [step]
         for metric in metrics:
-            value, unit = per_step.get((step, metric), (None, ""))
-            text = _num(value, unit)
+            text = _num(per_step.get((step, metric)), units.get(metric, ""))
             label = marked.get((metric, step))
             row.append(f'<td class="anomaly" title="{_e(label)}">{_e(text)}</td>' if label else text)
         body.append(row)
@@ -378,24 +377,29 @@ def _drift_tables(report: Report, marks: Sequence[Mark]) -> str:
     steps = sorted(
         rows["bucket"].unique().to_list(), key=lambda b: (int(b) if b.lstrip("-").isdigit() else 0, b)
     )
-    per_step = {(b, m): (v, u) for b, m, v, u in rows.select("bucket", "metric", "value", "unit").iter_rows()}
+    per_step = {(b, m): v for b, m, v in rows.select("bucket", "metric", "value").iter_rows()}
+    units = dict(rows.select("metric", "unit").unique("metric", keep="first").iter_rows())
     present = rows["metric"].unique(maintain_order=True).to_list()
-    series = [m for m in meta.get("series") or [] if m in present]
-    series += [str(cp["metric"]) for cp in found if cp["metric"] not in series]
+    # the series searched (older reports: those with a change point)
+    series = list(
+        dict.fromkeys(
+            [*(m for m in meta.get("series") or [] if m in present), *(str(cp["metric"]) for cp in found)]
+        )
+    )
     marked = {(m.metric, str(m.step)): m.label for m in marks}
     if series:
         parts.append(
             "<h3>per-step series searched for change points <span class='note'>(red: the first step of a new "
             "level)</span></h3>"
         )
-        parts.append(_series_table(per_step, steps, series, marked))
+        parts.append(_series_table(per_step, units, steps, series, marked))
     families: dict[str, list[str]] = {}
     for metric in present:
         families.setdefault(metric.split("/", 1)[0] if "/" in metric else "metrics", []).append(metric)
     for family, metrics in families.items():
         parts.append(
             f"<details><summary>{_e(family)} per step: {len(metrics)} metrics</summary>"
-            + _series_table(per_step, steps, metrics, marked)
+            + _series_table(per_step, units, steps, metrics, marked)
             + "</details>"
         )
     return "".join(parts)
@@ -550,11 +554,14 @@ def render_html(
     pairs = report.meta.get("pairs", [])
     heading = title or f"pgdiag {report.kind}: {', '.join(pairs) if pairs else ''}"
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    tables = {
-        "metrics": lambda: _metrics_tables(report, marks),
-        "whatif": lambda: _whatif_tables(report),
-        "drift": lambda: _drift_tables(report, marks),
-    }.get(report.kind, lambda: _compare_tables(report))()
+    if report.kind == "metrics":
+        tables = _metrics_tables(report, marks)
+    elif report.kind == "whatif":
+        tables = _whatif_tables(report)
+    elif report.kind == "drift":
+        tables = _drift_tables(report, marks)
+    else:
+        tables = _compare_tables(report)
     sections = [
         ("tables", "Tables", tables),
         ("plots", "Plots", _plots(plot_set)),
