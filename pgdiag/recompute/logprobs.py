@@ -257,7 +257,7 @@ def recompute_rank(
     }
 
     # 1. decide (every rank, before anyone writes): fresh, resume, or refuse; then load the weights, so that a
-    #    refused checkpoint (E60x, E611) leaves no output behind. Every rank loads when any part is pending, so a
+    #    refused checkpoint (E60x, E612) leaves no output behind. Every rank loads when any part is pending, so a
     #    load error is raised on all ranks alike and none waits at a barrier.
     done = inspect_output(out_dir, manifest, parts, footer_base, resume=resume, overwrite=overwrite, tag=tag)
     model_obj = (
@@ -485,7 +485,7 @@ def _nonfinite_count(values: torch.Tensor) -> int:
 
 
 def _check_finite_weights(model: CausalLM, spec: _ModelSpec, layout: ParallelLayout) -> None:
-    """E611 when a weight of the loaded model holds NaN or inf (before anything is written). Every rank checks
+    """E612 when a weight of the loaded model holds NaN or inf (before anything is written). Every rank checks
     its shard and learns whether any rank found one, so all ranks raise and none waits at a barrier."""
     bad = next(((n, c) for n, p in model.named_parameters() if (c := _nonfinite_count(p))), None)
     if not _any_rank(bad is not None, layout, spec.device):
@@ -493,7 +493,7 @@ def _check_finite_weights(model: CausalLM, spec: _ModelSpec, layout: ParallelLay
     where = str(spec.source) if isinstance(spec.source, Path) else "the model"
     hint = "the checkpoint is damaged (a diverged run or a faulty conversion?): recompute with another checkpoint"
     if bad is None:
-        raise UsageError("E611", f"{where}: a weight of another tensor-parallel rank holds NaN or inf", hint)
+        raise UsageError("E612", f"{where}: a weight of another tensor-parallel rank holds NaN or inf", hint)
     name, count = bad
     if isinstance(spec.source, Path):
         from pgdiag.model.checkpoint import open_tensor_source
@@ -502,7 +502,7 @@ def _check_finite_weights(model: CausalLM, spec: _ModelSpec, layout: ParallelLay
             where = str(source.file_of(name) or spec.source)
     dtype = str(dict(model.named_parameters())[name].dtype).removeprefix("torch.")
     raise UsageError(
-        "E611", f"{where}: tensor '{name}' holds {count} NaN or inf values (loaded as {dtype})", hint
+        "E612", f"{where}: tensor '{name}' holds {count} NaN or inf values (loaded as {dtype})", hint
     )
 
 
@@ -634,11 +634,11 @@ def _compute_parts(
 def _raise_overflow(
     hidden: torch.Tensor, inputs: RecomputeInputs, target_sample: np.ndarray, dtype: str
 ) -> None:
-    """E611 naming the first sample whose final hidden states (K, H) hold NaN or inf (finite weights, so the
+    """E612 naming the first sample whose final hidden states (K, H) hold NaN or inf (finite weights, so the
     forward overflowed)."""
     row = int(target_sample[int((~torch.isfinite(hidden).all(dim=1)).nonzero()[0, 0])])
     raise UsageError(
-        "E611",
+        "E612",
         f"{inputs.source}: step {int(inputs.step[row])}, sample {inputs.sample_id[row]}: the model's hidden states "
         f"hold NaN or inf (the forward overflows in {dtype})",
         "recompute with --dtype fp32"

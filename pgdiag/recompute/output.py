@@ -159,7 +159,7 @@ def write_part(
     valid = inputs.loss_mask[base : int(inputs.offsets[part.stop])]  # (T_part,)
     if not np.isfinite(logprobs[valid]).all() or not np.isfinite(entropy[valid]).all():
         raise UsageError(
-            "E611",
+            "E612",
             f"{out_dir}: non-finite log-probs in step {part.step} part {part.index} (the LM head overflows)",
             "recompute with --head-dtype fp32",
         )

@@ -159,9 +159,9 @@ def test_refusals_come_before_anything_is_written(
         ["--softmax-vocab", "100"] if case == "token_out_of_vocab" else []
     ))  # fmt: skip
     expected = {
-        "nan_weight": ("E611", 2, f"{model / 'model.safetensors'}: tensor 'model.layers.2.mlp.down_proj.weight' "
+        "nan_weight": ("E612", 2, f"{model / 'model.safetensors'}: tensor 'model.layers.2.mlp.down_proj.weight' "
                        "holds 1 NaN or inf values (loaded as float32)"),
-        "inf_weight": ("E611", 2, "tensor 'model.layers.2.mlp.down_proj.weight' holds 1 NaN or inf values"),
+        "inf_weight": ("E612", 2, "tensor 'model.layers.2.mlp.down_proj.weight' holds 1 NaN or inf values"),
         "sampling_temperature_0": ("E219", 3, "pgdiag.sampling.temperature 0.0 is not a number > 0"),
         "token_out_of_vocab": ("E208", 3, "input_ids: token id < 0 or >= vocab_size 100"),
     }[case]  # fmt: skip
@@ -178,7 +178,7 @@ def test_forward_overflow_is_e611_naming_the_sample(run_copy: Path, tmp_path: Pa
     assert result.exit_code == 2, result.output
     first = result.stderr.splitlines()[0]
     assert (
-        first.startswith(f"error[E611] {run_copy}: step 0, sample ")
+        first.startswith(f"error[E612] {run_copy}: step 0, sample ")
         and "hidden states hold NaN or inf" in first
     )
     assert not list((run_copy / "logprobs").rglob("*.parquet"))
