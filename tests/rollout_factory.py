@@ -2,7 +2,7 @@
 
 `write_rollouts_file(path, rows, **meta)` writes one pgdiag.rollouts/v1 Parquet file exactly as given: no
 sorting and no repair, so tests can craft invalid files. Columns take their canonical types unless
-listed in `raw_types`; `seq_hash` is computed from `input_ids` when a row lacks it; `run` defaults to "t" and
+listed in `raw_types`; `seq_hash` is computed from `input_ids` when a row lacks it (and its ids are numbers); `run` defaults to "t" and
 `group_id` to "g0". Footer entries come from `meta` (``schema=None`` drops a key).
 """
 
@@ -65,8 +65,9 @@ def rollouts_frame(
         row = dict(row)
         row.setdefault("run", "t")
         row.setdefault("group_id", "g0")
-        if "seq_hash" not in row and row.get("input_ids") is not None and None not in row["input_ids"]:
-            row["seq_hash"] = seq_hash(row["input_ids"])
+        ids = row.get("input_ids")
+        if "seq_hash" not in row and isinstance(ids, list) and all(isinstance(i, int | float) for i in ids):
+            row["seq_hash"] = seq_hash(ids)  # ids of another type (a fuzzed file) leave it null
         filled.append(row)
     columns = list(dict.fromkeys(c for row in filled for c in row))
     schema = {}
