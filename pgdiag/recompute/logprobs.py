@@ -170,8 +170,10 @@ def recompute_rank(
     a loaded `pgdiag.model.CausalLM`) and write them as the stream `tag` (default ``rc_<dtype>_<head_dtype>``).
 
     Raises UsageError E503 (bad option value), E506 (a setting needs what is missing), E508 (CUDA unavailable), E502
-    (output exists: complete, without resume, or made with other settings or inputs; pass `overwrite`), InvalidInputError E102/E103/E201-E213
-    (bad rollouts, by the row rules of `pgdiag check`) and E219 (a temperature `--temperature auto` cannot use).
+    (output exists: complete, without resume, or made with other settings or inputs; pass `overwrite`), E517
+    (another process is writing this tag now), E60x/E612 (checkpoint refused, NaN or inf weights or activations);
+    InvalidInputError E102/E103/E201-E213 (bad rollouts, by the row rules of `pgdiag check`) and E219 (a
+    temperature `--temperature auto` cannot use). Every refusal comes before anything is written.
     `softmax_vocab` restricts the softmax to the first N head rows (``"tokenizer"``: the run's recorded
     tokenizer length), to test the padded-vocabulary gotcha; `micro_batch` forwards a fixed number of samples at a
     time instead of packing into `batch_tokens`; `attn` picks the body's attention backend (docs/models.md).
