@@ -23,14 +23,22 @@ Why: a 100M-token run holds 800 MB per float64 token array; the sketch holds at 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
 from pgdiag.errors import UsageError
-from pgdiag.metrics.reduce import extremum, quantiles
+from pgdiag.metrics.reduce import TokenReducer, extremum, quantiles
 
-__all__ = ["QuantileSettings", "QuantileSummary", "TokenExtrema", "extremum_of", "quantiles_of"]
+__all__ = [
+    "QuantileSettings",
+    "QuantileSummary",
+    "TablePool",
+    "TokenExtrema",
+    "extremum_of",
+    "quantiles_of",
+]
 
 
 @dataclass(frozen=True)
@@ -278,3 +286,61 @@ def _merge_counts(
         inverse.reshape(-1), weights=np.concatenate([counts_a, counts_b]), minlength=keys.shape[0]
     )
     return keys, counts.astype(np.int64)
+
+
+TableT = TypeVar("TableT")
+
+
+class TablePool(Generic[TableT]):
+    """One family table (`metrics.reduce.take_rows`'s shape) pooled over consecutive chunks of steps.
+
+    `add` keeps a chunk's per-sample fields (S,) and folds its token fields (N,) into summaries: a
+    `QuantileSummary` per token field, a `TokenExtrema` for fields marked ``pooled = extrema``. `pooled`
+    gives one table over every chunk's samples whose per-sample fields are the concatenation (the same
+    arrays a whole-run read builds) and whose token fields are those summaries; reduce it whole.
+    """
+
+    def __init__(self, settings: QuantileSettings) -> None:
+        self.settings = settings
+        self._reducers: list[TokenReducer] = []
+        self._samples: dict[str, list[np.ndarray]] = {}
+        self._tokens: dict[str, QuantileSummary | TokenExtrema] = {}
+        self._template: Any = None
+
+    def add(self, table: TableT) -> None:
+        """Pool the rows of one chunk's `table` (its arrays are not kept, except per-sample ones)."""
+        self._reducers.append(table.reducer)  # type: ignore[attr-defined]
+        template: dict[str, Any] = {}
+        for spec in fields(table):  # type: ignore[arg-type]
+            axis = spec.metadata.get("axis")
+            value = getattr(table, spec.name)
+            if axis is None or value is None:
+                continue
+            template[spec.name] = None
+            if axis == "sample":
+                self._samples.setdefault(spec.name, []).append(value)
+            elif spec.metadata.get("pooled") == "extrema":
+                held = self._tokens.get(spec.name, TokenExtrema())
+                self._tokens[spec.name] = held.merge(TokenExtrema.of(value))  # type: ignore[union-attr]
+            else:
+                summary = self._tokens.setdefault(spec.name, QuantileSummary(self.settings))
+                summary.add(value)  # type: ignore[union-attr]
+        if self._template is None:
+            self._template = replace(table, **template)  # type: ignore[type-var]
+        elif set(template) != {*self._samples, *self._tokens}:
+            raise ValueError("chunks of one run gave family tables with different fields")
+
+    def pooled(self) -> TableT:
+        """The table of every pooled sample (per-sample fields concatenated, token fields summarised)."""
+        if self._template is None:
+            raise ValueError("TablePool.pooled needs at least one chunk")
+        updates: dict[str, Any] = {"reducer": TokenReducer.concat(self._reducers)}
+        for name, parts in self._samples.items():
+            updates[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        updates.update(self._tokens)
+        return replace(self._template, **updates)  # type: ignore[no-any-return]
+
+    @property
+    def exact(self) -> bool:
+        """True when every token quantile of the pooled table is exact."""
+        return all(not isinstance(t, QuantileSummary) or t.is_exact for t in self._tokens.values())
