@@ -147,8 +147,9 @@ def compute_metrics(
 
     The native engine reads the run in chunks of whole steps (`stream`, docs/reliability.md): each chunk is
     read, validated and reduced per step, and only per-sample tables and token summaries are kept for the
-    ``all`` row. `--docs-per-step` (steps cut across the step column) and the framework key styles read the
-    whole run at once.
+    ``all`` row; a framework key style computes each step with its own function and its ``all`` row from the
+    step rows (`pool_style_steps`). `--docs-per-step` (steps cut across the step column) reads the whole run
+    at once.
     """
     if settings is None:
         settings = MetricSettings.from_options(**options)
@@ -157,29 +158,31 @@ def compute_metrics(
     checks = checks or CheckSettings()
     stream = stream or StreamSettings()
     settings = resolve_streams(run, settings)
-    if settings.key_style != "pgdiag" or settings.docs_per_step is not None:
+    if settings.docs_per_step is not None:
         loaded = _read(run, settings, checks)
         return metrics_report(
             loaded.batch, settings, run=run, checks=loaded.checks.issues, ignored=checks.ignore
         )
-    from pgdiag.metrics.engine import NativeStream
+    from pgdiag.metrics.engine import NativeStream, StyleStream
 
     rows_per_step = step_rows(run)
     chunks: list[Run] = [
         restrict_steps(run, c) for c in step_chunks(rows_per_step, stream.budget(rows_per_step))
     ]
-    native = NativeStream(settings, stream.quantiles)
+    engine = (
+        NativeStream(settings, stream.quantiles) if settings.key_style == "pgdiag" else StyleStream(settings)
+    )
     issue_frames: list[pl.DataFrame] = []
     n_samples = n_tokens = 0
     for chunk in chunks or [run]:  # a run without rows is read once, as a whole
         loaded = _read(chunk, settings, checks)
         issue_frames.append(loaded.checks.issues)
-        native.add(loaded.batch)
+        engine.add(loaded.batch)
         n_samples += loaded.batch.n_samples
         n_tokens += loaded.batch.n_tokens
         del loaded  # the chunk's token arrays go before the next chunk is read
-    results = [*native.steps, native.finish()]
-    notice = _quantile_notice(native.quantiles_exact, stream.quantiles)
+    results = [*engine.steps, engine.finish()]
+    notice = _quantile_notice(engine.quantiles_exact, stream.quantiles)
     return _report(
         results,
         settings,
@@ -190,9 +193,9 @@ def compute_metrics(
         ignored=checks.ignore,
         extra_meta={
             "pooled_quantiles": {
-                "exact": native.quantiles_exact,
+                "exact": engine.quantiles_exact,
                 "exact_limit": stream.quantiles.exact_limit,
-                "relative_error": None if native.quantiles_exact else stream.quantiles.relative_error,
+                "relative_error": None if engine.quantiles_exact else stream.quantiles.relative_error,
             },
             "chunks": len(chunks),
         },

@@ -181,3 +181,18 @@ def test_issue_frames_of_chunks_merge_per_code() -> None:
         ("E204", "error", 1, "null", 1, "b", 2),
     ]
     assert merge_issue_frames([]).height == 0
+
+
+def test_key_style_steps_are_read_in_chunks_and_pooled_from_the_step_rows(run_dir) -> None:
+    run = read_run(run_dir)
+    settings = MetricSettings.from_options(new="new", old="old", key_style="verl", divisor=512.0)
+    many = compute_metrics(run, settings, checks=CHECKS, stream=StreamSettings(max_rows=1))
+    one = compute_metrics(run, settings, checks=CHECKS, stream=StreamSettings(max_rows=10**9))
+    assert many.meta["chunks"] == N_STEPS
+    assert_frame_equal(many.summary, one.summary, check_exact=True)
+    resolved = resolve_streams(run, settings)
+    loaded = read_token_batch(run, streams=metric_streams(resolved), ignore=CHECKS.ignore)
+    whole = metrics_report(loaded.batch, resolved, run=run).summary
+    steps = pl.col("breakdown") == "step"
+    assert_frame_equal(many.summary.filter(steps), whole.filter(steps), check_exact=True)
+    assert many.summary.filter(pl.col("bucket") == "all").height > 0
