@@ -12,12 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import polars as pl
 
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.runs import LoadedBatch, Run, read_token_batch, restrict_steps, step_chunks, step_rows
-from pgdiag.data.validate import CheckSettings, check_result
-from pgdiag.errors import UsageError
+from pgdiag.data.schema import stream_column
+from pgdiag.data.validate import CheckSettings, check_result, zero_against_other
+from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.metrics.pooled import QuantileSettings
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.gates import gate_policy
@@ -204,13 +206,43 @@ def compute_metrics(
 
 
 def _read(run: Run, settings: MetricSettings, checks: CheckSettings) -> LoadedBatch:
-    return read_token_batch(
+    """One read of `run` (a chunk, or the whole run): the reader's validation, then the pair zero-fill rule."""
+    loaded = read_token_batch(
         run,
         streams=metric_streams(settings),
         entropy=[settings.entropy] if settings.entropy else [],
         ignore=checks.ignore,
         max_examples=checks.max_examples,
     )
+    if "E206" not in checks.ignore:
+        pairs = [(settings.old, settings.new), (settings.stream_a, settings.stream_b)]
+        for a, b in dict.fromkeys(p for p in pairs if p[0] is not None and p[1] is not None and p[0] != p[1]):
+            _refuse_zero_fill(loaded.batch, a, b, checks.max_examples)
+    return loaded
+
+
+def _refuse_zero_fill(batch: TokenBatch, a: str, b: str, max_examples: int) -> None:
+    """E206 (exit 3) where one stream of the pair (a, b) is exactly 0.0 and the other below −1, the rule `check`
+    and `compare` apply to every pair (`data.validate.zero_against_other`); the reader applied the one-stream
+    rules already."""
+    for name, values, other_name, other in (
+        (a, batch.streams[a], b, batch.streams[b]),
+        (b, batch.streams[b], a, batch.streams[a]),
+    ):
+        tokens = zero_against_other(values, other)  # (Z,)
+        if tokens.size == 0:
+            continue
+        rows = np.searchsorted(batch.offsets, tokens[:max_examples], side="right") - 1
+        where = "; ".join(
+            f"step {batch.step[r]}, sample {batch.sample_id[r]}, pos {batch.pos[t]}"
+            for r, t in zip(rows.tolist(), tokens[:max_examples].tolist(), strict=True)
+        )
+        raise InvalidInputError(
+            "E206",
+            f"{batch.label}: {stream_column(name)} 0.0 where {stream_column(other_name)} < -1 on "
+            f"{tokens.size} tokens: zero-filled? ({where})",
+            "missing values written as 0? import them as null, or --ignore E206",
+        )
 
 
 def _quantile_notice(exact: bool, quantiles: QuantileSettings) -> str | None:
