@@ -171,7 +171,7 @@ def test_refusals_come_before_anything_is_written(
     assert written == [] and not (run_copy / "logprobs").exists()
 
 
-def test_forward_overflow_is_e611_naming_the_sample(run_copy: Path, tmp_path: Path) -> None:
+def test_forward_overflow_is_e612_naming_the_sample(run_copy: Path, tmp_path: Path) -> None:
     # finite weights whose activations overflow fp32: an MLP projection of all 3e38 (was E208 from the head)
     model = poisoned_checkpoint(tmp_path / "ckpt", "model.layers.0.mlp.up_proj.weight", 3e38, whole=True)
     result = invoke("logprobs", run_copy, "--model", model, "--dtype", "fp32")
