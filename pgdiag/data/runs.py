@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.flat import FlatList, LossView, RowTable, flat_list, loss_view
+from pgdiag.data.paths import check_input_path, readable_file
 from pgdiag.data.schema import (
     BASE_STREAMS,
     REQUIRED_COLUMNS,
@@ -163,8 +164,8 @@ def _parquet_under(directory: Path) -> list[Path]:
                 continue
             if path.is_symlink() and not path.exists():  # dangling, or a loop of links
                 refuse(OSError(40, "a link that leads nowhere or loops", str(path)))
-            if name.endswith(".parquet") and path.is_file():
-                found.append(path)
+            if name.endswith(".parquet"):
+                found.append(readable_file(path))  # E516 for a FIFO, a device or a file it may not open
     return found
 
 
@@ -173,6 +174,7 @@ def resolve_paths(path: str | Path) -> tuple[tuple[Path, ...], Path | None]:
     text = str(path)
     candidate = Path(text)
     root: Path | None = None
+    check_input_path(candidate)  # E516: too long, under a file, a loop of links, a FIFO or a device
     if candidate.is_dir():
         if (candidate / "rollouts").is_dir():
             root = candidate
@@ -180,7 +182,7 @@ def resolve_paths(path: str | Path) -> tuple[tuple[Path, ...], Path | None]:
         else:
             files = _parquet_under(candidate)
     elif candidate.is_file():
-        files = [candidate]
+        files = [readable_file(candidate)]
     elif globlib.has_magic(text):
         files = [
             Path(p)
