@@ -50,7 +50,11 @@ def register(app: typer.Typer) -> None:
 
 def plot(
     source: Annotated[
-        Path, typer.Argument(help="A compare report (.parquet or its directory) or a token table.")
+        Path,
+        typer.Argument(
+            help="A compare report (.parquet or its directory) or a token table.",
+            readable=False,  # checked by pgdiag.data.paths: E516 like every other input, not click's message
+        ),
     ],
     *,
     kind: Annotated[

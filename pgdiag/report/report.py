@@ -441,16 +441,16 @@ def load_report(path: str | Path) -> Report:
     Parquet, another schema, an unknown kind), E102/E103 for a summary column missing or of another type, E105
     for a footer entry not of its documented shape.
     """
-    from pgdiag.data.paths import readable_file
+    from pgdiag.data.paths import check_input_path, readable_file
 
     path = Path(path)
+    if check_input_path(path) is None:
+        raise UsageError("E501", f"{path}: no such report")
     if path.is_dir():
         candidates = sorted(p for p in path.glob("*.parquet") if ".worst_" not in p.name)
         if len(candidates) != 1:
             raise UsageError("E501", f"{path}: expected one report .parquet, found {len(candidates)}")
         path = candidates[0]
-    if not path.exists():
-        raise UsageError("E501", f"{path}: no such report")
     readable_file(path)
     try:
         table = pq.read_table(path)
