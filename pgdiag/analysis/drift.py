@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
 
 from pgdiag.analysis.settings import DRIFT_HEADLINE, ChangePointSettings
-from pgdiag.data.runs import Run
+from pgdiag.data.runs import Run, restrict_steps, run_steps
 from pgdiag.data.validate import CheckSettings
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import Report, ReportRow, summary_frame
@@ -93,18 +93,6 @@ def change_points(
     return sorted(found, key=lambda c: c.step)
 
 
-def run_steps(run: Run) -> list[int]:
-    """The run's steps, from the `step` column alone."""
-    frame = run.lazy.select(pl.col("step").unique()).collect()
-    return sorted(int(s) for s in frame["step"].to_list())
-
-
-def _step_run(run: Run, step: int) -> Run:
-    condition = pl.col("step") == step
-    row_filter = condition if run.row_filter is None else (run.row_filter & condition)
-    return replace(run, lazy=run.lazy.filter(condition), row_filter=row_filter)
-
-
 def drift(
     run: Run,
     settings: MetricSettings | None = None,
@@ -130,7 +118,7 @@ def drift(
     pairs: list[str] = []
     step_settings: dict | None = None
     for index, step in enumerate(steps):
-        report = compute_metrics(_step_run(run, step), settings, checks=checks)
+        report = compute_metrics(restrict_steps(run, [step]), settings, checks=checks)
         rows.append(report.summary.filter(pl.col("breakdown") == "step"))
         if report.checks.height:
             checks_frames.append(report.checks)
@@ -139,7 +127,8 @@ def drift(
         if progress is not None:
             progress(index + 1, len(steps))
     per_step = pl.concat(rows) if rows else summary_frame([])
-    found = find_change_points(per_step, change, all_metrics=settings.key_style != "pgdiag")
+    all_metrics = settings.key_style != "pgdiag"
+    found = find_change_points(per_step, change, all_metrics=all_metrics)
     marks = [
         ReportRow(
             pair,
@@ -165,6 +154,7 @@ def drift(
             "threshold": change.threshold,
             "min_segment": change.min_segment,
             "min_steps": change.min_steps,
+            "series": searched_series(per_step, change, all_metrics=all_metrics),
             "found": [
                 {
                     "metric": cp.metric,
@@ -186,19 +176,25 @@ def drift(
     return Report(kind="drift", summary=summary, meta=meta, checks=all_checks)
 
 
+def searched_series(
+    per_step: pl.DataFrame, settings: ChangePointSettings, *, all_metrics: bool = False
+) -> list[str]:
+    """The per-step series searched for change points: `settings.metrics` (those present), else every metric
+    (`all_metrics`, a key style), else the headline metrics the rows have."""
+    present = per_step["metric"].unique(maintain_order=True).to_list()
+    if settings.metrics:
+        return [m for m in settings.metrics if m in present]
+    if all_metrics:
+        return present
+    return [m for m in DRIFT_HEADLINE if m in present]
+
+
 def find_change_points(
     per_step: pl.DataFrame, settings: ChangePointSettings, *, all_metrics: bool = False
 ) -> list[tuple[ChangePoint, str, str, int]]:
     """(change point, pair, unit, steps) for every searched series of the per-step rows."""
-    present = per_step["metric"].unique(maintain_order=True).to_list()
-    if settings.metrics:
-        wanted = [m for m in settings.metrics if m in present]
-    elif all_metrics:
-        wanted = present
-    else:
-        wanted = [m for m in DRIFT_HEADLINE if m in present]
     out: list[tuple[ChangePoint, str, str, int]] = []
-    for metric in wanted:
+    for metric in searched_series(per_step, settings, all_metrics=all_metrics):
         series = per_step.filter(pl.col("metric") == metric)
         for (pair,), rows in series.group_by(["pair"], maintain_order=True):
             rows = rows.with_columns(pl.col("bucket").cast(pl.Int64, strict=False).alias("_step")).sort(
