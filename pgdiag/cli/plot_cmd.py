@@ -55,12 +55,8 @@ def plot(
     source: Annotated[
         Path,
         typer.Argument(
-<<<<<<< HEAD
-            help="A compare report (.parquet or its directory) or a token table.",
+            help="A saved report (.parquet or its directory: compare, metrics, whatif, drift) or a token table.",
             readable=False,  # checked by pgdiag.data.paths: E516 like every other input, not click's message
-=======
-            help="A saved report (.parquet or its directory: compare, metrics, whatif, drift) or a token table."
->>>>>>> main
         ),
     ],
     *,
