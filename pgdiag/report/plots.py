@@ -43,6 +43,7 @@ MAX_LABELLED_STEPS = 12  # above this many steps, tick labels carry the step onl
 # 50 megapixels is a 200 MB RGBA buffer, dpi 1,000 for a default-size figure (docs/report.md).
 MAX_FIGURE_PIXELS = 50_000_000
 MAX_FIGURE_SIDE = 2**16 - 1
+_FLOAT_LIMIT = float(np.finfo(np.float64).max) / 16  # larger values are not drawn: tick arithmetic overflows
 
 COMPARE_KINDS = (
     "dlogp-vs-logprob",
@@ -364,18 +365,18 @@ def plot_dlogp_hist(source: Any, *, ax: Axes | None = None, bins: int = 80) -> F
             bins_ = bins_.slice(first, last - first + 1)
         labels = [_bin_label(lo, hi, b) for b, lo, hi in bins_.iter_rows()]
         width = 0.8 / max(len(pairs), 1)
-        n_total = 0
+        n_total = 0.0  # a float: a damaged report's counts may sum past any integer (inf)
         positive = False
         for index, pair in enumerate(pairs):
             part = rows.filter(pl.col("pair") == pair)
             count_of = dict(zip(part["bucket"].to_list(), part["value"].to_list(), strict=True))
             heights = [_count(count_of.get(b)) for b in bins_["bucket"].to_list()]
-            n_total += int(sum(_count(v) for v in count_of.values()))
+            n_total += sum(_count(v) for v in count_of.values())
             positive = positive or any(h > 0 for h in heights)
             x = np.arange(len(labels)) + (index - (len(pairs) - 1) / 2) * width
             ax.bar(x, heights, width=width, label=" vs ".join(stream_names(pair)))
         ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
-        ax.set_title(f"Δ histogram  (n = {n_total:,} tokens)", fontsize=10)
+        ax.set_title(f"Δ histogram  (n = {n_total:,.0f} tokens)", fontsize=10)
         name_a, name_b = stream_names(pairs[0]) if len(pairs) == 1 else ("a", "b")
         ax.set_xlabel(f"Δ = {name_b} − {name_a} (nats, bin edges)")
         if len(pairs) > 1:
@@ -400,11 +401,11 @@ def plot_dlogp_hist(source: Any, *, ax: Axes | None = None, bins: int = 80) -> F
 
 
 def _count(value: float | None) -> float:
-    """A bin count as a bar height: a missing, NaN, infinite or negative count draws as 0."""
+    """A bin count as a bar height: a missing, NaN, negative or overflowing count draws as 0."""
     if value is None:
         return 0.0
     value = float(value)
-    return value if np.isfinite(value) and value > 0 else 0.0
+    return value if 0 < value < _FLOAT_LIMIT else 0.0
 
 
 BUCKET_TITLES = {"position": "response position", "prob_bucket": "probability of the sampled token"}
@@ -426,13 +427,23 @@ def _stat_label(metric: str) -> str:
 def _finite_values(column: pl.Series) -> np.ndarray:
     """The finite values of a report column (nulls, NaN and ±inf left out), for axis limits."""
     values = column.cast(pl.Float64).to_numpy()
-    return values[np.isfinite(values)]
+    return values[np.abs(values) < _FLOAT_LIMIT]  # NaN compares false: left out too
 
 
 def _drawable(column: pl.Series) -> np.ndarray:
-    """A report column as float64 for drawing: nulls and ±inf as NaN (a gap in the line)."""
+    """A report column as float64 for drawing: nulls, ±inf and values within 16x of the float range (where
+    matplotlib's tick arithmetic overflows) as NaN: a gap in the line."""
     values = column.cast(pl.Float64).fill_null(np.nan).to_numpy()
-    return np.where(np.isfinite(values), values, np.nan)
+    return np.where(np.abs(values) < _FLOAT_LIMIT, values, np.nan)
+
+
+def _headroom(values: np.ndarray, factor: float) -> float:
+    """The top of a y axis from 0: `factor` x the largest value, 1 when nothing is positive; never past the
+    float range (a value near 1.8e308 keeps its own top), so matplotlib can place ticks."""
+    if values.size == 0 or not values.max() > 0:
+        return 1.0
+    top = float(values.max())
+    return top * factor if top * factor < _FLOAT_LIMIT else top
 
 
 def _is_magnitude(values: np.ndarray) -> bool:
@@ -457,7 +468,7 @@ def _bucket_plot(report: Any, breakdown: str, metric: str, ax: Axes | None, xlab
         for i, bucket in enumerate(labels):
             value, n = where.get(bucket, (None, 0))
             x = i + (index - (len(pairs) - 1) / 2) * width
-            height = 0.0 if value is None or not np.isfinite(value) else float(value)
+            height = float(value) if value is not None and abs(value) < _FLOAT_LIMIT else 0.0
             ax.bar(
                 x,
                 height,
@@ -479,7 +490,7 @@ def _bucket_plot(report: Any, breakdown: str, metric: str, ax: Axes | None, xlab
             counts.append(int(n))
     values = _finite_values(rows["value"])
     if _is_magnitude(values):
-        ax.set_ylim(bottom=0.0, top=float(values.max()) * 1.25 if values.size and values.max() > 0 else 1.0)
+        ax.set_ylim(bottom=0.0, top=_headroom(values, 1.25))
     ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=7)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(f"{_stat_label(metric)} ({unit})")
@@ -538,7 +549,7 @@ def plot_by_step(report: Any, *, ax: Axes | None = None, metric: str = "mismatch
     unit = str(rows["unit"][0])
     values = _finite_values(rows["value"])
     if _is_magnitude(values):
-        ax.set_ylim(bottom=0.0, top=float(values.max()) * 1.15 if values.size and values.max() > 0 else 1.0)
+        ax.set_ylim(bottom=0.0, top=_headroom(values, 1.15))
     _step_axis(ax, sorted(counts), counts)
     ax.set_ylabel(f"{_stat_label(metric)} ({unit})")
     ax.set_title(f"{_stat_label(metric)} per step", fontsize=10)
@@ -572,7 +583,7 @@ def plot_trend(report: Any, kind: str, *, ax: Axes | None = None, marks: Sequenc
             if mark.metric != metric:
                 continue
             hit = rows.filter(pl.col("step") == int(mark.step))
-            if hit.height == 0 or hit["value"][0] is None or not np.isfinite(hit["value"][0]):
+            if hit.height == 0 or hit["value"][0] is None or not abs(hit["value"][0]) < _FLOAT_LIMIT:
                 continue
             y = float(hit["value"][0])
             ax.scatter([mark.step], [y], s=140, facecolors="none", edgecolors="red", linewidths=1.8, zorder=4)
@@ -589,7 +600,7 @@ def plot_trend(report: Any, kind: str, *, ax: Axes | None = None, marks: Sequenc
     if panel.log_y and drawn and min(drawn) > 0:
         ax.set_yscale("log")
     elif panel.from_zero and drawn and min(drawn) >= 0:
-        ax.set_ylim(bottom=0.0, top=max(max(drawn) * 1.15, 1e-12))
+        ax.set_ylim(bottom=0.0, top=max(_headroom(np.asarray(drawn), 1.15), 1e-12))
     _step_axis(ax, sorted(counts), counts)
     ax.set_ylabel(f"{panel.unit}" if panel.unit != "loss" else "loss (per the mode's normaliser)")
     ax.set_title(f"{panel.title}\n{', '.join(pairs)}", fontsize=9)
@@ -614,7 +625,7 @@ def _trend_grid(report: Any, kind: str, metrics: Sequence[str], marks: Sequence[
         ax.axhline(0.0, color="0.6", linewidth=0.6)
         for mark in marks:
             hit = rows.filter(pl.col("step") == int(mark.step)) if mark.metric == metric else rows.clear()
-            if hit.height and hit["value"][0] is not None and np.isfinite(hit["value"][0]):
+            if hit.height and hit["value"][0] is not None and abs(hit["value"][0]) < _FLOAT_LIMIT:
                 ax.scatter(
                     [mark.step], [hit["value"][0]], s=120, facecolors="none", edgecolors="red", zorder=4
                 )

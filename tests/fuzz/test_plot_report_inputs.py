@@ -76,7 +76,8 @@ def _refused(result, out: Path, code: str) -> None:
 
 @pytest.mark.parametrize("kind", ["metrics", "compare"])
 @pytest.mark.parametrize(
-    "value", [lambda v: -abs(v) - 1.0, lambda v: 0.0, lambda v: float("nan"), lambda v: float("inf")]
+    "value",
+    [lambda v: -abs(v) - 1.0, lambda v: 0.0, lambda v: float("nan"), lambda v: float("inf"), lambda v: 1e308],
 )
 def test_degenerate_values_still_plot(saved: dict[str, Path], tmp_path: Path, kind: str, value) -> None:
     # all values <= 0 on a log axis ("Data cannot be log-scaled"), NaN or inf in every cell: a plot, not exit 101
