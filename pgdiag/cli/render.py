@@ -215,8 +215,7 @@ def render_verdict(console: Console, verdict: Verdict) -> None:
     head, _, rest = verdict.line.partition(": ")
     status, _, detail = rest.partition(" ")
     console.print(
-        Text.assemble((f"{head}: ", "bold"), (status, f"bold {colour}"), f" {detail}" if detail else ""),
-        soft_wrap=True,  # one line however long the paths in it are
+        Text.assemble((f"{head}: ", "bold"), (status, f"bold {colour}"), f" {detail}" if detail else "")
     )
 
 
