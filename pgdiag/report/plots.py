@@ -821,9 +821,9 @@ def plot_whatif(report: Any, *, ax: Axes | None = None) -> Figure:
     for bucket, kept, ess in rules.select(
         "bucket", "whatif/tokens_kept", "whatif/ess_token_after"
     ).iter_rows():
-        if kept is None or ess is None:
-            continue
-        family, threshold = bucket.split(":", 1)
+        if not (_plottable(kept) and _plottable(ess)):
+            continue  # null, NaN, ±inf or overflowing in a damaged report: no point
+        family, _, threshold = str(bucket).partition(":")
         families.setdefault(family, []).append((float(kept), float(ess), threshold))
     markers = "osD^vP*X"
     for i, (family, points) in enumerate(families.items()):
@@ -832,7 +832,7 @@ def plot_whatif(report: Any, *, ax: Axes | None = None) -> Figure:
         for x, y, label in points:
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
     before = wide.filter(pl.col("bucket") == "none")
-    if before.height and "whatif/ess_token" in before.columns and before["whatif/ess_token"][0] is not None:
+    if before.height and "whatif/ess_token" in before.columns and _plottable(before["whatif/ess_token"][0]):
         ax.axhline(before["whatif/ess_token"][0], linestyle="--", color="grey", label="no correction")
     ax.set_xlabel("tokens kept (fraction)")
     ax.set_ylabel("token ESS after the rule (fraction)")
@@ -842,13 +842,31 @@ def plot_whatif(report: Any, *, ax: Axes | None = None) -> Figure:
     return fig
 
 
+def _plottable(value: Any) -> bool:
+    """A number matplotlib can place: not null, NaN, ±inf or within 16x of the float range."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and abs(value) < _FLOAT_LIMIT
+
+
+def _change_points(report: Any) -> list[dict[str, Any]]:
+    """The change points a drift report's meta lists, each with a metric name and a plottable step, jump and
+    level after (entries of a damaged report lacking one are left out)."""
+    found = (report.meta.get("change_points") or {}).get("found") or []
+    return [
+        cp
+        for cp in found
+        if isinstance(cp, Mapping)
+        and isinstance(cp.get("metric"), str)
+        and all(_plottable(cp.get(key)) for key in ("step", "jump", "after"))
+    ]
+
+
 def plot_drift(report: Any, *, metrics: Sequence[str] = ()) -> Figure:
     """Small multiples of a drift report: each searched headline metric per step, its change points as dashed
     vertical lines labelled with the jump. `metrics` empty: the series that have change points, else the first
     four per-step metrics."""
     from matplotlib.figure import Figure
 
-    found = report.meta.get("change_points", {}).get("found", [])
+    found = _change_points(report)
     step_metrics = (
         report.summary.filter(pl.col("breakdown") == "step")["metric"].unique(maintain_order=True).to_list()
     )
@@ -861,7 +879,7 @@ def plot_drift(report: Any, *, metrics: Sequence[str] = ()) -> Figure:
     for index, metric in enumerate(chosen):
         ax = fig.add_subplot(grid_rows, columns, index + 1)
         rows = _step_rows(report.summary, metric)
-        ax.plot(rows["step"].to_numpy(), rows["value"].cast(pl.Float64).to_numpy(), marker="o", markersize=3)
+        ax.plot(rows["step"].to_numpy(), _drawable(rows["value"]), marker="o", markersize=3)
         for cp in (c for c in found if c["metric"] == metric):
             ax.axvline(cp["step"] - 0.5, color="red", linestyle="--", linewidth=1)
             ax.annotate(

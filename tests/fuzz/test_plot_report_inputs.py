@@ -315,3 +315,55 @@ def test_fuzz_report_bytes(saved: dict[str, Path], tmp_path: Path, fuzz_examples
         _contract(report, tmp_path / "plots")
 
     case()
+
+
+@pytest.fixture(scope="module")
+def analysis_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A whatif and a drift report of the sample run."""
+    root = tmp_path_factory.mktemp("analysis")
+    for kind in ("whatif", "drift"):
+        result = run_cli([kind, SAMPLE / "run_a", "--out", root / kind])
+        assert result.exit_code == 0, result.output
+    return {kind: root / kind / f"{kind}.parquet" for kind in ("whatif", "drift")}
+
+
+@pytest.mark.parametrize("kind", ["whatif", "drift"])
+@pytest.mark.parametrize(
+    "value",
+    [lambda v: -abs(v) - 1.0, lambda v: float("nan"), lambda v: float("inf"), lambda v: 1e308],
+)
+def test_degenerate_whatif_and_drift_reports_still_plot(
+    analysis_reports: dict[str, Path], tmp_path: Path, kind: str, value
+) -> None:
+    source = analysis_reports[kind]
+    report = _rewrite(source, tmp_path / "r" / source.name, _with_values(pq.read_table(source), value))
+    result = _plot(report, tmp_path / "plots", "--kind", kind)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "plots" / f"{kind}.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_drift_change_points_of_another_shape_are_left_out(
+    analysis_reports: dict[str, Path], tmp_path: Path
+) -> None:
+    source = analysis_reports["drift"]
+    table = pq.read_table(source)
+    header = json.loads(table.schema.metadata[b"pgdiag.report"])
+    metric = pl.from_arrow(table).filter(pl.col("breakdown") == "step")["metric"][0]
+    header["meta"]["change_points"] = {
+        "found": [
+            {"metric": metric},
+            {"metric": metric, "step": "one", "jump": 1.0, "after": 1.0},
+            {"metric": 7, "step": 1, "jump": 1.0, "after": 1.0},
+            {"metric": metric, "step": 1, "jump": float("inf"), "after": 1.0},
+            {"metric": metric, "step": 1, "jump": 0.5, "after": 0.25},
+        ]
+    }
+    metadata = {**table.schema.metadata, b"pgdiag.report": json.dumps(header).encode()}
+    report = tmp_path / "r" / source.name
+    report.parent.mkdir()
+    pq.write_table(table.replace_schema_metadata(metadata), report)
+    result = _plot(report, tmp_path / "plots", "--kind", "drift")
+    assert result.exit_code == 0, result.output
+    figure = plots.plot_drift(load_report(report))
+    labels = [t.get_text() for ax in figure.axes for t in ax.texts]
+    assert labels == ["step 1: +0.5"]
