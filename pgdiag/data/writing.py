@@ -56,7 +56,7 @@ def directory_lock(directory: Path, *, wait: bool = True) -> Iterator[None]:
 
     Two processes writing one output directory take turns, so a set of files (a report's ``.parquet`` and
     ``.json``) always comes from one writer; the kernel drops the lock when its holder dies (SIGKILL leaves none).
-    `wait` False: UsageError E517 at once when another process holds the lock (for writers that hold it long).
+    `wait` False: UsageError E519 at once when another process holds the lock (for writers that hold it long).
     """
     if os.name != "posix":
         yield
@@ -69,7 +69,7 @@ def directory_lock(directory: Path, *, wait: bool = True) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise UsageError(
-                "E517",
+                "E519",
                 f"{directory}: another process is writing this output now",
                 "wait for it to finish (or stop it), then run again; or choose another output",
             ) from None
@@ -107,8 +107,12 @@ def check_destination(
     hint: str = "--out takes a directory (or a report file name ending in .parquet)",
 ) -> None:
     """Refuse an output before any work is done: UsageError E502 when a file stands where `directory` (or one
-    of its parents) must be (with `hint`), or when one of `files` exists and `overwrite` is false."""
+    of its parents) must be (with `hint`), or when one of `files` exists and `overwrite` is false; E517 when the
+    path is too long, loops, or lies in a folder this process may not write."""
+    from pgdiag.data.paths import check_output_path
+
     directory = Path(directory)
+    check_output_path(directory)  # E517: too long, a loop of links, a folder it may not write
     for ancestor in (directory, *directory.parents):
         if ancestor.exists():
             if not ancestor.is_dir():

@@ -170,7 +170,7 @@ def recompute_rank(
     a loaded `pgdiag.model.CausalLM`) and write them as the stream `tag` (default ``rc_<dtype>_<head_dtype>``).
 
     Raises UsageError E503 (bad option value), E506 (a setting needs what is missing), E508 (CUDA unavailable), E502
-    (output exists: complete, without resume, or made with other settings or inputs; pass `overwrite`), E517
+    (output exists: complete, without resume, or made with other settings or inputs; pass `overwrite`), E519
     (another process is writing this tag now), E60x/E612 (checkpoint refused, NaN or inf weights or activations);
     InvalidInputError E102/E103/E201-E213 (bad rollouts, by the row rules of `pgdiag check`) and E219 (a
     temperature `--temperature auto` cannot use). Every refusal comes before anything is written.
@@ -272,7 +272,7 @@ def recompute_rank(
         warnings = (*(f"{code}: {message}" for code, message in model_obj.load_warnings), *warnings)
 
     # 2. one writer per tag: global rank 0 holds the tag directory's lock until the end (a second writer gets
-    #    E517 at once), decides again under it (another writer may have finished meanwhile), removes the temp
+    #    E519 at once), decides again under it (another writer may have finished meanwhile), removes the temp
     #    files a killed writer left, and writes the manifest. A failure or interruption before any part is on
     #    disk removes what it wrote (a later `pgdiag check` sees no incomplete recompute); parts stay for resume.
     disagree: float | None = None
@@ -288,7 +288,7 @@ def recompute_rank(
                 != done
             ):
                 raise UsageError(
-                    "E517", f"{out_dir}: another process changed this output while the recompute started",
+                    "E519", f"{out_dir}: another process changed this output while the recompute started",
                     "run again",
                 )  # fmt: skip
             barrier()  # every rank has decided before rank 0 writes
@@ -674,7 +674,7 @@ def _writer_lock(
     out_dir: Path, layout: ParallelLayout, device: torch.device, created: list[Path]
 ) -> Iterator[None]:
     """Global rank 0 creates `out_dir` and holds its exclusive lock (`pgdiag.data.writing.directory_lock`)
-    while the block runs; when another process holds it, every rank raises E517 (nothing of ours written)."""
+    while the block runs; when another process holds it, every rank raises E519 (nothing of ours written)."""
     with contextlib.ExitStack() as held:
         busy: UsageError | None = None
         if layout.is_main:
@@ -686,7 +686,7 @@ def _writer_lock(
         if _any_rank(busy is not None, layout, device):
             if layout.is_main:
                 _remove_empty(created)
-            raise busy or UsageError("E517", f"{out_dir}: another process is writing this output now")
+            raise busy or UsageError("E519", f"{out_dir}: another process is writing this output now")
         yield
 
 

@@ -102,7 +102,7 @@ def test_report_writers_take_turns_even_in_the_race_window(tmp_path: Path, monke
 
 # ---- two `pgdiag logprobs` of one recompute tag ------------------------------------------------------------------
 # The writer holds the tag directory's lock from its decision to its final manifest; a second writer is refused
-# at once with E517 (a recompute can run for hours: it does not wait), or, when the first has already finished,
+# at once with E519 (a recompute can run for hours: it does not wait), or, when the first has already finished,
 # finds its complete result (E502). Before, both wrote parts and manifests into one directory.
 
 TINY = ROOT / "sample_data" / "tiny-qwen"
@@ -141,7 +141,7 @@ def test_two_logprobs_writers_of_one_tag_leave_one_whole_dataset(tmp_path: Path)
     assert sorted(p.returncode for p in done) == [0, 2], [(p.returncode, p.stderr) for p in done]
     loser = next(p for p in done if p.returncode == 2)
     first = loser.stderr.strip().splitlines()[0]
-    assert first.startswith(("error[E517] ", "error[E502] ")), loser.stderr
+    assert first.startswith(("error[E519] ", "error[E502] ")), loser.stderr
     out_dir = run / "logprobs" / "rc"
     assert json.loads((out_dir / "_manifest.json").read_text())["complete"] is True
     assert not [p for p in out_dir.rglob("*") if ".tmp-" in p.name]
@@ -156,7 +156,7 @@ def test_two_logprobs_writers_of_one_tag_leave_one_whole_dataset(tmp_path: Path)
 
 def test_logprobs_second_writer_is_refused_while_the_first_holds_the_tag(tmp_path: Path, monkeypatch) -> None:
     # Deterministic form of the race: the first writer waits inside its first part write, holding the tag's
-    # lock; a second writer is refused with E517 and touches nothing; even --overwrite cannot take the tag.
+    # lock; a second writer is refused with E519 and touches nothing; even --overwrite cannot take the tag.
     import threading
 
     import pgdiag.recompute.logprobs as logprobs
@@ -192,7 +192,7 @@ def test_logprobs_second_writer_is_refused_while_the_first_holds_the_tag(tmp_pat
     first.join()
     assert outcomes["first"] == "written", outcomes
     for name in ("second", "overwrite"):
-        assert outcomes[name].startswith("E517 E517: ") and "another process is writing" in outcomes[name]
+        assert outcomes[name].startswith("E519 E519: ") and "another process is writing" in outcomes[name]
     out_dir = run / "logprobs" / "rc"
     assert json.loads((out_dir / "_manifest.json").read_text())["complete"] is True
     assert stream_table(out_dir).height == 32
