@@ -14,7 +14,9 @@ Why: peak memory then follows the largest piece, not the run, and the numbers ar
     (n, mean, M2), fits the pooled co-moments (`Comoments`): these move by rounding only (relative ~1e-15);
     ``fit_resid_rms`` comes from the co-moments of (lp_a, Δ): Σ r² = S_ΔΔ − S_aΔ² / S_aa (exactly 0 when the
     streams are equal), within ~1e-12 relative of the direct residual;
-  * the `all` |Δ| and |Δp| quantiles are exact (`ExactQuantiles`, every value kept, 8 bytes a token);
+  * the `all` |Δ| and |Δp| quantiles pooled over pieces come from `metrics.pooled.QuantileSummary` (the one
+    pooled quantile of pgdiag): exact order statistics up to 16M tokens (its interpolation may round the last
+    bit differently from `parity._quantiles`), past that a sketch within relative 1e-4 (docs/compare.md);
   * breakdown |Δ| quantiles of buckets spread over several pieces come from every k-th token of the run,
     k = 1 up to 2 × `QUANTILE_SAMPLE_TOKENS` tokens (exact), then doubled as the run grows: a strided subsample,
     as the whole-run table already took above that size (there with k = M // QUANTILE_SAMPLE_TOKENS).
@@ -46,6 +48,7 @@ from pgdiag.compare.parity import (
 )
 from pgdiag.compare.worst import sequence_deltas, worst_seqs, worst_tokens, worst_trace
 from pgdiag.metrics import terms as terms_fn
+from pgdiag.metrics.pooled import QuantileSummary
 
 _MEAN_KEYS = (
     "bias",
@@ -94,22 +97,6 @@ class StridedSample:
 
     def column(self, name: str) -> np.ndarray:
         return np.concatenate(self.columns[name]) if name in self.columns else np.zeros(0)
-
-
-@dataclass
-class ExactQuantiles:
-    """Exact pooled quantiles: every value of every piece kept (float64)."""
-
-    parts: list[np.ndarray] = field(default_factory=list)
-
-    def add(self, values: np.ndarray) -> None:
-        self.parts.append(np.asarray(values, dtype=np.float64).copy())
-
-    def quantiles(self, qs: list[float]) -> np.ndarray:
-        """Type-7 quantiles then the max (`parity._quantiles`)."""
-        values = np.concatenate(self.parts) if self.parts else np.zeros(0)
-        self.parts = [values]
-        return _quantiles(values.copy(), qs)
 
 
 @dataclass
@@ -162,8 +149,8 @@ class PooledParity:
         self.fit_prob = self.fit
         self.sum_rho = 0.0
         self.sum_rho2 = 0.0
-        self.abs_quantiles = ExactQuantiles()
-        self.dprob_quantiles = ExactQuantiles()
+        self.abs_quantiles = QuantileSummary()
+        self.dprob_quantiles = QuantileSummary()
         self.seq_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self.buckets: dict[str, _BucketParts] = {name: _BucketParts() for name in by}
         self.bucket_index: dict[str, dict[str, int]] = {name: {} for name in by}
@@ -268,10 +255,11 @@ class PooledParity:
         merged = _merge_rows(live)
         n = merged["tokens"]
         merged["rms"] = math.sqrt(math.fsum(r["tokens"] * r["rms"] ** 2 for r in live) / n)
-        quant = self.abs_quantiles.quantiles(list(ABS_QUANTILES.values()))
+        quant = self.abs_quantiles.quantiles(tuple(ABS_QUANTILES.values()))
         for j, name in enumerate(ABS_QUANTILES):
-            merged[name] = float(quant[j])
-        merged["abs_dprob_p99"] = float(self.dprob_quantiles.quantiles([0.99])[0])
+            merged[name] = math.nan if quant[j] is None else quant[j]
+        dprob_p99 = self.dprob_quantiles.quantiles((0.99,))[0]
+        merged["abs_dprob_p99"] = math.nan if dprob_p99 is None else dprob_p99
         merged.update(_fit(self.fit, self.fit_delta))
         prob_r = _fit(self.fit_prob, self.fit_prob)["pearson_r"]
         merged["prob_pearson_r"] = prob_r
