@@ -121,6 +121,7 @@ def shift_issue(
         f"{name_b} looks shifted by {shift} vs {name_a} (median |Δ| {m_k:.3g} at {shift}, {m0:.3g} at 0; "
         f"first: {text})",
         hint="re-import with pgdiag import --shift to put element i at the position of token i",
+        rule=f"{name_b} shifted vs {name_a}",
         **first,
     )
 
@@ -147,6 +148,7 @@ def value_issues(sides: list[tuple[np.ndarray, str]], where: TokenLocations) -> 
                     int(bad.sum()),
                     f"{name}: {what} (first: {text})",
                     hint=_HINTS[code],
+                    rule=name,
                     **first,
                 )
             )
@@ -199,6 +201,7 @@ def zero_fill_issues(
                 int(tokens.size),
                 f"{name} {reason}: zero-filled? ({text})",
                 hint="missing values written as 0? import them as null",
+                rule=name,
                 **first,
             )
         )

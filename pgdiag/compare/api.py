@@ -31,7 +31,7 @@ from pgdiag.compare.worst import token_decoder
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.validate import CheckSettings, Issue
 from pgdiag.errors import UsageError
-from pgdiag.metrics.api import metric_streams
+from pgdiag.metrics.api import merge_issue_frames, metric_streams
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import CHECKS_SCHEMA, Report, ReportRow, summary_frame
@@ -380,7 +380,8 @@ def compare_runs(
         join = _resolve_join(a, a if one_run else b, join)
     pooled: PooledParity | None = None
     held: Deferred | None = None
-    reader_checks: list[pl.DataFrame | None] = []
+    checks_a: list[pl.DataFrame] = []  # reader issues of each piece, merged per code at the end
+    checks_b: list[pl.DataFrame] = []
     side_rows: list[ReportRow] = []
     pair: AlignedPair | None = None
     side_a = side_b = None
@@ -397,9 +398,10 @@ def compare_runs(
             side_b = side_a
         else:
             side_b = _read_side(src_b, [sb], settings.checks, metrics_b) if piece.in_b else None
-        reader_checks += [side_a.checks if side_a else None] + (
-            [] if one_run else [side_b.checks if side_b else None]
-        )
+        if side_a is not None and side_a.checks is not None:
+            checks_a.append(side_a.checks)
+        if not one_run and side_b is not None and side_b.checks is not None:
+            checks_b.append(side_b.checks)
         if not la:
             la, lb = _labels(
                 side_a.batch if side_a else None,
@@ -504,6 +506,9 @@ def compare_runs(
     if pair is None:
         pair_issues = tuple(deferred_issues)
     issues = [i for i in (*pair_issues, *hints, *issues_tau, *issues_meta) if i.code not in ignore]
+    reader_checks = [merge_issue_frames(checks_a)] if checks_a else []
+    if checks_b:
+        reader_checks.append(merge_issue_frames(checks_b))
     checks = _checks_frame(issues, reader_checks)
     n_samples_a = pair.n_samples_a if pair is not None else held.n_a
     n_samples_b = pair.n_samples_b if pair is not None else held.n_b
