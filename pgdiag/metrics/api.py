@@ -12,12 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import polars as pl
 
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.runs import LoadedBatch, Run, read_token_batch, restrict_steps, step_chunks, step_rows
-from pgdiag.data.validate import CheckSettings, check_result
-from pgdiag.errors import UsageError
+from pgdiag.data.schema import stream_column
+from pgdiag.data.validate import CheckSettings, check_result, zero_against_other
+from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.metrics.pooled import QuantileSettings
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.gates import gate_policy
@@ -147,8 +149,9 @@ def compute_metrics(
 
     The native engine reads the run in chunks of whole steps (`stream`, docs/reliability.md): each chunk is
     read, validated and reduced per step, and only per-sample tables and token summaries are kept for the
-    ``all`` row. `--docs-per-step` (steps cut across the step column) and the framework key styles read the
-    whole run at once.
+    ``all`` row; a framework key style computes each step with its own function and its ``all`` row from the
+    step rows (`pool_style_steps`). `--docs-per-step` (steps cut across the step column) reads the whole run
+    at once.
     """
     if settings is None:
         settings = MetricSettings.from_options(**options)
@@ -157,29 +160,31 @@ def compute_metrics(
     checks = checks or CheckSettings()
     stream = stream or StreamSettings()
     settings = resolve_streams(run, settings)
-    if settings.key_style != "pgdiag" or settings.docs_per_step is not None:
+    if settings.docs_per_step is not None:
         loaded = _read(run, settings, checks)
         return metrics_report(
             loaded.batch, settings, run=run, checks=loaded.checks.issues, ignored=checks.ignore
         )
-    from pgdiag.metrics.engine import NativeStream
+    from pgdiag.metrics.engine import NativeStream, StyleStream
 
     rows_per_step = step_rows(run)
     chunks: list[Run] = [
         restrict_steps(run, c) for c in step_chunks(rows_per_step, stream.budget(rows_per_step))
     ]
-    native = NativeStream(settings, stream.quantiles)
+    engine = (
+        NativeStream(settings, stream.quantiles) if settings.key_style == "pgdiag" else StyleStream(settings)
+    )
     issue_frames: list[pl.DataFrame] = []
     n_samples = n_tokens = 0
     for chunk in chunks or [run]:  # a run without rows is read once, as a whole
         loaded = _read(chunk, settings, checks)
         issue_frames.append(loaded.checks.issues)
-        native.add(loaded.batch)
+        engine.add(loaded.batch)
         n_samples += loaded.batch.n_samples
         n_tokens += loaded.batch.n_tokens
         del loaded  # the chunk's token arrays go before the next chunk is read
-    results = [*native.steps, native.finish()]
-    notice = _quantile_notice(native.quantiles_exact, stream.quantiles)
+    results = [*engine.steps, engine.finish()]
+    notice = _quantile_notice(engine.quantiles_exact, stream.quantiles)
     return _report(
         results,
         settings,
@@ -190,9 +195,9 @@ def compute_metrics(
         ignored=checks.ignore,
         extra_meta={
             "pooled_quantiles": {
-                "exact": native.quantiles_exact,
+                "exact": engine.quantiles_exact,
                 "exact_limit": stream.quantiles.exact_limit,
-                "relative_error": None if native.quantiles_exact else stream.quantiles.relative_error,
+                "relative_error": None if engine.quantiles_exact else stream.quantiles.relative_error,
             },
             "chunks": len(chunks),
         },
@@ -201,13 +206,43 @@ def compute_metrics(
 
 
 def _read(run: Run, settings: MetricSettings, checks: CheckSettings) -> LoadedBatch:
-    return read_token_batch(
+    """One read of `run` (a chunk, or the whole run): the reader's validation, then the pair zero-fill rule."""
+    loaded = read_token_batch(
         run,
         streams=metric_streams(settings),
         entropy=[settings.entropy] if settings.entropy else [],
         ignore=checks.ignore,
         max_examples=checks.max_examples,
     )
+    if "E206" not in checks.ignore:
+        pairs = [(settings.old, settings.new), (settings.stream_a, settings.stream_b)]
+        for a, b in dict.fromkeys(p for p in pairs if p[0] is not None and p[1] is not None and p[0] != p[1]):
+            _refuse_zero_fill(loaded.batch, a, b, checks.max_examples)
+    return loaded
+
+
+def _refuse_zero_fill(batch: TokenBatch, a: str, b: str, max_examples: int) -> None:
+    """E206 (exit 3) where one stream of the pair (a, b) is exactly 0.0 and the other below −1, the rule `check`
+    and `compare` apply to every pair (`data.validate.zero_against_other`); the reader applied the one-stream
+    rules already."""
+    for name, values, other_name, other in (
+        (a, batch.streams[a], b, batch.streams[b]),
+        (b, batch.streams[b], a, batch.streams[a]),
+    ):
+        tokens = zero_against_other(values, other)  # (Z,)
+        if tokens.size == 0:
+            continue
+        rows = np.searchsorted(batch.offsets, tokens[:max_examples], side="right") - 1
+        where = "; ".join(
+            f"step {batch.step[r]}, sample {batch.sample_id[r]}, pos {batch.pos[t]}"
+            for r, t in zip(rows.tolist(), tokens[:max_examples].tolist(), strict=True)
+        )
+        raise InvalidInputError(
+            "E206",
+            f"{batch.label}: {stream_column(name)} 0.0 where {stream_column(other_name)} < -1 on "
+            f"{tokens.size} tokens: zero-filled? ({where})",
+            "missing values written as 0? import them as null, or --ignore E206",
+        )
 
 
 def _quantile_notice(exact: bool, quantiles: QuantileSettings) -> str | None:

@@ -65,6 +65,7 @@ from pgdiag.metrics.values import MetricValue
 __all__ = [
     "NativeStream",
     "StepMetrics",
+    "StyleStream",
     "compute_by_step",
     "compute_native",
     "compute_step_native",
@@ -375,6 +376,34 @@ class NativeStream:
 
 
 _FAMILIES = ("policy", "loss", "ref", "advantage", "entropy", "mismatch")
+
+
+class StyleStream:
+    """A framework key style over a run read in chunks of whole steps: each step with the style's own
+    function, the ``all`` row from the step rows alone (`styles.pooled.pool_style_steps`, docs/key-styles.md)."""
+
+    quantiles_exact = True  # a style's all row holds no token quantile of pooled tokens
+
+    def __init__(self, settings: MetricSettings) -> None:
+        self.settings = settings
+        self.steps: list[tuple[str, StepMetrics]] = []
+
+    def add(self, batch: TokenBatch) -> list[tuple[str, StepMetrics]]:
+        """The per-step rows of one chunk (step order)."""
+        from pgdiag.metrics.styles import compute_step_style
+
+        rows = [
+            (label, compute_step_style(step_batch, self.settings, groups_split=0))
+            for label, step_batch, _ in split_steps(batch, self.settings)
+        ]
+        self.steps.extend(rows)
+        return rows
+
+    def finish(self) -> tuple[str, StepMetrics]:
+        """The ``all`` row pooled from the step rows."""
+        from pgdiag.metrics.styles.pooled import pool_style_steps
+
+        return "all", pool_style_steps([m for _, m in self.steps], self.settings)
 
 
 def compute_native(

@@ -17,9 +17,11 @@ import pytest
 from polars.testing import assert_frame_equal
 from rollout_factory import write_logprobs_part, write_rollouts_file
 
+from pgdiag.checks.run import check_run
 from pgdiag.data.runs import read_run, read_token_batch
 from pgdiag.data.seqhash import seq_hash
 from pgdiag.data.validate import CheckSettings
+from pgdiag.errors import InvalidInputError
 from pgdiag.metrics.api import (
     StreamSettings,
     compute_metrics,
@@ -181,3 +183,53 @@ def test_issue_frames_of_chunks_merge_per_code() -> None:
         ("E204", "error", 1, "null", 1, "b", 2),
     ]
     assert merge_issue_frames([]).height == 0
+
+
+def test_key_style_steps_are_read_in_chunks_and_pooled_from_the_step_rows(run_dir) -> None:
+    run = read_run(run_dir)
+    settings = MetricSettings.from_options(new="new", old="old", key_style="verl", divisor=512.0)
+    many = compute_metrics(run, settings, checks=CHECKS, stream=StreamSettings(max_rows=1))
+    one = compute_metrics(run, settings, checks=CHECKS, stream=StreamSettings(max_rows=10**9))
+    assert many.meta["chunks"] == N_STEPS
+    assert_frame_equal(many.summary, one.summary, check_exact=True)
+    resolved = resolve_streams(run, settings)
+    loaded = read_token_batch(run, streams=metric_streams(resolved), ignore=CHECKS.ignore)
+    whole = metrics_report(loaded.batch, resolved, run=run).summary
+    steps = pl.col("breakdown") == "step"
+    assert_frame_equal(many.summary.filter(steps), whole.filter(steps), check_exact=True)
+    assert many.summary.filter(pl.col("bucket") == "all").height > 0
+
+
+def test_metrics_refuses_a_zero_filled_pair_as_check_does(tmp_path) -> None:
+    rng = np.random.default_rng(3)
+    rows = []
+    for step in range(3):
+        for i in range(8):
+            n = 30
+            old = -rng.exponential(1.0, n) - 1.5  # every token below −1
+            rollout = old.copy()
+            if step == 2 and i == 5:
+                rollout[7] = 0.0  # one zero-filled token: below the 1 % share the reader tests alone
+            rows.append(
+                dict(
+                    step=step,
+                    sample_id=f"s{step}_{i}",
+                    input_ids=list(range(10, 12 + n)),
+                    prompt_len=2,
+                    loss_mask=[False, False] + [True] * n,
+                    old_logprobs=[None, None, *old.tolist()],
+                    rollout_logprobs=[None, None, *rollout.tolist()],
+                    advantages=[None, None] + [1.0] * n,
+                )
+            )
+    write_rollouts_file(tmp_path / "zf.parquet", rows)
+    run = read_run(tmp_path / "zf.parquet")
+    found = check_run(run, streams=["rollout", "old"])
+    assert "E206" in found.issues["code"].to_list()
+    with pytest.raises(InvalidInputError) as refused:
+        compute_metrics(run, new="old", stream=StreamSettings(max_rows=1))
+    assert refused.value.code == "E206"
+    assert "rollout_logprobs 0.0 where old_logprobs < -1 on 1 tokens" in refused.value.message
+    assert "step 2, sample s2_5, pos 9" in refused.value.message
+    report = compute_metrics(run, new="old", checks=CheckSettings(ignore=("E206",)))
+    assert report.meta["chunks"] == 1
