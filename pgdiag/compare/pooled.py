@@ -26,6 +26,7 @@ How: `add` runs the whole-run functions of `parity`, `worst` and `signatures` on
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,7 @@ from pgdiag.compare.align import AlignedPair
 from pgdiag.compare.parity import (
     ABS_QUANTILES,
     QUANTILE_SAMPLE_TOKENS,
+    TokenTerms,
     _quantiles,
     bucket_table,
     sample_bucket_table,
@@ -78,17 +80,16 @@ class StridedSample:
         self.columns: dict[str, list[np.ndarray]] = {}
 
     def add(self, columns: dict[str, np.ndarray], m: int) -> None:
-        """`columns`: name -> (m,) values of the next m tokens."""
-        first = (-self.seen) % self.stride  # first index of this piece that lies on the stride
-        take = np.arange(first, m, self.stride)
+        """`columns`: name -> (m,) values of the next m tokens. The stride grows before the piece is taken, so
+        no more than `cap` tokens are ever held."""
+        while self.held + len(range((-self.seen) % self.stride, m, self.stride)) > self.cap:
+            self.stride *= 2  # the held indices are 0, k, 2k, ...: keep every other one
+            for name, parts in self.columns.items():
+                self.columns[name] = [np.concatenate(parts)[::2]] if parts else []
+        take = np.arange((-self.seen) % self.stride, m, self.stride)  # this piece's indices on the stride
         for name, values in columns.items():
             self.columns.setdefault(name, []).append(values[take])
         self.seen += m
-        while self.held > self.cap:
-            self.stride *= 2
-            for name, parts in self.columns.items():
-                joined = np.concatenate(parts)
-                self.columns[name] = [joined[::2]]
 
     @property
     def held(self) -> int:
@@ -135,14 +136,19 @@ def _merge_rows(parts: list[dict[str, float]]) -> dict[str, float]:
 class PooledParity:
     """Accumulates the pieces of one comparison (module docstring)."""
 
-    def __init__(self, *, by: tuple[str, ...], eps_low: float, eps_high: float, worst_k: int, decode) -> None:
-        self.by, self.eps_low, self.eps_high, self.worst_k, self.decode = (
-            by,
-            eps_low,
-            eps_high,
-            worst_k,
-            decode,
-        )
+    def __init__(
+        self,
+        *,
+        by: tuple[str, ...],
+        eps_low: float,
+        eps_high: float,
+        worst_k: int,
+        decode: Callable[[Sequence[int]], str] | None,
+        pieces: int,
+    ) -> None:
+        self.by, self.eps_low, self.eps_high = by, eps_low, eps_high
+        self.worst_k, self.decode = worst_k, decode
+        self.merging = pieces > 1  # one piece: its own tables are the result, no partials are kept
         self.token_rows: list[dict[str, float]] = []
         self.fit = Comoments.of(np.zeros(0), np.zeros(0))
         self.fit_delta = self.fit  # (lp_a, Δ): the residual of the fit
@@ -181,17 +187,8 @@ class PooledParity:
         table = token_table(pair.lp_a, pair.lp_b, eps_low=self.eps_low, eps_high=self.eps_high, terms=terms)
         self.token_rows.append({k: float(v[0]) for k, v in table.items()})
         d = pair.delta
-        self.fit = self.fit.merge(Comoments.of(pair.lp_a, pair.lp_b))
-        self.fit_delta = self.fit_delta.merge(Comoments.of(pair.lp_a, d))
-        b1, b2 = terms.scratch
-        with np.errstate(over="ignore", invalid="ignore"):
-            rho = terms_fn.ratio(d, b1)
-            self.sum_rho += float(np.sum(rho))
-            self.sum_rho2 += float(np.dot(rho, rho))
-        self.abs_quantiles.add(terms.abs_d)
-        self.dprob_quantiles.add(terms.abs_dprob())
-        p_a, p_b = np.exp(pair.lp_a, out=b1), np.exp(pair.lp_b, out=b2)
-        self.fit_prob = self.fit_prob.merge(Comoments.of(p_a, p_b))
+        if self.merging:
+            self._add_moments(pair, terms)
         mean_a, mean_b, sum_d, _ = sequence_means(pair.lp_a, pair.lp_b, pair.offsets, delta=d)
         self.seq_parts.append((mean_a, mean_b, sum_d))
         self._add_buckets(pair, terms)
@@ -207,7 +204,22 @@ class PooledParity:
         stats = signature_stats(pair.lp_a, pair.lp_b, pair, max_examples=1, fit=False)
         self.signature = stats if self.signature is None else self.signature.merge(stats, 1)
 
-    def _add_buckets(self, pair: AlignedPair, terms) -> None:
+    def _add_moments(self, pair: AlignedPair, terms: TokenTerms) -> None:
+        """The partials only a merge reads: co-moments, ρ sums, the `all` quantile summaries."""
+        d = pair.delta
+        self.fit = self.fit.merge(Comoments.of(pair.lp_a, pair.lp_b))
+        self.fit_delta = self.fit_delta.merge(Comoments.of(pair.lp_a, d))
+        b1, b2 = terms.scratch
+        with np.errstate(over="ignore", invalid="ignore"):
+            rho = terms_fn.ratio(d, b1)
+            self.sum_rho += float(np.sum(rho))
+            self.sum_rho2 += float(np.dot(rho, rho))
+        self.abs_quantiles.add(terms.abs_d)
+        self.dprob_quantiles.add(terms.abs_dprob())
+        p_a, p_b = np.exp(pair.lp_a, out=b1), np.exp(pair.lp_b, out=b2)
+        self.fit_prob = self.fit_prob.merge(Comoments.of(p_a, p_b))
+
+    def _add_buckets(self, pair: AlignedPair, terms: TokenTerms) -> None:
         per_sample = None
         codes_of: dict[str, np.ndarray] = {}
         for name in self.by:
@@ -231,11 +243,12 @@ class PooledParity:
                 if table["tokens"][k] == 0:
                     continue
                 parts.rows.setdefault(label, []).append({key: float(v[k]) for key, v in table.items()})
-            codes_of[name] = remap[buckets.codes]  # (M,) this breakdown's run-wide bucket of each token
+            if self.merging:
+                codes_of[name] = remap[buckets.codes]  # (M,) this breakdown's run-wide bucket of each token
             del buckets
-        self.sample.add(
-            {"abs_d": terms.abs_d, "lp_a": pair.lp_a, "lp_b": pair.lp_b, **codes_of}, pair.n_tokens
-        )
+        if self.merging:  # bucket quantiles over pieces and the token plots read the strided sample
+            columns = {"abs_d": terms.abs_d, "lp_a": pair.lp_a, "lp_b": pair.lp_b, **codes_of}
+            self.sample.add(columns, pair.n_tokens)
 
     def _add_hist(self, d: np.ndarray, edges: np.ndarray) -> None:
         codes = np.searchsorted(edges, d, side="right")
