@@ -6,7 +6,7 @@ generated on disk: max(4, ceil(tokens / 10M)) steps of equal size (so 1M and 10M
 of 10M, 300M has 30), samples of ~200 prompt and ~500 response tokens (lognormal, 8..4000) in GRPO groups of 8,
 streams rollout, old and new, per-token advantages. Each step is generated, written with pgdiag's own Parquet
 writer (zstd, `rollouts/step=S/`) and dropped, so generating needs one step in memory. Every command runs as a
-child process: wall = its wall time, peak RSS = its own `ru_maxrss` (os.wait4). The run is deleted after its
+child process: wall = its wall time, CPU = its user + system time, peak RSS = its own `ru_maxrss` (os.wait4). The run is deleted after its
 commands unless `--keep DIR`. The load average before and after each command is recorded: the machine is
 shared, and time is only comparable at similar load.
 
@@ -127,15 +127,23 @@ def make_scale_run(root: Path, n_tokens: int, seed: int = 0) -> dict[str, int]:
     return {"steps": n_steps, "samples": samples, "response_tokens": tokens}
 
 
-def timed(cmd: list[str]) -> tuple[float, float, int, str]:
-    """Wall seconds, peak RSS (GiB, the child's own rusage via wait4), exit code and stderr tail of a child."""
+def timed(cmd: list[str]) -> tuple[float, float, float, int, str]:
+    """Wall seconds, CPU seconds (user + system), peak RSS (GiB; the child's own rusage via wait4), exit code
+    and stderr tail of a child. CPU time is the figure to compare on a shared machine: it hardly moves with load."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=dict(os.environ))
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
         err.seek(0)
-        return wall, usage.ru_maxrss / 2**20, os.waitstatus_to_exitcode(status), err.read().decode()[-500:]
+        cpu = usage.ru_utime + usage.ru_stime
+        return (
+            wall,
+            cpu,
+            usage.ru_maxrss / 2**20,
+            os.waitstatus_to_exitcode(status),
+            err.read().decode()[-500:],
+        )
 
 
 def git_commit() -> str:
@@ -179,13 +187,15 @@ def main() -> None:
             for command in commands:
                 argv = [a.format(run=run) for a in COMMANDS[command]]
                 load_before = os.getloadavg()
-                wall, rss, code, err = timed([sys.executable, "-m", "pgdiag", *argv])
+                wall, cpu, rss, code, err = timed([sys.executable, "-m", "pgdiag", *argv])
                 row = {
                     "command": command,
                     "response_tokens": shape["response_tokens"],
                     "steps": shape["steps"],
                     "wall_s": round(wall, 2),
                     "s_per_m_tokens": round(wall / shape["response_tokens"] * 1e6, 3),
+                    "cpu_s": round(cpu, 2),
+                    "cpu_s_per_m_tokens": round(cpu / shape["response_tokens"] * 1e6, 3),
                     "peak_rss_gib": round(rss, 3),
                     "exit_code": code,
                     "loadavg_before": [round(x, 2) for x in load_before],
@@ -207,7 +217,8 @@ def main() -> None:
     for r in results:
         print(
             f"{r['command']:<8} {r['response_tokens']:>12,} {r['steps']:>5} {r['wall_s']:>8.1f} "
-            f"{r['s_per_m_tokens']:>8.3f} {r['peak_rss_gib']:>9.2f} {r['exit_code']:>4}"
+            f"{r['s_per_m_tokens']:>8.3f} {r['cpu_s']:>8.1f} {r['cpu_s_per_m_tokens']:>8.3f} "
+            f"{r['peak_rss_gib']:>9.2f} {r['exit_code']:>4}"
         )
     meta = {
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),

@@ -150,8 +150,8 @@ def compute_metrics(
     The native engine reads the run in chunks of whole steps (`stream`, docs/reliability.md): each chunk is
     read, validated and reduced per step, and only per-sample tables and token summaries are kept for the
     ``all`` row; a framework key style computes each step with its own function and its ``all`` row from the
-    step rows (`pool_style_steps`). `--docs-per-step` (steps cut across the step column) reads the whole run
-    at once.
+    step rows (`pool_style_steps`). `--docs-per-step` (steps cut across the step column) and a run with null
+    steps (an E213 error) are read whole.
     """
     if settings is None:
         settings = MetricSettings.from_options(**options)
@@ -160,14 +160,14 @@ def compute_metrics(
     checks = checks or CheckSettings()
     stream = stream or StreamSettings()
     settings = resolve_streams(run, settings)
-    if settings.docs_per_step is not None:
+    rows_per_step = step_rows(run) if settings.docs_per_step is None else {}
+    if settings.docs_per_step is not None or _null_steps(run):  # a null step (E213) is in no chunk
         loaded = _read(run, settings, checks)
         return metrics_report(
             loaded.batch, settings, run=run, checks=loaded.checks.issues, ignored=checks.ignore
         )
     from pgdiag.metrics.engine import NativeStream, StyleStream
 
-    rows_per_step = step_rows(run)
     chunks: list[Run] = [
         restrict_steps(run, c) for c in step_chunks(rows_per_step, stream.budget(rows_per_step))
     ]
@@ -203,6 +203,11 @@ def compute_metrics(
         },
         extra_notices=[] if notice is None else [notice],
     )
+
+
+def _null_steps(run: Run) -> int:
+    """Rows of `run` whose `step` is null: no chunk of steps holds them, so such a run is read whole (E213)."""
+    return int(run.lazy.select(pl.col("step").null_count()).collect().item())
 
 
 def _read(run: Run, settings: MetricSettings, checks: CheckSettings) -> LoadedBatch:

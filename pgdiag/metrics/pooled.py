@@ -178,26 +178,36 @@ class QuantileSummary:
             self._count(x)
 
     def _count(self, x: np.ndarray) -> None:
-        """Add the values of x to the bucket counts."""
-        nan = np.isnan(x)
-        self.n_nan += int(np.count_nonzero(nan))
-        self.n_pos_inf += int(np.count_nonzero(x == math.inf))
-        self.n_neg_inf += int(np.count_nonzero(x == -math.inf))
-        self.n_zero += int(np.count_nonzero(x == 0.0))
-        finite = x[np.isfinite(x) & (x != 0.0)]
-        for sign in (1, -1):
-            part = finite[finite > 0] if sign > 0 else -finite[finite < 0]
-            if part.shape[0] == 0:
-                continue
-            keys, counts = np.unique(self._keys(part), return_counts=True)
-            if sign > 0:
-                self.keys_pos, self.counts_pos = _merge_counts(self.keys_pos, self.counts_pos, keys, counts)
-            else:
-                self.keys_neg, self.counts_neg = _merge_counts(self.keys_neg, self.counts_neg, keys, counts)
-
-    def _keys(self, magnitude: np.ndarray) -> np.ndarray:
-        """(N,) bucket k with magnitude in (γ^(k−1), γ^k]."""
-        return np.ceil(np.log(magnitude) / self._log_gamma).astype(np.int64)
+        """Add the values of x to the bucket counts (a few vectorised passes, no sort)."""
+        n_nan = int(np.count_nonzero(np.isnan(x)))
+        n_pos_inf = int(np.count_nonzero(x == math.inf))
+        n_neg_inf = int(np.count_nonzero(x == -math.inf))
+        n_zero = int(np.count_nonzero(x == 0.0))
+        self.n_nan += n_nan
+        self.n_pos_inf += n_pos_inf
+        self.n_neg_inf += n_neg_inf
+        self.n_zero += n_zero
+        special = n_nan + n_pos_inf + n_neg_inf + n_zero
+        values = x if special == 0 else x[np.isfinite(x) & (x != 0.0)]  # (F,) finite, non-zero
+        if values.shape[0] == 0:
+            return
+        scaled = np.abs(values)  # (F,) |x| -> ceil(ln|x| / ln γ) in place
+        np.log(scaled, out=scaled)
+        scaled *= 1.0 / self._log_gamma
+        np.ceil(scaled, out=scaled)
+        keys = scaled.astype(np.int64)
+        del scaled
+        keys *= 2
+        keys += values < 0  # the sign in the lowest bit: one bincount for both signs
+        keys, counts = _key_counts(keys)
+        negative = (keys & 1).astype(bool)
+        keys >>= 1
+        self.keys_pos, self.counts_pos = _merge_counts(
+            self.keys_pos, self.counts_pos, keys[~negative], counts[~negative]
+        )
+        self.keys_neg, self.counts_neg = _merge_counts(
+            self.keys_neg, self.counts_neg, keys[negative], counts[negative]
+        )
 
     def _bucket_value(self, key: int, sign: int) -> float:
         """The value a bucket answers: γ^(k−1)(1 + α), signed, clamped to [min, max]."""
@@ -271,6 +281,15 @@ def quantiles_of(x: np.ndarray | QuantileSummary, qs: tuple[float, ...]) -> list
 def extremum_of(x: np.ndarray | QuantileSummary | TokenExtrema, kind: str) -> float | None:
     """min or max of a token array (`reduce.extremum`) or of a pooled summary."""
     return x.extremum(kind) if isinstance(x, QuantileSummary | TokenExtrema) else extremum(x, kind)
+
+
+def _key_counts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted distinct keys and their counts, by one `bincount` over the keys' range (at most ~7.3M buckets
+    per sign for α = 1e-4: float64 magnitudes span 1454 nats), O(N) where a sort would be O(N log N)."""
+    lowest = int(keys.min())
+    counts = np.bincount(keys - lowest)  # (K_range,)
+    present = np.flatnonzero(counts)
+    return present.astype(np.int64) + lowest, counts[present].astype(np.int64)
 
 
 def _merge_counts(

@@ -233,3 +233,25 @@ def test_metrics_refuses_a_zero_filled_pair_as_check_does(tmp_path) -> None:
     assert "step 2, sample s2_5, pos 9" in refused.value.message
     report = compute_metrics(run, new="old", checks=CheckSettings(ignore=("E206",)))
     assert report.meta["chunks"] == 1
+
+
+def test_a_row_with_a_null_step_is_not_left_out_of_the_chunks(tmp_path) -> None:
+    rows = [
+        dict(
+            step=step,
+            sample_id=f"s{i}",
+            input_ids=[1, 2, 3, 4],
+            prompt_len=2,
+            loss_mask=[False, False, True, True],
+            old_logprobs=[None, None, -0.5, -1.5],
+            advantages=[None, None, 1.0, 1.0],
+        )
+        for i, step in enumerate([0, 0, 1, None, 1])
+    ]
+    write_rollouts_file(tmp_path / "nulls.parquet", rows)
+    run = read_run(tmp_path / "nulls.parquet")
+    with pytest.raises(InvalidInputError) as refused:
+        compute_metrics(run, new="old", stream=StreamSettings(max_rows=1))
+    assert refused.value.code == "E213"
+    ignored = compute_metrics(run, new="old", checks=CheckSettings(ignore=("E213",)))
+    assert ignored.meta["inputs"]["n_samples"] == 4  # read whole, the null-step row dropped as before
