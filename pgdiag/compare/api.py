@@ -417,6 +417,8 @@ def compare_runs(
         side_b = side_a if one_run else _aligned(side_b)
         if piece_pair.deferred is not None:
             held = piece_pair.deferred if held is None else held.merge(piece_pair.deferred)
+        if piece_pair.n_samples == 0:  # nothing matched in these steps: counted in E306 (deferred) only
+            continue
         if pooled is None:
             chosen = bd.available(piece_pair) if by is None else tuple(by)
             pooled = PooledParity(
@@ -440,15 +442,14 @@ def compare_runs(
         deferred_issues += held.mask_issues(ignore)
     assert pooled is not None  # E304 raised above when no piece matched
     name = f"{la}:{sa} vs {lb}:{sb}"
-    label_a_, label_b_ = la, lb
     rows, stats = parity_rows(pooled, name)
     signature = pooled.signature
     assert signature is not None
     diagnosis = signature_issues(
         signature,
         name=name,
-        name_a=label_a_,
-        name_b=label_b_,
+        name_a=la,
+        name_b=lb,
         sampling_side_is_engine=sa == "rollout",
         fit=(stats.get("fit_slope"), stats.get("pearson_r")),
     )

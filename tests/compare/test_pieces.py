@@ -114,6 +114,18 @@ def test_a_step_in_one_run_only_is_counted_as_unmatched(tmp_path) -> None:
     assert one.report.meta["inputs"]["n_samples"] == {"a": 35, "b": 27}
 
 
+def test_a_piece_with_no_match_is_counted_and_skipped(tmp_path) -> None:
+    samples = _samples(6)
+    renamed = [dict(s, sample_id=f"x{s['sample_id']}") if s["step"] == 3 else s for s in samples]
+    run_a, run_b = _runs(tmp_path, samples, renamed)  # step 3 (7 samples) matches nothing by id
+    one = compare_runs(run_a, run_b, join="id", ignore=["E306"])
+    many = compare_runs(run_a, run_b, join="id", ignore=["E306"], chunk_rows=1)
+    _assert_same_report(one, many)
+    assert 3 not in one.report.meta["inputs"]["steps"]
+    with pytest.raises(InvalidInputError, match="7 of 36 samples of a have no match in b and 7 of 36"):
+        compare_runs(run_a, run_b, join="id", chunk_rows=1)
+
+
 def test_no_sample_matched_is_e304_read_whole_or_by_step(tmp_path) -> None:
     samples = _samples(7)
     run_a, run_b = _runs(
