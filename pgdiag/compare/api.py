@@ -33,7 +33,8 @@ from pgdiag.compare.worst import token_decoder
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.validate import CheckSettings, Issue
 from pgdiag.errors import UsageError
-from pgdiag.metrics.api import merge_issue_frames
+from pgdiag.metrics.api import merge_issue_frames, metric_streams
+from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import CHECKS_SCHEMA, Report, ReportRow, summary_frame
 
@@ -52,6 +53,7 @@ class Side:
     batch: TokenBatch | None  # None once aligned (`_aligned`)
     checks: pl.DataFrame | None
     run: Any  # the `Run`, or None for an in-memory batch
+    metrics: MetricSettings | None = None  # this side's resolved side-by-side metric settings
     sample_row: np.ndarray | None = None  # (S,) the batch's `sample_row`, kept when the batch is dropped
 
 
@@ -103,24 +105,31 @@ def resolve_streams(
     return stream_a, stream_b
 
 
-def _read_side(source: Any, streams: Sequence[str], checks: CheckSettings) -> Side:
-    """Read `source` (a run, or a piece of one): the compared `streams` and their entropy streams."""
+def _read_side(
+    source: Any, streams: Sequence[str], checks: CheckSettings, metrics: MetricSettings | None
+) -> Side:
+    """Read `source` (a run, or a piece of one): the compared `streams` plus, for side-by-side `metrics`
+    (resolved), theirs."""
     if isinstance(source, TokenBatch):
         return Side(source, None, None)
     from pgdiag.data.runs import read_token_batch
 
     run = source
+    wanted = list(dict.fromkeys([*streams, *(metric_streams(metrics) if metrics is not None else [])]))
+    entropy = [s for s in wanted if s in run.entropy_streams]
+    if metrics is not None and metrics.entropy is not None and metrics.entropy not in entropy:
+        entropy.append(metrics.entropy)
     loaded = read_token_batch(
         run,
-        streams=list(dict.fromkeys(streams)),
-        entropy=[s for s in streams if s in run.entropy_streams],
-        advantages=False,
+        streams=wanted,
+        entropy=entropy,
+        advantages=metrics is not None,
         reward=True,
         env=True,
         ignore=checks.ignore,
         max_examples=checks.max_examples,
     )
-    return Side(loaded.batch, loaded.checks.issues, run)
+    return Side(loaded.batch, loaded.checks.issues, run, metrics)
 
 
 def _as_source(source: Any) -> Any:
@@ -252,7 +261,7 @@ class Comparison:
     """A finished comparison: the report, the worst sequence's trace and the tokens that token plots read.
 
     `pair` holds every aligned token when the runs were read in one piece (in-memory batches, one piece of
-    steps, `keep_tokens=True`, `--model`, `--join hash-any-step`), else None: a comparison read
+    steps, `keep_tokens=True`, `--metrics`, `--model`, `--join hash-any-step`), else None: a comparison read
     step by step keeps `tokens`, every k-th matched token's (pair, lp_a, lp_b) (k = 1 up to 4,000,000 tokens,
     `pooled.SAMPLE_CAP`), which the token plots draw. docs/compare.md says which reads are whole.
     """
@@ -351,14 +360,20 @@ def compare_runs(
             "E111", f"run b has no stream {sb!r}; streams: {', '.join(streams_b)}", "name it with --stream-b"
         )
     metrics_a = metrics_b = None
-    if settings.metrics is not None:  # each run's own metrics: resolved first (E512 for in-memory batches)
+    if settings.metrics is not None:  # each run's own metrics: resolved first, so each run is read once
         metrics_a = side_settings(
             None if isinstance(a, TokenBatch) else a, sb if one_run else sa, settings.metrics
         )
         if not one_run:
             metrics_b = side_settings(None if isinstance(b, TokenBatch) else b, sb, settings.metrics)
     in_memory = isinstance(a, TokenBatch) or isinstance(b, TokenBatch)
-    whole = in_memory or keep_tokens or model is not None or join == "hash-any-step"
+    whole = (
+        in_memory
+        or keep_tokens
+        or settings.metrics is not None
+        or model is not None
+        or join == "hash-any-step"
+    )
     from pgdiag.data.runs import restrict_steps
 
     pieces = _pieces(a, b, one_run, whole, settings.chunk_rows)
@@ -375,11 +390,15 @@ def compare_runs(
     for piece in pieces:
         src_a = a if piece.steps is None else restrict_steps(a, piece.steps)
         src_b = None if one_run else (b if piece.steps is None else restrict_steps(b, piece.steps))
-        side_a = _read_side(src_a, [sa, sb] if one_run else [sa], settings.checks) if piece.in_a else None
+        side_a = (
+            _read_side(src_a, [sa, sb] if one_run else [sa], settings.checks, metrics_a)
+            if piece.in_a
+            else None
+        )
         if one_run:
             side_b = side_a
         elif piece.in_b:
-            side_b = _read_side(src_b, [sb], settings.checks)
+            side_b = _read_side(src_b, [sb], settings.checks, metrics_b)
         else:
             side_b = None
         if side_a is not None and side_a.checks is not None:
@@ -412,6 +431,9 @@ def compare_runs(
         piece_pair = align_batches(
             batch_a, batch_b, stream_a=sa, stream_b=sb, join=join, ignore=ignore, deferred=len(pieces) > 1
         )
+        if settings.metrics is not None:  # --metrics reads the runs whole (one piece)
+            shown = [(la, side_a)] if one_run else [(la, side_a), (lb, side_b)]
+            side_rows = side_by_side_rows([MetricSide(lab, s.run, s.batch, s.metrics) for lab, s in shown])
         del batch_a, batch_b
         side_a = _aligned(side_a)
         side_b = side_a if one_run else _aligned(side_b)
@@ -433,9 +455,6 @@ def compare_runs(
         if len(pieces) == 1:
             pair = piece_pair
         del piece_pair
-    if settings.metrics is not None:  # each run's own metric set, read step by step by the metrics engine
-        shown = [(la, a, metrics_a)] if one_run else [(la, a, metrics_a), (lb, b, metrics_b)]
-        side_rows = side_by_side_rows([MetricSide(lab, run, m, settings.checks) for lab, run, m in shown])
     deferred_issues: list[Issue] = []
     if held is not None:
         deferred_issues = held.unmatched_issues(ignore)  # E304 raises, E306 raises unless ignored

@@ -2,14 +2,12 @@
 
 What: `side_settings` picks each side's `MetricSettings` (the compared stream as `new`, the other canonical
 behaviour stream as `old`, resolved against the run) before the run is read, so `compare` reads each run once
-and the metrics engine see the same streams; `side_by_side_rows` then runs `metrics.api.compute_metrics` on each
-run (any aggregation, any key style) and returns its rows with scope `batch`, per step and pooled, plus for
+with the union of the streams both need; `side_by_side_rows` then runs `metrics.api.metrics_report` on those
+batches (any aggregation, any key style) and returns its rows with scope `batch`, per step and pooled, plus for
 two runs the deltas b − a of the pooled values (pair ``"<b> - <a>"``).
 Why: a parity table says the log-probs differ; the side-by-side metrics say what that does to the clip fractions,
 KL and losses each trainer logs. Scope `batch` keeps these rows out of compare's gates, and each run's own
 `mismatch/*` keys are left out: the compared pair is the mismatch this command reports.
-How: each side is `metrics.api.compute_metrics` on its run, which reads the run step by step (docs/reliability.md):
-the side-by-side sets add that read to the comparison's, not the memory of a whole run.
 """
 
 from __future__ import annotations
@@ -20,21 +18,21 @@ from typing import Any
 
 import polars as pl
 
-from pgdiag.data.validate import CheckSettings
+from pgdiag.data.batch import TokenBatch
 from pgdiag.errors import UsageError
-from pgdiag.metrics.api import compute_metrics, resolve_streams
+from pgdiag.metrics.api import metrics_report, resolve_streams
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import ReportRow
 
 
 @dataclass(frozen=True)
 class MetricSide:
-    """One run whose own metrics are shown: its report label, the run, its resolved settings and check settings."""
+    """One run whose own metrics are shown: its report label, the run, its batch and resolved settings."""
 
     label: str
     run: Any  # `Run`
+    batch: TokenBatch
     settings: MetricSettings
-    checks: CheckSettings
 
 
 def side_settings(run: Any, stream: str, settings: MetricSettings) -> MetricSettings:
@@ -55,7 +53,7 @@ def side_by_side_rows(sides: Sequence[MetricSide]) -> list[ReportRow]:
     rows: list[ReportRow] = []
     pooled: dict[str, dict[str, tuple[float | None, str, str]]] = {}
     for side in sides:
-        report = compute_metrics(side.run, side.settings, checks=side.checks)
+        report = metrics_report(side.batch, side.settings, run=side.run)
         frame = report.summary.filter(
             pl.col("breakdown").is_in(["all", "step"]) & ~pl.col("metric").str.starts_with("mismatch/")
         )
