@@ -211,7 +211,8 @@ def main() -> None:
         if args.keep is None:
             shutil.rmtree(base, ignore_errors=True)
     header = (
-        f"{'command':<8} {'tokens':>12} {'steps':>5} {'wall s':>8} {'s/M tok':>8} {'peak GiB':>9} {'exit':>4}"
+        f"{'command':<8} {'tokens':>12} {'steps':>5} {'wall s':>8} {'s/M tok':>8} {'cpu s':>8} {'cpu s/M':>8} "
+        f"{'peak GiB':>9} {'exit':>4}"
     )
     print(header)
     for r in results:

@@ -289,10 +289,12 @@ def _pieces(a: Any, b: Any, one_run: bool, whole: bool, chunk_rows: int) -> list
     """The pieces a comparison reads: consecutive steps of both runs under `chunk_rows` rows (a + b)."""
     if whole:
         return [_Piece(None)]
-    from pgdiag.data.runs import step_chunks, step_rows
+    from pgdiag.data.runs import null_step_rows, step_chunks, step_rows
 
     rows_a = step_rows(a)
     rows_b = rows_a if one_run else step_rows(b)
+    if null_step_rows(a) or (not one_run and null_step_rows(b)):
+        return [_Piece(None)]  # rows of a null step are in no piece: read whole (the reader's E213)
     both = {s: rows_a.get(s, 0) + (0 if one_run else rows_b.get(s, 0)) for s in sorted({*rows_a, *rows_b})}
     chunks = step_chunks(both, chunk_rows)
     if len(chunks) <= 1:

@@ -316,7 +316,9 @@ def metrics_report(
         results = compute_native(batch, settings)
     else:
         results = compute_by_step(
-            batch, settings, lambda step, s, n_split: compute_step_style(step, s, groups_split=n_split)
+            batch,
+            settings,
+            lambda step, s, n_split: compute_step_style(step, s, groups_split=n_split, partials=True),
         )
     return _report(
         results,

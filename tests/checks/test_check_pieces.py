@@ -161,3 +161,13 @@ def test_reader_issues_of_several_pieces_merge_per_code(tmp_path) -> None:
     assert "set on 1 non-loss positions" in many["message"] and many["message"].endswith(
         "[+1 in later steps]"
     )
+
+
+def test_a_null_step_makes_the_run_read_whole(tmp_path) -> None:
+    rows = _rows(6)
+    rows[10]["step"] = None  # in no piece of steps: read whole, so the reader reports it (E213)
+    run = _write(tmp_path / "r.parquet", rows)
+    one = check_run(run)
+    _same(one, check_run(run, chunk_rows=1))
+    e213 = one.issues.filter(pl.col("code") == "E213").row(0, named=True)
+    assert e213["count"] == 1 and "step is null" in e213["message"]

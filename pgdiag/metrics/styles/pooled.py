@@ -10,32 +10,46 @@ Each style's reductions are sums over tokens, samples or documents divided by a 
 guard, so the pooled value is recovered from the step value and its count: a `mean_guard` value x_s over
 N_s tokens has numerator x_s·N_s, a `mean_eps` value has x_s·(N_s + 1e-8), and a fraction of an integer
 count recovers that count exactly by rounding (bit-identical to the pooled computation). Loss keys (``mode``)
-are the unweighted mean over steps, as before. Two things are not recoverable from per-step values: a
-Pearson correlation (verl's probability correlation) and anything computed over whole prompt groups once a
-group straddles a `--docs-per-step` cut; the `all` row gives null there, with a notice.
+are the unweighted mean over steps, as before. A Pearson correlation (verl's probability correlation) needs
+five partial sums per step, which `compute_step_style(..., partials=True)` adds as values of reduction
+``partial`` (`step_partials`; `public_values` strips them from a step row). Statistics over whole prompt
+groups cannot be pooled once a group straddles a `--docs-per-step` cut: the `all` row gives null there,
+with a notice.
 
-How: `POOL_RULES[style][key]` is a `PoolRule`: its `kind` (mode, sum, max, min, mean, std, derived, none) and, for means, the weight of a step (its tokens ``n``, `count/samples` or `count/docs`), the framework's
+How: `POOL_RULES[style][key]` is a `PoolRule`: its `kind` (mode, sum, max, min, mean, std, derived, none)
+and, for means, the weight of a step (its tokens ``n``, `count/samples` or `count/docs`), the framework's
 guard (plain Σ/W, ``max1`` Σ/max(W, 1), ``eps`` Σ/(W + 1e-8)), whether the numerator is an integer count, an
 offset (verl's χ² values are mean − 1) and the value of an empty row where a step with no loss tokens prints
 none. A key the table does not know gets the rule of its reduction (``mode`` → mode, ``cnt``/``sum`` → sum),
-else null with a notice.
+else null with a notice. The status is the pooled tokens' (`empty` when every step is, `nonfinite` when
+one is, else `ok`); the notices are the steps' own, each once.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from pgdiag.metrics.engine import StepMetrics
 from pgdiag.metrics.settings import MetricSettings
-from pgdiag.metrics.styles.common import div
+from pgdiag.metrics.styles.common import StyleInputs, div, exp, total
+from pgdiag.metrics.styles.common import value as metric_value
 from pgdiag.metrics.values import MetricValue
 
-__all__ = ["POOL_RULES", "PoolRule", "pool_rules", "pool_style_steps"]
+__all__ = ["POOL_RULES", "PoolRule", "pool_rules", "pool_style_steps", "public_values", "step_partials"]
 
 _EPS = 1e-8  # verl masked_mean's denominator guard
-_STATUS_ORDER = ("ok", "nonfinite", "empty")
+PARTIAL = "partial"  # the reduction of a per-step partial value: consumed by pooling, never reported
+PEARSON_PARTIALS = (
+    "partial/probs_b_mean",
+    "partial/probs_a_mean",
+    "partial/probs_b_css",
+    "partial/probs_a_css",
+    "partial/probs_csp",
+)
 
 
 @dataclass(frozen=True)
@@ -148,8 +162,8 @@ POOL_RULES: dict[str, dict[str, PoolRule]] = {
         "rollout_corr/rollout_log_ppl": _verl_row(0.0),
         "rollout_corr/log_ppl_diff": _verl_row(0.0),
         "rollout_corr/log_ppl_abs_diff": _verl_row(0.0),
-        "rollout_corr/log_ppl_diff_max": PoolRule("max", empty=0.0),
-        "rollout_corr/log_ppl_diff_min": PoolRule("min", empty=0.0),
+        "rollout_corr/log_ppl_diff_max": PoolRule("max", "samples", empty=0.0),
+        "rollout_corr/log_ppl_diff_min": PoolRule("min", "samples", empty=0.0),
         "rollout_corr/ppl_ratio": _verl_row(1.0),
         "rollout_corr/chi2_token": PoolRule("mean", "n", "eps", offset=1.0),
         "rollout_corr/chi2_seq": _verl_row(0.0, offset=1.0),
@@ -163,7 +177,7 @@ POOL_RULES: dict[str, dict[str, PoolRule]] = {
         "training/rollout_probs_diff_mean": TOKEN_PLAIN,
         "training/rollout_probs_diff_max": MAX,
         "training/rollout_probs_diff_std": PoolRule("std", source="training/rollout_probs_diff_mean"),
-        "training/rollout_actor_probs_pearson_corr": NOT_DECOMPOSABLE,
+        "training/rollout_actor_probs_pearson_corr": PoolRule("derived", source="verl_pearson"),
     },
     "trl": {
         "loss": MODE,
@@ -255,8 +269,11 @@ def pool_style_steps(steps: Sequence[StepMetrics], settings: MetricSettings) -> 
     not_pooled: list[str] = []
     straddled: list[str] = []
     derived: list[tuple[str, MetricValue, PoolRule]] = []
-    for key in _key_order(steps):
+    order = _key_order(steps)
+    for key in order:
         template = next(row[key] for row in rows if key in row)
+        if template.reduction == PARTIAL:
+            continue
         rule = rules.get(key) or _fallback_rule(template)
         if rule.kind == "derived":
             derived.append((key, template, rule))
@@ -271,6 +288,10 @@ def pool_style_steps(steps: Sequence[StepMetrics], settings: MetricSettings) -> 
             value, n = pooled.pool(key, rule)
             out[key] = _value(template, value, n)
     for key, template, rule in derived:
+        if rule.source == "verl_pearson" and not pooled.has_partials(PEARSON_PARTIALS):
+            not_pooled.append(key)
+            out[key] = _value(template, None, pooled.total_n(key))
+            continue
         value, n = _derive(rule.source, out, pooled)
         out[key] = _value(template, value, n)
     if not_pooled:
@@ -283,7 +304,7 @@ def pool_style_steps(steps: Sequence[StepMetrics], settings: MetricSettings) -> 
             f"all row: {', '.join(straddled)} null: prompt groups straddle --docs-per-step cuts, and a "
             "group split over steps cannot be pooled from per-step values (docs/key-styles.md)"
         )
-    ordered = tuple(out[key] for key in _key_order(steps))
+    ordered = tuple(out[key] for key in order if key in out)
     return StepMetrics(ordered, _pooled_status(steps), tuple(notices))
 
 
@@ -301,6 +322,12 @@ class _Pool:
     def groups_straddle(self) -> bool:
         """Whether a prompt group straddles a step (only under --docs-per-step)."""
         return any(self.count(row, "count/groups_split") > 0 for row in self.rows)
+
+    def has_partials(self, keys: tuple[str, ...]) -> bool:
+        """Whether every step with loss tokens carries the partial values `keys` (`step_partials`)."""
+        return all(
+            all(k in row for k in keys) for row in self.rows if self.count(row, "count/tokens_masked") > 0
+        )
 
     def total_n(self, key: str) -> int:
         return sum(row[key].n for row in self.rows if key in row)
@@ -397,6 +424,8 @@ def _derive(source: str, out: dict[str, MetricValue], pooled: _Pool) -> tuple[fl
         return div(div(total**2, squares), tokens), int(tokens)
     if source in ("verl_is_std", "verl_is_ess"):
         return _verl_is(source, out, pooled)
+    if source == "verl_pearson":
+        return _verl_pearson(pooled)
     raise ValueError(f"unknown derivation {source!r}")
 
 
@@ -423,6 +452,50 @@ def _verl_is(source: str, out: dict[str, MetricValue], pooled: _Pool) -> tuple[f
     if source == "verl_is_std":
         return (math.sqrt(max(second - w_mean**2, 0.0)) if n_total > 1 else 0.0), n_total
     return div(1.0, second / (w_mean + _EPS) ** 2), n_total
+
+
+def _verl_pearson(pooled: _Pool) -> tuple[float | None, int]:
+    """Pearson correlation of e^lp_b and e^lp_a over the pooled tokens from each step's means and centred
+    sums of squares and cross products (`step_partials`), merged as Chan et al. merge variances."""
+    parts = []  # (n, mean_b, mean_a, css_b, css_a, csp)
+    for row in pooled.rows:
+        n = row[PEARSON_PARTIALS[0]].n if PEARSON_PARTIALS[0] in row else 0
+        if n == 0:
+            continue
+        numbers = [row[k].value for k in PEARSON_PARTIALS]
+        if any(v is None for v in numbers):
+            return None, pooled.total_n("training/rollout_actor_probs_pearson_corr")
+        parts.append((n, *(float(v) for v in numbers if v is not None)))
+    n_total = sum(p[0] for p in parts)
+    if n_total <= 1:
+        return None, n_total
+    mean_b = _sum([n * mb for n, mb, *_ in parts]) / n_total
+    mean_a = _sum([n * ma for n, _, ma, *_ in parts]) / n_total
+    css_b = _sum([cb + n * (mb - mean_b) ** 2 for n, mb, _, cb, _, _ in parts])
+    css_a = _sum([ca + n * (ma - mean_a) ** 2 for n, _, ma, _, ca, _ in parts])
+    csp = _sum([cp + n * (mb - mean_b) * (ma - mean_a) for n, mb, ma, _, _, cp in parts])
+    return div(csp, math.sqrt(css_b * css_a)), n_total
+
+
+def step_partials(inputs: StyleInputs, settings: MetricSettings) -> tuple[MetricValue, ...]:
+    """The extra per-step values (reduction ``partial``) a key needs to be pooled exactly: only verl's
+    probability correlation, which needs each step's means and centred sums of e^lp_b and e^lp_a."""
+    if settings.key_style != "verl" or not inputs.has_pair:
+        return ()
+    assert inputs.lp_a is not None and inputs.lp_b is not None
+    n = inputs.n_tokens
+    if n == 0:
+        return ()
+    p_b, p_a = exp(inputs.lp_b), exp(inputs.lp_a)  # (M,)
+    mean_b, mean_a = float(np.mean(p_b)), float(np.mean(p_a))
+    cb, ca = p_b - mean_b, p_a - mean_a  # (M,)
+    numbers = (mean_b, mean_a, total(cb * cb), total(ca * ca), total(cb * ca))
+    return tuple(metric_value(k, v, "1", PARTIAL, n) for k, v in zip(PEARSON_PARTIALS, numbers, strict=True))
+
+
+def public_values(step: StepMetrics) -> StepMetrics:
+    """`step` without its ``partial`` values (what a report shows)."""
+    return replace(step, values=tuple(v for v in step.values if v.reduction != PARTIAL))
 
 
 def _mode_mean(found: list[float | None]) -> tuple[float | None, int]:
@@ -463,11 +536,13 @@ def _fallback_rule(template: MetricValue) -> PoolRule:
 def _key_order(steps: Sequence[StepMetrics]) -> list[str]:
     """Every key of any step once, in the style's order (a key a step lacks goes after its predecessor)."""
     order: list[str] = []
+    seen: set[str] = set()
     for step in steps:
         previous = None
         for value in step.values:
-            if value.key not in order:
+            if value.key not in seen:
                 order.insert(0 if previous is None else order.index(previous) + 1, value.key)
+                seen.add(value.key)
             previous = value.key
     return order
 
