@@ -31,9 +31,9 @@ from pgdiag.compare.settings import CompareSettings
 from pgdiag.compare.side_by_side import MetricSide, side_by_side_rows, side_settings
 from pgdiag.compare.worst import token_decoder
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.validate import CheckSettings, Issue
+from pgdiag.data.validate import CheckResult, CheckSettings, Issue, merge_check_results
 from pgdiag.errors import UsageError
-from pgdiag.metrics.api import merge_issue_frames, metric_streams
+from pgdiag.metrics.api import metric_streams
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import CHECKS_SCHEMA, Report, ReportRow, summary_frame
@@ -51,7 +51,7 @@ class Side:
     """One side of a comparison once read: its token batch (with `seq_hash` when read from disk), reader checks."""
 
     batch: TokenBatch | None  # None once aligned (`_aligned`)
-    checks: pl.DataFrame | None
+    checks: CheckResult | None  # the reader's checks
     run: Any  # the `Run`, or None for an in-memory batch
     metrics: MetricSettings | None = None  # this side's resolved side-by-side metric settings
     sample_row: np.ndarray | None = None  # (S,) the batch's `sample_row`, kept when the batch is dropped
@@ -129,7 +129,7 @@ def _read_side(
         ignore=checks.ignore,
         max_examples=checks.max_examples,
     )
-    return Side(loaded.batch, loaded.checks.issues, run, metrics)
+    return Side(loaded.batch, loaded.checks, run, metrics)
 
 
 def _as_source(source: Any) -> Any:
@@ -383,8 +383,8 @@ def compare_runs(
         join = _resolve_join(a, a if one_run else b, join)
     pooled: PooledParity | None = None
     held: Deferred | None = None
-    checks_a: list[pl.DataFrame] = []  # reader issues of each piece, merged per code at the end
-    checks_b: list[pl.DataFrame] = []
+    checks_a: list[CheckResult] = []  # reader checks of each piece, merged per code and rule at the end
+    checks_b: list[CheckResult] = []
     side_rows: list[ReportRow] = []
     pair: AlignedPair | None = None
     side_a = side_b = None
@@ -517,9 +517,9 @@ def compare_runs(
     if pair is None:
         pair_issues = tuple(deferred_issues)
     issues = [i for i in (*pair_issues, *hints, *issues_tau, *issues_meta) if i.code not in ignore]
-    reader_checks = [merge_issue_frames(checks_a)] if checks_a else []
+    reader_checks = [merge_check_results(checks_a).issues] if checks_a else []
     if checks_b:
-        reader_checks.append(merge_issue_frames(checks_b))
+        reader_checks.append(merge_check_results(checks_b).issues)
     checks = _checks_frame(issues, reader_checks)
     n_samples_a = pair.n_samples_a if pair is not None else held.n_a
     n_samples_b = pair.n_samples_b if pair is not None else held.n_b
