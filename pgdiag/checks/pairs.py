@@ -61,20 +61,28 @@ def keep_tokens(where: TokenLocations, keep: np.ndarray) -> Locations:
 
 def locate(where: TokenLocations, tokens: np.ndarray, max_examples: int = 1) -> tuple[str, dict[str, Any]]:
     """Text naming the first `max_examples` of `tokens` and the first one's (step, sample_id, pos) fields."""
+    parts, first = locate_parts(where, tokens, max_examples)
+    return "; ".join(parts), first
+
+
+def locate_parts(
+    where: TokenLocations, tokens: np.ndarray, max_examples: int = 1
+) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """`locate` before joining: one "step s, sample x, pos p" per example (merged across pieces of a run)."""
     tokens = np.asarray(tokens)[:max_examples]
     if tokens.size == 0:
-        return "", {}
+        return (), {}
     rows = np.searchsorted(where.offsets, tokens, side="right") - 1
-    parts = [
+    parts = tuple(
         f"step {where.step[r]}, sample {where.sample_id[r]}, pos {where.pos[t]}"
         for r, t in zip(rows.tolist(), tokens.tolist(), strict=True)
-    ]
+    )
     first = {
         "step": int(where.step[rows[0]]),
         "sample_id": str(where.sample_id[rows[0]]),
         "pos": int(where.pos[tokens[0]]),
     }
-    return "; ".join(parts), first
+    return parts, first
 
 
 def shift_issue(
@@ -113,6 +121,7 @@ def shift_issue(
         f"{name_b} looks shifted by {shift} vs {name_a} (median |Δ| {m_k:.3g} at {shift}, {m0:.3g} at 0; "
         f"first: {text})",
         hint="re-import with pgdiag import --shift to put element i at the position of token i",
+        rule=f"{name_b} shifted vs {name_a}",
         **first,
     )
 
@@ -139,6 +148,7 @@ def value_issues(sides: list[tuple[np.ndarray, str]], where: TokenLocations) -> 
                     int(bad.sum()),
                     f"{name}: {what} (first: {text})",
                     hint=_HINTS[code],
+                    rule=name,
                     **first,
                 )
             )
@@ -190,6 +200,7 @@ def zero_fill_issues(
                 int(tokens.size),
                 f"{name} {reason}: zero-filled? ({text})",
                 hint="missing values written as 0? import them as null",
+                rule=name,
                 **first,
             )
         )

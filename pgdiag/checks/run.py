@@ -10,27 +10,45 @@ runs, also the sample checks of `checks.samples` (E304, E301, E303/W303). `compa
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
 
 from pgdiag.checks.metadata import metadata_checks, recompute_settings
 from pgdiag.checks.pairs import keep_tokens, shift_issue, zero_fill_issues
-from pgdiag.checks.samples import cross_run_issues
-from pgdiag.checks.signatures import signatures
+from pgdiag.checks.samples import CrossRunParts, cross_run_findings, cross_run_parts, one_side_parts
+from pgdiag.checks.signatures import SignatureStats, signature_issues, signature_stats
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.flat import FlatList, RowTable, flat_list
-from pgdiag.data.runs import FILE_COLUMN, Run, batch_inputs, build_token_batch, load_rows
+from pgdiag.data.runs import (
+    FILE_COLUMN,
+    Run,
+    batch_inputs,
+    build_token_batch,
+    load_rows,
+    null_step_rows,
+    restrict_steps,
+    step_chunks,
+    step_rows,
+)
 from pgdiag.data.schema import REQUIRED_COLUMNS, cast_problem, stream_column
-from pgdiag.data.validate import CheckResult, Issue, check_result, missing_columns, validate_rows
+from pgdiag.data.validate import (
+    CheckResult,
+    Issue,
+    check_result,
+    merge_piece_issues,
+    missing_columns,
+    validate_rows,
+)
 from pgdiag.errors import InvalidInputError, UsageError
 
 
-def pair_checks(batch: TokenBatch, a: str, b: str, *, max_examples: int = 5) -> list[Issue]:
-    """The pair checks and signatures of streams (a, b) of `batch` on the loss positions where both are finite.
-
-    Δ = lp_b − lp_a. The single-stream rules (E205, E206 by share, E207) are the reader's and are not repeated.
-    """
+def _pair_piece(
+    batch: TokenBatch, a: str, b: str, *, max_examples: int
+) -> tuple[list[Issue], SignatureStats]:
+    """The pair checks of streams (a, b) on one piece (E302, E206 against the other stream) and the sums of its
+    signatures, on the loss positions where both are finite."""
     lp_a, lp_b = batch.streams[a], batch.streams[b]
     name_a, name_b = stream_column(a), stream_column(b)
     issues: list[Issue] = []
@@ -42,17 +60,28 @@ def pair_checks(batch: TokenBatch, a: str, b: str, *, max_examples: int = 5) -> 
     )
     valid = np.isfinite(lp_a) & np.isfinite(lp_b)  # (M,)
     where = batch if valid.all() else keep_tokens(batch, valid)
-    found = signatures(
-        lp_a[valid],
-        lp_b[valid],
-        where,
+    return issues, signature_stats(lp_a[valid], lp_b[valid], where, max_examples=max_examples)
+
+
+def _pair_findings(stats: SignatureStats, a: str, b: str) -> list[Issue]:
+    name_a, name_b = stream_column(a), stream_column(b)
+    found = signature_issues(
+        stats,
         name=f"{name_b} vs {name_a}",
         name_a=name_a,
         name_b=name_b,
         sampling_side_is_engine=a == "rollout",
-        max_examples=max_examples,
     )
-    return issues + list(found.issues)
+    return list(found.issues)
+
+
+def pair_checks(batch: TokenBatch, a: str, b: str, *, max_examples: int = 5) -> list[Issue]:
+    """The pair checks and signatures of streams (a, b) of `batch` on the loss positions where both are finite.
+
+    Δ = lp_b − lp_a. The single-stream rules (E205, E206 by share, E207) are the reader's and are not repeated.
+    """
+    issues, stats = _pair_piece(batch, a, b, max_examples=max_examples)
+    return issues + _pair_findings(stats, a, b)
 
 
 def check_frame(
@@ -111,53 +140,121 @@ def check_frame(
     return check_result([i for i in found.issues if i.code not in ignored], strict=strict)
 
 
-def _single_run_issues(
-    run: Run, streams: Sequence[str] | None, ignored: set[str], max_examples: int, vocab_size: int | None
-) -> tuple[list[Issue], TokenBatch | None]:
-    """Validation and data-check issues of one run, and its batch when it loaded well enough for cross-run
-    checks (None when the rows could not be read or some rows are structurally unsound)."""
+CHECK_CHUNK_ROWS = 16_384  # rows of both runs read at a time by `check_run` (whole steps)
+
+
+@dataclass
+class _RunFindings:
+    """What the pieces of one run found so far (`_add_piece`), merged at the end (`_finish`)."""
+
+    run: Run
+    pair_streams: list[str]
+    pairs: list[tuple[str, str]] | None = None
+    reader: list[list[Issue]] = field(default_factory=list)  # per piece
+    pair_issues: dict[tuple[str, str], list[list[Issue]]] = field(default_factory=dict)  # per pair, per piece
+    stats: dict[tuple[str, str], SignatureStats] = field(default_factory=dict)
+    old_equals_new: bool | None = None  # None until a piece has both streams
+    n_tokens: int = 0
+    sound: bool = True
+    failed: Issue | None = None  # the reader refused a piece: the run's only finding
+
+
+def _stream_names(run: Run, streams: Sequence[str] | None) -> list[str]:
     pair_streams = list(streams) if streams is not None else list(run.streams)
     if streams is not None and len(pair_streams) != 2:
         raise UsageError("E112", f"--streams needs two names, got {pair_streams}", "pass --streams A,B")
+    return pair_streams
+
+
+def _add_piece(
+    found: _RunFindings,
+    piece: Run,
+    streams: Sequence[str] | None,
+    ignored: set[str],
+    max_examples: int,
+    vocab_size: int | None,
+) -> TokenBatch | None:
+    """Read and check one piece of `found.run`; its batch when structurally sound (for cross-run checks)."""
+    run, pair_streams = found.run, found.pair_streams
     try:
         rows = load_rows(
-            run,
+            piece,
             streams=list(dict.fromkeys(pair_streams)),
             entropy=run.entropy_streams,
             scalars=["advantage", "reward", "env"],
             lists=["advantages"],
         )
-    except InvalidInputError as exc:
-        return [Issue(exc.code, "error", 1, exc.message, hint=exc.hint)], None
-    found = validate_rows(rows.table, ignore=ignored, max_examples=max_examples, vocab_size=vocab_size)
-    issues = rows.issues + found.issues
-    sound = found.bad_rows is None
-    frame, view, keep = batch_inputs(rows, found)
+    except InvalidInputError as exc:  # unreadable rows: this one issue is the run's finding, as for one read
+        found.failed = Issue(exc.code, "error", 1, exc.message, hint=exc.hint)
+        found.sound = False
+        return None
+    checked = validate_rows(rows.table, ignore=ignored, max_examples=max_examples, vocab_size=vocab_size)
+    found.reader.append(rows.issues + checked.issues)
+    sound = checked.bad_rows is None
+    frame, view, keep = batch_inputs(rows, checked)
     loaded_streams, loaded_entropy = rows.streams, rows.entropy
-    del rows, found  # drop the list buffers before the float64 arrays are allocated
+    del rows, checked  # drop the list buffers before the float64 arrays are allocated
     batch = build_token_batch(
-        run, frame, view, streams=loaded_streams, entropy=loaded_entropy, sample_row=keep, env=True
+        piece, frame, view, streams=loaded_streams, entropy=loaded_entropy, sample_row=keep, env=True
     )
     del view
-    if streams is not None:
-        pairs = [(pair_streams[0], pair_streams[1])]
-    else:
-        pairs = [("rollout", s) for s in pair_streams if s != "rollout"] if "rollout" in pair_streams else []
-    for a, b in pairs:
-        issues += pair_checks(batch, a, b, max_examples=max_examples)
-    if {"old", "new"} <= set(batch.streams) and np.array_equal(
-        batch.streams["old"], batch.streams["new"], equal_nan=True
-    ):
+    if found.pairs is None:
+        if streams is not None:
+            found.pairs = [(pair_streams[0], pair_streams[1])]
+        elif "rollout" in pair_streams:
+            found.pairs = [("rollout", s) for s in pair_streams if s != "rollout"]
+        else:
+            found.pairs = []
+    for a, b in found.pairs:
+        issues, stats = _pair_piece(batch, a, b, max_examples=max_examples)
+        found.pair_issues.setdefault((a, b), []).append(issues)
+        found.stats[(a, b)] = (
+            stats if (a, b) not in found.stats else found.stats[(a, b)].merge(stats, max_examples)
+        )
+    if {"old", "new"} <= set(batch.streams):
+        equal = np.array_equal(batch.streams["old"], batch.streams["new"], equal_nan=True)
+        found.old_equals_new = equal if found.old_equals_new is None else found.old_equals_new and equal
+    found.n_tokens += batch.n_tokens
+    found.sound &= sound
+    return batch if sound else None
+
+
+def _finish(found: _RunFindings) -> list[Issue]:
+    """The issues of the whole run, in the order one read gives them: reader, each pair's checks and
+    signatures, W408, the footer checks."""
+    if found.failed is not None:
+        return [found.failed]
+    issues = merge_piece_issues(found.reader)
+    for a, b in found.pairs or []:
+        issues += merge_piece_issues(found.pair_issues[(a, b)])
+        issues += _pair_findings(found.stats[(a, b)], a, b)
+    if found.old_equals_new:
         issues.append(
             Issue(
                 "W408",
                 "warning",
-                batch.n_tokens,
+                found.n_tokens,
                 "old_logprobs identical to new_logprobs: one iteration only?",
             )
         )
-    issues += metadata_checks(run.meta, pair_streams, recompute_settings(run))
-    return issues, batch if sound else None
+    issues += metadata_checks(found.run.meta, found.pair_streams, recompute_settings(found.run))
+    return issues
+
+
+def _pieces(run: Run, other: Run | None, chunk_rows: int) -> list[tuple[tuple[int, ...] | None, bool, bool]]:
+    """(steps or None for the whole run, run has rows, other has rows) of each piece `check_run` reads."""
+    try:
+        rows_a = step_rows(run)
+        rows_b = {} if other is None else step_rows(other)
+    except InvalidInputError:
+        return [(None, True, other is not None)]  # the reader reports the unreadable step column
+    if null_step_rows(run) or (other is not None and null_step_rows(other)):
+        return [(None, True, other is not None)]  # rows of a null step are in no piece: read whole (E213)
+    both = {s: rows_a.get(s, 0) + rows_b.get(s, 0) for s in sorted({*rows_a, *rows_b})}
+    chunks = step_chunks(both, chunk_rows)
+    if len(chunks) <= 1:
+        return [(None, True, other is not None)]
+    return [(c, any(s in rows_a for s in c), any(s in rows_b for s in c)) for c in chunks]
 
 
 def check_run(
@@ -169,6 +266,7 @@ def check_run(
     max_examples: int = 5,
     vocab_size: int | None = None,
     strict: bool = False,
+    chunk_rows: int = CHECK_CHUNK_ROWS,
 ) -> CheckResult:
     """Run row validation and the data checks on `run`, and on `other` plus minimal cross-run checks.
 
@@ -176,12 +274,38 @@ def check_run(
     two runs' issues are told apart). `streams=[a, b]` restricts the semantic checks to that pair; by default
     every pair (rollout, s) is checked. Codes in `ignore` are dropped. Usage errors (no such stream,
     incomplete recompute dataset) still raise.
+
+    The runs are read in pieces of consecutive whole steps, `chunk_rows` rows of both at a time
+    (docs/reliability.md): the signatures and cross-run checks pool exact sums over the pieces; the reader's
+    and the pair rules' issues of several pieces are merged per code (`merge_piece_issues`).
     """
     ignored = set(ignore)
-    issues, batch = _single_run_issues(run, streams, ignored, max_examples, vocab_size)
-    if other is not None:
-        other_issues, other_batch = _single_run_issues(other, streams, ignored, max_examples, vocab_size)
-        issues += other_issues
-        if batch is not None and other_batch is not None:
-            issues += cross_run_issues(batch, other_batch, max_examples)
+    found_a = _RunFindings(run, _stream_names(run, streams))
+    found_b = None if other is None else _RunFindings(other, _stream_names(other, streams))
+    cross: CrossRunParts | None = None
+    for steps, in_a, in_b in _pieces(run, other, chunk_rows):
+        batch_a = batch_b = None
+        if in_a and found_a.failed is None:
+            piece_a = run if steps is None else restrict_steps(run, steps)
+            batch_a = _add_piece(found_a, piece_a, streams, ignored, max_examples, vocab_size)
+        if found_b is not None and in_b and found_b.failed is None:
+            piece_b = other if steps is None else restrict_steps(other, steps)
+            batch_b = _add_piece(found_b, piece_b, streams, ignored, max_examples, vocab_size)
+        if found_b is None or not (found_a.sound and found_b.sound):
+            continue
+        if batch_a is not None and batch_b is not None:
+            part = cross_run_parts(batch_a, batch_b, max_examples)
+        elif batch_a is not None or batch_b is not None:
+            lone, side = (batch_a, "a") if batch_a is not None else (batch_b, "b")
+            label_other = (found_b.run if side == "a" else found_a.run).label
+            part = one_side_parts(lone, side=side, label_other=label_other, max_examples=max_examples)
+        else:
+            continue
+        cross = part if cross is None else cross.merge(part)
+        del batch_a, batch_b
+    issues = _finish(found_a)
+    if found_b is not None:
+        issues += _finish(found_b)
+        if found_a.sound and found_b.sound and cross is not None:
+            issues += cross_run_findings(cross)
     return check_result([i for i in issues if i.code not in ignored], strict=strict)

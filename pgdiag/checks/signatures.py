@@ -13,10 +13,11 @@ are finite; fits, sign shares and per-step means use every such token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from pgdiag.checks.pairs import MIN_STAT_TOKENS, TokenLocations, locate
+from pgdiag.checks.pairs import MIN_STAT_TOKENS, TokenLocations, locate_parts
 from pgdiag.data.validate import Issue
 
 SLOPE_TOLERANCE = 0.05  # W401: |slope − 1| above this ...
@@ -41,39 +42,149 @@ class Signatures:
     issues: tuple[Issue, ...]
 
 
+@dataclass(frozen=True)
+class Comoments:
+    """Mergeable first and second moments of a pair (x, y): n, means and centred sums of squares and products.
+
+    `of(x, y)` centres on np.mean (as `line_fit` always has), so a single piece gives the same slope and r bit
+    for bit; `merge` pools pieces with the parallel update of Chan et al. (n_a n_b / n · δx δy), which moves a
+    pooled value by rounding only (relative 1e-15 or so), never by cancellation: no raw sums of squares.
+    """
+
+    n: int
+    mean_x: float
+    mean_y: float
+    sxx: float
+    syy: float
+    sxy: float
+
+    @staticmethod
+    def of(x: np.ndarray, y: np.ndarray) -> Comoments:
+        n = int(x.shape[0])
+        if n == 0:
+            return Comoments(0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        mx, my = float(x.mean()), float(y.mean())
+        cx, cy = x - mx, y - my  # (M,) each
+        return Comoments(n, mx, my, float(cx @ cx), float(cy @ cy), float(cx @ cy))
+
+    def merge(self, other: Comoments) -> Comoments:
+        if other.n == 0:
+            return self
+        if self.n == 0:
+            return other
+        n = self.n + other.n
+        dx, dy = other.mean_x - self.mean_x, other.mean_y - self.mean_y
+        w = self.n * other.n / n
+        return Comoments(
+            n,
+            self.mean_x + dx * other.n / n,
+            self.mean_y + dy * other.n / n,
+            self.sxx + other.sxx + dx * dx * w,
+            self.syy + other.syy + dy * dy * w,
+            self.sxy + other.sxy + dx * dy * w,
+        )
+
+    def slope_and_r(self) -> tuple[float | None, float | None]:
+        """(OLS slope of y on x, Pearson r), as `line_fit`; None below 3 points or where a spread is 0."""
+        if self.n < 3 or not (self.sxx > 0 and self.syy > 0):
+            return None, None
+        return self.sxy / self.sxx, self.sxy / float(np.sqrt(self.sxx * self.syy))
+
+
 def line_fit(lp_a: np.ndarray, lp_b: np.ndarray) -> tuple[float | None, float | None]:
     """(OLS slope of lp_b on lp_a, Pearson r) over all tokens; None where a spread is zero."""
-    if lp_a.shape[0] < 3:
-        return None, None
-    xa, xb = lp_a - lp_a.mean(), lp_b - lp_b.mean()
-    saa, sbb, sab = float(xa @ xa), float(xb @ xb), float(xa @ xb)
-    if not (saa > 0 and sbb > 0):
-        return None, None
-    return sab / saa, sab / float(np.sqrt(saa * sbb))
+    return Comoments.of(lp_a, lp_b).slope_and_r()
 
 
-def first_token_stats(delta: np.ndarray, offsets: np.ndarray) -> tuple[float | None, float, int]:
-    """(first-token ratio, share of sequences whose first-token Δ has the majority sign, sequences)."""
-    firsts = offsets[:-1][np.diff(offsets) > 0]
-    if firsts.size == 0:
-        return None, 0.0, 0
-    overall = float(np.mean(np.abs(delta)))
+@dataclass(frozen=True)
+class SignatureStats:
+    """Everything the signatures read, as sums over tokens, samples and steps: mergeable across pieces of a run
+    (consecutive steps, in order), so a run read step by step gives the findings of the run read whole."""
+
+    n: int  # finite tokens
+    fit: Comoments  # of (lp_a, lp_b)
+    sum_abs: float  # Σ |Δ|
+    sum_delta: float  # Σ Δ
+    n_nonpositive: int  # tokens with Δ <= 0 (W403)
+    n_seqs: int  # samples with a token
+    first_sum_abs: float  # Σ |Δ| over each sample's first token
+    first_pos: int  # first tokens with Δ > 0
+    first_neg: int  # first tokens with Δ < 0
+    steps: np.ndarray  # (K,) sorted steps
+    step_sum_abs: np.ndarray  # (K,) Σ |Δ| per step
+    step_tokens: np.ndarray  # (K,) tokens per step
+    n_extreme: int  # tokens with |Δ| > 20 (W410)
+    extreme_examples: tuple[str, ...]  # the first max_examples of them, "step s, sample x, pos p"
+    extreme_first: dict[str, Any]  # the first one's step, sample_id and pos (empty when none)
+
+    def merge(self, other: SignatureStats, max_examples: int) -> SignatureStats:
+        """`self` then `other` (later steps): sums added, per-step arrays joined, the first examples kept."""
+        steps = np.concatenate([self.steps, other.steps])
+        order = np.argsort(steps, kind="stable")
+        examples = (self.extreme_examples + other.extreme_examples)[:max_examples]
+        return SignatureStats(
+            self.n + other.n,
+            self.fit.merge(other.fit),
+            self.sum_abs + other.sum_abs,
+            self.sum_delta + other.sum_delta,
+            self.n_nonpositive + other.n_nonpositive,
+            self.n_seqs + other.n_seqs,
+            self.first_sum_abs + other.first_sum_abs,
+            self.first_pos + other.first_pos,
+            self.first_neg + other.first_neg,
+            steps[order],
+            np.concatenate([self.step_sum_abs, other.step_sum_abs])[order],
+            np.concatenate([self.step_tokens, other.step_tokens])[order],
+            self.n_extreme + other.n_extreme,
+            examples,
+            self.extreme_first or other.extreme_first,
+        )
+
+
+def signature_stats(
+    lp_a: np.ndarray, lp_b: np.ndarray, where: TokenLocations, *, max_examples: int = 1, fit: bool = True
+) -> SignatureStats:
+    """The sums `signature_issues` reads, over the (M,) finite tokens of one piece; `fit=False` skips the
+    (lp_a, lp_b) moments when the caller has its own fit (`compare`'s parity table)."""
+    delta = lp_b - lp_a  # (M,)
+    abs_delta = np.abs(delta)  # (M,)
+    n = int(delta.shape[0])
+    firsts = where.offsets[:-1][np.diff(where.offsets) > 0]
     first_d = delta[firsts]
-    first_mean = float(np.mean(np.abs(first_d)))
-    share = max(float(np.mean(first_d > 0)), float(np.mean(first_d < 0)))
-    if overall == 0.0:
-        return (None if first_mean == 0.0 else float("inf")), share, int(firsts.size)
-    return first_mean / overall, share, int(firsts.size)
-
-
-def step_abs_means(delta: np.ndarray, where: TokenLocations) -> tuple[np.ndarray, np.ndarray]:
-    """Steps (sorted) and the mean |Δ| of each over its tokens."""
     steps, step_code = np.unique(where.step, return_inverse=True)
-    token_step = step_code[where.token_sample()]  # (M,)
-    sums = np.bincount(token_step, weights=np.abs(delta), minlength=steps.size)
-    counts = np.bincount(token_step, minlength=steps.size)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return steps, sums / counts
+    token_step = step_code.reshape(-1)[where.token_sample()]  # (M,)
+    extreme = np.flatnonzero(abs_delta > EXTREME_DELTA)
+    examples, first = locate_parts(where, extreme, max_examples)
+    return SignatureStats(
+        n,
+        Comoments.of(lp_a, lp_b) if fit else Comoments(0, 0.0, 0.0, 0.0, 0.0, 0.0),
+        float(np.sum(abs_delta)),
+        float(np.sum(delta)),
+        int(np.count_nonzero(delta <= 0.0)),
+        int(firsts.size),
+        float(np.sum(np.abs(first_d))),
+        int(np.count_nonzero(first_d > 0)),
+        int(np.count_nonzero(first_d < 0)),
+        steps.astype(np.int64),
+        np.bincount(token_step, weights=abs_delta, minlength=steps.size),
+        np.bincount(token_step, minlength=steps.size),
+        int(extreme.size),
+        examples,
+        first,
+    )
+
+
+def first_token_stats(stats: SignatureStats) -> tuple[float | None, float]:
+    """(first-token ratio: mean |Δ| on each sample's first loss token / mean |Δ| overall, share of sequences
+    whose first-token Δ has the majority sign)."""
+    if stats.n_seqs == 0:
+        return None, 0.0
+    overall = stats.sum_abs / stats.n
+    first_mean = stats.first_sum_abs / stats.n_seqs
+    share = max(stats.first_pos / stats.n_seqs, stats.first_neg / stats.n_seqs)
+    if overall == 0.0:
+        return (None if first_mean == 0.0 else float("inf")), share
+    return first_mean / overall, share
 
 
 def signatures(
@@ -94,13 +205,34 @@ def signatures(
     caller has computed it (`compare`'s parity table), else it is computed here. W403 applies only when side a
     is the sampling engine's.
     """
-    delta = lp_b - lp_a  # (M,)
-    n = delta.shape[0]
+    stats = signature_stats(lp_a, lp_b, where, max_examples=max_examples, fit=fit is None)
+    return signature_issues(
+        stats,
+        name=name,
+        name_a=name_a,
+        name_b=name_b,
+        sampling_side_is_engine=sampling_side_is_engine,
+        fit=fit,
+    )
+
+
+def signature_issues(
+    stats: SignatureStats,
+    *,
+    name: str,
+    name_a: str,
+    name_b: str,
+    sampling_side_is_engine: bool,
+    fit: tuple[float | None, float | None] | None = None,
+) -> Signatures:
+    """The findings of `signatures` from the (pooled) `stats` of a pair."""
+    n = stats.n
     issues: list[Issue] = []
     if n == 0:
         return Signatures(None, None, ())
-    slope, r = line_fit(lp_a, lp_b) if fit is None else fit
-    ratio, sign_share, n_seqs = first_token_stats(delta, where.offsets)
+    slope, r = stats.fit.slope_and_r() if fit is None else fit
+    ratio, sign_share = first_token_stats(stats)
+    n_seqs = stats.n_seqs
     enough = n >= MIN_STAT_TOKENS
     if (
         enough
@@ -137,8 +269,8 @@ def signatures(
             )
         )
     if sampling_side_is_engine and enough:
-        n_ge = int(np.count_nonzero(delta <= 0.0))
-        mean_delta = float(delta.mean())
+        n_ge = stats.n_nonpositive
+        mean_delta = stats.sum_delta / n
         if n_ge / n > PROCESSED_SHARE and mean_delta < PROCESSED_MEAN_DELTA:
             issues.append(
                 Issue(
@@ -150,7 +282,9 @@ def signatures(
                     hint="log raw log-probs (vLLM: logprobs_mode=raw_logprobs)",
                 )
             )
-    steps, step_mean = step_abs_means(delta, where)
+    steps = stats.steps
+    with np.errstate(invalid="ignore", divide="ignore"):
+        step_mean = stats.step_sum_abs / stats.step_tokens
     for k in range(1, steps.size):
         before = step_mean[max(0, k - STALE_WINDOW) : k]
         before = before[np.isfinite(before)]
@@ -165,16 +299,15 @@ def signatures(
                     step=int(steps[k]),
                 )
             )
-    extreme = np.flatnonzero(np.abs(delta) > EXTREME_DELTA)
-    if extreme.size:
-        text, first = locate(where, extreme, max_examples)
+    if stats.n_extreme:
+        text = "; ".join(stats.extreme_examples)
         issues.append(
             Issue(
                 "W410",
                 "warning",
-                int(extreme.size),
-                f"{name}: {extreme.size} tokens with |Δ| > 20 (counted, not clamped; {text})",
-                **first,
+                stats.n_extreme,
+                f"{name}: {stats.n_extreme} tokens with |Δ| > 20 (counted, not clamped; {text})",
+                **stats.extreme_first,
             )
         )
     return Signatures(ratio, slope, tuple(issues))

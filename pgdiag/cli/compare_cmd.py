@@ -316,7 +316,9 @@ def compare(
                 console, sources, [run_a, *others], baseline, settings, gates, out, overwrite, quiet
             )
         source_b = None if not others else read_run(others[0], steps=steps, run=run_name)
-        comparison = compare_runs(source_a, source_b, settings, decode=decode)
+        comparison = compare_runs(
+            source_a, source_b, settings, decode=decode, keep_tokens=tokens_out is not None
+        )
         report = comparison.report
         decision = outcome(report, gates)
         verdict = compare_verdict(report, decision.gates)
@@ -327,19 +329,19 @@ def compare(
             render_worst_tokens(console, report, limit=worst_k if verbose else min(worst_k, 5), decode=decode)
             render_checks(console, report.checks)
             render_gates(console, decision.gates)
-        pair = comparison.pair
+        labels, streams, inputs = report.meta["labels"], report.meta["streams"], report.meta["inputs"]
         result = result_object(
             "compare",
             status=decision.status,
             exit_code=decision.exit_code,
             inputs={
-                "runs": [pair.label_a] + ([pair.label_b] if others else []),
-                "streams": [pair.stream_a, pair.stream_b],
-                "steps": report.meta["inputs"]["steps"],
-                "n_samples": pair.n_samples,
-                "n_tokens": pair.n_tokens,
+                "runs": [labels["a"]] + ([labels["b"]] if others else []),
+                "streams": [streams["a"], streams["b"]],
+                "steps": inputs["steps"],
+                "n_samples": inputs["n_matched_samples"],
+                "n_tokens": inputs["n_tokens"],
             },
-            pairs=[pair.pair],
+            pairs=report.meta["pairs"],
             summary=report.to_json_dict()["summary"],
             gates=[g.__dict__ for g in decision.gates.gates],
             checks=report.checks.to_dicts(),
@@ -348,17 +350,19 @@ def compare(
         if routing_replay is not None:
             from pgdiag.compare.routing import routing_attribution
 
-            pair = comparison.pair
             attribution = routing_attribution(
-                source_a, stream_a=pair.stream_a, recompute=pair.stream_b, replay=routing_replay
+                source_a, stream_a=streams["a"], recompute=streams["b"], replay=routing_replay
             )
             result["routing"] = attribution.to_dicts()
             if not quiet:
-                _render_routing(console, attribution, pair.stream_b, routing_replay)
+                _render_routing(console, attribution, streams["b"], routing_replay)
         if tokens_out is not None:
             from pgdiag.compare.tokens import write_token_table
 
-            result["files"]["tokens"] = str(write_token_table(pair, tokens_out, overwrite=overwrite))
+            assert comparison.pair is not None  # keep_tokens: read whole
+            result["files"]["tokens"] = str(
+                write_token_table(comparison.pair, tokens_out, overwrite=overwrite)
+            )
         if html is not None:
             from pgdiag.report.html import verdict_arguments, write_html
             from pgdiag.report.plots import build_figures
@@ -367,7 +371,7 @@ def compare(
                 report.with_meta(verdict=verdict.as_dict()),
                 html,
                 overwrite=overwrite,
-                plot_set=build_figures(report, tokens=pair, trace=comparison.trace()),
+                plot_set=build_figures(report, tokens=comparison.tokens, trace=comparison.trace()),
                 argv=result["argv"],
                 **verdict_arguments(verdict),
             )

@@ -65,6 +65,7 @@ class AlignedPair:
     n_samples_b: int
     n_invalid: int  # matched tokens dropped as non-finite (only when E207 is ignored)
     issues: tuple[Issue, ...]
+    deferred: Deferred | None = None  # E304/E306/E303/W303 inputs, when aligned with `deferred=True`
 
     @property
     def pair(self) -> str:
@@ -86,6 +87,116 @@ class AlignedPair:
     def token_sample(self) -> np.ndarray:
         """(M,) int32 index of the matched sample owning each token."""
         return self.token_row
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """The counts behind E304, E306 and E303/W303 of one piece of a run read step by step (`align_batches`
+    with ``deferred=True``); `merge` pools consecutive pieces and `issues` raises or lists them as a run read
+    whole would (first locations in step order)."""
+
+    pair_name: str
+    label_a: str
+    label_b: str
+    join: str
+    n_a: int  # samples of side a
+    n_b: int
+    n_matched: int
+    only_a: int  # samples of a with no match in b
+    only_b: int
+    first_only: tuple[str, int, str] | None  # (text, step, sample_id) of the first unmatched sample
+    first_only_b: tuple[str, int, str] | None  # the first unmatched sample of b (used when a has none)
+    steps: tuple[int, int] | None  # (min, max) step of side a
+    steps_b: tuple[int, int] | None
+    mask_only_a: int = 0  # matched loss positions on side a only
+    mask_a: int = 0  # matched loss positions of side a
+    mask_only_b: int = 0
+    mask_b: int = 0
+    mask_first: tuple[str, int, str, int] | None = (
+        None  # (text, step, sample_id, pos) of the first difference
+    )
+
+    def merge(self, other: Deferred) -> Deferred:
+        def span(x: tuple[int, int] | None, y: tuple[int, int] | None) -> tuple[int, int] | None:
+            return x if y is None else y if x is None else (min(x[0], y[0]), max(x[1], y[1]))
+
+        return replace(
+            self,
+            n_a=self.n_a + other.n_a,
+            n_b=self.n_b + other.n_b,
+            n_matched=self.n_matched + other.n_matched,
+            only_a=self.only_a + other.only_a,
+            only_b=self.only_b + other.only_b,
+            first_only=self.first_only or other.first_only,
+            first_only_b=self.first_only_b or other.first_only_b,
+            steps=span(self.steps, other.steps),
+            steps_b=span(self.steps_b, other.steps_b),
+            mask_only_a=self.mask_only_a + other.mask_only_a,
+            mask_a=self.mask_a + other.mask_a,
+            mask_only_b=self.mask_only_b + other.mask_only_b,
+            mask_b=self.mask_b + other.mask_b,
+            mask_first=self.mask_first or other.mask_first,
+        )
+
+    def unmatched_issues(self, ignore: Collection[str]) -> list[Issue]:
+        """E304 (raised) when nothing matched, then E306 (raised unless ignored, else dropped)."""
+        if self.n_matched == 0:
+            raise InvalidInputError(
+                "E304",
+                f"{self.pair_name}: 0 of {self.n_a} samples matched by {_JOIN_KEYS[self.join]}; steps "
+                f"{_span_text(self.steps)} vs {_span_text(self.steps_b)}",
+                _HINTS["E304"],
+            )
+        issues: list[Issue] = []
+        if self.only_a or self.only_b:
+            first = self.first_only if self.only_a else self.first_only_b
+            assert first is not None
+            _raise_or_record(
+                Issue(
+                    "E306",
+                    "error",
+                    self.only_a + self.only_b,
+                    f"{self.pair_name}: {self.only_a} of {self.n_a} samples of {self.label_a} have no match in "
+                    f"{self.label_b} and {self.only_b} of {self.n_b} of {self.label_b} none in {self.label_a} "
+                    f"(first: {first[0]}; join {_JOIN_KEYS[self.join]})",
+                    first[1],
+                    first[2],
+                ),
+                ignore,
+                issues,
+            )
+        return issues
+
+    def mask_issues(self, ignore: Collection[str]) -> list[Issue]:
+        """E303 (raised unless ignored) or W303 over the pooled loss positions of the matched samples."""
+        if self.mask_first is None:
+            return []
+        text, step, sample_id, pos = self.mask_first
+        found = mask_issue(
+            self.mask_only_a,
+            self.mask_a,
+            self.mask_only_b,
+            self.mask_b,
+            f"{self.mask_only_a} only in {self.label_a}, {self.mask_only_b} only in {self.label_b}; first: "
+            f"{text}; metrics use the intersection",
+        )
+        issues: list[Issue] = []
+        if found is not None:
+            found = replace(
+                found, message=f"{self.pair_name}: {found.message}", step=step, sample_id=sample_id, pos=pos
+            )
+            _raise_or_record(found, ignore, issues)
+        return issues
+
+
+def _span_text(span: tuple[int, int] | None) -> str:
+    if span is None:
+        return "none"
+    return str(span[0]) if span[0] == span[1] else f"{span[0]}-{span[1]}"
+
+
+def _span(step: np.ndarray) -> tuple[int, int] | None:
+    return None if step.size == 0 else (int(step.min()), int(step.max()))
 
 
 def token_take(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
@@ -215,8 +326,14 @@ def align_batches(
     stream_b: str,
     join: str = "auto",
     ignore: Collection[str] = (),
+    deferred: bool = False,
 ) -> AlignedPair:
-    """Pair the samples and loss tokens of `a` and `b` and run the alignment checks (module docstring)."""
+    """Pair the samples and loss tokens of `a` and `b` and run the alignment checks (module docstring).
+
+    `deferred`: for a piece of a run read step by step: E304, E306 and E303/W303 are not raised or listed but
+    counted in `AlignedPair.deferred`, to be merged over the pieces (`Deferred`); `join` must then be resolved
+    ("id", "hash" or "hash-any-step"), as "auto" decides on the whole run.
+    """
     for batch, stream, side in ((a, stream_a, "a"), (b, stream_b, "b")):
         if stream not in batch.streams:
             listed = ", ".join(batch.streams) or "none"
@@ -234,16 +351,33 @@ def align_batches(
     issues: list[Issue] = []
 
     # 1. samples
-    if ia.shape[0] == 0:
+    only_a = np.setdiff1d(np.arange(a.n_samples), ia)
+    only_b = np.setdiff1d(np.arange(b.n_samples), ib)
+    held = None
+    if deferred:
+        held = Deferred(
+            pair_name,
+            a.label,
+            b.label,
+            resolved,
+            a.n_samples,
+            b.n_samples,
+            int(ia.shape[0]),
+            int(only_a.size),
+            int(only_b.size),
+            _first_unmatched(a, only_a),
+            _first_unmatched(b, only_b),
+            _span(a.step),
+            _span(b.step),
+        )
+    elif ia.shape[0] == 0:
         raise InvalidInputError(
             "E304",
             f"{pair_name}: 0 of {a.n_samples} samples matched by {_JOIN_KEYS[resolved]}; steps "
             f"{_step_range(a.step)} vs {_step_range(b.step)}",
             _HINTS["E304"],
         )
-    only_a = np.setdiff1d(np.arange(a.n_samples), ia)
-    only_b = np.setdiff1d(np.arange(b.n_samples), ib)
-    if only_a.size or only_b.size:
+    if held is None and (only_a.size or only_b.size):
         first = (
             f"first: {_where(a.step, a.sample_id, int(only_a[0]))} of {a.label}"
             if only_a.size
@@ -279,11 +413,15 @@ def align_batches(
     mask = None
     if same_layout:
         idx_a, idx_b, offsets = take_a, take_b, off_a
+        if held is not None:
+            held = replace(held, mask_a=int(off_a[-1]), mask_b=int(off_b[-1]))
     else:
         take_a, take_b = _indices(take_a, a.n_tokens), _indices(take_b, b.n_tokens)
         idx_a, idx_b, offsets = _intersect_positions(a, b, take_a, off_a, take_b, off_b)
         n_a, n_b, n_both = take_a.shape[0], take_b.shape[0], idx_a.shape[0]
-        row, pos = _first_mask_difference(a, b, take_a, off_a, take_b, off_b)
+        row, pos = (
+            _first_mask_difference(a, b, take_a, off_a, take_b, off_b) if n_a + n_b > 2 * n_both else (0, 0)
+        )
         mask = mask_issue(
             n_a - n_both,
             n_a,
@@ -292,6 +430,18 @@ def align_batches(
             f"{n_a - n_both} only in {a.label}, {n_b - n_both} only in {b.label}; first: "
             f"{_where(step, sample_id, row, pos)}; metrics use the intersection",
         )
+        if held is not None and n_a + n_b > 2 * n_both:
+            held = replace(
+                held,
+                mask_only_a=n_a - n_both,
+                mask_a=n_a,
+                mask_only_b=n_b - n_both,
+                mask_b=n_b,
+                mask_first=(_where(step, sample_id, row, pos), int(step[row]), str(sample_id[row]), pos),
+            )
+            mask = None
+        elif held is not None:
+            held = replace(held, mask_a=n_a, mask_b=n_b)
         if mask is not None:
             mask = replace(
                 mask,
@@ -399,6 +549,57 @@ def align_batches(
         n_samples_b=b.n_samples,
         n_invalid=n_invalid,
         issues=tuple(issues),
+        deferred=held,
+    )
+
+
+def _first_unmatched(batch: TokenBatch, rows: np.ndarray) -> tuple[str, int, str] | None:
+    """(text, step, sample_id) of the first of `rows`, for E306."""
+    if rows.size == 0:
+        return None
+    r = int(rows[0])
+    return (
+        f"{_where(batch.step, batch.sample_id, r)} of {batch.label}",
+        int(batch.step[r]),
+        str(batch.sample_id[r]),
+    )
+
+
+def unmatched_side(batch: TokenBatch, *, side: str, pair_name: str, label_other: str, join: str) -> Deferred:
+    """The `Deferred` counts of a piece where only one run has samples (`side` "a" or "b"): all unmatched."""
+    rows = np.arange(batch.n_samples)
+    first = _first_unmatched(batch, rows)
+    empty = None  # no steps on the other side
+    if side == "a":
+        return Deferred(
+            pair_name,
+            batch.label,
+            label_other,
+            join,
+            batch.n_samples,
+            0,
+            0,
+            batch.n_samples,
+            0,
+            first,
+            None,
+            _span(batch.step),
+            empty,
+        )
+    return Deferred(
+        pair_name,
+        label_other,
+        batch.label,
+        join,
+        0,
+        batch.n_samples,
+        0,
+        0,
+        batch.n_samples,
+        None,
+        first,
+        empty,
+        _span(batch.step),
     )
 
 

@@ -4,7 +4,9 @@ What: reads two runs (or two streams of one run), aligns them (`align`), compute
 sequence scope (`parity`), the breakdowns (`breakdowns`), the logprob-only signatures (`pgdiag.checks.signatures`, as `pgdiag check` runs them), the worst-K
 tables (`worst`) and, on request, each run's own metric set side by side; returns one `Report`.
 Why: the CLI, notebooks and tests all get the same numbers from one call; nothing here prints.
-How: inputs are `Run`s, paths (read with `pgdiag.data.runs.read_run`) or in-memory `TokenBatch`es. Streams resolve as
+How: inputs are `Run`s, paths (read with `pgdiag.data.runs.read_run`) or in-memory `TokenBatch`es. Runs on disk
+are read in pieces of whole consecutive steps of both runs, each aligned, checked and reduced into
+`pooled.PooledParity` before the next is read (docs/compare.md, "Reading step by step"). Streams resolve as
 docs/compare.md says: one run, a = `rollout`, b = `old` (engine vs trainer), else the first present of `new`, the
 only recompute tag, `rollout` (excluding a); two runs, a = first present of that list in run a, b = the same name. Rows follow the tidy
 report schema (docs/compare.md); side-by-side run metrics use scope `batch`, which compare's gates never read.
@@ -20,23 +22,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
-from pgdiag.checks.signatures import signatures
+from pgdiag.checks.signatures import signature_issues
 from pgdiag.compare import breakdowns as bd
-from pgdiag.compare.align import AlignedPair, align_batches
-from pgdiag.compare.parity import (
-    bucket_table,
-    sample_bucket_table,
-    sample_terms,
-    sequence_table,
-    token_table,
-    token_terms,
-    unit_and_reduction,
-)
+from pgdiag.compare.align import AlignedPair, Deferred, align_batches, unmatched_side
+from pgdiag.compare.parity import unit_and_reduction
+from pgdiag.compare.pooled import PooledParity
 from pgdiag.compare.settings import CompareSettings
 from pgdiag.compare.side_by_side import MetricSide, side_by_side_rows, side_settings
-from pgdiag.compare.worst import token_decoder, worst_seqs, worst_tokens, worst_trace
+from pgdiag.compare.worst import token_decoder
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.validate import CheckSettings, Issue
+from pgdiag.data.validate import CheckResult, CheckSettings, Issue, merge_check_results
 from pgdiag.errors import UsageError
 from pgdiag.metrics.api import metric_streams
 from pgdiag.metrics.settings import MetricSettings
@@ -56,7 +51,7 @@ class Side:
     """One side of a comparison once read: its token batch (with `seq_hash` when read from disk), reader checks."""
 
     batch: TokenBatch | None  # None once aligned (`_aligned`)
-    checks: pl.DataFrame | None
+    checks: CheckResult | None  # the reader's checks
     run: Any  # the `Run`, or None for an in-memory batch
     metrics: MetricSettings | None = None  # this side's resolved side-by-side metric settings
     sample_row: np.ndarray | None = None  # (S,) the batch's `sample_row`, kept when the batch is dropped
@@ -113,10 +108,9 @@ def resolve_streams(
 def _read_side(
     source: Any, streams: Sequence[str], checks: CheckSettings, metrics: MetricSettings | None
 ) -> Side:
-    """Read `source` once: the compared `streams` plus, for side-by-side `metrics` (resolved), theirs."""
+    """Read `source` (a run, or a piece of one): the compared `streams` plus, for side-by-side `metrics`
+    (resolved), theirs."""
     if isinstance(source, TokenBatch):
-        if metrics is not None:
-            side_settings(None, streams[-1], metrics)  # raises: side-by-side metrics need a run on disk
         return Side(source, None, None)
     from pgdiag.data.runs import read_token_batch
 
@@ -135,7 +129,7 @@ def _read_side(
         ignore=checks.ignore,
         max_examples=checks.max_examples,
     )
-    return Side(loaded.batch, loaded.checks.issues, run, metrics)
+    return Side(loaded.batch, loaded.checks, run, metrics)
 
 
 def _as_source(source: Any) -> Any:
@@ -177,67 +171,39 @@ def _rows(
     return rows
 
 
-def parity_rows(
-    pair: AlignedPair, *, by: Sequence[str], eps_low: float, eps_high: float
-) -> tuple[list[ReportRow], dict[str, float | None]]:
-    """Every summary row of one pair; also the `all` token stats by name."""
-    name = pair.pair
+def parity_rows(pooled: PooledParity, name: str) -> tuple[list[ReportRow], dict[str, float | None]]:
+    """Every summary row of one pair from its pooled pieces; also the `all` token stats by name."""
     rows: list[ReportRow] = []
-    terms = token_terms(pair.lp_a, pair.lp_b, eps_low=eps_low, eps_high=eps_high, delta=pair.delta)
-    tokens = token_table(pair.lp_a, pair.lp_b, eps_low=eps_low, eps_high=eps_high, terms=terms)
+    tokens = pooled.token_table()
     rows += _rows(name, "token", "all", tokens, 0, "all", None, None, "tokens")
-    n_tok = pair.n_tokens
+    n_tok = pooled.n_tokens
     rows.append(ReportRow(name, "token", "all", "all", "count/mismatch_tokens", n_tok, "count", "sum", n_tok))
     rows.append(
         ReportRow(
-            name, "token", "all", "all", "count/mismatch_invalid", pair.n_invalid, "count", "sum", n_tok
+            name, "token", "all", "all", "count/mismatch_invalid", pooled.n_invalid, "count", "sum", n_tok
         )
     )
-    seqs = sequence_table(
-        pair.lp_a, pair.lp_b, pair.offsets, eps_low=eps_low, eps_high=eps_high, delta=pair.delta
-    )
+    seqs = pooled.sequence_table()
     rows += _rows(name, "sequence", "all", seqs, 0, "all", None, None, "samples")
     n_seq = int(seqs["samples"][0])
     rows.append(ReportRow(name, "sequence", "all", "all", "count/samples", n_seq, "count", "sum", n_seq))
-
-    per_sample = None
-    for breakdown in by:
-        buckets = bd.assign(pair, breakdown)
-        if buckets.sample_codes is None:
-            table = bucket_table(terms, buckets.codes, buckets.n_buckets)
-        else:  # constant within each sample: reduce tokens to samples once, then bucket the samples
-            if per_sample is None:
-                per_sample = sample_terms(terms, pair.offsets, pair.token_row)
-            table = sample_bucket_table(
-                per_sample, terms, buckets.sample_codes, pair.token_row, buckets.n_buckets
-            )
-        for k, label in enumerate(buckets.labels):
-            if table["tokens"][k] == 0:
-                continue
-            lo, hi = float(buckets.lo[k]), float(buckets.hi[k])
-            rows += _rows(name, "token", breakdown, table, k, label, lo, hi, "tokens")
-        del buckets  # its (M,) codes go before the next breakdown allocates its own
-    rows += _dlogp_rows(pair)
+    for breakdown in pooled.by:
+        for label, lo, hi, table in pooled.bucket_rows(breakdown):
+            rows += _rows(name, "token", breakdown, table, 0, label, lo, hi, "tokens")
+    rows += _dlogp_rows(name, pooled.hist, pooled.n_zero, n_tok)
     stats = {k: (None if not np.isfinite(v[0]) else float(v[0])) for k, v in tokens.items()}
     return rows, stats
 
 
-def _dlogp_rows(pair: AlignedPair) -> list[ReportRow]:
+def _dlogp_rows(name: str, counts: np.ndarray, n_zero: int, n_tokens: int) -> list[ReportRow]:
     """Token counts per Δ bin (breakdown `dlogp`): the histogram behind the dlogp-hist plot, over all tokens."""
     edges = np.asarray(DLOGP_EDGES)
-    d = pair.delta
-    codes = np.searchsorted(edges, d, side="right")  # (M,) in [1, K]: edges span -inf..inf
-    codes -= 1
-    n_zero = int(np.count_nonzero(d == 0.0))
-    counts = np.bincount(codes, minlength=edges.shape[0] - 1)
-    # exact zeros have their own row: take them out of the bin holding 0.0 (no (M,) compressed copy of codes)
-    counts[np.searchsorted(edges, 0.0, side="right") - 1] -= n_zero
     rows = []
     for k in range(edges.shape[0] - 1):
         lo, hi = float(edges[k]), float(edges[k + 1])
         rows.append(
             ReportRow(
-                pair.pair,
+                name,
                 "token",
                 "dlogp",
                 f"[{lo:g},{hi:g})",
@@ -245,25 +211,13 @@ def _dlogp_rows(pair: AlignedPair) -> list[ReportRow]:
                 int(counts[k]),
                 "count",
                 "sum",
-                pair.n_tokens,
+                n_tokens,
                 lo,
                 hi,
             )
         )
     rows.append(
-        ReportRow(
-            pair.pair,
-            "token",
-            "dlogp",
-            "0",
-            "count/tokens",
-            n_zero,
-            "count",
-            "sum",
-            pair.n_tokens,
-            0.0,
-            0.0,
-        )
+        ReportRow(name, "token", "dlogp", "0", "count/tokens", n_zero, "count", "sum", n_tokens, 0.0, 0.0)
     )
     return rows
 
@@ -286,9 +240,17 @@ def _checks_frame(issues: Sequence[Issue], reader_checks: Sequence[pl.DataFrame 
 
 
 def _labels(
-    a: TokenBatch, b: TokenBatch, label_a: str | None, label_b: str | None, one_run: bool
+    a: TokenBatch | None,
+    b: TokenBatch | None,
+    label_a: str | None,
+    label_b: str | None,
+    one_run: bool,
+    run_a: Any,
+    run_b: Any,
 ) -> tuple[str, str]:
-    la, lb = label_a or a.label, label_b or b.label
+    """The two labels: given, else each batch's (its run's when that run has no rows in the first piece)."""
+    la = label_a or (a.label if a is not None else run_a.label)
+    lb = label_b or (b.label if b is not None else (run_a if one_run else run_b).label)
     if la == lb and not one_run:
         la, lb = f"{la}:a", f"{lb}:b"
     return la, lb
@@ -296,14 +258,68 @@ def _labels(
 
 @dataclass(frozen=True)
 class Comparison:
-    """A finished comparison: the report plus the aligned tokens (for token-level plots and the token table)."""
+    """A finished comparison: the report, the worst sequence's trace and the tokens that token plots read.
+
+    `pair` holds every aligned token when the runs were read in one piece (in-memory batches, one piece of
+    steps, `keep_tokens=True`, `--metrics`, `--model`, `--join hash-any-step`), else None: a comparison read
+    step by step keeps `tokens`, every k-th matched token's (pair, lp_a, lp_b) (k = 1 up to 4,000,000 tokens,
+    `pooled.SAMPLE_CAP`), which the token plots draw. docs/compare.md says which reads are whole.
+    """
 
     report: Report
-    pair: AlignedPair
+    pair: AlignedPair | None
+    tokens: AlignedPair | pl.DataFrame  # what token plots read
+    worst_trace: pl.DataFrame
 
     def trace(self) -> pl.DataFrame:
         """Both streams along the worst sequence (`worst.worst_trace`)."""
-        return worst_trace(self.pair)
+        return self.worst_trace
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """The steps of one piece, and whether each run has rows in it."""
+
+    steps: tuple[int, ...] | None  # None: the whole run
+    in_a: bool = True
+    in_b: bool = True
+
+
+def _pieces(a: Any, b: Any, one_run: bool, whole: bool, chunk_rows: int) -> list[_Piece]:
+    """The pieces a comparison reads: consecutive steps of both runs under `chunk_rows` rows (a + b)."""
+    if whole:
+        return [_Piece(None)]
+    from pgdiag.data.runs import null_step_rows, step_chunks, step_rows
+
+    rows_a = step_rows(a)
+    rows_b = rows_a if one_run else step_rows(b)
+    if null_step_rows(a) or (not one_run and null_step_rows(b)):
+        return [_Piece(None)]  # rows of a null step are in no piece: read whole (the reader's E213)
+    both = {s: rows_a.get(s, 0) + (0 if one_run else rows_b.get(s, 0)) for s in sorted({*rows_a, *rows_b})}
+    chunks = step_chunks(both, chunk_rows)
+    if len(chunks) <= 1:
+        return [_Piece(None)]
+    return [_Piece(c, any(s in rows_a for s in c), one_run or any(s in rows_b for s in c)) for c in chunks]
+
+
+def _resolve_join(a: Any, b: Any, join: str) -> str:
+    """`auto` decided on the whole runs' keys, as one piece would: id when at least half of a's samples match on
+    (step, sample_id, segment_idx), else hash."""
+    if join != "auto":
+        return join
+
+    def keys(run: Any) -> pl.DataFrame:
+        names = run.lazy.collect_schema().names()
+        segment = pl.col("segment_idx").fill_null(0) if "segment_idx" in names else pl.lit(0)
+        return run.lazy.select(
+            pl.col("step").cast(pl.Int64),
+            pl.col("sample_id").cast(pl.String),
+            segment.cast(pl.Int32).alias("seg"),
+        ).collect()
+
+    ka = keys(a)
+    matched = ka.join(keys(b).unique(), on=["step", "sample_id", "seg"], how="inner").height
+    return "hash" if 2 * matched < ka.height else "id"
 
 
 def compare_runs(
@@ -312,6 +328,7 @@ def compare_runs(
     settings: CompareSettings | None = None,
     *,
     decode: Callable[[Sequence[int]], str] | None = None,
+    keep_tokens: bool = False,
     **options: Any,
 ) -> Comparison:
     """Parity of `a` against `b` (or of two streams of `a` when `b` is None). Δ = lp_b − lp_a.
@@ -319,8 +336,10 @@ def compare_runs(
     `a`, `b`: a `Run`, a run path, or a `TokenBatch`. `settings`: a `CompareSettings`; without it, flat keyword
     options build one (``compare_runs(a, b, by=["step"], eps_low=0.1)``, `CompareSettings.from_options`).
     `decode`: token ids -> text for the worst-token context (else `settings.tokenizer` is used).
-    Returns a `Comparison`: the report plus the aligned tokens that token-level plots and tables read.
-    Raises `InvalidInputError` (exit 3) on alignment errors, `UsageError` (exit 2) on bad options.
+    Runs on disk are read step by step, `settings.chunk_rows` rows of both runs at a time (docs/compare.md);
+    `keep_tokens=True` reads them whole and keeps every aligned token in `Comparison.pair` (`--tokens-out`).
+    Returns a `Comparison`. Raises `InvalidInputError` (exit 3) on alignment errors, `UsageError` (exit 2) on
+    bad options.
     """
     if settings is None:
         settings = CompareSettings.from_options(**options)
@@ -349,37 +368,117 @@ def compare_runs(
         )
         if not one_run:
             metrics_b = side_settings(None if isinstance(b, TokenBatch) else b, sb, settings.metrics)
-    side_a = _read_side(a, [sa, sb] if one_run else [sa], settings.checks, metrics_a)
-    side_b = side_a if one_run else _read_side(b, [sb], settings.checks, metrics_b)
-    la, lb = _labels(side_a.batch, side_b.batch, label_a, label_b, one_run)
-    batch_a = replace(side_a.batch, label=la)
-    batch_b = batch_a if one_run else replace(side_b.batch, label=lb)
-    pair = align_batches(batch_a, batch_b, stream_a=sa, stream_b=sb, join=join, ignore=ignore)
-    side_rows: list[ReportRow] = []
-    if settings.metrics is not None:
-        shown = [(la, side_a)] if one_run else [(la, side_a), (lb, side_b)]
-        side_rows = side_by_side_rows([MetricSide(lab, s.run, s.batch, s.metrics) for lab, s in shown])
-    del batch_a, batch_b
-    side_a = _aligned(side_a)
-    side_b = side_a if one_run else _aligned(side_b)
+    in_memory = isinstance(a, TokenBatch) or isinstance(b, TokenBatch)
+    whole = (
+        in_memory
+        or keep_tokens
+        or settings.metrics is not None
+        or model is not None
+        or join == "hash-any-step"
+    )
+    from pgdiag.data.runs import restrict_steps
 
-    chosen = bd.available(pair) if by is None else tuple(by)
-    rows, stats = parity_rows(pair, by=chosen, eps_low=eps_low, eps_high=eps_high)
-    diagnosis = signatures(
-        pair.lp_a,
-        pair.lp_b,
-        pair,
-        name=pair.pair,
-        name_a=pair.label_a,
-        name_b=pair.label_b,
-        sampling_side_is_engine=pair.stream_a == "rollout",
+    pieces = _pieces(a, b, one_run, whole, settings.chunk_rows)
+    if len(pieces) > 1:
+        join = _resolve_join(a, a if one_run else b, join)
+    pooled: PooledParity | None = None
+    held: Deferred | None = None
+    checks_a: list[CheckResult] = []  # reader checks of each piece, merged per code and rule at the end
+    checks_b: list[CheckResult] = []
+    side_rows: list[ReportRow] = []
+    pair: AlignedPair | None = None
+    side_a = side_b = None
+    la = lb = ""
+    for piece in pieces:
+        src_a = a if piece.steps is None else restrict_steps(a, piece.steps)
+        src_b = None if one_run else (b if piece.steps is None else restrict_steps(b, piece.steps))
+        side_a = (
+            _read_side(src_a, [sa, sb] if one_run else [sa], settings.checks, metrics_a)
+            if piece.in_a
+            else None
+        )
+        if one_run:
+            side_b = side_a
+        elif piece.in_b:
+            side_b = _read_side(src_b, [sb], settings.checks, metrics_b)
+        else:
+            side_b = None
+        if side_a is not None and side_a.checks is not None:
+            checks_a.append(side_a.checks)
+        if not one_run and side_b is not None and side_b.checks is not None:
+            checks_b.append(side_b.checks)
+        if not la:
+            la, lb = _labels(
+                side_a.batch if side_a else None,
+                side_b.batch if side_b else None,
+                label_a,
+                label_b,
+                one_run,
+                a,
+                b,
+            )
+        if side_a is None or side_b is None:  # a step present in one run only: all its samples unmatched
+            lone, which = (side_b, "b") if side_a is None else (side_a, "a")
+            part = unmatched_side(
+                replace(lone.batch, label=lb if which == "b" else la),
+                side=which,
+                pair_name=f"{la}:{sa} vs {lb}:{sb}",
+                label_other=la if which == "b" else lb,
+                join=join,
+            )
+            held = part if held is None else held.merge(part)
+            continue
+        batch_a = replace(side_a.batch, label=la)
+        batch_b = batch_a if one_run else replace(side_b.batch, label=lb)
+        piece_pair = align_batches(
+            batch_a, batch_b, stream_a=sa, stream_b=sb, join=join, ignore=ignore, deferred=len(pieces) > 1
+        )
+        if settings.metrics is not None:  # --metrics reads the runs whole (one piece)
+            shown = [(la, side_a)] if one_run else [(la, side_a), (lb, side_b)]
+            side_rows = side_by_side_rows([MetricSide(lab, s.run, s.batch, s.metrics) for lab, s in shown])
+        del batch_a, batch_b
+        side_a = _aligned(side_a)
+        side_b = side_a if one_run else _aligned(side_b)
+        if piece_pair.deferred is not None:
+            held = piece_pair.deferred if held is None else held.merge(piece_pair.deferred)
+        if piece_pair.n_samples == 0:  # nothing matched in these steps: counted in E306 (deferred) only
+            continue
+        if pooled is None:
+            chosen = bd.available(piece_pair) if by is None else tuple(by)
+            pooled = PooledParity(
+                by=chosen,
+                eps_low=eps_low,
+                eps_high=eps_high,
+                worst_k=worst_k,
+                decode=decode,
+                pieces=len(pieces),
+            )
+        pooled.add(piece_pair, np.asarray(DLOGP_EDGES))
+        if len(pieces) == 1:
+            pair = piece_pair
+        del piece_pair
+    deferred_issues: list[Issue] = []
+    if held is not None:
+        deferred_issues = held.unmatched_issues(ignore)  # E304 raises, E306 raises unless ignored
+        deferred_issues += held.mask_issues(ignore)
+    assert pooled is not None  # E304 raised above when no piece matched
+    name = f"{la}:{sa} vs {lb}:{sb}"
+    rows, stats = parity_rows(pooled, name)
+    signature = pooled.signature
+    assert signature is not None
+    diagnosis = signature_issues(
+        signature,
+        name=name,
+        name_a=la,
+        name_b=lb,
+        sampling_side_is_engine=sa == "rollout",
         fit=(stats.get("fit_slope"), stats.get("pearson_r")),
     )
-    n = pair.n_tokens
+    n = pooled.n_tokens
     if diagnosis.first_token_ratio is not None:
         rows.append(
             ReportRow(
-                pair.pair,
+                name,
                 "token",
                 "all",
                 "all",
@@ -392,51 +491,57 @@ def compare_runs(
         )
     if diagnosis.slope is not None:
         rows.append(
-            ReportRow(pair.pair, "token", "all", "all", "mismatch/tau_hint", diagnosis.slope, "1", "fit", n)
+            ReportRow(name, "token", "all", "all", "mismatch/tau_hint", diagnosis.slope, "1", "fit", n)
         )
     tau = None
+    issues_tau: list[Issue] = []
     if model is not None:
+        assert pair is not None  # --model reads the runs whole
         tau = _exact_tau(pair, side_b, model)
+        rows.append(ReportRow(name, "token", "all", "all", "mismatch/tau_fit", tau.tau, "1", "fit", tau.n))
         rows.append(
-            ReportRow(pair.pair, "token", "all", "all", "mismatch/tau_fit", tau.tau, "1", "fit", tau.n)
-        )
-        rows.append(
-            ReportRow(pair.pair, "token", "all", "all", "mismatch/tau_fit_rms", tau.rms, "nats", "fit", tau.n)
+            ReportRow(name, "token", "all", "all", "mismatch/tau_fit_rms", tau.rms, "nats", "fit", tau.n)
         )
         issues_tau = _tau_warning(pair, tau.tau)
-    else:
-        issues_tau = []
     rows += side_rows
+    meta_a = Side(None, None, None if isinstance(a, TokenBatch) else a)
     if one_run:
-        issues_meta = _metadata_issues(side_a, [sa, sb])
+        issues_meta = _metadata_issues(meta_a, [sa, sb])
     else:
-        issues_meta = _metadata_issues(side_a, [sa]) + _metadata_issues(side_b, [sb])
+        meta_b = Side(None, None, None if isinstance(b, TokenBatch) else b)
+        issues_meta = _metadata_issues(meta_a, [sa]) + _metadata_issues(meta_b, [sb])
     hints = diagnosis.issues
     if tau is not None:  # the exact fit supersedes the slope hint's temperature warning
-        hints = tuple(
-            i for i in hints if not (i.code == "W401" and i.message.startswith(f"{pair.pair}: slope"))
-        )
-    issues = [i for i in (*pair.issues, *hints, *issues_tau, *issues_meta) if i.code not in ignore]
-    checks = _checks_frame(issues, [side_a.checks] if one_run else [side_a.checks, side_b.checks])
+        hints = tuple(i for i in hints if not (i.code == "W401" and i.message.startswith(f"{name}: slope")))
+    pair_issues = pair.issues if pair is not None else ()
+    if pair is None:
+        pair_issues = tuple(deferred_issues)
+    issues = [i for i in (*pair_issues, *hints, *issues_tau, *issues_meta) if i.code not in ignore]
+    reader_checks = [merge_check_results(checks_a).issues] if checks_a else []
+    if checks_b:
+        reader_checks.append(merge_check_results(checks_b).issues)
+    checks = _checks_frame(issues, reader_checks)
+    n_samples_a = pair.n_samples_a if pair is not None else held.n_a
+    n_samples_b = pair.n_samples_b if pair is not None else held.n_b
     meta = {
-        "pairs": [pair.pair],
+        "pairs": [name],
         "gate_policy": gate_policy(default_family="mismatch"),
         "labels": {"a": la, "b": lb},
         "streams": {"a": sa, "b": sb},
-        "join": pair.join,
-        "by": list(chosen),
+        "join": pair.join if pair is not None else held.join,
+        "by": list(pooled.by),
         "eps_low": eps_low,
         "eps_high": eps_high,
         "worst_k": worst_k,
         "ignored": sorted(ignore),
         "inputs": {
-            "n_samples": {la: pair.n_samples_a, lb: pair.n_samples_b},
-            "n_matched_samples": pair.n_samples,
+            "n_samples": {la: n_samples_a, lb: n_samples_b},
+            "n_matched_samples": pooled.n_samples,
             "n_tokens": n,
-            "steps": sorted({int(s) for s in np.unique(pair.step)}),
+            "steps": sorted(pooled.steps),
         },
         "diagnosis": {
-            pair.pair: {
+            name: {
                 "tau_hint": diagnosis.slope,
                 "tau_fit": None if tau is None else tau.tau,
                 "tau_source": "logits (--model)" if tau is not None else "fit_slope (logprob-only hint)",
@@ -444,15 +549,18 @@ def compare_runs(
             }
         },
     }
+    worst_tok, worst_seq = pooled.worst()
     report = Report(
         kind="compare",
         summary=summary_frame(rows),
         meta=meta,
         checks=checks,
-        worst_tokens=worst_tokens(pair, worst_k, decode=decode),
-        worst_seqs=worst_seqs(pair, worst_k),
+        worst_tokens=worst_tok,
+        worst_seqs=worst_seq,
     )
-    return Comparison(report, pair)
+    trace = pooled.trace
+    assert trace is not None
+    return Comparison(report, pair, pair if pair is not None else pooled.plot_tokens(name), trace)
 
 
 def _metadata_issues(side: Side, streams: list[str]) -> list[Issue]:

@@ -139,7 +139,7 @@ def _read(source: Any, stream: str, settings: CompareSettings) -> TokenBatch:
 
 def _report(pairs: Sequence[Comparison], matrix: pl.DataFrame, baseline: str) -> Report:
     """The baseline pairs' reports stacked, with the matrix as ``breakdown = matrix`` rows."""
-    n_tokens = {p.report.meta["pairs"][0]: p.pair.n_tokens for p in pairs}
+    n_tokens = {p.report.meta["pairs"][0]: p.report.meta["inputs"]["n_tokens"] for p in pairs}
     rows = [
         ReportRow(
             f"{r['run_a']} vs {r['run_b']}",

@@ -145,7 +145,7 @@ def write_outputs(
         report = report.with_meta(verdict=verdict.as_dict())
     trace = comparison.trace()
     write_parquet(trace, trace_file, metadata={"pgdiag.schema": REPORT_SCHEMA_ID})
-    plots = draw_plots(report, trace, comparison.pair, plot_dir)
+    plots = draw_plots(report, trace, comparison.tokens, plot_dir)
     text = summary_markdown(report, gates, verdict)
     atomic_write(md_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     planned = report_files(directory / f"{name}.parquet", "compare")

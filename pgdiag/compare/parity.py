@@ -452,7 +452,14 @@ def sequence_table(
 
     `delta`: lp_b − lp_a when the caller has it (read only; saves an (M,) temporary).
     """
-    mean_a, mean_b, sum_d, rows = sequence_means(lp_a, lp_b, offsets, delta=delta)
+    mean_a, mean_b, sum_d, _ = sequence_means(lp_a, lp_b, offsets, delta=delta)
+    return sequence_table_of_means(mean_a, mean_b, sum_d, eps_low=eps_low, eps_high=eps_high)
+
+
+def sequence_table_of_means(
+    mean_a: np.ndarray, mean_b: np.ndarray, sum_d: np.ndarray, *, eps_low: float, eps_high: float
+) -> dict[str, np.ndarray]:
+    """`sequence_table` from the per-sample (mean lp_a, mean lp_b, Σ Δ) of `sequence_means` (S,) each."""
     out = token_table(mean_a, mean_b, eps_low=eps_low, eps_high=eps_high)
     out["samples"] = out.pop("tokens")
     for token_only in (
@@ -465,7 +472,7 @@ def sequence_table(
         "ess_token",
     ):
         out.pop(token_only)
-    s = float(rows.size)
+    s = float(sum_d.shape[0])
     with np.errstate(over="ignore"):
         out["chi2_seq"] = np.array([np.mean(np.expm1(2.0 * sum_d)) if s else np.nan])
     if s:

@@ -38,6 +38,7 @@ class CompareSettings:
     checks: CheckSettings = field(default_factory=CheckSettings)
     model: Path | None = None  # checkpoint for the exact temperature fit from logits
     tokenizer: Path | None = None  # tokenizer.json (or its folder) for the worst tokens' text
+    chunk_rows: int = 16_384  # rows (both runs) read at a time: consecutive whole steps (docs/compare.md)
 
     def __post_init__(self) -> None:
         if self.join not in JOINS:
@@ -47,6 +48,8 @@ class CompareSettings:
             unknown = [b for b in self.by if b not in BREAKDOWNS]
             if unknown:
                 raise UsageError("E503", f"--by {unknown[0]!r}: choose {'|'.join(BREAKDOWNS)}")
+        if self.chunk_rows < 1:
+            raise UsageError("E503", f"chunk_rows must be >= 1 (got {self.chunk_rows})")
         if self.worst_k < 0:
             raise UsageError("E503", f"--worst-k must be >= 0 (got {self.worst_k})")
         if self.metrics is not None and self.metrics.clip != self.clip:

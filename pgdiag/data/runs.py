@@ -467,6 +467,12 @@ def step_rows(run: Run) -> dict[int, int]:
     }
 
 
+def null_step_rows(run: Run) -> int:
+    """Rows of `run` whose `step` is null: no group of steps holds them, so a command that reads step by step
+    reads such a run whole (where the reader reports them, E213)."""
+    return int(run.lazy.select(pl.col("step").null_count()).collect().item())
+
+
 def restrict_steps(run: Run, steps: Sequence[int]) -> Run:
     """`run` limited to the rows of `steps` (one more filter on the scan; the recompute join reads those steps
     only), for commands that read a run step by step."""

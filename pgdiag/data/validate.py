@@ -13,7 +13,7 @@ excluded from the token rules, which would otherwise read misaligned values.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import polars as pl
@@ -94,6 +94,7 @@ class Issue:
     sample_id: str | None = None
     pos: int | None = None
     hint: str | None = None
+    rule: str | None = field(default=None, compare=False)  # the message before its locations (merge key)
 
     def __post_init__(self) -> None:
         if (
@@ -111,6 +112,29 @@ class CheckResult:
     n_warnings: int
     exit_code: int  # 0 ok, 3 any error, 1 warnings only under strict
     hints: tuple[str | None, ...] = ()  # hint of each issue row, in order
+    found: tuple[Issue, ...] = ()  # the issues themselves, in row order (`merge_check_results` reads them)
+
+
+def merge_piece_issues(pieces: Sequence[Sequence[Issue]]) -> list[Issue]:
+    """The issues of a run read in pieces of consecutive steps, as one list: issues of the same code, severity
+    and rule (`Issue.rule`: the message before its counts and locations, set by the row rules; issues without
+    one merge by code and severity) are one issue whose count is the sum, whose message, location
+    and hint are the first piece's, and whose message then says how many more the later pieces found
+    (" [+N in later steps]", the rule `metrics` applies to its chunks' reader issues). One piece: unchanged."""
+    if len(pieces) == 1:
+        return list(pieces[0])
+    merged: dict[tuple[str, str, str], tuple[Issue, int]] = {}
+    for piece in pieces:
+        for issue in piece:
+            key = (issue.code, issue.severity, issue.rule or "")
+            first, total = merged.get(key, (issue, 0))
+            merged[key] = (first, total + issue.count)
+    out = []
+    for first, total in merged.values():
+        later = total - first.count
+        message = first.message if later == 0 else f"{first.message} [+{later} in later steps]"
+        out.append(replace(first, count=total, message=message))
+    return out
 
 
 def check_result(issues: Sequence[Issue], *, strict: bool = False) -> CheckResult:
@@ -136,7 +160,13 @@ def check_result(issues: Sequence[Issue], *, strict: bool = False) -> CheckResul
         exit_code = EXIT_GATE
     else:
         exit_code = EXIT_OK
-    return CheckResult(frame, n_errors, n_warnings, exit_code, tuple(i.hint for i in ordered))
+    return CheckResult(frame, n_errors, n_warnings, exit_code, tuple(i.hint for i in ordered), tuple(ordered))
+
+
+def merge_check_results(results: Sequence[CheckResult], *, strict: bool = False) -> CheckResult:
+    """The checks of a run read in pieces as one `CheckResult` (`merge_piece_issues`: one issue per code,
+    severity and rule, counts added, the first piece's location)."""
+    return check_result(merge_piece_issues([r.found for r in results]), strict=strict)
 
 
 @dataclass(frozen=True)
@@ -204,6 +234,7 @@ class _Locator:
             sample_id=None if sample is None else str(sample),
             pos=None if pos is None or not rows.size else int(pos[0]),
             hint=hint,
+            rule=text,
         )
 
 

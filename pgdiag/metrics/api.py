@@ -18,7 +18,12 @@ import polars as pl
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.runs import LoadedBatch, Run, read_token_batch, restrict_steps, step_chunks, step_rows
 from pgdiag.data.schema import stream_column
-from pgdiag.data.validate import CheckSettings, check_result, zero_against_other
+from pgdiag.data.validate import (
+    CheckResult,
+    CheckSettings,
+    merge_check_results,
+    zero_against_other,
+)
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.metrics.pooled import QuantileSettings
 from pgdiag.metrics.settings import MetricSettings
@@ -174,11 +179,11 @@ def compute_metrics(
     engine = (
         NativeStream(settings, stream.quantiles) if settings.key_style == "pgdiag" else StyleStream(settings)
     )
-    issue_frames: list[pl.DataFrame] = []
+    chunk_checks: list[CheckResult] = []
     n_samples = n_tokens = 0
     for chunk in chunks or [run]:  # a run without rows is read once, as a whole
         loaded = _read(chunk, settings, checks)
-        issue_frames.append(loaded.checks.issues)
+        chunk_checks.append(loaded.checks)
         engine.add(loaded.batch)
         n_samples += loaded.batch.n_samples
         n_tokens += loaded.batch.n_tokens
@@ -191,7 +196,7 @@ def compute_metrics(
         run=run,
         n_samples=n_samples,
         n_tokens=n_tokens,
-        checks=merge_issue_frames(issue_frames),
+        checks=merge_check_results(chunk_checks).issues,
         ignored=checks.ignore,
         extra_meta={
             "pooled_quantiles": {
@@ -257,39 +262,6 @@ def _quantile_notice(exact: bool, quantiles: QuantileSettings) -> str | None:
     return (
         f"all: token quantiles (policy/logratio_p*, mismatch/abs_p*, abs_dprob_p99, entropy/p*) are sketched past "
         f"{quantiles.exact_limit:,} tokens: relative error <= {quantiles.relative_error:g} (docs/metrics.md)"
-    )
-
-
-def merge_issue_frames(frames: Sequence[pl.DataFrame]) -> pl.DataFrame:
-    """The issues of a run read in chunks: one row per (code, severity) with the counts added; the message,
-    step, sample and position are the first chunk's, with the later chunks' count appended to the message."""
-    frames = [f for f in frames if f.height]
-    if not frames:
-        return check_result([]).issues
-    if len(frames) == 1:
-        return frames[0]
-    pooled = pl.concat(frames).with_row_index("__order")
-    merged = (
-        pooled.group_by("code", "severity", maintain_order=True)
-        .agg(
-            pl.col("__order").first(),
-            pl.col("count").sum().alias("__total"),
-            pl.col("count").first(),
-            pl.col("message").first(),
-            pl.col("step").first(),
-            pl.col("sample_id").first(),
-            pl.col("pos").first(),
-        )
-        .sort("__order")
-    )
-    later = merged["__total"] - merged["count"]
-    message = (
-        pl.when(later > 0)
-        .then(pl.col("message") + pl.lit(" [+") + later.cast(pl.String) + pl.lit(" in later steps]"))
-        .otherwise(pl.col("message"))
-    )
-    return merged.with_columns(message.alias("message"), pl.col("__total").alias("count")).select(
-        frames[0].columns
     )
 
 

@@ -42,3 +42,37 @@ def test_summary_frame_equals_baseline(name: str) -> None:
         rtol=1e-12,
         atol=1e-15,
     )
+
+
+COMPARE_BY_STEP = {
+    "compare-run_a-run_b": (("run_a", "run_b"), {}),
+    "compare-synthetic_a-synthetic_b": (("synthetic_a", "synthetic_b"), {}),
+    "compare-run_a-old-new": (("run_a",), {"stream_a": "old", "stream_b": "new"}),
+}
+POOLED_RTOL = (
+    1e-12  # pooled means, spreads, fits and quantiles of buckets spread over steps (docs/compare.md)
+)
+
+
+@pytest.mark.parametrize("name", sorted(COMPARE_BY_STEP))
+def test_compare_read_step_by_step_equals_baseline(name: str) -> None:
+    """The compare baselines with every step read as its own piece (`chunk_rows=1`): every row, key and count
+    exact, the `step` buckets, the sequence scope and the maxima exact, the pooled rest within 1e-12."""
+    import pgdiag
+
+    runs, options = COMPARE_BY_STEP[name]
+    sources = [pgdiag.read_run(make_baseline.ROOT / r) for r in runs]
+    comparison = pgdiag.compare_runs(*sources, chunk_rows=1, **options)
+    assert comparison.pair is None  # read in pieces, not whole
+    got, expected = comparison.report.summary, pl.read_parquet(HERE / f"{name}.parquet")
+    assert got.drop("value").equals(expected.drop("value"))
+    exact = (
+        (pl.col("breakdown") == "step")
+        | (pl.col("unit") == "count")
+        | (pl.col("scope") == "sequence")
+        | ((pl.col("breakdown") == "all") & pl.col("metric").str.contains(r"abs_(dprob_)?max"))
+    )
+    assert_frame_equal(got.filter(exact), expected.filter(exact), check_exact=True)
+    assert_frame_equal(
+        got.filter(~exact), expected.filter(~exact), check_exact=False, rel_tol=POOLED_RTOL, abs_tol=1e-15
+    )

@@ -12,7 +12,7 @@ from rollout_factory import valid_rows, write_rollouts_file
 
 from pgdiag.checks.metadata import metadata_checks
 from pgdiag.checks.run import check_run, pair_checks
-from pgdiag.checks.signatures import first_token_stats
+from pgdiag.checks.signatures import first_token_stats, signature_stats
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.runs import read_run
 from pgdiag.errors import EXIT_INVALID, EXIT_OK
@@ -130,7 +130,9 @@ def test_first_token_dominates() -> None:
     delta[:, 0] = rng.choice([-1.0, 1.0], n_samples) * 0.5
     b = a + delta.ravel()
     batch = make_batch({"rollout": a, "old": b}, n_samples)
-    ratio, _, n_first = first_token_stats(b - a, batch.offsets)
+    stats = signature_stats(a, b, batch)
+    ratio, _ = first_token_stats(stats)
+    n_first = stats.n_seqs
     expected = 0.5 / np.abs(delta).mean()
     assert n_first == n_samples and ratio == pytest.approx(expected)
     issues = pair_checks(batch, "rollout", "old")

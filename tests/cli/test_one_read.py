@@ -1,8 +1,8 @@
 """Each command reads each run's rollouts once: the Parquet scans that polars collects are counted per run.
 
-`metrics` reads a run in chunks of whole steps: it first scans the `step` column alone (one projected column:
-rows per step, then null steps) to plan the chunks, then reads each chunk; sample_data's runs fit one chunk.
-Scans of one column are counted apart.
+`metrics`, `check` and `compare` read a run in chunks of whole steps: they first scan the `step` column alone (one
+projected column: rows per step, then null steps) to plan the chunks, then read each chunk;
+sample_data's runs fit one chunk. Scans of one column are counted apart.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def test_each_run_is_read_once(scans: tuple[Counter, Counter], args: tuple, runs
     assert result.exit_code in (0, 1), result.output
     reads, step_scans = scans
     assert dict(reads) == dict.fromkeys(runs, 1)
-    # metrics plans its chunks from the step column: rows per step, and null steps (no chunk holds those)
-    planned = {"run_a": 2} if args[0] == "metrics" else {}
+    # metrics, check and compare plan their chunks from the step column: rows per step, and null steps (no chunk
+    # holds those); compare --metrics reads its runs whole: no plan
+    planned = {} if "--metrics" in args else dict.fromkeys(runs, 2)
     assert dict(step_scans) == planned

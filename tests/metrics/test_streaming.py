@@ -20,12 +20,11 @@ from rollout_factory import write_logprobs_part, write_rollouts_file
 from pgdiag.checks.run import check_run
 from pgdiag.data.runs import read_run, read_token_batch
 from pgdiag.data.seqhash import seq_hash
-from pgdiag.data.validate import CheckSettings
+from pgdiag.data.validate import CheckSettings, Issue, check_result, merge_check_results
 from pgdiag.errors import InvalidInputError
 from pgdiag.metrics.api import (
     StreamSettings,
     compute_metrics,
-    merge_issue_frames,
     metric_streams,
     metrics_report,
     resolve_streams,
@@ -157,32 +156,25 @@ def test_sketched_all_row_quantiles_stay_within_the_bound_and_nothing_else_moves
     assert moved > 0  # the sketch did answer these quantiles
 
 
-def test_issue_frames_of_chunks_merge_per_code() -> None:
-    def frame(rows):
-        return pl.DataFrame(
-            rows,
-            schema={
-                "code": pl.String,
-                "severity": pl.String,
-                "count": pl.Int64,
-                "message": pl.String,
-                "step": pl.Int64,
-                "sample_id": pl.String,
-                "pos": pl.Int64,
-            },
-            orient="row",
-        )
+def test_checks_of_chunks_merge_per_code_and_rule() -> None:
+    def zeros(column: str, n: int, step: int) -> Issue:
+        return Issue("W216", "warning", n, f"{column}: {n} exact 0.0", step=step, rule=f"{column}: exact 0.0")
 
-    first = frame([("W216", "warning", 3, "x: 3 exact 0.0", 0, "a", 4)])
-    second = frame(
-        [("E204", "error", 1, "null", 1, "b", 2), ("W216", "warning", 2, "x: 2 exact 0.0", 1, "c", 1)]
+    first = check_result([zeros("old_logprobs", 3, 0)])
+    second = check_result(
+        [
+            Issue("E204", "error", 1, "null", step=1, sample_id="b", pos=2),
+            zeros("old_logprobs", 2, 1),
+            zeros("new_logprobs", 4, 1),  # the same code on another column: its own row
+        ]
     )
-    merged = merge_issue_frames([first, frame([]), second])
-    assert merged.rows() == [
-        ("W216", "warning", 5, "x: 3 exact 0.0 [+2 in later steps]", 0, "a", 4),
-        ("E204", "error", 1, "null", 1, "b", 2),
+    merged = merge_check_results([first, check_result([]), second]).issues
+    assert merged.select("code", "count", "message", "step").rows() == [
+        ("E204", 1, "null", 1),
+        ("W216", 5, "old_logprobs: 3 exact 0.0 [+2 in later steps]", 0),
+        ("W216", 4, "new_logprobs: 4 exact 0.0", 1),
     ]
-    assert merge_issue_frames([]).height == 0
+    assert merge_check_results([]).issues.height == 0
 
 
 def test_key_style_steps_are_read_in_chunks_and_pooled_from_the_step_rows(run_dir) -> None:

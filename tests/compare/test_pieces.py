@@ -1,0 +1,179 @@
+"""A comparison read step by step (many pieces, `chunk_rows` tiny) reports what the same runs read in one piece do.
+
+Exact: row set and order, counts, maxima, every `step` bucket, the sequence scope, the Δ histogram, worst-K
+(spanning pieces), checks (E306 counts, W407, W410 examples) and the trace. Pooled means, spreads, fits and
+quantiles of buckets spread over pieces agree to rounding (relative 1e-12; docs/compare.md says why).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+from batch_factory import random_samples, write_run
+
+from pgdiag.checks.signatures import Comoments
+from pgdiag.compare.api import compare_runs
+from pgdiag.compare.pooled import StridedSample
+from pgdiag.data.runs import read_run
+from pgdiag.errors import InvalidInputError
+
+STEP_SIZES = (3, 11, 1, 7, 5, 9)  # uneven steps: pieces of one and of several steps
+
+
+def _samples(seed: int) -> list[dict]:
+    samples = random_samples(seed, sum(STEP_SIZES), steps=1, max_response=40)
+    steps = np.repeat(np.arange(len(STEP_SIZES)), STEP_SIZES)
+    rng = np.random.default_rng(seed + 1)
+    for i, (s, step) in enumerate(zip(samples, steps, strict=True)):
+        s["step"] = int(step)
+        noise = rng.normal(0.0, 0.3 if step == 4 else 0.02, len(s["loss"]))  # step 4 jumps: W407
+        old = -np.abs(s["streams"]["rollout"] + noise)
+        if i in (2, 30):  # tokens with |Δ| > 20 in two pieces: W410 counts both, names the first
+            old[1] = s["streams"]["rollout"][1] - 25.0
+        s["streams"]["old"] = old
+    return samples
+
+
+def _runs(tmp_path, samples_a: list[dict], samples_b: list[dict]):
+    a = write_run(tmp_path / "a.parquet", samples_a, run="a", streams={"rollout_logprobs": "rollout"})
+    b = write_run(tmp_path / "b.parquet", samples_b, run="b", streams={"rollout_logprobs": "old"})
+    return read_run(a), read_run(b)
+
+
+def _assert_same_report(one, many) -> None:
+    s1, s2 = one.report.summary, many.report.summary
+    keys = [
+        "pair",
+        "scope",
+        "breakdown",
+        "bucket",
+        "metric",
+        "unit",
+        "reduction",
+        "n",
+        "bucket_lo",
+        "bucket_hi",
+    ]
+    assert s1.select(keys).equals(s2.select(keys))
+    v1, v2 = s1["value"].to_numpy(), s2["value"].to_numpy()
+    exact = (
+        (s1["breakdown"] == "step") | (s1["unit"] == "count") | (s1["scope"] == "sequence")
+    ).to_numpy() | s1["metric"].str.contains(r"abs_(dprob_)?max").to_numpy() & (
+        s1["breakdown"] == "all"
+    ).to_numpy()
+    np.testing.assert_array_equal(v1[exact], v2[exact])
+    np.testing.assert_allclose(v1, v2, rtol=1e-12, atol=1e-15)
+    assert one.report.worst_tokens.equals(many.report.worst_tokens)
+    assert one.report.worst_seqs.equals(many.report.worst_seqs)
+    assert one.report.checks.equals(many.report.checks)
+    assert one.trace().equals(many.trace())
+    assert one.report.meta["inputs"] == many.report.meta["inputs"]
+
+
+def test_many_pieces_equal_one_piece(tmp_path) -> None:
+    samples = _samples(3)
+    run_a, run_b = _runs(tmp_path, samples, samples)
+    one = compare_runs(run_a, run_b, worst_k=7)
+    many = compare_runs(run_a, run_b, worst_k=7, chunk_rows=1)  # every step its own piece
+    some = compare_runs(run_a, run_b, worst_k=7, chunk_rows=24)  # pieces of 1 to 3 steps
+    assert one.pair is not None and many.pair is None
+    _assert_same_report(one, many)
+    _assert_same_report(one, some)
+    # the worst tokens and sequences come from several pieces, the findings from the pooled sums
+    assert one.report.worst_tokens["step"].n_unique() > 1
+    assert one.report.worst_seqs["step"].n_unique() > 1
+    codes = one.report.checks["code"].to_list()
+    assert "W407" in codes and "W410" in codes
+    w410 = one.report.checks.filter(pl.col("code") == "W410").row(0, named=True)
+    assert w410["count"] == 2 and w410["step"] == 0
+    # pooled values differ from the one-piece ones by rounding at most (not bit-identical everywhere)
+    summary = many.report.summary.filter(pl.col("breakdown") == "all")
+    assert summary.filter(pl.col("metric") == "count/mismatch_tokens")["value"][0] == one.pair.n_tokens
+    # token plots read every token here (below the sample cap)
+    np.testing.assert_array_equal(many.tokens["lp_a"].to_numpy(), one.pair.lp_a)
+
+
+def test_a_step_in_one_run_only_is_counted_as_unmatched(tmp_path) -> None:
+    samples = _samples(5)
+    only_a = [s for s in samples if s["step"] != 2]  # step 2 (1 sample) in run b only
+    only_b = [s for s in samples if s["step"] != 5]  # step 5 (9 samples) in run a only
+    run_a, run_b = _runs(tmp_path, only_a, only_b)
+    messages = []
+    for chunk_rows in (10**6, 1, 24):
+        with pytest.raises(InvalidInputError) as caught:
+            compare_runs(run_a, run_b, chunk_rows=chunk_rows)
+        assert caught.value.code == "E306"
+        messages.append(caught.value.message)
+    assert messages[0] == messages[1] == messages[2]
+    assert "9 of 35 samples of a have no match in b and 1 of 27 of b none in a" in messages[0]
+    assert "first: step 5, sample s27 of a" in messages[0]
+    one = compare_runs(run_a, run_b, ignore=["E306"])
+    many = compare_runs(run_a, run_b, ignore=["E306"], chunk_rows=1)
+    _assert_same_report(one, many)
+    assert one.report.meta["inputs"]["n_samples"] == {"a": 35, "b": 27}
+
+
+def test_a_piece_with_no_match_is_counted_and_skipped(tmp_path) -> None:
+    samples = _samples(6)
+    renamed = [dict(s, sample_id=f"x{s['sample_id']}") if s["step"] == 3 else s for s in samples]
+    run_a, run_b = _runs(tmp_path, samples, renamed)  # step 3 (7 samples) matches nothing by id
+    one = compare_runs(run_a, run_b, join="id", ignore=["E306"])
+    many = compare_runs(run_a, run_b, join="id", ignore=["E306"], chunk_rows=1)
+    _assert_same_report(one, many)
+    assert 3 not in one.report.meta["inputs"]["steps"]
+    with pytest.raises(InvalidInputError, match="7 of 36 samples of a have no match in b and 7 of 36"):
+        compare_runs(run_a, run_b, join="id", chunk_rows=1)
+
+
+def test_no_sample_matched_is_e304_read_whole_or_by_step(tmp_path) -> None:
+    samples = _samples(7)
+    run_a, run_b = _runs(
+        tmp_path, [s for s in samples if s["step"] < 3], [s for s in samples if s["step"] >= 3]
+    )
+    messages = []
+    for chunk_rows in (10**6, 1):
+        with pytest.raises(InvalidInputError) as caught:
+            compare_runs(run_a, run_b, chunk_rows=chunk_rows)
+        assert caught.value.code == "E304"
+        messages.append(caught.value.message)
+    assert messages[0] == messages[1] and "steps 0-2 vs 3-5" in messages[0]
+
+
+def test_one_run_two_streams_by_step(tmp_path) -> None:
+    samples = _samples(9)
+    path = write_run(
+        tmp_path / "r.parquet",
+        samples,
+        run="r",
+        streams={"rollout_logprobs": "rollout", "old_logprobs": "old"},
+    )
+    run = read_run(path)
+    _assert_same_report(compare_runs(run), compare_runs(run, chunk_rows=5))
+
+
+def test_strided_sample_is_every_kth_token_however_the_run_is_split() -> None:
+    values = np.arange(1000, dtype=np.float64)
+    for splits in ([1000], [1, 2, 997], [333, 333, 334], [7] * 142 + [6]):
+        sample = StridedSample(cap=100)
+        start = 0
+        for m in splits:
+            sample.add({"x": values[start : start + m]}, m)
+            start += m
+        assert sample.stride == 16  # 1000 / 16 = 63 held; stride 8 would hold 125 > 100
+        np.testing.assert_array_equal(sample.column("x"), values[::16])
+
+
+def test_comoments_merge_equals_the_whole() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(-2.0, 1.5, 10_000)
+    y = 0.9 * x + rng.normal(0.0, 0.1, 10_000)
+    whole = Comoments.of(x, y)
+    parts = Comoments.of(x[:10], y[:10])
+    for lo, hi in ((10, 4000), (4000, 4001), (4001, 10_000)):
+        parts = parts.merge(Comoments.of(x[lo:hi], y[lo:hi]))
+    for field in ("mean_x", "mean_y", "sxx", "syy", "sxy"):
+        assert getattr(parts, field) == pytest.approx(getattr(whole, field), rel=1e-12)
+    slope, r = parts.slope_and_r()
+    assert slope == pytest.approx(np.polyfit(x, y, 1)[0], rel=1e-12)
+    assert r == pytest.approx(np.corrcoef(x, y)[0, 1], rel=1e-12)
