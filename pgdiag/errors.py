@@ -134,6 +134,7 @@ class Code(StrEnum):
     EMBEDDING_ROWS = ("E608", "embedding rows differ from vocab_size", 2)
     PICKLE_CHECKPOINT = ("E609", "a pickle checkpoint (.bin/.pt): convert it to safetensors", 2)
     DAMAGED_SAFETENSORS = ("E610", "a safetensors file is damaged or not safetensors", 2)
+    NON_FLOAT_WEIGHTS = ("E611", "a weight is stored quantized or as integers, not as floats", 2)
     TIED_HEAD_DIFFERS = ("W606", "tied embeddings, but the file's lm_head.weight differs (embedding used)", 0)
     FP32_ROUNDED = ("W607", "fp32 weights rounded to a 16-bit body dtype", 0)
 

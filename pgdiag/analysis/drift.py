@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
 
 from pgdiag.analysis.settings import DRIFT_HEADLINE, ChangePointSettings
-from pgdiag.data.runs import Run
+from pgdiag.data.runs import Run, restrict_steps, run_steps
 from pgdiag.data.validate import CheckSettings
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import Report, ReportRow, summary_frame
@@ -93,18 +93,6 @@ def change_points(
     return sorted(found, key=lambda c: c.step)
 
 
-def run_steps(run: Run) -> list[int]:
-    """The run's steps, from the `step` column alone."""
-    frame = run.lazy.select(pl.col("step").unique()).collect()
-    return sorted(int(s) for s in frame["step"].to_list())
-
-
-def _step_run(run: Run, step: int) -> Run:
-    condition = pl.col("step") == step
-    row_filter = condition if run.row_filter is None else (run.row_filter & condition)
-    return replace(run, lazy=run.lazy.filter(condition), row_filter=row_filter)
-
-
 def drift(
     run: Run,
     settings: MetricSettings | None = None,
@@ -130,7 +118,7 @@ def drift(
     pairs: list[str] = []
     step_settings: dict | None = None
     for index, step in enumerate(steps):
-        report = compute_metrics(_step_run(run, step), settings, checks=checks)
+        report = compute_metrics(restrict_steps(run, [step]), settings, checks=checks)
         rows.append(report.summary.filter(pl.col("breakdown") == "step"))
         if report.checks.height:
             checks_frames.append(report.checks)

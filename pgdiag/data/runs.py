@@ -17,7 +17,7 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +104,7 @@ class Run:
     )  # tag -> unfinished RUN/logprobs/<tag>, unread
     hive: bool = False
     row_filter: pl.Expr | None = None
+    step_subset: tuple[int, ...] | None = None  # set by `restrict_steps`: the recompute join reads only these
 
     def scan(self, *, with_file: bool = False) -> pl.LazyFrame:
         """A fresh scan of the rollouts with the run's filters; `with_file` adds the ``__file`` column."""
@@ -371,6 +372,61 @@ def _run_labels(paths: Sequence[Path]) -> list[str] | None:
     return sorted(labels)
 
 
+def run_steps(run: Run) -> list[int]:
+    """The distinct steps of `run` (its filters applied), ascending; reads the `step` column alone."""
+    return [int(step) for step in step_rows(run)]
+
+
+def step_rows(run: Run) -> dict[int, int]:
+    """Rows per step of `run` (its filters applied), in step order; reads the `step` column alone (E103 when the
+    column cannot be read as integers)."""
+    try:
+        frame = (
+            run.lazy.select(pl.col("step").cast(pl.Int64, strict=True))
+            .group_by("step")
+            .len()
+            .sort("step")
+            .collect()
+        )
+    except pl.exceptions.PolarsError as exc:
+        raise InvalidInputError(
+            "E103", f"{run.display_path(run.paths[0])}, column step: cannot be read as integers ({exc})"
+        ) from exc
+    return {
+        int(s): int(n)
+        for s, n in zip(frame["step"].to_list(), frame["len"].to_list(), strict=True)
+        if s is not None
+    }
+
+
+def restrict_steps(run: Run, steps: Sequence[int]) -> Run:
+    """`run` limited to the rows of `steps` (one more filter on the scan; the recompute join reads those steps
+    only), for commands that read a run step by step."""
+    wanted = tuple(sorted({int(s) for s in steps}))
+    condition = pl.col("step").is_in(list(wanted))
+    row_filter = condition if run.row_filter is None else (run.row_filter & condition)
+    return replace(
+        run, lazy=_scan(run.paths, run.hive, row_filter), row_filter=row_filter, step_subset=wanted
+    )
+
+
+def step_chunks(rows_per_step: Mapping[int, int], max_rows: int) -> list[tuple[int, ...]]:
+    """Consecutive steps grouped so that each group holds at most `max_rows` rows; a step larger than that is a
+    group of its own (memory is then bounded by the largest step)."""
+    chunks: list[tuple[int, ...]] = []
+    current: list[int] = []
+    held = 0
+    for step, n in rows_per_step.items():
+        if current and held + n > max_rows:
+            chunks.append(tuple(current))
+            current, held = [], 0
+        current.append(step)
+        held += n
+    if current:
+        chunks.append(tuple(current))
+    return chunks
+
+
 def _step_condition(spec: StepSpec, base: pl.LazyFrame) -> pl.Expr:
     ranges = list(spec.ranges)
     if spec.last:
@@ -413,6 +469,8 @@ def _recompute_frame(run: Run, tag: str, want_logprobs: bool, want_entropy: bool
         columns.append(pl.col("logprobs").alias(stream_column(tag)))
     if want_entropy:
         columns.append(pl.col("entropy").alias(entropy_column(tag)))
+    if run.step_subset is not None:
+        lazy = lazy.filter(pl.col("step").cast(pl.Int64).is_in(list(run.step_subset)))
     return lazy.select(columns)
 
 

@@ -52,6 +52,20 @@ _CONVERTER_HINT = (
 
 
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_FLOAT_STORAGE = ("BF16", "F16", "F32", "F64")  # weights stored otherwise are quantized or integer: E611
+_MXFP4_SUFFIXES = ("_blocks", "_scales")  # MXFP4 experts: uint8 codes and exponents, dequantized on load
+_TORCH_STORAGE_NAMES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.bool: "BOOL",
+}
 
 
 class TensorSource:
@@ -106,6 +120,12 @@ class TensorSource:
         if name in self._tensors:
             return self._tensors[name].dtype
         return _SAFETENSORS_DTYPES.get(self._slice(name).get_dtype(), torch.float32)
+
+    def stored_dtype(self, name: str) -> str:
+        """The dtype as stored, in safetensors' spelling (``BF16``, ``F32``, ``I8``, ``U8``, ...)."""
+        if name in self._tensors:
+            return _TORCH_STORAGE_NAMES.get(self._tensors[name].dtype, str(self._tensors[name].dtype))
+        return str(self._slice(name).get_dtype())
 
     def read(self, name: str, part: TensorSlice | None) -> Tensor:
         """The whole tensor, or rows/columns `part.start:part.stop` along `part.dim`, without reading the rest."""
@@ -326,6 +346,16 @@ def check_tensor_names(config: ModelConfig, source: TensorSource, where: str) ->
             raise UsageError(
                 "E608",
                 f"{where}: '{name}' has {source.shape(name)[0]} rows but vocab_size is {config.vocab_size}",
+            )
+    for name in expected:
+        stored = source.stored_dtype(name)
+        wanted = ("U8",) if name.endswith(_MXFP4_SUFFIXES) else _FLOAT_STORAGE
+        if stored not in wanted:
+            raise UsageError(
+                "E611",
+                f"{where}: tensor '{name}' is stored as {stored}; pgdiag reads {' or '.join(wanted)} weights",
+                "a quantized or integer checkpoint cannot be recomputed: give the bf16/fp16/fp32 checkpoint "
+                "it was made from",
             )
     for name, shape in expected.items():
         if source.shape(name) != shape:

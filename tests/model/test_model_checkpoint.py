@@ -200,3 +200,15 @@ def test_rank_slices_concatenate_to_the_full_tensor(tmp_path: Path) -> None:
         assert [lay.local_vocab_size for lay in layouts] == [84, 84, 83]  # 251 = 84 + 84 + 83
         assert [lay.vocab_start for lay in layouts] == [0, 84, 168]
         assert shard_slice("model.norm.weight", (48,), layouts[1]) is None
+
+
+def test_integer_or_quantized_weights_are_refused(tmp_path: Path) -> None:
+    # before: int8 weights were copied into the float parameters as numbers, a silently wrong model
+    save_hf_model(tmp_path, "LlamaForCausalLM")
+    name = "model.layers.1.mlp.up_proj.weight"
+    for dtype, stored in ((torch.int8, "I8"), (torch.uint8, "U8"), (torch.int32, "I32")):
+        rewrite_tensors(tmp_path, lambda t, dtype=dtype: t.update({name: t[name].round().to(dtype)}))
+        caught = expect_error(tmp_path, "E611", name)
+        assert f"stored as {stored}" in caught.message
+    rewrite_tensors(tmp_path, lambda t: t.update({name: t[name].to(torch.float64)}))
+    load_model(tmp_path, dtype="fp32")  # float64 weights are floats: read
