@@ -4,7 +4,8 @@
 each: applies ``--shift``, derives what the source lacks (``run``, ``step``, ``prompt_len``, ``sample_id``,
 ``group_id`` by ``--group-by``, ``seq_hash``), nulls every stream and advantage off ``loss_mask`` ("masks,
 not values"), casts to the canonical types (E103), validates every rule of docs/schema.md (an error stops the
-import), writes ``rollouts/step=<S>/part-00000.parquet`` and reports a `StepSummary` to `progress`.
+import), writes ``rollouts/step=<S>/part-00000.parquet`` (on a background thread, while the preset reads the
+next step: `_PartWriter`) and reports a `StepSummary` to `progress`.
 Degenerate streams (W701/W702) are judged over the whole import: a column that is zeros or a copy on every
 step is dropped from every part at the end; one that is so on some steps only fails E206.
 
