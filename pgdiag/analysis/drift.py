@@ -127,7 +127,8 @@ def drift(
         if progress is not None:
             progress(index + 1, len(steps))
     per_step = pl.concat(rows) if rows else summary_frame([])
-    found = find_change_points(per_step, change, all_metrics=settings.key_style != "pgdiag")
+    all_metrics = settings.key_style != "pgdiag"
+    found = find_change_points(per_step, change, all_metrics=all_metrics)
     marks = [
         ReportRow(
             pair,
@@ -153,6 +154,7 @@ def drift(
             "threshold": change.threshold,
             "min_segment": change.min_segment,
             "min_steps": change.min_steps,
+            "series": searched_series(per_step, change, all_metrics=all_metrics),
             "found": [
                 {
                     "metric": cp.metric,
@@ -174,19 +176,25 @@ def drift(
     return Report(kind="drift", summary=summary, meta=meta, checks=all_checks)
 
 
+def searched_series(
+    per_step: pl.DataFrame, settings: ChangePointSettings, *, all_metrics: bool = False
+) -> list[str]:
+    """The per-step series searched for change points: `settings.metrics` (those present), else every metric
+    (`all_metrics`, a key style), else the headline metrics the rows have."""
+    present = per_step["metric"].unique(maintain_order=True).to_list()
+    if settings.metrics:
+        return [m for m in settings.metrics if m in present]
+    if all_metrics:
+        return present
+    return [m for m in DRIFT_HEADLINE if m in present]
+
+
 def find_change_points(
     per_step: pl.DataFrame, settings: ChangePointSettings, *, all_metrics: bool = False
 ) -> list[tuple[ChangePoint, str, str, int]]:
     """(change point, pair, unit, steps) for every searched series of the per-step rows."""
-    present = per_step["metric"].unique(maintain_order=True).to_list()
-    if settings.metrics:
-        wanted = [m for m in settings.metrics if m in present]
-    elif all_metrics:
-        wanted = present
-    else:
-        wanted = [m for m in DRIFT_HEADLINE if m in present]
     out: list[tuple[ChangePoint, str, str, int]] = []
-    for metric in wanted:
+    for metric in searched_series(per_step, settings, all_metrics=all_metrics):
         series = per_step.filter(pl.col("metric") == metric)
         for (pair,), rows in series.group_by(["pair"], maintain_order=True):
             rows = rows.with_columns(pl.col("bucket").cast(pl.Int64, strict=False).alias("_step")).sort(

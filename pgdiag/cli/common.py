@@ -315,9 +315,11 @@ def check_settings(ignore: list[str] | None, max_examples: int) -> Any:
     return CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
 
 
-def check_report_outputs(kind: str, out: Path | None, plot: Path | None, *, overwrite: bool) -> None:
-    """Refuse an existing `kind` report (`--out`) or figure (`--plot`) before any work: E502 unless
-    `overwrite`, or a file standing where a directory must be."""
+def check_report_outputs(
+    kind: str, out: Path | None, plot: Path | None, *, overwrite: bool, html: Path | None = None
+) -> None:
+    """Refuse an existing `kind` report (`--out`), figure (`--plot`) or page (`--html`) before any work: E502
+    unless `overwrite`, or a file standing where a directory must be (a directory where the page must be)."""
     from pgdiag.data.writing import check_destination
     from pgdiag.report.report import report_files
 
@@ -326,6 +328,10 @@ def check_report_outputs(kind: str, out: Path | None, plot: Path | None, *, over
         check_destination(planned.report.parent, [planned.report, planned.json], overwrite=overwrite)
     if plot is not None:
         check_destination(plot.parent, [plot], overwrite=overwrite, hint="--plot takes a file name")
+    if html is not None:
+        from pgdiag.report.html import check_html_path
+
+        check_html_path(html, overwrite=overwrite)
 
 
 def write_report_outputs(
@@ -337,15 +343,34 @@ def write_report_outputs(
     plot: Path | None,
     draw: Callable[[Any], Any],
     overwrite: bool,
+    html: Path | None = None,
+    verdict: Any = None,
 ) -> None:
-    """Write `report` to `out` and `draw(report)` to `plot` (each when given), listing them in `result["files"]`."""
-    if out is not None:
-        files = report.write(out, overwrite=overwrite, result=result)
-        result["files"] = {**result.get("files", {}), "report": str(files.report), "json": str(files.json)}
-        console.print(f"report written to {files.report}", markup=False)
+    """Write `draw(report)` to `plot`, the one-file page of `report` with `verdict` on top to `html`, and
+    `report` to `out` (each when given; the report last, so its JSON lists every file), listing them in
+    `result["files"]`."""
     if plot is not None:
         from pgdiag.report.plots import save_figure
 
         path = save_figure(draw(report), plot)
         result.setdefault("files", {})["plots"] = [str(path)]
         console.print(f"plot written to {path}", markup=False)
+    if html is not None:
+        from pgdiag.report.html import verdict_arguments, write_html
+        from pgdiag.report.plots import build_figures
+
+        page_verdict = verdict_arguments(verdict or {})  # its findings also mark the plots and tables
+        page = write_html(
+            report,
+            html,
+            overwrite=overwrite,
+            plot_set=build_figures(report, marks=page_verdict["marks"]),
+            argv=result.get("argv"),
+            **page_verdict,
+        )
+        result.setdefault("files", {})["html"] = str(page)
+        console.print(f"html written to {page}", markup=False)
+    if out is not None:
+        files = report.write(out, overwrite=overwrite, result=result)
+        result["files"] = {"report": str(files.report), "json": str(files.json), **result.get("files", {})}
+        console.print(f"report written to {files.report}", markup=False)

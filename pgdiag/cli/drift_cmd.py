@@ -2,7 +2,8 @@
 change points of the headline series.
 
 Thin shell over `pgdiag.analysis.drift.drift` (docs/drift.md): parse -> per-step metrics -> change points ->
-render (a table of change points on stderr, `--json` on stdout, `--out` report files, `--plot` the trend plot).
+render (a table of change points and the verdict on stderr, `--json` on stdout, `--out` report files, `--plot`
+the trend plot, `--html` the one-file page).
 Example::
 
     pgdiag drift runs/long_run --key-style verl --out /tmp/drift --plot /tmp/drift.png
@@ -99,6 +100,14 @@ def drift(
             "--plot", help="Write the trend plot with change points (.png/.svg/.pdf).", rich_help_panel=OUTPUT
         ),
     ] = None,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html",
+            help="Write a one-file HTML report (verdict, change points, per-step series, plots).",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
     to_tensorboard: ToTensorboardOpt = None,
     to_wandb: ToWandbOpt = None,
     wandb_dir: WandbDirOpt = None,
@@ -108,19 +117,21 @@ def drift(
     """Every metric of `metrics` per step over a whole run, and where the headline series jump.
 
     The run is read one step at a time (memory stays at one step's batch). Change points: binary segmentation on
-    the standardised CUSUM of a mean shift (docs/drift.md), each with its step, metric and jump size.
+    the standardised CUSUM of a mean shift (docs/drift.md), each with its step, metric and jump size; the last
+    line is the verdict that lists them.
     """
 
     def body(console: Console) -> dict[str, Any]:
         from rich.table import Table
 
-        check_report_outputs("drift", out, plot, overwrite=overwrite)
+        check_report_outputs("drift", out, plot, overwrite=overwrite, html=html)
         from pgdiag.analysis.drift import drift as compute_drift
         from pgdiag.analysis.settings import ChangePointSettings
-        from pgdiag.cli.render import format_value, render_checks
+        from pgdiag.cli.render import format_value, render_checks, render_verdict
         from pgdiag.data.runs import read_run
         from pgdiag.data.validate import CheckSettings
         from pgdiag.metrics.settings import MetricSettings
+        from pgdiag.report.verdict import drift_verdict
 
         settings = MetricSettings(
             new=new, old=old, aggregation=aggregation, divisor=divisor, key_style=key_style.value
@@ -129,6 +140,8 @@ def drift(
         checks = CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
         report = compute_drift(source, settings, change=change, checks=checks)
+        verdict = drift_verdict(report)
+        report = report.with_meta(verdict=verdict.as_dict())
         found = report.meta["change_points"]["found"]
         if not quiet:
             render_checks(console, report.checks)
@@ -155,11 +168,13 @@ def drift(
         result["per_step"] = json_view["breakdowns"].get("step", {})
         result["change_points"] = found
         result["settings"] = report.meta["settings"]
+        result["verdict"] = verdict.as_dict()
         from pgdiag.report.plots import plot_drift
 
         write_report_outputs(
-            console, report, result, out=out, plot=plot, draw=plot_drift, overwrite=overwrite
-        )
+            console, report, result, out=out, plot=plot, draw=plot_drift, overwrite=overwrite, html=html,
+            verdict=verdict,
+        )  # fmt: skip
         if to_tensorboard is not None:
             from pgdiag.report.export import export_tensorboard
 
@@ -172,6 +187,8 @@ def drift(
             run_dir = export_wandb(report, to_wandb, wandb_directory(wandb_dir, out))
             result.setdefault("files", {})["wandb"] = str(run_dir)
             console.print(f"wandb run written to {run_dir}", markup=False)
+        if not quiet:
+            render_verdict(console, verdict)
         return result
 
     execute("drift", body, json_out=json_out, quiet=quiet)

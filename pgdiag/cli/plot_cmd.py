@@ -1,10 +1,11 @@
 """`pgdiag plot SOURCE --kind KIND... --out DIR [--html PAGE]`: redraw a report's plots without recomputation.
 
-SOURCE is a report written by `pgdiag compare --out` or `pgdiag metrics --out` (its ``.parquet`` file or
-directory), or a token table written with `compare --tokens-out`. A comparison draws its breakdown plots
-(`dlogp-hist`, `by-prob`, `by-position`, `by-step`) and `worst-trace` (the ``.worst_trace.parquet`` beside it);
-a metrics report draws the per-step trend plots (`trend-kl`, `trend-clip`, `trend-ess`, `trend-ratio`,
-`trend-mismatch`, `trend-loss`); a token table draws `dlogp-vs-logprob`, `hexbin` and `dlogp-hist`. `--kind all`
+SOURCE is a report written by `pgdiag compare --out`, `metrics --out`, `whatif --out` or `drift --out` (its
+``.parquet`` file or directory), or a token table written with `compare --tokens-out`. A comparison draws its
+breakdown plots (`dlogp-hist`, `by-prob`, `by-position`, `by-step`) and `worst-trace` (the ``.worst_trace.parquet``
+beside it); a metrics report draws the per-step trend plots (`trend-kl`, `trend-clip`, `trend-ess`, `trend-ratio`,
+`trend-mismatch`, `trend-loss`); a whatif report its `whatif` figure; a drift report its `drift` figure and the
+trend plots; a token table draws `dlogp-vs-logprob`, `hexbin` and `dlogp-hist`. `--kind all`
 (the default) lists every kind it left out and why. Figures are written atomically with the Agg backend.
 """
 
@@ -34,6 +35,8 @@ class PlotKind(StrEnum):
     trend_ratio = "trend-ratio"
     trend_mismatch = "trend-mismatch"
     trend_loss = "trend-loss"
+    whatif = "whatif"
+    drift = "drift"
     all = "all"
 
 
@@ -50,7 +53,10 @@ def register(app: typer.Typer) -> None:
 
 def plot(
     source: Annotated[
-        Path, typer.Argument(help="A compare report (.parquet or its directory) or a token table.")
+        Path,
+        typer.Argument(
+            help="A saved report (.parquet or its directory: compare, metrics, whatif, drift) or a token table."
+        ),
     ],
     *,
     kind: Annotated[
@@ -78,7 +84,7 @@ def plot(
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Redraw plots from a saved report (compare or metrics) or a token table, without recomputation.
+    """Redraw plots from a saved report (compare, metrics, whatif or drift) or a token table, without recomputation.
 
     --kind all (the default) draws every kind the source supports and lists those it leaves out, with why.
     --html PAGE also writes a one-file HTML report of a saved report.
@@ -113,7 +119,8 @@ def plot(
         if is_tokens:
             if html is not None:
                 raise UsageError(
-                    "E511", "--html needs a report (compare --out or metrics --out), not a token table"
+                    "E511",
+                    "--html needs a report (compare, metrics, whatif or drift --out), not a token table",
                 )
             tokens = pl.read_parquet(source)
         else:

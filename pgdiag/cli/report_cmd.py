@@ -1,10 +1,12 @@
 """`pgdiag report REPORT`: re-render a saved report (metrics, compare, whatif, drift) without recomputation.
 
-Thin shell over `pgdiag.report.report.load_report` and `pgdiag.report.markdown`: the headline rows as a table on
-stderr, `--markdown PATH` (a summary for a CI comment), `--pivot` (the wide table as CSV on stdout), and gates
+Thin shell over `pgdiag.report.report.load_report`, `pgdiag.report.markdown` and `pgdiag.report.html`: the
+headline rows as a table on stderr, `--markdown PATH` (a summary for a CI comment), `--html PATH` (the one-file
+page, its verdict re-derived from the stored values), `--pivot` (the wide table as CSV on stdout), and gates
 (`--fail-on`, `--warn-on`, `--profile`) re-evaluated on the stored values. Example::
 
     pgdiag report /tmp/parity/compare.parquet --fail-on 'k3>1e-3' --markdown /tmp/comment.md
+    pgdiag report /tmp/whatif/whatif.parquet --html /tmp/whatif.html
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ def report(
         Path | None,
         typer.Option("--markdown", help="Write a Markdown summary for a CI comment.", rich_help_panel=OUTPUT),
     ] = None,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html",
+            help="Write the one-file HTML report of the saved report (verdict, tables, plots).",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
     pivot: Annotated[
         bool,
         typer.Option(
@@ -59,7 +69,11 @@ def report(
     overwrite: OverwriteOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Re-render a saved report without recomputing it; gates are re-evaluated on its stored values."""
+    """Re-render a saved report without recomputing it; gates are re-evaluated on its stored values.
+
+    Any kind (metrics, compare, whatif, drift): a table of its headline rows, --markdown for a CI comment,
+    --html for the one-file page (its verdict derived again from the stored values), --pivot for the wide table.
+    """
 
     def body(console: Console) -> dict[str, Any]:
         from rich.table import Table
@@ -73,6 +87,10 @@ def report(
 
         if markdown is not None and markdown.exists() and not overwrite:
             raise UsageError("E502", f"{markdown} exists", "pass --overwrite to replace it")
+        if html is not None:
+            from pgdiag.report.html import check_html_path
+
+            check_html_path(html, overwrite=overwrite)
         loaded = load_report(source)
         gate_settings = GateSettings(
             fail_on=tuple(list_option(fail_on)), warn_on=tuple(list_option(warn_on)), profile=profile,
@@ -102,9 +120,36 @@ def report(
         if markdown is not None:
             text = report_markdown(loaded, gates, verdict.status)
             atomic_write(markdown, lambda tmp: Path(tmp).write_text(text))
-            result["files"] = {"markdown": str(markdown)}
+            result["files"]["markdown"] = str(markdown)
+        if html is not None:
+            result["files"]["html"] = str(
+                _write_page(loaded, source, html, verdict.gates, overwrite=overwrite)
+            )
         if pivot and not json_out:
             sys.stdout.write(loaded.wide().write_csv())
         return result
 
     execute("report", body, json_out=json_out, quiet=quiet)
+
+
+def _write_page(loaded: Any, source: str, html: Path, gates: Any, *, overwrite: bool) -> Path:
+    """The one-file page of a saved report: its verdict derived from the stored values (compare: judged by
+    `gates`), every plot its rows support (a compare report's worst trace when it sits beside it)."""
+    import polars as pl
+
+    from pgdiag.compare.output import trace_path
+    from pgdiag.report.html import verdict_arguments, write_html
+    from pgdiag.report.plots import build_figures
+    from pgdiag.report.verdict import report_verdict
+
+    page_verdict = verdict_arguments(report_verdict(loaded, gates))
+    trace = None
+    if loaded.kind == "compare":
+        path = Path(source)
+        report_file = path if path.is_file() else next(
+            p for p in sorted(path.glob("*.parquet")) if ".worst_" not in p.name
+        )  # fmt: skip
+        trace_file = trace_path(report_file)
+        trace = pl.read_parquet(trace_file) if trace_file.exists() else None
+    plot_set = build_figures(loaded, trace=trace, marks=page_verdict["marks"])
+    return write_html(loaded, html, overwrite=overwrite, plot_set=plot_set, argv=sys.argv[1:], **page_verdict)

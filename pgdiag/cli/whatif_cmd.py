@@ -1,7 +1,8 @@
 """`pgdiag whatif RUN`: replay off-policy correction rules (TIS, MIS, geometric mask, IcePop) on a saved batch.
 
 Thin shell over `pgdiag.analysis.whatif.whatif` (docs/whatif.md): parse the thresholds -> replay -> render a table
-on stderr, `--json` on stdout, `--out` report files, `--plot` the data-kept-vs-ESS figure. Example::
+on stderr and the verdict last, `--json` on stdout, `--out` report files, `--plot` the data-kept-vs-ESS figure,
+`--html` the one-file page (docs/report.md). Example::
 
     pgdiag whatif sample_data/run_a --token-tis 2 --icepop 0.5,5 --seq-mis 0.5,2
 """
@@ -141,6 +142,14 @@ def whatif(
             "--plot", help="Write the data-kept vs ESS figure here (.png/.svg/.pdf).", rich_help_panel=OUTPUT
         ),
     ] = None,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html",
+            help="Write a one-file HTML report (verdict, rule tables, where data is lost, the plot).",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
     overwrite: OverwriteOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -150,19 +159,21 @@ def whatif(
     framework that ships it defines it (docs/whatif.md): token TIS, token MIS, sequence TIS and MIS on the product
     ratio, geometric masking, IcePop. Without any rule flag the default grid runs (token 1.5/2/3/5, sequence
     2/5/10, IcePop 0.5,5). Per rule: fraction of tokens and sequences truncated or dropped, token and sequence ESS
-    before and after, the change of every loss mode, and the steps, envs and positions that lose the most.
+    before and after, the change of every loss mode, and the steps, envs and positions that lose the most. The
+    last line is the verdict: the rules that drop more than 5% of the tokens, each with its worst step.
     """
 
     def body(console: Console) -> dict[str, Any]:
         from rich.table import Table
 
-        check_report_outputs("whatif", out, plot, overwrite=overwrite)
+        check_report_outputs("whatif", out, plot, overwrite=overwrite, html=html)
         from pgdiag.analysis.settings import WhatifSettings
         from pgdiag.analysis.whatif import whatif as replay
         from pgdiag.analysis.whatif import worst_buckets
-        from pgdiag.cli.render import format_value, render_checks
+        from pgdiag.cli.render import format_value, render_checks, render_verdict
         from pgdiag.data.runs import read_run
         from pgdiag.data.validate import CheckSettings
+        from pgdiag.report.verdict import whatif_verdict
 
         rules = parse_rules(
             token_tis=list_option(token_tis),
@@ -176,6 +187,8 @@ def whatif(
         checks = CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
         report = replay(source, settings, checks=checks)
+        verdict = whatif_verdict(report)
+        report = report.with_meta(verdict=verdict.as_dict())
         worst = worst_buckets(report)
         if not quiet:
             render_checks(console, report.checks)
@@ -219,11 +232,15 @@ def whatif(
         result["summary"] = json_view["breakdowns"].get("threshold", {})
         result["worst"] = worst
         result["settings"] = report.meta["settings"]
+        result["verdict"] = verdict.as_dict()
         from pgdiag.report.plots import plot_whatif
 
         write_report_outputs(
-            console, report, result, out=out, plot=plot, draw=plot_whatif, overwrite=overwrite
-        )
+            console, report, result, out=out, plot=plot, draw=plot_whatif, overwrite=overwrite, html=html,
+            verdict=verdict,
+        )  # fmt: skip
+        if not quiet:
+            render_verdict(console, verdict)
         return result
 
     execute("whatif", body, json_out=json_out, quiet=quiet)

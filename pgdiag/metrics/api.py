@@ -156,7 +156,9 @@ def metrics_report(
         results = compute_native(batch, settings)
     else:
         results = compute_by_step(
-            batch, settings, lambda step, s, n_split: compute_step_style(step, s, groups_split=n_split)
+            batch,
+            settings,
+            lambda step, s, n_split: compute_step_style(step, s, groups_split=n_split, partials=True),
         )
 
     policy_pair, mismatch_pair = _pair_names(run.label, settings)

@@ -317,19 +317,21 @@ def compute_by_step(
     settings: MetricSettings,
     compute_step: Callable[[TokenBatch, MetricSettings, int], StepMetrics],
 ) -> list[tuple[str, StepMetrics]]:
-    """Per-step rows plus the ``all`` row for any per-step function (the key styles).
+    """Per-step rows plus the ``all`` row for a key style's per-step function.
 
-    `compute_step(step_batch, settings, groups_split)` computes one step; the steps, their statuses, the
-    groups straddling a `--docs-per-step` cut and the pooled batch are the same as `compute_native`'s, and the
-    pooled row's ``mode``-reduced values (losses) are the unweighted mean over the steps.
+    `compute_step(step_batch, settings, groups_split)` computes one step; the steps, their statuses and the
+    groups straddling a `--docs-per-step` cut are the same as `compute_native`'s. The ``all`` row is pooled
+    from the step rows alone (`pool_style_steps`, docs/key-styles.md); the steps' ``partial`` values are
+    consumed there and left out of the step rows.
     """
+    from pgdiag.metrics.styles.pooled import pool_style_steps, public_values
+
     parts = split_steps(batch, settings)
     step_index = _step_index(batch, settings)
-    pooled = _pooled_batch(batch, settings, step_index)
     if settings.docs_per_step is None:
         split_groups = np.zeros(0, dtype=np.int64)  # groups are prompts within a step: none can straddle
     else:
-        split_groups = _straddling_groups(pooled.group, step_index)
+        split_groups = _straddling_groups(np.asarray(batch.group), step_index)
     rows: list[tuple[str, StepMetrics]] = []
     for label, step_batch, status in parts:
         n_split = int(np.count_nonzero(np.isin(np.unique(step_batch.group), split_groups)))
@@ -341,9 +343,8 @@ def compute_by_step(
                 notices=(*metrics.notices, f"step {label}: final partial step of --docs-per-step"),
             )
         rows.append((label, metrics))
-    pooled_metrics = compute_step(pooled, settings, int(split_groups.shape[0]))
-    rows.append(("all", _average_loss_over_steps(pooled_metrics, [m for _, m in rows])))
-    return rows
+    pooled_metrics = pool_style_steps([m for _, m in rows], settings)
+    return [(label, public_values(m)) for label, m in rows] + [("all", pooled_metrics)]
 
 
 def split_steps(batch: TokenBatch, settings: MetricSettings) -> list[tuple[str, TokenBatch, str]]:

@@ -79,4 +79,6 @@ def export_wandb(report: Report, project: str, directory: str | Path) -> Path:
         run_dir = Path(run.dir).parent  # run.dir is the run's files/ folder
     finally:
         run.finish()
+        if wandb.run is None:  # no run of the caller's is open: stop W&B's service so its log is flushed now
+            wandb.teardown()
     return run_dir

@@ -1,8 +1,10 @@
-"""A one-file HTML report of `metrics` or `compare`: verdict, tables, plots, worst tokens, checks, settings.
+"""A one-file HTML report of `metrics`, `compare`, `whatif` or `drift`: verdict, tables, plots, worst tokens, checks,
+settings.
 
 What: `render_html(report, verdict=..., plot_set=...)` returns one self-contained page: the verdict line at the
-top, the report's tables (metric families per step, or the parity table and its breakdowns), the plots as
-base64 PNG images, the worst tokens and sequences (with their decoded text when the comparison had a
+top, the report's tables (metric families per step; the parity table and its breakdowns; the correction rules
+with the data they keep, ESS, loss changes and where they hit; the change points and the per-step series), the
+plots as base64 PNG images, the worst tokens and sequences (with their decoded text when the comparison had a
 tokenizer), the checks and the settings. `write_html` writes it atomically (temp file, then rename).
 Why: a reviewer opens one file, offline, in any browser: no network, no JavaScript, no files beside it.
 How: every user string (labels, ids, paths, messages, token text) is HTML-escaped; the page's CSS is inline.
@@ -32,6 +34,7 @@ HEADLINE_STATS = PARITY_HEADLINE_STATS  # the parity table's first rows; the oth
 BREAKDOWN_STATS = ("abs_mean", "abs_p99", "abs_max", "bias", "kl_k3", "frac_out_clip")
 GOOD_STATUSES = ("agree", "clean", "ok", "pass")
 WARN_STATUSES = ("warn", "warning", "warnings")
+MAX_LISTED_FINDINGS = 8  # under the verdict line; the tables below hold every one
 
 CSS = """
 :root { --fg: #1d2330; --muted: #5b6475; --line: #d9dde5; --bg: #ffffff; --soft: #f5f7fa;
@@ -67,6 +70,7 @@ td.name, th.name, td.text { text-align: left; }
 td.name { font-family: ui-monospace, "DejaVu Sans Mono", monospace; }
 td.text { white-space: pre-wrap; font-family: ui-monospace, "DejaVu Sans Mono", monospace; max-width: 520px; }
 td.anomaly { background: var(--bad-bg); color: var(--bad); font-weight: 600; }
+td.worst { background: var(--warn-bg); color: var(--warn); font-weight: 600; }
 td.unit { color: var(--muted); text-align: left; }
 tr.small td { color: var(--muted); }
 .plots { display: grid; grid-template-columns: repeat(auto-fill, minmax(560px, 1fr)); gap: 14px; }
@@ -128,7 +132,10 @@ def _status_class(status: str) -> str:
 
 
 def _verdict_block(status: str, line: str, findings: Sequence[str]) -> str:
-    items = "".join(f"<li>{_e(f)}</li>" for f in findings if f not in line)  # those the line leaves out
+    left_out = [f for f in findings if f not in line]  # those the line leaves out
+    items = "".join(f"<li>{_e(f)}</li>" for f in left_out[:MAX_LISTED_FINDINGS])
+    if len(left_out) > MAX_LISTED_FINDINGS:  # the verdict stays above the fold
+        items += f"<li>and {len(left_out) - MAX_LISTED_FINDINGS} more in the tables below</li>"
     word = f'<span class="word">{_e(status)}</span>' if status and status != "info" else ""
     listed = f'<ul class="findings">{items}</ul>' if items else ""
     return f'<div id="verdict" class="verdict {_status_class(status)}">{word}{_e(line)}{listed}</div>'
@@ -238,6 +245,166 @@ def _compare_tables(report: Report) -> str:
     return f'<div class="blocks">{"".join(blocks)}</div>' + "".join(parts)
 
 
+def _rule_parts(rule: str) -> tuple[str, str]:
+    """`token_mis:0.5,2` -> (`token_mis`, `0.5,2`); `none` -> (`none`, `no correction`)."""
+    family, _, threshold = rule.partition(":")
+    return family, threshold or "no correction"
+
+
+def _whatif_tables(report: Report) -> str:
+    summary = report.summary
+    rules = summary.filter(pl.col("breakdown") == "threshold")
+    cells = {(b, m): v for b, m, v in rules.select("bucket", "metric", "value").iter_rows()}
+    buckets = rules["bucket"].unique(maintain_order=True).to_list()
+    n_tok = rules.filter(pl.col("metric") == "whatif/ess_token")["n"].to_list()
+    n_seq = rules.filter(pl.col("metric") == "whatif/ess_seq")["n"].to_list()
+    size = f"{_num(n_tok[0], 'count')} tokens, {_num(n_seq[0], 'count')} sequences" if n_tok and n_seq else ""
+    parts = [
+        f"<h3>data kept and ESS <span class='note'>({_e(', '.join(report.meta.get('pairs', [])))}"
+        f"{'; ' + size if size else ''}; row <code>none</code>: the batch without correction)</span></h3>"
+    ]
+    kept_columns = (
+        ("whatif/tokens_affected", "tokens hit"),
+        ("whatif/seqs_affected", "sequences hit"),
+        ("whatif/tokens_kept", "tokens kept"),
+        ("whatif/ess_token_after", "token ESS after"),
+        ("whatif/ess_seq_after", "sequence ESS after"),
+    )
+    before = {"whatif/ess_token_after": "whatif/ess_token", "whatif/ess_seq_after": "whatif/ess_seq"}
+    body = []
+    for bucket in buckets:
+        row = [*_rule_parts(bucket)]
+        for metric, _ in kept_columns:
+            key = before.get(metric, metric) if bucket == "none" else metric
+            row.append(_num(cells.get((bucket, key)), "fraction"))
+        body.append(row)
+    parts.append(_table(["rule", "threshold", *[h for _, h in kept_columns]], body, left=2))
+    loss_metrics = [
+        m for m in rules["metric"].unique(maintain_order=True).to_list() if m.startswith("whatif/loss")
+    ]
+    modes = list(dict.fromkeys(m.rsplit("/", 1)[1] for m in loss_metrics))
+    if modes:
+        body = []
+        for bucket in buckets:
+            prefix = "whatif/loss" if bucket == "none" else "whatif/loss_delta"
+            body.append(
+                [*_rule_parts(bucket), *[_num(cells.get((bucket, f"{prefix}/{m}")), "loss") for m in modes]]
+            )
+        parts.append(
+            "<h3>pg loss under each aggregation mode <span class='note'>(row <code>none</code>: the loss "
+            "without correction; the others: its change under the rule, at the first mini-batch)</span></h3>"
+        )
+        parts.append(_table(["rule", "threshold", *modes], body, left=2))
+    for breakdown in ("step", "env", "position"):
+        local = summary.filter(pl.col("breakdown") == f"threshold/{breakdown}")
+        if local.height == 0:
+            continue
+        split = local.with_columns(
+            pl.col("bucket").str.split_exact("|", 1).struct.rename_fields(["rule", "where"]).alias("_parts")
+        ).unnest("_parts")
+        places = (
+            split.select("where", "bucket_lo", "n").unique("where", keep="first", maintain_order=True)
+            .sort("bucket_lo", nulls_last=True, maintain_order=True)
+        )  # fmt: skip
+        header = ["rule", "threshold", f"worst {breakdown}"]
+        header += [f"{where} (n={_num(n, 'count')})" for where, _, n in places.iter_rows()]
+        values = {(r, w): v for r, w, v in split.select("rule", "where", "value").iter_rows()}
+        body = []
+        for rule in split["rule"].unique(maintain_order=True).to_list():
+            row_values = [values.get((rule, where)) for where, _, _ in places.iter_rows()]
+            known = [v for v in row_values if v is not None]
+            top = max(known) if known else None
+            worst_at = next(
+                (w for (w, _, _), v in zip(places.iter_rows(), row_values, strict=True) if v == top), None
+            )
+            row = [*_rule_parts(rule), f"{worst_at} ({_num(top, 'fraction')})" if top else "—"]
+            for value in row_values:
+                text = _num(value, "fraction")
+                row.append(f'<td class="worst">{_e(text)}</td>' if top and value == top else text)
+            body.append(row)
+        parts.append(
+            f"<h3>where: fraction of tokens hit per {_e(breakdown)} <span class='note'>(the largest of each "
+            "rule highlighted)</span></h3>"
+        )
+        parts.append(_table(header, body, left=2))
+    return "".join(parts)
+
+
+def _series_table(
+    per_step: Mapping[tuple[str, str], float | None],
+    units: Mapping[str, str],
+    steps: Sequence[str],
+    metrics: Sequence[str],
+    marked: Mapping[tuple[str, str], str],
+) -> str:
+    """Rows = steps, columns = `metrics` (with their units); cells in `marked` are red with the label as tooltip."""
+    header = ["step", *[f"{m} ({units[m]})" if units.get(m) else m for m in metrics]]
+    body = []
+    for step in steps:
+        row = [step]
+        for metric in metrics:
+            text = _num(per_step.get((step, metric)), units.get(metric, ""))
+            label = marked.get((metric, step))
+            row.append(f'<td class="anomaly" title="{_e(label)}">{_e(text)}</td>' if label else text)
+        body.append(row)
+    return _table(header, body)
+
+
+def _drift_tables(report: Report, marks: Sequence[Mark]) -> str:
+    summary = report.summary
+    meta = report.meta.get("change_points") or {}
+    found = meta.get("found") or []
+    score = {(str(cp["metric"]), str(cp["step"])): cp.get("score") for cp in found}
+    points = summary.filter(pl.col("breakdown") == "changepoint")
+    parts = [
+        f"<h3>change points <span class='note'>({len(found)}; {_e(meta.get('method', ''))}, z ≥ "
+        f"{_e(_num(meta.get('threshold')))}; the step is the first of the new level)</span></h3>"
+    ]
+    if points.height:
+        body = [
+            [
+                str(step), metric, pair, _num(lo, unit), _num(hi, unit), _num(jump, unit),
+                _num(score.get((metric, str(step)))), f'<td class="unit">{_e(unit)}</td>',
+            ]
+            for step, metric, pair, lo, hi, jump, unit in points.select(
+                "bucket", "metric", "pair", "bucket_lo", "bucket_hi", "value", "unit"
+            ).iter_rows()
+        ]  # fmt: skip
+        parts.append(_table(["step", "metric", "pair", "before", "after", "jump", "z", "unit"], body, left=3))
+    else:
+        parts.append("<p class='note'>No change point: no searched series changed level.</p>")
+    rows = summary.filter(pl.col("breakdown") == "step")
+    steps = sorted(
+        rows["bucket"].unique().to_list(), key=lambda b: (int(b) if b.lstrip("-").isdigit() else 0, b)
+    )
+    per_step = {(b, m): v for b, m, v in rows.select("bucket", "metric", "value").iter_rows()}
+    units = dict(rows.select("metric", "unit").unique("metric", keep="first").iter_rows())
+    present = rows["metric"].unique(maintain_order=True).to_list()
+    # the series searched (older reports: those with a change point)
+    series = list(
+        dict.fromkeys(
+            [*(m for m in meta.get("series") or [] if m in present), *(str(cp["metric"]) for cp in found)]
+        )
+    )
+    marked = {(m.metric, str(m.step)): m.label for m in marks}
+    if series:
+        parts.append(
+            "<h3>per-step series searched for change points <span class='note'>(red: the first step of a new "
+            "level)</span></h3>"
+        )
+        parts.append(_series_table(per_step, units, steps, series, marked))
+    families: dict[str, list[str]] = {}
+    for metric in present:
+        families.setdefault(metric.split("/", 1)[0] if "/" in metric else "metrics", []).append(metric)
+    for family, metrics in families.items():
+        parts.append(
+            f"<details><summary>{_e(family)} per step: {len(metrics)} metrics</summary>"
+            + _series_table(per_step, units, steps, metrics, marked)
+            + "</details>"
+        )
+    return "".join(parts)
+
+
 def _plots(plot_set: PlotSet | None) -> str:
     if plot_set is None or (not plot_set.figures and not plot_set.skipped):
         return "<p class='note'>No plots.</p>"
@@ -335,7 +502,9 @@ def _flat(prefix: str, value: Any, out: list[tuple[str, str]]) -> None:
 
 def _settings(report: Report, argv: Sequence[str] | None) -> str:
     pairs: list[tuple[str, str]] = []
-    meta = {k: v for k, v in report.meta.items() if k not in ("steps", "notices", "diagnosis")}
+    meta = {k: v for k, v in report.meta.items() if k not in ("steps", "notices", "diagnosis", "verdict")}
+    if isinstance(meta.get("change_points"), Mapping):  # the change points have their own table
+        meta["change_points"] = {k: v for k, v in meta["change_points"].items() if k != "found"}
     _flat("", meta, pairs)
     body = [[k, f'<td class="text">{_e(v)}</td>'] for k, v in pairs]
     command = f"<p><code>pgdiag {_e(' '.join(argv))}</code></p>" if argv else ""
@@ -377,15 +546,22 @@ def render_html(
 
     `verdict` is the one line printed at the top, `status` its word (AGREE, DISAGREE, clean, anomalies, ...;
     "info" shows the line alone), `findings` the lines listed under it; `plot_set` the figures (from
-    `plots.build_figures`); `marks` the anomalies highlighted in the metric tables; `argv` the command that
-    made the report.
+    `plots.build_figures`); `marks` the anomalies highlighted in the metric tables (metrics) and the change
+    points in the per-step tables (drift); `argv` the command that made the report.
     """
     from pgdiag import __version__
 
     pairs = report.meta.get("pairs", [])
     heading = title or f"pgdiag {report.kind}: {', '.join(pairs) if pairs else ''}"
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    tables = _metrics_tables(report, marks) if report.kind == "metrics" else _compare_tables(report)
+    if report.kind == "metrics":
+        tables = _metrics_tables(report, marks)
+    elif report.kind == "whatif":
+        tables = _whatif_tables(report)
+    elif report.kind == "drift":
+        tables = _drift_tables(report, marks)
+    else:
+        tables = _compare_tables(report)
     sections = [
         ("tables", "Tables", tables),
         ("plots", "Plots", _plots(plot_set)),

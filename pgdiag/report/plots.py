@@ -102,7 +102,8 @@ TREND_PANELS: dict[str, TrendPanel] = {
     ),
 }
 TREND_KINDS = tuple(TREND_PANELS)
-ALL_KINDS = COMPARE_KINDS + TREND_KINDS
+REPORT_KINDS = ("whatif", "drift")  # the figure of a whatif report and of a drift report
+ALL_KINDS = COMPARE_KINDS + TREND_KINDS + REPORT_KINDS
 
 
 @dataclass(frozen=True)
@@ -628,6 +629,10 @@ def build_figures(
             candidates: tuple[str, ...] = TOKEN_KINDS
         elif _report_kind(report) == "metrics":
             candidates = TREND_KINDS
+        elif _report_kind(report) == "whatif":
+            candidates = ("whatif",)
+        elif _report_kind(report) == "drift":  # its per-step rows are metrics': their trend plots too
+            candidates = ("drift", *TREND_KINDS)
         else:
             candidates = COMPARE_KINDS
     else:
@@ -679,6 +684,10 @@ def _missing(kind: str, report: Any, tokens: Any, trace: pl.DataFrame | None, wa
         return (
             None if trace is not None else "needs the worst trace (compare --out writes it beside the report)"
         )
+    if kind == "whatif":
+        return None if _has(report, "threshold") else "needs a whatif report (pgdiag whatif --out)"
+    if kind == "drift":
+        return None if _has(report, "step") else "needs per-step rows (pgdiag drift --out)"
     breakdown = {"by-prob": "prob_bucket", "by-position": "position", "by-step": "step"}[kind]
     if not _has(report, breakdown):
         return f"the report has no {breakdown} breakdown (compare --by {breakdown})"
@@ -705,6 +714,10 @@ def _draw(kind: str, report: Any, tokens: Any, trace: pl.DataFrame | None, marks
         return plot_by_step(report)
     if kind == "worst-trace":
         return plot_worst_trace(trace)
+    if kind == "whatif":
+        return plot_whatif(report)
+    if kind == "drift":
+        return plot_drift(report)
     return plot_trend(report, kind, marks=marks)
 
 

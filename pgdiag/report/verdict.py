@@ -1,12 +1,16 @@
-"""The one line a person reads first: the verdict of `metrics`, `compare` and `check`.
+"""The one line a person reads first: the verdict of `metrics`, `compare`, `whatif`, `drift` and `check`.
 
 What: `metrics_verdict(report)` lists the anomalies of a metrics report, each with its step (ESS below 0.1,
 ratio max above 10, a KL jump, binding clip fraction above 0.2, an empty step); `compare_verdict(report, gates)`
 says AGREE or DISAGREE with the worst statistic and where it is worst (position bucket, step, token);
-`check_verdict(result)` says clean or names the first problem. Why: a table of 100 numbers hides the one that
-matters; the CLI prints `Verdict.line` last, `--json` and saved reports carry `Verdict.as_dict()`, and notebooks
-call the same functions. How: thresholds live in the frozen `VerdictThresholds` (docs/cli.md lists them); a
-verdict only reads a report, it never changes an exit code (gates do that).
+`whatif_verdict(report)` names the correction rules that drop more than 5% of the tokens, else the rule that
+touches the most, each with the step that loses the most; `drift_verdict(report)` lists the change points, each
+with its step, series and jump; `check_verdict(result)` says clean or names the first problem;
+`report_verdict(report, gates)` is the verdict of a saved report of any kind. Why: a table of 100 numbers hides
+the one that matters; the CLI prints `Verdict.line` last, `--json`, saved reports and the HTML page carry
+`Verdict.as_dict()`, and notebooks call the same functions. How: thresholds live in the frozen
+`VerdictThresholds` (docs/cli.md lists them); a verdict only reads a report, it never changes an exit code (gates
+do that).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class VerdictThresholds:
     kl_jump_factor: float = 10.0  # policy/kl_k3 of a step above this times the median of the steps ...
     kl_jump_floor: float = 1e-3  # ... and above this many nats
     clip_frac_max: float = 0.2  # policy/clip_frac_binding above this
+    whatif_lost_max: float = 0.05  # a correction rule that drops more than this fraction of the loss tokens
     # compare without gates: the fail thresholds of `--profile recommended`
     agree: tuple[tuple[str, float], ...] = (
         ("mismatch/abs_mean", 0.02),
@@ -46,7 +51,8 @@ class VerdictThresholds:
 class Finding:
     """One anomaly or problem: what, where (step, bucket or token) and by how much."""
 
-    kind: str  # ess_low | ratio_max | kl_jump | clip_frac | empty_step | disagree | error | warning
+    kind: str  # ess_low | ratio_max | kl_jump | clip_frac | empty_step | disagree | data_lost | change_point
+    # | error | warning
     metric: str | None
     step: str | None  # step id as in the report ("0", "1", ...), None when pooled or not step-bound
     value: float | None
@@ -58,8 +64,11 @@ class Finding:
 class Verdict:
     """A command's verdict: its status word, the one line printed last, and the findings behind it."""
 
-    command: str  # metrics | compare | check
-    status: str  # metrics: clean|anomalies; compare: AGREE|DISAGREE; check: clean|warnings|errors
+    command: str  # metrics | compare | whatif | drift | check
+    # metrics: clean|anomalies; drift: clean|anomalies|NO DATA; compare: AGREE|DISAGREE|NO DATA;
+    # whatif: clean|warnings|NO DATA;
+    # check: clean|warnings|errors
+    status: str
     line: str
     findings: tuple[Finding, ...] = ()
 
@@ -300,6 +309,140 @@ def compare_verdict(
     if where:
         line += f"; {where}"
     return Verdict("compare", status, line, tuple(findings))
+
+
+def _percent(value: float) -> str:
+    return f"{100 * value:.3g}%"
+
+
+def _worst_step(report: Report, rule: str) -> tuple[str, float] | None:
+    """The step where `rule` affects the largest fraction of the tokens (first such step), with that fraction."""
+    frame = report.summary.filter(
+        (pl.col("breakdown") == "threshold/step")
+        & pl.col("bucket").str.starts_with(f"{rule}|")
+        & pl.col("value").is_not_null()
+    )
+    if frame.height == 0:
+        return None
+    bucket, value = frame.sort("value", descending=True, maintain_order=True).select("bucket", "value").row(0)
+    return str(bucket).split("|", 1)[1], float(value)
+
+
+def whatif_verdict(report: Report, thresholds: VerdictThresholds = VerdictThresholds()) -> Verdict:
+    """`warnings` when a correction rule drops more than `whatif_lost_max` of the loss tokens (1 − tokens kept)
+    or the uncorrected token ESS is below `ess_min`, else `clean`. The line names those rules (most data lost
+    first), or else the rule that truncates or drops the most tokens, each with its worst step, and the
+    uncorrected ESS."""
+    t = thresholds
+    rows = report.summary.filter(pl.col("breakdown") == "threshold")
+    values = {(b, m): v for b, m, v in rows.select("bucket", "metric", "value").iter_rows()}
+    rules = [b for b in rows["bucket"].unique(maintain_order=True).to_list() if b != "none"]
+    if not rules:
+        return Verdict("whatif", "NO DATA", "whatif: NO DATA (no correction rule in the report)")
+
+    def where(rule: str) -> str:
+        worst = _worst_step(report, rule)
+        return f" (worst step {worst[0]}: {_percent(worst[1])})" if worst is not None and worst[1] > 0 else ""
+
+    def sequences(rule: str) -> str:
+        seqs = values.get((rule, "whatif/seqs_affected"))
+        return f", {_percent(seqs)} of the sequences" if seqs is not None else ""
+
+    ess_token, ess_seq = values.get(("none", "whatif/ess_token")), values.get(("none", "whatif/ess_seq"))
+    ess = f"uncorrected ESS: token {_fmt(ess_token)}, sequence {_fmt(ess_seq)}"
+    findings: list[Finding] = []
+    if ess_token is not None and ess_token < t.ess_min:
+        findings.append(
+            Finding(
+                "ess_low",
+                "whatif/ess_token",
+                None,
+                ess_token,
+                t.ess_min,
+                f"uncorrected token ESS {_fmt(ess_token)} < {_fmt(t.ess_min)}",
+            )
+        )
+    lossy = [
+        (rule, kept)
+        for rule in rules
+        if (kept := values.get((rule, "whatif/tokens_kept"))) is not None and kept < 1.0 - t.whatif_lost_max
+    ]
+    lossy.sort(key=lambda item: item[1])  # the most data lost first
+    for rule, kept in lossy:
+        findings.append(
+            Finding(
+                "data_lost",
+                "whatif/tokens_kept",
+                None,
+                kept,
+                1.0 - t.whatif_lost_max,
+                f"{rule} drops {_percent(1.0 - kept)} of the tokens{sequences(rule)}{where(rule)}",
+            )
+        )
+    if findings:
+        head = (
+            f"{len(lossy)} of {len(rules)} rules drop more than {_percent(t.whatif_lost_max)} of the tokens"
+            if lossy
+            else f"no rule drops more than {_percent(t.whatif_lost_max)} of the tokens"
+        )
+        return Verdict("whatif", "warnings", f"whatif: {head}: {_joined(findings)}; {ess}", tuple(findings))
+    touched = [(values.get((r, "whatif/tokens_affected")) or 0.0, r) for r in rules]
+    top, rule = max(touched, key=lambda item: item[0])
+    most = (
+        f"most affected: {rule} truncates or drops {_percent(top)} of the tokens{sequences(rule)}{where(rule)}"
+        if top > 0
+        else "no rule truncates or drops any token"
+    )
+    line = (
+        f"whatif: no rule of {len(rules)} drops more than {_percent(t.whatif_lost_max)} of the tokens; "
+        f"{most}; {ess}"
+    )
+    return Verdict("whatif", "clean", line)
+
+
+def drift_verdict(report: Report) -> Verdict:
+    """`anomalies` when change points were found, each with its step, series, the levels before and after and
+    its z score (in step order); `NO DATA` when the run has too few steps to search; else `clean` with the steps
+    and series searched."""
+    meta = report.meta.get("change_points") or {}
+    found = sorted(meta.get("found") or [], key=lambda cp: (int(cp["step"]), str(cp["metric"])))
+    n_steps = len((report.meta.get("inputs") or {}).get("steps") or [])
+    findings = tuple(
+        Finding(
+            "change_point",
+            str(cp["metric"]),
+            str(cp["step"]),
+            float(cp["jump"]),
+            None,
+            f"step {cp['step']}: {cp['metric']} {_fmt(cp['before'])} → {_fmt(cp['after'])} "
+            f"(jump {float(cp['jump']):+.3g}, z {float(cp['score']):.1f})",
+        )
+        for cp in found
+    )
+    if findings:
+        noun = "change point" if len(findings) == 1 else "change points"
+        line = f"drift: {len(findings)} {noun} over {n_steps} steps: {_joined(findings)}"
+        return Verdict("drift", "anomalies", line, findings)
+    min_steps = meta.get("min_steps")
+    if min_steps is not None and n_steps < int(min_steps):  # no series was searched
+        line = f"drift: NO DATA: {n_steps} steps, fewer than the {min_steps} a change-point search needs"
+        return Verdict("drift", "NO DATA", line)
+    series = meta.get("series")
+    searched = f" in {len(series)} series" if series is not None else ""
+    threshold = meta.get("threshold")
+    rule = f" (z ≥ {_fmt(threshold)})" if threshold is not None else ""
+    return Verdict("drift", "clean", f"drift: no change point{searched} over {n_steps} steps{rule}")
+
+
+def report_verdict(report: Report, gates: GateResult | None = None) -> Verdict:
+    """The verdict of a saved report of any kind, from its stored values (`gates`: compare's fail gates)."""
+    if report.kind == "compare":
+        return compare_verdict(report, gates)
+    if report.kind == "whatif":
+        return whatif_verdict(report)
+    if report.kind == "drift":
+        return drift_verdict(report)
+    return metrics_verdict(report)
 
 
 def check_verdict(result: CheckResult) -> Verdict:

@@ -71,3 +71,24 @@ def test_gates_are_re_evaluated_on_stored_values(tmp_path: Path):
     assert gate["value"] == pytest.approx(kl) and gate["status"] == "fail"
     ok = invoke("report", str(path), "--fail-on", f"policy/kl_k3>{kl * 2!r}", "-q")
     assert ok.exit_code == 0
+
+
+@pytest.mark.parametrize("kind", ["metrics", "compare", "whatif", "drift"])
+def test_html_re_renders_every_kind(kind: str, tmp_path: Path):
+    import html
+
+    from pgdiag.report.verdict import report_verdict
+
+    path = saved(kind, tmp_path)
+    stored = load_report(path)
+    page = tmp_path / f"{kind}.html"
+    result = invoke("report", str(path.parent), "--html", str(page), "--json", "-q")
+    assert result.exit_code in (0, 1), result.output
+    assert json.loads(result.stdout.strip().splitlines()[-1])["files"] == {"html": str(page)}
+    text = page.read_text()
+    verdict = report_verdict(stored)
+    assert f"{kind} report" in text and html.escape(verdict.line) in text
+    # the saved report carries the verdict its command printed: the same one, derived again here
+    assert stored.meta["verdict"]["line"] == verdict.line
+    figures = {"metrics": "trend-kl", "compare": "worst-trace", "whatif": "whatif", "drift": "drift"}[kind]
+    assert f'<img alt="{figures}"' in text  # compare: the worst trace beside the report is drawn

@@ -3,6 +3,7 @@ round trip, the plot, and bad thresholds or streams as one line with exit 2."""
 
 from __future__ import annotations
 
+import html
 import json
 from pathlib import Path
 
@@ -84,3 +85,49 @@ def test_existing_plot_is_refused_before_any_work(tmp_path: Path, command: str):
     result = invoke(command, RUN, "--plot", str(plot), "--out", str(out), "-q")
     assert result.exit_code == 2 and "E502" in result.stderr
     assert not out.exists() and plot.read_bytes() == b"not mine"  # nothing written, the figure untouched
+
+
+@pytest.mark.parametrize("command", ["whatif", "drift"])
+def test_html_page_is_written_listed_and_carries_the_verdict(tmp_path: Path, command: str):
+    from pgdiag.analysis.drift import drift
+    from pgdiag.report.verdict import drift_verdict, whatif_verdict
+
+    page = tmp_path / "page.html"
+    result = invoke(command, RUN, "--html", str(page), "--json")
+    assert result.exit_code == 0, result.output
+    obj = json.loads(result.stdout.strip().splitlines()[-1])
+    assert obj["files"] == {"html": str(page)}
+    assert f"html written to {page}" in result.stderr
+    library = whatif(read_run(RUN)) if command == "whatif" else drift(read_run(RUN))
+    expected = (whatif_verdict if command == "whatif" else drift_verdict)(library)
+    assert obj["verdict"] == expected.as_dict()
+    assert " ".join(result.stderr.split()).endswith(expected.line)  # the verdict, last on stderr (wrapped)
+    text = page.read_text()
+    assert text.startswith("<!doctype html>") and f"pgdiag {command}: " in text
+    assert html.escape(expected.line) in text and '<img alt="' in text
+    again = invoke(command, RUN, "--html", str(page), "--overwrite", "-q")
+    assert again.exit_code == 0, again.output
+
+
+@pytest.mark.parametrize("command", ["whatif", "drift", "report"])
+@pytest.mark.parametrize("existing", ["file", "directory"])
+def test_bad_html_path_is_refused_before_any_work(tmp_path: Path, command: str, existing: str):
+    page = tmp_path / "page.html"
+    if existing == "file":
+        page.write_text("keep me")
+    else:
+        page.mkdir()
+    out, plot = tmp_path / "report", tmp_path / "figure.png"
+    args = {
+        "whatif": ("whatif", RUN, "--out", str(out), "--plot", str(plot)),
+        "drift": ("drift", RUN, "--out", str(out), "--plot", str(plot)),
+        "report": ("report", str(tmp_path / "no-such-report"), "--markdown", str(tmp_path / "comment.md")),
+    }[command]
+    result = invoke(*args, "--html", str(page), "--json")
+    assert result.exit_code == 2, result.output
+    error = json.loads(result.stdout.strip().splitlines()[-1])["error"]
+    assert error["code"] == "E502"  # not E501 for the missing report: nothing was read
+    assert error["message"] == f"{page} {'exists' if existing == 'file' else 'is a directory'}"
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["page.html"]  # no report, figure, markdown or temp file
+    assert page.read_text() == "keep me" if existing == "file" else list(page.iterdir()) == []

@@ -310,3 +310,36 @@ def test_key_style_report_says_why_it_has_no_trends() -> None:
         plot_set.skipped["trend-kl"]
         == "trend plots read pgdiag's own keys; this report has --key-style verl keys"
     )
+
+
+def test_whatif_and_drift_reports_draw_their_own_figure() -> None:
+    from pgdiag.errors import UsageError
+
+    rows = [
+        ReportRow(
+            "r:rollout vs r:old", "token", "threshold", rule, metric, value, "fraction", "token-mean", 9
+        )
+        for rule, metric, value in (
+            ("none", "whatif/ess_token", 0.9),
+            ("token_tis:2", "whatif/tokens_kept", 1.0),
+            ("token_tis:2", "whatif/ess_token_after", 0.95),
+        )
+    ]
+    whatif = plots.build_figures(
+        Report("whatif", summary_frame(rows), meta={"pairs": ["r:rollout vs r:old"]})
+    )
+    assert list(whatif.figures) == ["whatif"] and whatif.skipped == {}
+    (ax,) = whatif.figures["whatif"].axes
+    assert ax.collections[0].get_offsets().tolist() == [[1.0, 0.95]]  # tokens kept, ESS after
+    steps = [
+        ReportRow(
+            "r:old vs r:new", "token", "step", str(s), "actor/ppo_kl", 0.1 * s, "nats", "token", 5, s, s
+        )
+        for s in range(3)
+    ]
+    meta = {"settings": {"key_style": "verl"}, "change_points": {"found": []}}
+    drift = plots.build_figures(Report("drift", summary_frame(steps), meta=meta))
+    assert list(drift.figures) == ["drift"] and set(drift.skipped) == set(plots.TREND_KINDS)
+    assert drift.figures["drift"].axes[0].lines[0].get_ydata().tolist() == pytest.approx([0.0, 0.1, 0.2])
+    with pytest.raises(UsageError, match="plot whatif: needs a whatif report"):
+        plots.build_figures(Report("drift", summary_frame(steps), meta=meta), kinds=("whatif",))

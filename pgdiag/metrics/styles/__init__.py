@@ -12,7 +12,7 @@ per-token advantages), so each style is reproduced separately rather than mapped
 How: `check_style_settings` rejects any flag the framework has no setting for (`UsageError`, exit 2) and any
 `--aggregation` it cannot name; each style module (`fast_llm`, `verl`, `trl`, `liger`, `miles`,
 `pipelinerl`) computes from `common.StyleInputs`. `--metric-reduction` is ignored (the style fixes every
-reduction) with a notice.
+reduction) with a notice. The run's `all` row is pooled from the step results (`pooled.pool_style_steps`).
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from pgdiag.metrics.styles.fast_llm import check_fast_llm_settings, compute_fast
 from pgdiag.metrics.styles.liger import check_liger_settings, compute_liger
 from pgdiag.metrics.styles.miles import check_miles_settings, compute_miles
 from pgdiag.metrics.styles.pipelinerl import check_pipelinerl_settings, compute_pipelinerl
+from pgdiag.metrics.styles.pooled import pool_style_steps, public_values, step_partials
 from pgdiag.metrics.styles.trl import check_trl_settings, compute_trl
 from pgdiag.metrics.styles.verl import check_verl_settings, compute_verl
 
-__all__ = ["STYLE_NAMES", "check_style_settings", "compute_step_style"]
+__all__ = ["STYLE_NAMES", "check_style_settings", "compute_step_style", "pool_style_steps", "public_values"]
 
 _StyleCompute = Callable[[StyleInputs, MetricSettings], StyleOutput]
 _STYLES: dict[str, tuple[Callable[[MetricSettings], None], _StyleCompute]] = {
@@ -61,17 +62,21 @@ def check_style_settings(settings: MetricSettings) -> None:
 
 
 def compute_step_style(
-    batch: TokenBatch, settings: MetricSettings, *, groups_split: int | None = None
+    batch: TokenBatch, settings: MetricSettings, *, groups_split: int | None = None, partials: bool = False
 ) -> StepMetrics:
     """The `settings.key_style` framework's keys for the step `batch`, then the native `count/*` keys.
 
     `groups_split` is `count/groups_split` (prompt groups straddling a step boundary), known only to the
-    caller that cut the steps; when it is None that key is left out rather than guessed.
+    caller that cut the steps; when it is None that key is left out rather than guessed. `partials` adds
+    the few extra per-step values (reduction ``partial``) `pool_style_steps` needs to pool every key
+    exactly; strip them with `public_values` before reporting a step.
     """
     check_style_settings(settings)
     _, compute = _STYLES[settings.key_style]
+    inputs = read_inputs(batch, settings)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # NaN/inf as the frameworks get them
-        style = compute(read_inputs(batch, settings), settings)
+        style = compute(inputs, settings)
+        extra = step_partials(inputs, settings) if partials else ()
     notices = list(style.notices)
     if settings.metric_reduction != "token":
         notices.append(
@@ -87,4 +92,4 @@ def compute_step_style(
         for v in native.values
         if v.key.startswith("count/") and (groups_split is not None or v.key != "count/groups_split")
     )
-    return StepMetrics(style.values + counts, native.status, tuple(notices))
+    return StepMetrics(style.values + counts + extra, native.status, tuple(notices))
