@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pgdiag.data.validate import LOGPROB_POSITIVE_TOL, Issue, zero_fill_rows
+from pgdiag.data.validate import LOGPROB_POSITIVE_TOL, Issue, zero_against_other, zero_fill_rows
 
 STAT_SAMPLE_TOKENS = 262_144  # medians and fits of the shift test on up to about this many tokens
 MIN_STAT_TOKENS = 200  # medians, fits and sign shares need this many tokens (E302, W401, W403)
@@ -171,8 +171,7 @@ def zero_fill_issues(
         zero = np.flatnonzero(values == 0.0)
         if zero.size == 0:
             continue
-        with np.errstate(invalid="ignore"):
-            against = zero[other[zero] < -1.0]
+        against = zero_against_other(values, other)
         rows = zero_fill_rows(values, where.offsets) if single_stream else None
         if rows is not None and rows.fraction_filled:
             reason, tokens = f"{100 * rows.fraction:.3g} % exact 0.0 on loss positions", zero

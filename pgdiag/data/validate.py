@@ -61,6 +61,14 @@ def zero_fill_rows(values: np.ndarray, offsets: np.ndarray) -> ZeroFill:
     return ZeroFill(zero, all_zero_rows, fraction)
 
 
+def zero_against_other(values: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """(Z,) token indices where `values` is exactly 0.0 while the other stream of the pair is below −1 (a token
+    it gives p < 0.37 cannot have p = 1 here): the pair form of the E206 zero-fill rule, on (M,) arrays."""
+    zero = np.flatnonzero(values == 0.0)
+    with np.errstate(invalid="ignore"):
+        return zero[other[zero] < -1.0]
+
+
 @dataclass(frozen=True)
 class CheckSettings:
     """What every command's checks skip and show: codes to ignore and examples per issue."""

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pgdiag.metrics.catalog import MetricSink
-from pgdiag.metrics.reduce import SAMPLE_AXIS, TOKEN_AXIS, TokenReducer, extremum, quantiles
+from pgdiag.metrics.pooled import QuantileSummary, extremum_of, quantiles_of
+from pgdiag.metrics.reduce import SAMPLE_AXIS, TOKEN_AXIS, TokenReducer, extremum
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class EntropyTables:
     """Entropies (N_H,) of the tokens valid for the policy family with a finite H, and their sums (S,)."""
 
     reducer: TokenReducer
-    entropy: np.ndarray = field(metadata=TOKEN_AXIS)
+    entropy: np.ndarray | QuantileSummary = field(metadata=TOKEN_AXIS)
     sum_entropy: np.ndarray = field(metadata=SAMPLE_AXIS)
 
 
@@ -178,12 +179,12 @@ def add_entropy_metrics(t: EntropyTables, sink: MetricSink) -> None:
     """`entropy/mean` (R) and its token quantiles and extrema."""
     n_tok = t.reducer.n_tokens
     sink.add("entropy/mean", t.reducer.mean_of_sums(t.sum_entropy), t.reducer.population)
-    p5, p50, p95 = quantiles(t.entropy, (0.05, 0.5, 0.95))
+    p5, p50, p95 = quantiles_of(t.entropy, (0.05, 0.5, 0.95))
     sink.add("entropy/p5", p5, n_tok)
     sink.add("entropy/p50", p50, n_tok)
     sink.add("entropy/p95", p95, n_tok)
-    sink.add("entropy/min", extremum(t.entropy, "min"), n_tok)
-    sink.add("entropy/max", extremum(t.entropy, "max"), n_tok)
+    sink.add("entropy/min", extremum_of(t.entropy, "min"), n_tok)
+    sink.add("entropy/max", extremum_of(t.entropy, "max"), n_tok)
 
 
 def add_counts(

@@ -9,18 +9,24 @@ or a framework key style on every step and on the pooled ``all`` row.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import polars as pl
 
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.runs import Run, read_token_batch
-from pgdiag.data.validate import CheckSettings
-from pgdiag.errors import UsageError
+from pgdiag.data.runs import LoadedBatch, Run, read_token_batch, restrict_steps, step_chunks, step_rows
+from pgdiag.data.schema import stream_column
+from pgdiag.data.validate import CheckSettings, check_result, zero_against_other
+from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.metrics.pooled import QuantileSettings
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import Report, ReportRow, summary_frame
+
+if TYPE_CHECKING:
+    from pgdiag.metrics.engine import StepMetrics
 
 _CANONICAL = ("rollout", "old", "ref", "new")
 
@@ -102,11 +108,36 @@ def default_gates(settings: MetricSettings) -> dict[str, Any]:
     return gate_policy(fail_on=fail, known_metrics=[spec.key for spec in METRIC_CATALOG])
 
 
+@dataclass(frozen=True)
+class StreamSettings:
+    """How `compute_metrics` reads a run: chunks of whole consecutive steps, and the pooled quantile rule.
+
+    `max_rows` bounds the rows (samples) of one chunk; None = the largest step's rows, at least
+    `min_rows`, so peak memory follows the largest step, not the run (a step is never split). `quantiles`
+    says when the ``all`` row's token quantiles stop being exact (docs/metrics.md).
+    """
+
+    max_rows: int | None = None
+    min_rows: int = 4096
+    quantiles: QuantileSettings = field(default_factory=QuantileSettings)
+
+    def __post_init__(self) -> None:
+        if self.max_rows is not None and self.max_rows < 1:
+            raise UsageError("E503", f"a chunk needs at least one row, got max_rows={self.max_rows}")
+
+    def budget(self, rows_per_step: dict[int, int]) -> int:
+        """The row budget of one chunk for a run with `rows_per_step`."""
+        if self.max_rows is not None:
+            return self.max_rows
+        return max([self.min_rows, *rows_per_step.values()])
+
+
 def compute_metrics(
     run: Run,
     settings: MetricSettings | None = None,
     *,
     checks: CheckSettings | None = None,
+    stream: StreamSettings | None = None,
     **options: Any,
 ) -> Report:
     """The full metric set of `run`, per step and pooled (``all``), as a `Report`.
@@ -115,14 +146,72 @@ def compute_metrics(
     (``compute_metrics(run, aggregation="constant", divisor=40960, eps_low=0.1)``, `MetricSettings.from_options`).
     `checks` names the check codes to ignore and the examples per issue. Every aggregation mode is always
     reported (``loss/<mode>``); `settings.aggregation` picks the headline ``loss/pg``.
+
+    The native engine reads the run in chunks of whole steps (`stream`, docs/reliability.md): each chunk is
+    read, validated and reduced per step, and only per-sample tables and token summaries are kept for the
+    ``all`` row; a framework key style computes each step with its own function and its ``all`` row from the
+    step rows (`pool_style_steps`). `--docs-per-step` (steps cut across the step column) and a run with null
+    steps (an E213 error) are read whole.
     """
     if settings is None:
         settings = MetricSettings.from_options(**options)
     elif options:
         raise UsageError("E514", "give either a MetricSettings or keyword options, not both")
     checks = checks or CheckSettings()
+    stream = stream or StreamSettings()
     settings = resolve_streams(run, settings)
+    rows_per_step = step_rows(run) if settings.docs_per_step is None else {}
+    if settings.docs_per_step is not None or _null_steps(run):  # a null step (E213) is in no chunk
+        loaded = _read(run, settings, checks)
+        return metrics_report(
+            loaded.batch, settings, run=run, checks=loaded.checks.issues, ignored=checks.ignore
+        )
+    from pgdiag.metrics.engine import NativeStream, StyleStream
 
+    chunks: list[Run] = [
+        restrict_steps(run, c) for c in step_chunks(rows_per_step, stream.budget(rows_per_step))
+    ]
+    engine = (
+        NativeStream(settings, stream.quantiles) if settings.key_style == "pgdiag" else StyleStream(settings)
+    )
+    issue_frames: list[pl.DataFrame] = []
+    n_samples = n_tokens = 0
+    for chunk in chunks or [run]:  # a run without rows is read once, as a whole
+        loaded = _read(chunk, settings, checks)
+        issue_frames.append(loaded.checks.issues)
+        engine.add(loaded.batch)
+        n_samples += loaded.batch.n_samples
+        n_tokens += loaded.batch.n_tokens
+        del loaded  # the chunk's token arrays go before the next chunk is read
+    results = [*engine.steps, engine.finish()]
+    notice = _quantile_notice(engine.quantiles_exact, stream.quantiles)
+    return _report(
+        results,
+        settings,
+        run=run,
+        n_samples=n_samples,
+        n_tokens=n_tokens,
+        checks=merge_issue_frames(issue_frames),
+        ignored=checks.ignore,
+        extra_meta={
+            "pooled_quantiles": {
+                "exact": engine.quantiles_exact,
+                "exact_limit": stream.quantiles.exact_limit,
+                "relative_error": None if engine.quantiles_exact else stream.quantiles.relative_error,
+            },
+            "chunks": len(chunks),
+        },
+        extra_notices=[] if notice is None else [notice],
+    )
+
+
+def _null_steps(run: Run) -> int:
+    """Rows of `run` whose `step` is null: no chunk of steps holds them, so such a run is read whole (E213)."""
+    return int(run.lazy.select(pl.col("step").null_count()).collect().item())
+
+
+def _read(run: Run, settings: MetricSettings, checks: CheckSettings) -> LoadedBatch:
+    """One read of `run` (a chunk, or the whole run): the reader's validation, then the pair zero-fill rule."""
     loaded = read_token_batch(
         run,
         streams=metric_streams(settings),
@@ -130,7 +219,78 @@ def compute_metrics(
         ignore=checks.ignore,
         max_examples=checks.max_examples,
     )
-    return metrics_report(loaded.batch, settings, run=run, checks=loaded.checks.issues, ignored=checks.ignore)
+    if "E206" not in checks.ignore:
+        pairs = [(settings.old, settings.new), (settings.stream_a, settings.stream_b)]
+        for a, b in dict.fromkeys(p for p in pairs if p[0] is not None and p[1] is not None and p[0] != p[1]):
+            _refuse_zero_fill(loaded.batch, a, b, checks.max_examples)
+    return loaded
+
+
+def _refuse_zero_fill(batch: TokenBatch, a: str, b: str, max_examples: int) -> None:
+    """E206 (exit 3) where one stream of the pair (a, b) is exactly 0.0 and the other below −1, the rule `check`
+    and `compare` apply to every pair (`data.validate.zero_against_other`); the reader applied the one-stream
+    rules already."""
+    for name, values, other_name, other in (
+        (a, batch.streams[a], b, batch.streams[b]),
+        (b, batch.streams[b], a, batch.streams[a]),
+    ):
+        tokens = zero_against_other(values, other)  # (Z,)
+        if tokens.size == 0:
+            continue
+        rows = np.searchsorted(batch.offsets, tokens[:max_examples], side="right") - 1
+        where = "; ".join(
+            f"step {batch.step[r]}, sample {batch.sample_id[r]}, pos {batch.pos[t]}"
+            for r, t in zip(rows.tolist(), tokens[:max_examples].tolist(), strict=True)
+        )
+        raise InvalidInputError(
+            "E206",
+            f"{batch.label}: {stream_column(name)} 0.0 where {stream_column(other_name)} < -1 on "
+            f"{tokens.size} tokens: zero-filled? ({where})",
+            "missing values written as 0? import them as null, or --ignore E206",
+        )
+
+
+def _quantile_notice(exact: bool, quantiles: QuantileSettings) -> str | None:
+    """The notice of an ``all`` row whose token quantiles were sketched (None when they are exact)."""
+    if exact:
+        return None
+    return (
+        f"all: token quantiles (policy/logratio_p*, mismatch/abs_p*, abs_dprob_p99, entropy/p*) are sketched past "
+        f"{quantiles.exact_limit:,} tokens: relative error <= {quantiles.relative_error:g} (docs/metrics.md)"
+    )
+
+
+def merge_issue_frames(frames: Sequence[pl.DataFrame]) -> pl.DataFrame:
+    """The issues of a run read in chunks: one row per (code, severity) with the counts added; the message,
+    step, sample and position are the first chunk's, with the later chunks' count appended to the message."""
+    frames = [f for f in frames if f.height]
+    if not frames:
+        return check_result([]).issues
+    if len(frames) == 1:
+        return frames[0]
+    pooled = pl.concat(frames).with_row_index("__order")
+    merged = (
+        pooled.group_by("code", "severity", maintain_order=True)
+        .agg(
+            pl.col("__order").first(),
+            pl.col("count").sum().alias("__total"),
+            pl.col("count").first(),
+            pl.col("message").first(),
+            pl.col("step").first(),
+            pl.col("sample_id").first(),
+            pl.col("pos").first(),
+        )
+        .sort("__order")
+    )
+    later = merged["__total"] - merged["count"]
+    message = (
+        pl.when(later > 0)
+        .then(pl.col("message") + pl.lit(" [+") + later.cast(pl.String) + pl.lit(" in later steps]"))
+        .otherwise(pl.col("message"))
+    )
+    return merged.with_columns(message.alias("message"), pl.col("__total").alias("count")).select(
+        frames[0].columns
+    )
 
 
 def metric_streams(settings: MetricSettings) -> list[str]:
@@ -160,7 +320,30 @@ def metrics_report(
             settings,
             lambda step, s, n_split: compute_step_style(step, s, groups_split=n_split, partials=True),
         )
+    return _report(
+        results,
+        settings,
+        run=run,
+        n_samples=batch.n_samples,
+        n_tokens=batch.n_tokens,
+        checks=checks,
+        ignored=ignored,
+    )
 
+
+def _report(
+    results: Sequence[tuple[str, StepMetrics]],
+    settings: MetricSettings,
+    *,
+    run: Run,
+    n_samples: int,
+    n_tokens: int,
+    checks: pl.DataFrame | None,
+    ignored: Sequence[str],
+    extra_meta: dict[str, Any] | None = None,
+    extra_notices: Sequence[str] = (),
+) -> Report:
+    """The metrics `Report` of per-step and ``all`` results."""
     policy_pair, mismatch_pair = _pair_names(run.label, settings)
     rows: list[ReportRow] = []
     steps_meta: list[dict[str, Any]] = []
@@ -172,7 +355,7 @@ def metrics_report(
         for v in step.values:
             pair = mismatch_pair if (v.key.startswith("mismatch/") and mismatch_pair) else policy_pair
             rows.append(ReportRow(pair, "token", breakdown, bucket, v.key, v.value, v.unit, v.reduction, v.n))
-
+    notices.extend(n for n in extra_notices if n not in notices)
     meta = {
         "command": "metrics",
         "settings": settings.to_dict(),
@@ -181,14 +364,15 @@ def metrics_report(
             "paths": [str(p) for p in run.paths],
             "streams": metric_streams(settings),
             "entropy": settings.entropy,
-            "n_samples": batch.n_samples,
-            "n_tokens": batch.n_tokens,
+            "n_samples": n_samples,
+            "n_tokens": n_tokens,
             "ignored_codes": list(ignored),
         },
         "pairs": [p for p in (policy_pair, mismatch_pair) if p],
         "gate_policy": default_gates(settings),
         "steps": steps_meta,
         "notices": notices,
+        **(extra_meta or {}),
     }
     if checks is None:
         return Report(kind="metrics", summary=summary_frame(rows), meta=meta)

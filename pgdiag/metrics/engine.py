@@ -57,12 +57,15 @@ from pgdiag.metrics.policy import (
     build_policy_tables,
     build_ref_tables,
 )
+from pgdiag.metrics.pooled import QuantileSettings, TablePool
 from pgdiag.metrics.reduce import TokenReducer, take_rows
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.metrics.values import MetricValue
 
 __all__ = [
+    "NativeStream",
     "StepMetrics",
+    "StyleStream",
     "compute_by_step",
     "compute_native",
     "compute_step_native",
@@ -259,46 +262,166 @@ def reduce_rows(
     return StepMetrics(tuple(sink.values), status, tuple(notices))
 
 
-def compute_native(batch: TokenBatch, settings: MetricSettings) -> list[tuple[str, StepMetrics]]:
-    """Per-step rows in step order plus the ``all`` row (pooled tokens; loss/grad keys averaged over steps)."""
-    resolved = resolve_aggregation(settings.aggregation, settings)
-    step_index = _step_index(batch, settings)  # (S,)
-    pooled = _pooled_batch(batch, settings, step_index)
-    if step_index.shape[0] > 1 and np.any(np.diff(step_index) < 0):
-        order = np.argsort(step_index, kind="stable")
-        pooled, step_index = pooled.select(order), step_index[order]
-    split_groups = _straddling_groups(pooled.group, step_index)  # (P_split,) group codes
-    tables = build_batch_tables(pooled, settings)
-    bounds = np.flatnonzero(np.diff(step_index)) + 1
-    starts = np.concatenate([[0], bounds]).astype(np.int64) if step_index.shape[0] else np.zeros(0, np.int64)
-    ends = np.concatenate([bounds, [step_index.shape[0]]]).astype(np.int64) if starts.shape[0] else starts
-    partial_last = False
-    if settings.docs_per_step is not None and batch.n_samples:
-        partial_last = (int(_doc_by_sample_id(batch)[-1]) + 1) % settings.docs_per_step != 0
-    # the pooled row first: it is the largest task, so the two workers finish together
-    ranges = [(0, pooled.n_samples)] + [(int(lo), int(hi)) for lo, hi in zip(starts, ends, strict=True)]
-    splits = [int(split_groups.shape[0])] + [
-        int(np.count_nonzero(np.isin(np.unique(pooled.group[lo:hi]), split_groups))) for lo, hi in ranges[1:]
-    ]
-    with ThreadPoolExecutor(max_workers=REDUCE_THREADS) as pool:
-        reduced = list(
-            pool.map(
-                lambda i: reduce_rows(tables, *ranges[i], settings, resolved, splits[i]), range(len(ranges))
-            )
+class NativeStream:
+    """The native engine over a run read in chunks of whole consecutive steps (docs/metrics.md).
+
+    `add(batch)` builds the tables of one chunk, reduces each of its steps exactly as a whole-run read does
+    (per-step rows are bit-identical) and keeps for the ``all`` row only the per-sample tables (S,) and token
+    summaries (`metrics.pooled`); `finish()` gives the ``all`` row from those. Chunks must come in step order
+    and never split a step; with `--docs-per-step` the whole run is one chunk.
+    """
+
+    def __init__(self, settings: MetricSettings, quantiles: QuantileSettings | None = None) -> None:
+        self.settings = settings
+        self.quantiles = quantiles or QuantileSettings()
+        self.resolved = resolve_aggregation(settings.aggregation, settings)
+        self.steps: list[tuple[str, StepMetrics]] = []
+        self._families: dict[str, TablePool] = {}
+        self._base: list[TokenReducer] = []
+        self._n_positions: list[np.ndarray] = []  # (S_c,) loss positions per sample, per chunk
+        self._groups: list[np.ndarray] = []  # (S_c,) run-wide pooled group codes, per chunk
+        self._rewards: list[np.ndarray | None] = []
+        self._notices: list[str] = []
+        self._n_groups = 0
+        self._groups_split = 0
+
+    def add(self, batch: TokenBatch) -> list[tuple[str, StepMetrics]]:
+        """The per-step rows of one chunk (step order), pooling its tables for the ``all`` row."""
+        settings = self.settings
+        step_index = _step_index(batch, settings)  # (S,)
+        pooled = _pooled_batch(batch, settings, step_index)
+        if step_index.shape[0] > 1 and np.any(np.diff(step_index) < 0):
+            order = np.argsort(step_index, kind="stable")
+            pooled, step_index = pooled.select(order), step_index[order]
+        split_groups = _straddling_groups(pooled.group, step_index)  # (P_split,) group codes
+        tables = build_batch_tables(pooled, settings)
+        bounds = np.flatnonzero(np.diff(step_index)) + 1
+        starts = (
+            np.concatenate([[0], bounds]).astype(np.int64) if step_index.shape[0] else np.zeros(0, np.int64)
         )
-    rows: list[tuple[str, StepMetrics]] = []
-    for position, (lo, _) in enumerate(ranges[1:], start=1):
-        label = str(int(step_index[lo]))
-        metrics = reduced[position]
-        if partial_last and position == len(ranges) - 1:
-            metrics = replace(
-                metrics,
-                status=_worse(metrics.status, "partial"),
-                notices=(*metrics.notices, f"step {label}: final partial step of --docs-per-step"),
+        ends = np.concatenate([bounds, [step_index.shape[0]]]).astype(np.int64) if starts.shape[0] else starts
+        partial_last = False
+        if settings.docs_per_step is not None and batch.n_samples:
+            partial_last = (int(_doc_by_sample_id(batch)[-1]) + 1) % settings.docs_per_step != 0
+        ranges = [(int(lo), int(hi)) for lo, hi in zip(starts, ends, strict=True)]
+        splits = [
+            int(np.count_nonzero(np.isin(np.unique(pooled.group[lo:hi]), split_groups))) for lo, hi in ranges
+        ]
+        with ThreadPoolExecutor(max_workers=REDUCE_THREADS) as pool:
+            reduced = list(
+                pool.map(
+                    lambda i: reduce_rows(tables, *ranges[i], settings, self.resolved, splits[i]),
+                    range(len(ranges)),
+                )
             )
-        rows.append((label, metrics))
-    rows.append(("all", _average_loss_over_steps(reduced[0], [m for _, m in rows])))
-    return rows
+        rows: list[tuple[str, StepMetrics]] = []
+        for position, ((lo, _), metrics) in enumerate(zip(ranges, reduced, strict=True)):
+            label = str(int(step_index[lo]))
+            if partial_last and position == len(ranges) - 1:
+                metrics = replace(
+                    metrics,
+                    status=_worse(metrics.status, "partial"),
+                    notices=(*metrics.notices, f"step {label}: final partial step of --docs-per-step"),
+                )
+            rows.append((label, metrics))
+        self._pool(tables, pooled.group)
+        self._groups_split += int(split_groups.shape[0])
+        self.steps.extend(rows)
+        return rows
+
+    def _pool(self, tables: BatchTables, group: np.ndarray) -> None:
+        """Keep the per-sample tables and token summaries of one chunk for the ``all`` row."""
+        self._base.append(tables.base)
+        self._n_positions.append(np.diff(tables.offsets))
+        codes = np.asarray(group, dtype=np.int64)  # (S_c,) 0..P_c−1, ordered by (step, group id)
+        self._groups.append(codes + self._n_groups)
+        self._n_groups += int(codes.max()) + 1 if codes.shape[0] else 0
+        self._rewards.append(tables.reward)
+        self._notices.extend(n for n in tables.notices if n not in self._notices)
+        for name in _FAMILIES:
+            table = getattr(tables, name)
+            if table is not None:
+                self._families.setdefault(name, TablePool(self.quantiles)).add(table)
+
+    @property
+    def quantiles_exact(self) -> bool:
+        """True when every token quantile of the ``all`` row is exact (`QuantileSettings.exact_limit`)."""
+        return all(pool.exact for pool in self._families.values())
+
+    def finish(self) -> tuple[str, StepMetrics]:
+        """The ``all`` row: pooled samples' metrics, loss/grad keys the unweighted mean over the steps."""
+        if not self._base:
+            raise ValueError("NativeStream.finish needs at least one chunk (an empty batch is one)")
+        n_positions = np.concatenate(self._n_positions)
+        offsets = np.zeros(n_positions.shape[0] + 1, dtype=np.int64)  # (S + 1,)
+        np.cumsum(n_positions, out=offsets[1:])
+        rewards = None if any(r is None for r in self._rewards) else np.concatenate(self._rewards)
+        families = {name: pool.pooled() for name, pool in self._families.items()}
+        tables = BatchTables(
+            base=TokenReducer.concat(self._base),
+            offsets=offsets,
+            group=np.concatenate(self._groups),
+            reward=rewards,
+            policy=families.get("policy"),
+            loss=families.get("loss"),
+            ref=families.get("ref"),
+            advantage=families.get("advantage"),
+            entropy=families.get("entropy"),
+            mismatch=families.get("mismatch"),
+            notices=tuple(self._notices),
+        )
+        n_samples = int(n_positions.shape[0])
+        pooled = reduce_rows(tables, 0, n_samples, self.settings, self.resolved, self._groups_split)
+        return "all", _average_loss_over_steps(pooled, [m for _, m in self.steps])
+
+
+_FAMILIES = ("policy", "loss", "ref", "advantage", "entropy", "mismatch")
+
+
+class StyleStream:
+    """A framework key style over a run read in chunks of whole steps: each step with the style's own
+    function, the ``all`` row from the step rows alone (`styles.pooled.pool_style_steps`, docs/key-styles.md)."""
+
+    quantiles_exact = True  # a style's all row holds no token quantile of pooled tokens
+
+    def __init__(self, settings: MetricSettings) -> None:
+        self.settings = settings
+        self.steps: list[tuple[str, StepMetrics]] = []  # reported step rows
+        self._with_partials: list[StepMetrics] = []  # the same with the values pooling needs
+
+    def add(self, batch: TokenBatch) -> list[tuple[str, StepMetrics]]:
+        """The per-step rows of one chunk (step order)."""
+        from pgdiag.metrics.styles import compute_step_style
+        from pgdiag.metrics.styles.pooled import public_values
+
+        rows = [
+            (label, compute_step_style(step_batch, self.settings, groups_split=0, partials=True))
+            for label, step_batch, _ in split_steps(batch, self.settings)
+        ]
+        self._with_partials.extend(m for _, m in rows)
+        public = [(label, public_values(m)) for label, m in rows]
+        self.steps.extend(public)
+        return public
+
+    def finish(self) -> tuple[str, StepMetrics]:
+        """The ``all`` row pooled from the step rows (with their partials)."""
+        from pgdiag.metrics.styles.pooled import pool_style_steps
+
+        return "all", pool_style_steps(self._with_partials, self.settings)
+
+
+def compute_native(
+    batch: TokenBatch, settings: MetricSettings, quantiles: QuantileSettings | None = None
+) -> list[tuple[str, StepMetrics]]:
+    """Per-step rows in step order plus the ``all`` row (pooled tokens; loss/grad keys averaged over steps)
+    of a batch already in memory: one chunk of `NativeStream`. Its token quantiles are exact up to
+    `quantiles.exact_limit` (default: at least the batch's tokens, so always exact)."""
+    if quantiles is None:
+        limit = max(QuantileSettings().exact_limit, batch.n_tokens)
+        quantiles = QuantileSettings(exact_limit=limit)
+    stream = NativeStream(settings, quantiles)
+    stream.add(batch)
+    return [*stream.steps, stream.finish()]
 
 
 def compute_step_native(batch: TokenBatch, settings: MetricSettings, *, groups_split: int = 0) -> StepMetrics:

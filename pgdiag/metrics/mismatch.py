@@ -26,6 +26,7 @@ import numpy as np
 from pgdiag.errors import InvalidInputError
 from pgdiag.metrics import terms
 from pgdiag.metrics.catalog import MetricSink
+from pgdiag.metrics.pooled import QuantileSummary, extremum_of, quantiles_of
 from pgdiag.metrics.reduce import (
     SAMPLE_AXIS,
     TOKEN_AXIS,
@@ -56,8 +57,8 @@ class MismatchTables:
     """
 
     reducer: TokenReducer
-    abs_delta: np.ndarray = field(metadata=TOKEN_AXIS)  # (N,) |Δ|
-    abs_dprob: np.ndarray = field(metadata=TOKEN_AXIS)  # (N,) |e^lp_b − e^lp_a|
+    abs_delta: np.ndarray | QuantileSummary = field(metadata=TOKEN_AXIS)  # (N,) |Δ|
+    abs_dprob: np.ndarray | QuantileSummary = field(metadata=TOKEN_AXIS)  # (N,) |e^lp_b − e^lp_a|
     n_positions: np.ndarray = field(metadata=SAMPLE_AXIS)  # loss positions of the sample
     n_abs_gt_20: np.ndarray = field(metadata=SAMPLE_AXIS)  # loss positions with |Δ| > 20
     sum_delta: np.ndarray = field(metadata=SAMPLE_AXIS)
@@ -220,11 +221,11 @@ def add_mismatch_metrics(t: MismatchTables, settings: MetricSettings, sink: Metr
         mean_sq = mean(t.sum_delta2)
         sink.add("mismatch/rms", None if mean_sq is None else math.sqrt(mean_sq), n_red)
         sink.add("mismatch/abs_mean", mean(t.sum_abs), n_red)
-        p50, p95, p99 = quantiles(t.abs_delta, (0.5, 0.95, 0.99))
+        p50, p95, p99 = quantiles_of(t.abs_delta, (0.5, 0.95, 0.99))
         sink.add("mismatch/abs_p50", p50, n_tok)
         sink.add("mismatch/abs_p95", p95, n_tok)
         sink.add("mismatch/abs_p99", p99, n_tok)
-        sink.add("mismatch/abs_max", extremum(t.abs_delta, "max"), n_tok)
+        sink.add("mismatch/abs_max", extremum_of(t.abs_delta, "max"), n_tok)
         _add_fit(t, n_i, sink)
         # 2. band fractions, token and sequence level (tested on Δ against ln of the band edges)
         mean_delta = t.sum_delta[ne] / n_i[ne]  # (S+,) δ̄^Δ_i
@@ -247,8 +248,8 @@ def add_mismatch_metrics(t: MismatchTables, settings: MetricSettings, sink: Metr
         sink.add("mismatch/ess_seq", ess_from_log_weights(seq_sum), n_seq)
         # 4. probability space
         sink.add("mismatch/abs_dprob_mean", mean(t.sum_dprob), n_red)
-        sink.add("mismatch/abs_dprob_p99", quantiles(t.abs_dprob, (0.99,))[0], n_tok)
-        sink.add("mismatch/abs_dprob_max", extremum(t.abs_dprob, "max"), n_tok)
+        sink.add("mismatch/abs_dprob_p99", quantiles_of(t.abs_dprob, (0.99,))[0], n_tok)
+        sink.add("mismatch/abs_dprob_max", extremum_of(t.abs_dprob, "max"), n_tok)
         prob_r = None
         if n_tok:
             _, _, s_aa, s_ab, s_bb = _combine(n_i, t.sum_pa, t.sum_pb, t.c_pa_pa, t.c_pa_pb, t.c_pb_pb)

@@ -29,9 +29,11 @@ import numpy as np
 from pgdiag.metrics.advantage import AdvantageTables
 from pgdiag.metrics.catalog import MetricSink
 from pgdiag.metrics.loss import LossSums, gspo_loss_sums, scaled, token_loss_sums
+from pgdiag.metrics.pooled import QuantileSummary, TokenExtrema, extremum_of, quantiles_of
 from pgdiag.metrics.reduce import (
     SAMPLE_AXIS,
     TOKEN_AXIS,
+    TOKEN_EXTREMA_AXIS,
     TokenReducer,
     ess_from_log_weights,
     extremum,
@@ -55,8 +57,8 @@ class PolicyTables:
     """
 
     reducer: TokenReducer
-    d: np.ndarray = field(metadata=TOKEN_AXIS)  # (N,) log-ratio
-    r: np.ndarray = field(metadata=TOKEN_AXIS)  # (N,) ratio, +inf on overflow
+    d: np.ndarray | QuantileSummary = field(metadata=TOKEN_AXIS)  # (N,) log-ratio
+    r: np.ndarray | TokenExtrema = field(metadata=TOKEN_EXTREMA_AXIS)  # (N,) ratio, +inf on overflow
     sum_d: np.ndarray = field(metadata=SAMPLE_AXIS)  # Σ_t d
     sum_abs_d: np.ndarray = field(metadata=SAMPLE_AXIS)  # Σ_t |d|
     max_abs_d: np.ndarray = field(metadata=SAMPLE_AXIS)  # max_t |d| (NaN for empty samples)
@@ -358,13 +360,13 @@ def add_policy_metrics(t: PolicyTables, settings: MetricSettings, sink: MetricSi
         # 1. ratio and log-ratio
         sink.add("policy/ratio_mean", mean(t.sum_r), n_red)
         sink.add("policy/ratio_std", red.spread_of_moments(t.sum_r, t.m2_r), n_red)
-        sink.add("policy/ratio_min", extremum(t.r, "min"), n_tok)
-        sink.add("policy/ratio_max", extremum(t.r, "max"), n_tok)
+        sink.add("policy/ratio_min", extremum_of(t.r, "min"), n_tok)
+        sink.add("policy/ratio_max", extremum_of(t.r, "max"), n_tok)
         logratio_mean = mean(t.sum_d)
         sink.add("policy/logratio_mean", logratio_mean, n_red)
         sink.add("policy/logratio_abs_mean", mean(t.sum_abs_d), n_red)
         qs = tuple(q for _, q in LOGRATIO_QUANTILES)
-        for (name, _), value in zip(LOGRATIO_QUANTILES, quantiles(t.d, qs), strict=True):
+        for (name, _), value in zip(LOGRATIO_QUANTILES, quantiles_of(t.d, qs), strict=True):
             sink.add(f"policy/logratio_{name}", value, n_tok)
         ne = red.nonempty
         sink.add("policy/logratio_absmax", extremum(t.max_abs_d[ne], "max"), n_tok)

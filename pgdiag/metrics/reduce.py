@@ -68,6 +68,19 @@ class TokenReducer:
         n_docs = int(doc_of_sample[-1] - doc_of_sample[0]) + 1 if doc_of_sample.shape[0] else 0
         return cls(mode, n_per_sample, starts, doc_of_sample - (doc_of_sample[0] if n_docs else 0), n_docs)
 
+    @classmethod
+    def concat(cls, parts: list[TokenReducer]) -> TokenReducer:
+        """The reducer of the samples of `parts` (consecutive chunks of steps) back to back; each part's
+        documents follow the previous part's (a document never spans two steps, so never two chunks)."""
+        if not parts:
+            raise ValueError("TokenReducer.concat needs at least one part")
+        doc_base = np.cumsum([0] + [p.n_docs for p in parts[:-1]])  # (P,)
+        return cls.from_counts(
+            np.concatenate([p.n_per_sample for p in parts]),
+            np.concatenate([p.doc_of_sample + base for p, base in zip(parts, doc_base, strict=True)]),
+            parts[0].mode,
+        )
+
     def rows(self, lo: int, hi: int) -> TokenReducer:
         """The reducer of samples lo..hi (a step), with starts and document indices rebased."""
         return TokenReducer.from_counts(self.n_per_sample[lo:hi], self.doc_of_sample[lo:hi], self.mode)
@@ -179,6 +192,8 @@ def _starts(n_per_sample: np.ndarray) -> np.ndarray:
 
 SAMPLE_AXIS = MappingProxyType({"axis": "sample"})  # field metadata: a per-sample (S,) array of a table
 TOKEN_AXIS = MappingProxyType({"axis": "token"})  # field metadata: a per-token (N,) array of a table
+# a per-token array of which only the min and max are reported: pooled over chunks as extrema, not quantiles
+TOKEN_EXTREMA_AXIS = MappingProxyType({"axis": "token", "pooled": "extrema"})
 
 
 TableT = TypeVar("TableT")
@@ -188,7 +203,9 @@ def take_rows(table: TableT, lo: int, hi: int) -> TableT:
     """The family table of samples lo..hi: its reducer, per-sample fields and per-token fields sliced.
 
     `table` is a frozen dataclass with a `reducer` field and fields whose metadata is SAMPLE_AXIS or TOKEN_AXIS.
-    Slices are views: reducing a step costs nothing per token except its token statistics.
+    Slices are views: reducing a step costs nothing per token except its token statistics. A token field that
+    is a pooled summary (`metrics.pooled`, the ``all`` row of a run read in chunks) covers every row and is
+    kept as it is: such a table is only reduced whole.
     """
     reducer: TokenReducer = table.reducer  # type: ignore[attr-defined]
     t_lo, t_hi = reducer.token_range(lo, hi)
@@ -198,7 +215,10 @@ def take_rows(table: TableT, lo: int, hi: int) -> TableT:
         value = getattr(table, spec.name)
         if axis is None or value is None:
             continue
-        updates[spec.name] = value[lo:hi] if axis == "sample" else value[t_lo:t_hi]
+        if axis == "sample":
+            updates[spec.name] = value[lo:hi]
+        elif isinstance(value, np.ndarray):
+            updates[spec.name] = value[t_lo:t_hi]
     return replace(table, **updates)  # type: ignore[type-var]
 
 
