@@ -36,7 +36,11 @@ class Code(StrEnum):
         return member
 
     # file, footer and type rules of the rollout schema
-    NOT_ROLLOUTS_FILE = ("E101", "not a pgdiag rollouts file (footer schema missing or another version)", 3)
+    NOT_ROLLOUTS_FILE = (
+        "E101",
+        "not a pgdiag rollouts file or report (not Parquet, footer schema missing, another version or kind)",
+        3,
+    )
     MISSING_COLUMN = ("E102", "a required column is missing", 3)
     LOSSY_CAST = ("E103", "a column cannot be cast losslessly to its schema type", 3)
     ALIGNMENT_UNSUPPORTED = ("E104", "the file's alignment is not `token`", 3)
@@ -108,9 +112,15 @@ class Code(StrEnum):
     SETTINGS_TWICE = ("E514", "settings given twice: a settings object and keyword options", 2)
     UNREADABLE_PATH = (
         "E516",
-        "a file or folder of the input cannot be read (permission, link, not a folder)",
+        "a file or folder of the input cannot be read (permission, link, too long, not a folder, not a regular file)",
         2,
     )
+    UNWRITABLE_PATH = (
+        "E517",
+        "a file or folder cannot be written or read (permission, too long, read-only, disk full)",
+        2,
+    )
+    OUT_OF_MEMORY = ("E518", "out of memory (read fewer steps or use a larger machine)", 2)
     BAD_COMMAND_LINE = ("E515", "the command line cannot be parsed (unknown option, missing argument)", 2)
     # imports of framework dumps
     UNSAFE_PICKLE_GLOBAL = ("E701", "a pickle needs a global outside the preset's allow-list", 2)

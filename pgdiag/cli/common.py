@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
-from pgdiag.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, PgdiagError
+from pgdiag.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, PgdiagError, UsageError
 from pgdiag.report.report import _jsonable
 
 RESULT_SCHEMA = "pgdiag.result/v1"
@@ -244,6 +244,31 @@ def print_error(console: Console, error: PgdiagError) -> None:
         console.print(f"hint: {one_line(error.hint)}", markup=False, soft_wrap=True)
 
 
+def environment_error(command: str, error: BaseException) -> PgdiagError | None:
+    """The clean error of a failure of the machine rather than of pgdiag: out of memory (E518, also numpy's and
+    pyarrow's kinds of `MemoryError`) or a file-system error on a named path (E517); None for anything else.
+
+    A path the command checks before its work gets a precise E516/E517 earlier (`pgdiag.data.paths`); this
+    catches what happens mid-command (a disk that fills, a folder whose permissions change, memory that runs out).
+    """
+    if isinstance(error, MemoryError):
+        return UsageError(
+            "E518",
+            f"out of memory while running pgdiag {command} ({type(error).__name__}: {one_line(str(error)) or 'no detail'})",
+            "read fewer steps with --steps (or one run at a time), or use a machine with more memory",
+        )
+    if isinstance(error, OSError) and error.errno is not None and error.filename is not None:
+        import errno as errnos
+
+        hint = {
+            errnos.ENOSPC: "free space on that disk, or write elsewhere",
+            errnos.EROFS: "write to another folder",
+            errnos.EACCES: "fix its permissions, or choose another path",
+        }.get(error.errno, "check the path")
+        return UsageError("E517", f"{error.filename}: {error.strerror or error}", hint)
+    return None
+
+
 def execute(command: str, body: Callable[[Console], dict[str, Any]], *, json_out: bool, quiet: bool) -> None:
     """Run a command body and exit with its code.
 
@@ -266,6 +291,17 @@ def execute(command: str, body: Callable[[Console], dict[str, Any]], *, json_out
     except KeyboardInterrupt:
         make_console().print("interrupted", markup=False)
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except (MemoryError, OSError) as error:
+        expected = environment_error(command, error)
+        if expected is None:
+            raise
+        print_error(make_console(), expected)
+        result = result_object(
+            command,
+            status="error",
+            exit_code=expected.exit_code,
+            error={"code": expected.code, "message": expected.message, "hint": expected.hint},
+        )
     except Exception as error:  # an internal error: a bug
         err_console = make_console()
         if os.environ.get("PGDIAG_TRACEBACK") == "1":

@@ -55,7 +55,8 @@ def plot(
     source: Annotated[
         Path,
         typer.Argument(
-            help="A saved report (.parquet or its directory: compare, metrics, whatif, drift) or a token table."
+            help="A saved report (.parquet or its directory: compare, metrics, whatif, drift) or a token table.",
+            readable=False,  # checked by pgdiag.data.paths: E516 like every other input, not click's message
         ),
     ],
     *,
@@ -72,7 +73,13 @@ def plot(
         PlotFormat, typer.Option("--format", help="Figure format.", rich_help_panel=OUTPUT)
     ] = PlotFormat.png,
     dpi: Annotated[
-        int, typer.Option("--dpi", min=10, help="Resolution of raster figures.", rich_help_panel=OUTPUT)
+        int,
+        typer.Option(
+            "--dpi",
+            min=10,
+            help="Resolution of raster figures (at most 50,000,000 pixels a figure: about 1,000 dpi).",
+            rich_help_panel=OUTPUT,
+        ),
     ] = 120,
     html: Annotated[
         Path | None,
@@ -92,18 +99,19 @@ def plot(
     """
 
     def body(console: Console) -> dict[str, Any]:
-        import polars as pl
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         from pgdiag.cli.render import render_written
         from pgdiag.compare.output import trace_path
         from pgdiag.compare.tokens import TOKEN_TABLE_SCHEMA_ID
+        from pgdiag.data.paths import check_input_path, readable_file
         from pgdiag.data.writing import check_destination
-        from pgdiag.errors import UsageError
+        from pgdiag.errors import InvalidInputError, UsageError
         from pgdiag.report import plots
-        from pgdiag.report.report import load_report
+        from pgdiag.report.report import load_report, one_line_text, read_table_file
 
-        if not source.exists():
+        if check_input_path(source) is None:
             raise UsageError("E501", f"{source}: no such file or directory")
         check_destination(out, [], overwrite=overwrite, hint="--out takes the directory of the figures")
         if html is not None:
@@ -112,7 +120,12 @@ def plot(
             check_html_path(html, overwrite=overwrite)
         is_tokens = False
         if source.is_file():
-            footer = pq.read_schema(source).metadata or {}
+            try:
+                footer = pq.read_schema(readable_file(source)).metadata or {}
+            except (OSError, pa.ArrowException) as exc:
+                raise InvalidInputError(
+                    "E101", f"{source}: not a readable Parquet file ({one_line_text(exc)})"
+                ) from None
             is_tokens = footer.get(b"pgdiag.schema", b"").strip(b'"') == TOKEN_TABLE_SCHEMA_ID.encode()
         wanted = tuple(k.value for k in kind) if kind else ("all",)
         report, tokens, trace = None, None, None
@@ -122,7 +135,7 @@ def plot(
                     "E511",
                     "--html needs a report (compare, metrics, whatif or drift --out), not a token table",
                 )
-            tokens = pl.read_parquet(source)
+            tokens = read_table_file(source, finite=("lp_a", "lp_b"))
         else:
             report = load_report(source)
             report_file = (
@@ -131,7 +144,7 @@ def plot(
                 else next(p for p in sorted(source.glob("*.parquet")) if ".worst_" not in p.name)
             )
             trace_file = trace_path(report_file)
-            trace = pl.read_parquet(trace_file) if trace_file.exists() else None
+            trace = read_table_file(trace_file) if trace_file.exists() else None
         page_verdict = _saved_verdict(report) if report is not None else {}
         plot_set = plots.build_figures(
             report, kinds=wanted, tokens=tokens, trace=trace, marks=page_verdict.get("marks", ())

@@ -79,14 +79,15 @@ def report(
         from rich.table import Table
 
         from pgdiag.cli.render import format_value, render_gates
-        from pgdiag.data.writing import atomic_write
-        from pgdiag.errors import UsageError
+        from pgdiag.data.writing import atomic_write, check_destination
         from pgdiag.report.gates import GateSettings, outcome
         from pgdiag.report.markdown import headline_rows, report_markdown
         from pgdiag.report.report import load_report
 
-        if markdown is not None and markdown.exists() and not overwrite:
-            raise UsageError("E502", f"{markdown} exists", "pass --overwrite to replace it")
+        if markdown is not None:
+            check_destination(
+                markdown.parent, [markdown], overwrite=overwrite, hint="--markdown takes a file name"
+            )
         if html is not None:
             from pgdiag.report.html import check_html_path
 

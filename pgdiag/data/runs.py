@@ -27,14 +27,17 @@ import pyarrow.parquet as pq
 
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.flat import FlatList, LossView, RowTable, flat_list, loss_view
+from pgdiag.data.paths import check_input_path, readable_file
 from pgdiag.data.schema import (
     BASE_STREAMS,
+    INT64_MAX,
     REQUIRED_COLUMNS,
     cast_problem,
     check_logprobs_footer,
     check_rollouts_footer,
     entropy_column,
     read_footer,
+    safe_coercions,
     stream_column,
 )
 from pgdiag.data.validate import (
@@ -164,8 +167,8 @@ def _parquet_under(directory: Path) -> list[Path]:
                 continue
             if path.is_symlink() and not path.exists():  # dangling, or a loop of links
                 refuse(OSError(40, "a link that leads nowhere or loops", str(path)))
-            if name.endswith(".parquet") and path.is_file():
-                found.append(path)
+            if name.endswith(".parquet"):
+                found.append(readable_file(path))  # E516 for a FIFO, a device or a file it may not open
     return found
 
 
@@ -174,6 +177,7 @@ def resolve_paths(path: str | Path) -> tuple[tuple[Path, ...], Path | None]:
     text = str(path)
     candidate = Path(text)
     root: Path | None = None
+    check_input_path(candidate)  # E516: too long, under a file, a loop of links, a FIFO or a device
     if candidate.is_dir():
         if (candidate / "rollouts").is_dir():
             root = candidate
@@ -181,7 +185,7 @@ def resolve_paths(path: str | Path) -> tuple[tuple[Path, ...], Path | None]:
         else:
             files = _parquet_under(candidate)
     elif candidate.is_file():
-        files = [candidate]
+        files = [readable_file(candidate)]
     elif globlib.has_magic(text):
         files = [
             Path(p)
@@ -208,6 +212,8 @@ def _scan(
         missing_columns="insert",
         extra_columns="ignore",
     )
+    coercions = safe_coercions(lazy.collect_schema())  # docs/schema.md: unsigned steps, a signed seq_hash
+    lazy = lazy.with_columns(coercions) if coercions else lazy
     return lazy if row_filter is None else lazy.filter(row_filter)
 
 
@@ -310,11 +316,12 @@ def read_run(
     for meta, file in zip(metas, paths, strict=True):
         check_rollouts_footer(meta, file)
     hive = any(_HIVE_DIR.match(part) for p in paths for part in p.parent.parts)
-    base = _scan(paths, hive, None)
     try:
+        base = _scan(paths, hive, None)
         schema = base.collect_schema()
     except pl.exceptions.PolarsError as exc:
         raise InvalidInputError("E101", f"{path}: cannot read the Parquet schema ({exc})") from exc
+    _check_step_range(paths, hive)
     conditions: list[pl.Expr] = []
     if run is not None:
         conditions.append(pl.col("run").cast(pl.String) == run)
@@ -352,6 +359,23 @@ def read_run(
         hive=hive,
         row_filter=row_filter,
     )
+
+
+def _check_step_range(paths: Sequence[Path], hive: bool) -> None:
+    """E103 naming the file when a uint64 ``step`` holds a value above int64's range (the coercion to int64 of
+    docs/schema.md would fail); read only when the column is uint64."""
+    raw = pl.scan_parquet(
+        [str(p) for p in paths], hive_partitioning=hive, glob=False, include_file_paths=FILE_COLUMN
+    )
+    if raw.collect_schema().get("step") != pl.UInt64:
+        return
+    too_big = raw.select("step", FILE_COLUMN).filter(pl.col("step") > INT64_MAX).head(1).collect()
+    if too_big.height:
+        raise InvalidInputError(
+            "E103",
+            f"{too_big[FILE_COLUMN][0]}, column step: uint64 value {too_big['step'][0]} does not fit int64",
+            "steps are int64 (docs/schema.md); re-import with pgdiag import",
+        )
 
 
 def _run_labels(paths: Sequence[Path]) -> list[str] | None:

@@ -157,6 +157,24 @@ def cast_problem(name: str, dtype: pl.DataType) -> str | None:
     return f"{name}: type {dtype} cannot be cast losslessly to {kind.replace('_', ' ')}"
 
 
+_UNSIGNED = (pl.UInt8, pl.UInt16, pl.UInt32, pl.UInt64)
+INT64_MAX = 2**63 - 1
+
+
+def safe_coercions(schema: Mapping[str, pl.DataType]) -> list[pl.Expr]:
+    """The reader's coercions of columns whose type differs from the schema's but converts without loss
+    (the coercion table in docs/schema.md): an unsigned ``step`` becomes int64 (a uint64 step above 2^63 - 1 is
+    E103, checked by `pgdiag.data.runs.read_run` before this cast runs), a signed int64 ``seq_hash`` is read as
+    the same 64 bits unsigned. ``large_list``, ``large_string`` and dictionary-encoded strings need no
+    expression: polars reads them as its list, string and categorical types, which every reader accepts."""
+    coercions = []
+    if _is_dtype(schema.get("step", pl.Int64), _UNSIGNED):
+        coercions.append(pl.col("step").cast(pl.Int64, strict=True))
+    if schema.get("seq_hash") == pl.Int64:
+        coercions.append(pl.col("seq_hash").reinterpret(signed=False))
+    return coercions
+
+
 def encode_footer(meta: Mapping[str, Any]) -> dict[bytes, bytes]:
     """Footer key/values: each entry JSON-encoded under ``pgdiag.<key>`` (keys given with or without prefix)."""
     out: dict[bytes, bytes] = {}

@@ -100,8 +100,12 @@ def check_destination(
     hint: str = "--out takes a directory (or a report file name ending in .parquet)",
 ) -> None:
     """Refuse an output before any work is done: UsageError E502 when a file stands where `directory` (or one
-    of its parents) must be (with `hint`), or when one of `files` exists and `overwrite` is false."""
+    of its parents) must be (with `hint`), or when one of `files` exists and `overwrite` is false; E517 when the
+    path is too long, loops, or lies in a folder this process may not write."""
+    from pgdiag.data.paths import check_output_path
+
     directory = Path(directory)
+    check_output_path(directory)  # E517: too long, a loop of links, a folder it may not write
     for ancestor in (directory, *directory.parents):
         if ancestor.exists():
             if not ancestor.is_dir():

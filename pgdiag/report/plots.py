@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import InvalidInputError, UsageError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -39,6 +39,11 @@ SMALL_BUCKET = 30  # buckets (and steps) with fewer tokens than this are drawn f
 FADED_ALPHA = 0.3
 HEXBIN_GRIDSIZE = 60
 MAX_LABELLED_STEPS = 12  # above this many steps, tick labels carry the step only (no counts)
+# A figure is rendered at most this many pixels (width x height at --dpi), each side under Agg's 2^16 limit:
+# 50 megapixels is a 200 MB RGBA buffer, dpi 1,000 for a default-size figure (docs/report.md).
+MAX_FIGURE_PIXELS = 50_000_000
+MAX_FIGURE_SIDE = 2**16 - 1
+_FLOAT_LIMIT = float(np.finfo(np.float64).max) / 16  # larger values are not drawn: tick arithmetic overflows
 
 COMPARE_KINDS = (
     "dlogp-vs-logprob",
@@ -149,10 +154,33 @@ def _axes(ax: Axes | None) -> tuple[Figure, Axes]:
     return fig, fig.add_subplot()
 
 
+def check_pixels(fig: Figure, dpi: float, name: str = "the figure") -> None:
+    """UsageError E503 when `fig` at `dpi` would exceed `MAX_FIGURE_PIXELS` (or a side `MAX_FIGURE_SIDE`), or
+    when `dpi` is not a positive finite number; the hint names the largest dpi this figure allows."""
+    width_in, height_in = (float(v) for v in fig.get_size_inches())
+    largest = int(
+        min(np.sqrt(MAX_FIGURE_PIXELS / (width_in * height_in)), MAX_FIGURE_SIDE / max(width_in, height_in))
+    )
+    if not (np.isfinite(dpi) and dpi > 0):
+        raise UsageError("E503", f"--dpi {dpi}: not a positive number", f"give a dpi from 10 to {largest}")
+    width, height = width_in * dpi, height_in * dpi
+    if width * height > MAX_FIGURE_PIXELS or max(width, height) > MAX_FIGURE_SIDE:
+        raise UsageError(
+            "E503",
+            f"--dpi {dpi:g}: {name} would be {width:,.0f} x {height:,.0f} pixels, over the limit of "
+            f"{MAX_FIGURE_PIXELS:,} pixels ({MAX_FIGURE_SIDE:,} a side)",
+            f"give --dpi {largest} or less (or --format svg/pdf at a smaller dpi)",
+        )
+
+
 def save_figures(
     plot_set: PlotSet, directory: str | Path, *, fmt: str = "png", dpi: int = 120
 ) -> dict[str, str]:
-    """Write every figure of `plot_set` as ``<directory>/<kind>.<fmt>``; returns {kind: path}."""
+    """Write every figure of `plot_set` as ``<directory>/<kind>.<fmt>``; returns {kind: path}.
+
+    Every figure's size at `dpi` is checked first (`check_pixels`), so a refused dpi writes no file."""
+    for kind, fig in plot_set.figures.items():
+        check_pixels(fig, dpi, kind)
     return {
         kind: str(save_figure(fig, Path(directory) / f"{kind}.{fmt}", dpi=dpi))
         for kind, fig in plot_set.figures.items()
@@ -171,6 +199,7 @@ def save_figure(fig: Figure, path: str | Path, *, dpi: int = 120) -> Path:
         raise UsageError(
             "E503", f"plot format {fmt!r} not supported", f"choose one of {', '.join(PLOT_FORMATS)}"
         )
+    check_pixels(fig, dpi, path.name)
     FigureCanvasAgg(fig)
     return atomic_write(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=dpi))
 
@@ -181,6 +210,7 @@ def figure_bytes(fig: Figure, *, fmt: str = "png", dpi: int = 110) -> bytes:
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+    check_pixels(fig, dpi)
     FigureCanvasAgg(fig)
     buffer = io.BytesIO()
     fig.savefig(buffer, format=fmt, dpi=dpi)
@@ -201,10 +231,33 @@ def _token_arrays(source: Any) -> tuple[np.ndarray, np.ndarray, str]:
                 "E511", "token plots need a table with lp_a and lp_b columns (write it with --tokens-out)"
             )
         pair = str(source["pair"][0]) if "pair" in source.columns and source.height else ""
-        return source["lp_a"].to_numpy(), source["lp_b"].to_numpy(), pair
+        return _finite_tokens("lp_a", source["lp_a"]), _finite_tokens("lp_b", source["lp_b"]), pair
     if hasattr(source, "lp_a") and hasattr(source, "lp_b"):
-        return np.asarray(source.lp_a), np.asarray(source.lp_b), str(getattr(source, "pair", ""))
+        lp_a, lp_b = _finite_tokens("lp_a", source.lp_a), _finite_tokens("lp_b", source.lp_b)
+        return lp_a, lp_b, str(getattr(source, "pair", ""))
     raise UsageError("E511", f"cannot draw a token plot from {type(source).__name__}; give token data")
+
+
+def _finite_tokens(name: str, values: Any) -> np.ndarray:
+    """`values` as float64 (E103 when they are not numbers; E207 for a null, NaN or ±inf: hexbins need finite
+    data and the token table holds loss positions, which are finite by the schema)."""
+    try:
+        if isinstance(values, pl.Series) and not values.dtype.is_numeric():
+            raise TypeError(values.dtype)
+        array = (
+            values.cast(pl.Float64, strict=True).to_numpy()
+            if isinstance(values, pl.Series)
+            else np.asarray(values, dtype=np.float64)
+        )
+    except (pl.exceptions.PolarsError, TypeError, ValueError):
+        raise InvalidInputError("E103", f"token data, column {name}: not numbers") from None
+    bad = ~np.isfinite(array)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise InvalidInputError(
+            "E207", f"token data, row {row}, column {name}: {array[row]} ({int(bad.sum())} null, NaN or ±inf)"
+        )
+    return array
 
 
 def _rows(report: Any, breakdown: str, metric: str, hint: str) -> pl.DataFrame:
@@ -312,16 +365,18 @@ def plot_dlogp_hist(source: Any, *, ax: Axes | None = None, bins: int = 80) -> F
             bins_ = bins_.slice(first, last - first + 1)
         labels = [_bin_label(lo, hi, b) for b, lo, hi in bins_.iter_rows()]
         width = 0.8 / max(len(pairs), 1)
-        n_total = 0
+        n_total = 0.0  # a float: a damaged report's counts may sum past any integer (inf)
+        positive = False
         for index, pair in enumerate(pairs):
             part = rows.filter(pl.col("pair") == pair)
             count_of = dict(zip(part["bucket"].to_list(), part["value"].to_list(), strict=True))
-            heights = [float(count_of.get(b) or 0) for b in bins_["bucket"].to_list()]
-            n_total += int(sum(v or 0 for v in count_of.values()))
+            heights = [_count(count_of.get(b)) for b in bins_["bucket"].to_list()]
+            n_total += sum(_count(v) for v in count_of.values())
+            positive = positive or any(h > 0 for h in heights)
             x = np.arange(len(labels)) + (index - (len(pairs) - 1) / 2) * width
             ax.bar(x, heights, width=width, label=" vs ".join(stream_names(pair)))
         ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
-        ax.set_title(f"Δ histogram  (n = {n_total:,} tokens)", fontsize=10)
+        ax.set_title(f"Δ histogram  (n = {n_total:,.0f} tokens)", fontsize=10)
         name_a, name_b = stream_names(pairs[0]) if len(pairs) == 1 else ("a", "b")
         ax.set_xlabel(f"Δ = {name_b} − {name_a} (nats, bin edges)")
         if len(pairs) > 1:
@@ -336,9 +391,21 @@ def plot_dlogp_hist(source: Any, *, ax: Axes | None = None, bins: int = 80) -> F
         ax.hist(delta, bins=np.linspace(lo, hi, bins + 1))
         ax.set_title(f"Δ histogram  (n = {delta.size:,} tokens)", fontsize=10)
         ax.set_xlabel(f"Δ = {name_b} − {name_a} (nats)")
-    ax.set_yscale("log")
-    ax.set_ylabel("tokens")
+        positive = delta.size > 0
+    if positive:
+        ax.set_yscale("log")
+        ax.set_ylabel("tokens")
+    else:  # a log axis needs a positive count; an empty histogram is drawn on a linear one and says so
+        ax.set_ylabel("tokens (linear axis: no positive count)")
     return fig
+
+
+def _count(value: float | None) -> float:
+    """A bin count as a bar height: a missing, NaN, negative or overflowing count draws as 0."""
+    if value is None:
+        return 0.0
+    value = float(value)
+    return value if 0 < value < _FLOAT_LIMIT else 0.0
 
 
 BUCKET_TITLES = {"position": "response position", "prob_bucket": "probability of the sampled token"}
@@ -355,6 +422,28 @@ def _stat_label(metric: str) -> str:
         "bias": "mean Δ",
         "rms": "rms Δ",
     }.get(stat, metric)
+
+
+def _finite_values(column: pl.Series) -> np.ndarray:
+    """The finite values of a report column (nulls, NaN and ±inf left out), for axis limits."""
+    values = column.cast(pl.Float64).to_numpy()
+    return values[np.abs(values) < _FLOAT_LIMIT]  # NaN compares false: left out too
+
+
+def _drawable(column: pl.Series) -> np.ndarray:
+    """A report column as float64 for drawing: nulls, ±inf and values within 16x of the float range (where
+    matplotlib's tick arithmetic overflows) as NaN: a gap in the line."""
+    values = column.cast(pl.Float64).fill_null(np.nan).to_numpy()
+    return np.where(np.abs(values) < _FLOAT_LIMIT, values, np.nan)
+
+
+def _headroom(values: np.ndarray, factor: float) -> float:
+    """The top of a y axis from 0: `factor` x the largest value, 1 when nothing is positive; never past the
+    float range (a value near 1.8e308 keeps its own top), so matplotlib can place ticks."""
+    if values.size == 0 or not values.max() > 0:
+        return 1.0
+    top = float(values.max())
+    return top * factor if top * factor < _FLOAT_LIMIT else top
 
 
 def _is_magnitude(values: np.ndarray) -> bool:
@@ -379,7 +468,7 @@ def _bucket_plot(report: Any, breakdown: str, metric: str, ax: Axes | None, xlab
         for i, bucket in enumerate(labels):
             value, n = where.get(bucket, (None, 0))
             x = i + (index - (len(pairs) - 1) / 2) * width
-            height = 0.0 if value is None else float(value)
+            height = float(value) if value is not None and abs(value) < _FLOAT_LIMIT else 0.0
             ax.bar(
                 x,
                 height,
@@ -399,11 +488,9 @@ def _bucket_plot(report: Any, breakdown: str, metric: str, ax: Axes | None, xlab
                 rotation=90 if len(labels) * len(pairs) > 8 else 0,
             )
             counts.append(int(n))
-    values = rows["value"].cast(pl.Float64).fill_null(0.0).to_numpy()
+    values = _finite_values(rows["value"])
     if _is_magnitude(values):
-        ax.set_ylim(
-            bottom=0.0, top=float(np.nanmax(values)) * 1.25 if values.size and np.nanmax(values) > 0 else 1.0
-        )
+        ax.set_ylim(bottom=0.0, top=_headroom(values, 1.25))
     ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=7)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(f"{_stat_label(metric)} ({unit})")
@@ -454,15 +541,15 @@ def plot_by_step(report: Any, *, ax: Axes | None = None, metric: str = "mismatch
     counts: dict[int, int] = {}
     for index, pair in enumerate(rows["pair"].unique(maintain_order=True).to_list()):
         part = rows.filter(pl.col("pair") == pair)
-        steps, values, ns = part["step"].to_numpy(), part["value"].to_numpy(), part["n"].to_list()
+        steps, values, ns = part["step"].to_numpy(), _drawable(part["value"]), part["n"].to_list()
         ax.plot(steps, values, color=f"C{index}", linewidth=1.0, label=pair)
         ax.scatter(steps, values, color=f"C{index}", alpha=[_alpha(n) for n in ns], zorder=3)
         for step, n in zip(steps.tolist(), ns, strict=True):
             counts.setdefault(int(step), int(n))
     unit = str(rows["unit"][0])
-    values = rows["value"].cast(pl.Float64).fill_null(0.0).to_numpy()
+    values = _finite_values(rows["value"])
     if _is_magnitude(values):
-        ax.set_ylim(bottom=0.0, top=float(values.max()) * 1.15 if values.size and values.max() > 0 else 1.0)
+        ax.set_ylim(bottom=0.0, top=_headroom(values, 1.15))
     _step_axis(ax, sorted(counts), counts)
     ax.set_ylabel(f"{_stat_label(metric)} ({unit})")
     ax.set_title(f"{_stat_label(metric)} per step", fontsize=10)
@@ -486,8 +573,7 @@ def plot_trend(report: Any, kind: str, *, ax: Axes | None = None, marks: Sequenc
     pairs: list[str] = []
     for index, metric in enumerate(metrics):
         rows = _step_rows(report.summary, metric)
-        steps, values = rows["step"].to_numpy(), rows["value"].cast(pl.Float64).to_numpy()
-        values = np.where(np.isfinite(values), values, np.nan) if values.size else values
+        steps, values = rows["step"].to_numpy(), _drawable(rows["value"])
         ax.plot(steps, values, marker="o", markersize=4, color=f"C{index}", linewidth=1.2, label=metric)
         drawn += [v for v in values.tolist() if v == v]
         pairs += [p for p in rows["pair"].unique(maintain_order=True).to_list() if p not in pairs]
@@ -497,7 +583,7 @@ def plot_trend(report: Any, kind: str, *, ax: Axes | None = None, marks: Sequenc
             if mark.metric != metric:
                 continue
             hit = rows.filter(pl.col("step") == int(mark.step))
-            if hit.height == 0 or hit["value"][0] is None:
+            if hit.height == 0 or hit["value"][0] is None or not abs(hit["value"][0]) < _FLOAT_LIMIT:
                 continue
             y = float(hit["value"][0])
             ax.scatter([mark.step], [y], s=140, facecolors="none", edgecolors="red", linewidths=1.8, zorder=4)
@@ -514,7 +600,7 @@ def plot_trend(report: Any, kind: str, *, ax: Axes | None = None, marks: Sequenc
     if panel.log_y and drawn and min(drawn) > 0:
         ax.set_yscale("log")
     elif panel.from_zero and drawn and min(drawn) >= 0:
-        ax.set_ylim(bottom=0.0, top=max(max(drawn) * 1.15, 1e-12))
+        ax.set_ylim(bottom=0.0, top=max(_headroom(np.asarray(drawn), 1.15), 1e-12))
     _step_axis(ax, sorted(counts), counts)
     ax.set_ylabel(f"{panel.unit}" if panel.unit != "loss" else "loss (per the mode's normaliser)")
     ax.set_title(f"{panel.title}\n{', '.join(pairs)}", fontsize=9)
@@ -534,12 +620,12 @@ def _trend_grid(report: Any, kind: str, metrics: Sequence[str], marks: Sequence[
     pairs: list[str] = []
     for ax, metric in zip(axes, metrics, strict=False):
         rows = _step_rows(report.summary, metric)
-        steps, values = rows["step"].to_numpy(), rows["value"].cast(pl.Float64).to_numpy()
+        steps, values = rows["step"].to_numpy(), _drawable(rows["value"])
         ax.plot(steps, values, marker="o", markersize=3, linewidth=1.2)
         ax.axhline(0.0, color="0.6", linewidth=0.6)
         for mark in marks:
             hit = rows.filter(pl.col("step") == int(mark.step)) if mark.metric == metric else rows.clear()
-            if hit.height and hit["value"][0] is not None:
+            if hit.height and hit["value"][0] is not None and abs(hit["value"][0]) < _FLOAT_LIMIT:
                 ax.scatter(
                     [mark.step], [hit["value"][0]], s=120, facecolors="none", edgecolors="red", zorder=4
                 )
@@ -735,9 +821,9 @@ def plot_whatif(report: Any, *, ax: Axes | None = None) -> Figure:
     for bucket, kept, ess in rules.select(
         "bucket", "whatif/tokens_kept", "whatif/ess_token_after"
     ).iter_rows():
-        if kept is None or ess is None:
-            continue
-        family, threshold = bucket.split(":", 1)
+        if not (_plottable(kept) and _plottable(ess)):
+            continue  # null, NaN, ±inf or overflowing in a damaged report: no point
+        family, _, threshold = str(bucket).partition(":")
         families.setdefault(family, []).append((float(kept), float(ess), threshold))
     markers = "osD^vP*X"
     for i, (family, points) in enumerate(families.items()):
@@ -746,7 +832,7 @@ def plot_whatif(report: Any, *, ax: Axes | None = None) -> Figure:
         for x, y, label in points:
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
     before = wide.filter(pl.col("bucket") == "none")
-    if before.height and "whatif/ess_token" in before.columns and before["whatif/ess_token"][0] is not None:
+    if before.height and "whatif/ess_token" in before.columns and _plottable(before["whatif/ess_token"][0]):
         ax.axhline(before["whatif/ess_token"][0], linestyle="--", color="grey", label="no correction")
     ax.set_xlabel("tokens kept (fraction)")
     ax.set_ylabel("token ESS after the rule (fraction)")
@@ -756,13 +842,31 @@ def plot_whatif(report: Any, *, ax: Axes | None = None) -> Figure:
     return fig
 
 
+def _plottable(value: Any) -> bool:
+    """A number matplotlib can place: not null, NaN, ±inf or within 16x of the float range."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and abs(value) < _FLOAT_LIMIT
+
+
+def _change_points(report: Any) -> list[dict[str, Any]]:
+    """The change points a drift report's meta lists, each with a metric name and a plottable step, jump and
+    level after (entries of a damaged report lacking one are left out)."""
+    found = (report.meta.get("change_points") or {}).get("found") or []
+    return [
+        cp
+        for cp in found
+        if isinstance(cp, Mapping)
+        and isinstance(cp.get("metric"), str)
+        and all(_plottable(cp.get(key)) for key in ("step", "jump", "after"))
+    ]
+
+
 def plot_drift(report: Any, *, metrics: Sequence[str] = ()) -> Figure:
     """Small multiples of a drift report: each searched headline metric per step, its change points as dashed
     vertical lines labelled with the jump. `metrics` empty: the series that have change points, else the first
     four per-step metrics."""
     from matplotlib.figure import Figure
 
-    found = report.meta.get("change_points", {}).get("found", [])
+    found = _change_points(report)
     step_metrics = (
         report.summary.filter(pl.col("breakdown") == "step")["metric"].unique(maintain_order=True).to_list()
     )
@@ -775,7 +879,7 @@ def plot_drift(report: Any, *, metrics: Sequence[str] = ()) -> Figure:
     for index, metric in enumerate(chosen):
         ax = fig.add_subplot(grid_rows, columns, index + 1)
         rows = _step_rows(report.summary, metric)
-        ax.plot(rows["step"].to_numpy(), rows["value"].cast(pl.Float64).to_numpy(), marker="o", markersize=3)
+        ax.plot(rows["step"].to_numpy(), _drawable(rows["value"]), marker="o", markersize=3)
         for cp in (c for c in found if c["metric"] == metric):
             ax.axvline(cp["step"] - 0.5, color="red", linestyle="--", linewidth=1)
             ax.annotate(

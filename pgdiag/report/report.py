@@ -269,35 +269,207 @@ class Report:
         return written
 
 
+REPORT_KINDS = ("metrics", "compare", "whatif", "drift")
+
+# Documented shapes of the `meta` entries a saved report is read back through (docs/report.md): a key absent is
+# fine, a key present must hold this JSON type (lists: of this item type), else E105.
+_META_SHAPES: dict[str, tuple[type, type | None]] = {
+    "pairs": (list, str),
+    "notices": (list, str),
+    "steps": (list, dict),
+    "verdict": (dict, None),
+    "settings": (dict, None),
+    "gate_policy": (dict, None),
+    "change_points": (dict, None),
+    "labels": (dict, None),
+    "inputs": (dict, None),
+}
+_NESTED_SHAPES: dict[tuple[str, str], tuple[type | tuple[type, ...], type | None]] = {
+    ("verdict", "findings"): (list, dict),
+    ("verdict", "line"): (str, None),
+    ("gate_policy", "fail_on"): (list, str),
+    ("gate_policy", "known_metrics"): (list, str),
+    ("gate_policy", "default_family"): ((str, type(None)), None),
+    ("change_points", "found"): (list, dict),
+}
+
+
+def _shape_error(path: Path, entry: str, expected: str, value: Any) -> InvalidInputError:
+    return InvalidInputError(
+        "E105",
+        f"{path}: footer {entry} is a {type(value).__name__}, not {expected}",
+        "rewrite the report with pgdiag metrics/compare --out --overwrite",
+    )
+
+
+def _checked_shape(path: Path, entry: str, value: Any, shape: tuple[Any, type | None]) -> None:
+    outer, item = shape
+    names = {list: "a JSON list", dict: "a JSON object", str: "a string"}
+    if not isinstance(value, outer):
+        raise _shape_error(path, entry, names.get(outer, "a string or null"), value)
+    if item is not None and not all(isinstance(v, item) for v in value):
+        bad = next(v for v in value if not isinstance(v, item))
+        raise _shape_error(path, f"{entry}[...]", names[item], bad)
+
+
+def _checked_footer(
+    footer: Mapping[str, Any], path: Path
+) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    """(kind, meta, checks rows) of a report footer; E101 for an unknown kind, E105 for a shape not documented."""
+    header = footer.get("report", {})
+    if not isinstance(header, dict):
+        raise _shape_error(path, "pgdiag.report", "a JSON object", header)
+    kind = header.get("kind", "metrics")
+    if kind not in REPORT_KINDS:
+        raise InvalidInputError(
+            "E101",
+            f"{path}: not a pgdiag report of a known kind (kind={kind!r})",
+            f"kinds: {', '.join(REPORT_KINDS)}",
+        )
+    meta = header.get("meta", {})
+    if not isinstance(meta, dict):
+        raise _shape_error(path, "pgdiag.report.meta", "a JSON object", meta)
+    for key, shape in _META_SHAPES.items():
+        if key in meta:
+            _checked_shape(path, f"pgdiag.report.meta.{key}", meta[key], shape)
+    for (outer, key), shape in _NESTED_SHAPES.items():
+        if key in meta.get(outer, {}):
+            _checked_shape(path, f"pgdiag.report.meta.{outer}.{key}", meta[outer][key], shape)
+    checks = footer.get("checks", [])
+    _checked_shape(path, "pgdiag.checks", checks, (list, dict))
+    return str(kind), meta, checks
+
+
+def _checks_frame(rows: list[dict[str, Any]], path: Path) -> pl.DataFrame:
+    if not rows:
+        return empty_checks()
+    try:
+        return pl.DataFrame(
+            [{name: row.get(name) for name in CHECKS_SCHEMA} for row in rows],
+            schema=CHECKS_SCHEMA,
+            strict=True,
+        )
+    except (pl.exceptions.PolarsError, TypeError, ValueError, OverflowError) as exc:
+        raise InvalidInputError(
+            "E105",
+            f"{path}: footer pgdiag.checks rows do not hold the documented fields ({exc})",
+            "rewrite the report with pgdiag metrics/compare --out --overwrite",
+        ) from None
+
+
+def _summary_frame(table: pa.Table, path: Path) -> pl.DataFrame:
+    """The summary columns cast to `REPORT_SCHEMA` (E102 a column missing, E103 one of another type); NaN values
+    read as null (a report's "not computable"), infinities kept."""
+    for name in REPORT_SCHEMA:
+        if name not in table.column_names:
+            raise InvalidInputError(
+                "E102",
+                f"{path}: required column {name} is missing",
+                "rewrite the report with pgdiag metrics/compare --out --overwrite",
+            )
+    frame = pl.from_arrow(table.select(list(REPORT_SCHEMA)))
+    assert isinstance(frame, pl.DataFrame)
+    for name, dtype in REPORT_SCHEMA.items():
+        try:
+            if dtype.is_numeric() and not frame.schema[name].is_numeric():
+                raise pl.exceptions.InvalidOperationError(name)  # numbers are never parsed from text
+            frame = frame.with_columns(pl.col(name).cast(dtype, strict=True))
+        except pl.exceptions.PolarsError:
+            raise InvalidInputError(
+                "E103",
+                f"{path}, column {name}: type {frame.schema[name]} cannot be cast losslessly to {dtype}",
+                "rewrite the report with pgdiag metrics/compare --out --overwrite",
+            ) from None
+    return frame.with_columns(pl.col("value").fill_nan(None))
+
+
+def _side_table(path: Path) -> pl.DataFrame | None:
+    """A worst-K table beside a report, None when absent; E101 when it is not readable Parquet."""
+    if not path.exists():
+        return None
+    return read_table_file(path)
+
+
+def read_table_file(path: str | Path, *, finite: Iterable[str] = ()) -> pl.DataFrame:
+    """A Parquet table pgdiag wrote beside a report (a token table, a worst trace, a worst-K table).
+
+    E516 for a path that is not a readable regular file, E101 for a file that is not Parquet, E103 for a
+    `finite` column that does not cast to float64, E207 for a null, NaN or ±inf in one (named with its row).
+    """
+    from pgdiag.data.paths import readable_file
+
+    path = readable_file(path)
+    try:
+        frame = pl.read_parquet(path, glob=False)
+    except (OSError, pl.exceptions.PolarsError, pa.ArrowException) as exc:
+        raise InvalidInputError(
+            "E101", f"{path}: not a readable Parquet file ({one_line_text(exc)})"
+        ) from None
+    for name in finite:
+        if name not in frame.columns:
+            continue
+        try:
+            if not frame.schema[name].is_numeric():
+                raise pl.exceptions.InvalidOperationError(name)
+            values = frame[name].cast(pl.Float64, strict=True)
+        except pl.exceptions.PolarsError:
+            raise InvalidInputError(
+                "E103",
+                f"{path}, column {name}: type {frame.schema[name]} cannot be cast losslessly to Float64",
+            ) from None
+        bad = ~values.is_finite().fill_null(False)
+        if bool(bad.any()):
+            row = int(bad.arg_max() or 0)
+            raise InvalidInputError(
+                "E207",
+                f"{path}, row {row}, column {name}: {values[row]} ({int(bad.sum())} null, NaN or ±inf values)",
+                "rewrite it with pgdiag compare --tokens-out --overwrite",
+            )
+        frame = frame.with_columns(values)
+    return frame
+
+
+def one_line_text(exc: BaseException) -> str:
+    """The first line of an exception's text (library messages carry multi-line advice)."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
 def load_report(path: str | Path) -> Report:
-    """Read a report written by `Report.write` (the ``.parquet`` file, or a directory holding one report)."""
+    """Read a report written by `Report.write` (the ``.parquet`` file, or a directory holding one report).
+
+    UsageError E501 when nothing is found; InvalidInputError E101 for a file that is not a pgdiag report (not
+    Parquet, another schema, an unknown kind), E102/E103 for a summary column missing or of another type, E105
+    for a footer entry not of its documented shape.
+    """
+    from pgdiag.data.paths import check_input_path, readable_file
+
     path = Path(path)
+    if check_input_path(path) is None:
+        raise UsageError("E501", f"{path}: no such report")
     if path.is_dir():
         candidates = sorted(p for p in path.glob("*.parquet") if ".worst_" not in p.name)
         if len(candidates) != 1:
             raise UsageError("E501", f"{path}: expected one report .parquet, found {len(candidates)}")
         path = candidates[0]
-    if not path.exists():
-        raise UsageError("E501", f"{path}: no such report")
+    readable_file(path)
     try:
         table = pq.read_table(path)
-    except (OSError, pa.ArrowInvalid) as exc:
-        raise InvalidInputError("E101", f"{path}: not a readable Parquet file ({exc})") from None
+    except (OSError, pa.ArrowException) as exc:
+        raise InvalidInputError(
+            "E101", f"{path}: not a readable Parquet file ({one_line_text(exc)})"
+        ) from None
     footer = decode_footer(table.schema.metadata)
     if footer.get("schema") != REPORT_SCHEMA_ID:
         raise InvalidInputError("E101", f"{path}: not a pgdiag report (schema={footer.get('schema')!r})")
-    header = footer.get("report", {})
-    checks_rows = footer.get("checks", [])
-    summary = pl.from_arrow(table).cast(REPORT_SCHEMA)
-    checks = pl.DataFrame(checks_rows, schema=CHECKS_SCHEMA) if checks_rows else empty_checks()
-    stem = path.name[: -len(".parquet")]
-    worst_tokens_path = path.with_name(f"{stem}.worst_tokens.parquet")
-    worst_seqs_path = path.with_name(f"{stem}.worst_seqs.parquet")
+    kind, meta, checks_rows = _checked_footer(footer, path)
+    summary = _summary_frame(table, path)
+    checks = _checks_frame(checks_rows, path)
+    stem = path.name[: -len(".parquet")] if path.name.endswith(".parquet") else path.stem
     return Report(
-        kind=header.get("kind", "metrics"),
+        kind=kind,
         summary=summary,
-        meta=header.get("meta", {}),
+        meta=meta,
         checks=checks,
-        worst_tokens=pl.read_parquet(worst_tokens_path) if worst_tokens_path.exists() else None,
-        worst_seqs=pl.read_parquet(worst_seqs_path) if worst_seqs_path.exists() else None,
+        worst_tokens=_side_table(path.with_name(f"{stem}.worst_tokens.parquet")),
+        worst_seqs=_side_table(path.with_name(f"{stem}.worst_seqs.parquet")),
     )

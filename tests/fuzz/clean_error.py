@@ -18,8 +18,11 @@ ERROR_LINE = re.compile(r"^error\[([EW]\d{3})\] \S.*$")
 
 
 def run_cli(args: list[str]) -> Result:
-    """`pgdiag ARGS` in process, stdout and stderr together in `result.output`."""
-    return CliRunner().invoke(build_app(), [str(a) for a in args])
+    """`pgdiag ARGS` in process, stdout and stderr together in `result.output`.
+
+    The console is 1,000 columns wide: check's verdict line (not an error line) wraps at the terminal width,
+    and the temp paths of a test would wrap it at the default 160 columns."""
+    return CliRunner().invoke(build_app(), [str(a) for a in args], env={"COLUMNS": "1000"})
 
 
 def error_code(result: Result, *, check: bool = False) -> str:

@@ -18,7 +18,7 @@ import pytest
 from clean_error import error_code, files_under, run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rollout_factory import valid_rows, write_rollouts_file
+from rollout_factory import rollouts_frame, valid_rows, write_rollouts_file
 
 import pgdiag
 from pgdiag.errors import PgdiagError
@@ -86,7 +86,7 @@ def test_column_of_another_type(tmp_path: Path, fuzz_examples: int) -> None:
     @given(column=st.sampled_from(sorted(COLUMN_TYPES)), data=st.data())
     def case(column: str, data: st.DataObject) -> None:
         dtype = data.draw(st.sampled_from(COLUMN_TYPES[column]))
-        frame = pl.DataFrame(valid_rows())
+        frame = rollouts_frame(valid_rows())  # seq_hash computed from the canonical ids, before the cast
         try:
             cast = frame.with_columns(pl.col(column).cast(dtype, strict=False))
         except pl.exceptions.PolarsError:
