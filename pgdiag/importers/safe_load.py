@@ -138,7 +138,9 @@ def load_pickle(
     try:
         if allow_unsafe:
             return Loaded(pickle.loads(data), True)  # the user chose the unsafe escape
-        return Loaded(_RestrictedUnpickler(io.BytesIO(data), allow, label).load(), False)
+        # buffered: the C unpickler calls a bare BytesIO's read() once per opcode, but prefetches through peek()
+        stream = io.BufferedReader(io.BytesIO(data), buffer_size=1 << 20)
+        return Loaded(_RestrictedUnpickler(stream, allow, label).load(), False)
     except (EOFError, pickle.UnpicklingError, ValueError, IndexError, TypeError, AttributeError) as exc:
         raise bad_layout(
             label, "pickle", f"a complete pickle ({type(exc).__name__}: {exc}); torn file?"

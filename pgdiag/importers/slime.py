@@ -16,6 +16,7 @@ them there when it skipped the recompute): W703, ``old`` kept. The `miles` prese
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.flat import FlatList
-from pgdiag.importers.alignment import from_rows, response_aligned, to_series
+from pgdiag.importers.alignment import from_rows, offsets_of, response_aligned, to_series
 from pgdiag.importers.base import ImportedStep, ImportOptions, ImportWarning, Preset, bad_layout
 from pgdiag.importers.pt_reader import load_pt_lists
 from pgdiag.importers.safe_load import numpy_allow_list
@@ -85,6 +86,40 @@ def float_row(value: Any, length: int, path: Path, field: str, row: int) -> np.n
     return array.astype(np.float32, copy=False)
 
 
+def float_rows(rows: Sequence[Any], lengths: np.ndarray, path: Path, field: str) -> FlatList:
+    """Response-aligned float rows as one float32 flat list; row r must hold ``lengths[r]`` values (E703).
+
+    Rows that are all plain lists (slime keeps every log-prob as a Python float) are converted in one pass,
+    ``np.fromiter`` over the chained lists: the same float64 -> float32 rounding as ``np.asarray`` row by row,
+    without a temporary array per row. Anything else, or an element that is not a number, goes row by row
+    through `float_row`, which names the row.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if all(type(row) is list for row in rows):
+        stored = np.fromiter(map(len, rows), np.int64, len(rows))
+        if np.array_equal(stored, lengths):
+            try:
+                values = np.fromiter(itertools.chain.from_iterable(rows), np.float32, int(lengths.sum()))
+            except (TypeError, ValueError):
+                pass  # the row-by-row pass below names the row
+            else:
+                return FlatList(offsets_of(lengths), values, None, None)
+    arrays = [
+        float_row(row, int(n), path, field, r) for r, (row, n) in enumerate(zip(rows, lengths, strict=True))
+    ]
+    return from_rows(arrays)
+
+
+def _mask_rows(rows: Sequence[np.ndarray | None], lengths: np.ndarray) -> FlatList:
+    """The response-aligned loss mask from per-row bool arrays, None meaning all ones."""
+    offsets = offsets_of(lengths)
+    values = np.ones(int(offsets[-1]), dtype=bool)
+    for r, row in enumerate(rows):
+        if row is not None:
+            values[offsets[r] : offsets[r + 1]] = row
+    return FlatList(offsets, values, None, None)
+
+
 def _policy_version(versions: Any) -> int | None:
     if not versions:
         return None
@@ -132,8 +167,8 @@ def read_rollout_samples(path: Path, payload: Any, rollout_id: int) -> RolloutSa
     if not isinstance(samples, list) or not samples:
         raise bad_layout(path, "samples", "a non-empty list of Sample.to_dict() records")
     ids_rows: list[np.ndarray] = []
-    mask_rows: list[np.ndarray] = []
-    rollout_rows: list[np.ndarray] = []
+    mask_rows: list[np.ndarray | None] = []  # None: all ones
+    rollout_rows: list[Any] = []  # as stored; converted in one pass by `float_rows`
     response_lens = np.zeros(len(samples), dtype=np.int64)
     sample_ids: list[str | None] = []
     group_ids: list[str | None] = []
@@ -161,19 +196,16 @@ def read_rollout_samples(path: Path, payload: Any, rollout_id: int) -> RolloutSa
         response_lens[row] = n_resp
         ids_rows.append(tokens)
         raw_mask = sample.get("loss_mask")
-        if raw_mask is None or (
+        mask = None  # None means all ones; an all-ones list needs no conversion
+        if raw_mask is not None and not (
             isinstance(raw_mask, list) and len(raw_mask) == n_resp and raw_mask.count(1) == n_resp
         ):
-            mask = np.ones(n_resp, dtype=bool)  # None means all ones; an all-ones list needs no conversion
-        else:
             mask = float_row(raw_mask, n_resp, path, "loss_mask", row) != 0
         if sample.get("remove_sample"):
             mask = np.zeros(n_resp, dtype=bool)
         mask_rows.append(mask)
         if with_rollout[0]:
-            rollout_rows.append(
-                float_row(sample["rollout_log_probs"], n_resp, path, "rollout_log_probs", row)
-            )
+            rollout_rows.append(sample["rollout_log_probs"])
         index, group = sample.get("index"), sample.get("group_index")
         sample_ids.append(None if index is None else str(index))
         group_ids.append(None if group is None else str(group))
@@ -212,8 +244,10 @@ def read_rollout_samples(path: Path, payload: Any, rollout_id: int) -> RolloutSa
         rollout_id=rollout_id,
         input_ids=from_rows(ids_rows, np.int64),
         response_lens=response_lens,
-        loss_mask=from_rows(mask_rows, bool),
-        rollout=from_rows(rollout_rows) if with_rollout[0] else None,
+        loss_mask=_mask_rows(mask_rows, response_lens),
+        rollout=float_rows(rollout_rows, response_lens, path, "rollout_log_probs")
+        if with_rollout[0]
+        else None,
         frame=frame,
         dict_rewards=dict_rewards,
     )

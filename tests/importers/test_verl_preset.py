@@ -3,6 +3,8 @@ value against the tensors the files were made from; W702 bypass mode; the refusa
 
 from __future__ import annotations
 
+import datetime
+import json
 import sys
 import types
 from types import SimpleNamespace
@@ -13,6 +15,7 @@ import torch
 
 import pgdiag
 from pgdiag.errors import InvalidInputError, UsageError
+from tests.importers.cli_import import import_cli, read_rows
 from tests.importers.conftest import assert_nothing_written
 from tests.importers.hook_fixtures import (
     VERL_PROMPTS,
@@ -191,7 +194,7 @@ def test_v1_hook_reads_the_transfer_queue_and_drops_padding_rows(tmp_path, monke
 # ---- RolloutSkip gen_batch.dp ----------------------------------------------------------------------------
 
 
-def _gen_batch(tmp_path, step=2):
+def _gen_batch(tmp_path, step=2, meta_info=None):
     prompts = torch.tensor([[0, 5, 6], [7, 8, 9]])
     responses = torch.tensor([[11, 12, 0], [13, 14, 15]])
     attention = torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
@@ -206,7 +209,7 @@ def _gen_batch(tmp_path, step=2):
     }
     root = tmp_path / "dumps" / "exp_proj" / "GBS1_N2_in3_out3"
     return save_gen_batch(
-        root / str(step), step, tensors, {"uid": np.array(["g", "g"], dtype=object)}
+        root / str(step), step, tensors, {"uid": np.array(["g", "g"], dtype=object)}, meta_info
     ), tensors
 
 
@@ -254,6 +257,73 @@ def test_hostile_gen_batch_is_e701_and_runs_nothing(tmp_path):
     with pytest.raises(UsageError) as err:
         pgdiag.import_run("verl", tmp_path / "dumps", tmp_path / "out")
     assert err.value.code == "E701" and "io.open" in err.value.message
+    assert not marker.exists()
+    assert_nothing_written(tmp_path / "out")
+
+
+def _expected_gen_batch_rows(tensors):
+    """Each row's tokens, loss mask and rollout log-probs as RolloutSkip's batch holds them: the attended
+    prompt and response tokens, response_mask on the response, the rollout value where the mask is on."""
+    width = tensors["prompts"].shape[1]
+    rows = []
+    for r in range(tensors["prompts"].shape[0]):
+        attended = tensors["attention_mask"][r].bool()
+        ids = tensors["input_ids"][r][attended].tolist()
+        n_prompt = int(attended[:width].sum())
+        n_response = len(ids) - n_prompt
+        mask = tensors["response_mask"][r][:n_response].bool().tolist()
+        rollout = tensors["rollout_log_probs"][r][:n_response].tolist()
+        rows.append(
+            {
+                "input_ids": ids,
+                "loss_mask": [False] * n_prompt + mask,
+                "rollout_logprobs": [None] * n_prompt
+                + [v if m else None for v, m in zip(rollout, mask, strict=True)],
+            }
+        )
+    return rows
+
+
+def test_gen_batch_global_outside_the_allow_list_needs_allow_unsafe_pickle(tmp_path):
+    # an innocent stdlib global verl's allow-list does not hold: a date in meta_info pickles as datetime.date
+    dump = tmp_path / "dumps"
+    _, tensors = _gen_batch(
+        tmp_path, meta_info={"temperature": 1.0, "dumped_on": datetime.date(2026, 11, 24)}
+    )
+    refused = import_cli("verl", dump, tmp_path / "refused")
+    assert refused.exit_code == 2
+    assert "error[E701]" in refused.stderr and "datetime.date" in refused.stderr
+    assert "--allow-unsafe-pickle" in refused.stderr  # the hint names the escape
+    assert_nothing_written(tmp_path / "refused")
+
+    out = tmp_path / "unsafe"
+    loaded = import_cli("verl", dump, out, "--allow-unsafe-pickle")
+    assert loaded.exit_code == 0, loaded.stderr
+    assert "--allow-unsafe-pickle: code inside the dump may run" in loaded.stderr
+    rows = read_rows(out)
+    expected = _expected_gen_batch_rows(tensors)
+    for column in ("input_ids", "loss_mask", "rollout_logprobs"):
+        assert rows[column].to_list() == [row[column] for row in expected], column
+    assert rows["group_id"].to_list() == ["g", "g"] and rows["step"].to_list() == [2, 2]
+    sidecar = json.loads((out / "pgdiag.json").read_text())
+    assert sidecar["source"]["unsafe_load"] is True
+
+    # the same batch without the date imports through the allow-list to bit-identical columns
+    safe_dump = tmp_path / "safe"
+    _gen_batch(safe_dump)
+    assert import_cli("verl", safe_dump / "dumps", tmp_path / "safe_out").exit_code == 0
+    safe_rows = read_rows(tmp_path / "safe_out")
+    for column in ("input_ids", "loss_mask", "rollout_logprobs", "prompt_len", "seq_hash"):
+        assert safe_rows[column].to_list() == rows[column].to_list(), column
+    assert json.loads((tmp_path / "safe_out" / "pgdiag.json").read_text())["source"]["unsafe_load"] is False
+
+
+def test_cli_hostile_gen_batch_without_the_flag_never_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    path = hostile_pickle(tmp_path / "dumps" / "x" / "1" / "gen_batch.dp", marker)
+    (path.parent / "meta.json").write_text('{"global_steps": 1}')
+    result = import_cli("verl", tmp_path / "dumps", tmp_path / "out")
+    assert result.exit_code == 2 and "error[E701]" in result.stderr and "io.open" in result.stderr
     assert not marker.exists()
     assert_nothing_written(tmp_path / "out")
 
