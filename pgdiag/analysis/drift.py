@@ -1,4 +1,4 @@
-"""`drift`: every metric of `metrics` per step over a whole run, read one step at a time, and the change points
+"""`drift`: every metric of `metrics` per step over a whole run, read in chunks of whole steps, and the change points
 of the headline series (docs/drift.md).
 
 Memory: the run is never loaded at once. The step list comes from the `step` column alone; each step is then
@@ -22,7 +22,7 @@ import numpy as np
 import polars as pl
 
 from pgdiag.analysis.settings import DRIFT_HEADLINE, ChangePointSettings
-from pgdiag.data.runs import Run, restrict_steps, run_steps
+from pgdiag.data.runs import Run, run_steps
 from pgdiag.data.validate import CheckSettings
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import Report, ReportRow, summary_frame
@@ -101,31 +101,25 @@ def drift(
     checks: CheckSettings | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Report:
-    """Per-step metrics of `run`, one step read at a time, plus change points; a Report of kind "drift".
+    """Per-step metrics of `run`, read in chunks of whole steps, plus change points; a Report of kind "drift".
 
     Rows: every per-step metric row of `compute_metrics` (``breakdown = step``), and one row per change point
     (``breakdown = changepoint``, ``bucket`` = the step, ``metric`` = the series, ``value`` = the jump,
     ``bucket_lo``/``bucket_hi`` = the means before and after, ``n`` = steps in the series). `progress(i, n)`
-    is called after each step.
+    is called after each chunk with the steps done.
     """
-    from pgdiag.metrics.api import compute_metrics
+    from pgdiag.metrics.api import StreamSettings, compute_metrics
 
     settings = settings or MetricSettings()
     change = change or ChangePointSettings()
     steps = run_steps(run)
-    rows: list[pl.DataFrame] = []
-    checks_frames: list[pl.DataFrame] = []
-    pairs: list[str] = []
-    step_settings: dict | None = None
-    for index, step in enumerate(steps):
-        report = compute_metrics(restrict_steps(run, [step]), settings, checks=checks)
-        rows.append(report.summary.filter(pl.col("breakdown") == "step"))
-        if report.checks.height:
-            checks_frames.append(report.checks)
-        pairs += [p for p in report.meta.get("pairs", []) if p not in pairs]
-        step_settings = report.meta.get("settings")
-        if progress is not None:
-            progress(index + 1, len(steps))
+    report = compute_metrics(
+        run, settings, checks=checks, stream=StreamSettings(pooled=False), progress=progress
+    )  # chunks of whole steps, so memory follows the largest step
+    rows = [report.summary.filter(pl.col("breakdown") == "step")]
+    pairs: list[str] = list(report.meta.get("pairs", []))
+    step_settings: dict | None = report.meta.get("settings")
+    checks_frames = [report.checks] if report.checks.height else []
     per_step = pl.concat(rows) if rows else summary_frame([])
     all_metrics = settings.key_style != "pgdiag"
     found = find_change_points(per_step, change, all_metrics=all_metrics)

@@ -14,7 +14,8 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -206,6 +207,33 @@ def make_console(*, quiet: bool = False, width: int | None = None) -> Console:
     if width is None and not sys.stderr.isatty() and not sized:
         width = 160
     return Console(stderr=True, quiet=quiet, highlight=False, emoji=False, width=width)
+
+
+@contextmanager
+def step_progress(console: Console, what: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A transient bar of the steps read, `progress(steps_done, n_steps)`, on a terminal only (None in pipes,
+    CI logs and under -q, where a bar would only add lines)."""
+    if not console.is_terminal or console.quiet:
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(
+        TextColumn(what),
+        BarColumn(),
+        TextColumn("{task.completed:,.0f}/{task.total:,.0f} steps"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        tasks: list[Any] = []  # made at the first call, when the number of steps is known
+
+        def update(done: int, total: int) -> None:
+            if not tasks:
+                tasks.append(bar.add_task(what, total=total))
+            bar.update(tasks[0], completed=done, total=total)
+
+        yield update
 
 
 def result_object(command: str, **fields: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""`pgdiag drift RUN`: every metric of `metrics` per step over a whole run, read one step at a time, and the
+"""`pgdiag drift RUN`: every metric of `metrics` per step over a whole run, read in chunks of whole steps, and the
 change points of the headline series.
 
 Thin shell over `pgdiag.analysis.drift.drift` (docs/drift.md): parse -> per-step metrics -> change points ->
@@ -41,6 +41,7 @@ from pgdiag.cli.common import (
     execute,
     list_option,
     result_object,
+    step_progress,
     wandb_directory,
     write_report_outputs,
 )
@@ -116,7 +117,7 @@ def drift(
 ) -> None:
     """Every metric of `metrics` per step over a whole run, and where the headline series jump.
 
-    The run is read one step at a time (memory stays at one step's batch). Change points: binary segmentation on
+    The run is read in chunks of whole steps (memory follows the largest step, not the run). Change points: binary segmentation on
     the standardised CUSUM of a mean shift (docs/drift.md), each with its step, metric and jump size; the last
     line is the verdict that lists them.
     """
@@ -139,7 +140,8 @@ def drift(
         change = ChangePointSettings(threshold=cp_threshold, metrics=tuple(list_option(metric)))
         checks = CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
-        report = compute_drift(source, settings, change=change, checks=checks)
+        with step_progress(console, "drift") as progress:
+            report = compute_drift(source, settings, change=change, checks=checks, progress=progress)
         verdict = drift_verdict(report)
         report = report.with_meta(verdict=verdict.as_dict())
         found = report.meta["change_points"]["found"]

@@ -46,6 +46,7 @@ from pgdiag.cli.common import (
     gate_settings,
     list_option,
     result_object,
+    step_progress,
     wandb_directory,
 )
 from pgdiag.data.validate import CheckSettings
@@ -403,7 +404,8 @@ def metrics(
 
             check_html_path(html, overwrite=overwrite)
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
-        report = compute_metrics(source, settings, checks=checks)
+        with step_progress(console, "metrics") as progress:
+            report = compute_metrics(source, settings, checks=checks, progress=progress)
         decision = outcome(report, gates)
         verdict = metrics_verdict(report)
         if not quiet:  # rich lays tables out even on a quiet console: skip the work

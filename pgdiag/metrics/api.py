@@ -8,7 +8,7 @@ or a framework key style on every step and on the pooled ``all`` row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -125,6 +125,7 @@ class StreamSettings:
     max_rows: int | None = None
     min_rows: int = 4096
     quantiles: QuantileSettings = field(default_factory=QuantileSettings)
+    pooled: bool = True  # False: per-step rows only, no ``all`` row and nothing pooled for it (drift)
 
     def __post_init__(self) -> None:
         if self.max_rows is not None and self.max_rows < 1:
@@ -143,6 +144,7 @@ def compute_metrics(
     *,
     checks: CheckSettings | None = None,
     stream: StreamSettings | None = None,
+    progress: Callable[[int, int], None] | None = None,
     **options: Any,
 ) -> Report:
     """The full metric set of `run`, per step and pooled (``all``), as a `Report`.
@@ -156,7 +158,7 @@ def compute_metrics(
     read, validated and reduced per step, and only per-sample tables and token summaries are kept for the
     ``all`` row; a framework key style computes each step with its own function and its ``all`` row from the
     step rows (`pool_style_steps`). `--docs-per-step` (steps cut across the step column) and a run with null
-    steps (an E213 error) are read whole.
+    steps (an E213 error) are read whole. `progress(steps_done, n_steps)` is called after each chunk.
     """
     if settings is None:
         settings = MetricSettings.from_options(**options)
@@ -177,7 +179,9 @@ def compute_metrics(
         restrict_steps(run, c) for c in step_chunks(rows_per_step, stream.budget(rows_per_step))
     ]
     engine = (
-        NativeStream(settings, stream.quantiles) if settings.key_style == "pgdiag" else StyleStream(settings)
+        NativeStream(settings, stream.quantiles, pooled=stream.pooled)
+        if settings.key_style == "pgdiag"
+        else StyleStream(settings)
     )
     chunk_checks: list[CheckResult] = []
     n_samples = n_tokens = 0
@@ -188,7 +192,9 @@ def compute_metrics(
         n_samples += loaded.batch.n_samples
         n_tokens += loaded.batch.n_tokens
         del loaded  # the chunk's token arrays go before the next chunk is read
-    results = [*engine.steps, engine.finish()]
+        if progress is not None:
+            progress(len(engine.steps), len(rows_per_step))
+    results = [*engine.steps, engine.finish()] if stream.pooled else list(engine.steps)
     notice = _quantile_notice(engine.quantiles_exact, stream.quantiles)
     return _report(
         results,

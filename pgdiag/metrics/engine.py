@@ -271,8 +271,11 @@ class NativeStream:
     and never split a step; with `--docs-per-step` the whole run is one chunk.
     """
 
-    def __init__(self, settings: MetricSettings, quantiles: QuantileSettings | None = None) -> None:
+    def __init__(
+        self, settings: MetricSettings, quantiles: QuantileSettings | None = None, *, pooled: bool = True
+    ) -> None:
         self.settings = settings
+        self.pooled = pooled  # False: keep nothing for the ``all`` row (`finish` is not called)
         self.quantiles = quantiles or QuantileSettings()
         self.resolved = resolve_aggregation(settings.aggregation, settings)
         self.steps: list[tuple[str, StepMetrics]] = []
@@ -324,7 +327,8 @@ class NativeStream:
                     notices=(*metrics.notices, f"step {label}: final partial step of --docs-per-step"),
                 )
             rows.append((label, metrics))
-        self._pool(tables, pooled.group)
+        if self.pooled:
+            self._pool(tables, pooled.group)
         self._groups_split += int(split_groups.shape[0])
         self.steps.extend(rows)
         return rows
@@ -351,7 +355,9 @@ class NativeStream:
     def finish(self) -> tuple[str, StepMetrics]:
         """The ``all`` row: pooled samples' metrics, loss/grad keys the unweighted mean over the steps."""
         if not self._base:
-            raise ValueError("NativeStream.finish needs at least one chunk (an empty batch is one)")
+            raise ValueError(
+                "NativeStream.finish needs a pooled stream and at least one chunk (an empty batch is one)"
+            )
         n_positions = np.concatenate(self._n_positions)
         offsets = np.zeros(n_positions.shape[0] + 1, dtype=np.int64)  # (S + 1,)
         np.cumsum(n_positions, out=offsets[1:])

@@ -244,3 +244,33 @@ def test_compare_shows_the_worst_tokens_with_their_text() -> None:
     first = next(line for line in table.splitlines() if line.split()[:2] == [str(top["step"]), "│"])
     assert f"'{vocab[top['token_id']]}'" in first  # the token itself, as text
     assert "text (±8 tokens)" in table and "<eos>" in table
+
+
+def test_step_progress_draws_a_bar_on_a_terminal_only() -> None:
+    import io
+
+    from rich.console import Console
+
+    from pgdiag.cli.common import step_progress
+    from pgdiag.data.runs import read_run
+    from pgdiag.metrics.api import compute_metrics
+
+    seen: list[tuple[int, int]] = []
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=100)
+    with step_progress(terminal, "metrics") as progress:
+        assert progress is not None
+
+        def record(done: int, total: int) -> None:
+            seen.append((done, total))
+            progress(done, total)
+
+        compute_metrics(read_run("sample_data/run_a"), progress=record)
+    assert seen and seen[-1] == (4, 4)  # run_a has 4 steps; the last call says all were read
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert "steps" in terminal.file.getvalue()
+    pipe = Console(file=io.StringIO(), force_terminal=False)
+    with step_progress(pipe, "metrics") as progress:
+        assert progress is None
+    quiet = Console(file=io.StringIO(), force_terminal=True, quiet=True)
+    with step_progress(quiet, "drift") as progress:
+        assert progress is None
