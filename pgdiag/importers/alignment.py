@@ -27,6 +27,7 @@ import polars as pl
 import pyarrow as pa
 
 from pgdiag.data.flat import FlatList, flat_list
+from pgdiag.errors import InvalidInputError
 from pgdiag.importers.base import bad_layout
 
 
@@ -203,6 +204,19 @@ def _bitmap(bits: np.ndarray) -> pa.Buffer:
     return pa.py_buffer(np.packbits(bits, bitorder="little"))
 
 
+def _refuse_wrap(name: str, values: np.ndarray, target: np.dtype) -> None:
+    """E103 when integer `values` do not fit the narrower integer `target` (a cast would wrap them silently)."""
+    if target.kind not in "iu" or values.dtype.kind not in "iu" or values.size == 0:
+        return
+    if np.can_cast(values.dtype, target, casting="safe"):
+        return
+    info = np.iinfo(target)
+    lo, hi = int(values.min()), int(values.max())
+    if lo < info.min or hi > info.max:
+        worst = lo if lo < info.min else hi
+        raise InvalidInputError("E103", f"{name}: value {worst} does not fit {target}", "ids must fit int32")
+
+
 def to_series(name: str, flat: FlatList, dtype: pl.DataType) -> pl.Series:
     """A polars list column from a flat list; elements whose `valid` is false are null.
 
@@ -218,6 +232,7 @@ def to_series(name: str, flat: FlatList, dtype: pl.DataType) -> pl.Series:
         )
     else:
         arrow_type, numpy_type = _ARROW_OF_POLARS[inner_dtype]
+        _refuse_wrap(name, flat.values, np.dtype(numpy_type))
         values = np.ascontiguousarray(flat.values, dtype=numpy_type)
         inner = pa.Array.from_buffers(arrow_type, n, [validity, pa.py_buffer(values)], nulls)
     offsets = pa.py_buffer(np.ascontiguousarray(flat.offsets, dtype=np.int64))

@@ -184,3 +184,14 @@ def test_ignore_hides_w701_but_still_drops(tmp_path):
     result = pgdiag.import_run("nemo-rl", src, tmp_path / "out", ignore=("W701",))
     assert result.dropped_streams == ("old",) and "W701" not in result.issues.issues["code"].to_list()
     assert pgdiag.read_run(tmp_path / "out").meta["import"]["ignored_codes"] == ["W701"]
+
+
+def test_token_id_past_int32_is_e103_not_wrapped(tmp_path):
+    # before: int64 ids were cast to int32 without a check, so 2**31 became -2**31 in the imported run
+    src, _ = _dump(tmp_path, steps=(1,))
+    _rewrite(src / "train_data_step1.jsonl", lambda d: d.update(token_ids=[[2**31, *d["token_ids"][0][1:]]]))
+    with pytest.raises(InvalidInputError) as err:
+        pgdiag.import_run("nemo-rl", src, tmp_path / "out")
+    assert err.value.code == "E103"
+    assert str(2**31) in err.value.message and "input_ids" in err.value.message
+    assert_nothing_written(tmp_path / "out")
