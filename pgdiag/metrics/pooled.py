@@ -29,7 +29,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from pgdiag.errors import UsageError
-from pgdiag.metrics.reduce import TokenReducer, extremum, quantiles
+from pgdiag.metrics.reduce import TokenReducer, extremum, quantiles, type7_quantiles
 
 __all__ = [
     "QuantileSettings",
@@ -137,24 +137,13 @@ class QuantileSummary:
         if self._values is not None:
             pooled = np.concatenate(self._values) if len(self._values) > 1 else np.zeros(0)
             return quantiles(self._values[0] if len(self._values) == 1 else pooled, qs)
-        if self.n == 0:
-            return [None] * len(qs)
-        positions = [(self.n - 1) * q for q in qs]
-        ranks = sorted({math.floor(h) for h in positions} | {math.ceil(h) for h in positions})
-        stats = dict(zip(ranks, self._order_statistics(np.asarray(ranks, dtype=np.int64)), strict=True))
-        out: list[float | None] = []
-        for h in positions:
-            lo, hi = math.floor(h), math.ceil(h)
-            a, b = stats[lo], stats[hi]
-            t = h - lo
-            if a == b or t == 0.0:
-                out.append(None if math.isnan(a) else a)
-                continue
-            with np.errstate(invalid="ignore"):
-                diff = b - a
-                value = b - diff * (1.0 - t) if t >= 0.5 else a + diff * t
-            out.append(None if math.isnan(value) else value)
-        return out
+        return type7_quantiles(
+            self.n,
+            qs,
+            lambda ranks: dict(
+                zip(ranks, self._order_statistics(np.asarray(ranks, dtype=np.int64)), strict=True)
+            ),
+        )
 
     def extremum(self, kind: str) -> float | None:
         """The exact min or max; None when empty or when a value is NaN (as `reduce.extremum`)."""

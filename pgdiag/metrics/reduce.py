@@ -20,6 +20,7 @@ one step and `mean_of_sums`/`spread_of_moments` its `R` values (`take_rows` slic
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -253,12 +254,19 @@ def quantiles(x: np.ndarray, qs: tuple[float, ...]) -> list[float | None]:
     that misses the order statistic falls back to the full partition. Two equal order statistics give
     that value even when it is infinite (numpy's interpolation would give NaN from inf − inf there).
     """
-    n = x.shape[0]
+    return type7_quantiles(x.shape[0], qs, lambda ranks: _order_statistics(x, ranks))
+
+
+def type7_quantiles(
+    n: int, qs: tuple[float, ...], order_statistics: Callable[[list[int]], dict[int, float]]
+) -> list[float | None]:
+    """Type-7 quantiles of a population of `n` values from its order statistics (`order_statistics(ranks)`
+    -> {rank: value}, 0-based): the same two-sided lerp as numpy.quantile, so both agree bit for bit on
+    finite data; None for an empty population and for a NaN result."""
     if n == 0:
         return [None] * len(qs)
     positions = [(n - 1) * q for q in qs]
-    needed = sorted({math.floor(h) for h in positions} | {math.ceil(h) for h in positions})
-    stats = _order_statistics(x, needed)
+    stats = order_statistics(sorted({math.floor(h) for h in positions} | {math.ceil(h) for h in positions}))
     out: list[float | None] = []
     for h in positions:
         lo, hi = math.floor(h), math.ceil(h)
@@ -267,9 +275,10 @@ def quantiles(x: np.ndarray, qs: tuple[float, ...]) -> list[float | None]:
         if a == b or t == 0.0:
             out.append(_as_float(a))
             continue
-        diff = b - a
-        # the same two-sided lerp as numpy.quantile so both agree bit for bit on finite data
-        out.append(_as_float(b - diff * (1.0 - t) if t >= 0.5 else a + diff * t))
+        with np.errstate(invalid="ignore"):
+            diff = b - a
+            value = b - diff * (1.0 - t) if t >= 0.5 else a + diff * t
+        out.append(_as_float(value))
     return out
 
 
