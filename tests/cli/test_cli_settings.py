@@ -120,7 +120,7 @@ def test_metrics_options_arrive_in_metric_settings(monkeypatch: pytest.MonkeyPat
         empty_seqs="skip", metric_reduction="sample", docs_per_step=2, key_style="pgdiag", zero_std_atol=0.01,
         identity=True, identity_tol=0.5,
     ))  # fmt: skip
-    assert seen["kwargs"] == {"checks": CheckSettings(ignore=("W217",), max_examples=9)}
+    assert seen["kwargs"] == {"checks": CheckSettings(ignore=("W217",), max_examples=9), "progress": None}
 
 
 def test_style_options_arrive_in_style_options(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,7 +139,7 @@ def test_metrics_defaults_are_the_dataclass_defaults(monkeypatch: pytest.MonkeyP
     _capture_reads(monkeypatch)
     _invoke("metrics", "RUN")
     assert seen["args"][1] == MetricSettings()
-    assert seen["kwargs"] == {"checks": CheckSettings()}
+    assert seen["kwargs"] == {"checks": CheckSettings(), "progress": None}  # no bar off a terminal
 
 
 COMPARE_ARGS = (
