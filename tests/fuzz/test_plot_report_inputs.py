@@ -18,8 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from clean_error import error_code, files_under, run_cli
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from test_fuzz_inputs import fuzz_settings
 
 from pgdiag.report import plots
 from pgdiag.report.report import REPORT_SCHEMA, load_report
@@ -218,15 +219,6 @@ def test_largest_dpi_inside_the_limit_draws(saved: dict[str, Path], tmp_path: Pa
 
     with Image.open(tmp_path / "plots" / "by-prob.png") as image:
         assert image.size[0] * image.size[1] <= plots.MAX_FIGURE_PIXELS
-
-
-def fuzz_settings(examples: int):
-    return settings(
-        max_examples=examples,
-        deadline=None,
-        derandomize=True,
-        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-    )
 
 
 def _contract(report: Path, out: Path) -> None:
