@@ -22,7 +22,7 @@ import numpy as np
 import polars as pl
 
 from pgdiag.analysis.settings import DRIFT_HEADLINE, ChangePointSettings
-from pgdiag.data.runs import Run, run_steps
+from pgdiag.data.runs import Run
 from pgdiag.data.validate import CheckSettings
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import Report, ReportRow, summary_frame
@@ -112,10 +112,10 @@ def drift(
 
     settings = settings or MetricSettings()
     change = change or ChangePointSettings()
-    steps = run_steps(run)
     report = compute_metrics(
         run, settings, checks=checks, stream=StreamSettings(pooled=False), progress=progress
     )  # chunks of whole steps, so memory follows the largest step
+    steps = [int(s["step"]) for s in report.meta.get("steps", []) if s["step"] != "all"]
     rows = [report.summary.filter(pl.col("breakdown") == "step")]
     pairs: list[str] = list(report.meta.get("pairs", []))
     step_settings: dict | None = report.meta.get("settings")

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pgdiag.analysis.drift import change_points, drift, robust_sigma, run_steps
+from pgdiag.analysis.drift import change_points, drift, robust_sigma
 from pgdiag.analysis.settings import ChangePointSettings
-from pgdiag.data.runs import read_run
+from pgdiag.data.runs import read_run, run_steps
 from pgdiag.metrics.api import compute_metrics
 from tests.rollout_factory import write_rollouts_file
 
