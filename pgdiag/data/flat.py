@@ -133,10 +133,12 @@ _NUMPY_DTYPES = (
 
 
 def flat_list(series: pl.Series) -> FlatList:
-    """Flatten a polars list column into offsets, values (native dtype, zero-copy) and element/row validity."""
+    """Flatten a polars list (or fixed-size `Array`) column into offsets, values (native dtype, zero-copy) and element/row validity."""
     arrow = series.to_arrow()
     if isinstance(arrow, pa.ChunkedArray):
         arrow = arrow.combine_chunks()
+    if pa.types.is_fixed_size_list(arrow.type):  # a polars `Array` column: the same values as a list
+        arrow = arrow.cast(pa.list_(arrow.type.value_field))
     offset_dtype = np.int64 if pa.types.is_large_list(arrow.type) else np.int32
     raw_offsets = np.frombuffer(arrow.buffers()[1], dtype=offset_dtype, count=arrow.offset + len(arrow) + 1)
     offsets = raw_offsets[arrow.offset :].astype(np.int64)

@@ -251,6 +251,20 @@ def _with_seq_hash(df: pl.DataFrame) -> pl.DataFrame:
     return df.with_columns(pl.Series("seq_hash", hashes, dtype=pl.UInt64))
 
 
+def _fixed_size_as_lists(df: pl.DataFrame) -> pl.DataFrame:
+    """`df` with every fixed-size `Array` column (at any depth of a list) cast to a `List` of the same
+    elements: lossless (every row keeps its values, the length is then per row), so such a column is read as
+    the list column it stands for."""
+
+    def as_list(dtype: pl.DataType) -> pl.DataType:
+        if isinstance(dtype, pl.Array | pl.List):
+            return pl.List(as_list(dtype.inner))
+        return dtype
+
+    fixed = {c: as_list(t) for c, t in df.schema.items() if as_list(t) != t}
+    return df.with_columns(pl.col(c).cast(t) for c, t in fixed.items()) if fixed else df
+
+
 def _prepare_output(out: Path, *, overwrite: bool) -> None:
     if out.exists():
         if not overwrite:
@@ -290,6 +304,7 @@ def write_rollouts(
     ]
     if missing:
         raise InvalidInputError("E102", f"{out}: missing column {missing[0]}", "re-import with pgdiag import")
+    df = _fixed_size_as_lists(df)
     _prepare_output(out, overwrite=overwrite)
     if "run" not in df.columns:
         df = df.with_columns(pl.lit(label).alias("run"))

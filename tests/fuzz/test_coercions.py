@@ -147,3 +147,108 @@ def test_unsafe_type_is_e103_naming_file_and_column(
         result = run_cli(args)
         assert error_code(result, check=args[0] == "check") == "E103", result.output
         assert str(path) in result.output and said in result.output, result.output
+
+
+def _equal_length_run(path: Path) -> Path:
+    """A run whose samples all have 8 tokens (so every list column fits a fixed-size list), written canonically."""
+    import numpy as np
+    import polars as pl
+
+    from pgdiag.data.writing import source_meta, stream_meta, write_rollouts
+
+    rng = np.random.default_rng(0)
+    n, length = 12, 8
+    rows = pl.DataFrame(
+        {
+            "step": np.repeat([0, 1, 2], 4),
+            "sample_id": [f"s{i}" for i in range(n)],
+            "group_id": [f"g{i // 4}" for i in range(n)],
+            "prompt_len": [2] * n,
+            "input_ids": rng.integers(0, 50, (n, length)).tolist(),
+            "loss_mask": [[False, False] + [True] * (length - 2)] * n,
+            "rollout_logprobs": [[None, None, *(-rng.random(length - 2)).tolist()] for _ in range(n)],
+            "old_logprobs": [[None, None, *(-rng.random(length - 2) - 0.01).tolist()] for _ in range(n)],
+        }
+    )
+    streams = {"rollout": stream_meta("rollout"), "old": stream_meta("old")}
+    return write_rollouts(rows, path, label="r", source=source_meta("tests"), streams_meta=streams)
+
+
+def _fixed_size(table: pa.Table) -> pa.Table:
+    """Every list column of `table` as a fixed-size list (a polars `Array`) of the same values."""
+    for column in ("input_ids", "loss_mask", "rollout_logprobs", "old_logprobs"):
+        field = table.schema.field(column)
+        table = _retyped(table, column, pa.list_(field.type.value_type, 8))
+    return table
+
+
+def _json_summaries(path: Path, other: Path) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name, args in (
+        ("check", ["check", path]),
+        ("metrics", ["metrics", path, "--new", "old", "--old", "rollout"]),
+        ("compare", ["compare", path, other]),
+        ("compare reversed", ["compare", other, path]),
+    ):
+        result = run_cli([*args, "--json"])
+        assert result.exit_code in (0, 1), result.output
+        found = json.loads(result.output.strip().splitlines()[-1])
+        out[name] = (result.exit_code, found["checks"] if name == "check" else found["summary"])
+    return out
+
+
+def test_fixed_size_list_columns_read_as_lists(tmp_path: Path) -> None:
+    """A run whose list columns are fixed-size lists (polars `Array`): check, metrics and compare read the same
+    values as from the list columns (it exited 101 in `pgdiag import` and `write_rollouts`)."""
+    plain = _equal_length_run(tmp_path / "plain.parquet")
+    fixed = tmp_path / "fixed.parquet"
+    pq.write_table(_fixed_size(pq.read_table(plain)), fixed)
+    assert pa.types.is_fixed_size_list(pq.read_schema(fixed).field("input_ids").type)
+    assert _json_summaries(fixed, plain) == _json_summaries(plain, plain)
+
+
+def test_fixed_size_array_columns_are_imported_and_written(tmp_path: Path) -> None:
+    """`write_rollouts` (API) and `pgdiag import --preset canonical` (CLI) take `Array` columns as lists."""
+    import polars as pl
+
+    from pgdiag.data.runs import read_run
+    from pgdiag.data.writing import source_meta, write_rollouts
+
+    plain = pl.read_parquet(_equal_length_run(tmp_path / "plain.parquet"))
+    fixed = plain.with_columns(
+        pl.col(c).cast(pl.Array(plain.schema[c].inner, 8))
+        for c in ("input_ids", "loss_mask", "rollout_logprobs", "old_logprobs")
+    )
+    written = write_rollouts(
+        fixed.drop("seq_hash"), tmp_path / "api", label="r", source=source_meta("tests"), streams_meta={}
+    )
+    read = read_run(written).collect(["input_ids", "loss_mask", "old_logprobs"])
+    assert read.schema["input_ids"] == pl.List(pl.Int32)
+    assert read.equals(plain.select("input_ids", "loss_mask", "old_logprobs"))
+    source = tmp_path / "source.parquet"
+    fixed.drop("seq_hash", "run").write_parquet(source)
+    result = run_cli(["import", "--preset", "canonical", source, tmp_path / "cli"])
+    assert result.exit_code == 0, result.output
+    imported = (
+        read_run(tmp_path / "cli").collect(["sample_id", "input_ids", "old_logprobs"]).sort("sample_id")
+    )
+    assert imported.equals(plain.select("sample_id", "input_ids", "old_logprobs").sort("sample_id"))
+
+
+def test_logprobs_reads_fixed_size_list_columns(tmp_path: Path) -> None:
+    """`pgdiag logprobs` on a run of fixed-size list columns recomputes the values it gives on list columns."""
+    import polars as pl
+
+    plain = _equal_length_run(tmp_path / "plain.parquet")
+    fixed = tmp_path / "fixed.parquet"
+    pq.write_table(_fixed_size(pq.read_table(plain)), fixed)
+    tiny = SAMPLE / "tiny-qwen"
+    values = []
+    for run in (plain, fixed):
+        out = tmp_path / f"out-{run.stem}"
+        args = ["logprobs", run, "--model", tiny, "--device", "cpu", "--dtype", "fp32", "-q", "--out", out]
+        result = run_cli(args)
+        assert result.exit_code == 0, result.output
+        parts = sorted(out.rglob("*.parquet"))
+        values.append(pl.concat([pl.read_parquet(p) for p in parts]).sort("step", "sample_id"))
+    assert values[0].height == 12 and values[0].equals(values[1])
