@@ -258,23 +258,16 @@ def recompute_rank(
         "input_fingerprint": fingerprint,
     }
 
-    # 1. decide (every rank, before anyone writes): fresh, resume, or refuse; then load the weights, so that a
-    #    refused checkpoint (E60x, E612) leaves no output behind. Every rank loads when any part is pending, so a
-    #    load error is raised on all ranks alike and none waits at a barrier.
+    # 1. decide (every rank, before anyone writes): fresh, resume, or refuse (E502 costs no lock, no load).
     done = inspect_output(out_dir, manifest, parts, footer_base, resume=resume, overwrite=overwrite, tag=tag)
-    model_obj = (
-        spec.load(dtype=dtype, head_dtype=head_dtype, tp_group=tp_group, experts=settings.experts)
-        if len(done) < len(parts)
-        else None
-    )
-    if model_obj is not None:
-        _check_finite_weights(model_obj, spec, layout)
-        warnings = (*(f"{code}: {message}" for code, message in model_obj.load_warnings), *warnings)
 
     # 2. one writer per tag: global rank 0 holds the tag directory's lock until the end (a second writer gets
-    #    E519 at once), decides again under it (another writer may have finished meanwhile), removes the temp
-    #    files a killed writer left, and writes the manifest. A failure or interruption before any part is on
-    #    disk removes what it wrote (a later `pgdiag check` sees no incomplete recompute); parts stay for resume.
+    #    E519 at once, before it loads any weights), decides again under it (another writer may have finished
+    #    meanwhile), loads the weights, removes the temp files a killed writer left, and writes the manifest.
+    #    A failure or interruption before any part is on disk (a refused checkpoint, E60x, E612, included)
+    #    removes what it wrote (a later `pgdiag check` sees no incomplete recompute); parts stay for resume.
+    #    Every rank loads when any part is pending, so a load error is raised on all ranks alike and none waits
+    #    at a barrier.
     disagree: float | None = None
     created = [
         d for d in (out_dir, *out_dir.parents) if not d.exists()
@@ -291,6 +284,14 @@ def recompute_rank(
                     "E519", f"{out_dir}: another process changed this output while the recompute started",
                     "run again",
                 )  # fmt: skip
+            model_obj = (
+                spec.load(dtype=dtype, head_dtype=head_dtype, tp_group=tp_group, experts=settings.experts)
+                if len(done) < len(parts)
+                else None
+            )
+            if model_obj is not None:
+                _check_finite_weights(model_obj, spec, layout)
+                warnings = (*(f"{code}: {message}" for code, message in model_obj.load_warnings), *warnings)
             barrier()  # every rank has decided before rank 0 writes
             if layout.is_main:
                 if overwrite:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -176,9 +177,9 @@ def test_logprobs_second_writer_is_refused_while_the_first_holds_the_tag(tmp_pat
     options = {"tag": "rc", "dtype": "fp32", "part_samples": 4, "device": "cpu"}
     outcomes: dict[str, str] = {}
 
-    def write(name: str, **extra) -> None:
+    def write(name: str, model: Path = TINY, **extra) -> None:
         try:
-            recompute_logprobs(run, TINY, **options, **extra)
+            recompute_logprobs(run, model, **options, **extra)
             outcomes[name] = "written"
         except Exception as error:
             outcomes[name] = f"{getattr(error, 'code', repr(error))} {error}"
@@ -186,12 +187,29 @@ def test_logprobs_second_writer_is_refused_while_the_first_holds_the_tag(tmp_pat
     first = threading.Thread(target=write, args=("first",))
     first.start()
     assert started.wait(timeout=300)  # the first writer is inside its first part
-    for name, extra in (("second", {}), ("overwrite", {"overwrite": True})):
-        write(name, **extra)
+    # a checkpoint whose weights fail to load (E60x) when read: the lock refuses its writer before any load
+    unloadable = tmp_path / "unloadable"
+    shutil.copytree(TINY, unloadable)
+    (unloadable / "model.safetensors").write_bytes(b"not safetensors")
+    loads: list[str] = []
+    real_load = logprobs._ModelSpec.load
+
+    def counted_load(self, **kwargs):
+        loads.append(threading.current_thread().name)
+        return real_load(self, **kwargs)
+
+    monkeypatch.setattr(logprobs._ModelSpec, "load", counted_load)
+    for name, extra in (
+        ("second", {}),
+        ("overwrite", {"overwrite": True}),
+        ("unloadable", {"overwrite": True}),
+    ):
+        write(name, **({"model": unloadable} if name == "unloadable" else {}), **extra)
+    assert loads == []  # none of the refused writers loaded a model (the first had loaded before waiting)
     release.set()
     first.join()
     assert outcomes["first"] == "written", outcomes
-    for name in ("second", "overwrite"):
+    for name in ("second", "overwrite", "unloadable"):
         assert outcomes[name].startswith("E519 E519: ") and "another process is writing" in outcomes[name]
     out_dir = run / "logprobs" / "rc"
     assert json.loads((out_dir / "_manifest.json").read_text())["complete"] is True
