@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.flat import FlatList, LossView, RowTable, flat_list, loss_view
+from pgdiag.data.memory import MemoryLimits, check_piece_memory
 from pgdiag.data.paths import check_input_path, readable_file
 from pgdiag.data.schema import (
     BASE_STREAMS,
@@ -633,11 +634,14 @@ def load_rows(
     entropy: Sequence[str] = (),
     scalars: Sequence[str] = (),
     lists: Sequence[str] = (),
+    memory: MemoryLimits | None = None,
 ) -> LoadedRows:
     """Collect the needed columns of `run` (recompute joined) and flatten every list column.
 
     Required columns are always read; missing ones are E102 issues and the rows cannot be loaded
     (an InvalidInputError is raised with the first such issue, as nothing can be validated without them).
+    Before the read, UsageError E518 when the columns of its steps need more memory than is left
+    (`pgdiag.data.memory.check_piece_memory`; `memory` says where to read what is left).
     """
     schema = run.lazy.collect_schema()
     stream_cols = [stream_column(s) for s in streams]
@@ -667,6 +671,13 @@ def load_rows(
     if issues:
         raise InvalidInputError("E103", issues[0].message, "re-import with pgdiag import")
     file_cols = list(dict.fromkeys(file_cols))
+    check_piece_memory(
+        run.label,
+        run.paths,
+        {*file_cols, *stream_cols},
+        run.step_subset,
+        memory,
+    )
     lazy = _with_recompute(run, run.scan(with_file=True), [*stream_cols, *entropy_cols])
     recompute_hash = [
         f"__{t}_seq_hash" for t in run.recompute if stream_column(t) in stream_cols or t in entropy
