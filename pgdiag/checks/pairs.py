@@ -18,7 +18,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pgdiag.data.validate import LOGPROB_POSITIVE_TOL, Issue, zero_against_other, zero_fill_rows
+from pgdiag.data.validate import (
+    LOGPROB_POSITIVE_TOL,
+    Issue,
+    MessageParts,
+    as_template,
+    zero_against_other,
+    zero_fill_rows,
+)
 
 STAT_SAMPLE_TOKENS = 262_144  # medians and fits of the shift test on up to about this many tokens
 MIN_STAT_TOKENS = 200  # medians, fits and sign shares need this many tokens (E302, W401, W403)
@@ -85,45 +92,139 @@ def locate_parts(
     return parts, first
 
 
-def shift_issue(
-    lp_a: np.ndarray, lp_b: np.ndarray, where: TokenLocations, *, name_a: str, name_b: str
-) -> Issue | None:
-    """E302: b looks shifted by ±1 position against a.
+@dataclass(frozen=True)
+class ShiftSample:
+    """The token pairs E302's medians are taken on, pooled over the pieces of a run read in pieces.
 
-    m_k = median |a_i − b_{i+k}| over tokens i whose position i + 1 is the next loss token of the same sample,
-    k ∈ {−1, 0, +1}; a shift is claimed when m_0 > `SHIFT_MIN_MEDIAN` and min(m_−1, m_+1) < m_0 / 2.
-    """
-    m = lp_a.shape[0]
-    if m < 2:
-        return None
-    stride = max(1, -(-m // STAT_SAMPLE_TOKENS))
-    i = np.arange(0, m - 1, stride)
+    In each piece of M tokens, token i (numbered within its piece) is drawn when i is a multiple of `stride`,
+    its position i + 1 is the next loss token of the same sample, and both streams are finite at i and i + 1.
+    `stride` is one power of two for the whole run: the smallest for which the pieces so far hold at most
+    `STAT_SAMPLE_TOKENS` multiples of it in all (sum of ceil(M / stride)); `merge` doubles it as pieces are
+    added and thins the samples to the multiples of the new stride, so the pooled sample stays bounded and
+    does not depend on the order in which pieces are merged. A run read in one piece is judged by
+    `shift_issue` (stride ceil(M / `STAT_SAMPLE_TOKENS`)), which draws the same sample whenever that stride is a
+    power of two (every run of at most 2 × `STAT_SAMPLE_TOKENS` tokens)."""
+
+    d0: np.ndarray  # (K,) |a_i − b_i|
+    d_plus: np.ndarray  # (K,) |a_i − b_{i+1}|
+    d_minus: np.ndarray  # (K,) |a_{i+1} − b_i|
+    local: np.ndarray  # (K,) int64 index of token i within its piece
+    step: np.ndarray  # (K,) step of token i
+    sample_id: np.ndarray  # (K,) object
+    pos: np.ndarray  # (K,) position of token i
+    piece_tokens: tuple[int, ...] = ()  # M of each piece merged so far
+    stride: int = 1
+
+    @classmethod
+    def empty(cls) -> ShiftSample:
+        none = np.zeros(0, dtype=np.float64)
+        index = np.zeros(0, dtype=np.int64)
+        return cls(none, none, none, index, index, np.zeros(0, dtype=object), index)
+
+    @classmethod
+    def of_piece(
+        cls, lp_a: np.ndarray, lp_b: np.ndarray, where: TokenLocations, stride: int | None = None
+    ) -> ShiftSample:
+        """The sample of one piece's (M,) streams, at `stride` (default: the smallest power of two that keeps
+        at most `STAT_SAMPLE_TOKENS` multiples)."""
+        m = lp_a.shape[0]
+        if stride is None:
+            stride = 1
+            while -(-m // stride) > STAT_SAMPLE_TOKENS:
+                stride *= 2
+        i = _pairable(lp_a, lp_b, where, np.arange(0, max(m - 1, 0), stride))
+        rows = np.searchsorted(where.offsets, i, side="right") - 1
+        return cls(
+            np.abs(lp_a[i] - lp_b[i]),
+            np.abs(lp_a[i] - lp_b[i + 1]),  # b's value for token i sits at i + 1
+            np.abs(lp_a[i + 1] - lp_b[i]),  # b's value for token i + 1 sits at i
+            i.astype(np.int64),
+            np.asarray(where.step)[rows],
+            np.asarray(where.sample_id, dtype=object)[rows],
+            np.asarray(where.pos)[i],
+            (m,),
+            stride,
+        )
+
+    def merge(self, other: ShiftSample) -> ShiftSample:
+        """`self` then `other` (later pieces), thinned to their common stride."""
+        sizes = self.piece_tokens + other.piece_tokens
+        stride = max(self.stride, other.stride)
+        largest = max(sizes, default=0)
+        while sum(-(-m // stride) for m in sizes) > STAT_SAMPLE_TOKENS and stride < largest:
+            stride *= 2
+        keep_a, keep_b = self.local % stride == 0, other.local % stride == 0
+
+        def joined(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+            return np.concatenate([x[keep_a], y[keep_b]])
+
+        return ShiftSample(
+            joined(self.d0, other.d0),
+            joined(self.d_plus, other.d_plus),
+            joined(self.d_minus, other.d_minus),
+            joined(self.local, other.local),
+            joined(self.step, other.step),
+            joined(self.sample_id, other.sample_id),
+            joined(self.pos, other.pos),
+            sizes,
+            stride,
+        )
+
+
+def _pairable(lp_a: np.ndarray, lp_b: np.ndarray, where: TokenLocations, i: np.ndarray) -> np.ndarray:
+    """Those token indices i (of a stride) whose next position is the next loss token of the same sample and
+    where both streams are finite at i and i + 1."""
     owner = where.token_sample()
     i = i[(where.pos[i + 1] == where.pos[i] + 1) & (owner[i + 1] == owner[i])]
     with np.errstate(invalid="ignore"):
         finite = (
             np.isfinite(lp_a[i]) & np.isfinite(lp_b[i]) & np.isfinite(lp_a[i + 1]) & np.isfinite(lp_b[i + 1])
         )
-    i = i[finite]
-    if i.size < MIN_STAT_TOKENS:
+    return i[finite]
+
+
+def shift_rule(*, name_a: str, name_b: str) -> str:
+    """The merge key (`Issue.rule`) of the E302 shift issue of the pair (a, b)."""
+    return f"{name_b} shifted vs {name_a}"
+
+
+def shift_verdict(sample: ShiftSample, *, name_a: str, name_b: str) -> Issue | None:
+    """E302 on a (pooled) `ShiftSample`, by the rule of `shift_issue`."""
+    if sample.d0.size < MIN_STAT_TOKENS:
         return None
-    m0 = float(np.median(np.abs(lp_a[i] - lp_b[i])))
-    m_plus = float(np.median(np.abs(lp_a[i] - lp_b[i + 1])))  # b's value for token i sits at i + 1
-    m_minus = float(np.median(np.abs(lp_a[i + 1] - lp_b[i])))  # b's value for token i + 1 sits at i
+    m0 = float(np.median(sample.d0))
+    m_plus, m_minus = float(np.median(sample.d_plus)), float(np.median(sample.d_minus))
     shift, m_k = ("+1", m_plus) if m_plus <= m_minus else ("-1", m_minus)
     if not (m0 > SHIFT_MIN_MEDIAN and m_k < m0 / SHIFT_GAIN):
         return None
-    text, first = locate(where, i)
+    first = {"step": int(sample.step[0]), "sample_id": str(sample.sample_id[0]), "pos": int(sample.pos[0])}
+    text = f"step {sample.step[0]}, sample {sample.sample_id[0]}, pos {sample.pos[0]}"
     return Issue(
         "E302",
         "error",
-        int(i.size),
+        int(sample.d0.size),
         f"{name_b} looks shifted by {shift} vs {name_a} (median |Δ| {m_k:.3g} at {shift}, {m0:.3g} at 0; "
         f"first: {text})",
         hint="re-import with pgdiag import --shift to put element i at the position of token i",
-        rule=f"{name_b} shifted vs {name_a}",
+        rule=shift_rule(name_a=name_a, name_b=name_b),
         **first,
     )
+
+
+def shift_issue(
+    lp_a: np.ndarray, lp_b: np.ndarray, where: TokenLocations, *, name_a: str, name_b: str
+) -> Issue | None:
+    """E302: b looks shifted by ±1 position against a.
+
+    m_k = median |a_i − b_{i+k}| over tokens i whose position i + 1 is the next loss token of the same sample,
+    k ∈ {−1, 0, +1}; a shift is claimed when m_0 > `SHIFT_MIN_MEDIAN` and min(m_−1, m_+1) < m_0 / 2. The
+    tokens i are every ceil(M / `STAT_SAMPLE_TOKENS`)-th of the M; a run read in pieces pools a `ShiftSample`.
+    """
+    m = lp_a.shape[0]
+    if m < 2:
+        return None
+    sample = ShiftSample.of_piece(lp_a, lp_b, where, stride=max(1, -(-m // STAT_SAMPLE_TOKENS)))
+    return shift_verdict(sample, name_a=name_a, name_b=name_b)
 
 
 def value_issues(sides: list[tuple[np.ndarray, str]], where: TokenLocations) -> list[Issue]:
@@ -189,18 +290,26 @@ def zero_fill_issues(
             reason = f"{rows.all_zero_rows.size} samples whose loss values are all exactly 0.0"
             tokens = where.offsets[rows.all_zero_rows]
         elif against.size:
-            reason, tokens = f"0.0 where {other_name} < -1 on {against.size} tokens", against
+            reason, tokens = f"0.0 where {as_template(other_name)} < -1 on {{n}} tokens", against
         else:
             continue
-        text, first = locate(where, tokens, max_examples)
+        shown, first = locate_parts(where, tokens, max_examples)
+        parts = MessageParts(
+            f"{as_template(name)} {reason if tokens is against else as_template(reason)}: zero-filled? ({{examples}})",
+            sums=(("n", int(tokens.size)),) if tokens is against else (),
+            examples=tuple((None, text) for text in shown),
+            max_examples=max_examples,
+            located=False,
+        )
         issues.append(
             Issue(
                 "E206",
                 "error",
                 int(tokens.size),
-                f"{name} {reason}: zero-filled? ({text})",
+                parts.render(0),
                 hint="missing values written as 0? import them as null",
-                rule=name,
+                rule=parts.template,
+                parts=parts,
                 **first,
             )
         )

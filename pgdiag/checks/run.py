@@ -16,7 +16,14 @@ import numpy as np
 import polars as pl
 
 from pgdiag.checks.metadata import metadata_checks, recompute_settings
-from pgdiag.checks.pairs import keep_tokens, shift_issue, zero_fill_issues
+from pgdiag.checks.pairs import (
+    ShiftSample,
+    keep_tokens,
+    shift_issue,
+    shift_rule,
+    shift_verdict,
+    zero_fill_issues,
+)
 from pgdiag.checks.samples import CrossRunParts, cross_run_findings, cross_run_parts, one_side_parts
 from pgdiag.checks.signatures import SignatureStats, signature_issues, signature_stats
 from pgdiag.data.batch import TokenBatch
@@ -36,6 +43,7 @@ from pgdiag.data.schema import REQUIRED_COLUMNS, cast_problem, stream_column
 from pgdiag.data.validate import (
     CheckResult,
     Issue,
+    PendingRule,
     check_result,
     merge_piece_issues,
     missing_columns,
@@ -151,6 +159,8 @@ class _RunFindings:
     pair_streams: list[str]
     pairs: list[tuple[str, str]] | None = None
     reader: list[list[Issue]] = field(default_factory=list)  # per piece
+    pending: list[list[PendingRule]] = field(default_factory=list)  # per piece: rules judged over the run
+    shift: dict[tuple[str, str], ShiftSample] = field(default_factory=dict)  # E302's pooled sample, per pair
     pair_issues: dict[tuple[str, str], list[list[Issue]]] = field(default_factory=dict)  # per pair, per piece
     stats: dict[tuple[str, str], SignatureStats] = field(default_factory=dict)
     old_equals_new: bool | None = None  # None until a piece has both streams
@@ -190,6 +200,7 @@ def _add_piece(
         return None
     checked = validate_rows(rows.table, ignore=ignored, max_examples=max_examples, vocab_size=vocab_size)
     found.reader.append(rows.issues + checked.issues)
+    found.pending.append(checked.pending)
     sound = checked.bad_rows is None
     frame, view, keep = batch_inputs(rows, checked)
     loaded_streams, loaded_entropy = rows.streams, rows.entropy
@@ -208,6 +219,8 @@ def _add_piece(
     for a, b in found.pairs:
         issues, stats = _pair_piece(batch, a, b, max_examples=max_examples)
         found.pair_issues.setdefault((a, b), []).append(issues)
+        held = found.shift.get((a, b), ShiftSample.empty())
+        found.shift[(a, b)] = held.merge(ShiftSample.of_piece(batch.streams[a], batch.streams[b], batch))
         found.stats[(a, b)] = (
             stats if (a, b) not in found.stats else found.stats[(a, b)].merge(stats, max_examples)
         )
@@ -224,9 +237,16 @@ def _finish(found: _RunFindings) -> list[Issue]:
     signatures, W408, the footer checks."""
     if found.failed is not None:
         return [found.failed]
-    issues = merge_piece_issues(found.reader)
+    issues = merge_piece_issues(found.reader, found.pending)
     for a, b in found.pairs or []:
-        issues += merge_piece_issues(found.pair_issues[(a, b)])
+        pieces = found.pair_issues[(a, b)]
+        if len(pieces) > 1:  # E302 on the sample pooled over the pieces (`ShiftSample`), not per piece
+            names = {"name_a": stream_column(a), "name_b": stream_column(b)}
+            rule = shift_rule(**names)
+            pieces = [[i for i in piece if not (i.code == "E302" and i.rule == rule)] for piece in pieces]
+            shift = shift_verdict(found.shift[(a, b)], **names)
+            issues += [] if shift is None else [shift]
+        issues += merge_piece_issues(pieces)
         issues += _pair_findings(found.stats[(a, b)], a, b)
     if found.old_equals_new:
         issues.append(

@@ -26,7 +26,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import polars as pl
 
-from pgdiag.checks.pairs import Locations, shift_issue, value_issues, zero_fill_issues
+from pgdiag.checks.pairs import (
+    Locations,
+    ShiftSample,
+    shift_issue,
+    shift_verdict,
+    value_issues,
+    zero_fill_issues,
+)
 from pgdiag.checks.samples import mask_issue
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.schema import stream_column
@@ -115,6 +122,8 @@ class Deferred:
     mask_first: tuple[str, int, str, int] | None = (
         None  # (text, step, sample_id, pos) of the first difference
     )
+    shift: ShiftSample | None = None  # E302's sample of the matched tokens, pooled over the pieces
+    shift_names: tuple[str, str] = ("", "")  # (name_a, name_b) of the E302 message
 
     def merge(self, other: Deferred) -> Deferred:
         def span(x: tuple[int, int] | None, y: tuple[int, int] | None) -> tuple[int, int] | None:
@@ -136,6 +145,12 @@ class Deferred:
             mask_only_b=self.mask_only_b + other.mask_only_b,
             mask_b=self.mask_b + other.mask_b,
             mask_first=self.mask_first or other.mask_first,
+            shift=self.shift
+            if other.shift is None
+            else other.shift
+            if self.shift is None
+            else self.shift.merge(other.shift),
+            shift_names=self.shift_names if self.shift is not None else other.shift_names,
         )
 
     def unmatched_issues(self, ignore: Collection[str]) -> list[Issue]:
@@ -165,6 +180,17 @@ class Deferred:
                 ignore,
                 issues,
             )
+        return issues
+
+    def shift_issues(self, ignore: Collection[str]) -> list[Issue]:
+        """E302 (raised unless ignored) on the matched tokens' sample pooled over the pieces (`ShiftSample`)."""
+        if self.shift is None or "E302" in ignore:
+            return []
+        name_a, name_b = self.shift_names
+        found = shift_verdict(self.shift, name_a=name_a, name_b=name_b)
+        issues: list[Issue] = []
+        if found is not None:
+            _raise_or_record(replace(found, message=f"{self.pair_name}: {found.message}"), ignore, issues)
         return issues
 
     def mask_issues(self, ignore: Collection[str]) -> list[Issue]:
@@ -492,12 +518,18 @@ def align_batches(
     where = Locations(offsets, pos, step, sample_id)
     name_a, name_b = f"{a.label} {stream_column(stream_a)}", f"{b.label} {stream_column(stream_b)}"
 
-    # 3. values (checks.pairs, the functions `pgdiag check` runs)
-    shift = shift_issue(lp_a, lp_b, where, name_a=name_a, name_b=name_b)
+    # 3. values (checks.pairs, the functions `pgdiag check` runs); a piece of a run read in pieces keeps its E302
+    #    sample for the run's verdict, and leaves E206's share of exact 0.0 to the reader (judged over the run)
+    shift = None
+    if held is not None:
+        held = replace(held, shift=ShiftSample.of_piece(lp_a, lp_b, where), shift_names=(name_a, name_b))
+    else:
+        shift = shift_issue(lp_a, lp_b, where, name_a=name_a, name_b=name_b)
     for issue in [shift] if shift is not None else []:
         _raise_or_record(replace(issue, message=f"{pair_name}: {issue.message}"), ignore, issues)
     values = value_issues([(lp_a, name_a), (lp_b, name_b)], where)
-    for issue in values + zero_fill_issues(lp_a, lp_b, where, name_a=name_a, name_b=name_b):
+    zero_fill = zero_fill_issues(lp_a, lp_b, where, name_a=name_a, name_b=name_b, single_stream=held is None)
+    for issue in values + zero_fill:
         _raise_or_record(replace(issue, message=f"{pair_name}: {issue.message}"), ignore, issues)
     keep = None  # E207 ignored: the non-finite tokens are dropped and counted
     if any(i.code == "E207" for i in values):

@@ -31,7 +31,7 @@ from pgdiag.compare.settings import CompareSettings
 from pgdiag.compare.side_by_side import MetricSide, side_by_side_rows, side_settings
 from pgdiag.compare.worst import token_decoder
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.validate import CheckResult, CheckSettings, Issue, merge_check_results
+from pgdiag.data.validate import CheckResult, CheckSettings, Issue, merge_check_results, raise_first_error
 from pgdiag.errors import UsageError
 from pgdiag.metrics.api import metric_streams
 from pgdiag.metrics.settings import MetricSettings
@@ -106,10 +106,14 @@ def resolve_streams(
 
 
 def _read_side(
-    source: Any, streams: Sequence[str], checks: CheckSettings, metrics: MetricSettings | None
+    source: Any,
+    streams: Sequence[str],
+    checks: CheckSettings,
+    metrics: MetricSettings | None,
+    piece: bool = False,
 ) -> Side:
-    """Read `source` (a run, or a piece of one): the compared `streams` plus, for side-by-side `metrics`
-    (resolved), theirs."""
+    """Read `source` (a run, or a piece of one: `piece`, its rules judged over the run merged at the end):
+    the compared `streams` plus, for side-by-side `metrics` (resolved), theirs."""
     if isinstance(source, TokenBatch):
         return Side(source, None, None)
     from pgdiag.data.runs import read_token_batch
@@ -128,6 +132,7 @@ def _read_side(
         env=True,
         ignore=checks.ignore,
         max_examples=checks.max_examples,
+        piece=piece,
     )
     return Side(loaded.batch, loaded.checks, run, metrics)
 
@@ -393,14 +398,14 @@ def compare_runs(
         src_a = a if piece.steps is None else restrict_steps(a, piece.steps)
         src_b = None if one_run else (b if piece.steps is None else restrict_steps(b, piece.steps))
         side_a = (
-            _read_side(src_a, [sa, sb] if one_run else [sa], settings.checks, metrics_a)
+            _read_side(src_a, [sa, sb] if one_run else [sa], settings.checks, metrics_a, len(pieces) > 1)
             if piece.in_a
             else None
         )
         if one_run:
             side_b = side_a
         elif piece.in_b:
-            side_b = _read_side(src_b, [sb], settings.checks, metrics_b)
+            side_b = _read_side(src_b, [sb], settings.checks, metrics_b, len(pieces) > 1)
         else:
             side_b = None
         if side_a is not None and side_a.checks is not None:
@@ -457,9 +462,12 @@ def compare_runs(
         if len(pieces) == 1:
             pair = piece_pair
         del piece_pair
+    reader_a, reader_b = merge_check_results(checks_a), merge_check_results(checks_b)
+    raise_first_error([*reader_a.found, *reader_b.found])  # E206's share and E302 by nulls, over the run
     deferred_issues: list[Issue] = []
     if held is not None:
-        deferred_issues = held.unmatched_issues(ignore)  # E304 raises, E306 raises unless ignored
+        deferred_issues = held.shift_issues(ignore)  # E302 on the sample pooled over the pieces
+        deferred_issues += held.unmatched_issues(ignore)  # E304 raises, E306 raises unless ignored
         deferred_issues += held.mask_issues(ignore)
     assert pooled is not None  # E304 raised above when no piece matched
     name = f"{la}:{sa} vs {lb}:{sb}"
@@ -517,9 +525,9 @@ def compare_runs(
     if pair is None:
         pair_issues = tuple(deferred_issues)
     issues = [i for i in (*pair_issues, *hints, *issues_tau, *issues_meta) if i.code not in ignore]
-    reader_checks = [merge_check_results(checks_a).issues] if checks_a else []
+    reader_checks = [reader_a.issues] if checks_a else []
     if checks_b:
-        reader_checks.append(merge_check_results(checks_b).issues)
+        reader_checks.append(reader_b.issues)
     checks = _checks_frame(issues, reader_checks)
     n_samples_a = pair.n_samples_a if pair is not None else held.n_a
     n_samples_b = pair.n_samples_b if pair is not None else held.n_b

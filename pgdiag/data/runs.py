@@ -47,6 +47,7 @@ from pgdiag.data.validate import (
     RowIssues,
     check_result,
     missing_columns,
+    raise_first_error,
     validate_rows,
 )
 from pgdiag.errors import InvalidInputError, UsageError
@@ -842,20 +843,27 @@ def read_token_batch(
     env: bool = False,
     ignore: Sequence[str] = (),
     max_examples: int = 5,
+    piece: bool = False,
+    raise_errors: bool = True,
 ) -> LoadedBatch:
     """Load, validate and flatten the loss positions of `run` for the given streams.
 
     Raises InvalidInputError with the first error (lowest code) unless its code is in `ignore`; warnings are
     returned in `LoadedBatch.checks`. Rows with ignored structural errors are left out of the batch.
+    `piece`: `run` is one piece of a run read in pieces: the errors of the rules judged over the run (E206's
+    share of exact 0.0, E302 by nulls: `Issue.pooled`) do not raise but are returned in the checks with this
+    piece's share of those rules (`CheckResult.pending`), for the caller to merge over the pieces
+    (`merge_check_results`) and raise the run's verdict. `raise_errors` False: no error raises (the caller
+    merges and raises the run's first error, as one read would).
     """
     scalars = [c for c, on in (("advantage", advantages), ("reward", reward), ("env", env)) if on]
     lists = ["advantages"] if advantages else []
     rows = load_rows(run, streams=streams, entropy=entropy, scalars=scalars, lists=lists)
     found = validate_rows(rows.table, ignore=ignore, max_examples=max_examples)
     issues = [i for i in (*rows.issues, *found.issues) if i.code not in set(ignore)]
-    errors = sorted((i for i in issues if i.severity == "error"), key=lambda i: i.code)
-    if errors:
-        raise InvalidInputError(errors[0].code, errors[0].message, errors[0].hint)
+    if raise_errors:
+        raise_first_error([i for i in issues if not (piece and i.pooled is not None)])
+    pending = found.pending
     frame, view, keep = batch_inputs(rows, found)
     kept_streams, kept_entropy = rows.streams, rows.entropy
     del rows, found  # drop the list buffers before the float64 arrays are allocated
@@ -870,7 +878,7 @@ def read_token_batch(
         reward=reward,
         env=env,
     )
-    return LoadedBatch(batch, check_result(issues))
+    return LoadedBatch(batch, check_result(issues, pending=pending))
 
 
 def run_summary(run: Run) -> dict[str, Any]:

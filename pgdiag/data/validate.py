@@ -21,7 +21,7 @@ import polars as pl
 from pgdiag.data.flat import FlatList, LossView, RowTable, loss_view, subset_rows
 from pgdiag.data.schema import REQUIRED_HINTS
 from pgdiag.data.seqhash import seq_hashes
-from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK, UsageError, catalogued
+from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK, InvalidInputError, UsageError, catalogued
 
 LOGPROB_POSITIVE_TOL = 1e-6
 ZERO_FILL_FRACTION = 0.01
@@ -82,9 +82,67 @@ class CheckSettings:
             raise UsageError("E503", f"--max-examples must be >= 0 (got {self.max_examples})")
 
 
+Example = tuple[str | None, str]  # (file or None, "step s, sample x, pos p[, note]") of one example location
+
+
+def as_template(text: str) -> str:
+    """`text` as a `str.format` template that renders to itself."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+@dataclass(frozen=True)
+class MessageParts:
+    """What an issue's message is made of, so that the issues of a run read in pieces merge into the message one
+    read gives (`merge_piece_issues`): the text as a template whose fields are the counts it states (`sums`, added
+    over the pieces; `maxima`, the largest), and the first example locations (concatenated over the pieces, the
+    first `max_examples` shown). `located`: the reader's layout, ``[file: ]text (ex; ex); N more`` with the file
+    named once when every shown example is in it; else ``template`` has an ``{examples}`` field (joined by
+    `joiner`) and `more` (``{n}`` = the examples not shown) follows when some are not shown."""
+
+    template: str
+    sums: tuple[tuple[str, int], ...] = ()
+    maxima: tuple[tuple[str, float], ...] = ()
+    examples: tuple[Example, ...] = ()
+    max_examples: int = 5
+    located: bool = True
+    joiner: str = "; "
+    more: str = ""
+
+    def render(self, count: int) -> str:
+        values: dict[str, object] = {**dict(self.sums), **dict(self.maxima)}
+        shown = self.examples[: max(0, self.max_examples)]
+        if not self.located:
+            message = self.template.format(**values, examples=self.joiner.join(loc for _, loc in shown))
+            return message + (self.more.format(n=count - len(shown)) if count > len(shown) else "")
+        files = [file for file, _ in shown]
+        single_file = len(set(files)) <= 1
+        bits = [loc if single_file else f"file {file}, {loc}" for file, loc in shown]
+        prefix = f"{files[0]}: " if files and single_file and files[0] is not None else ""
+        message = prefix + self.template.format(**values)
+        if bits:
+            message += f" ({'; '.join(bits)})"
+        if count > len(bits) and bits:
+            message += f"; {count - len(bits)} more"
+        return message
+
+    def merge(self, other: MessageParts) -> MessageParts:
+        """`self` then `other` (a later piece): counts added, maxima the larger, examples concatenated."""
+        later = dict(other.sums)
+        highs = dict(other.maxima)
+        return replace(
+            self,
+            sums=tuple((k, v + later.get(k, 0)) for k, v in self.sums),
+            maxima=tuple((k, max(v, highs.get(k, v))) for k, v in self.maxima),
+            examples=(self.examples + other.examples)[: max(0, self.max_examples)],
+        )
+
+
 @dataclass(frozen=True)
 class Issue:
-    """One violated rule: its code, severity, how many locations violate it, and the first location."""
+    """One violated rule: its code, severity, how many locations violate it, and the first location.
+
+    `parts` (when set) rebuilds the message from its counts and examples when pieces merge; `pooled` marks the
+    verdict of one piece on a rule judged over the run (`PendingRule`), replaced when pieces merge."""
 
     code: str
     severity: str  # "error" | "warning" | "note"
@@ -95,12 +153,144 @@ class Issue:
     pos: int | None = None
     hint: str | None = None
     rule: str | None = field(default=None, compare=False)  # the message before its locations (merge key)
+    parts: MessageParts | None = field(default=None, compare=False)
+    pooled: tuple[str, str] | None = field(
+        default=None, compare=False
+    )  # the `PendingRule.key` it is a verdict of
 
     def __post_init__(self) -> None:
         if (
             self.severity != "note"
         ):  # a note (rows dropped at import) carries the code "note", not a catalogue code
             catalogued(self.code)  # ValueError for a code outside the catalogue: a bug in pgdiag
+
+
+First = tuple[int | None, str | None, int | None]  # (step, sample_id, pos) of an issue's first location
+
+
+@dataclass(frozen=True)
+class ZeroFillPart:
+    """One piece's share of the one-stream zero-fill rule on one column, judged over the run (`merge_piece_issues`):
+    E206 when more than `ZERO_FILL_FRACTION` of the run's loss values are exactly 0.0 (the run's share, not the
+    piece's) or a sample's >= 2 loss values are all 0.0; else W216 for any 0.0 or value in (0, 1e-6]."""
+
+    column: str
+    n_zero: int
+    n_loss: int
+    n_tiny: int
+    n_all_zero_rows: int
+    zero: tuple[Example, ...]  # first exact-0.0 tokens
+    rows: tuple[Example, ...]  # first all-zero samples
+    small: tuple[Example, ...]  # first 0.0 then (0, 1e-6] tokens (W216)
+    first_zero: First
+    first_row: First
+    first_small: First
+    max_examples: int
+    e206: bool = True  # the codes not ignored
+    w216: bool = True
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return ("zero_fill", self.column)
+
+    def merge(self, other: ZeroFillPart) -> ZeroFillPart:
+        """`self` then `other` (a later piece): counts added, examples concatenated, first locations kept."""
+        k = self.max_examples
+        return replace(
+            self,
+            n_zero=self.n_zero + other.n_zero,
+            n_loss=self.n_loss + other.n_loss,
+            n_tiny=self.n_tiny + other.n_tiny,
+            n_all_zero_rows=self.n_all_zero_rows + other.n_all_zero_rows,
+            zero=(self.zero + other.zero)[:k],
+            rows=(self.rows + other.rows)[:k],
+            small=(self.small + other.small)[:k],
+            first_zero=self.first_zero if self.n_zero else other.first_zero,
+            first_row=self.first_row if self.n_all_zero_rows else other.first_row,
+            first_small=self.first_small if self.n_zero or self.n_tiny else other.first_small,
+        )
+
+    def issue(self) -> Issue | None:
+        """The verdict on the rows counted so far (the whole run once every piece is merged)."""
+        fraction = self.n_zero / self.n_loss if self.n_loss else 0.0
+        filled = fraction > ZERO_FILL_FRACTION
+        column = as_template(self.column)
+        if (filled or self.n_all_zero_rows) and self.e206:
+            if self.n_all_zero_rows and not filled:
+                template = f"{column}: {{n}} samples with every loss value exactly 0.0"
+                count, examples, first = self.n_all_zero_rows, self.rows, self.first_row
+                sums: tuple[tuple[str, int], ...] = (("n", count),)
+            else:
+                template = as_template(f"{self.column}: {100 * fraction:.1f} % exact 0.0 on loss positions")
+                count, examples, first, sums = self.n_zero, self.zero, self.first_zero, ()
+            code, severity, hint = "E206", "error", "missing values written as 0? import them as null"
+        elif (self.n_zero or self.n_tiny) and self.w216:
+            template = f"{column}: {{z}} exact 0.0 and {{t}} in (0, 1e-6] (p≈1 tokens or fills)"
+            count, examples, first = self.n_zero + self.n_tiny, self.small, self.first_small
+            sums = (("z", self.n_zero), ("t", self.n_tiny))
+            code, severity, hint = "W216", "warning", None
+        else:
+            return None
+        parts = MessageParts(template, sums, (), examples, self.max_examples)
+        return Issue(
+            code,
+            severity,
+            count,
+            parts.render(count),
+            *first,
+            hint=hint,
+            rule=template,
+            parts=parts,
+            pooled=self.key,
+        )
+
+
+@dataclass(frozen=True)
+class NullShiftPart:
+    """One piece's share of the null-pattern E302 rule on one stream column, judged over the run: the stream is
+    null on the last loss token and set just before the first one in every sample with loss tokens of the run."""
+
+    column: str
+    n_rows: int  # samples with loss tokens
+    holds: bool  # every one of them shows the pattern
+    examples: tuple[Example, ...]
+    first: First
+    max_examples: int
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return ("null_shift", self.column)
+
+    def merge(self, other: NullShiftPart) -> NullShiftPart:
+        return replace(
+            self,
+            n_rows=self.n_rows + other.n_rows,
+            holds=self.holds and other.holds,
+            examples=(self.examples + other.examples)[: self.max_examples],
+            first=self.first if self.n_rows else other.first,
+        )
+
+    def issue(self) -> Issue | None:
+        if not (self.n_rows and self.holds):
+            return None
+        template = as_template(
+            f"{self.column} looks shifted by -1: set just before each loss span and null on the last loss token"
+        )
+        parts = MessageParts(template, (), (), self.examples, self.max_examples)
+        return Issue(
+            "E302",
+            "error",
+            self.n_rows,
+            parts.render(self.n_rows),
+            *self.first,
+            hint="next-token aligned values? re-import with pgdiag import --shift 1",
+            rule=template,
+            parts=parts,
+            pooled=self.key,
+        )
+
+
+PendingRule = ZeroFillPart | NullShiftPart
 
 
 @dataclass(frozen=True)
@@ -113,32 +303,74 @@ class CheckResult:
     exit_code: int  # 0 ok, 3 any error, 1 warnings only under strict
     hints: tuple[str | None, ...] = ()  # hint of each issue row, in order
     found: tuple[Issue, ...] = ()  # the issues themselves, in row order (`merge_check_results` reads them)
+    pending: tuple[PendingRule, ...] = ()  # this piece's share of the rules judged over the run
 
 
-def merge_piece_issues(pieces: Sequence[Sequence[Issue]]) -> list[Issue]:
-    """The issues of a run read in pieces of consecutive steps, as one list: issues of the same code, severity
-    and rule (`Issue.rule`: the message before its counts and locations, set by the row rules; issues without
-    one merge by code and severity) are one issue whose count is the sum, whose message, location
-    and hint are the first piece's, and whose message then says how many more the later pieces found
-    (" [+N in later steps]", the rule `metrics` applies to its chunks' reader issues). One piece: unchanged."""
+def _merge_pending(pending: Sequence[Sequence[PendingRule]]) -> dict[tuple[str, str], PendingRule]:
+    merged: dict[tuple[str, str], PendingRule] = {}
+    for piece in pending:
+        for part in piece:
+            held = merged.get(part.key)
+            merged[part.key] = part if held is None else held.merge(part)  # type: ignore[arg-type]
+    return merged
+
+
+def merge_piece_issues(
+    pieces: Sequence[Sequence[Issue]], pending: Sequence[Sequence[PendingRule]] = ()
+) -> list[Issue]:
+    """The issues of a run read in pieces of consecutive steps, as one list, as one read of the run gives them.
+
+    Rules judged over the run (`pending`: each piece's `ZeroFillPart`/`NullShiftPart`, one list per piece) are
+    judged again on their merged counts, replacing the pieces' own verdicts (`Issue.pooled`). Other issues of the
+    same code, severity and rule (`Issue.rule`: the message template before its counts and locations; issues
+    without one merge by code and severity) are one issue whose count is the sum; with `Issue.parts` its message
+    is rebuilt from the summed counts and the concatenated examples (the first `max_examples` shown, then how
+    many more), which is the message one read gives wherever the examples fall in row order; without parts the
+    first piece's message is kept and then says how many more the later pieces found (" [+N in later steps]").
+    Location and hint are the first piece's. One piece: unchanged."""
     if len(pieces) == 1:
         return list(pieces[0])
-    merged: dict[tuple[str, str, str], tuple[Issue, int]] = {}
+    rules = _merge_pending(pending)
+    verdicts = {key: part.issue() for key, part in rules.items()}
+    merged: dict[tuple[str, str, str], tuple[Issue, int, MessageParts | None]] = {}
+    out_keys: list[tuple[str, str, str] | tuple[str, str]] = []
     for piece in pieces:
         for issue in piece:
+            if issue.pooled is not None and issue.pooled in rules:
+                if issue.pooled not in out_keys:
+                    out_keys.append(issue.pooled)
+                continue
             key = (issue.code, issue.severity, issue.rule or "")
-            first, total = merged.get(key, (issue, 0))
-            merged[key] = (first, total + issue.count)
+            if key not in merged:
+                merged[key] = (issue, issue.count, issue.parts)
+                out_keys.append(key)
+                continue
+            first, total, parts = merged[key]
+            joined = None if parts is None or issue.parts is None else parts.merge(issue.parts)
+            merged[key] = (first, total + issue.count, joined)
+    out_keys += [k for k in rules if k not in out_keys]
     out = []
-    for first, total in merged.values():
+    for key in out_keys:
+        if len(key) == 2:
+            verdict = verdicts.get(key)  # type: ignore[call-overload]
+            if verdict is not None:
+                out.append(verdict)
+            continue
+        first, total, parts = merged[key]  # type: ignore[index]
+        if parts is not None:
+            out.append(replace(first, count=total, message=parts.render(total), parts=parts))
+            continue
         later = total - first.count
         message = first.message if later == 0 else f"{first.message} [+{later} in later steps]"
         out.append(replace(first, count=total, message=message))
     return out
 
 
-def check_result(issues: Sequence[Issue], *, strict: bool = False) -> CheckResult:
-    """Bundle `issues` (errors first, then by code) into a `CheckResult` with its exit code."""
+def check_result(
+    issues: Sequence[Issue], *, strict: bool = False, pending: Sequence[PendingRule] = ()
+) -> CheckResult:
+    """Bundle `issues` (errors first, then by code) into a `CheckResult` with its exit code; `pending` is the
+    share of the rules judged over the run when `issues` are those of one piece (`merge_check_results`)."""
     ordered = sorted(issues, key=lambda issue: (issue.severity != "error", issue.code))
     frame = pl.DataFrame(
         {
@@ -160,13 +392,24 @@ def check_result(issues: Sequence[Issue], *, strict: bool = False) -> CheckResul
         exit_code = EXIT_GATE
     else:
         exit_code = EXIT_OK
-    return CheckResult(frame, n_errors, n_warnings, exit_code, tuple(i.hint for i in ordered), tuple(ordered))
+    return CheckResult(
+        frame, n_errors, n_warnings, exit_code, tuple(i.hint for i in ordered), tuple(ordered), tuple(pending)
+    )
+
+
+def raise_first_error(issues: Sequence[Issue]) -> None:
+    """InvalidInputError with the first error of `issues` by code (their order among equal codes); else nothing."""
+    errors = sorted((i for i in issues if i.severity == "error"), key=lambda i: i.code)
+    if errors:
+        raise InvalidInputError(errors[0].code, errors[0].message, errors[0].hint)
 
 
 def merge_check_results(results: Sequence[CheckResult], *, strict: bool = False) -> CheckResult:
-    """The checks of a run read in pieces as one `CheckResult` (`merge_piece_issues`: one issue per code,
-    severity and rule, counts added, the first piece's location)."""
-    return check_result(merge_piece_issues([r.found for r in results]), strict=strict)
+    """The checks of a run read in pieces as one `CheckResult` (`merge_piece_issues`: the rules judged over the
+    run judged on the pieces' merged counts; one issue per code, severity and rule, counts added, examples
+    concatenated, the first piece's location)."""
+    found = merge_piece_issues([r.found for r in results], [r.pending for r in results])
+    return check_result(found, strict=strict)
 
 
 @dataclass(frozen=True)
@@ -177,6 +420,9 @@ class RowIssues:
     bad_rows: np.ndarray | None = None  # (R,) bool, None = all rows structurally sound
     sound: RowTable | None = None  # the structurally sound rows (the input table when bad_rows is None)
     loss: LossView | None = None  # loss positions of `sound`
+    pending: list[PendingRule] = field(
+        default_factory=list
+    )  # this table's share of the rules judged over a run
 
 
 class _Locator:
@@ -190,6 +436,34 @@ class _Locator:
     def _value(self, column: str, row: int) -> object:
         return self.frame[column][row] if column in self.columns else None
 
+    def examples(
+        self, rows: np.ndarray, *, pos: np.ndarray | None = None, notes: Sequence[str] | None = None
+    ) -> tuple[Example, ...]:
+        """(file, "step s, sample x[, pos p][, note]") of the first `max_examples` of `rows`."""
+        rows = np.asarray(rows, dtype=np.int64)[: self.max_examples]
+        out = []
+        for k, row in enumerate(rows.tolist()):
+            bits = [f"step {self._value('step', row)}", f"sample {self._value('sample_id', row)}"]
+            if pos is not None:
+                bits.append(f"pos {int(pos[k])}")
+            if notes is not None:
+                bits.append(notes[k])
+            file = self._value("__file", row)
+            out.append((None if file is None else str(file), ", ".join(bits)))
+        return tuple(out)
+
+    def first(self, rows: np.ndarray, pos: np.ndarray | None = None) -> First:
+        """(step, sample_id, pos) of the first of `rows` shown (all None when none is)."""
+        rows = np.asarray(rows, dtype=np.int64)[: self.max_examples]
+        if not rows.size:
+            return (None, None, None)
+        step, sample = self._value("step", int(rows[0])), self._value("sample_id", int(rows[0]))
+        return (
+            None if step is None else int(step),
+            None if sample is None else str(sample),
+            None if pos is None else int(pos[0]),
+        )
+
     def issue(
         self,
         code: str,
@@ -201,40 +475,26 @@ class _Locator:
         pos: np.ndarray | None = None,
         notes: Sequence[str] | None = None,
         hint: str | None = None,
+        sums: Sequence[tuple[str, int]] = (),
+        maxima: Sequence[tuple[str, float]] = (),
     ) -> Issue:
-        """An issue whose message is `text` followed by up to `max_examples` locations and the rest's count."""
-        rows = np.asarray(rows, dtype=np.int64)[: self.max_examples]
-        files = [self._value("__file", int(r)) for r in rows]
-        single_file = len(set(files)) <= 1
-        parts = []
-        for k, row in enumerate(rows.tolist()):
-            bits = [] if single_file else [f"file {files[k]}"]
-            bits.append(f"step {self._value('step', row)}")
-            bits.append(f"sample {self._value('sample_id', row)}")
-            if pos is not None:
-                bits.append(f"pos {int(pos[k])}")
-            if notes is not None:
-                bits.append(notes[k])
-            parts.append(", ".join(bits))
-        prefix = f"{files[0]}: " if files and single_file and files[0] is not None else ""
-        message = f"{prefix}{text}"
-        if parts:
-            message += f" ({'; '.join(parts)})"
-        if count > len(parts) and parts:
-            message += f"; {count - len(parts)} more"
-        first = int(rows[0]) if rows.size else None
-        step = self._value("step", first) if first is not None else None
-        sample = self._value("sample_id", first) if first is not None else None
+        """An issue whose message is `text` followed by up to `max_examples` locations and the rest's count.
+
+        With `sums`/`maxima`, `text` is a template whose fields are those counts (`MessageParts`: merged over
+        the pieces of a run read in pieces); else it is the literal text."""
+        template = text if (sums or maxima) else as_template(text)
+        parts = MessageParts(
+            template, tuple(sums), tuple(maxima), self.examples(rows, pos=pos, notes=notes), self.max_examples
+        )
         return Issue(
-            code=code,
-            severity=severity,
-            count=int(count),
-            message=message,
-            step=None if step is None else int(step),
-            sample_id=None if sample is None else str(sample),
-            pos=None if pos is None or not rows.size else int(pos[0]),
+            code,
+            severity,
+            int(count),
+            parts.render(int(count)),
+            *self.first(rows, pos),
             hint=hint,
-            rule=text,
+            rule=template,
+            parts=parts,
         )
 
 
@@ -259,6 +519,7 @@ class _Rules:
         self.loc = _Locator(table.frame, max_examples)
         self.vocab_size = vocab_size
         self.issues: list[Issue] = []
+        self.pending: list[PendingRule] = []  # shares of the rules judged over the run (`merge_piece_issues`)
         self.bad = np.zeros(table.n_rows, dtype=bool)
 
     def on(self, code: str) -> bool:
@@ -360,10 +621,11 @@ class _Rules:
                     self.loc.issue(
                         "E211",
                         "error",
-                        f"{rows.size} samples without group_id",
+                        "{n} samples without group_id",
                         rows,
                         rows.size,
                         hint="re-import with --group-by prompt",
+                        sums=(("n", int(rows.size)),),
                     )
                 )
         if self.on("W217") and {"group_id", "step"} <= set(frame.columns):
@@ -376,18 +638,25 @@ class _Rules:
             uneven = sizes.filter(pl.col("lo") != pl.col("hi")).sort("step")
             if uneven.height:
                 first = uneven.row(0, named=True)
-                steps = ", ".join(str(s) for s in uneven["step"].to_list()[: self.loc.max_examples])
-                more = f"; {uneven.height - min(uneven.height, self.loc.max_examples)} more steps"
+                parts = MessageParts(
+                    f"group_id: groups of unequal size within a step (step {first['step']}: sizes "
+                    f"{first['lo']} to {first['hi']}); steps {{examples}}",
+                    examples=tuple((None, str(s)) for s in uneven["step"].to_list()[: self.loc.max_examples]),
+                    max_examples=self.loc.max_examples,
+                    located=False,
+                    joiner=", ",
+                    more="; {n} more steps",
+                )
                 self.add(
                     Issue(
                         "W217",
                         "warning",
                         uneven.height,
-                        f"group_id: groups of unequal size within a step (step {first['step']}: sizes "
-                        f"{first['lo']} to {first['hi']}); steps {steps}"
-                        + (more if uneven.height > self.loc.max_examples else ""),
+                        parts.render(uneven.height),
                         step=int(first["step"]),
                         hint="contiguous grouping wrong?",
+                        rule="group_id: groups of unequal size within a step",
+                        parts=parts,
                     )
                 )
         for column in ("reward", "advantage"):
@@ -455,10 +724,11 @@ class _Rules:
                 self.loc.issue(
                     "W215",
                     "warning",
-                    f"loss_mask: {rows.size} samples with no loss tokens",
+                    "loss_mask: {n} samples with no loss tokens",
                     rows,
                     rows.size,
                     hint="kept: they change seq-mean denominators",
+                    sums=(("n", int(rows.size)),),
                 )
             )
         if self.on("E209") and "step" in self.frame.columns:
@@ -468,14 +738,22 @@ class _Rules:
             )
             dry = per_step.filter(pl.col("n") == 0).sort("step")["step"].to_list()
             if dry:
-                shown = ", ".join(str(s) for s in dry[: self.loc.max_examples])
+                parts = MessageParts(
+                    "loss_mask: step {examples} has no loss tokens",
+                    examples=tuple((None, str(s)) for s in dry[: self.loc.max_examples]),
+                    max_examples=self.loc.max_examples,
+                    located=False,
+                    joiner=", ",
+                )
                 self.add(
                     Issue(
                         "E209",
                         "error",
                         len(dry),
-                        f"loss_mask: step {shown} has no loss tokens",
+                        parts.render(0),
                         step=int(dry[0]),
+                        rule=parts.template,
+                        parts=parts,
                     )
                 )
         if self.on("E209") and view.index.size == 0 and not any(i.code == "E209" for i in self.issues):
@@ -543,8 +821,8 @@ class _Rules:
                     hint="appended EOS or unsampled token? drop it from loss_mask",
                 )
             )
-        if n_null_loss and self.on("E302"):
-            self._null_pattern_shift(column, flat, view, offsets)
+        if self.on("E302") and column in self.table.stream_columns:
+            self._null_pattern_shift(column, flat, view, offsets, n_null_loss)
         n_valid = flat.values.shape[0] if flat.valid is None else int(np.count_nonzero(flat.valid))
         n_outside = n_valid - (n_loss_total - n_null_loss)
         if n_outside > 0 and self.on("W214"):
@@ -556,10 +834,11 @@ class _Rules:
                 self.loc.issue(
                     "W214",
                     "warning",
-                    f"{column} set on {n_outside:,} non-loss positions (ignored)",
+                    f"{as_template(column)} set on {{n:,}} non-loss positions (ignored)",
                     rows,
                     n_outside,
                     pos=flat_at - offsets[rows],
+                    sums=(("n", n_outside),),
                 )
             )
         if self.on("E207"):
@@ -585,39 +864,47 @@ class _Rules:
                     self.loc.issue(
                         "E207",
                         "error",
-                        f"{column}: {n_nan} NaN, {n_pos} +inf, {n_neg} -inf",
+                        f"{as_template(column)}: {{nan}} NaN, {{pos}} +inf, {{neg}} -inf",
                         rows,
                         bad_index.size,
                         pos=bad_index - offsets[rows],
+                        sums=(("nan", n_nan), ("pos", n_pos), ("neg", n_neg)),
                     )
                 )
         if column in self.table.stream_columns:
             self._logprob_values(column, at_loss, view, offsets)
 
-    def _null_pattern_shift(self, column: str, flat: FlatList, view: LossView, offsets: np.ndarray) -> None:
+    def _null_pattern_shift(
+        self, column: str, flat: FlatList, view: LossView, offsets: np.ndarray, n_null_loss: int
+    ) -> None:
         """E302 by nulls: in every sample the stream is null on the last loss token and set just before the
-        first one, the signature of next-token-aligned values stored one position early."""
-        if flat.valid is None or column not in self.table.stream_columns:
-            return
+        first one, the signature of next-token-aligned values stored one position early (judged over the run:
+        `NullShiftPart`)."""
         n_loss = np.diff(view.row_start)
         rows = np.flatnonzero(n_loss > 0)
+        if not n_null_loss or flat.valid is None:  # no null on a loss token: the pattern breaks in every row
+            none = (None, None, None)
+            self.pending.append(NullShiftPart(column, int(rows.size), not rows.size, (), none, 0))
+            return
         first = view.index[view.row_start[rows]]
         last_token = view.row_start[rows + 1] - 1
         null_last = ~view.valid[column][last_token]
         before_ok = first > offsets[rows]
         set_before = np.zeros(rows.size, dtype=bool)
         set_before[before_ok] = flat.valid[first[before_ok] - 1]
-        if rows.size and (null_last & set_before).all():
-            self.add(
-                self.loc.issue(
-                    "E302",
-                    "error",
-                    f"{column} looks shifted by -1: set just before each loss span and null on the last loss token",
-                    rows,
-                    rows.size,
-                    hint="next-token aligned values? re-import with pgdiag import --shift 1",
-                )
-            )
+        holds = bool((null_last & set_before).all())
+        part = NullShiftPart(
+            column,
+            n_rows=int(rows.size),
+            holds=holds,
+            examples=self.loc.examples(rows) if holds else (),
+            first=self.loc.first(rows) if holds else (None, None, None),
+            max_examples=self.loc.max_examples,
+        )
+        self.pending.append(part)
+        verdict = part.issue()
+        if verdict is not None:
+            self.add(verdict)
 
     def _logprob_values(self, column: str, at_loss: np.ndarray, view: LossView, offsets: np.ndarray) -> None:
         positive = at_loss > LOGPROB_POSITIVE_TOL
@@ -629,47 +916,44 @@ class _Rules:
                 self.loc.issue(
                     "E205",
                     "error",
-                    f"{column}: {n_positive} positive values (max {float(at_loss[where].max()):.3g})",
+                    f"{as_template(column)}: {{n}} positive values (max {{max:.3g}})",
                     rows,
                     n_positive,
                     pos=view.index[where] - offsets[rows],
+                    sums=(("n", n_positive),),
+                    maxima=(("max", float(at_loss[where].max())),),
                 )
             )
+        if not (self.on("E206") or self.on("W216")):
+            return
         filled = zero_fill_rows(at_loss, view.row_start)
-        zero, all_zero_rows, fraction = filled.zero, filled.all_zero_rows, filled.fraction
+        zero, all_zero_rows = filled.zero, filled.all_zero_rows
         tiny = np.flatnonzero((at_loss > 0.0) & ~positive)
         zero_rows = view.rows_of(zero)
-        if (filled.fraction_filled or all_zero_rows.size) and self.on("E206"):
-            if all_zero_rows.size and fraction <= ZERO_FILL_FRACTION:
-                text = f"{column}: {all_zero_rows.size} samples with every loss value exactly 0.0"
-                rows, count, pos = all_zero_rows, all_zero_rows.size, None
-            else:
-                text = f"{column}: {100 * fraction:.1f} % exact 0.0 on loss positions"
-                rows, count, pos = zero_rows, zero.size, view.index[zero] - offsets[zero_rows]
-            self.add(
-                self.loc.issue(
-                    "E206",
-                    "error",
-                    text,
-                    rows,
-                    count,
-                    pos=pos,
-                    hint="missing values written as 0? import them as null",
-                )
-            )
-        elif (zero.size or tiny.size) and self.on("W216"):
-            where = np.concatenate([zero, tiny])
-            rows = view.rows_of(where)
-            self.add(
-                self.loc.issue(
-                    "W216",
-                    "warning",
-                    f"{column}: {zero.size} exact 0.0 and {tiny.size} in (0, 1e-6] (p≈1 tokens or fills)",
-                    rows,
-                    where.size,
-                    pos=view.index[where] - offsets[rows],
-                )
-            )
+        small = np.concatenate([zero, tiny])
+        small_rows = view.rows_of(small)
+        zero_pos = view.index[zero] - offsets[zero_rows]
+        small_pos = view.index[small] - offsets[small_rows]
+        part = ZeroFillPart(
+            column,
+            n_zero=int(zero.size),
+            n_loss=int(at_loss.shape[0]),
+            n_tiny=int(tiny.size),
+            n_all_zero_rows=int(all_zero_rows.size),
+            zero=self.loc.examples(zero_rows, pos=zero_pos),
+            rows=self.loc.examples(all_zero_rows),
+            small=self.loc.examples(small_rows, pos=small_pos),
+            first_zero=self.loc.first(zero_rows, zero_pos),
+            first_row=self.loc.first(all_zero_rows),
+            first_small=self.loc.first(small_rows, small_pos),
+            max_examples=self.loc.max_examples,
+            e206=self.on("E206"),
+            w216=self.on("W216"),
+        )
+        self.pending.append(part)
+        verdict = part.issue()
+        if verdict is not None:
+            self.add(verdict)
 
 
 def missing_columns(columns: Collection[str], required: Sequence[str]) -> list[Issue]:
@@ -697,11 +981,12 @@ def validate_rows(
     if not rules.bad.any():
         view = loss_view(table)
         rules.tokens(view)
-        return RowIssues(rules.issues, None, table, view)
+        return RowIssues(rules.issues, None, table, view, rules.pending)
     sound = subset_rows(table, np.flatnonzero(~rules.bad))
     view = loss_view(sound)
     if sound.n_rows:
         token_rules = _Rules(sound, ignore=ignore, max_examples=max_examples, vocab_size=vocab_size)
         token_rules.tokens(view)
         rules.issues.extend(token_rules.issues)
-    return RowIssues(rules.issues, rules.bad, sound, view)
+        rules.pending.extend(token_rules.pending)
+    return RowIssues(rules.issues, rules.bad, sound, view, rules.pending)

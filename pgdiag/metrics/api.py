@@ -16,15 +16,27 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.runs import LoadedBatch, Run, read_token_batch, restrict_steps, step_chunks, step_rows
+from pgdiag.data.runs import (
+    LoadedBatch,
+    Run,
+    read_token_batch,
+    restrict_steps,
+    step_chunks,
+    step_rows,
+)
 from pgdiag.data.schema import stream_column
 from pgdiag.data.validate import (
     CheckResult,
     CheckSettings,
+    Issue,
+    MessageParts,
+    as_template,
     merge_check_results,
+    merge_piece_issues,
+    raise_first_error,
     zero_against_other,
 )
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import UsageError
 from pgdiag.metrics.pooled import QuantileSettings
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.gates import gate_policy
@@ -184,16 +196,27 @@ def compute_metrics(
         else StyleStream(settings)
     )
     chunk_checks: list[CheckResult] = []
+    pair_checks: list[list[Issue]] = []  # the pair zero-fill rule's, per chunk
+    failed = False  # a chunk has an error: the later ones are validated only, for the run's first error
     n_samples = n_tokens = 0
     for chunk in chunks or [run]:  # a run without rows is read once, as a whole
-        loaded = _read(chunk, settings, checks)
+        loaded = _read(chunk, settings, checks, piece=len(chunks) > 1, pair_checks=pair_checks)
         chunk_checks.append(loaded.checks)
+        failed = failed or any(
+            i.severity == "error" and i.pooled is None for i in (*loaded.checks.found, *pair_checks[-1])
+        )
+        if failed:
+            del loaded
+            continue
         engine.add(loaded.batch)
         n_samples += loaded.batch.n_samples
         n_tokens += loaded.batch.n_tokens
         del loaded  # the chunk's token arrays go before the next chunk is read
         if progress is not None:
             progress(len(engine.steps), len(rows_per_step))
+    merged_checks = merge_check_results(chunk_checks)
+    raise_first_error(merged_checks.found)  # as one read: the reader's first error, then the pair rule's
+    raise_first_error(merge_piece_issues(pair_checks))
     results = [*engine.steps, engine.finish()] if stream.pooled else list(engine.steps)
     notice = _quantile_notice(engine.quantiles_exact, stream.quantiles)
     return _report(
@@ -202,7 +225,7 @@ def compute_metrics(
         run=run,
         n_samples=n_samples,
         n_tokens=n_tokens,
-        checks=merge_check_results(chunk_checks).issues,
+        checks=merged_checks.issues,
         ignored=checks.ignore,
         extra_meta={
             "pooled_quantiles": {
@@ -221,26 +244,44 @@ def _null_steps(run: Run) -> int:
     return int(run.lazy.select(pl.col("step").null_count()).collect().item())
 
 
-def _read(run: Run, settings: MetricSettings, checks: CheckSettings) -> LoadedBatch:
-    """One read of `run` (a chunk, or the whole run): the reader's validation, then the pair zero-fill rule."""
+def _read(
+    run: Run,
+    settings: MetricSettings,
+    checks: CheckSettings,
+    *,
+    piece: bool = False,
+    pair_checks: list[list[Issue]] | None = None,
+) -> LoadedBatch:
+    """One read of `run` (a chunk, or the whole run): the reader's validation, then the pair zero-fill rule.
+
+    `piece` (a chunk of a run read in chunks): nothing raises; the reader's issues are in the checks and the pair
+    rule's are appended to `pair_checks` (one list per chunk), for `compute_metrics` to merge and raise."""
     loaded = read_token_batch(
         run,
         streams=metric_streams(settings),
         entropy=[settings.entropy] if settings.entropy else [],
         ignore=checks.ignore,
         max_examples=checks.max_examples,
+        piece=piece,
+        raise_errors=not piece,
     )
+    found: list[Issue] = []
     if "E206" not in checks.ignore:
         pairs = [(settings.old, settings.new), (settings.stream_a, settings.stream_b)]
         for a, b in dict.fromkeys(p for p in pairs if p[0] is not None and p[1] is not None and p[0] != p[1]):
-            _refuse_zero_fill(loaded.batch, a, b, checks.max_examples)
+            found += _zero_fill(loaded.batch, a, b, checks.max_examples)
+    if not piece:
+        raise_first_error(found)
+    if pair_checks is not None:
+        pair_checks.append(found)
     return loaded
 
 
-def _refuse_zero_fill(batch: TokenBatch, a: str, b: str, max_examples: int) -> None:
+def _zero_fill(batch: TokenBatch, a: str, b: str, max_examples: int) -> list[Issue]:
     """E206 (exit 3) where one stream of the pair (a, b) is exactly 0.0 and the other below −1, the rule `check`
     and `compare` apply to every pair (`data.validate.zero_against_other`); the reader applied the one-stream
-    rules already."""
+    rules already. Its message states its count from `MessageParts`, so chunks merge into the run's."""
+    found = []
     for name, values, other_name, other in (
         (a, batch.streams[a], b, batch.streams[b]),
         (b, batch.streams[b], a, batch.streams[a]),
@@ -249,16 +290,31 @@ def _refuse_zero_fill(batch: TokenBatch, a: str, b: str, max_examples: int) -> N
         if tokens.size == 0:
             continue
         rows = np.searchsorted(batch.offsets, tokens[:max_examples], side="right") - 1
-        where = "; ".join(
-            f"step {batch.step[r]}, sample {batch.sample_id[r]}, pos {batch.pos[t]}"
-            for r, t in zip(rows.tolist(), tokens[:max_examples].tolist(), strict=True)
+        parts = MessageParts(
+            as_template(
+                f"{batch.label}: {stream_column(name)} 0.0 where {stream_column(other_name)} < -1 on "
+            )
+            + "{n} tokens: zero-filled? ({examples})",
+            sums=(("n", int(tokens.size)),),
+            examples=tuple(
+                (None, f"step {batch.step[r]}, sample {batch.sample_id[r]}, pos {batch.pos[t]}")
+                for r, t in zip(rows.tolist(), tokens[:max_examples].tolist(), strict=True)
+            ),
+            max_examples=max_examples,
+            located=False,
         )
-        raise InvalidInputError(
-            "E206",
-            f"{batch.label}: {stream_column(name)} 0.0 where {stream_column(other_name)} < -1 on "
-            f"{tokens.size} tokens: zero-filled? ({where})",
-            "missing values written as 0? import them as null, or --ignore E206",
+        found.append(
+            Issue(
+                "E206",
+                "error",
+                int(tokens.size),
+                parts.render(0),
+                hint="missing values written as 0? import them as null, or --ignore E206",
+                rule=parts.template,
+                parts=parts,
+            )
         )
+    return found
 
 
 def _quantile_notice(exact: bool, quantiles: QuantileSettings) -> str | None:
