@@ -181,10 +181,10 @@ class ZeroFillPart:
     n_all_zero_rows: int
     zero: tuple[Example, ...]  # first exact-0.0 tokens
     rows: tuple[Example, ...]  # first all-zero samples
-    small: tuple[Example, ...]  # first 0.0 then (0, 1e-6] tokens (W216)
+    tiny: tuple[Example, ...]  # first (0, 1e-6] tokens (W216 lists the 0.0 ones first)
     first_zero: First
     first_row: First
-    first_small: First
+    first_tiny: First
     max_examples: int
     e206: bool = True  # the codes not ignored
     w216: bool = True
@@ -204,10 +204,10 @@ class ZeroFillPart:
             n_all_zero_rows=self.n_all_zero_rows + other.n_all_zero_rows,
             zero=(self.zero + other.zero)[:k],
             rows=(self.rows + other.rows)[:k],
-            small=(self.small + other.small)[:k],
+            tiny=(self.tiny + other.tiny)[:k],
             first_zero=self.first_zero if self.n_zero else other.first_zero,
             first_row=self.first_row if self.n_all_zero_rows else other.first_row,
-            first_small=self.first_small if self.n_zero or self.n_tiny else other.first_small,
+            first_tiny=self.first_tiny if self.n_tiny else other.first_tiny,
         )
 
     def issue(self) -> Issue | None:
@@ -226,7 +226,8 @@ class ZeroFillPart:
             code, severity, hint = "E206", "error", "missing values written as 0? import them as null"
         elif (self.n_zero or self.n_tiny) and self.w216:
             template = f"{column}: {{z}} exact 0.0 and {{t}} in (0, 1e-6] (p≈1 tokens or fills)"
-            count, examples, first = self.n_zero + self.n_tiny, self.small, self.first_small
+            count, examples = self.n_zero + self.n_tiny, self.zero + self.tiny
+            first = self.first_zero if self.n_zero else self.first_tiny
             sums = (("z", self.n_zero), ("t", self.n_tiny))
             code, severity, hint = "W216", "warning", None
         else:
@@ -930,10 +931,9 @@ class _Rules:
         zero, all_zero_rows = filled.zero, filled.all_zero_rows
         tiny = np.flatnonzero((at_loss > 0.0) & ~positive)
         zero_rows = view.rows_of(zero)
-        small = np.concatenate([zero, tiny])
-        small_rows = view.rows_of(small)
+        tiny_rows = view.rows_of(tiny)
         zero_pos = view.index[zero] - offsets[zero_rows]
-        small_pos = view.index[small] - offsets[small_rows]
+        tiny_pos = view.index[tiny] - offsets[tiny_rows]
         part = ZeroFillPart(
             column,
             n_zero=int(zero.size),
@@ -942,10 +942,10 @@ class _Rules:
             n_all_zero_rows=int(all_zero_rows.size),
             zero=self.loc.examples(zero_rows, pos=zero_pos),
             rows=self.loc.examples(all_zero_rows),
-            small=self.loc.examples(small_rows, pos=small_pos),
+            tiny=self.loc.examples(tiny_rows, pos=tiny_pos),
             first_zero=self.loc.first(zero_rows, zero_pos),
             first_row=self.loc.first(all_zero_rows),
-            first_small=self.loc.first(small_rows, small_pos),
+            first_tiny=self.loc.first(tiny_rows, tiny_pos),
             max_examples=self.loc.max_examples,
             e206=self.on("E206"),
             w216=self.on("W216"),
