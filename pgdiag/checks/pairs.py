@@ -102,8 +102,8 @@ class ShiftSample:
     `STAT_SAMPLE_TOKENS` multiples of it in all (sum of ceil(M / stride)); `merge` doubles it as pieces are
     added and thins the samples to the multiples of the new stride, so the pooled sample stays bounded and
     does not depend on the order in which pieces are merged. A run read in one piece is judged by
-    `shift_issue` (stride ceil(M / `STAT_SAMPLE_TOKENS`)), which draws the same sample whenever that stride is a
-    power of two (every run of at most 2 × `STAT_SAMPLE_TOKENS` tokens)."""
+    `shift_issue` (stride ceil(M / `STAT_SAMPLE_TOKENS`)); for a run of at most `STAT_SAMPLE_TOKENS` tokens both
+    strides are 1 and the two samples are the same (every pairable token)."""
 
     d0: np.ndarray  # (K,) |a_i − b_i|
     d_plus: np.ndarray  # (K,) |a_i − b_{i+1}|

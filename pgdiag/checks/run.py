@@ -297,7 +297,9 @@ def check_run(
 
     The runs are read in pieces of consecutive whole steps, `chunk_rows` rows of both at a time
     (docs/reliability.md): the signatures and cross-run checks pool exact sums over the pieces; the reader's
-    and the pair rules' issues of several pieces are merged per code (`merge_piece_issues`).
+    and the pair rules' issues of several pieces are merged per code and rule with the run's counts
+    (`merge_piece_issues`), and E206's share of 0.0 and E302 (by nulls, and its medians on a pooled
+    `ShiftSample`) are judged over the run.
     """
     ignored = set(ignore)
     found_a = _RunFindings(run, _stream_names(run, streams))

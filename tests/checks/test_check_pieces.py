@@ -2,7 +2,8 @@
 
 Exact over pieces: the signatures (W407 across steps, W410 count and first examples), W408, the cross-run checks
 (E301 count and examples, W303/E303 pooled shares, E304). Merged per code (the reader's and the pair rules'
-issues): the summed count, the first piece's location, the first piece's message plus the later pieces' count.
+issues): the summed count, the first piece's location, the message rebuilt with the run's counts and examples
+(tests/checks/test_run_verdicts.py covers every counting message and the rules judged over the run).
 """
 
 from __future__ import annotations
