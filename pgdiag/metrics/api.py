@@ -170,7 +170,9 @@ def compute_metrics(
     read, validated and reduced per step, and only per-sample tables and token summaries are kept for the
     ``all`` row; a framework key style computes each step with its own function and its ``all`` row from the
     step rows (`pool_style_steps`). `--docs-per-step` (steps cut across the step column) and a run with null
-    steps (an E213 error) are read whole. `progress(steps_done, n_steps)` is called after each chunk.
+    steps (an E213 error) are read whole. `progress(steps_done, n_steps)` is called after each chunk. The
+    chunks' checks merge into the run's (`merge_check_results`); an error is raised after the last chunk (the
+    chunks after it are validated only), as one read of the run raises it.
     """
     if settings is None:
         settings = MetricSettings.from_options(**options)
