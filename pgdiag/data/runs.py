@@ -44,7 +44,9 @@ from pgdiag.data.schema import (
 from pgdiag.data.validate import (
     CheckResult,
     Issue,
+    MessageParts,
     RowIssues,
+    as_template,
     check_result,
     missing_columns,
     raise_first_error,
@@ -315,17 +317,15 @@ def _incomplete_error(run: Run, tag: str) -> UsageError:
 
 def _incomplete_issues(run: Run) -> list[Issue]:
     """W504 for every unfinished recompute under RUN/logprobs/: named, with the commands that finish or remove it."""
-    return [
-        Issue(
-            "W504",
-            "warning",
-            1,
+    issues = []
+    for tag, directory in run.incomplete.items():
+        text = (
             f"{directory}: incomplete recompute {tag!r} (interrupted, or refused before its first part); "
-            "its stream is not read",
-            hint=_finish_hint(run, tag),
+            "its stream is not read"
         )
-        for tag, directory in run.incomplete.items()
-    ]
+        parts = MessageParts(as_template(text), located=False, once=True)  # every piece of the run says it
+        issues.append(Issue("W504", "warning", 1, text, hint=_finish_hint(run, tag), rule=text, parts=parts))
+    return issues
 
 
 def _manifest_object(manifest: Path) -> dict[str, Any]:
@@ -745,16 +745,25 @@ def _recompute_issues(run: Run, frame: pl.DataFrame, hash_columns: Sequence[str]
         n_stale = int(stale.sum())
         if n_stale:
             first = frame.filter(stale).row(0, named=True)
+            parts = MessageParts(
+                as_template(f"logprobs/{tag} was computed on other rollouts: ")
+                + "{n} samples missing or with another seq_hash (first: {examples})",
+                sums=(("n", n_stale),),
+                examples=((None, f"step {first['step']}, sample {first['sample_id']}"),),
+                max_examples=1,
+                located=False,
+            )
             issues.append(
                 Issue(
                     "E305",
                     "error",
                     n_stale,
-                    f"logprobs/{tag} was computed on other rollouts: {n_stale} samples missing or with another "
-                    f"seq_hash (first: step {first['step']}, sample {first['sample_id']})",
+                    parts.render(0),
                     step=int(first["step"]),
                     sample_id=str(first["sample_id"]),
                     hint="rerun pgdiag logprobs --overwrite",
+                    rule=parts.template,
+                    parts=parts,
                 )
             )
     return issues

@@ -107,6 +107,7 @@ class MessageParts:
     located: bool = True
     joiner: str = "; "
     more: str = ""
+    once: bool = False  # a finding about the whole run that every piece repeats: kept once, count not added
 
     def render(self, count: int) -> str:
         values: dict[str, object] = {**dict(self.sums), **dict(self.maxima)}
@@ -347,6 +348,8 @@ def merge_piece_issues(
                 out_keys.append(key)
                 continue
             first, total, parts = merged[key]
+            if parts is not None and parts.once:
+                continue
             joined = None if parts is None or issue.parts is None else parts.merge(issue.parts)
             merged[key] = (first, total + issue.count, joined)
     out_keys += [k for k in rules if k not in out_keys]

@@ -227,3 +227,48 @@ def test_null_pattern_shift_is_judged_over_the_run(tmp_path: Path, steps: range,
     assert e302.height == int(flagged)
     if flagged:
         assert e302["count"].item() == N_STEPS * PER_STEP and "looks shifted by -1" in e302["message"].item()
+
+
+def test_stale_recompute_and_incomplete_recompute_read_as_one_read_says(tmp_path: Path) -> None:
+    """E305 counts the run's stale samples; W504 (said by every piece) is one finding of count 1."""
+    import json
+
+    from rollout_factory import write_logprobs_part
+
+    rows = _rows(5)
+    path = tmp_path / "r.parquet"
+    write_rollouts_file(path, rows)
+    attached = tmp_path / "out" / "rc_x"
+    attached.mkdir(parents=True)
+    (attached / "_manifest.json").write_text(json.dumps({"tag": "rc_x", "complete": True}))
+    parts = []
+    for row in rows:
+        stale = row["step"] in (1, 4) and row["sample_id"].endswith("-1")
+        parts.append(
+            {
+                "step": row["step"],
+                "sample_id": row["sample_id"],
+                "segment_idx": 0,
+                "seq_hash": 12345 if stale else seq_hash(row["input_ids"]),
+                "logprobs": row["rollout_logprobs"],
+                "entropy": [None if v is None else 0.25 for v in row["rollout_logprobs"]],
+            }
+        )
+    write_logprobs_part(attached / "part-00000.parquet", parts)
+    run = read_run(path, attach=[attached])
+    one = check_run(run, streams=["rollout", "rc_x"], ignore=["W409"])
+    for chunk_rows in (1, 10):
+        _same(one, check_run(run, streams=["rollout", "rc_x"], ignore=["W409"], chunk_rows=chunk_rows))
+    e305 = one.issues.filter(pl.col("code") == "E305").row(0, named=True)
+    assert e305["count"] == 2 and "rc_x was computed on other rollouts: 2 samples" in e305["message"]
+    assert "(first: step 1, sample s1-1)" in e305["message"]
+    # an unfinished recompute beside the run: every piece warns, the run says it once
+    run_dir = tmp_path / "run"
+    (run_dir / "rollouts").mkdir(parents=True)
+    write_rollouts_file(run_dir / "rollouts" / "part-00000.parquet", rows)
+    (run_dir / "logprobs" / "t1").mkdir(parents=True)
+    (run_dir / "logprobs" / "t1" / "_manifest.json").write_text("[1, 2]", encoding="utf-8")
+    run = read_run(run_dir)
+    one = check_run(run, ignore=["W409"])
+    _same(one, check_run(run, ignore=["W409"], chunk_rows=1))
+    assert one.issues.filter(pl.col("code") == "W504")["count"].to_list() == [1]
