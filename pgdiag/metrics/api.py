@@ -286,7 +286,7 @@ def metrics_report(
     ignored: Sequence[str] = (),
 ) -> Report:
     """The metric set of an already read and validated `batch` of `run` under stream-resolved `settings`
-    (`resolve_streams`); `compare --metrics` calls it on the batch it read, so no run is read twice."""
+    (`resolve_streams`), read whole (`compare --metrics` feeds its pieces to a stream instead: `stream_report`)."""
     from pgdiag.metrics.engine import compute_by_step, compute_native
     from pgdiag.metrics.styles import compute_step_style
 
