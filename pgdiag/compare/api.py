@@ -341,11 +341,11 @@ def compare_runs(
     options build one (``compare_runs(a, b, by=["step"], eps_low=0.1)``, `CompareSettings.from_options`).
     `decode`: token ids -> text for the worst-token context (else `settings.tokenizer` is used).
     Runs on disk are read step by step, `settings.chunk_rows` rows of both runs at a time (docs/compare.md).
-    `tokens_out`: a .parquet path; every matched token is written there piece by piece (`tokens.TokenTableWriter`,
-    `--tokens-out`), the file appearing only when the comparison succeeds (E502 when it exists and not
-    `overwrite`). `keep_tokens=True` (notebooks) reads the runs whole and keeps every aligned token in memory in
-    `Comparison.pair`. Returns a `Comparison`. Raises `InvalidInputError` (exit 3) on alignment errors, `UsageError` (exit 2) on
-    bad options.
+    `tokens_out`: a .parquet path; every matched token is written there piece by piece
+    (`tokens.TokenTableWriter`, `--tokens-out`), the file appearing only when the comparison succeeds (E502 when
+    it exists and not `overwrite`; its path in `Comparison.tokens_file`). `keep_tokens=True` (notebooks) reads the
+    runs whole and keeps every aligned token in memory in `Comparison.pair`. Returns a `Comparison`. Raises
+    `InvalidInputError` (exit 3) on alignment errors, `UsageError` (exit 2) on bad options.
     """
     if settings is None:
         settings = CompareSettings.from_options(**options)

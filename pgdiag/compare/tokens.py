@@ -153,9 +153,11 @@ class TokenTableWriter:
         if not self._held:
             return
         assert self._writer is not None
-        table = pa.concat_tables(self._held)
+        table = pa.concat_tables(self._held)  # chunks side by side, no copy
         self._held, self._held_rows = [], 0
-        self._writer.write_table(table.cast(self._writer.schema), row_group_size=ROW_GROUP_ROWS)
+        if not table.schema.equals(self._writer.schema):  # types only; the footer is the writer's
+            table = table.cast(self._writer.schema)
+        self._writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
 
     def commit(self) -> Path:
         """Write the last row group, close, fsync and rename the temp file over `path`; returns `path`."""
