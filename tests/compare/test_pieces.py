@@ -319,3 +319,15 @@ def test_tokens_out_is_not_written_when_the_comparison_fails(tmp_path) -> None:
     done = compare_runs(run_a, run_b, tokens_out=out / "tokens.parquet", ignore=["E306"], overwrite=True)
     assert pl.read_parquet(done.tokens_file).height == done.report.meta["inputs"]["n_tokens"]
     assert [p.name for p in out.iterdir()] == ["tokens.parquet"]
+
+
+def test_metrics_side_by_side_of_one_run_by_step(tmp_path) -> None:
+    from pgdiag.metrics.settings import MetricSettings
+
+    run, _ = _two_stream_runs(tmp_path, _samples(9), _samples(9))
+    one = compare_runs(run, metrics=MetricSettings())
+    many = compare_runs(run, metrics=MetricSettings(), chunk_rows=5)
+    _assert_same_report(one, many)
+    _assert_same_batch_rows(_batch_rows(one), _batch_rows(many))
+    assert set(_batch_rows(many)["pair"]) == {"a:rollout vs a:old"}  # one run: no deltas
+    assert list(many.report.meta["side_metrics"]) == ["a"]
