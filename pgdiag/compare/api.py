@@ -26,6 +26,7 @@ from pgdiag.checks.signatures import signature_issues
 from pgdiag.compare import breakdowns as bd
 from pgdiag.compare.align import AlignedPair, Deferred, align_batches, unmatched_side
 from pgdiag.compare.parity import unit_and_reduction
+from pgdiag.compare.pieces import Piece, checked_matches, concat_batches, plan_pieces
 from pgdiag.compare.pooled import PooledParity
 from pgdiag.compare.settings import CompareSettings
 from pgdiag.compare.side_by_side import MetricSide, side_by_side_rows, side_settings
@@ -130,6 +131,26 @@ def _read_side(
         max_examples=checks.max_examples,
     )
     return Side(loaded.batch, loaded.checks, run, metrics)
+
+
+def _read_side_b(
+    run: Any, piece: Piece, streams: Sequence[str], checks: CheckSettings, metrics: MetricSettings | None
+) -> Side:
+    """Side b of `piece`: its steps, or under hash-any-step the steps first read with it and then those read
+    again (their reader checks were counted with their first read, so only the first read's are kept)."""
+    from pgdiag.data.runs import restrict_steps
+
+    steps = piece.b_steps
+    first = None
+    if steps is None or steps:
+        first = _read_side(run if steps is None else restrict_steps(run, steps), streams, checks, metrics)
+    if not piece.steps_b_again:
+        assert first is not None
+        return first
+    again = _read_side(restrict_steps(run, piece.steps_b_again), streams, checks, metrics)
+    if first is None:
+        return replace(again, checks=None)
+    return replace(first, batch=concat_batches(first.batch, again.batch))
 
 
 def _as_source(source: Any) -> Any:
@@ -276,32 +297,6 @@ class Comparison:
         return self.worst_trace
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """The steps of one piece, and whether each run has rows in it."""
-
-    steps: tuple[int, ...] | None  # None: the whole run
-    in_a: bool = True
-    in_b: bool = True
-
-
-def _pieces(a: Any, b: Any, one_run: bool, whole: bool, chunk_rows: int) -> list[_Piece]:
-    """The pieces a comparison reads: consecutive steps of both runs under `chunk_rows` rows (a + b)."""
-    if whole:
-        return [_Piece(None)]
-    from pgdiag.data.runs import null_step_rows, step_chunks, step_rows
-
-    rows_a = step_rows(a)
-    rows_b = rows_a if one_run else step_rows(b)
-    if null_step_rows(a) or (not one_run and null_step_rows(b)):
-        return [_Piece(None)]  # rows of a null step are in no piece: read whole (the reader's E213)
-    both = {s: rows_a.get(s, 0) + (0 if one_run else rows_b.get(s, 0)) for s in sorted({*rows_a, *rows_b})}
-    chunks = step_chunks(both, chunk_rows)
-    if len(chunks) <= 1:
-        return [_Piece(None)]
-    return [_Piece(c, any(s in rows_a for s in c), one_run or any(s in rows_b for s in c)) for c in chunks]
-
-
 def _resolve_join(a: Any, b: Any, join: str) -> str:
     """`auto` decided on the whole runs' keys, as one piece would: id when at least half of a's samples match on
     (step, sample_id, segment_idx), else hash."""
@@ -369,16 +364,13 @@ def compare_runs(
         if not one_run:
             metrics_b = side_settings(None if isinstance(b, TokenBatch) else b, sb, settings.metrics)
     in_memory = isinstance(a, TokenBatch) or isinstance(b, TokenBatch)
-    whole = (
-        in_memory
-        or keep_tokens
-        or settings.metrics is not None
-        or model is not None
-        or join == "hash-any-step"
-    )
+    whole = in_memory or keep_tokens or settings.metrics is not None or model is not None
     from pgdiag.data.runs import restrict_steps
 
-    pieces = _pieces(a, b, one_run, whole, settings.chunk_rows)
+    plan = plan_pieces(
+        a, b, one_run=one_run, whole=whole, join=join, chunk_rows=settings.chunk_rows, ignore=ignore
+    )
+    pieces = plan.pieces
     if len(pieces) > 1:
         join = _resolve_join(a, a if one_run else b, join)
     pooled: PooledParity | None = None
@@ -391,7 +383,6 @@ def compare_runs(
     la = lb = ""
     for piece in pieces:
         src_a = a if piece.steps is None else restrict_steps(a, piece.steps)
-        src_b = None if one_run else (b if piece.steps is None else restrict_steps(b, piece.steps))
         side_a = (
             _read_side(src_a, [sa, sb] if one_run else [sa], settings.checks, metrics_a)
             if piece.in_a
@@ -400,7 +391,7 @@ def compare_runs(
         if one_run:
             side_b = side_a
         elif piece.in_b:
-            side_b = _read_side(src_b, [sb], settings.checks, metrics_b)
+            side_b = _read_side_b(b, piece, [sb], settings.checks, metrics_b)
         else:
             side_b = None
         if side_a is not None and side_a.checks is not None:
@@ -417,7 +408,11 @@ def compare_runs(
                 a,
                 b,
             )
+        if held is None and plan.keys is not None:  # hash-any-step in pieces: samples paired on the keys
+            held = plan.keys.deferred(f"{la}:{sa} vs {lb}:{sb}", la, lb)
         if side_a is None or side_b is None:  # a step present in one run only: all its samples unmatched
+            if plan.keys is not None:  # counted on the keys; read for its reader checks
+                continue
             lone, which = (side_b, "b") if side_a is None else (side_a, "a")
             part = unmatched_side(
                 replace(lone.batch, label=lb if which == "b" else la),
@@ -431,7 +426,14 @@ def compare_runs(
         batch_a = replace(side_a.batch, label=la)
         batch_b = batch_a if one_run else replace(side_b.batch, label=lb)
         piece_pair = align_batches(
-            batch_a, batch_b, stream_a=sa, stream_b=sb, join=join, ignore=ignore, deferred=len(pieces) > 1
+            batch_a,
+            batch_b,
+            stream_a=sa,
+            stream_b=sb,
+            join=join,
+            ignore=ignore,
+            deferred=len(pieces) > 1,
+            matches=checked_matches(piece, batch_a, batch_b),
         )
         if settings.metrics is not None:  # --metrics reads the runs whole (one piece)
             shown = [(la, side_a)] if one_run else [(la, side_a), (lb, side_b)]

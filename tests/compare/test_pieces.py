@@ -177,3 +177,84 @@ def test_comoments_merge_equals_the_whole() -> None:
     slope, r = parts.slope_and_r()
     assert slope == pytest.approx(np.polyfit(x, y, 1)[0], rel=1e-12)
     assert r == pytest.approx(np.corrcoef(x, y)[0, 1], rel=1e-12)
+
+
+# ---- --join hash-any-step read in pieces ------------------------------------------------------------------
+MOVED = {0: 1, 1: 0, 2: 3, 3: 3, 4: 2, 5: 5}  # run b holds run a's samples in other steps
+
+
+def _any_step_runs(tmp_path, seed: int):
+    """Run a: steps 0-5 and a step 7 of its own (two sequences b lacks). Run b: the other sequences under other
+    ids, moved across steps (every fourth one two steps further), without samples 5 and 17 (unmatched in a),
+    and a step 9 of its own (three sequences a lacks). Samples 3 and 20 hold the same sequence: b holds 3's
+    copy in step 4 and 20's in step 0, so the first copy of a pairs with the first of b (20's) across
+    pieces, as one read pairs it."""
+    import copy
+
+    samples = _samples(seed)
+    twin = copy.deepcopy(samples[3])
+    twin.update(step=samples[20]["step"], sample_id="s20")
+    twin["streams"]["old"] = twin["streams"]["old"] - 0.01
+    samples[20] = twin
+    moved = []
+    for i, s in enumerate(samples):
+        if i in (5, 17):
+            continue
+        step = MOVED[s["step"]] if i % 4 else (MOVED[s["step"]] + 2) % 6
+        if i == 3:
+            step = 4
+        elif i == 20:
+            step = 0
+        moved.append(dict(s, step=step, sample_id=f"x{s['sample_id']}"))
+    extra = random_samples(seed + 50, 5, steps=1, max_response=30)
+    for k, s in enumerate(extra):
+        s.update(step=9 if k < 3 else 7, sample_id=f"new{k}")
+        s["streams"]["old"] = s["streams"]["rollout"]
+    moved = sorted(moved + extra[:3], key=lambda s: s["step"])
+    return _runs(tmp_path, samples + extra[3:], moved)
+
+
+def test_hash_any_step_in_many_pieces_equals_one_piece(tmp_path) -> None:
+    run_a, run_b = _any_step_runs(tmp_path, 11)
+    options = {"join": "hash-any-step", "ignore": ["E306"], "worst_k": 7}
+    one = compare_runs(run_a, run_b, **options)
+    assert one.pair is not None  # 38 + 37 rows: one piece, read whole
+    for chunk_rows in (1, 24, 40):
+        many = compare_runs(run_a, run_b, chunk_rows=chunk_rows, **options)
+        assert many.pair is None
+        _assert_same_report(one, many)
+    # matches across steps: a's step 1 pairs with b's steps 0 and 2 (every fourth sample two steps further)
+    step_b = dict(run_b.collect(["sample_id", "step"]).rows())
+    spread: dict[int, set[int]] = {}
+    for step, sample_b in zip(one.pair.step.tolist(), one.pair.sample_id_b.tolist(), strict=True):
+        spread.setdefault(step, set()).add(step_b[sample_b])
+    assert spread[1] == {0, 2} and spread[3] == {3, 4, 5} and one.pair.join == "hash-any-step"
+    matched_b = dict(zip(one.pair.sample_id.tolist(), one.pair.sample_id_b.tolist(), strict=True))
+    assert matched_b["s3"] == "xs20" and matched_b["s20"] == "xs3" and matched_b["s1"] == "xs1"
+    inputs = one.report.meta["inputs"]
+    assert inputs["n_samples"] == {"a": 38, "b": 37} and inputs["n_matched_samples"] == 34
+
+
+def test_hash_any_step_unmatched_and_no_match_read_in_pieces(tmp_path) -> None:
+    run_a, run_b = _any_step_runs(tmp_path, 12)
+    messages = []
+    for chunk_rows in (10**6, 1, 24):
+        with pytest.raises(InvalidInputError) as caught:
+            compare_runs(run_a, run_b, join="hash-any-step", chunk_rows=chunk_rows)
+        assert caught.value.code == "E306"
+        messages.append(caught.value.message)
+    assert messages[0] == messages[1] == messages[2]
+    assert "4 of 38 samples of a have no match in b and 3 of 37 of b none in a" in messages[0]
+    assert "first: step 1, sample s5 of a" in messages[0] and "join (seq_hash)" in messages[0]
+    samples = _samples(13)
+    other = random_samples(14, 10, steps=5, max_response=30)
+    for s in other:
+        s["streams"]["old"] = s["streams"]["rollout"]
+    run_a, run_b = _runs(tmp_path / "none", samples, sorted(other, key=lambda s: s["step"]))
+    messages = []
+    for chunk_rows in (10**6, 1):
+        with pytest.raises(InvalidInputError) as caught:
+            compare_runs(run_a, run_b, join="hash-any-step", chunk_rows=chunk_rows)
+        assert caught.value.code == "E304"
+        messages.append(caught.value.message)
+    assert messages[0] == messages[1] and "steps 0-5 vs 0-4" in messages[0]
