@@ -39,6 +39,33 @@ COMMANDS = {
     "check": ["check", "{run}", "--json", "-q"],
     "metrics": ["metrics", "{run}", "--aggregation", "constant", "--divisor", "40960", "--json", "-q"],
     "compare": ["compare", "{run}", "--json", "-q"],
+    # two runs joined across steps: the run against itself, rollout vs old, paired by seq_hash in any step
+    "compare-any-step": [
+        "compare",
+        "{run}",
+        "{run}",
+        "--join",
+        "hash-any-step",
+        "--stream-a",
+        "rollout",
+        "--stream-b",
+        "old",
+        "--json",
+        "-q",
+    ],
+    # N-way: three runs (the run three times), rollout on the baseline vs old on the others, and the matrix
+    "compare-nway": [
+        "compare",
+        "{run}",
+        "{run}",
+        "{run}",
+        "--stream-a",
+        "rollout",
+        "--stream-b",
+        "old",
+        "--json",
+        "-q",
+    ],
 }
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
-from pgdiag.checks.signatures import signature_issues
+from pgdiag.checks.signatures import Signatures, signature_issues
 from pgdiag.compare import breakdowns as bd
 from pgdiag.compare.align import AlignedPair, Deferred, align_batches, unmatched_side
 from pgdiag.compare.parity import unit_and_reduction
@@ -465,36 +465,7 @@ def compare_runs(
         deferred_issues += held.mask_issues(ignore)
     assert pooled is not None  # E304 raised above when no piece matched
     name = f"{la}:{sa} vs {lb}:{sb}"
-    rows, stats = parity_rows(pooled, name)
-    signature = pooled.signature
-    assert signature is not None
-    diagnosis = signature_issues(
-        signature,
-        name=name,
-        name_a=la,
-        name_b=lb,
-        sampling_side_is_engine=sa == "rollout",
-        fit=(stats.get("fit_slope"), stats.get("pearson_r")),
-    )
-    n = pooled.n_tokens
-    if diagnosis.first_token_ratio is not None:
-        rows.append(
-            ReportRow(
-                name,
-                "token",
-                "all",
-                "all",
-                "mismatch/first_token_ratio",
-                diagnosis.first_token_ratio,
-                "ratio",
-                "token-mean",
-                n,
-            )
-        )
-    if diagnosis.slope is not None:
-        rows.append(
-            ReportRow(name, "token", "all", "all", "mismatch/tau_hint", diagnosis.slope, "1", "fit", n)
-        )
+    rows, diagnosis = diagnosed_rows(pooled, name, la, lb, sa)
     tau = None
     issues_tau: list[Issue] = []
     if model is not None:
@@ -522,7 +493,80 @@ def compare_runs(
     reader_checks = [merge_check_results(checks_a).issues] if checks_a else []
     if checks_b:
         reader_checks.append(merge_check_results(checks_b).issues)
+    return pair_comparison(
+        pooled,
+        held,
+        pair,
+        rows,
+        issues,
+        reader_checks,
+        labels=(la, lb),
+        streams=(sa, sb),
+        settings=settings,
+        diagnosis=diagnosis,
+        tau_fit=None if tau is None else tau.tau,
+    )
+
+
+def diagnosed_rows(
+    pooled: PooledParity, name: str, label_a: str, label_b: str, stream_a: str
+) -> tuple[list[ReportRow], Signatures]:
+    """The summary rows of one pair (`parity_rows`) with the signature rows (first-token ratio, τ hint), and
+    the signatures' findings."""
+    rows, stats = parity_rows(pooled, name)
+    signature = pooled.signature
+    assert signature is not None
+    diagnosis = signature_issues(
+        signature,
+        name=name,
+        name_a=label_a,
+        name_b=label_b,
+        sampling_side_is_engine=stream_a == "rollout",
+        fit=(stats.get("fit_slope"), stats.get("pearson_r")),
+    )
+    n = pooled.n_tokens
+    if diagnosis.first_token_ratio is not None:
+        rows.append(
+            ReportRow(
+                name,
+                "token",
+                "all",
+                "all",
+                "mismatch/first_token_ratio",
+                diagnosis.first_token_ratio,
+                "ratio",
+                "token-mean",
+                n,
+            )
+        )
+    if diagnosis.slope is not None:
+        rows.append(
+            ReportRow(name, "token", "all", "all", "mismatch/tau_hint", diagnosis.slope, "1", "fit", n)
+        )
+    return rows, diagnosis
+
+
+def pair_comparison(
+    pooled: PooledParity,
+    held: Deferred | None,
+    pair: AlignedPair | None,
+    rows: list[ReportRow],
+    issues: list[Issue],
+    reader_checks: list[pl.DataFrame],
+    *,
+    labels: tuple[str, str],
+    streams: tuple[str, str],
+    settings: CompareSettings,
+    diagnosis: Signatures,
+    tau_fit: float | None,
+) -> Comparison:
+    """The `Comparison` of one pooled pair: its summary rows, checks (`issues` after the reader's), meta, worst
+    tables and trace. `pair` is the aligned pair of a one-piece read (else None: `held` has the counts)."""
+    la, lb = labels
+    sa, sb = streams
+    name = f"{la}:{sa} vs {lb}:{sb}"
     checks = _checks_frame(issues, reader_checks)
+    assert pair is not None or held is not None
     n_samples_a = pair.n_samples_a if pair is not None else held.n_a
     n_samples_b = pair.n_samples_b if pair is not None else held.n_b
     meta = {
@@ -532,21 +576,21 @@ def compare_runs(
         "streams": {"a": sa, "b": sb},
         "join": pair.join if pair is not None else held.join,
         "by": list(pooled.by),
-        "eps_low": eps_low,
-        "eps_high": eps_high,
-        "worst_k": worst_k,
-        "ignored": sorted(ignore),
+        "eps_low": settings.clip.eps_low,
+        "eps_high": settings.clip.eps_high,
+        "worst_k": settings.worst_k,
+        "ignored": sorted(settings.checks.ignore),
         "inputs": {
             "n_samples": {la: n_samples_a, lb: n_samples_b},
             "n_matched_samples": pooled.n_samples,
-            "n_tokens": n,
+            "n_tokens": pooled.n_tokens,
             "steps": sorted(pooled.steps),
         },
         "diagnosis": {
             name: {
                 "tau_hint": diagnosis.slope,
-                "tau_fit": None if tau is None else tau.tau,
-                "tau_source": "logits (--model)" if tau is not None else "fit_slope (logprob-only hint)",
+                "tau_fit": tau_fit,
+                "tau_source": "logits (--model)" if tau_fit is not None else "fit_slope (logprob-only hint)",
                 "first_token_ratio": diagnosis.first_token_ratio,
             }
         },
