@@ -258,3 +258,57 @@ def test_hash_any_step_unmatched_and_no_match_read_in_pieces(tmp_path) -> None:
         assert caught.value.code == "E304"
         messages.append(caught.value.message)
     assert messages[0] == messages[1] and "steps 0-5 vs 0-4" in messages[0]
+
+
+# ---- N-way compare read in pieces ---------------------------------------------------------------------------
+def _nway_runs(tmp_path):
+    """Three runs on the steps of `_samples`: a; b without samples 4 and 9 and with a step 8 of its own; c with
+    its own noise, without step 5 (so step 5 is common to a and b only: in no piece's common samples)."""
+    samples = _samples(21)
+    rng = np.random.default_rng(22)
+    b = [s for i, s in enumerate(samples) if i not in (4, 9)]
+    extra = random_samples(23, 2, steps=1, max_response=30)
+    for k, s in enumerate(extra):
+        s.update(step=8, sample_id=f"b{k}")
+        s["streams"]["old"] = s["streams"]["rollout"]
+    c = []
+    for s in samples:
+        if s["step"] == 5:
+            continue
+        noisy = -np.abs(s["streams"]["rollout"] + rng.normal(0.0, 0.05, len(s["loss"])))
+        streams = dict(s["streams"], old=noisy)
+        c.append(dict(s, streams=streams))
+    paths = []
+    for name, rows, column in (("a", samples, "rollout"), ("b", b + extra, "old"), ("c", c, "old")):
+        paths.append(
+            write_run(tmp_path / f"{name}.parquet", rows, run=name, streams={"new_logprobs": column})
+        )
+    return [read_run(p) for p in paths]
+
+
+def test_nway_in_many_pieces_equals_one_piece(tmp_path) -> None:
+    from pgdiag.compare.nway import compare_many
+    from pgdiag.compare.settings import CompareSettings
+
+    runs = _nway_runs(tmp_path)
+    one = compare_many(runs, CompareSettings(worst_k=5), baseline=1)
+    assert all(c.pair is not None for c in one.comparisons)  # 36 + 36 + 27 rows: one piece
+    for chunk_rows in (1, 40, 70):
+        many = compare_many(runs, CompareSettings(worst_k=5, chunk_rows=chunk_rows), baseline=1)
+        assert all(c.pair is None for c in many.comparisons)
+        for c1, c2 in zip(one.comparisons, many.comparisons, strict=True):
+            _assert_same_report(c1, c2)
+        assert one.matrix.select("run_a", "run_b").equals(many.matrix.select("run_a", "run_b"))
+        np.testing.assert_allclose(
+            one.matrix["value"].to_numpy(), many.matrix["value"].to_numpy(), rtol=1e-12
+        )
+        s1, s2 = one.report.summary, many.report.summary
+        assert s1.drop("value").equals(s2.drop("value"))
+        np.testing.assert_allclose(s1["value"].to_numpy(), s2["value"].to_numpy(), rtol=1e-12, atol=1e-15)
+        assert one.report.checks.equals(many.report.checks)
+    # hand count: 36 samples in a; b lacks 4 and 9 (steps 0 and 1); c lacks step 5 (9 samples)
+    inputs = one.comparisons[0].report.meta["inputs"]
+    assert inputs["n_matched_samples"] == 36 - 2 - 9 and one.report.meta["pairs"][0] == "b:new vs a:new"
+    assert inputs["steps"] == [0, 1, 2, 3, 4]
+    a_vs_c = one.matrix.filter((pl.col("run_a") == "a") & (pl.col("run_b") == "c"))["value"][0]
+    assert a_vs_c == pytest.approx(0.04, rel=0.1)  # mean |N(0, 0.05)| = 0.05 * sqrt(2 / pi) = 0.0399
