@@ -19,7 +19,7 @@ pair's ``all`` rows).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,8 @@ from pgdiag.compare.api import (
     pair_comparison,
     resolve_streams,
 )
-from pgdiag.compare.pooled import PooledParity
+from pgdiag.compare.parity import token_table, token_terms
+from pgdiag.compare.pooled import PooledParity, _merge_rows
 from pgdiag.compare.settings import CompareSettings
 from pgdiag.compare.worst import token_decoder
 from pgdiag.data.batch import TokenBatch
@@ -131,13 +132,12 @@ def compare_many(
     pairs = [(baseline, j) for j in order] + [(a, b) for a in order for b in order if a < b]
     pieces = _pieces(sources, settings)
     if pieces:
-        comparisons = _compare_in_pieces(sources, streams, pairs, pieces, settings)
+        comparisons, values = _compare_in_pieces(sources, streams, pairs, pieces, settings)
     else:
-        comparisons = _compare_whole(sources, streams, pairs, settings)
+        comparisons, values = _compare_whole(sources, streams, pairs, settings)
     matrix_rows = []
     labels = _labels(sources)
-    for (i, j), comparison in sorted(comparisons.items()):
-        value = comparison.report.value(MATRIX_STATISTIC, scope="token")
+    for (i, j), value in sorted(values.items()):
         matrix_rows.append({"run_a": labels[i], "run_b": labels[j], "value": value})
     matrix = pl.DataFrame(matrix_rows, schema={"run_a": pl.String, "run_b": pl.String, "value": pl.Float64})
     baseline_pairs = tuple(comparisons[(baseline, j)] for j in order)
@@ -177,8 +177,9 @@ def _compare_whole(
     streams: Sequence[str],
     pairs: Sequence[tuple[int, int]],
     settings: CompareSettings,
-) -> dict[tuple[int, int], Comparison]:
-    """Each run read once whole, restricted to the common samples, and every pair compared in memory."""
+) -> tuple[dict[tuple[int, int], Comparison], dict[tuple[int, int], float]]:
+    """Each run read once whole, restricted to the common samples, and every pair compared in memory: the
+    comparison of every pair and its matrix value."""
     batches = [_read(source, stream, settings) for source, stream in zip(sources, streams, strict=True)]
     labels = _labels(batches)
     keep = _common_rows(batches, settings.join)
@@ -190,7 +191,9 @@ def _compare_whole(
         )
         return compare_runs(batches[i], batches[j], pair_settings)
 
-    return {(i, j): pair(i, j) for i, j in pairs}
+    comparisons = {(i, j): pair(i, j) for i, j in pairs}
+    values = {p: c.report.value(MATRIX_STATISTIC, scope="token") for p, c in comparisons.items()}
+    return comparisons, values
 
 
 @dataclass
@@ -198,8 +201,18 @@ class _PairState:
     """One pair of an N-way compare read in pieces: its pooled tables and deferred counts."""
 
     join: str  # resolved on the whole runs: id | hash
-    pooled: PooledParity | None = None
+    matrix_only: bool  # a pair of two non-baseline runs: only its matrix value is reported
+    pooled: PooledParity | None = None  # baseline pairs
     held: Deferred | None = None
+    token_rows: list[dict[str, float]] = field(
+        default_factory=list
+    )  # matrix-only pairs: each piece's `all` row
+
+    def matrix_value(self) -> float:
+        """`MATRIX_STATISTIC` of a matrix-only pair, pooled as `PooledParity.token_table` pools it."""
+        live = [r for r in self.token_rows if r["tokens"] > 0]
+        row = self.token_rows[0] if len(self.token_rows) == 1 or not live else _merge_rows(live)
+        return float(row[MATRIX_STATISTIC.removeprefix("mismatch/")])
 
 
 def _compare_in_pieces(
@@ -208,9 +221,10 @@ def _compare_in_pieces(
     pairs: Sequence[tuple[int, int]],
     pieces: Sequence[tuple[tuple[int, ...], list[bool]]],
     settings: CompareSettings,
-) -> dict[tuple[int, int], Comparison]:
+) -> tuple[dict[tuple[int, int], Comparison], dict[tuple[int, int], float]]:
     """Every run read once, piece by piece; each piece restricted to its common samples and every pair of it
-    aligned and pooled. Matrix-only pairs pool without breakdowns (only their `all` row is read)."""
+    aligned and pooled. Returns the baseline pairs' comparisons and every pair's matrix value; a matrix-only
+    pair keeps each piece's `all` token row alone (its alignment checks still run)."""
     from pgdiag.data.runs import restrict_steps
 
     labels = _labels(sources)
@@ -218,7 +232,7 @@ def _compare_in_pieces(
     decode = None if settings.tokenizer is None else token_decoder(settings.tokenizer)
     baseline_pairs = set(pairs[: len(sources) - 1])
     joins = _resolved_joins(sources, pairs, settings.join)
-    states = {p: _PairState(joins[p]) for p in pairs}
+    states = {p: _PairState(joins[p], p not in baseline_pairs) for p in pairs}
     edges = np.asarray(DLOGP_EDGES)
     any_common = False
     for steps, present in pieces:
@@ -248,10 +262,15 @@ def _compare_in_pieces(
             state.held = aligned.deferred if state.held is None else state.held.merge(aligned.deferred)
             if aligned.n_samples == 0:
                 continue
+            if state.matrix_only:
+                eps = {"eps_low": settings.clip.eps_low, "eps_high": settings.clip.eps_high}
+                terms = token_terms(aligned.lp_a, aligned.lp_b, delta=aligned.delta, **eps)
+                table = token_table(aligned.lp_a, aligned.lp_b, terms=terms, **eps)
+                state.token_rows.append({k: float(v[0]) for k, v in table.items()})
+                continue
             if state.pooled is None:
-                by = () if (i, j) not in baseline_pairs else settings.by
                 state.pooled = PooledParity(
-                    by=bd.available(aligned) if by is None else tuple(by),
+                    by=bd.available(aligned) if settings.by is None else tuple(settings.by),
                     eps_low=settings.clip.eps_low,
                     eps_high=settings.clip.eps_high,
                     worst_k=settings.worst_k,
@@ -263,10 +282,18 @@ def _compare_in_pieces(
         del batches
     if not any_common:
         raise _no_common_sample()
-    return {
-        p: _finish(state, labels[p[0]], labels[p[1]], streams[p[0]], streams[p[1]], settings)
-        for p, state in states.items()
-    }
+    comparisons: dict[tuple[int, int], Comparison] = {}
+    values: dict[tuple[int, int], float] = {}
+    for (i, j), state in states.items():  # the pairs in order, as one read raises their errors
+        if state.matrix_only:
+            assert state.held is not None
+            state.held.unmatched_issues(settings.checks.ignore)  # E304 raises, E306 unless ignored
+            state.held.mask_issues(settings.checks.ignore)  # E303 raises unless ignored
+            values[(i, j)] = state.matrix_value()
+            continue
+        comparisons[(i, j)] = _finish(state, labels[i], labels[j], streams[i], streams[j], settings)
+        values[(i, j)] = comparisons[(i, j)].report.value(MATRIX_STATISTIC, scope="token")
+    return comparisons, values
 
 
 def _resolved_joins(
