@@ -165,7 +165,8 @@ def compare(
         Join,
         typer.Option(
             "--join",
-            help="auto: (step, sample_id), else (step, seq_hash) when fewer than half the ids match.",
+            help="auto: (step, sample_id), else (step, seq_hash) when fewer than half the ids match; "
+            "hash-any-step: seq_hash in any step (read in pieces: docs/compare.md).",
             rich_help_panel=ALIGNMENT,
         ),
     ] = Join(_DEFAULTS.join),

@@ -6,8 +6,9 @@ Why: every parity number is only as good as the alignment under it, so alignment
 stop the comparison with the first bad sample and position, never silently wrong numbers.
 How: samples are joined with polars on (step, sample_id, segment_idx) (`join="id"`), or on (step, seq_hash,
 rank) where rank orders identical sequences of one step by sample_id (`"hash"`), or on (seq_hash, rank)
-over all steps (`"hash-any-step"`); `"auto"` falls back from id to hash when fewer than half of side a's ids
-match. Loss positions are paired by (sample, pos) with a fast path when both masks are identical. Checks, in
+over all steps (`"hash-any-step"`, `rank_join`; a comparison read in pieces pairs them once on the whole runs'
+keys and passes each piece's pairs as `matches`); `"auto"` falls back from id to hash when fewer than half of
+side a's ids match. Loss positions are paired by (sample, pos) with a fast path when both masks are identical. Checks, in
 order (each error raises `InvalidInputError`, exit 3, unless its code is in `ignore`):
 
     E304 nothing matched · E306 samples present on one side only · E301 token ids differ ·

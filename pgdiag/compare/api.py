@@ -5,8 +5,10 @@ sequence scope (`parity`), the breakdowns (`breakdowns`), the logprob-only signa
 tables (`worst`) and, on request, each run's own metric set side by side; returns one `Report`.
 Why: the CLI, notebooks and tests all get the same numbers from one call; nothing here prints.
 How: inputs are `Run`s, paths (read with `pgdiag.data.runs.read_run`) or in-memory `TokenBatch`es. Runs on disk
-are read in pieces of whole consecutive steps of both runs, each aligned, checked and reduced into
-`pooled.PooledParity` before the next is read (docs/compare.md, "Reading step by step"). Streams resolve as
+are read in pieces of whole consecutive steps of both runs (under ``--join hash-any-step``, steps of run a with
+the steps of run b that hold their matches, paired once on the key columns: `pieces`), each aligned, checked
+and reduced into `pooled.PooledParity` before the next is read (docs/compare.md, "Reading step by step").
+Streams resolve as
 docs/compare.md says: one run, a = `rollout`, b = `old` (engine vs trainer), else the first present of `new`, the
 only recompute tag, `rollout` (excluding a); two runs, a = first present of that list in run a, b = the same name. Rows follow the tidy
 report schema (docs/compare.md); side-by-side run metrics use scope `batch`, which compare's gates never read.
@@ -282,7 +284,7 @@ class Comparison:
     """A finished comparison: the report, the worst sequence's trace and the tokens that token plots read.
 
     `pair` holds every aligned token when the runs were read in one piece (in-memory batches, one piece of
-    steps, `keep_tokens=True`, `--metrics`, `--model`, `--join hash-any-step`), else None: a comparison read
+    steps, `keep_tokens=True`, `--metrics`, `--model`), else None: a comparison read
     step by step keeps `tokens`, every k-th matched token's (pair, lp_a, lp_b) (k = 1 up to 4,000,000 tokens,
     `pooled.SAMPLE_CAP`), which the token plots draw. docs/compare.md says which reads are whole.
     """

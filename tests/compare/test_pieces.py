@@ -312,3 +312,23 @@ def test_nway_in_many_pieces_equals_one_piece(tmp_path) -> None:
     assert inputs["steps"] == [0, 1, 2, 3, 4]
     a_vs_c = one.matrix.filter((pl.col("run_a") == "a") & (pl.col("run_b") == "c"))["value"][0]
     assert a_vs_c == pytest.approx(0.04, rel=0.1)  # mean |N(0, 0.05)| = 0.05 * sqrt(2 / pi) = 0.0399
+
+
+def test_hash_any_step_plan_reads_whole_when_rows_may_drop_and_refuses_changed_rows(tmp_path) -> None:
+    from pgdiag.compare.pieces import any_step_pieces, checked_matches
+    from pgdiag.data.runs import read_token_batch, restrict_steps
+
+    run_a, run_b = _any_step_runs(tmp_path, 15)
+    plan = any_step_pieces(run_a, run_b, 1, ())
+    assert len(plan.pieces) == 8 and plan.keys is not None and plan.keys.n_matched == 34
+    # an ignored E213 lets the reader drop rows the key columns still list: read whole (one piece)
+    dropping = any_step_pieces(run_a, run_b, 1, ("E213",))
+    assert [p.steps for p in dropping.pieces] == [None] and dropping.keys is None
+    # rows read for a piece must be the rows its keys listed (else E103, never a wrong pairing)
+    piece = plan.pieces[1]
+    batch_a = read_token_batch(restrict_steps(run_a, piece.steps), streams=["rollout"]).batch
+    batch_b = read_token_batch(restrict_steps(run_b, piece.steps_b), streams=["rollout"]).batch
+    assert checked_matches(piece, batch_a, batch_b) is piece.matches
+    with pytest.raises(InvalidInputError, match="differ from the keys") as caught:
+        checked_matches(piece, batch_a, batch_b.select(np.arange(batch_b.n_samples)[::-1]))
+    assert caught.value.code == "E103"
