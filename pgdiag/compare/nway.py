@@ -247,7 +247,10 @@ def _compare_in_pieces(
         if rows[0].size == 0:
             continue
         any_common = True
-        batches = [b.select(r) for b, r in zip(batches, rows, strict=True)]
+        for k, (batch, keep) in enumerate(zip(batches, rows, strict=True)):
+            if keep.shape[0] != batch.n_samples:  # one copy at a time (peak memory); all rows: no copy
+                batches[k] = batch.select(keep)
+        del batch
         for (i, j), state in states.items():
             aligned = align_batches(
                 batches[i],
@@ -354,6 +357,7 @@ def _read(source: Any, stream: str, settings: CompareSettings) -> TokenBatch:
     loaded = read_token_batch(
         source,
         streams=[stream],
+        advantages=False,  # compare reads no advantages (--metrics is refused for N-way)
         reward=True,
         env=True,
         ignore=settings.checks.ignore,
