@@ -17,7 +17,7 @@ checks, and the unmatched counts (E304, E306) come from the keys (`AnyStepKeys.d
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -145,6 +145,19 @@ def _key_frame(keys: pl.DataFrame, index: str) -> pl.DataFrame:
     )
 
 
+def _rows_by_step(step: np.ndarray) -> dict[int, np.ndarray]:
+    """step -> (k,) its rows, in read order."""
+    order = np.argsort(step, kind="stable")
+    values, starts = np.unique(step[order], return_index=True)
+    return {int(v): rows for v, rows in zip(values, np.split(order, starts[1:]), strict=True)}
+
+
+def _rows_of(by_step: dict[int, np.ndarray], steps: Sequence[int]) -> np.ndarray:
+    """The rows of `steps` in read order: the order a read restricted to those steps returns them in."""
+    parts = [by_step[s] for s in steps if s in by_step]
+    return np.sort(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+
+
 def any_step_pieces(a: Any, b: Any, chunk_rows: int, ignore: Collection[str]) -> Plan:
     """Pieces of consecutive steps of `a`, each with the steps of `b` that hold its matches (module docstring).
 
@@ -183,26 +196,25 @@ def any_step_pieces(a: Any, b: Any, chunk_rows: int, ignore: Collection[str]) ->
     for s_a, s_b in pl.DataFrame({"a": step_a[ia], "b": step_b[ib]}).unique().iter_rows():
         needs[int(s_a)].add(int(s_b))
     groups: list[tuple[list[int], set[int]]] = []
+    held = 0  # rows of a and b the last group reads
     for step in rows_a:  # ascending
-        if groups:
-            steps, wanted = groups[-1]
-            grown = wanted | needs[step]
-            held = sum(rows_a[s] for s in steps) + rows_a[step] + sum(rows_b[s] for s in grown)
-            if held <= chunk_rows:
-                steps.append(step)
-                groups[-1] = (steps, grown)
-                continue
+        added = sum(rows_b[t] for t in needs[step] - groups[-1][1]) if groups else 0
+        if groups and held + rows_a[step] + added <= chunk_rows:
+            groups[-1][0].append(step)
+            groups[-1][1].update(needs[step])
+            held += rows_a[step] + added
+            continue
         groups.append(([step], set(needs[step])))
+        held = rows_a[step] + sum(rows_b[t] for t in needs[step])
     pieces: list[Piece] = []
     seen: set[int] = set()
     position_b = np.full(keys_b.height, -1, dtype=np.int64)  # row of b -> its row in the piece's b batch
+    by_step_a, by_step_b = _rows_by_step(step_a), _rows_by_step(step_b)
     for steps, wanted in groups:
         fresh, again = tuple(sorted(wanted - seen)), tuple(sorted(wanted & seen))
         seen |= wanted
-        rows_of_a = np.flatnonzero(np.isin(step_a, steps))
-        rows_of_b = np.concatenate(
-            [np.flatnonzero(np.isin(step_b, fresh)), np.flatnonzero(np.isin(step_b, again))]
-        )
+        rows_of_a = _rows_of(by_step_a, steps)
+        rows_of_b = np.concatenate([_rows_of(by_step_b, fresh), _rows_of(by_step_b, again)])
         position_b[rows_of_b] = np.arange(rows_of_b.shape[0])
         partner = match_b[rows_of_a]
         local_a = np.flatnonzero(partner >= 0)
