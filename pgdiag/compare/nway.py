@@ -131,8 +131,9 @@ def compare_many(
     order = [i for i in range(len(sources)) if i != baseline]
     pairs = [(baseline, j) for j in order] + [(a, b) for a in order for b in order if a < b]
     pieces = _pieces(sources, settings)
-    if pieces:
-        comparisons, values = _compare_in_pieces(sources, streams, pairs, pieces, settings)
+    joins = _resolved_joins(sources, pairs, settings.join) if pieces else None
+    if pieces and joins is not None:
+        comparisons, values = _compare_in_pieces(sources, streams, pairs, pieces, joins, settings)
     else:
         comparisons, values = _compare_whole(sources, streams, pairs, settings)
     matrix_rows = []
@@ -220,6 +221,7 @@ def _compare_in_pieces(
     streams: Sequence[str],
     pairs: Sequence[tuple[int, int]],
     pieces: Sequence[tuple[tuple[int, ...], list[bool]]],
+    joins: dict[tuple[int, int], str],
     settings: CompareSettings,
 ) -> tuple[dict[tuple[int, int], Comparison], dict[tuple[int, int], float]]:
     """Every run read once, piece by piece; each piece restricted to its common samples and every pair of it
@@ -231,7 +233,6 @@ def _compare_in_pieces(
     ignore = settings.checks.ignore
     decode = None if settings.tokenizer is None else token_decoder(settings.tokenizer)
     baseline_pairs = set(pairs[: len(sources) - 1])
-    joins = _resolved_joins(sources, pairs, settings.join)
     states = {p: _PairState(joins[p], p not in baseline_pairs) for p in pairs}
     edges = np.asarray(DLOGP_EDGES)
     any_common = False
@@ -301,15 +302,19 @@ def _compare_in_pieces(
 
 def _resolved_joins(
     sources: Sequence[Any], pairs: Sequence[tuple[int, int]], join: str
-) -> dict[tuple[int, int], str]:
+) -> dict[tuple[int, int], str] | None:
     """The join of each pair. `auto` is decided as one read of the pair's common samples decides it: id when at
     least half of side a's common samples match on (step, sample_id, segment_idx), else hash; from the key
-    columns alone (`sample_keys`), read once per run."""
+    columns alone (`sample_keys`), read once per run. None when a key column cannot be read: the runs are then
+    read whole, and the reader reports the column as it does for one read."""
     if join != "auto":
         return dict.fromkeys(pairs, join)
     from pgdiag.data.runs import sample_keys
 
-    keys = [sample_keys(source) for source in sources]
+    try:
+        keys = [sample_keys(source) for source in sources]
+    except InvalidInputError:
+        return None
     common = _common_of(
         [_sample_key(k["step"].to_numpy(), k["sample_id"].to_numpy(), None, "id") for k in keys]
     )

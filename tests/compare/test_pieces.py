@@ -332,3 +332,33 @@ def test_hash_any_step_plan_reads_whole_when_rows_may_drop_and_refuses_changed_r
     with pytest.raises(InvalidInputError, match="differ from the keys") as caught:
         checked_matches(piece, batch_a, batch_b.select(np.arange(batch_b.n_samples)[::-1]))
     assert caught.value.code == "E103"
+
+
+def test_a_key_column_the_reader_refuses_gives_the_one_read_error(tmp_path) -> None:
+    """A `sample_id` stored as a list: the key read cannot plan on it, and the reader's E103 is the error, read
+    whole or in pieces, for N-way and for hash-any-step."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pgdiag.compare.nway import compare_many
+    from pgdiag.compare.settings import CompareSettings
+
+    runs = _nway_runs(tmp_path)
+    table = pq.read_table(tmp_path / "c.parquet")
+    listed = pa.array([[x] for x in table.column("sample_id").to_pylist()])
+    index = table.schema.get_field_index("sample_id")
+    table = table.set_column(index, pa.field("sample_id", listed.type), listed)
+    pq.write_table(
+        table.replace_schema_metadata(pq.read_schema(tmp_path / "c.parquet").metadata), tmp_path / "l.parquet"
+    )
+    runs[2] = read_run(tmp_path / "l.parquet")
+    messages = []
+    for chunk_rows in (10**6, 1):
+        for call in (
+            lambda rows=chunk_rows: compare_many(runs, CompareSettings(chunk_rows=rows)),
+            lambda rows=chunk_rows: compare_runs(runs[0], runs[2], join="hash-any-step", chunk_rows=rows),
+        ):
+            with pytest.raises(InvalidInputError) as caught:
+                call()
+            messages.append((caught.value.code, caught.value.message))
+    assert len(set(messages)) == 1 and messages[0][0] == "E103" and "sample_id" in messages[0][1]
