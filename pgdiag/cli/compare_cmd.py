@@ -310,6 +310,11 @@ def compare(
             raise UsageError(
                 "E503", "--baseline picks the reference of an N-way compare: give three RUNs or more"
             )
+        if len(others) >= 2 and (tokens_out is not None or html is not None):
+            raise UsageError(
+                "E503",
+                "--tokens-out and --html compare two runs; drop them for N-way (--out keeps the report)",
+            )
         source_a = read_run(run_a, attach=list_option(attach), steps=steps, run=run_name)
         if len(others) >= 2:
             sources = [source_a, *(read_run(r, steps=steps, run=run_name) for r in others)]
