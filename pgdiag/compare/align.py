@@ -261,8 +261,9 @@ def _key_frame(batch: TokenBatch, hashes: np.ndarray, index_name: str) -> pl.Dat
 
 
 def _ranked(frame: pl.DataFrame, group: list[str]) -> pl.DataFrame:
-    """Rank identical sequences within `group` by (step, sample_id, segment_idx) so duplicates pair in order."""
-    return frame.sort(["step", "sample_id", "segment_idx"]).with_columns(
+    """Rank identical sequences within `group` by (step, sample_id, segment_idx) so duplicates pair in order
+    (ties, samples whose keys repeat under an ignored E210, keep their row order)."""
+    return frame.sort(["step", "sample_id", "segment_idx"], maintain_order=True).with_columns(
         pl.int_range(pl.len()).over(group).alias("rank")
     )
 
