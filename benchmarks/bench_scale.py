@@ -187,8 +187,11 @@ def timed(cmd: list[str]) -> tuple[float, float, float, int, str]:
 
 
 def git_commit() -> str:
+    """The commit of the pgdiag the commands run (the checkout `import pgdiag` finds, PYTHONPATH included)."""
     try:
-        here = Path(__file__).resolve().parent
+        import pgdiag
+
+        here = Path(pgdiag.__file__).resolve().parent
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
