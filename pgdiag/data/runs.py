@@ -870,3 +870,18 @@ def run_summary(run: Run) -> dict[str, Any]:
         "streams": list(run.streams),
         "entropy_streams": list(run.entropy_streams),
     }
+
+
+def row_keys(run: Run) -> pl.DataFrame | None:
+    """`step` (Int64), `sample_id` (String) and `group_id` (String, null as "") of every row of `run` in read
+    order, the order of a whole read (files in order, rows in file order, the run's filters applied): a few
+    bytes per sample, for a command that must see the whole run's rows before it reads their tokens. None
+    when a column cannot be read so; the whole read then reports why."""
+    try:
+        return run.lazy.select(
+            pl.col("step").cast(pl.Int64, strict=True),
+            pl.col("sample_id").cast(pl.String),
+            pl.col("group_id").cast(pl.String).fill_null(""),
+        ).collect()
+    except pl.exceptions.PolarsError:
+        return None
