@@ -188,6 +188,9 @@ def compute_metrics(
         else StyleStream(settings)
     )
     feeder: DocStepFeeder | None = None
+    step_type = run.lazy.collect_schema().get("step")
+    if step_type is not None and not step_type.is_integer():  # no chunk can filter it: the reader says E103
+        return _whole_run_report(run, settings, checks)
     if settings.docs_per_step is None:  # chunks of consecutive steps, in step order
         rows_per_step = step_rows(run)
         if null_step_rows(run):  # a null step (E213) is in no chunk
@@ -246,7 +249,8 @@ def compute_metrics(
 
 
 def _whole_run_report(run: Run, settings: MetricSettings, checks: CheckSettings) -> Report:
-    """The report of `run` read at once (a run that no chunking reads exactly: null steps, rows left out)."""
+    """The report of `run` read at once, for a run that no chunking reads exactly (null steps, a step column
+    that is not an integer, rows left out under `--docs-per-step`)."""
     loaded = _read(run, settings, checks)
     return metrics_report(loaded.batch, settings, run=run, checks=loaded.checks.issues, ignored=checks.ignore)
 

@@ -17,12 +17,12 @@ import numpy as np
 import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
-from rollout_factory import write_logprobs_part, write_rollouts_file
+from rollout_factory import rollouts_frame, valid_rows, write_logprobs_part, write_rollouts_file
 
 from pgdiag.data.runs import read_run, read_token_batch, row_keys
 from pgdiag.data.seqhash import seq_hash
 from pgdiag.data.validate import CheckSettings
-from pgdiag.errors import InvalidInputError
+from pgdiag.errors import InvalidInputError, PgdiagError
 from pgdiag.metrics.api import (
     StreamSettings,
     compute_metrics,
@@ -284,3 +284,46 @@ def test_hand_checked_logratio_of_a_cut_step(tmp_path) -> None:
     assert _value(report, "0", "count/groups_split") == _value(report, "1", "count/groups_split") == 1
     assert _value(report, "all", "count/groups_split") == 1
     assert _value(report, "all", "count/groups") == 3
+
+
+TYPE_CASES = [
+    ("step", pl.String),
+    ("step", pl.Float64),
+    ("step", pl.UInt64),
+    ("sample_id", pl.Int64),
+    ("sample_id", pl.Categorical),
+    ("group_id", pl.Int64),
+    ("input_ids", pl.List(pl.Float64)),
+    ("input_ids", pl.List(pl.String)),
+    ("loss_mask", pl.List(pl.String)),
+    ("old_logprobs", pl.List(pl.Float64)),
+    ("old_logprobs", pl.List(pl.String)),
+    ("prompt_len", pl.String),
+]
+
+
+@pytest.mark.parametrize("docs_per_step", [None, 1])
+@pytest.mark.parametrize(("column", "dtype"), TYPE_CASES, ids=[f"{c}-{t}" for c, t in TYPE_CASES])
+def test_a_column_of_another_type_gives_the_whole_reads_outcome(
+    tmp_path, column: str, dtype, docs_per_step: int | None
+) -> None:
+    """The clean error code (or the numbers) of the whole read, whatever the key columns hold; a step column
+    of strings or floats is E103 (chunks of steps used to exit 101 on it: polars cannot filter it by step)."""
+    frame = rollouts_frame(valid_rows()).with_columns(pl.col(column).cast(dtype, strict=False))
+    write_rollouts_file(tmp_path / "typed.parquet", frame.to_dicts(), raw_types={column: dtype})
+    settings = MetricSettings.from_options(new="old", old="rollout", docs_per_step=docs_per_step)
+
+    def outcome(compute) -> object:
+        try:
+            return compute(read_run(tmp_path / "typed.parquet"))
+        except PgdiagError as exc:
+            return exc.code
+
+    chunked = outcome(lambda run: compute_metrics(run, settings, stream=StreamSettings(max_rows=1)).summary)
+    whole = outcome(lambda run: _whole(run, settings))
+    if column == "step" and dtype in (pl.String, pl.Float64):
+        assert whole == "E103"
+    if isinstance(whole, str):
+        assert chunked == whole
+    else:
+        assert_frame_equal(chunked, whole, check_exact=True)
