@@ -39,6 +39,19 @@ COMMANDS = {
     "check": ["check", "{run}", "--json", "-q"],
     "metrics": ["metrics", "{run}", "--aggregation", "constant", "--divisor", "40960", "--json", "-q"],
     "compare": ["compare", "{run}", "--json", "-q"],
+    # steps of 3,000 documents cut across the run's steps of ~5,000 (10M) or ~15,000 (30M) samples
+    "metrics-docs": [
+        "metrics",
+        "{run}",
+        "--docs-per-step",
+        "3000",
+        "--aggregation",
+        "constant",
+        "--divisor",
+        "40960",
+        "--json",
+        "-q",
+    ],
 }
 
 
@@ -211,13 +224,13 @@ def main() -> None:
         if args.keep is None:
             shutil.rmtree(base, ignore_errors=True)
     header = (
-        f"{'command':<8} {'tokens':>12} {'steps':>5} {'wall s':>8} {'s/M tok':>8} {'cpu s':>8} {'cpu s/M':>8} "
+        f"{'command':<12} {'tokens':>12} {'steps':>5} {'wall s':>8} {'s/M tok':>8} {'cpu s':>8} {'cpu s/M':>8} "
         f"{'peak GiB':>9} {'exit':>4}"
     )
     print(header)
     for r in results:
         print(
-            f"{r['command']:<8} {r['response_tokens']:>12,} {r['steps']:>5} {r['wall_s']:>8.1f} "
+            f"{r['command']:<12} {r['response_tokens']:>12,} {r['steps']:>5} {r['wall_s']:>8.1f} "
             f"{r['s_per_m_tokens']:>8.3f} {r['cpu_s']:>8.1f} {r['cpu_s_per_m_tokens']:>8.3f} "
             f"{r['peak_rss_gib']:>9.2f} {r['exit_code']:>4}"
         )
