@@ -133,7 +133,9 @@ class DocStepFeeder:
         if self._held:  # the held cut step ends in this chunk: its rows in one batch
             head = int(np.searchsorted(plan.step, plan.step[start], side="right"))
             self._feed(concat_batches([*self._held, batch.slice(0, head - start)]), head)
-        self._held = [batch.slice(complete - start, end - start)] if complete < end else []
+        # a copy, not a view: a view would keep the whole chunk's arrays alive until the next chunk is read
+        held = np.arange(complete - start, end - start, dtype=np.int64)
+        self._held = [batch.select(held)] if held.shape[0] else []
         if complete > head:  # the cut steps that begin and end within the chunk
             self._feed(batch.slice(head - start, complete - start), complete)
 
