@@ -10,6 +10,9 @@ child process: wall = its wall time, CPU = its user + system time, peak RSS = it
 commands unless `--keep DIR`. The load average before and after each command is recorded: the machine is
 shared, and time is only comparable at similar load.
 
+`compare-metrics` is `compare RUN --metrics` (rollout vs old, each run's own metric set beside it) and
+`compare-tokens` is `compare RUN --tokens-out RUN.tokens.parquet` (the table is deleted after it is measured).
+
 Run:  python benchmarks/bench_scale.py [--sizes 1M,10M,100M] [--commands check,metrics,compare]
                                        [--keep DIR] [--out bench_scale.json]
 """
@@ -39,6 +42,16 @@ COMMANDS = {
     "check": ["check", "{run}", "--json", "-q"],
     "metrics": ["metrics", "{run}", "--aggregation", "constant", "--divisor", "40960", "--json", "-q"],
     "compare": ["compare", "{run}", "--json", "-q"],
+    "compare-metrics": ["compare", "{run}", "--metrics", "--json", "-q"],
+    "compare-tokens": [
+        "compare",
+        "{run}",
+        "--tokens-out",
+        "{run}.tokens.parquet",
+        "--overwrite",
+        "--json",
+        "-q",
+    ],
     # steps of 3,000 documents cut across the run's steps of ~5,000 (10M) or ~15,000 (30M) samples
     "metrics-docs": [
         "metrics",
@@ -216,6 +229,10 @@ def main() -> None:
                 }
                 if code not in (0, 1):
                     row["stderr"] = err
+                tokens_out = Path(f"{run}.tokens.parquet")  # compare-tokens' table: its size, then deleted
+                if tokens_out.exists():
+                    row["tokens_out_mib"] = round(tokens_out.stat().st_size / 2**20, 1)
+                    tokens_out.unlink()
                 results.append(row)
                 print(json.dumps(row), file=sys.stderr)
             if args.keep is None:
@@ -224,13 +241,13 @@ def main() -> None:
         if args.keep is None:
             shutil.rmtree(base, ignore_errors=True)
     header = (
-        f"{'command':<12} {'tokens':>12} {'steps':>5} {'wall s':>8} {'s/M tok':>8} {'cpu s':>8} {'cpu s/M':>8} "
+        f"{'command':<15} {'tokens':>12} {'steps':>5} {'wall s':>8} {'s/M tok':>8} {'cpu s':>8} {'cpu s/M':>8} "
         f"{'peak GiB':>9} {'exit':>4}"
     )
     print(header)
     for r in results:
         print(
-            f"{r['command']:<12} {r['response_tokens']:>12,} {r['steps']:>5} {r['wall_s']:>8.1f} "
+            f"{r['command']:<15} {r['response_tokens']:>12,} {r['steps']:>5} {r['wall_s']:>8.1f} "
             f"{r['s_per_m_tokens']:>8.3f} {r['cpu_s']:>8.1f} {r['cpu_s_per_m_tokens']:>8.3f} "
             f"{r['peak_rss_gib']:>9.2f} {r['exit_code']:>4}"
         )

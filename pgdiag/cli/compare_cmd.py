@@ -317,7 +317,7 @@ def compare(
             )
         source_b = None if not others else read_run(others[0], steps=steps, run=run_name)
         comparison = compare_runs(
-            source_a, source_b, settings, decode=decode, keep_tokens=tokens_out is not None
+            source_a, source_b, settings, decode=decode, tokens_out=tokens_out, overwrite=overwrite
         )
         report = comparison.report
         decision = outcome(report, gates)
@@ -356,13 +356,8 @@ def compare(
             result["routing"] = attribution.to_dicts()
             if not quiet:
                 _render_routing(console, attribution, streams["b"], routing_replay)
-        if tokens_out is not None:
-            from pgdiag.compare.tokens import write_token_table
-
-            assert comparison.pair is not None  # keep_tokens: read whole
-            result["files"]["tokens"] = str(
-                write_token_table(comparison.pair, tokens_out, overwrite=overwrite)
-            )
+        if comparison.tokens_file is not None:  # written piece by piece as the runs were read
+            result["files"]["tokens"] = str(comparison.tokens_file)
         if html is not None:
             from pgdiag.report.html import verdict_arguments, write_html
             from pgdiag.report.plots import build_figures

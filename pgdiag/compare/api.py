@@ -28,18 +28,18 @@ from pgdiag.compare.align import AlignedPair, Deferred, align_batches, unmatched
 from pgdiag.compare.parity import unit_and_reduction
 from pgdiag.compare.pooled import PooledParity
 from pgdiag.compare.settings import CompareSettings
-from pgdiag.compare.side_by_side import MetricSide, side_by_side_rows, side_settings
+from pgdiag.compare.side_by_side import SideMetrics, side_by_side_rows, side_settings
 from pgdiag.compare.worst import token_decoder
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.validate import CheckResult, CheckSettings, Issue, merge_check_results
-from pgdiag.errors import UsageError
+from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.metrics.api import metric_streams
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import CHECKS_SCHEMA, Report, ReportRow, summary_frame
 
 if TYPE_CHECKING:
-    from pgdiag.metrics.mismatch import TemperatureFit
+    from pgdiag.compare.tokens import TokenTableWriter
 
 _CANONICAL = ("rollout", "old", "ref", "new")
 _DLOGP_STEPS = (1e-6, 1e-4, 1e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 20.0)  # nats
@@ -261,15 +261,17 @@ class Comparison:
     """A finished comparison: the report, the worst sequence's trace and the tokens that token plots read.
 
     `pair` holds every aligned token when the runs were read in one piece (in-memory batches, one piece of
-    steps, `keep_tokens=True`, `--metrics`, `--model`, `--join hash-any-step`), else None: a comparison read
-    step by step keeps `tokens`, every k-th matched token's (pair, lp_a, lp_b) (k = 1 up to 4,000,000 tokens,
+    steps, `keep_tokens=True`, `--join hash-any-step`), else None: a comparison read step by step keeps
+    `tokens`, every k-th matched token's (pair, lp_a, lp_b) (k = 1 up to 4,000,000 tokens,
     `pooled.SAMPLE_CAP`), which the token plots draw. docs/compare.md says which reads are whole.
+    `tokens_file` is the token table written with `tokens_out` (else None).
     """
 
     report: Report
     pair: AlignedPair | None
     tokens: AlignedPair | pl.DataFrame  # what token plots read
     worst_trace: pl.DataFrame
+    tokens_file: Path | None = None
 
     def trace(self) -> pl.DataFrame:
         """Both streams along the worst sequence (`worst.worst_trace`)."""
@@ -329,6 +331,8 @@ def compare_runs(
     *,
     decode: Callable[[Sequence[int]], str] | None = None,
     keep_tokens: bool = False,
+    tokens_out: str | Path | None = None,
+    overwrite: bool = False,
     **options: Any,
 ) -> Comparison:
     """Parity of `a` against `b` (or of two streams of `a` when `b` is None). Δ = lp_b − lp_a.
@@ -336,15 +340,36 @@ def compare_runs(
     `a`, `b`: a `Run`, a run path, or a `TokenBatch`. `settings`: a `CompareSettings`; without it, flat keyword
     options build one (``compare_runs(a, b, by=["step"], eps_low=0.1)``, `CompareSettings.from_options`).
     `decode`: token ids -> text for the worst-token context (else `settings.tokenizer` is used).
-    Runs on disk are read step by step, `settings.chunk_rows` rows of both runs at a time (docs/compare.md);
-    `keep_tokens=True` reads them whole and keeps every aligned token in `Comparison.pair` (`--tokens-out`).
-    Returns a `Comparison`. Raises `InvalidInputError` (exit 3) on alignment errors, `UsageError` (exit 2) on
-    bad options.
+    Runs on disk are read step by step, `settings.chunk_rows` rows of both runs at a time (docs/compare.md).
+    `tokens_out`: a .parquet path; every matched token is written there piece by piece
+    (`tokens.TokenTableWriter`, `--tokens-out`), the file appearing only when the comparison succeeds (E502 when
+    it exists and not `overwrite`; its path in `Comparison.tokens_file`). `keep_tokens=True` (notebooks) reads the
+    runs whole and keeps every aligned token in memory in `Comparison.pair`. Returns a `Comparison`. Raises
+    `InvalidInputError` (exit 3) on alignment errors, `UsageError` (exit 2) on bad options.
     """
     if settings is None:
         settings = CompareSettings.from_options(**options)
     elif options:
         raise UsageError("E514", "give either a CompareSettings or keyword options, not both")
+    if tokens_out is None:
+        return _compare_runs(a, b, settings, decode=decode, keep_tokens=keep_tokens, writer=None)
+    from pgdiag.compare.tokens import TokenTableWriter
+
+    with TokenTableWriter(tokens_out, overwrite=overwrite) as writer:  # removed on any error
+        comparison = _compare_runs(a, b, settings, decode=decode, keep_tokens=keep_tokens, writer=writer)
+        return replace(comparison, tokens_file=writer.commit())
+
+
+def _compare_runs(
+    a: Any,
+    b: Any,
+    settings: CompareSettings,
+    *,
+    decode: Callable[[Sequence[int]], str] | None,
+    keep_tokens: bool,
+    writer: TokenTableWriter | None,
+) -> Comparison:
+    """`compare_runs` once its settings are built; each piece's matched tokens go to `writer` when given."""
     if decode is None and settings.tokenizer is not None:
         decode = token_decoder(settings.tokenizer)
     ignore = settings.checks.ignore
@@ -372,10 +397,10 @@ def compare_runs(
     whole = (
         in_memory
         or keep_tokens
-        or settings.metrics is not None
-        or model is not None
+        or (settings.metrics is not None and settings.metrics.docs_per_step is not None)
         or join == "hash-any-step"
     )
+    from pgdiag.compare.tau import TauSamples
     from pgdiag.data.runs import restrict_steps
 
     pieces = _pieces(a, b, one_run, whole, settings.chunk_rows)
@@ -385,7 +410,8 @@ def compare_runs(
     held: Deferred | None = None
     checks_a: list[CheckResult] = []  # reader checks of each piece, merged per code and rule at the end
     checks_b: list[CheckResult] = []
-    side_rows: list[ReportRow] = []
+    shown: list[SideMetrics] = []  # each run's own metrics, fed piece by piece (--metrics)
+    tau_samples = None if model is None else TauSamples()  # the first matched tokens the τ fit reads
     pair: AlignedPair | None = None
     side_a = side_b = None
     la = lb = ""
@@ -417,6 +443,14 @@ def compare_runs(
                 a,
                 b,
             )
+        if metrics_a is not None and not shown:
+            shown.append(SideMetrics(la, a, metrics_a))
+            if metrics_b is not None:
+                shown.append(SideMetrics(lb, b, metrics_b))
+        # each run's own metrics before the pair is aligned and the batch dropped; a lone step feeds its run
+        for metric_side, side in zip(shown, (side_a, side_b), strict=False):
+            if side is not None:
+                metric_side.add(side.batch)
         if side_a is None or side_b is None:  # a step present in one run only: all its samples unmatched
             lone, which = (side_b, "b") if side_a is None else (side_a, "a")
             part = unmatched_side(
@@ -433,9 +467,6 @@ def compare_runs(
         piece_pair = align_batches(
             batch_a, batch_b, stream_a=sa, stream_b=sb, join=join, ignore=ignore, deferred=len(pieces) > 1
         )
-        if settings.metrics is not None:  # --metrics reads the runs whole (one piece)
-            shown = [(la, side_a)] if one_run else [(la, side_a), (lb, side_b)]
-            side_rows = side_by_side_rows([MetricSide(lab, s.run, s.batch, s.metrics) for lab, s in shown])
         del batch_a, batch_b
         side_a = _aligned(side_a)
         side_b = side_a if one_run else _aligned(side_b)
@@ -454,6 +485,10 @@ def compare_runs(
                 pieces=len(pieces),
             )
         pooled.add(piece_pair, np.asarray(DLOGP_EDGES))
+        if writer is not None:
+            writer.add(piece_pair)
+        if tau_samples is not None and not tau_samples.full:
+            tau_samples.add(piece_pair, _input_ids_of(piece_pair, side_b))
         if len(pieces) == 1:
             pair = piece_pair
         del piece_pair
@@ -496,14 +531,19 @@ def compare_runs(
     tau = None
     issues_tau: list[Issue] = []
     if model is not None:
-        assert pair is not None  # --model reads the runs whole
-        tau = _exact_tau(pair, side_b, model)
+        from pgdiag.compare.tau import exact_tau
+
+        assert tau_samples is not None
+        tau = exact_tau(tau_samples, model)
         rows.append(ReportRow(name, "token", "all", "all", "mismatch/tau_fit", tau.tau, "1", "fit", tau.n))
         rows.append(
             ReportRow(name, "token", "all", "all", "mismatch/tau_fit_rms", tau.rms, "nats", "fit", tau.n)
         )
-        issues_tau = _tau_warning(pair, tau.tau)
-    rows += side_rows
+        issues_tau = _tau_warning(name, la, lb, n, tau.tau)
+    side_meta: dict[str, Any] = {}
+    if shown:
+        side_rows, side_meta = side_by_side_rows(shown)
+        rows += side_rows
     meta_a = Side(None, None, None if isinstance(a, TokenBatch) else a)
     if one_run:
         issues_meta = _metadata_issues(meta_a, [sa, sb])
@@ -548,6 +588,7 @@ def compare_runs(
                 "first_token_ratio": diagnosis.first_token_ratio,
             }
         },
+        **({"side_metrics": side_meta} if side_meta else {}),
     }
     worst_tok, worst_seq = pooled.worst()
     report = Report(
@@ -578,28 +619,42 @@ def _metadata_issues(side: Side, streams: list[str]) -> list[Issue]:
 TAU_WARN = 0.02  # |tau_fit − 1| above this is reported (the `recommended` profile's tau_dev gate)
 
 
-def _exact_tau(pair: AlignedPair, side_b: Side, model: str | Path) -> TemperatureFit:
-    """The exact τ fit with side b's logits; needs side b read from disk (its input_ids)."""
+def _input_ids_of(pair: AlignedPair, side_b: Side) -> Callable[[np.ndarray], list[np.ndarray]]:
+    """matched samples of `pair` -> side b's full input_ids of each, read from side b's run (the piece's steps),
+    those rows only; the exact τ fit needs side b read from disk."""
     if side_b.run is None or side_b.sample_row is None:
         raise UsageError(
             "E512", "--model needs runs read from disk (the fit recomputes logits from input_ids)"
         )
-    from pgdiag.compare.tau import exact_tau
+    run, sample_row = side_b.run, np.asarray(side_b.sample_row, dtype=np.int64)
 
-    source_rows = np.asarray(side_b.sample_row, dtype=np.int64)[pair.rows_b]
-    ids = side_b.run.collect(["input_ids"])["input_ids"]
-    return exact_tau(pair, [ids[int(r)].to_numpy() for r in source_rows], model)
+    def read(samples: np.ndarray) -> list[np.ndarray]:
+        source_rows = sample_row[pair.rows_b[samples]]  # (k,) rows of side b's run
+        wanted = np.unique(source_rows)
+        try:
+            frame = (
+                run.lazy.with_row_index("_pgdiag_row")
+                .filter(pl.col("_pgdiag_row").is_in(wanted.tolist()))
+                .select("_pgdiag_row", "input_ids")
+                .collect()
+            )
+        except pl.exceptions.PolarsError as exc:
+            raise InvalidInputError("E103", f"{run.label}: cannot read column input_ids ({exc})") from exc
+        by_row = dict(zip(frame["_pgdiag_row"].to_list(), frame["input_ids"], strict=True))
+        return [by_row[int(r)].to_numpy() for r in source_rows]
+
+    return read
 
 
-def _tau_warning(pair: AlignedPair, tau: float | None) -> list[Issue]:
+def _tau_warning(name: str, label_a: str, label_b: str, n_tokens: int, tau: float | None) -> list[Issue]:
     if tau is None or abs(tau - 1.0) <= TAU_WARN:
         return []
     return [
         Issue(
             "W401",
             "warning",
-            pair.n_tokens,
-            f"{pair.pair}: best-fit temperature {tau:.4g} from {pair.label_b}'s logits: {pair.label_a} looks "
-            f"sampled at T ≈ {tau:.3g} relative to {pair.label_b}; check temperature on both sides",
+            n_tokens,
+            f"{name}: best-fit temperature {tau:.4g} from {label_b}'s logits: {label_a} looks "
+            f"sampled at T ≈ {tau:.3g} relative to {label_b}; check temperature on both sides",
         )
     ]

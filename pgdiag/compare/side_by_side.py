@@ -2,9 +2,10 @@
 
 What: `side_settings` picks each side's `MetricSettings` (the compared stream as `new`, the other canonical
 behaviour stream as `old`, resolved against the run) before the run is read, so `compare` reads each run once
-with the union of the streams both need; `side_by_side_rows` then runs `metrics.api.metrics_report` on those
-batches (any aggregation, any key style) and returns its rows with scope `batch`, per step and pooled, plus for
-two runs the deltas b − a of the pooled values (pair ``"<b> - <a>"``).
+with the union of the streams both need; a `SideMetrics` per shown run is fed each piece's batch of that run
+(`add`, the metrics engine `pgdiag metrics` streams with: `NativeStream`, or `StyleStream` for a key style), and
+`side_by_side_rows` turns them into rows with scope `batch`, per step and pooled, plus for two runs the deltas
+b − a of the pooled values (pair ``"<b> - <a>"``).
 Why: a parity table says the log-probs differ; the side-by-side metrics say what that does to the clip fractions,
 KL and losses each trainer logs. Scope `batch` keeps these rows out of compare's gates, and each run's own
 `mismatch/*` keys are left out: the compared pair is the mismatch this command reports.
@@ -13,26 +14,61 @@ KL and losses each trainer logs. Scope `batch` keeps these rows out of compare's
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import polars as pl
 
 from pgdiag.data.batch import TokenBatch
 from pgdiag.errors import UsageError
-from pgdiag.metrics.api import metrics_report, resolve_streams
+from pgdiag.metrics.api import resolve_streams, stream_report
+from pgdiag.metrics.pooled import QuantileSettings
 from pgdiag.metrics.settings import MetricSettings
-from pgdiag.report.report import ReportRow
+from pgdiag.report.report import Report, ReportRow
 
 
-@dataclass(frozen=True)
-class MetricSide:
-    """One run whose own metrics are shown: its report label, the run, its batch and resolved settings."""
+class SideMetrics:
+    """One run's own metric set, accumulated piece by piece as `compare` reads the run (docs/compare.md).
 
-    label: str
-    run: Any  # `Run`
-    batch: TokenBatch
-    settings: MetricSettings
+    `add(batch)` feeds one piece's batch of this run (pieces in step order, never splitting a step, as
+    `pgdiag metrics` reads chunks) and keeps only per-step rows, per-sample tables and the pooled token
+    summaries; `report()` gives the metrics `Report` the same run would get from `compute_metrics` read in the
+    same chunks (the ``all`` token quantiles exact up to `quantiles.exact_limit`, then sketched, with its notice).
+    """
+
+    def __init__(
+        self, label: str, run: Any, settings: MetricSettings, quantiles: QuantileSettings | None = None
+    ) -> None:
+        from pgdiag.metrics.engine import NativeStream, StyleStream
+
+        self.label = label  # the run's label in the comparison
+        self.run = run  # `Run`
+        self.settings = settings  # resolved against `run` (`side_settings`)
+        self.quantiles = quantiles or QuantileSettings()
+        self.engine = (
+            NativeStream(settings, self.quantiles)
+            if settings.key_style == "pgdiag"
+            else StyleStream(settings)
+        )
+        self.n_samples = 0
+        self.n_tokens = 0
+
+    def add(self, batch: TokenBatch) -> None:
+        """Reduce one piece's batch of this run (its per-step rows and what the ``all`` row needs)."""
+        self.engine.add(batch)
+        self.n_samples += batch.n_samples
+        self.n_tokens += batch.n_tokens
+
+    def report(self) -> Report:
+        """The metrics report of every piece added (step rows, the pooled ``all`` row, quantile meta)."""
+        return stream_report(
+            self.engine,
+            self.settings,
+            run=self.run,
+            n_samples=self.n_samples,
+            n_tokens=self.n_tokens,
+            quantiles=self.quantiles,
+        )
 
 
 def side_settings(run: Any, stream: str, settings: MetricSettings) -> MetricSettings:
@@ -48,12 +84,18 @@ def side_settings(run: Any, stream: str, settings: MetricSettings) -> MetricSett
     return resolve_streams(run, replace(settings, new=new, old=old))
 
 
-def side_by_side_rows(sides: Sequence[MetricSide]) -> list[ReportRow]:
-    """Rows of scope `batch` for each side and, with two sides, the deltas of the pooled values b − a."""
+def side_by_side_rows(sides: Sequence[SideMetrics]) -> tuple[list[ReportRow], dict[str, Any]]:
+    """Rows of scope `batch` for each side and, with two sides, the deltas of the pooled values b − a; also
+    each side's pooled-quantile meta and notices by label (compare's ``side_metrics`` meta)."""
     rows: list[ReportRow] = []
+    meta: dict[str, Any] = {}
     pooled: dict[str, dict[str, tuple[float | None, str, str]]] = {}
     for side in sides:
-        report = metrics_report(side.batch, side.settings, run=side.run)
+        report = side.report()
+        meta[side.label] = {
+            "pooled_quantiles": report.meta["pooled_quantiles"],
+            "notices": list(report.meta["notices"]),
+        }
         frame = report.summary.filter(
             pl.col("breakdown").is_in(["all", "step"]) & ~pl.col("metric").str.starts_with("mismatch/")
         )
@@ -81,4 +123,4 @@ def side_by_side_rows(sides: Sequence[MetricSide]) -> list[ReportRow]:
             va = pooled.get(la, {}).get(metric, (None,))[0]
             delta = None if va is None or vb is None else vb - va
             rows.append(ReportRow(f"{lb} - {la}", "batch", "all", "all", metric, delta, unit, reduction, 0))
-    return rows
+    return rows, meta

@@ -1,18 +1,22 @@
 """Exact best-fit temperature of a comparison from side b's logits (docs/metrics.md, `compare --model CKPT`).
 
-What: `exact_tau(pair, input_ids, model_path)` recomputes side b's logits at the matched loss positions with
+What: `TauSamples` collects, piece by piece as `compare` reads the runs, the first `max_tokens` matched loss
+tokens in matched order (positions, lp_a) with side b's `input_ids` of their samples; `exact_tau(samples,
+model_path)` then recomputes side b's logits at those positions with
 pgdiag's own model (`pgdiag.model.load_model`, fp32 body and head so the fit is not blurred by bf16 rounding)
 and fits τ* = argmin Σ (z[y]/τ − logsumexp(z/τ) − lp_a)² with `pgdiag.metrics.mismatch.fit_temperature`.
 Why: the logprob-only hint (the OLS slope) is biased by the per-position normaliser; with logits the fit is exact:
 a sampling side at T = 0.7 gives τ* = 0.7 up to the numerics of the recompute.
 How: samples are taken in matched order until `max_tokens` loss tokens are collected (the fit holds (M, V)
-float64 logits, so the budget bounds memory at M·V·8 bytes); each sample runs one teacher-forced forward pass
-(position p's logits come from the hidden state at p − 1), logits are gathered only at loss positions.
+float64 logits, so the budget bounds memory at M·V·8 bytes; the last sample taken may be cut); only those
+samples' `input_ids` are read, so a run read step by step gives the fit of the run read whole. Each sample runs
+one teacher-forced forward pass (position p's logits come from the hidden state at p − 1), logits are gathered
+only at loss positions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -23,41 +27,62 @@ from pgdiag.metrics.mismatch import TemperatureFit, fit_temperature
 TAU_FIT_TOKENS = 8192
 
 
-def exact_tau(
-    pair: AlignedPair,
-    input_ids: Sequence[np.ndarray],
-    model_path: str | Path,
-    *,
-    max_tokens: int = TAU_FIT_TOKENS,
-) -> TemperatureFit:
-    """τ* of `pair` with side b's logits from `model_path`; `input_ids[i]` holds matched sample i's full ids."""
+class TauSamples:
+    """The first `max_tokens` matched loss tokens of a comparison, in matched order, and their samples' ids."""
+
+    def __init__(self, max_tokens: int | None = None) -> None:
+        self.max_tokens = TAU_FIT_TOKENS if max_tokens is None else max_tokens
+        self.input_ids: list[np.ndarray] = []  # per taken sample: (T,) side b's full input_ids
+        self.pos: list[np.ndarray] = []  # per taken sample: (m,) int64 loss positions, all >= 1
+        self.lp_a: list[np.ndarray] = []  # per taken sample: (m,) float64 side a's log-probs
+        self.taken = 0  # loss tokens collected
+
+    @property
+    def full(self) -> bool:
+        return self.taken >= self.max_tokens
+
+    def add(self, pair: AlignedPair, read_ids: Callable[[np.ndarray], Sequence[np.ndarray]]) -> None:
+        """Take `pair`'s matched samples in order until the budget is reached; `read_ids(samples)` gives side
+        b's input_ids of those matched samples (indices into `pair`), in that order."""
+        taken: list[tuple[int, int, int]] = []  # (matched sample, first token, end token)
+        for i in range(pair.n_samples):
+            if self.full:
+                break
+            lo, hi = int(pair.offsets[i]), int(pair.offsets[i + 1])
+            if hi == lo:
+                continue
+            hi = min(hi, lo + self.max_tokens - self.taken)
+            taken.append((i, lo, hi))
+            self.taken += hi - lo
+        if not taken:
+            return
+        ids = read_ids(np.asarray([i for i, _, _ in taken], dtype=np.int64))
+        for (_, lo, hi), sample_ids in zip(taken, ids, strict=True):
+            self.input_ids.append(np.asarray(sample_ids, dtype=np.int64))
+            self.pos.append(pair.pos[lo:hi].astype(np.int64))
+            self.lp_a.append(np.array(pair.lp_a[lo:hi], dtype=np.float64))
+
+
+def exact_tau(samples: TauSamples, model_path: str | Path) -> TemperatureFit:
+    """τ* of the collected `samples` with side b's logits from `model_path`."""
     import torch
 
     from pgdiag.model import load_model
 
     model = load_model(model_path, dtype="fp32", head_dtype="fp32", device="cpu")
     weight = model.lm_head_weight.float()  # (V_local, H); TP = 1 here, so V_local = V
-    targets, rows, lp_a = [], [], []
-    taken = 0
-    for i in range(pair.n_samples):
-        lo, hi = int(pair.offsets[i]), int(pair.offsets[i + 1])
-        if hi == lo:
-            continue
-        hi = min(hi, lo + max_tokens - taken)
-        ids = torch.as_tensor(np.asarray(input_ids[i], dtype=np.int64))  # (T,)
+    targets, rows = [], []
+    for sample_ids, sample_pos in zip(samples.input_ids, samples.pos, strict=True):
+        ids = torch.as_tensor(sample_ids)  # (T,)
         positions = torch.arange(ids.shape[0], dtype=torch.int64)
         cu = torch.tensor([0, ids.shape[0]], dtype=torch.int32)
         hidden = model.hidden_states(ids, positions, cu).float()  # (T, H)
-        pos = torch.as_tensor(pair.pos[lo:hi].astype(np.int64))  # (m,) loss positions, all >= 1
+        pos = torch.as_tensor(sample_pos)  # (m,) loss positions, all >= 1
         with torch.no_grad():
             logits = hidden[pos - 1] @ weight.T  # (m, V) fp32: position p is predicted from p - 1
         token = ids[pos]  # (m,)
         rows.append(logits.double().numpy())
         targets.append(logits.double().gather(1, token[:, None]).squeeze(1).numpy())
-        lp_a.append(pair.lp_a[lo:hi])
-        taken += hi - lo
-        if taken >= max_tokens:
-            break
     if not rows:
         return fit_temperature(np.zeros(0), np.zeros((0, 1)), np.zeros(0))
-    return fit_temperature(np.concatenate(targets), np.concatenate(rows), np.concatenate(lp_a))
+    return fit_temperature(np.concatenate(targets), np.concatenate(rows), np.concatenate(samples.lp_a))

@@ -87,17 +87,28 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = temp_path(path)
     try:
         write(tmp)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        replace_with(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
     return path
+
+
+def temp_path(path: Path) -> Path:
+    """The temp file of an atomic write of `path`: ``.<name>.tmp-<pid>-<random>`` in the same directory."""
+    return path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def replace_with(tmp: Path, path: Path) -> None:
+    """fsync the finished `tmp`, move it onto `path`, fsync the directory (a file written elsewhere in pieces,
+    such as `compare --tokens-out`'s, lands the way `atomic_write`'s do)."""
+    with open(tmp, "rb+") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 def check_destination(

@@ -320,7 +320,7 @@ def metrics_report(
     ignored: Sequence[str] = (),
 ) -> Report:
     """The metric set of an already read and validated `batch` of `run` under stream-resolved `settings`
-    (`resolve_streams`); `compare --metrics` calls it on the batch it read, so no run is read twice."""
+    (`resolve_streams`), read whole (`compare --metrics` feeds its pieces to a stream instead: `stream_report`)."""
     from pgdiag.metrics.engine import compute_by_step, compute_native
     from pgdiag.metrics.styles import compute_step_style
 
@@ -389,3 +389,37 @@ def _report(
     if checks is None:
         return Report(kind="metrics", summary=summary_frame(rows), meta=meta)
     return Report(kind="metrics", summary=summary_frame(rows), meta=meta, checks=checks)
+
+
+def stream_report(
+    engine: Any,
+    settings: MetricSettings,
+    *,
+    run: Run,
+    n_samples: int,
+    n_tokens: int,
+    quantiles: QuantileSettings,
+) -> Report:
+    """The metrics `Report` of an engine (`NativeStream` or `StyleStream`) fed chunk by chunk elsewhere (`compare
+    --metrics` feeds it the pieces compare reads): its step rows, the pooled ``all`` row, and the pooled quantile
+    meta and notice `compute_metrics` gives; no checks table (the caller's reader checked the chunks)."""
+    results = [*engine.steps, engine.finish()]
+    exact = bool(engine.quantiles_exact)
+    notice = _quantile_notice(exact, quantiles)
+    return _report(
+        results,
+        settings,
+        run=run,
+        n_samples=n_samples,
+        n_tokens=n_tokens,
+        checks=None,
+        ignored=(),
+        extra_meta={
+            "pooled_quantiles": {
+                "exact": exact,
+                "exact_limit": quantiles.exact_limit,
+                "relative_error": None if exact else quantiles.relative_error,
+            }
+        },
+        extra_notices=[] if notice is None else [notice],
+    )

@@ -55,7 +55,33 @@ def test_each_run_is_read_once(scans: tuple[Counter, Counter], args: tuple, runs
     assert result.exit_code in (0, 1), result.output
     reads, step_scans = scans
     assert dict(reads) == dict.fromkeys(runs, 1)
-    # metrics, check and compare plan their chunks from the step column: rows per step, and null steps (no chunk
-    # holds those); compare --metrics reads its runs whole: no plan
-    planned = {} if "--metrics" in args else dict.fromkeys(runs, 2)
-    assert dict(step_scans) == planned
+    # metrics, check and compare (--metrics too) plan their chunks from the step column: rows per step, and null
+    # steps (no chunk holds those)
+    assert dict(step_scans) == dict.fromkeys(runs, 2)
+
+
+@pytest.mark.parametrize("one_run", [False, True], ids=["two-runs", "one-run"])
+def test_compare_metrics_read_step_by_step_reads_each_piece_once(
+    scans: tuple[Counter, Counter], one_run: bool
+) -> None:
+    """compare --metrics in pieces of one step (4 steps of 32 rows per run): each piece of each run is read once,
+    its batch feeding both the parity pieces and the side-by-side metrics."""
+    from pgdiag.compare.api import compare_runs
+    from pgdiag.data.runs import read_run
+    from pgdiag.metrics.settings import MetricSettings
+
+    runs = ("run_a",) if one_run else ("run_a", "run_b")
+    b = None if one_run else read_run(RUN_B)
+    comparison = compare_runs(
+        read_run(RUN_A), b, metrics=MetricSettings(), chunk_rows=32 * len(runs), join="id"
+    )
+    reads, step_scans = scans
+    assert dict(reads) == dict.fromkeys(runs, 4)
+    assert dict(step_scans) == dict.fromkeys(runs, 2)
+    batch = comparison.report.summary.filter(pl.col("scope") == "batch")
+    assert sorted(batch.filter(pl.col("breakdown") == "step")["bucket"].unique().to_list()) == [
+        "0",
+        "1",
+        "2",
+        "3",
+    ]

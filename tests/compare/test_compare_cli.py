@@ -142,6 +142,17 @@ def test_shifted_run_exits_3_with_location(runs) -> None:
     assert json.loads(result.stdout)["error"]["code"] == "E302"
 
 
+def test_tokens_out_is_not_written_when_compare_exits_3(runs, tmp_path) -> None:
+    out = tmp_path / "tok"
+    result = _invoke("compare", runs["a"], runs["shifted"], "--tokens-out", out / "tokens.parquet")
+    assert result.exit_code == 3 and "error[E302]" in result.stderr
+    assert not out.exists() or list(out.iterdir()) == []  # neither the table nor its temp file
+    result = _invoke("compare", runs["a"], runs["same"], "--tokens-out", out / "tokens.parquet", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["files"]["tokens"] == str(out / "tokens.parquet")
+    assert pl.read_parquet(out / "tokens.parquet")["dlogp"].abs().max() == 0.0  # the same run twice
+
+
 def test_unknown_gate_is_usage_error(runs) -> None:
     result = _invoke("compare", runs["a"], runs["same"], "--fail-on", "mismatch/nope>1")
     assert result.exit_code == 2

@@ -177,3 +177,157 @@ def test_comoments_merge_equals_the_whole() -> None:
     slope, r = parts.slope_and_r()
     assert slope == pytest.approx(np.polyfit(x, y, 1)[0], rel=1e-12)
     assert r == pytest.approx(np.corrcoef(x, y)[0, 1], rel=1e-12)
+
+
+def _two_stream_runs(tmp_path, samples_a: list[dict], samples_b: list[dict]):
+    streams = {"rollout_logprobs": "rollout", "old_logprobs": "old"}
+    a = write_run(tmp_path / "a2.parquet", samples_a, run="a", streams=streams)
+    b = write_run(tmp_path / "b2.parquet", samples_b, run="b", streams=streams)
+    return read_run(a), read_run(b)
+
+
+def _batch_rows(comparison) -> pl.DataFrame:
+    return comparison.report.summary.filter(pl.col("scope") == "batch")
+
+
+def _whole_read_rows(run, stream: str, settings, label: str) -> pl.DataFrame:
+    """What compare --metrics reported before it streamed: `metrics_report` on the run's batch read whole."""
+    from pgdiag.compare.side_by_side import side_settings
+    from pgdiag.data.runs import read_token_batch
+    from pgdiag.metrics.api import metric_streams, metrics_report
+
+    resolved = side_settings(run, stream, settings)
+    batch = read_token_batch(run, streams=metric_streams(resolved), env=True).batch
+    summary = metrics_report(batch, resolved, run=run).summary
+    return summary.filter(
+        pl.col("breakdown").is_in(["all", "step"]) & ~pl.col("metric").str.starts_with("mismatch/")
+    ).with_columns(pl.col("pair").str.replace(f"{run.label}:", f"{label}:", literal=True))
+
+
+def _assert_same_batch_rows(one: pl.DataFrame, many: pl.DataFrame) -> None:
+    """Step rows bit-identical; pooled `all` rows and their deltas to relative 1e-12 (docs/metrics.md)."""
+    keys = ["pair", "breakdown", "bucket", "metric", "unit", "reduction", "n", "bucket_lo", "bucket_hi"]
+    assert one.select(keys).equals(many.select(keys))
+    step = (one["breakdown"] == "step").to_numpy()
+    v1, v2 = one["value"].to_numpy(), many["value"].to_numpy()
+    np.testing.assert_array_equal(v1[step], v2[step])
+    np.testing.assert_allclose(v1, v2, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("key_style", ["pgdiag", "verl"])
+def test_metrics_side_by_side_many_pieces_equal_one_piece_and_the_whole_read(tmp_path, key_style) -> None:
+    from pgdiag.metrics.settings import MetricSettings
+
+    samples = _samples(3)
+    run_a, run_b = _two_stream_runs(tmp_path, samples, samples)
+    settings = MetricSettings(key_style=key_style)
+    one = compare_runs(run_a, run_b, stream_a="old", metrics=settings, worst_k=7)
+    many = compare_runs(run_a, run_b, stream_a="old", metrics=settings, worst_k=7, chunk_rows=1)
+    some = compare_runs(run_a, run_b, stream_a="old", metrics=settings, worst_k=7, chunk_rows=24)
+    assert one.pair is not None and many.pair is None  # --metrics no longer forces one piece
+    _assert_same_report(one, many)
+    _assert_same_report(one, some)
+    _assert_same_batch_rows(_batch_rows(one), _batch_rows(many))
+    _assert_same_batch_rows(_batch_rows(one), _batch_rows(some))
+    # one piece is the old whole read, bit for bit: metrics_report on each run's whole batch
+    rows = _batch_rows(one).filter(pl.col("pair") != "b - a")
+    reference = pl.concat(
+        [_whole_read_rows(run_a, "old", settings, "a"), _whole_read_rows(run_b, "old", settings, "b")]
+    )
+    assert rows.drop("scope").equals(reference.drop("scope"))
+    meta = many.report.meta["side_metrics"]
+    assert set(meta) == {"a", "b"} and meta["a"]["pooled_quantiles"]["exact"] is True
+    if key_style == "pgdiag":  # hand check: both runs are the same, every delta is 0; every step is a row
+        deltas = _batch_rows(many).filter(pl.col("pair") == "b - a")["value"].drop_nulls()
+        assert deltas.len() > 20 and (deltas == 0.0).all()
+        tokens = _batch_rows(many).filter(
+            (pl.col("pair") == "a:rollout vs a:old") & (pl.col("metric") == "count/tokens")
+        )
+        assert tokens["bucket"].to_list() == ["0", "1", "2", "3", "4", "5", "all"]
+        assert tokens["value"][-1] == sum(len(s["loss"]) for s in samples)
+
+
+def test_metrics_side_by_side_counts_a_step_of_one_run_only(tmp_path) -> None:
+    from pgdiag.metrics.settings import MetricSettings
+
+    samples = _samples(5)
+    only_a = [s for s in samples if s["step"] != 2]  # step 2 in run b only
+    only_b = [s for s in samples if s["step"] != 5]  # step 5 in run a only
+    run_a, run_b = _two_stream_runs(tmp_path, only_a, only_b)
+    options = {"stream_a": "old", "metrics": MetricSettings(), "ignore": ["E306"]}
+    one = compare_runs(run_a, run_b, **options)
+    many = compare_runs(run_a, run_b, chunk_rows=1, **options)
+    _assert_same_report(one, many)
+    _assert_same_batch_rows(_batch_rows(one), _batch_rows(many))
+    steps = _batch_rows(many).filter(pl.col("breakdown") == "step")
+    assert "5" in steps.filter(pl.col("pair") == "a:rollout vs a:old")["bucket"].to_list()
+    assert "2" in steps.filter(pl.col("pair") == "b:rollout vs b:old")["bucket"].to_list()
+    assert "2" not in steps.filter(pl.col("pair") == "a:rollout vs a:old")["bucket"].to_list()
+
+
+def test_tokens_out_many_pieces_equal_the_whole_table(tmp_path, monkeypatch) -> None:
+    import pyarrow.parquet as pq
+
+    from pgdiag.compare import tokens
+
+    monkeypatch.setattr(tokens, "ROW_GROUP_ROWS", 50)  # row groups cut across pieces and within them
+    samples = _samples(3)
+    run_a, run_b = _runs(tmp_path, samples, samples)
+    whole = compare_runs(run_a, run_b, keep_tokens=True)
+    assert whole.pair is not None and whole.tokens_file is None
+    reference = tokens.write_token_table(whole.pair, tmp_path / "whole.parquet")
+    written = {}
+    for chunk_rows in (10**6, 1, 24):
+        path = tmp_path / f"tokens-{chunk_rows}.parquet"
+        comparison = compare_runs(run_a, run_b, tokens_out=path, chunk_rows=chunk_rows)
+        assert comparison.tokens_file == path
+        written[chunk_rows] = path
+    expected = pl.read_parquet(reference)
+    assert expected.height == whole.pair.n_tokens > 500
+    ref_file = pq.ParquetFile(reference)
+    for path in written.values():
+        assert pl.read_parquet(path).equals(expected)
+        file = pq.ParquetFile(path)
+        assert file.schema_arrow.equals(ref_file.schema_arrow, check_metadata=True)
+        sizes = [file.metadata.row_group(i).num_rows for i in range(file.num_row_groups)]
+        assert sizes == [ref_file.metadata.row_group(i).num_rows for i in range(ref_file.num_row_groups)]
+        assert sizes[:-1] == [50] * (len(sizes) - 1)
+        assert file.metadata.row_group(0).column(0).compression == "ZSTD"
+    table = pl.read_parquet(written[1])
+    np.testing.assert_array_equal(
+        table["dlogp"].to_numpy(), table["lp_b"].to_numpy() - table["lp_a"].to_numpy()
+    )
+    assert table["step"].to_list() == sorted(table["step"].to_list())  # pieces in step order
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_tokens_out_is_not_written_when_the_comparison_fails(tmp_path) -> None:
+    samples = _samples(5)
+    run_a, run_b = _runs(tmp_path, [s for s in samples if s["step"] != 5], samples)  # E306 after every piece
+    out = tmp_path / "out"
+    out.mkdir()
+    for chunk_rows in (10**6, 1):
+        with pytest.raises(InvalidInputError, match=r"no match"):
+            compare_runs(run_a, run_b, tokens_out=out / "tokens.parquet", chunk_rows=chunk_rows)
+        assert list(out.iterdir()) == []  # neither the table nor its temp file
+    (out / "tokens.parquet").write_bytes(b"keep")
+    from pgdiag.errors import UsageError
+
+    with pytest.raises(UsageError) as caught:
+        compare_runs(run_a, run_b, tokens_out=out / "tokens.parquet", ignore=["E306"])
+    assert caught.value.code == "E502" and (out / "tokens.parquet").read_bytes() == b"keep"
+    done = compare_runs(run_a, run_b, tokens_out=out / "tokens.parquet", ignore=["E306"], overwrite=True)
+    assert pl.read_parquet(done.tokens_file).height == done.report.meta["inputs"]["n_tokens"]
+    assert [p.name for p in out.iterdir()] == ["tokens.parquet"]
+
+
+def test_metrics_side_by_side_of_one_run_by_step(tmp_path) -> None:
+    from pgdiag.metrics.settings import MetricSettings
+
+    run, _ = _two_stream_runs(tmp_path, _samples(9), _samples(9))
+    one = compare_runs(run, metrics=MetricSettings())
+    many = compare_runs(run, metrics=MetricSettings(), chunk_rows=5)
+    _assert_same_report(one, many)
+    _assert_same_batch_rows(_batch_rows(one), _batch_rows(many))
+    assert set(_batch_rows(many)["pair"]) == {"a:rollout vs a:old"}  # one run: no deltas
+    assert list(many.report.meta["side_metrics"]) == ["a"]

@@ -39,7 +39,16 @@ def _tiny_llama(path) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def tempered_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tau")
+    return _tempered_runs(tmp_path_factory.mktemp("tau"), stepped=False)
+
+
+@pytest.fixture(scope="module")
+def stepped_runs(tmp_path_factory):
+    """The same samples, one per step (6 steps): a comparison read step by step holds them in 6 pieces."""
+    return _tempered_runs(tmp_path_factory.mktemp("tau_steps"), stepped=True)
+
+
+def _tempered_runs(root, *, stepped: bool):
     model = _tiny_llama(root / "ckpt")
     rng = np.random.default_rng(3)
     samples = []
@@ -56,7 +65,7 @@ def tempered_runs(tmp_path_factory):
         lp_tempered = torch.log_softmax(pred / 0.7, dim=-1).gather(1, tok).squeeze(1).numpy()
         lp_plain = torch.log_softmax(pred, dim=-1).gather(1, tok).squeeze(1).numpy()
         samples.append({
-            "step": 0, "sample_id": f"s{i}", "input_ids": ids.tolist(), "prompt_len": prompt_len, "loss": loss,
+            "step": i if stepped else 0, "sample_id": f"s{i}", "input_ids": ids.tolist(), "prompt_len": prompt_len, "loss": loss,
             "streams": {"rollout": lp_tempered, "old": lp_plain}, "reward": 0.0, "env": "x",
         })  # fmt: skip
     a = write_run(root / "engine.parquet", samples, run="engine", streams={"rollout_logprobs": "rollout"})
@@ -83,3 +92,28 @@ def test_tau_gate_fails_through_the_cli(tempered_runs) -> None:
     assert result.exit_code == 1, result.output
     gate = json.loads(result.stdout)["gates"][0]
     assert gate["metric"] == "mismatch/tau_fit" and abs(gate["value"] - 0.3) < 0.01
+
+
+def test_exact_tau_read_step_by_step_equals_one_piece(stepped_runs, monkeypatch) -> None:
+    """Six pieces of one step each give the fit of one piece exactly; with a budget of 40 tokens (the third
+    sample cut after 6 of its 17) both fit the same first 40 matched tokens."""
+    from pgdiag.compare import tau as tau_module
+
+    a, b, ckpt = stepped_runs
+
+    def fit(chunk_rows: int) -> tuple[float, float, int, list[str]]:
+        report = compare_runs(
+            read_run(a), read_run(b), stream_a="rollout", model=ckpt, chunk_rows=chunk_rows
+        ).report
+        row = report.summary.filter(report.summary["metric"] == "mismatch/tau_fit").row(0, named=True)
+        w401 = report.checks.filter(report.checks["code"] == "W401")["message"].to_list()
+        return row["value"], report.value("mismatch/tau_fit_rms", scope="token"), row["n"], w401
+
+    one, many = fit(10**6), fit(2)
+    assert one == many
+    assert one[2] == 6 * 17 and abs(one[0] - 0.7) < 0.01
+    assert len(one[3]) == 1 and "best-fit temperature 0.7" in one[3][0]
+    monkeypatch.setattr(tau_module, "TAU_FIT_TOKENS", 40)
+    cut_one, cut_many = fit(10**6), fit(2)
+    assert cut_one == cut_many and cut_one[2] == 40
+    assert abs(cut_one[0] - 0.7) < 0.01 and cut_one[1] != one[1]  # a fit of fewer tokens

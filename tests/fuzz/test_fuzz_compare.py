@@ -3,7 +3,8 @@ run (a footer entry of any JSON shape, a column of another type), and two sides 
 fit together (rows dropped, ids, steps, tokens, masks or log-probs changed on one side).
 
 Contract: exit 0/1, or one ``error[CODE]`` line with the code's exit code, no traceback, no ``internal error``,
-nothing written to ``--out``; through the API (`compare_runs`), a report or a `PgdiagError`. Examples per test:
+nothing written to ``--out``; through the API (`compare_runs`, also read step by step with `--metrics` and a token
+table), a report or a `PgdiagError` and no token table. Examples per test:
 4 by default, 400 with ``pytest --slow``.
 """
 
@@ -36,6 +37,20 @@ def assert_compare_contract(run_a: Path, run_b: Path, out: Path) -> None:
         assert files_under(out) == set(), result.output
     with contextlib.suppress(PgdiagError):
         pgdiag.compare_runs(pgdiag.read_run(run_a), pgdiag.read_run(run_b))
+    # read step by step (a piece per step), with the token table and each run's own metrics: the same contract,
+    # and no token table (nor its temp file) after an error
+    tokens = out.parent / "api_tokens"
+    shutil.rmtree(tokens, ignore_errors=True)
+    try:
+        pgdiag.compare_runs(
+            pgdiag.read_run(run_a),
+            pgdiag.read_run(run_b),
+            metrics=pgdiag.MetricSettings(),
+            tokens_out=tokens / "t.parquet",
+            chunk_rows=1,
+        )
+    except PgdiagError:
+        assert files_under(tokens) == set()
 
 
 def test_compare_side_with_footer_of_any_shape(tmp_path: Path, fuzz_examples: int) -> None:
