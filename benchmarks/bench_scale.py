@@ -52,6 +52,33 @@ COMMANDS = {
         "--json",
         "-q",
     ],
+    # two runs joined across steps: the run against itself, rollout vs old, paired by seq_hash in any step
+    "compare-any-step": [
+        "compare",
+        "{run}",
+        "{run}",
+        "--join",
+        "hash-any-step",
+        "--stream-a",
+        "rollout",
+        "--stream-b",
+        "old",
+        "--json",
+        "-q",
+    ],
+    # N-way: three runs (the run three times), rollout on the baseline vs old on the others, and the matrix
+    "compare-nway": [
+        "compare",
+        "{run}",
+        "{run}",
+        "{run}",
+        "--stream-a",
+        "rollout",
+        "--stream-b",
+        "old",
+        "--json",
+        "-q",
+    ],
     # steps of 3,000 documents cut across the run's steps of ~5,000 (10M) or ~15,000 (30M) samples
     "metrics-docs": [
         "metrics",
@@ -173,8 +200,11 @@ def timed(cmd: list[str]) -> tuple[float, float, float, int, str]:
 
 
 def git_commit() -> str:
+    """The commit of the pgdiag the commands run (the checkout `import pgdiag` finds, PYTHONPATH included)."""
     try:
-        here = Path(__file__).resolve().parent
+        import pgdiag
+
+        here = Path(pgdiag.__file__).resolve().parent
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

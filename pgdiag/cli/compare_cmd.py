@@ -165,7 +165,8 @@ def compare(
         Join,
         typer.Option(
             "--join",
-            help="auto: (step, sample_id), else (step, seq_hash) when fewer than half the ids match.",
+            help="auto: (step, sample_id), else (step, seq_hash) when fewer than half the ids match; "
+            "hash-any-step: seq_hash in any step (read in pieces: docs/compare.md).",
             rich_help_panel=ALIGNMENT,
         ),
     ] = Join(_DEFAULTS.join),
@@ -308,6 +309,11 @@ def compare(
         if baseline is not None and len(others) < 2:
             raise UsageError(
                 "E503", "--baseline picks the reference of an N-way compare: give three RUNs or more"
+            )
+        if len(others) >= 2 and (tokens_out is not None or html is not None):
+            raise UsageError(
+                "E503",
+                "--tokens-out and --html compare two runs; drop them for N-way (--out keeps the report)",
             )
         source_a = read_run(run_a, attach=list_option(attach), steps=steps, run=run_name)
         if len(others) >= 2:

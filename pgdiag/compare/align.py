@@ -6,8 +6,9 @@ Why: every parity number is only as good as the alignment under it, so alignment
 stop the comparison with the first bad sample and position, never silently wrong numbers.
 How: samples are joined with polars on (step, sample_id, segment_idx) (`join="id"`), or on (step, seq_hash,
 rank) where rank orders identical sequences of one step by sample_id (`"hash"`), or on (seq_hash, rank)
-over all steps (`"hash-any-step"`); `"auto"` falls back from id to hash when fewer than half of side a's ids
-match. Loss positions are paired by (sample, pos) with a fast path when both masks are identical. Checks, in
+over all steps (`"hash-any-step"`, `rank_join`; a comparison read in pieces pairs them once on the whole runs'
+keys and passes each piece's pairs as `matches`); `"auto"` falls back from id to hash when fewer than half of
+side a's ids match. Loss positions are paired by (sample, pos) with a fast path when both masks are identical. Checks, in
 order (each error raises `InvalidInputError`, exit 3, unless its code is in `ignore`):
 
     E304 nothing matched · E306 samples present on one side only · E301 token ids differ ·
@@ -260,10 +261,19 @@ def _key_frame(batch: TokenBatch, hashes: np.ndarray, index_name: str) -> pl.Dat
 
 
 def _ranked(frame: pl.DataFrame, group: list[str]) -> pl.DataFrame:
-    """Rank identical sequences within `group` by (step, sample_id, segment_idx) so duplicates pair in order."""
-    return frame.sort(["step", "sample_id", "segment_idx"]).with_columns(
+    """Rank identical sequences within `group` by (step, sample_id, segment_idx) so duplicates pair in order
+    (ties, samples whose keys repeat under an ignored E210, keep their row order)."""
+    return frame.sort(["step", "sample_id", "segment_idx"], maintain_order=True).with_columns(
         pl.int_range(pl.len()).over(group).alias("rank")
     )
+
+
+def rank_join(fa: pl.DataFrame, fb: pl.DataFrame, group: list[str]) -> pl.DataFrame:
+    """(ia, ib, *group, rank) of the samples paired by a hash join: the n-th sample of `fa` with a given `group`
+    value pairs with the n-th of `fb` (n in (step, sample_id, segment_idx) order). Frames: `_key_frame`'s
+    columns, index columns ``ia`` and ``ib``."""
+    on = [*group, "rank"]
+    return _ranked(fa, group).select("ia", *on).join(_ranked(fb, group).select("ib", *on), on=on)
 
 
 def match_samples(
@@ -290,9 +300,7 @@ def match_samples(
     if resolved in ("hash", "hash-any-step"):
         hash_a, hash_b = hashes()
         fa, fb = _key_frame(a, hash_a, "ia"), _key_frame(b, hash_b, "ib")
-        group = ["step", "hash"] if resolved == "hash" else ["hash"]
-        on = [*group, "rank"]
-        matched = _ranked(fa, group).select("ia", *on).join(_ranked(fb, group).select("ib", *on), on=on)
+        matched = rank_join(fa, fb, ["step", "hash"] if resolved == "hash" else ["hash"])
     matched = matched.sort("ia")
     return matched["ia"].to_numpy(), matched["ib"].to_numpy(), resolved
 
@@ -327,12 +335,16 @@ def align_batches(
     join: str = "auto",
     ignore: Collection[str] = (),
     deferred: bool = False,
+    matches: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> AlignedPair:
     """Pair the samples and loss tokens of `a` and `b` and run the alignment checks (module docstring).
 
     `deferred`: for a piece of a run read step by step: E304, E306 and E303/W303 are not raised or listed but
     counted in `AlignedPair.deferred`, to be merged over the pieces (`Deferred`); `join` must then be resolved
     ("id", "hash" or "hash-any-step"), as "auto" decides on the whole run.
+    `matches`: (rows of a, rows of b) of the matched samples in a's row order, when the caller paired them on the
+    whole runs' keys (`--join hash-any-step` read in pieces, `compare.pieces`); needs `deferred`, and the
+    deferred sample counts (E304, E306) are then the caller's: zero here.
     """
     for batch, stream, side in ((a, stream_a, "a"), (b, stream_b, "b")):
         if stream not in batch.streams:
@@ -347,14 +359,23 @@ def align_batches(
             return np.asarray(seq_hash_a, dtype=np.uint64), np.asarray(seq_hash_b, dtype=np.uint64)
         return content_hash(a), content_hash(b)
 
-    ia, ib, resolved = match_samples(a, b, join=join, hashes=hashes)
+    if matches is None:
+        ia, ib, resolved = match_samples(a, b, join=join, hashes=hashes)
+    else:
+        ia, ib, resolved = (
+            np.asarray(matches[0], dtype=np.int64),
+            np.asarray(matches[1], dtype=np.int64),
+            join,
+        )
     issues: list[Issue] = []
 
     # 1. samples
     only_a = np.setdiff1d(np.arange(a.n_samples), ia)
     only_b = np.setdiff1d(np.arange(b.n_samples), ib)
     held = None
-    if deferred:
+    if matches is not None:  # the sample counts come from the whole runs' keys (the caller's)
+        held = Deferred(pair_name, a.label, b.label, resolved, 0, 0, 0, 0, 0, None, None, None, None)
+    elif deferred:
         held = Deferred(
             pair_name,
             a.label,

@@ -5,8 +5,10 @@ sequence scope (`parity`), the breakdowns (`breakdowns`), the logprob-only signa
 tables (`worst`) and, on request, each run's own metric set side by side; returns one `Report`.
 Why: the CLI, notebooks and tests all get the same numbers from one call; nothing here prints.
 How: inputs are `Run`s, paths (read with `pgdiag.data.runs.read_run`) or in-memory `TokenBatch`es. Runs on disk
-are read in pieces of whole consecutive steps of both runs, each aligned, checked and reduced into
-`pooled.PooledParity` before the next is read (docs/compare.md, "Reading step by step"). Streams resolve as
+are read in pieces of whole consecutive steps of both runs (under ``--join hash-any-step``, steps of run a with
+the steps of run b that hold their matches, paired once on the key columns: `pieces`), each aligned, checked
+and reduced into `pooled.PooledParity` before the next is read (docs/compare.md, "Reading step by step").
+Streams resolve as
 docs/compare.md says: one run, a = `rollout`, b = `old` (engine vs trainer), else the first present of `new`, the
 only recompute tag, `rollout` (excluding a); two runs, a = first present of that list in run a, b = the same name. Rows follow the tidy
 report schema (docs/compare.md); side-by-side run metrics use scope `batch`, which compare's gates never read.
@@ -22,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
-from pgdiag.checks.signatures import signature_issues
+from pgdiag.checks.signatures import Signatures, signature_issues
 from pgdiag.compare import breakdowns as bd
 from pgdiag.compare.align import AlignedPair, Deferred, align_batches, unmatched_side
 from pgdiag.compare.parity import unit_and_reduction
+from pgdiag.compare.pieces import Piece, checked_matches, concat_batches, plan_pieces
 from pgdiag.compare.pooled import PooledParity
 from pgdiag.compare.settings import CompareSettings
 from pgdiag.compare.side_by_side import SideMetrics, side_by_side_rows, side_settings
@@ -130,6 +133,26 @@ def _read_side(
         max_examples=checks.max_examples,
     )
     return Side(loaded.batch, loaded.checks, run, metrics)
+
+
+def _read_side_b(
+    run: Any, piece: Piece, streams: Sequence[str], checks: CheckSettings, metrics: MetricSettings | None
+) -> Side:
+    """Side b of `piece`: its steps, or under hash-any-step the steps first read with it and then those read
+    again (their reader checks were counted with their first read, so only the first read's are kept)."""
+    from pgdiag.data.runs import restrict_steps
+
+    steps = piece.b_steps
+    first = None
+    if steps is None or steps:
+        first = _read_side(run if steps is None else restrict_steps(run, steps), streams, checks, metrics)
+    if not piece.steps_b_again:
+        assert first is not None
+        return first
+    again = _read_side(restrict_steps(run, piece.steps_b_again), streams, checks, metrics)
+    if first is None:
+        return replace(again, checks=None)
+    return replace(first, batch=concat_batches(first.batch, again.batch))
 
 
 def _as_source(source: Any) -> Any:
@@ -261,7 +284,7 @@ class Comparison:
     """A finished comparison: the report, the worst sequence's trace and the tokens that token plots read.
 
     `pair` holds every aligned token when the runs were read in one piece (in-memory batches, one piece of
-    steps, `keep_tokens=True`, `--join hash-any-step`), else None: a comparison read step by step keeps
+    steps, `keep_tokens=True`), else None: a comparison read step by step keeps
     `tokens`, every k-th matched token's (pair, lp_a, lp_b) (k = 1 up to 4,000,000 tokens,
     `pooled.SAMPLE_CAP`), which the token plots draw. docs/compare.md says which reads are whole.
     `tokens_file` is the token table written with `tokens_out` (else None).
@@ -276,32 +299,6 @@ class Comparison:
     def trace(self) -> pl.DataFrame:
         """Both streams along the worst sequence (`worst.worst_trace`)."""
         return self.worst_trace
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """The steps of one piece, and whether each run has rows in it."""
-
-    steps: tuple[int, ...] | None  # None: the whole run
-    in_a: bool = True
-    in_b: bool = True
-
-
-def _pieces(a: Any, b: Any, one_run: bool, whole: bool, chunk_rows: int) -> list[_Piece]:
-    """The pieces a comparison reads: consecutive steps of both runs under `chunk_rows` rows (a + b)."""
-    if whole:
-        return [_Piece(None)]
-    from pgdiag.data.runs import null_step_rows, step_chunks, step_rows
-
-    rows_a = step_rows(a)
-    rows_b = rows_a if one_run else step_rows(b)
-    if null_step_rows(a) or (not one_run and null_step_rows(b)):
-        return [_Piece(None)]  # rows of a null step are in no piece: read whole (the reader's E213)
-    both = {s: rows_a.get(s, 0) + (0 if one_run else rows_b.get(s, 0)) for s in sorted({*rows_a, *rows_b})}
-    chunks = step_chunks(both, chunk_rows)
-    if len(chunks) <= 1:
-        return [_Piece(None)]
-    return [_Piece(c, any(s in rows_a for s in c), one_run or any(s in rows_b for s in c)) for c in chunks]
 
 
 def _resolve_join(a: Any, b: Any, join: str) -> str:
@@ -398,12 +395,15 @@ def _compare_runs(
         in_memory
         or keep_tokens
         or (settings.metrics is not None and settings.metrics.docs_per_step is not None)
-        or join == "hash-any-step"
+        or (join == "hash-any-step" and (settings.metrics is not None or model is not None))
     )
     from pgdiag.compare.tau import TauSamples
     from pgdiag.data.runs import restrict_steps
 
-    pieces = _pieces(a, b, one_run, whole, settings.chunk_rows)
+    plan = plan_pieces(
+        a, b, one_run=one_run, whole=whole, join=join, chunk_rows=settings.chunk_rows, ignore=ignore
+    )
+    pieces = plan.pieces
     if len(pieces) > 1:
         join = _resolve_join(a, a if one_run else b, join)
     pooled: PooledParity | None = None
@@ -417,7 +417,6 @@ def _compare_runs(
     la = lb = ""
     for piece in pieces:
         src_a = a if piece.steps is None else restrict_steps(a, piece.steps)
-        src_b = None if one_run else (b if piece.steps is None else restrict_steps(b, piece.steps))
         side_a = (
             _read_side(src_a, [sa, sb] if one_run else [sa], settings.checks, metrics_a)
             if piece.in_a
@@ -426,7 +425,7 @@ def _compare_runs(
         if one_run:
             side_b = side_a
         elif piece.in_b:
-            side_b = _read_side(src_b, [sb], settings.checks, metrics_b)
+            side_b = _read_side_b(b, piece, [sb], settings.checks, metrics_b)
         else:
             side_b = None
         if side_a is not None and side_a.checks is not None:
@@ -443,6 +442,8 @@ def _compare_runs(
                 a,
                 b,
             )
+        if held is None and plan.keys is not None:  # hash-any-step in pieces: samples paired on the keys
+            held = plan.keys.deferred(f"{la}:{sa} vs {lb}:{sb}", la, lb)
         if metrics_a is not None and not shown:
             shown.append(SideMetrics(la, a, metrics_a))
             if metrics_b is not None:
@@ -452,6 +453,8 @@ def _compare_runs(
             if side is not None:
                 metric_side.add(side.batch)
         if side_a is None or side_b is None:  # a step present in one run only: all its samples unmatched
+            if plan.keys is not None:  # counted on the keys; read for its reader checks
+                continue
             lone, which = (side_b, "b") if side_a is None else (side_a, "a")
             part = unmatched_side(
                 replace(lone.batch, label=lb if which == "b" else la),
@@ -465,7 +468,14 @@ def _compare_runs(
         batch_a = replace(side_a.batch, label=la)
         batch_b = batch_a if one_run else replace(side_b.batch, label=lb)
         piece_pair = align_batches(
-            batch_a, batch_b, stream_a=sa, stream_b=sb, join=join, ignore=ignore, deferred=len(pieces) > 1
+            batch_a,
+            batch_b,
+            stream_a=sa,
+            stream_b=sb,
+            join=join,
+            ignore=ignore,
+            deferred=len(pieces) > 1,
+            matches=checked_matches(piece, batch_a, batch_b),
         )
         del batch_a, batch_b
         side_a = _aligned(side_a)
@@ -498,15 +508,69 @@ def _compare_runs(
         deferred_issues += held.mask_issues(ignore)
     assert pooled is not None  # E304 raised above when no piece matched
     name = f"{la}:{sa} vs {lb}:{sb}"
+    rows, diagnosis = diagnosed_rows(pooled, name, la, lb, sa)
+    tau = None
+    issues_tau: list[Issue] = []
+    if model is not None:
+        from pgdiag.compare.tau import exact_tau
+
+        assert tau_samples is not None
+        tau = exact_tau(tau_samples, model)
+        rows.append(ReportRow(name, "token", "all", "all", "mismatch/tau_fit", tau.tau, "1", "fit", tau.n))
+        rows.append(
+            ReportRow(name, "token", "all", "all", "mismatch/tau_fit_rms", tau.rms, "nats", "fit", tau.n)
+        )
+        issues_tau = _tau_warning(name, la, lb, pooled.n_tokens, tau.tau)
+    side_meta: dict[str, Any] = {}
+    if shown:
+        side_rows, side_meta = side_by_side_rows(shown)
+        rows += side_rows
+    meta_a = Side(None, None, None if isinstance(a, TokenBatch) else a)
+    if one_run:
+        issues_meta = _metadata_issues(meta_a, [sa, sb])
+    else:
+        meta_b = Side(None, None, None if isinstance(b, TokenBatch) else b)
+        issues_meta = _metadata_issues(meta_a, [sa]) + _metadata_issues(meta_b, [sb])
+    hints = diagnosis.issues
+    if tau is not None:  # the exact fit supersedes the slope hint's temperature warning
+        hints = tuple(i for i in hints if not (i.code == "W401" and i.message.startswith(f"{name}: slope")))
+    pair_issues = pair.issues if pair is not None else ()
+    if pair is None:
+        pair_issues = tuple(deferred_issues)
+    issues = [i for i in (*pair_issues, *hints, *issues_tau, *issues_meta) if i.code not in ignore]
+    reader_checks = [merge_check_results(checks_a).issues] if checks_a else []
+    if checks_b:
+        reader_checks.append(merge_check_results(checks_b).issues)
+    return pair_comparison(
+        pooled,
+        held,
+        pair,
+        rows,
+        issues,
+        reader_checks,
+        labels=(la, lb),
+        streams=(sa, sb),
+        settings=settings,
+        diagnosis=diagnosis,
+        tau_fit=None if tau is None else tau.tau,
+        side_meta=side_meta,
+    )
+
+
+def diagnosed_rows(
+    pooled: PooledParity, name: str, label_a: str, label_b: str, stream_a: str
+) -> tuple[list[ReportRow], Signatures]:
+    """The summary rows of one pair (`parity_rows`) with the signature rows (first-token ratio, τ hint), and
+    the signatures' findings."""
     rows, stats = parity_rows(pooled, name)
     signature = pooled.signature
     assert signature is not None
     diagnosis = signature_issues(
         signature,
         name=name,
-        name_a=la,
-        name_b=lb,
-        sampling_side_is_engine=sa == "rollout",
+        name_a=label_a,
+        name_b=label_b,
+        sampling_side_is_engine=stream_a == "rollout",
         fit=(stats.get("fit_slope"), stats.get("pearson_r")),
     )
     n = pooled.n_tokens
@@ -528,39 +592,32 @@ def _compare_runs(
         rows.append(
             ReportRow(name, "token", "all", "all", "mismatch/tau_hint", diagnosis.slope, "1", "fit", n)
         )
-    tau = None
-    issues_tau: list[Issue] = []
-    if model is not None:
-        from pgdiag.compare.tau import exact_tau
+    return rows, diagnosis
 
-        assert tau_samples is not None
-        tau = exact_tau(tau_samples, model)
-        rows.append(ReportRow(name, "token", "all", "all", "mismatch/tau_fit", tau.tau, "1", "fit", tau.n))
-        rows.append(
-            ReportRow(name, "token", "all", "all", "mismatch/tau_fit_rms", tau.rms, "nats", "fit", tau.n)
-        )
-        issues_tau = _tau_warning(name, la, lb, n, tau.tau)
-    side_meta: dict[str, Any] = {}
-    if shown:
-        side_rows, side_meta = side_by_side_rows(shown)
-        rows += side_rows
-    meta_a = Side(None, None, None if isinstance(a, TokenBatch) else a)
-    if one_run:
-        issues_meta = _metadata_issues(meta_a, [sa, sb])
-    else:
-        meta_b = Side(None, None, None if isinstance(b, TokenBatch) else b)
-        issues_meta = _metadata_issues(meta_a, [sa]) + _metadata_issues(meta_b, [sb])
-    hints = diagnosis.issues
-    if tau is not None:  # the exact fit supersedes the slope hint's temperature warning
-        hints = tuple(i for i in hints if not (i.code == "W401" and i.message.startswith(f"{name}: slope")))
-    pair_issues = pair.issues if pair is not None else ()
-    if pair is None:
-        pair_issues = tuple(deferred_issues)
-    issues = [i for i in (*pair_issues, *hints, *issues_tau, *issues_meta) if i.code not in ignore]
-    reader_checks = [merge_check_results(checks_a).issues] if checks_a else []
-    if checks_b:
-        reader_checks.append(merge_check_results(checks_b).issues)
+
+def pair_comparison(
+    pooled: PooledParity,
+    held: Deferred | None,
+    pair: AlignedPair | None,
+    rows: list[ReportRow],
+    issues: list[Issue],
+    reader_checks: list[pl.DataFrame],
+    *,
+    labels: tuple[str, str],
+    streams: tuple[str, str],
+    settings: CompareSettings,
+    diagnosis: Signatures,
+    tau_fit: float | None,
+    side_meta: dict[str, Any] | None = None,
+) -> Comparison:
+    """The `Comparison` of one pooled pair: its summary rows, checks (`issues` after the reader's), meta, worst
+    tables and trace. `pair` is the aligned pair of a one-piece read (else None: `held` has the counts);
+    `side_meta`: the side-by-side metric sets' meta (`--metrics`), stored as ``side_metrics``."""
+    la, lb = labels
+    sa, sb = streams
+    name = f"{la}:{sa} vs {lb}:{sb}"
     checks = _checks_frame(issues, reader_checks)
+    assert pair is not None or held is not None
     n_samples_a = pair.n_samples_a if pair is not None else held.n_a
     n_samples_b = pair.n_samples_b if pair is not None else held.n_b
     meta = {
@@ -570,21 +627,21 @@ def _compare_runs(
         "streams": {"a": sa, "b": sb},
         "join": pair.join if pair is not None else held.join,
         "by": list(pooled.by),
-        "eps_low": eps_low,
-        "eps_high": eps_high,
-        "worst_k": worst_k,
-        "ignored": sorted(ignore),
+        "eps_low": settings.clip.eps_low,
+        "eps_high": settings.clip.eps_high,
+        "worst_k": settings.worst_k,
+        "ignored": sorted(settings.checks.ignore),
         "inputs": {
             "n_samples": {la: n_samples_a, lb: n_samples_b},
             "n_matched_samples": pooled.n_samples,
-            "n_tokens": n,
+            "n_tokens": pooled.n_tokens,
             "steps": sorted(pooled.steps),
         },
         "diagnosis": {
             name: {
                 "tau_hint": diagnosis.slope,
-                "tau_fit": None if tau is None else tau.tau,
-                "tau_source": "logits (--model)" if tau is not None else "fit_slope (logprob-only hint)",
+                "tau_fit": tau_fit,
+                "tau_source": "logits (--model)" if tau_fit is not None else "fit_slope (logprob-only hint)",
                 "first_token_ratio": diagnosis.first_token_ratio,
             }
         },

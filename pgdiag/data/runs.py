@@ -872,6 +872,27 @@ def run_summary(run: Run) -> dict[str, Any]:
     }
 
 
+def sample_keys(run: Run) -> pl.DataFrame:
+    """One row per sample of `run` (its filters applied), in read order: ``step`` (Int64), ``sample_id``
+    (String), ``segment_idx`` (Int32, null 0) and ``seq_hash`` (UInt64, null 0), as `read_token_batch` types
+    them. Reads these four columns alone (a few bytes per sample), so a command can plan which rows to read
+    together before reading any token. Casts are not strict: a column the reader refuses is reported when the
+    rows are read; E103 when the columns cannot be read at all."""
+    names = run.lazy.collect_schema().names()
+    segment = pl.col("segment_idx") if "segment_idx" in names else pl.lit(None)
+    try:
+        return run.lazy.select(
+            pl.col("step").cast(pl.Int64, strict=False),
+            pl.col("sample_id").cast(pl.String, strict=False),
+            segment.cast(pl.Int32, strict=False).fill_null(0).alias("segment_idx"),
+            pl.col("seq_hash").cast(pl.UInt64, strict=False).fill_null(0),
+        ).collect()
+    except pl.exceptions.PolarsError as exc:
+        raise InvalidInputError(
+            "E103", f"{run.display_path(run.paths[0])}: cannot read step, sample_id and seq_hash ({exc})"
+        ) from exc
+
+
 def row_keys(run: Run) -> pl.DataFrame | None:
     """`step` (Int64), `sample_id` (String) and `group_id` (String, null as "") of every row of `run` in read
     order, the order of a whole read (files in order, rows in file order, the run's filters applied): a few

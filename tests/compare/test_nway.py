@@ -109,3 +109,18 @@ def test_cli_three_runs_reports_each_pair_the_matrix_and_gates_per_pair(
     assert len(payload["matrix"]) == 3 and "between every pair" in result.stderr
     saved = pgdiag.load_report(tmp_path / "nway" / "compare.parquet")
     assert saved.summary.filter(pl.col("breakdown") == "matrix").height == 3
+
+
+@pytest.mark.parametrize("option", ["--tokens-out", "--html"])
+def test_cli_two_run_outputs_are_refused_for_three_runs_before_any_write(
+    three_runs: list[Path], tmp_path: Path, option: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from pgdiag.cli.app import build_app
+
+    target = tmp_path / ("tokens.parquet" if option == "--tokens-out" else "page.html")
+    result = CliRunner().invoke(build_app(), ["compare", *map(str, three_runs), option, str(target)])
+    assert result.exit_code == 2
+    assert "error[E503]" in result.stderr and option in result.stderr
+    assert not target.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["partial", "run_c"]

@@ -331,3 +331,206 @@ def test_metrics_side_by_side_of_one_run_by_step(tmp_path) -> None:
     _assert_same_batch_rows(_batch_rows(one), _batch_rows(many))
     assert set(_batch_rows(many)["pair"]) == {"a:rollout vs a:old"}  # one run: no deltas
     assert list(many.report.meta["side_metrics"]) == ["a"]
+
+
+# ---- --join hash-any-step read in pieces ------------------------------------------------------------------
+MOVED = {0: 1, 1: 0, 2: 3, 3: 3, 4: 2, 5: 5}  # run b holds run a's samples in other steps
+
+
+def _any_step_runs(tmp_path, seed: int):
+    """Run a: steps 0-5 and a step 7 of its own (two sequences b lacks). Run b: the other sequences under other
+    ids, moved across steps (every fourth one two steps further), without samples 5 and 17 (unmatched in a),
+    and a step 9 of its own (three sequences a lacks). Samples 3 and 20 hold the same sequence: b holds 3's
+    copy in step 4 and 20's in step 0, so the first copy of a pairs with the first of b (20's) across
+    pieces, as one read pairs it."""
+    import copy
+
+    samples = _samples(seed)
+    twin = copy.deepcopy(samples[3])
+    twin.update(step=samples[20]["step"], sample_id="s20")
+    twin["streams"]["old"] = twin["streams"]["old"] - 0.01
+    samples[20] = twin
+    moved = []
+    for i, s in enumerate(samples):
+        if i in (5, 17):
+            continue
+        step = MOVED[s["step"]] if i % 4 else (MOVED[s["step"]] + 2) % 6
+        if i == 3:
+            step = 4
+        elif i == 20:
+            step = 0
+        moved.append(dict(s, step=step, sample_id=f"x{s['sample_id']}"))
+    extra = random_samples(seed + 50, 5, steps=1, max_response=30)
+    for k, s in enumerate(extra):
+        s.update(step=9 if k < 3 else 7, sample_id=f"new{k}")
+        s["streams"]["old"] = s["streams"]["rollout"]
+    moved = sorted(moved + extra[:3], key=lambda s: s["step"])
+    return _runs(tmp_path, samples + extra[3:], moved)
+
+
+def test_hash_any_step_in_many_pieces_equals_one_piece(tmp_path) -> None:
+    run_a, run_b = _any_step_runs(tmp_path, 11)
+    options = {"join": "hash-any-step", "ignore": ["E306"], "worst_k": 7}
+    one = compare_runs(run_a, run_b, **options)
+    assert one.pair is not None  # 38 + 37 rows: one piece, read whole
+    for chunk_rows in (1, 24, 40):
+        many = compare_runs(run_a, run_b, chunk_rows=chunk_rows, **options)
+        assert many.pair is None
+        _assert_same_report(one, many)
+    # matches across steps: a's step 1 pairs with b's steps 0 and 2 (every fourth sample two steps further)
+    step_b = dict(run_b.collect(["sample_id", "step"]).rows())
+    spread: dict[int, set[int]] = {}
+    for step, sample_b in zip(one.pair.step.tolist(), one.pair.sample_id_b.tolist(), strict=True):
+        spread.setdefault(step, set()).add(step_b[sample_b])
+    assert spread[1] == {0, 2} and spread[3] == {3, 4, 5} and one.pair.join == "hash-any-step"
+    matched_b = dict(zip(one.pair.sample_id.tolist(), one.pair.sample_id_b.tolist(), strict=True))
+    assert matched_b["s3"] == "xs20" and matched_b["s20"] == "xs3" and matched_b["s1"] == "xs1"
+    inputs = one.report.meta["inputs"]
+    assert inputs["n_samples"] == {"a": 38, "b": 37} and inputs["n_matched_samples"] == 34
+
+
+def test_hash_any_step_unmatched_and_no_match_read_in_pieces(tmp_path) -> None:
+    run_a, run_b = _any_step_runs(tmp_path, 12)
+    messages = []
+    for chunk_rows in (10**6, 1, 24):
+        with pytest.raises(InvalidInputError) as caught:
+            compare_runs(run_a, run_b, join="hash-any-step", chunk_rows=chunk_rows)
+        assert caught.value.code == "E306"
+        messages.append(caught.value.message)
+    assert messages[0] == messages[1] == messages[2]
+    assert "4 of 38 samples of a have no match in b and 3 of 37 of b none in a" in messages[0]
+    assert "first: step 1, sample s5 of a" in messages[0] and "join (seq_hash)" in messages[0]
+    samples = _samples(13)
+    other = random_samples(14, 10, steps=5, max_response=30)
+    for s in other:
+        s["streams"]["old"] = s["streams"]["rollout"]
+    run_a, run_b = _runs(tmp_path / "none", samples, sorted(other, key=lambda s: s["step"]))
+    messages = []
+    for chunk_rows in (10**6, 1):
+        with pytest.raises(InvalidInputError) as caught:
+            compare_runs(run_a, run_b, join="hash-any-step", chunk_rows=chunk_rows)
+        assert caught.value.code == "E304"
+        messages.append(caught.value.message)
+    assert messages[0] == messages[1] and "steps 0-5 vs 0-4" in messages[0]
+
+
+# ---- N-way compare read in pieces ---------------------------------------------------------------------------
+def _nway_runs(tmp_path):
+    """Three runs on the steps of `_samples`: a; b without samples 4 and 9 and with a step 8 of its own; c with
+    its own noise, without step 5 (so step 5 is common to a and b only: in no piece's common samples)."""
+    samples = _samples(21)
+    rng = np.random.default_rng(22)
+    b = [s for i, s in enumerate(samples) if i not in (4, 9)]
+    extra = random_samples(23, 2, steps=1, max_response=30)
+    for k, s in enumerate(extra):
+        s.update(step=8, sample_id=f"b{k}")
+        s["streams"]["old"] = s["streams"]["rollout"]
+    c = []
+    for s in samples:
+        if s["step"] == 5:
+            continue
+        noisy = -np.abs(s["streams"]["rollout"] + rng.normal(0.0, 0.05, len(s["loss"])))
+        streams = dict(s["streams"], old=noisy)
+        c.append(dict(s, streams=streams))
+    paths = []
+    for name, rows, column in (("a", samples, "rollout"), ("b", b + extra, "old"), ("c", c, "old")):
+        paths.append(
+            write_run(tmp_path / f"{name}.parquet", rows, run=name, streams={"new_logprobs": column})
+        )
+    return [read_run(p) for p in paths]
+
+
+def test_nway_in_many_pieces_equals_one_piece(tmp_path) -> None:
+    from pgdiag.compare.nway import compare_many
+    from pgdiag.compare.settings import CompareSettings
+
+    runs = _nway_runs(tmp_path)
+    one = compare_many(runs, CompareSettings(worst_k=5), baseline=1)
+    assert all(c.pair is not None for c in one.comparisons)  # 36 + 36 + 27 rows: one piece
+    for chunk_rows in (1, 40, 70):
+        many = compare_many(runs, CompareSettings(worst_k=5, chunk_rows=chunk_rows), baseline=1)
+        assert all(c.pair is None for c in many.comparisons)
+        for c1, c2 in zip(one.comparisons, many.comparisons, strict=True):
+            _assert_same_report(c1, c2)
+        assert one.matrix.select("run_a", "run_b").equals(many.matrix.select("run_a", "run_b"))
+        np.testing.assert_allclose(
+            one.matrix["value"].to_numpy(), many.matrix["value"].to_numpy(), rtol=1e-12
+        )
+        s1, s2 = one.report.summary, many.report.summary
+        assert s1.drop("value").equals(s2.drop("value"))
+        np.testing.assert_allclose(s1["value"].to_numpy(), s2["value"].to_numpy(), rtol=1e-12, atol=1e-15)
+        assert one.report.checks.equals(many.report.checks)
+    # hand count: 36 samples in a; b lacks 4 and 9 (steps 0 and 1); c lacks step 5 (9 samples)
+    inputs = one.comparisons[0].report.meta["inputs"]
+    assert inputs["n_matched_samples"] == 36 - 2 - 9 and one.report.meta["pairs"][0] == "b:new vs a:new"
+    assert inputs["steps"] == [0, 1, 2, 3, 4]
+    a_vs_c = one.matrix.filter((pl.col("run_a") == "a") & (pl.col("run_b") == "c"))["value"][0]
+    assert a_vs_c == pytest.approx(0.04, rel=0.1)  # mean |N(0, 0.05)| = 0.05 * sqrt(2 / pi) = 0.0399
+
+
+def test_hash_any_step_plan_reads_whole_when_rows_may_drop_and_refuses_changed_rows(tmp_path) -> None:
+    from pgdiag.compare.pieces import any_step_pieces, checked_matches
+    from pgdiag.data.runs import read_token_batch, restrict_steps
+
+    run_a, run_b = _any_step_runs(tmp_path, 15)
+    plan = any_step_pieces(run_a, run_b, 1, ())
+    assert len(plan.pieces) == 8 and plan.keys is not None and plan.keys.n_matched == 34
+    # an ignored E213 lets the reader drop rows the key columns still list: read whole (one piece)
+    dropping = any_step_pieces(run_a, run_b, 1, ("E213",))
+    assert [p.steps for p in dropping.pieces] == [None] and dropping.keys is None
+    # rows read for a piece must be the rows its keys listed (else E103, never a wrong pairing)
+    piece = plan.pieces[1]
+    batch_a = read_token_batch(restrict_steps(run_a, piece.steps), streams=["rollout"]).batch
+    batch_b = read_token_batch(restrict_steps(run_b, piece.steps_b), streams=["rollout"]).batch
+    assert checked_matches(piece, batch_a, batch_b) is piece.matches
+    with pytest.raises(InvalidInputError, match="differ from the keys") as caught:
+        checked_matches(piece, batch_a, batch_b.select(np.arange(batch_b.n_samples)[::-1]))
+    assert caught.value.code == "E103"
+
+
+def test_a_key_column_the_reader_refuses_gives_the_one_read_error(tmp_path) -> None:
+    """A `sample_id` stored as a list: the key read cannot plan on it, and the reader's E103 is the error, read
+    whole or in pieces, for N-way and for hash-any-step."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pgdiag.compare.nway import compare_many
+    from pgdiag.compare.settings import CompareSettings
+
+    runs = _nway_runs(tmp_path)
+    table = pq.read_table(tmp_path / "c.parquet")
+    listed = pa.array([[x] for x in table.column("sample_id").to_pylist()])
+    index = table.schema.get_field_index("sample_id")
+    table = table.set_column(index, pa.field("sample_id", listed.type), listed)
+    pq.write_table(
+        table.replace_schema_metadata(pq.read_schema(tmp_path / "c.parquet").metadata), tmp_path / "l.parquet"
+    )
+    runs[2] = read_run(tmp_path / "l.parquet")
+    messages = []
+    for chunk_rows in (10**6, 1):
+        for call in (
+            lambda rows=chunk_rows: compare_many(runs, CompareSettings(chunk_rows=rows)),
+            lambda rows=chunk_rows: compare_runs(runs[0], runs[2], join="hash-any-step", chunk_rows=rows),
+        ):
+            with pytest.raises(InvalidInputError) as caught:
+                call()
+            messages.append((caught.value.code, caught.value.message))
+    assert len(set(messages)) == 1 and messages[0][0] == "E103" and "sample_id" in messages[0][1]
+
+
+def test_hash_any_step_tokens_out_in_pieces_and_metrics_read_whole(tmp_path) -> None:
+    """`--tokens-out` writes each hash-any-step piece's tokens: the table of one read, row for row; `--metrics`
+    (each run's own set wants each step of b once, in order) reads the runs whole."""
+    from pgdiag.metrics.settings import MetricSettings
+
+    run_a, run_b = _any_step_runs(tmp_path, 16)
+    options = {"join": "hash-any-step", "ignore": ["E306"]}
+    tables = []
+    for chunk_rows in (10**6, 1):
+        path = tmp_path / f"tokens-{chunk_rows}.parquet"
+        with_tokens = compare_runs(run_a, run_b, tokens_out=path, chunk_rows=chunk_rows, **options)
+        tables.append(pl.read_parquet(path))
+    assert tables[0].height == with_tokens.report.meta["inputs"]["n_tokens"] > 0
+    assert tables[0].equals(tables[1])
+    with_metrics = compare_runs(run_a, run_b, metrics=MetricSettings(new="rollout"), chunk_rows=1, **options)
+    assert with_metrics.pair is not None  # one piece
