@@ -79,6 +79,19 @@ COMMANDS = {
         "--json",
         "-q",
     ],
+    # steps of 3,000 documents cut across the run's steps of ~5,000 (10M) or ~15,000 (30M) samples
+    "metrics-docs": [
+        "metrics",
+        "{run}",
+        "--docs-per-step",
+        "3000",
+        "--aggregation",
+        "constant",
+        "--divisor",
+        "40960",
+        "--json",
+        "-q",
+    ],
 }
 
 

@@ -190,7 +190,7 @@ def metrics(
         typer.Option(
             "--docs-per-step",
             min=1,
-            help="Ignore `step`; cut rows into steps of N documents (Fast-LLM schedule).",
+            help="Ignore `step`; cut rows, in read order, into steps of N documents (Fast-LLM schedule).",
             rich_help_panel=METRICS,
         ),
     ] = None,

@@ -13,7 +13,7 @@ Documents are consecutive rows with the same (step, sample_id) (segments of one 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -104,6 +104,73 @@ class TokenBatch:
             seq_hash=opt(self.seq_hash, lambda a: a[rows]),
         )
 
+    def slice(self, lo: int, hi: int) -> TokenBatch:
+        """The samples lo..hi (a contiguous run) with their tokens, as views instead of copies."""
+        t_lo, t_hi = int(self.offsets[lo]), int(self.offsets[hi])
+
+        def opt(values: np.ndarray | None, a: int, b: int) -> np.ndarray | None:
+            return None if values is None else values[a:b]
+
+        return replace(
+            self,
+            step=self.step[lo:hi],
+            sample_id=self.sample_id[lo:hi],
+            segment_idx=self.segment_idx[lo:hi],
+            group=self.group[lo:hi],
+            prompt_len=self.prompt_len[lo:hi],
+            seq_len=self.seq_len[lo:hi],
+            offsets=self.offsets[lo : hi + 1] - t_lo,
+            pos=self.pos[t_lo:t_hi],
+            token_id=self.token_id[t_lo:t_hi],
+            streams={k: v[t_lo:t_hi] for k, v in self.streams.items()},
+            entropy={k: v[t_lo:t_hi] for k, v in self.entropy.items()},
+            advantages=opt(self.advantages, t_lo, t_hi),
+            reward=opt(self.reward, lo, hi),
+            env=opt(self.env, lo, hi),
+            sample_row=opt(self.sample_row, lo, hi),
+            seq_hash=opt(self.seq_hash, lo, hi),
+        )
+
     def with_steps(self, step: np.ndarray) -> TokenBatch:
         """The same batch with the step of every sample replaced (used by ``--docs-per-step``)."""
         return replace(self, step=np.asarray(step, dtype=np.int64))
+
+
+def concat_batches(parts: Sequence[TokenBatch]) -> TokenBatch:
+    """The samples of `parts` one after the other, as a new batch.
+
+    The parts come from one run read with the same streams: they share the label, the stream and entropy names,
+    which optional fields are present, and `group_names` (their `group` codes mean the same groups).
+    """
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    n_loss = np.concatenate([p.n_loss for p in parts])
+    offsets = np.zeros(n_loss.shape[0] + 1, dtype=np.int64)  # (S + 1,)
+    np.cumsum(n_loss, out=offsets[1:])
+
+    def cat(name: str) -> np.ndarray:
+        return np.concatenate([getattr(p, name) for p in parts])
+
+    def opt(name: str) -> np.ndarray | None:
+        return None if getattr(first, name) is None else cat(name)
+
+    return replace(
+        first,
+        step=cat("step"),
+        sample_id=cat("sample_id"),
+        segment_idx=cat("segment_idx"),
+        group=cat("group"),
+        prompt_len=cat("prompt_len"),
+        seq_len=cat("seq_len"),
+        offsets=offsets,
+        pos=cat("pos"),
+        token_id=cat("token_id"),
+        streams={k: np.concatenate([p.streams[k] for p in parts]) for k in first.streams},
+        entropy={k: np.concatenate([p.entropy[k] for p in parts]) for k in first.entropy},
+        advantages=opt("advantages"),
+        reward=opt("reward"),
+        env=opt("env"),
+        sample_row=opt("sample_row"),
+        seq_hash=opt("seq_hash"),
+    )

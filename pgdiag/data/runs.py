@@ -919,3 +919,18 @@ def sample_keys(run: Run) -> pl.DataFrame:
         raise InvalidInputError(
             "E103", f"{run.display_path(run.paths[0])}: cannot read step, sample_id and seq_hash ({exc})"
         ) from exc
+
+
+def row_keys(run: Run) -> pl.DataFrame | None:
+    """`step` (Int64), `sample_id` (String) and `group_id` (String, null as "") of every row of `run` in read
+    order, the order of a whole read (files in order, rows in file order, the run's filters applied): a few
+    bytes per sample, for a command that must see the whole run's rows before it reads their tokens. None
+    when a column cannot be read so; the whole read then reports why."""
+    try:
+        return run.lazy.select(
+            pl.col("step").cast(pl.Int64, strict=True),
+            pl.col("sample_id").cast(pl.String),
+            pl.col("group_id").cast(pl.String).fill_null(""),
+        ).collect()
+    except pl.exceptions.PolarsError:
+        return None

@@ -19,8 +19,10 @@ from pgdiag.data.batch import TokenBatch
 from pgdiag.data.runs import (
     LoadedBatch,
     Run,
+    null_step_rows,
     read_token_batch,
     restrict_steps,
+    row_keys,
     step_chunks,
     step_rows,
 )
@@ -169,10 +171,13 @@ def compute_metrics(
     The native engine reads the run in chunks of whole steps (`stream`, docs/reliability.md): each chunk is
     read, validated and reduced per step, and only per-sample tables and token summaries are kept for the
     ``all`` row; a framework key style computes each step with its own function and its ``all`` row from the
-    step rows (`pool_style_steps`). `--docs-per-step` (steps cut across the step column) and a run with null
-    steps (an E213 error) are read whole. `progress(steps_done, n_steps)` is called after each chunk. The
-    chunks' checks merge into the run's (`merge_check_results`); an error is raised after the last chunk (the
-    chunks after it are validated only), as one read of the run raises it.
+    step rows (`pool_style_steps`). With `--docs-per-step` the steps of N documents are cut over the whole
+    run from its key columns first and the chunks are read in the run's read order (`metrics.docsteps`). A
+    run with null steps (an E213 error) is read whole, and so is a `--docs-per-step` run whose chunks leave
+    rows out (ignored structural errors: its documents are counted over the rows kept). `progress(steps_done,
+    n_steps)` is called after each chunk. The chunks' checks merge into the run's (`merge_check_results`); an
+    error is raised after the last chunk (the chunks after it are validated only), as one read of the run
+    raises it.
     """
     if settings is None:
         settings = MetricSettings.from_options(**options)
@@ -181,28 +186,43 @@ def compute_metrics(
     checks = checks or CheckSettings()
     stream = stream or StreamSettings()
     settings = resolve_streams(run, settings)
-    rows_per_step = step_rows(run) if settings.docs_per_step is None else {}
-    if settings.docs_per_step is not None or _null_steps(run):  # a null step (E213) is in no chunk
-        loaded = _read(run, settings, checks)
-        return metrics_report(
-            loaded.batch, settings, run=run, checks=loaded.checks.issues, ignored=checks.ignore
-        )
+    from pgdiag.metrics.docsteps import DocStepFeeder, plan_doc_steps, read_order_chunks
     from pgdiag.metrics.engine import NativeStream, StyleStream
 
-    chunks: list[Run] = [
-        restrict_steps(run, c) for c in step_chunks(rows_per_step, stream.budget(rows_per_step))
-    ]
     engine = (
         NativeStream(settings, stream.quantiles, pooled=stream.pooled)
         if settings.key_style == "pgdiag"
         else StyleStream(settings)
     )
+    feeder: DocStepFeeder | None = None
+    step_type = run.lazy.collect_schema().get("step")
+    if step_type is not None and not step_type.is_integer():  # no chunk can filter it: the reader says E103
+        return _whole_run_report(run, settings, checks)
+    if settings.docs_per_step is None:  # chunks of consecutive steps, in step order
+        rows_per_step = step_rows(run)
+        if null_step_rows(run):  # a null step (E213) is in no chunk
+            return _whole_run_report(run, settings, checks)
+        budget = stream.budget(rows_per_step)
+        chunks = [(restrict_steps(run, c), None) for c in step_chunks(rows_per_step, budget)]
+        n_steps = len(rows_per_step)
+    else:  # chunks of real steps in read order, fed as whole steps of N documents
+        keys = row_keys(run)  # (R,) rows: step, sample_id, group_id
+        if keys is None or keys["step"].null_count():  # the whole read says what is wrong (E213, E102, ...)
+            return _whole_run_report(run, settings, checks)
+        steps = keys["step"].to_numpy()  # (R,)
+        budget = stream.budget(dict(enumerate(np.unique(steps, return_counts=True)[1].tolist())))
+        plan = plan_doc_steps(keys, settings.docs_per_step)
+        chunks = [(restrict_steps(run, c), hi - lo) for c, lo, hi in read_order_chunks(steps, budget)]
+        feeder, n_steps = DocStepFeeder(plan, engine), plan.n_steps
+        del keys, steps
     chunk_checks: list[CheckResult] = []
     pair_checks: list[list[Issue]] = []  # the pair zero-fill rule's, per chunk
     failed = False  # a chunk has an error: the later ones are validated only, for the run's first error
     n_samples = n_tokens = 0
-    for chunk in chunks or [run]:  # a run without rows is read once, as a whole
+    for chunk, n_rows in chunks or [(run, None)]:  # a run without rows is read once, as a whole
         loaded = _read(chunk, settings, checks, piece=len(chunks) > 1, pair_checks=pair_checks)
+        if n_rows is not None and loaded.batch.n_samples != n_rows:  # rows left out: cut the rows kept
+            return _whole_run_report(run, settings, checks)
         chunk_checks.append(loaded.checks)
         failed = failed or any(
             i.severity == "error" and i.pooled is None for i in (*loaded.checks.found, *pair_checks[-1])
@@ -210,15 +230,20 @@ def compute_metrics(
         if failed:
             del loaded
             continue
-        engine.add(loaded.batch)
+        if feeder is None:
+            engine.add(loaded.batch)
+        else:
+            feeder.add(loaded.batch)
         n_samples += loaded.batch.n_samples
         n_tokens += loaded.batch.n_tokens
         del loaded  # the chunk's token arrays go before the next chunk is read
         if progress is not None:
-            progress(len(engine.steps), len(rows_per_step))
+            progress(len(engine.steps), n_steps)
     merged_checks = merge_check_results(chunk_checks)
     raise_first_error(merged_checks.found)  # as one read: the reader's first error, then the pair rule's
     raise_first_error(merge_piece_issues(pair_checks))
+    if feeder is not None:
+        feeder.finish()
     results = [*engine.steps, engine.finish()] if stream.pooled else list(engine.steps)
     notice = _quantile_notice(engine.quantiles_exact, stream.quantiles)
     return _report(
@@ -241,9 +266,11 @@ def compute_metrics(
     )
 
 
-def _null_steps(run: Run) -> int:
-    """Rows of `run` whose `step` is null: no chunk of steps holds them, so such a run is read whole (E213)."""
-    return int(run.lazy.select(pl.col("step").null_count()).collect().item())
+def _whole_run_report(run: Run, settings: MetricSettings, checks: CheckSettings) -> Report:
+    """The report of `run` read at once, for a run that no chunking reads exactly (null steps, a step column
+    that is not an integer, rows left out under `--docs-per-step`)."""
+    loaded = _read(run, settings, checks)
+    return metrics_report(loaded.batch, settings, run=run, checks=loaded.checks.issues, ignored=checks.ignore)
 
 
 def _read(

@@ -64,13 +64,16 @@ from pgdiag.metrics.values import MetricValue
 
 __all__ = [
     "NativeStream",
+    "StepCut",
     "StepMetrics",
     "StyleStream",
     "compute_by_step",
     "compute_native",
     "compute_step_native",
+    "documents_by_sample_id",
     "resolve_aggregation",
     "split_steps",
+    "straddling_groups",
 ]
 
 STATUS_ORDER = ("ok", "partial", "nonfinite", "empty")  # a later status wins when two apply
@@ -92,6 +95,19 @@ class StepMetrics:
     def by_key(self) -> dict[str, MetricValue]:
         """The values indexed by key."""
         return {v.key: v for v in self.values}
+
+
+@dataclass(frozen=True)
+class StepCut:
+    """Steps a caller cut over the whole run (`--docs-per-step` read in chunks, metrics/docsteps.py).
+
+    The batch handed with it holds whole cut steps: its `step` is the cut step of every row and its `group`
+    codes are run-wide (`group_names` of the whole run), so a group straddling a cut is one group again in the
+    ``all`` row.
+    """
+
+    split_groups: np.ndarray  # (P_split,) run-wide codes of the groups in more than one cut step
+    partial_last: bool  # the batch's last step is the run's final step of fewer than N documents
 
 
 @dataclass(frozen=True)
@@ -268,7 +284,8 @@ class NativeStream:
     `add(batch)` builds the tables of one chunk, reduces each of its steps exactly as a whole-run read does
     (per-step rows are bit-identical) and keeps for the ``all`` row only the per-sample tables (S,) and token
     summaries (`metrics.pooled`); `finish()` gives the ``all`` row from those. Chunks must come in step order
-    and never split a step; with `--docs-per-step` the whole run is one chunk.
+    and never split a step. With `--docs-per-step` a chunk is either the whole run (``cut`` None: the steps are
+    cut here) or whole steps cut over the run by the caller (`add(batch, cut)`, `metrics.docsteps`).
     """
 
     def __init__(
@@ -288,24 +305,29 @@ class NativeStream:
         self._n_groups = 0
         self._groups_split = 0
 
-    def add(self, batch: TokenBatch) -> list[tuple[str, StepMetrics]]:
-        """The per-step rows of one chunk (step order), pooling its tables for the ``all`` row."""
+    def add(self, batch: TokenBatch, cut: StepCut | None = None) -> list[tuple[str, StepMetrics]]:
+        """The per-step rows of one chunk (step order), pooling its tables for the ``all`` row; `cut` when the
+        caller cut the batch's steps over the whole run (`StepCut`)."""
         settings = self.settings
-        step_index = _step_index(batch, settings)  # (S,)
-        pooled = _pooled_batch(batch, settings, step_index)
-        if step_index.shape[0] > 1 and np.any(np.diff(step_index) < 0):
-            order = np.argsort(step_index, kind="stable")
-            pooled, step_index = pooled.select(order), step_index[order]
-        split_groups = _straddling_groups(pooled.group, step_index)  # (P_split,) group codes
+        if cut is not None:
+            step_index = np.asarray(batch.step, dtype=np.int64)  # (S,) cut steps, ascending
+            pooled, split_groups, partial_last = batch, cut.split_groups, cut.partial_last
+        else:
+            step_index = _step_index(batch, settings)  # (S,)
+            pooled = _pooled_batch(batch, settings, step_index)
+            if step_index.shape[0] > 1 and np.any(np.diff(step_index) < 0):
+                order = np.argsort(step_index, kind="stable")
+                pooled, step_index = pooled.select(order), step_index[order]
+            split_groups = straddling_groups(pooled.group, step_index)  # (P_split,) group codes
+            partial_last = False
+            if settings.docs_per_step is not None and batch.n_samples:
+                partial_last = (int(_doc_by_sample_id(batch)[-1]) + 1) % settings.docs_per_step != 0
         tables = build_batch_tables(pooled, settings)
         bounds = np.flatnonzero(np.diff(step_index)) + 1
         starts = (
             np.concatenate([[0], bounds]).astype(np.int64) if step_index.shape[0] else np.zeros(0, np.int64)
         )
         ends = np.concatenate([bounds, [step_index.shape[0]]]).astype(np.int64) if starts.shape[0] else starts
-        partial_last = False
-        if settings.docs_per_step is not None and batch.n_samples:
-            partial_last = (int(_doc_by_sample_id(batch)[-1]) + 1) % settings.docs_per_step != 0
         ranges = [(int(lo), int(hi)) for lo, hi in zip(starts, ends, strict=True)]
         splits = [
             int(np.count_nonzero(np.isin(np.unique(pooled.group[lo:hi]), split_groups))) for lo, hi in ranges
@@ -321,25 +343,30 @@ class NativeStream:
         for position, ((lo, _), metrics) in enumerate(zip(ranges, reduced, strict=True)):
             label = str(int(step_index[lo]))
             if partial_last and position == len(ranges) - 1:
-                metrics = replace(
-                    metrics,
-                    status=_worse(metrics.status, "partial"),
-                    notices=(*metrics.notices, f"step {label}: final partial step of --docs-per-step"),
-                )
+                metrics = _mark_partial(metrics, label)
             rows.append((label, metrics))
         if self.pooled:
-            self._pool(tables, pooled.group)
-        self._groups_split += int(split_groups.shape[0])
+            self._pool(tables, pooled.group, run_wide=cut is not None)
+        if cut is None:
+            self._groups_split += int(split_groups.shape[0])
+        else:  # the run-wide count, the same in every chunk
+            self._groups_split = int(split_groups.shape[0])
         self.steps.extend(rows)
         return rows
 
-    def _pool(self, tables: BatchTables, group: np.ndarray) -> None:
-        """Keep the per-sample tables and token summaries of one chunk for the ``all`` row."""
+    def _pool(self, tables: BatchTables, group: np.ndarray, *, run_wide: bool) -> None:
+        """Keep the per-sample tables and token summaries of one chunk for the ``all`` row; `group` holds the
+        chunk's own codes (numbered after the earlier chunks') or, `run_wide`, codes of the whole run."""
         self._base.append(tables.base)
         self._n_positions.append(np.diff(tables.offsets))
         codes = np.asarray(group, dtype=np.int64)  # (S_c,) 0..P_c−1, ordered by (step, group id)
-        self._groups.append(codes + self._n_groups)
-        self._n_groups += int(codes.max()) + 1 if codes.shape[0] else 0
+        n_codes = int(codes.max()) + 1 if codes.shape[0] else 0
+        if run_wide:
+            self._groups.append(codes)
+            self._n_groups = max(self._n_groups, n_codes)
+        else:
+            self._groups.append(codes + self._n_groups)
+            self._n_groups += n_codes
         self._rewards.append(tables.reward)
         self._notices.extend(n for n in tables.notices if n not in self._notices)
         for name in _FAMILIES:
@@ -395,15 +422,32 @@ class StyleStream:
         self.steps: list[tuple[str, StepMetrics]] = []  # reported step rows
         self._with_partials: list[StepMetrics] = []  # the same with the values pooling needs
 
-    def add(self, batch: TokenBatch) -> list[tuple[str, StepMetrics]]:
-        """The per-step rows of one chunk (step order)."""
+    def add(self, batch: TokenBatch, cut: StepCut | None = None) -> list[tuple[str, StepMetrics]]:
+        """The per-step rows of one chunk (step order); `cut` when the caller cut the batch's steps over the
+        whole run (`StepCut`: counts the straddling groups and marks the final partial step as
+        `compute_by_step` does)."""
         from pgdiag.metrics.styles import compute_step_style
         from pgdiag.metrics.styles.pooled import public_values
 
-        rows = [
-            (label, compute_step_style(step_batch, self.settings, groups_split=0, partials=True))
-            for label, step_batch, _ in split_steps(batch, self.settings)
-        ]
+        if cut is None:
+            rows = [
+                (label, compute_step_style(step_batch, self.settings, groups_split=0, partials=True))
+                for label, step_batch, _ in split_steps(batch, self.settings)
+            ]
+        else:
+            rows = []
+            bounds = (np.flatnonzero(np.diff(batch.step)) + 1).tolist()
+            ranges = (
+                list(zip([0, *bounds], [*bounds, batch.n_samples], strict=True)) if batch.n_samples else []
+            )
+            for position, (lo, hi) in enumerate(ranges):
+                step_batch = batch.slice(lo, hi)
+                n_split = int(np.count_nonzero(np.isin(np.unique(step_batch.group), cut.split_groups)))
+                metrics = compute_step_style(step_batch, self.settings, groups_split=n_split, partials=True)
+                label = str(int(batch.step[lo]))
+                if cut.partial_last and position == len(ranges) - 1:
+                    metrics = _mark_partial(metrics, label)
+                rows.append((label, metrics))
         self._with_partials.extend(m for _, m in rows)
         public = [(label, public_values(m)) for label, m in rows]
         self.steps.extend(public)
@@ -460,17 +504,13 @@ def compute_by_step(
     if settings.docs_per_step is None:
         split_groups = np.zeros(0, dtype=np.int64)  # groups are prompts within a step: none can straddle
     else:
-        split_groups = _straddling_groups(np.asarray(batch.group), step_index)
+        split_groups = straddling_groups(np.asarray(batch.group), step_index)
     rows: list[tuple[str, StepMetrics]] = []
     for label, step_batch, status in parts:
         n_split = int(np.count_nonzero(np.isin(np.unique(step_batch.group), split_groups)))
         metrics = compute_step(step_batch, settings, n_split)
         if status == "partial":
-            metrics = replace(
-                metrics,
-                status=_worse(metrics.status, "partial"),
-                notices=(*metrics.notices, f"step {label}: final partial step of --docs-per-step"),
-            )
+            metrics = _mark_partial(metrics, label)
         rows.append((label, metrics))
     pooled_metrics = pool_style_steps([m for _, m in rows], settings)
     return [(label, public_values(m)) for label, m in rows] + [("all", pooled_metrics)]
@@ -526,9 +566,15 @@ def _entropy(batch: TokenBatch, tag: str) -> np.ndarray:
 
 def _doc_by_sample_id(batch: TokenBatch) -> np.ndarray:
     """(S,) document index by consecutive equal sample_id, ignoring the step column."""
-    if batch.n_samples == 0:
+    return documents_by_sample_id(batch.sample_id)
+
+
+def documents_by_sample_id(sample_id: np.ndarray) -> np.ndarray:
+    """(S,) document index of rows in read order: consecutive rows with equal `sample_id` (S,) are one document
+    (what `--docs-per-step` counts; the step column is ignored)."""
+    if sample_id.shape[0] == 0:
         return np.zeros(0, dtype=np.int64)
-    same = batch.sample_id[1:] == batch.sample_id[:-1]
+    same = sample_id[1:] == sample_id[:-1]
     return np.concatenate([[0], np.cumsum(~same)]).astype(np.int64)
 
 
@@ -543,30 +589,7 @@ def _rows(batch: TokenBatch, rows: np.ndarray) -> TokenBatch:
     """The samples `rows` (ascending); a contiguous run becomes views instead of copies."""
     if rows.shape[0] == 0 or rows[-1] - rows[0] + 1 != rows.shape[0]:
         return batch.select(rows)
-    lo, hi = int(rows[0]), int(rows[-1]) + 1
-    t_lo, t_hi = int(batch.offsets[lo]), int(batch.offsets[hi])
-
-    def opt(values: np.ndarray | None, a: int, b: int) -> np.ndarray | None:
-        return None if values is None else values[a:b]
-
-    return replace(
-        batch,
-        step=batch.step[lo:hi],
-        sample_id=batch.sample_id[lo:hi],
-        segment_idx=batch.segment_idx[lo:hi],
-        group=batch.group[lo:hi],
-        prompt_len=batch.prompt_len[lo:hi],
-        seq_len=batch.seq_len[lo:hi],
-        offsets=batch.offsets[lo : hi + 1] - t_lo,
-        pos=batch.pos[t_lo:t_hi],
-        token_id=batch.token_id[t_lo:t_hi],
-        streams={k: v[t_lo:t_hi] for k, v in batch.streams.items()},
-        entropy={k: v[t_lo:t_hi] for k, v in batch.entropy.items()},
-        advantages=opt(batch.advantages, t_lo, t_hi),
-        reward=opt(batch.reward, lo, hi),
-        env=opt(batch.env, lo, hi),
-        sample_row=opt(batch.sample_row, lo, hi),
-    )
+    return batch.slice(int(rows[0]), int(rows[-1]) + 1)
 
 
 def _pooled_batch(batch: TokenBatch, settings: MetricSettings, step_index: np.ndarray) -> TokenBatch:
@@ -587,7 +610,7 @@ def _pooled_batch(batch: TokenBatch, settings: MetricSettings, step_index: np.nd
     return replace(batch, group=pooled_group.astype(np.int64).reshape(-1), group_names=names)
 
 
-def _straddling_groups(group: np.ndarray, step_index: np.ndarray) -> np.ndarray:
+def straddling_groups(group: np.ndarray, step_index: np.ndarray) -> np.ndarray:
     """Group codes whose samples fall in more than one step."""
     if group.shape[0] == 0:
         return np.zeros(0, dtype=np.int64)
@@ -614,6 +637,15 @@ def _average_loss_over_steps(pooled: StepMetrics, steps: list[StepMetrics]) -> S
             value = MetricValue(value.key, mean, value.unit, value.reduction, len(numbers))
         values.append(value)
     return replace(pooled, values=tuple(values))
+
+
+def _mark_partial(metrics: StepMetrics, label: str) -> StepMetrics:
+    """`metrics` of the final step of `--docs-per-step` when it holds fewer than N documents."""
+    return replace(
+        metrics,
+        status=_worse(metrics.status, "partial"),
+        notices=(*metrics.notices, f"step {label}: final partial step of --docs-per-step"),
+    )
 
 
 def _worse(a: str, b: str) -> str:
