@@ -34,7 +34,7 @@ from pgdiag.data.runs import (
     batch_inputs,
     build_token_batch,
     load_rows,
-    null_step_rows,
+    reads_whole,
     restrict_steps,
     step_chunks,
     step_rows,
@@ -268,8 +268,8 @@ def _pieces(run: Run, other: Run | None, chunk_rows: int) -> list[tuple[tuple[in
         rows_b = {} if other is None else step_rows(other)
     except InvalidInputError:
         return [(None, True, other is not None)]  # the reader reports the unreadable step column
-    if null_step_rows(run) or (other is not None and null_step_rows(other)):
-        return [(None, True, other is not None)]  # rows of a null step are in no piece: read whole (E213)
+    if reads_whole(run) or (other is not None and reads_whole(other)):
+        return [(None, True, other is not None)]  # an unfilterable or null step: read whole (E103, E213)
     both = {s: rows_a.get(s, 0) + rows_b.get(s, 0) for s in sorted({*rows_a, *rows_b})}
     chunks = step_chunks(both, chunk_rows)
     if len(chunks) <= 1:

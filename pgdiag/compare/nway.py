@@ -158,10 +158,10 @@ def _pieces(sources: Sequence[Any], settings: CompareSettings) -> list[tuple[tup
     in one piece."""
     if settings.join == "hash-any-step" or any(isinstance(s, TokenBatch) for s in sources):
         return []
-    from pgdiag.data.runs import null_step_rows, step_chunks, step_rows
+    from pgdiag.data.runs import reads_whole, step_chunks, step_rows
 
-    if any(null_step_rows(s) for s in sources):
-        return []  # rows of a null step are in no piece: read whole (the reader's E213)
+    if any(reads_whole(s) for s in sources):
+        return []  # an unfilterable or null step: read whole (the reader's E103, E213)
     per_run = [step_rows(s) for s in sources]
     rows: dict[int, int] = {}
     for run_rows in per_run:

@@ -111,12 +111,12 @@ def plan_pieces(
 
 def step_pieces(a: Any, b: Any, one_run: bool, chunk_rows: int) -> list[Piece]:
     """Consecutive steps of both runs under `chunk_rows` rows (a + b); one whole piece when they fit in one."""
-    from pgdiag.data.runs import null_step_rows, step_chunks, step_rows
+    from pgdiag.data.runs import reads_whole, step_chunks, step_rows
 
+    if reads_whole(a) or (not one_run and reads_whole(b)):
+        return [Piece(None)]  # an unfilterable or null step: read whole (the reader's E103, E213)
     rows_a = step_rows(a)
     rows_b = rows_a if one_run else step_rows(b)
-    if null_step_rows(a) or (not one_run and null_step_rows(b)):
-        return [Piece(None)]  # rows of a null step are in no piece: read whole (the reader's E213)
     both = {s: rows_a.get(s, 0) + (0 if one_run else rows_b.get(s, 0)) for s in sorted({*rows_a, *rows_b})}
     chunks = step_chunks(both, chunk_rows)
     if len(chunks) <= 1:
@@ -163,16 +163,16 @@ def any_step_pieces(a: Any, b: Any, chunk_rows: int, ignore: Collection[str]) ->
 
     A piece holds at most `chunk_rows` rows of a plus the b steps it reads, unless one step of a with its b
     steps is larger (then it is a piece of its own: the worst case, an a step matched into every b step, reads
-    all of b with it). Read whole (one piece): runs that fit in one piece, a null step, and an ignored code
-    whose rows the reader leaves out (`ROW_DROPPING_CODES`: the keys would pair rows the batch lacks).
+    all of b with it). Read whole (one piece): runs that fit in one piece, a step column that is not an integer
+    or is null (`reads_whole`), and an ignored code whose rows the reader leaves out (`ROW_DROPPING_CODES`: the keys would pair rows the batch lacks).
     """
-    from pgdiag.data.runs import null_step_rows, sample_keys, step_chunks, step_rows
+    from pgdiag.data.runs import reads_whole, sample_keys, step_chunks, step_rows
 
     whole = Plan([Piece(None)])
+    if reads_whole(a) or reads_whole(b):
+        return whole
     rows_a, rows_b = step_rows(a), step_rows(b)
     if sum(rows_a.values()) + sum(rows_b.values()) <= chunk_rows or set(ignore) & set(ROW_DROPPING_CODES):
-        return whole
-    if null_step_rows(a) or null_step_rows(b):
         return whole
     try:
         keys_a, keys_b = sample_keys(a), sample_keys(b)

@@ -469,10 +469,14 @@ def step_rows(run: Run) -> dict[int, int]:
     }
 
 
-def null_step_rows(run: Run) -> int:
-    """Rows of `run` whose `step` is null: no group of steps holds them, so a command that reads step by step
-    reads such a run whole (where the reader reports them, E213)."""
-    return int(run.lazy.select(pl.col("step").null_count()).collect().item())
+def reads_whole(run: Run) -> bool:
+    """Whether `run` cannot be read step by step, so a command reads it whole, where the reader says why: a `step`
+    column that is missing or not an integer (E102/E103: no piece can filter it) or rows whose `step` is null
+    (E213: no piece holds them)."""
+    step_type = run.lazy.collect_schema().get("step")
+    if step_type is None or not step_type.is_integer():
+        return True
+    return bool(run.lazy.select(pl.col("step").null_count()).collect().item())
 
 
 def restrict_steps(run: Run, steps: Sequence[int]) -> Run:

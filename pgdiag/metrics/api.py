@@ -19,8 +19,8 @@ from pgdiag.data.batch import TokenBatch
 from pgdiag.data.runs import (
     LoadedBatch,
     Run,
-    null_step_rows,
     read_token_batch,
+    reads_whole,
     restrict_steps,
     row_keys,
     step_chunks,
@@ -195,13 +195,10 @@ def compute_metrics(
         else StyleStream(settings)
     )
     feeder: DocStepFeeder | None = None
-    step_type = run.lazy.collect_schema().get("step")
-    if step_type is not None and not step_type.is_integer():  # no chunk can filter it: the reader says E103
+    if reads_whole(run):  # a step column no chunk can filter, or a null step: the reader says which
         return _whole_run_report(run, settings, checks)
     if settings.docs_per_step is None:  # chunks of consecutive steps, in step order
         rows_per_step = step_rows(run)
-        if null_step_rows(run):  # a null step (E213) is in no chunk
-            return _whole_run_report(run, settings, checks)
         budget = stream.budget(rows_per_step)
         chunks = [(restrict_steps(run, c), None) for c in step_chunks(rows_per_step, budget)]
         n_steps = len(rows_per_step)
