@@ -271,15 +271,12 @@ def zero_fill_issues(
     name_b: str,
     single_stream: bool = True,
     max_examples: int = 1,
-    label: str | None = None,
 ) -> list[Issue]:
     """E206 per side: exact 0.0 where the other side is < −1 and, with `single_stream`, the one-stream rule of
     the reader (`data.validate.zero_fill_rows`: > 1 % exact 0.0, or a sample of ≥ 2 loss values all 0.0).
 
-    `check` and `metrics` pass ``single_stream=False``: the reader has already applied that rule to each column.
-    `label` (a run's), when given, starts the message.
+    `check` passes ``single_stream=False``: the reader has already applied that rule to each column.
     """
-    prefix = "" if label is None else f"{as_template(label)}: "
     issues = []
     for values, other, name, other_name in ((lp_a, lp_b, name_a, name_b), (lp_b, lp_a, name_b, name_a)):
         zero = np.flatnonzero(values == 0.0)
@@ -298,8 +295,7 @@ def zero_fill_issues(
             continue
         shown, first = locate_parts(where, tokens, max_examples)
         parts = MessageParts(
-            f"{prefix}{as_template(name)} {reason if tokens is against else as_template(reason)}: zero-filled? "
-            "({examples})",
+            f"{as_template(name)} {reason if tokens is against else as_template(reason)}: zero-filled? ({{examples}})",
             sums=(("n", int(tokens.size)),) if tokens is against else (),
             examples=tuple((None, text) for text in shown),
             max_examples=max_examples,
@@ -311,7 +307,7 @@ def zero_fill_issues(
                 "error",
                 int(tokens.size),
                 parts.render(0),
-                hint="missing values written as 0? import them as null, or --ignore E206",
+                hint="missing values written as 0? import them as null",
                 rule=parts.template,
                 parts=parts,
                 **first,
