@@ -3,8 +3,9 @@
 `check` runs them on two streams of one run, `compare` on two aligned runs; both pass the same arrays (side a's
 and side b's (M,) log-probs plus where each token sits), so both report the same codes with the same thresholds:
 
-    E302 a stream shifted by ±1 position · E207 NaN/inf log-probs · E205 positive log-probs ·
-    E206 zero-filled log-probs
+    E302 a stream shifted by ±1 position · E207 NaN/inf log-probs · E205 positive log-probs
+
+E206 (zero-filled log-probs) of a pair is `pgdiag.data.token_issues.zero_fill_issues`, which `metrics` runs too.
 
 `where` is any object with `offsets` (S+1,), `pos` (M,), `step` (S,), `sample_id` (S,) and `token_sample()`
 (M,) (a `TokenBatch`, or `compare.align.AlignedPair`). Medians run over at most `STAT_SAMPLE_TOKENS` evenly
@@ -14,34 +15,17 @@ strided tokens; counts use every token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from pgdiag.data.validate import (
-    LOGPROB_POSITIVE_TOL,
-    Issue,
-    MessageParts,
-    as_template,
-    zero_against_other,
-    zero_fill_rows,
-)
+from pgdiag.data.token_issues import TokenLocations, locate_parts
+from pgdiag.data.validate import LOGPROB_POSITIVE_TOL, Issue
 
 STAT_SAMPLE_TOKENS = 262_144  # medians and fits of the shift test on up to about this many tokens
 MIN_STAT_TOKENS = 200  # medians, fits and sign shares need this many tokens (E302, W401, W403)
 SHIFT_MIN_MEDIAN = 0.05  # E302: median |Δ| at offset 0 must exceed this (nats) ...
 SHIFT_GAIN = 2.0  # ... and the best of offsets ±1 must be this many times smaller
-
-
-class TokenLocations(Protocol):
-    """Where the M tokens of a pair sit: sample offsets, positions, and each sample's step and id."""
-
-    offsets: np.ndarray  # (S + 1,)
-    pos: np.ndarray  # (M,)
-    step: np.ndarray  # (S,)
-    sample_id: np.ndarray  # (S,)
-
-    def token_sample(self) -> np.ndarray: ...  # (M,) sample owning each token
 
 
 @dataclass(frozen=True)
@@ -70,26 +54,6 @@ def locate(where: TokenLocations, tokens: np.ndarray, max_examples: int = 1) -> 
     """Text naming the first `max_examples` of `tokens` and the first one's (step, sample_id, pos) fields."""
     parts, first = locate_parts(where, tokens, max_examples)
     return "; ".join(parts), first
-
-
-def locate_parts(
-    where: TokenLocations, tokens: np.ndarray, max_examples: int = 1
-) -> tuple[tuple[str, ...], dict[str, Any]]:
-    """`locate` before joining: one "step s, sample x, pos p" per example (merged across pieces of a run)."""
-    tokens = np.asarray(tokens)[:max_examples]
-    if tokens.size == 0:
-        return (), {}
-    rows = np.searchsorted(where.offsets, tokens, side="right") - 1
-    parts = tuple(
-        f"step {where.step[r]}, sample {where.sample_id[r]}, pos {where.pos[t]}"
-        for r, t in zip(rows.tolist(), tokens.tolist(), strict=True)
-    )
-    first = {
-        "step": int(where.step[rows[0]]),
-        "sample_id": str(where.sample_id[rows[0]]),
-        "pos": int(where.pos[tokens[0]]),
-    }
-    return parts, first
 
 
 @dataclass(frozen=True)
@@ -260,57 +224,3 @@ _HINTS = {
     "E207": "drop the non-finite tokens with --ignore E207 (they are counted)",
     "E205": "log-probs must be <= 0; a sign flip or a loss (negative log-prob) was stored?",
 }
-
-
-def zero_fill_issues(
-    lp_a: np.ndarray,
-    lp_b: np.ndarray,
-    where: TokenLocations,
-    *,
-    name_a: str,
-    name_b: str,
-    single_stream: bool = True,
-    max_examples: int = 1,
-) -> list[Issue]:
-    """E206 per side: exact 0.0 where the other side is < −1 and, with `single_stream`, the one-stream rule of
-    the reader (`data.validate.zero_fill_rows`: > 1 % exact 0.0, or a sample of ≥ 2 loss values all 0.0).
-
-    `check` passes ``single_stream=False``: the reader has already applied that rule to each column.
-    """
-    issues = []
-    for values, other, name, other_name in ((lp_a, lp_b, name_a, name_b), (lp_b, lp_a, name_b, name_a)):
-        zero = np.flatnonzero(values == 0.0)
-        if zero.size == 0:
-            continue
-        against = zero_against_other(values, other)
-        rows = zero_fill_rows(values, where.offsets) if single_stream else None
-        if rows is not None and rows.fraction_filled:
-            reason, tokens = f"{100 * rows.fraction:.3g} % exact 0.0 on loss positions", zero
-        elif rows is not None and rows.all_zero_rows.size:
-            reason = f"{rows.all_zero_rows.size} samples whose loss values are all exactly 0.0"
-            tokens = where.offsets[rows.all_zero_rows]
-        elif against.size:
-            reason, tokens = f"0.0 where {as_template(other_name)} < -1 on {{n}} tokens", against
-        else:
-            continue
-        shown, first = locate_parts(where, tokens, max_examples)
-        parts = MessageParts(
-            f"{as_template(name)} {reason if tokens is against else as_template(reason)}: zero-filled? ({{examples}})",
-            sums=(("n", int(tokens.size)),) if tokens is against else (),
-            examples=tuple((None, text) for text in shown),
-            max_examples=max_examples,
-            located=False,
-        )
-        issues.append(
-            Issue(
-                "E206",
-                "error",
-                int(tokens.size),
-                parts.render(0),
-                hint="missing values written as 0? import them as null",
-                rule=parts.template,
-                parts=parts,
-                **first,
-            )
-        )
-    return issues

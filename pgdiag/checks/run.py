@@ -2,8 +2,8 @@
 
 Bad data never raises here: every finding is an issue of the result. For one run: the reader's rules
 (`data.validate`), then on every stream pair that includes ``rollout`` (or the pair given) the pair checks
-(`checks.pairs`: E302 shift, E206 zero fill against the other stream) and the signatures (`checks.signatures`:
-W401, W403, W406, W407, W410), W408 when old equals new, and the footer checks (`checks.metadata`). For two
+(`checks.pairs`: E302 shift; `data.token_issues`: E206 zero fill against the other stream) and the
+signatures (`checks.signatures`: W401, W403, W406, W407, W410), W408 when old equals new, and the footer checks (`checks.metadata`). For two
 runs, also the sample checks of `checks.samples` (E304, E301, E303/W303). `compare` calls the same functions.
 """
 
@@ -22,7 +22,6 @@ from pgdiag.checks.pairs import (
     shift_issue,
     shift_rule,
     shift_verdict,
-    zero_fill_issues,
 )
 from pgdiag.checks.samples import CrossRunParts, cross_run_findings, cross_run_parts, one_side_parts
 from pgdiag.checks.signatures import SignatureStats, signature_issues, signature_stats
@@ -40,6 +39,7 @@ from pgdiag.data.runs import (
     step_rows,
 )
 from pgdiag.data.schema import REQUIRED_COLUMNS, cast_problem, stream_column
+from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import (
     CheckResult,
     Issue,

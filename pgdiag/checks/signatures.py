@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from pgdiag.checks.pairs import MIN_STAT_TOKENS, TokenLocations, locate_parts
+from pgdiag.checks.pairs import MIN_STAT_TOKENS
+from pgdiag.data.token_issues import TokenLocations, locate_parts
 from pgdiag.data.validate import Issue
 
 SLOPE_TOLERANCE = 0.05  # W401: |slope − 1| above this ...

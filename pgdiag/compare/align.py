@@ -33,11 +33,11 @@ from pgdiag.checks.pairs import (
     shift_issue,
     shift_verdict,
     value_issues,
-    zero_fill_issues,
 )
 from pgdiag.checks.samples import mask_issue
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.schema import stream_column
+from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import Issue
 from pgdiag.errors import InvalidInputError, UsageError
 

@@ -27,16 +27,14 @@ from pgdiag.data.runs import (
     step_rows,
 )
 from pgdiag.data.schema import stream_column
+from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import (
     CheckResult,
     CheckSettings,
     Issue,
-    MessageParts,
-    as_template,
     merge_check_results,
     merge_piece_issues,
     raise_first_error,
-    zero_against_other,
 )
 from pgdiag.errors import UsageError
 from pgdiag.metrics.pooled import QuantileSettings
@@ -304,43 +302,18 @@ def _read(
 
 
 def _zero_fill(batch: TokenBatch, a: str, b: str, max_examples: int) -> list[Issue]:
-    """E206 (exit 3) where one stream of the pair (a, b) is exactly 0.0 and the other below −1, the rule `check`
-    and `compare` apply to every pair (`data.validate.zero_against_other`); the reader applied the one-stream
-    rules already. Its message states its count from `MessageParts`, so chunks merge into the run's."""
-    found = []
-    for name, values, other_name, other in (
-        (a, batch.streams[a], b, batch.streams[b]),
-        (b, batch.streams[b], a, batch.streams[a]),
-    ):
-        tokens = zero_against_other(values, other)  # (Z,)
-        if tokens.size == 0:
-            continue
-        rows = np.searchsorted(batch.offsets, tokens[:max_examples], side="right") - 1
-        parts = MessageParts(
-            as_template(
-                f"{batch.label}: {stream_column(name)} 0.0 where {stream_column(other_name)} < -1 on "
-            )
-            + "{n} tokens: zero-filled? ({examples})",
-            sums=(("n", int(tokens.size)),),
-            examples=tuple(
-                (None, f"step {batch.step[r]}, sample {batch.sample_id[r]}, pos {batch.pos[t]}")
-                for r, t in zip(rows.tolist(), tokens[:max_examples].tolist(), strict=True)
-            ),
-            max_examples=max_examples,
-            located=False,
-        )
-        found.append(
-            Issue(
-                "E206",
-                "error",
-                int(tokens.size),
-                parts.render(0),
-                hint="missing values written as 0? import them as null, or --ignore E206",
-                rule=parts.template,
-                parts=parts,
-            )
-        )
-    return found
+    """E206 (exit 3) where one stream of the pair (a, b) is exactly 0.0 and the other below −1: the pair rule
+    `check` and `compare` apply (`data.token_issues.zero_fill_issues`); the reader applied the one-stream rules."""
+    return zero_fill_issues(
+        batch.streams[a],
+        batch.streams[b],
+        batch,
+        name_a=stream_column(a),
+        name_b=stream_column(b),
+        single_stream=False,
+        max_examples=max_examples,
+        label=batch.label,
+    )
 
 
 def _quantile_notice(exact: bool, quantiles: QuantileSettings) -> str | None:
