@@ -3,8 +3,8 @@
 Bad data never raises here: every finding is an issue of the result. For one run: the reader's rules
 (`data.validate`), then on every stream pair that includes ``rollout`` (or the pair given) the pair checks
 (`checks.pairs`: E302 shift; `data.token_issues`: E206 zero fill against the other stream) and the
-signatures (`checks.signatures`: W401, W403, W406, W407, W410), W408 when old equals new, and the footer checks (`checks.metadata`). For two
-runs, also the sample checks of `checks.samples` (E304, E301, E303/W303). `compare` calls the same functions.
+signatures (`checks.signatures`: W401, W403, W406, W407, W410), W408 when old equals new, and the footer
+checks (`checks.metadata`). For two runs, also the sample checks of `checks.samples` (E304, E301, E303/W303). `compare` calls the same functions.
 """
 
 from __future__ import annotations
