@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.text import Text
 
-from pgdiag.cli.common import (
+from pgdiag.cli.common import Screen, execute, result_object
+from pgdiag.cli.options import (
     ALIGNMENT,
     INPUTS,
     SAFETY,
@@ -25,9 +25,7 @@ from pgdiag.cli.common import (
     QuietOpt,
     StrictOpt,
     VerboseOpt,
-    execute,
-    list_option,
-    result_object,
+    listed,
 )
 from pgdiag.importers.base import PRESET_MODULES, ImportOptions
 
@@ -154,7 +152,7 @@ def import_command(
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    def body(console: Console) -> dict[str, Any]:
+    def body(screen: Screen) -> dict[str, Any]:
         from pgdiag.cli.render import render_checks
         from pgdiag.importers.api import import_run
         from pgdiag.importers.base import parse_map, parse_shift
@@ -163,8 +161,8 @@ def import_command(
             step=step,
             label=label,
             group_by=group_by,
-            shifts=tuple(parse_shift(s) for s in list_option(shift)),
-            maps=tuple(parse_map(m) for m in list_option(map_)),
+            shifts=tuple(parse_shift(s) for s in listed(shift)),
+            maps=tuple(parse_map(m) for m in listed(map_)),
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
@@ -175,6 +173,7 @@ def import_command(
             retokenize=retokenize,
             tokenizer=tokenizer,
         )
+        console = screen.notes
         if allow_unsafe_pickle:
             console.print(
                 "[yellow]warning:[/] --allow-unsafe-pickle: code inside the dump may run while loading"
@@ -202,13 +201,13 @@ def import_command(
                 out,
                 options=options,
                 overwrite=overwrite,
-                ignore=tuple(list_option(ignore)),
+                ignore=tuple(listed(ignore)),
                 progress=progress,
             )
         render_checks(console, result.issues.issues, result.issues.hints)
         if result.dropped_streams:
             console.print(f"dropped degenerate streams: {', '.join(result.dropped_streams)}", markup=False)
-        console.print(
+        screen.results.print(
             Text.assemble(
                 ("imported", "green"),
                 f" {result.n_samples} samples, {result.n_tokens} tokens, {len(result.steps)} steps, "

@@ -23,19 +23,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from pgdiag.cli.common import (
-    MODEL,
-    OUTPUT,
-    PERFORMANCE,
-    JsonOpt,
-    OverwriteOpt,
-    QuietOpt,
-    RunArg,
-    VerboseOpt,
-    execute,
-    make_console,
-    result_object,
-)
+from pgdiag.cli.common import Screen, execute, make_console, result_object
+from pgdiag.cli.options import MODEL, OUTPUT, PERFORMANCE, JsonOpt, OverwriteOpt, QuietOpt, RunArg, VerboseOpt
 from pgdiag.recompute.inputs import DEFAULT_BATCH_TOKENS, DEFAULT_PART_SAMPLES
 
 if TYPE_CHECKING:
@@ -257,7 +246,7 @@ def logprobs(
     }
     rank = int(os.environ.get("RANK", "0"))
 
-    def body(console: Console) -> dict[str, Any]:
+    def body(screen: Screen) -> dict[str, Any]:
         from pgdiag.recompute.jobs import recompute_logprobs
 
         result = recompute_logprobs(
@@ -271,7 +260,7 @@ def logprobs(
         )
         if result is None:  # a non-zero rank of a torchrun job: rank 0 reports
             return result_object("logprobs")
-        _render_summary(console, result, verbose=verbose)
+        _render_summary(screen.results, result, verbose=verbose)
         return _result_json(result, run)
 
     execute("logprobs", body, json_out=json_out and rank == 0, quiet=quiet or rank != 0)

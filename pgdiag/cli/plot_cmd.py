@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
-from pgdiag.cli.common import OUTPUT, JsonOpt, OverwriteOpt, QuietOpt, execute, result_object
+from pgdiag.cli.common import Screen, execute, result_object
+from pgdiag.cli.options import OUTPUT, JsonOpt, OverwriteOpt, QuietOpt
 
 
 class PlotKind(StrEnum):
@@ -98,7 +98,7 @@ def plot(
     Existing figures in --out are kept (E502) unless --overwrite is given; the files written are listed.
     """
 
-    def body(console: Console) -> dict[str, Any]:
+    def body(screen: Screen) -> dict[str, Any]:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -158,9 +158,9 @@ def plot(
 
             page = write_html(report, html, overwrite=overwrite, plot_set=plot_set, **page_verdict)
             files["html"] = str(page)
-        render_written(console, files)
+        render_written(screen.notes, files)
         for k, why in plot_set.skipped.items():
-            console.print(f"skipped {k}: {why}", markup=False, soft_wrap=True)
+            screen.notes.print(f"skipped {k}: {why}", markup=False, soft_wrap=True)
         return result_object("plot", files=files, plots_skipped=plot_set.skipped)
 
     execute("plot", body, json_out=json_out, quiet=quiet)

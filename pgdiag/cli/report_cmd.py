@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
-from pgdiag.cli.common import (
+from pgdiag.cli.common import Screen, execute, result_object
+from pgdiag.cli.options import (
     OUTPUT,
     ExitZeroOpt,
     FailOnOpt,
@@ -27,9 +27,7 @@ from pgdiag.cli.common import (
     ProfileOpt,
     QuietOpt,
     WarnOnOpt,
-    execute,
-    list_option,
-    result_object,
+    listed,
 )
 
 
@@ -75,7 +73,8 @@ def report(
     --html for the one-file page (its verdict derived again from the stored values), --pivot for the wide table.
     """
 
-    def body(console: Console) -> dict[str, Any]:
+    def body(screen: Screen) -> dict[str, Any]:
+        console = screen.notes if pivot else screen.results  # --pivot: the CSV alone on stdout
         from rich.table import Table
 
         from pgdiag.cli.render import format_value, render_gates
@@ -94,7 +93,7 @@ def report(
             check_html_path(html, overwrite=overwrite)
         loaded = load_report(source)
         gate_settings = GateSettings(
-            fail_on=tuple(list_option(fail_on)), warn_on=tuple(list_option(warn_on)), profile=profile,
+            fail_on=tuple(listed(fail_on)), warn_on=tuple(listed(warn_on)), profile=profile,
             exit_zero=exit_zero,
         )  # fmt: skip
         verdict = outcome(loaded, gate_settings)

@@ -30,7 +30,7 @@ from pgdiag.compare.align import AlignedPair, Deferred, align_batches, unmatched
 from pgdiag.compare.parity import unit_and_reduction
 from pgdiag.compare.pieces import Piece, checked_matches, concat_batches, plan_pieces
 from pgdiag.compare.pooled import PooledParity
-from pgdiag.compare.settings import CompareSettings
+from pgdiag.compare.settings import DEFAULT_PROFILE, CompareSettings
 from pgdiag.compare.side_by_side import SideMetrics, side_by_side_rows, side_settings
 from pgdiag.compare.worst import token_decoder
 from pgdiag.data.batch import TokenBatch
@@ -637,7 +637,7 @@ def pair_comparison(
     n_samples_b = pair.n_samples_b if pair is not None else held.n_b
     meta = {
         "pairs": [name],
-        "gate_policy": gate_policy(default_family="mismatch"),
+        "gate_policy": gate_policy(default_family="mismatch", default_profile=DEFAULT_PROFILE),
         "labels": {"a": la, "b": lb},
         "streams": {"a": sa, "b": sb},
         "join": pair.join if pair is not None else held.join,

@@ -435,8 +435,13 @@ def drift_verdict(report: Report) -> Verdict:
 
 
 def report_verdict(report: Report, gates: GateResult | None = None) -> Verdict:
-    """The verdict of a saved report of any kind, from its stored values (`gates`: compare's fail gates)."""
+    """The verdict of a saved report of any kind, from its stored values (`gates`: compare's fail gates; None:
+    the report's default gates, as `outcome` applies them)."""
     if report.kind == "compare":
+        if gates is None:
+            from pgdiag.report.gates import outcome
+
+            gates = outcome(report).gates
         return compare_verdict(report, gates)
     if report.kind == "whatif":
         return whatif_verdict(report)
