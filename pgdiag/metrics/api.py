@@ -185,7 +185,8 @@ def compute_metrics(
     stream = stream or StreamSettings()
     settings = resolve_streams(run, settings)
     from pgdiag.metrics.docsteps import DocStepFeeder, plan_doc_steps, read_order_chunks
-    from pgdiag.metrics.engine import NativeStream, StyleStream
+    from pgdiag.metrics.engine import NativeStream
+    from pgdiag.metrics.styles.steps import StyleStream
 
     engine = (
         NativeStream(settings, stream.quantiles, pooled=stream.pooled)
@@ -342,8 +343,8 @@ def metrics_report(
 ) -> Report:
     """The metric set of an already read and validated `batch` of `run` under stream-resolved `settings`
     (`resolve_streams`), read whole (`compare --metrics` feeds its pieces to a stream instead: `stream_report`)."""
-    from pgdiag.metrics.engine import compute_by_step, compute_native
-    from pgdiag.metrics.styles import compute_step_style
+    from pgdiag.metrics.engine import compute_native
+    from pgdiag.metrics.styles.steps import compute_by_step, compute_step_style
 
     if settings.key_style == "pgdiag":
         results = compute_native(batch, settings)
