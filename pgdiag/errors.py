@@ -74,6 +74,15 @@ class Code(StrEnum):
         "or not a number > 0)",
         3,
     )
+    KEPT_OFFSETS_BROKEN = (
+        "E220",
+        "sampling_kept_offsets not T + 1 non-decreasing offsets from 0 to len(sampling_kept_ids) "
+        "(or a kept bitmask of the wrong length)",
+        3,
+    )
+    SAMPLED_OUTSIDE_KEPT = ("E221", "a sampled token is not in its recorded kept set", 3)
+    KEPT_OUT_OF_VOCAB = ("E222", "a kept token id < 0 or >= the vocabulary size", 3)
+    KEPT_DUPLICATE = ("E223", "a token id twice in one kept set", 3)
     VALUE_OFF_LOSS = ("W214", "a per-token value set outside loss_mask (ignored)", 0)
     EMPTY_LOSS_MASK = ("W215", "a sample with an empty loss_mask", 0)
     ISOLATED_ZEROS = ("W216", "isolated exact 0.0 log-probs below the E206 limits, or 0 < lp <= 1e-6", 0)

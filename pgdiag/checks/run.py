@@ -27,6 +27,7 @@ from pgdiag.checks.samples import CrossRunParts, cross_run_findings, cross_run_p
 from pgdiag.checks.signatures import SignatureStats, signature_issues, signature_stats
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.flat import FlatList, RowTable, flat_list
+from pgdiag.data.kept import KEPT_COLUMNS, kept_from_series
 from pgdiag.data.runs import (
     FILE_COLUMN,
     Run,
@@ -64,7 +65,15 @@ def _pair_piece(
     if shift is not None:
         issues.append(shift)
     issues += zero_fill_issues(
-        lp_a, lp_b, batch, name_a=name_a, name_b=name_b, single_stream=False, max_examples=max_examples
+        lp_a,
+        lp_b,
+        batch,
+        name_a=name_a,
+        name_b=name_b,
+        single_stream=False,
+        max_examples=max_examples,
+        legit_a=batch.one_token_sets(a),
+        legit_b=batch.one_token_sets(b),
     )
     valid = np.isfinite(lp_a) & np.isfinite(lp_b)  # (M,)
     where = batch if valid.all() else keep_tokens(batch, valid)
@@ -114,7 +123,7 @@ def check_frame(
     ]
     if issues:
         return check_result([i for i in issues if i.code not in ignored], strict=strict)
-    stream_cols = tuple(c for c in frame.columns if c.endswith("_logprobs"))
+    stream_cols = tuple(c for c in frame.columns if c.endswith("_logprobs") and c not in KEPT_COLUMNS)
     list_cols = [
         "input_ids",
         "loss_mask",
@@ -138,9 +147,12 @@ def check_frame(
         lists[column] = FlatList(
             raw.offsets, raw.values.astype(numpy_type, copy=False), raw.valid, raw.row_valid
         )
-    scalars = frame.drop(list_cols).with_columns(pl.lit(source).alias(FILE_COLUMN))
+    kept = kept_from_series({c: frame[c] for c in KEPT_COLUMNS if c in frame.columns})
+    scalars = frame.drop([*list_cols, *(c for c in KEPT_COLUMNS if c in frame.columns)]).with_columns(
+        pl.lit(source).alias(FILE_COLUMN)
+    )
     found = validate_rows(
-        RowTable(scalars, lists, stream_cols),
+        RowTable(scalars, lists, stream_cols, kept),
         ignore=ignored,
         max_examples=max_examples,
         vocab_size=vocab_size,
