@@ -170,6 +170,28 @@ def _localised(
             yield "position", label, lo, hi, _fraction(affected[tok]), int(tok.sum())
 
 
+_COUNTS = ("whatif/nonfinite_log_ratio", "whatif/log_ratio_beyond_", "whatif/zero_advantage_groups")
+_SEQ_RATIOS = ("whatif/chi2_seq", "whatif/seq_weight_")
+_TOKEN_RATIOS = ("whatif/weight_", "whatif/token_ratio_mean", "whatif/grad_coef_ratio")
+
+
+def metric_unit(metric: str) -> tuple[str, str]:
+    """(unit, reduction) of a whatif metric of docs/whatif.md."""
+    if "/loss" in metric:
+        return "loss", "sum"
+    if metric.startswith(_COUNTS):
+        return "count", "sum"
+    if metric.startswith(_SEQ_RATIOS):
+        return "ratio", "seq-mean"
+    if metric.startswith(_TOKEN_RATIOS):
+        return "ratio", "token-mean"
+    if metric == "whatif/length_collapse":
+        return "flag", "seq-median"
+    if metric.startswith("whatif/signal_kept"):
+        return "fraction", "token-sum"
+    return "fraction", "seq-mean" if "seq" in metric else "token-mean"
+
+
 def _replay(batch: TokenBatch, base: str, cur: str) -> Replay:
     return Replay(
         base=batch.streams[base],
@@ -236,14 +258,7 @@ def whatif_batch(
     def add(
         bucket: str, metric: str, value: float | None, n: int, rule: CorrectionRule | None = None
     ) -> None:
-        unit = (
-            "loss"
-            if "/loss" in metric
-            else "count"
-            if metric.endswith(("_ratio_nonfinite", "groups"))
-            else "fraction"
-        )
-        reduction = "seq-mean" if "seq" in metric else "token-mean"
+        unit, reduction = metric_unit(metric)
         on = later if rule is not None and rule.pair == PROXIMAL_THETA else pair
         lo = rule.lo if rule is not None else None
         hi = rule.hi if rule is not None else None
@@ -271,7 +286,7 @@ def whatif_batch(
         )
         metrics = _rule_metrics(batch, rule, effect, settings, base_loss, ess_token_before, ess_seq_before)
         for metric, value in metrics.items():
-            add(bucket, metric, value, n_seq if "seq" in metric else n_tok, rule)
+            add(bucket, metric, value, n_seq if metric_unit(metric)[1].startswith("seq") else n_tok, rule)
         if effect is None:
             continue
         for breakdown, where, b_lo, b_hi, value, n in _localised(batch, effect.affected):
