@@ -9,13 +9,14 @@ import re
 from pathlib import Path
 
 import pytest
+from sample_paths import SAMPLE_DATA
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN_A, RUN_B = str(ROOT / "sample_data" / "run_a"), str(ROOT / "sample_data" / "run_b")
-TINY = ROOT / "sample_data" / "tiny-qwen"
+RUN_A, RUN_B = str(SAMPLE_DATA / "run_a"), str(SAMPLE_DATA / "run_b")
+TINY = SAMPLE_DATA / "tiny-qwen"
 ENV_80 = {"COLUMNS": "80", "NO_COLOR": "1", "TERMINAL_WIDTH": "80"}
 METRIC_NAME = re.compile(r"^\s*([a-z_]+/[A-Za-z0-9_./]+)")
 
@@ -264,7 +265,7 @@ def test_step_progress_draws_a_bar_on_a_terminal_only() -> None:
             seen.append((done, total))
             progress(done, total)
 
-        compute_metrics(read_run("sample_data/run_a"), progress=record)
+        compute_metrics(read_run(str(SAMPLE_DATA / "run_a")), progress=record)
     assert seen and seen[-1] == (4, 4)  # run_a has 4 steps; the last call says all were read
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
     assert "steps" in terminal.file.getvalue()

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from sample_paths import SAMPLE_DATA
 from typer.testing import CliRunner
 
 from pgdiag.analysis.settings import CorrectionRule, WhatifSettings
@@ -15,7 +16,7 @@ from pgdiag.analysis.whatif import whatif
 from pgdiag.data.runs import read_run
 from pgdiag.report.report import load_report
 
-RUN = str(Path(__file__).resolve().parents[2] / "sample_data" / "run_a")
+RUN = str(SAMPLE_DATA / "run_a")
 
 
 def invoke(*args: str):
