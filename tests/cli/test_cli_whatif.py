@@ -33,7 +33,11 @@ def test_json_out_and_plot_match_the_library(tmp_path: Path):
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     obj = json.loads(result.stdout.strip().splitlines()[-1])
-    assert obj["command"] == "whatif" and obj["inputs"]["streams"] == ["rollout", "old"]
+    assert obj["command"] == "whatif" and obj["inputs"]["streams"] == [
+        "rollout",
+        "old",
+        "new",
+    ]  # new: for the proximal→θ rules
     assert list(obj["summary"]) == ["none", "token_tis:2", "seq_mis:0.5,2", "icepop:0.5,5"]
     rules = (
         CorrectionRule("token_tis", 2.0),
