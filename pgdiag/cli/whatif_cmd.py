@@ -56,6 +56,7 @@ def parse_rules(
     seq_mis: tuple[str, ...],
     geo_mask: tuple[str, ...],
     icepop: tuple[str, ...],
+    rule: tuple[str, ...] = (),
 ) -> tuple[Any, ...]:
     """The `CorrectionRule`s named on the command line, in flag order (E503 for a malformed LO,HI)."""
     from pgdiag.analysis.settings import CorrectionRule
@@ -77,6 +78,9 @@ def parse_rules(
     rules += [band("seq_mis", t) for t in seq_mis]
     rules += [band("geo_mask", t) for t in geo_mask]
     rules += [band("icepop", t) for t in icepop]
+    from pgdiag.analysis.settings import parse_rule
+
+    rules += [parse_rule(spec) for spec in rule]
     return tuple(rules)
 
 
@@ -86,6 +90,8 @@ TABLE_METRICS = (
     ("whatif/tokens_kept", "tokens kept"),
     ("whatif/ess_token_after", "ESS tok"),
     ("whatif/ess_seq_after", "ESS seq"),
+    ("whatif/signal_kept", "signal kept"),
+    ("whatif/grad_coef_ratio", "Σ|g|/Σ|A|"),
     ("whatif/loss_delta/token_mean", "Δ token_mean"),
     ("whatif/loss_delta/sample_mean", "Δ sample_mean"),
 )
@@ -114,6 +120,14 @@ class RuleOptions:
     ] = None
     icepop: Annotated[
         list[str] | None, _cap_option("--icepop", "IcePop: zero the weight of tokens whose ratio leaves A,B.")
+    ] = None
+    rule: Annotated[
+        list[str] | None,
+        _cap_option(
+            "--rule",
+            "Any rule as NAME:PARAMS (opsm:0.1, dppo_tv:0.2,0.2, m2po:0.04,scope=mb:4, "
+            "token_k1:0.5,2+seq_max_k2:1; docs/whatif.md lists them).",
+        ),
     ] = None
 
     def rules(self) -> tuple[Any, ...]:
@@ -184,24 +198,31 @@ def whatif(
 
 
 def _rule_table(report: Any, worst: dict[str, Any]) -> Any:
-    """One row per rule: the share hit and kept, ESS after, the loss change, and the step that loses the most."""
+    """One row per rule: its pair, the share hit and kept, ESS after, the signal kept, the loss change, and the
+    step that loses the most (a rule that does not apply to the run: why)."""
     from rich.table import Table
 
     from pgdiag.cli.render import format_value
 
     table = Table(title=f"whatif {report.meta['pairs'][0]}", title_justify="left")
     table.add_column("rule")
+    table.add_column("pair")
+    pairs = report.meta["settings"]["pairs"]
+    skipped = report.meta["settings"]["not_applicable"]
     for _, header in TABLE_METRICS:
         table.add_column(header, justify="right")
     table.add_column("worst step")
     wide = report.wide().filter(report.wide()["breakdown"] == "threshold")
     for row in wide.iter_rows(named=True):
-        rule = row["bucket"]
-        if rule == "none":  # the uncorrected batch: everything kept, ESS before any rule
+        name = row["bucket"]
+        if name == "none":  # the uncorrected batch: everything kept, ESS before any rule
             row = {**row, "whatif/tokens_kept": 1.0, "whatif/ess_token_after": row.get("whatif/ess_token")}
             row["whatif/ess_seq_after"] = row.get("whatif/ess_seq")
+        if name in skipped:
+            table.add_row(name, pairs[name], f"n/a: {skipped[name]}", *[""] * len(TABLE_METRICS))
+            continue
         cells = [format_value(row.get(metric), "fraction") for metric, _ in TABLE_METRICS]
-        top = worst.get(rule, {}).get("step", [])
+        top = worst.get(name, {}).get("step", [])
         where = f"{top[0]['bucket']} ({format_value(top[0]['tokens_affected'], 'fraction')})" if top else "—"
-        table.add_row(rule, *cells, where if rule != "none" else "")
+        table.add_row(name, pairs.get(name, ""), *cells, where if name != "none" else "")
     return table

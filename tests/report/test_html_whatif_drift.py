@@ -12,6 +12,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from sample_paths import SAMPLE_DATA
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
@@ -21,7 +22,7 @@ from tests.analysis.test_drift import JUMP_AT, synthetic_run
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chromium_page import VIEWPORT, chromium_binary, open_page
 
-SAMPLE = Path(__file__).resolve().parents[2] / "sample_data"
+SAMPLE = SAMPLE_DATA
 needs_chromium = pytest.mark.skipif(chromium_binary() is None, reason="no chromium binary on PATH")
 
 
