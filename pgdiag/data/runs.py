@@ -26,8 +26,9 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.flat import FlatList, LossView, RowTable, flat_list, loss_view
+from pgdiag.data.flat import FlatList, RowTable, flat_list
 from pgdiag.data.kept import KEPT_COLUMNS, KEPT_IDS, KEPT_OFFSETS, kept_from_series
+from pgdiag.data.loss_view import LossView, loss_view
 from pgdiag.data.memory import MemoryLimits, check_piece_memory
 from pgdiag.data.paths import check_input_path, readable_file
 from pgdiag.data.schema import (

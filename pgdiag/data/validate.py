@@ -18,8 +18,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import polars as pl
 
-from pgdiag.data.flat import FlatList, LossView, RowTable, loss_view, subset_rows
+from pgdiag.data.flat import FlatList, RowTable, subset_rows
 from pgdiag.data.kept import kept_issues, position_sizes
+from pgdiag.data.loss_view import LossView, loss_view
 from pgdiag.data.schema import REQUIRED_HINTS
 from pgdiag.data.seqhash import seq_hashes
 from pgdiag.errors import (
