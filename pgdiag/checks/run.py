@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from os import PathLike
 
 import numpy as np
 import polars as pl
@@ -34,6 +35,7 @@ from pgdiag.data.runs import (
     batch_inputs,
     build_token_batch,
     load_rows,
+    read_run,
     reads_whole,
     restrict_steps,
     step_chunks,
@@ -289,6 +291,20 @@ def _pieces(run: Run, other: Run | None, chunk_rows: int) -> list[tuple[tuple[in
     return [(c, any(s in rows_a for s in c), any(s in rows_b for s in c)) for c in chunks]
 
 
+def _as_run(value: object, name: str) -> Run:
+    """`value` as a `Run`: a run as given, a path read with `read_run`; E513 for any other type (an
+    AttributeError deep inside before)."""
+    if isinstance(value, Run):
+        return value
+    if isinstance(value, (str, PathLike)):
+        return read_run(value)
+    raise UsageError(
+        "E513",
+        f"check_run: {name} is a {type(value).__name__}, not a run",
+        "pass a pgdiag.read_run(PATH) result or the run's path",
+    )
+
+
 def check_run(
     run: Run,
     other: Run | None = None,
@@ -313,6 +329,8 @@ def check_run(
     (`merge_piece_issues`), and E206's share of 0.0 and E302 (by nulls, and its medians on a pooled
     `ShiftSample`) are judged over the run.
     """
+    run = _as_run(run, "run")
+    other = None if other is None else _as_run(other, "other")
     ignored = set(ignore)
     found_a = _RunFindings(run, _stream_names(run, streams))
     found_b = None if other is None else _RunFindings(other, _stream_names(other, streams))
