@@ -443,43 +443,6 @@ def _run_labels(paths: Sequence[Path]) -> list[str] | None:
     return sorted(labels)
 
 
-def run_steps(run: Run) -> list[int]:
-    """The distinct steps of `run` (its filters applied), ascending; reads the `step` column alone."""
-    return [int(step) for step in step_rows(run)]
-
-
-def step_rows(run: Run) -> dict[int, int]:
-    """Rows per step of `run` (its filters applied), in step order; reads the `step` column alone (E103 when the
-    column cannot be read as integers)."""
-    try:
-        frame = (
-            run.lazy.select(pl.col("step").cast(pl.Int64, strict=True))
-            .group_by("step")
-            .len()
-            .sort("step")
-            .collect()
-        )
-    except pl.exceptions.PolarsError as exc:
-        raise InvalidInputError(
-            "E103", f"{run.display_path(run.paths[0])}, column step: cannot be read as integers ({exc})"
-        ) from exc
-    return {
-        int(s): int(n)
-        for s, n in zip(frame["step"].to_list(), frame["len"].to_list(), strict=True)
-        if s is not None
-    }
-
-
-def reads_whole(run: Run) -> bool:
-    """Whether `run` cannot be read step by step, so a command reads it whole, where the reader says why: a `step`
-    column that is missing or not an integer (E102/E103: no piece can filter it) or rows whose `step` is null
-    (E213: no piece holds them)."""
-    step_type = run.lazy.collect_schema().get("step")
-    if step_type is None or not step_type.is_integer():
-        return True
-    return bool(run.lazy.select(pl.col("step").null_count()).collect().item())
-
-
 def restrict_steps(run: Run, steps: Sequence[int]) -> Run:
     """`run` limited to the rows of `steps` (one more filter on the scan; the recompute join reads those steps
     only), for commands that read a run step by step."""
@@ -492,23 +455,6 @@ def restrict_steps(run: Run, steps: Sequence[int]) -> Run:
         row_filter=row_filter,
         step_subset=wanted,
     )
-
-
-def step_chunks(rows_per_step: Mapping[int, int], max_rows: int) -> list[tuple[int, ...]]:
-    """Consecutive steps grouped so that each group holds at most `max_rows` rows; a step larger than that is a
-    group of its own (memory is then bounded by the largest step)."""
-    chunks: list[tuple[int, ...]] = []
-    current: list[int] = []
-    held = 0
-    for step, n in rows_per_step.items():
-        if current and held + n > max_rows:
-            chunks.append(tuple(current))
-            current, held = [], 0
-        current.append(step)
-        held += n
-    if current:
-        chunks.append(tuple(current))
-    return chunks
 
 
 def _step_condition(spec: StepSpec, base: pl.LazyFrame) -> pl.Expr:

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from rollout_factory import write_logprobs_part, write_rollouts_file
 
-from pgdiag.data.runs import read_run, read_token_batch, restrict_steps, run_steps, step_chunks, step_rows
+from pgdiag.data.pieces import run_steps, step_chunks, step_rows
+from pgdiag.data.runs import read_run, read_token_batch, restrict_steps
 from pgdiag.data.seqhash import seq_hash
 from pgdiag.errors import InvalidInputError
 
