@@ -28,7 +28,8 @@ import numpy as np
 
 from pgdiag.analysis.settings import POSITION_EDGES, CorrectionRule, WhatifSettings
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.runs import Run, read_token_batch
+from pgdiag.data.load import read_token_batch
+from pgdiag.data.runs import Run
 from pgdiag.data.validate import CheckSettings
 from pgdiag.errors import UsageError
 from pgdiag.metrics.loss import GSPO_MODES, NATIVE_MODES, sample_weights

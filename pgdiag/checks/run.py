@@ -28,15 +28,9 @@ from pgdiag.checks.signatures import SignatureStats, signature_issues, signature
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.flat import FlatList, RowTable, flat_list
 from pgdiag.data.kept import KEPT_COLUMNS, kept_from_series
+from pgdiag.data.load import batch_inputs, build_token_batch, load_rows
 from pgdiag.data.pieces import plan_step_pieces
-from pgdiag.data.runs import (
-    FILE_COLUMN,
-    Run,
-    batch_inputs,
-    build_token_batch,
-    load_rows,
-    restrict_steps,
-)
+from pgdiag.data.runs import FILE_COLUMN, Run, restrict_steps
 from pgdiag.data.schema import REQUIRED_COLUMNS, cast_problem, stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import (

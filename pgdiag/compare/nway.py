@@ -349,7 +349,7 @@ def _read(source: Any, stream: str, settings: CompareSettings) -> TokenBatch:
     """One run (or a piece of it) read once (the compared stream), or an in-memory batch as given."""
     if isinstance(source, TokenBatch):
         return source
-    from pgdiag.data.runs import read_token_batch
+    from pgdiag.data.load import read_token_batch
 
     loaded = read_token_batch(
         source,

@@ -16,14 +16,9 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.batch import TokenBatch
+from pgdiag.data.load import LoadedBatch, read_token_batch
 from pgdiag.data.pieces import plan_step_pieces, reads_whole
-from pgdiag.data.runs import (
-    LoadedBatch,
-    Run,
-    read_token_batch,
-    restrict_steps,
-    row_keys,
-)
+from pgdiag.data.runs import Run, restrict_steps, row_keys
 from pgdiag.data.schema import stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import (

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from rollout_factory import write_logprobs_part, write_rollouts_file
 
+from pgdiag.data.load import read_token_batch
 from pgdiag.data.pieces import run_steps, step_chunks, step_rows
-from pgdiag.data.runs import read_run, read_token_batch, restrict_steps
+from pgdiag.data.runs import read_run, restrict_steps
 from pgdiag.data.seqhash import seq_hash
 from pgdiag.errors import InvalidInputError
 
