@@ -174,8 +174,15 @@ def catalogued(code: str) -> Code:
         raise ValueError(f"{code!r} is not a pgdiag error or warning code (see pgdiag.errors.Code)") from None
 
 
+def one_line(text: str) -> str:
+    """`text` with line breaks written as ``\\n`` / ``\\r``, so an id or an exception text cannot break the
+    one-line rule of a message."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 class PgdiagError(Exception):
-    """An expected failure: a catalogue code, a one-line message and an optional hint."""
+    """An expected failure: a catalogue code, a one-line message and an optional hint (line breaks inside
+    either, from an id or a library's text, are escaped by `one_line`)."""
 
     exit_code: int = EXIT_USAGE
 
@@ -185,10 +192,11 @@ class PgdiagError(Exception):
             raise ValueError(
                 f"{entry.value} exits {entry.exit_code}, not {self.exit_code}: raise the other class"
             )
+        message = one_line(message)
         super().__init__(f"{entry.value}: {message}")
         self.code = entry.value
         self.message = message
-        self.hint = hint
+        self.hint = None if hint is None else one_line(hint)
 
 
 class UsageError(PgdiagError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from os import PathLike
 
 import numpy as np
 import polars as pl
@@ -30,7 +31,7 @@ from pgdiag.data.flat import FlatList, RowTable, flat_list
 from pgdiag.data.kept import KEPT_COLUMNS, kept_from_series
 from pgdiag.data.load import batch_inputs, build_token_batch, load_rows
 from pgdiag.data.pieces import plan_step_pieces
-from pgdiag.data.runs import FILE_COLUMN, Run, restrict_steps
+from pgdiag.data.runs import FILE_COLUMN, Run, read_run, restrict_steps
 from pgdiag.data.schema import REQUIRED_COLUMNS, cast_problem, stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import (
@@ -265,6 +266,20 @@ def _finish(found: _RunFindings) -> list[Issue]:
     return issues
 
 
+def _as_run(value: object, name: str) -> Run:
+    """`value` as a `Run`: a run as given, a path read with `read_run`; E513 for any other type (an
+    AttributeError deep inside before)."""
+    if isinstance(value, Run):
+        return value
+    if isinstance(value, (str, PathLike)):
+        return read_run(value)
+    raise UsageError(
+        "E513",
+        f"check_run: {name} is a {type(value).__name__}, not a run",
+        "pass a pgdiag.read_run(PATH) result or the run's path",
+    )
+
+
 def check_run(
     run: Run,
     other: Run | None = None,
@@ -289,6 +304,8 @@ def check_run(
     (`merge_piece_issues`), and E206's share of 0.0 and E302 (by nulls, and its medians on a pooled
     `ShiftSample`) are judged over the run.
     """
+    run = _as_run(run, "run")
+    other = None if other is None else _as_run(other, "other")
     ignored = set(ignore)
     found_a = _RunFindings(run, _stream_names(run, streams))
     found_b = None if other is None else _RunFindings(other, _stream_names(other, streams))

@@ -22,7 +22,15 @@ from pgdiag.data.flat import FlatList, LossView, RowTable, loss_view, subset_row
 from pgdiag.data.kept import kept_issues, position_sizes
 from pgdiag.data.schema import REQUIRED_HINTS
 from pgdiag.data.seqhash import seq_hashes
-from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK, InvalidInputError, UsageError, catalogued
+from pgdiag.errors import (
+    EXIT_GATE,
+    EXIT_INVALID,
+    EXIT_OK,
+    InvalidInputError,
+    UsageError,
+    catalogued,
+    one_line,
+)
 
 LOGPROB_POSITIVE_TOL = 1e-6
 ZERO_FILL_FRACTION = 0.01
@@ -165,6 +173,9 @@ class Issue:
             self.severity != "note"
         ):  # a note (rows dropped at import) carries the code "note", not a catalogue code
             catalogued(self.code)  # ValueError for a code outside the catalogue: a bug in pgdiag
+        object.__setattr__(
+            self, "message", one_line(self.message)
+        )  # an id holding a line break stays one line
 
 
 First = tuple[int | None, str | None, int | None]  # (step, sample_id, pos) of an issue's first location
