@@ -32,7 +32,8 @@ from pgdiag.analysis.settings import POSITION_EDGES, RULE_KINDS, CorrectionRule,
 from pgdiag.analysis.signal import batch_weights, psis_rows, rule_signal, zero_advantage_groups
 from pgdiag.analysis.staleness import lag_localised, staleness_rows
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.runs import Run, read_token_batch
+from pgdiag.data.load import read_token_batch
+from pgdiag.data.runs import Run
 from pgdiag.data.validate import CheckSettings
 from pgdiag.data.versions import TokenLag, token_lag
 from pgdiag.errors import UsageError
