@@ -134,6 +134,14 @@ class RuleOptions:
         return parse_rules(**{f.name: listed(getattr(self, f.name)) for f in fields(self)})
 
 
+LossesOpt = Annotated[
+    str | None,
+    _cap_option(
+        "--losses",
+        "Gradient parity of two loss definitions FORM@MODE,FORM@MODE "
+        "(vanilla@token_mean,cispo:0.2,0.28@seq_mean_token_sum).",
+    ),
+]
 BehaviorOpt = Annotated[
     str, typer.Option("--behavior", help="The stream that sampled.", rich_help_panel=STREAMS)
 ]
@@ -153,6 +161,7 @@ def whatif(
     behavior: BehaviorOpt = "rollout",
     target: TargetOpt = None,
     rule: RuleOptions,
+    losses: LossesOpt = None,
     divisor: DivisorOpt = None,
     inputs: RunInputs,
     check: CheckOptions,
@@ -169,7 +178,9 @@ def whatif(
         from pgdiag.report.verdict import whatif_verdict
 
         output.refuse_existing("whatif")
-        settings = WhatifSettings(behavior=behavior, target=target, rules=rule.rules(), divisor=divisor)
+        settings = WhatifSettings(
+            behavior=behavior, target=target, rules=rule.rules(), divisor=divisor, losses=losses
+        )
         source = inputs.read(run)
         report = replay(source, settings, checks=check.settings())
         verdict = whatif_verdict(report)
@@ -185,6 +196,7 @@ def whatif(
             pairs=report.meta["pairs"],
             checks=report.checks.to_dicts(),
             summary=report.to_json_dict()["breakdowns"].get("threshold", {}),
+            losses=report.to_json_dict()["breakdowns"].get("losses", {}),
             worst=worst,
             settings=report.meta["settings"],
             verdict=verdict.as_dict(),

@@ -53,6 +53,8 @@ from pgdiag.recompute.inputs import (
     resolve_temperature,
     with_uniform_temperature,
 )
+from pgdiag.recompute.kept_batch import batch_kept
+from pgdiag.recompute.kept_rules import KeptPlan, hidden_bias_warning, inexact_warnings, resolve_kept_set
 from pgdiag.recompute.launch import ParallelLayout, barrier, current_layout
 from pgdiag.recompute.output import (
     MANIFEST_NAME,
@@ -103,6 +105,7 @@ class RecomputeResult:
     routing_disagree_frac: float | None = (
         None  # MoE with recorded routes: tokens x layers whose top-k set differs
     )
+    truncation_bias: float | None = None  # mean -log kept mass over the loss tokens computed now (K known)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ class _Plan:
     footer_base: dict[str, Any]
     warnings: tuple[str, ...]
     moe: bool
+    kept: KeptPlan  # where the kept sets come from (`recompute.kept_rules`)
 
 
 def recompute_rank(
@@ -144,20 +148,24 @@ def recompute_rank(
     `pgdiag.recompute_logprobs` (`recompute.jobs`) starts the ranks, or runs this once in a plain process.
     MoE models: when the run has a ``routed_experts`` column, the per step and layer fraction of tokens whose
     router top-k differs from the recorded one is written to ``_routing.parquet`` in the stream
-    (`pgdiag.recompute.routing`).
+    (`pgdiag.recompute.routing`). `settings.kept_set` (docs/recompute.md, "Kept sets"): ``recorded`` /
+    ``reconstruct[:vllm|:sglang]`` score each token over its kept set K (renormalised), ``off`` over the full
+    vocabulary, ``auto`` picks by the stream semantics (`pgdiag.recompute.kept_rules`); with any source of K the
+    stream also holds ``kept_mass`` and ``logprobs_full``.
     """
     start_time = time.perf_counter()
     settings = settings or RecomputeSettings()
     layout = current_layout(tp_group)
-    plan = _prepare(run, model, settings, layout, device)
+    prepared = _prepare(run, model, settings, layout, device)
     out_dir, manifest, parts, footer_base, tag = (
-        plan.out_dir,
-        plan.manifest,
-        plan.parts,
-        plan.footer_base,
-        plan.tag,
+        prepared.out_dir,
+        prepared.manifest,
+        prepared.parts,
+        prepared.footer_base,
+        prepared.tag,
     )
-    spec, inputs, resolved, warnings, moe = plan.spec, plan.inputs, plan.resolved, plan.warnings, plan.moe
+    spec, inputs, resolved, warnings = prepared.spec, prepared.inputs, prepared.resolved, prepared.warnings
+    moe, plan = prepared.moe, prepared.kept
     resume, overwrite = settings.resume, settings.overwrite
 
     # 1. decide (every rank, before anyone writes): fresh, resume, or refuse (E502 costs no lock, no load).
@@ -215,6 +223,7 @@ def recompute_rank(
                 if i % layout.dp_size == layout.dp_rank and p.relpath not in done
             ]
             counts = [0, 0, 0]
+            bias_sum = [0.0, 0.0]  # sum of -log kept mass over loss tokens, and their count
             if mine and model_obj is not None:
                 counts = _compute_parts(
                     model_obj,
@@ -227,8 +236,11 @@ def recompute_rank(
                     progress,
                     tp_group=tp_group,
                     tag=tag,
+                    plan=plan,
+                    bias_sum=bias_sum,
                 )
             counts = _sum_over_ranks(counts, layout, spec.device)
+            bias_sum = _sum_floats_over_ranks(bias_sum, layout, spec.device)
             barrier()
 
             # 4. the marker, last: global rank 0 checks every planned part is on disk
@@ -247,6 +259,8 @@ def recompute_rank(
                 _remove_empty(created)
             raise
 
+    bias = bias_sum[0] / bias_sum[1] if bias_sum[1] else None
+    warnings = (*warnings, *hidden_bias_warning(plan, bias))
     return RecomputeResult(
         path=out_dir,
         tag=tag,
@@ -260,6 +274,7 @@ def recompute_rank(
         peak_memory_bytes=_peak_memory(spec.device),
         warnings=warnings,
         routing_disagree_frac=disagree,
+        truncation_bias=bias,
     )
 
 
@@ -284,7 +299,15 @@ def _prepare(
             "E506", f"--routing replay needs a mixture-of-experts model; {spec.config.architecture} is dense"
         )
     shape = RouteShape(len(moe.sparse_layer_indices), moe.top_k, moe.num_experts) if moe else None
-    inputs = read_inputs(run_obj, vocab_size, routes=shape, temperatures=settings.temperature == "auto")
+    kept = resolve_kept_set(run_obj, settings.kept_set)
+    inputs = read_inputs(
+        run_obj,
+        vocab_size,
+        routes=shape,
+        temperatures=settings.temperature == "auto",
+        kept=kept.needs_recorded,
+        sampling=kept.reconstructs is not None,
+    )
     if settings.routing == "replay" and inputs.routed_experts is None:
         raise UsageError(
             "E506",
@@ -295,6 +318,8 @@ def _prepare(
     temp_value, temp_source, warnings = resolve_temperature(run_obj, inputs, settings.temperature)
     if temp_value is not None:
         inputs = with_uniform_temperature(inputs)
+    if kept.kept_source != "none":
+        warnings = (*warnings, *inexact_warnings(run_obj, temp_value))
     experts = "none"
     if moe:
         experts = resolve_expert_impl(settings.experts, spec.device, parse_dtype(settings.dtype, "--dtype"))
@@ -315,6 +340,8 @@ def _prepare(
         micro_batch=settings.micro_batch,
         routing=settings.routing,
         experts=experts,
+        kept_set=kept.kept_set,
+        kept_source=kept.kept_source,
     )
     model_meta = spec.meta()
     parts = plan_parts(inputs, settings.part_samples)
@@ -497,8 +524,11 @@ def _compute_parts(
     *,
     tp_group: Any,
     tag: str,
+    plan: KeptPlan,
+    bias_sum: list[float],
 ) -> list[int]:
-    """Compute and write `parts`; returns [tokens forwarded, loss tokens, parts computed]."""
+    """Compute and write `parts`; returns [tokens forwarded, loss tokens, parts computed]. With a source of
+    kept sets (`plan`), adds the sum of -log kept mass over the loss tokens and their count to `bias_sum`."""
     device = model.lm_head_weight.device
     lengths = np.diff(inputs.offsets)
     cumulative = np.concatenate([[0], np.cumsum(inputs.loss_mask, dtype=np.int64)])  # (T_total+1,)
@@ -515,6 +545,7 @@ def _compute_parts(
     for done_parts, (part, rows) in enumerate(active):
         logprobs = np.zeros(int(inputs.offsets[part.stop] - inputs.offsets[part.start]), dtype=np.float32)
         entropy = np.zeros_like(logprobs)
+        kept_cols = None if plan.kept_source == "none" else KeptOutput.zeros(logprobs.shape[0])
         base = int(inputs.offsets[part.start])
         route_tokens = np.zeros(len(sparse_layers), dtype=np.int64)
         route_disagree = np.zeros(len(sparse_layers), dtype=np.int64)
@@ -543,8 +574,25 @@ def _compute_parts(
                 targets = packed.targets.to(device)  # (K,)
                 flat = inputs.offsets[packed.target_sample] + packed.target_pos  # (K,) run token index
                 for temp, select in _temperature_groups(settings.temperature, inputs.temperature, flat):
+                    group_hidden = hidden if select is None else hidden[select.to(device)]
+                    group_flat = flat if select is None else flat[select.numpy()]
+                    group_samples = (
+                        packed.target_sample if select is None else packed.target_sample[select.numpy()]
+                    )
+                    kept = batch_kept(
+                        plan,
+                        inputs,
+                        group_flat,
+                        group_samples,
+                        hidden=group_hidden,
+                        head=head,
+                        temperature=temp,
+                        head_dtype=settings.head_dtype,
+                        tp_group=tp_group,
+                        vocab_start=int(model.vocab_start),
+                    )
                     result = lm_head_logprobs(
-                        hidden if select is None else hidden[select.to(device)],
+                        group_hidden,
                         head,
                         targets if select is None else targets[select.to(device)],
                         temperature=temp,
@@ -553,10 +601,16 @@ def _compute_parts(
                         tp_group=tp_group,
                         vocab_start=int(model.vocab_start),
                         ignore_index=_IGNORED,
+                        kept=kept,
                     )
-                    where = flat - base if select is None else (flat - base)[select.numpy()]
-                    logprobs[where] = result.logprobs.float().cpu().numpy()
-                    entropy[where] = result.entropy.float().cpu().numpy()
+                    where = group_flat - base
+                    scored_full = kept is not None and plan.kept_set == "off"
+                    lp = result.logprobs_full if scored_full else result.logprobs
+                    ent = result.entropy_full if scored_full else result.entropy
+                    logprobs[where] = lp.float().cpu().numpy()  # type: ignore[union-attr]
+                    entropy[where] = ent.float().cpu().numpy()  # type: ignore[union-attr]
+                    if kept_cols is not None and result.kept_mass is not None:
+                        kept_cols.put(where, result.kept_mass, result.logprobs_full, bias_sum)
                 tokens_done += packed.n_tokens
                 loss_done += packed.n_targets
                 samples_done += int(packed.sample_index.shape[0])
@@ -572,7 +626,7 @@ def _compute_parts(
             )
             write_part(
                 inputs, part, logprobs, entropy, out_dir, footer_base, with_entropy=settings.entropy, tag=tag,
-                routing=routing,
+                routing=routing, kept=None if kept_cols is None else kept_cols.columns(),
             )  # fmt: skip
         samples_done += (part.stop - part.start) - len(rows)
         if progress is not None:
@@ -665,6 +719,41 @@ def _sum_over_ranks(counts: list[int], layout: ParallelLayout, device: torch.dev
     total = torch.tensor(mine, dtype=torch.int64, device=device)
     torch.distributed.all_reduce(total)
     return [int(v) for v in total.tolist()]
+
+
+def _sum_floats_over_ranks(values: list[float], layout: ParallelLayout, device: torch.device) -> list[float]:
+    """Float totals over DP replicas (TP rank 0 of each replica contributes)."""
+    if layout.world_size == 1:
+        return values
+    mine = values if layout.is_writer else [0.0] * len(values)
+    total = torch.tensor(mine, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(total)
+    return [float(v) for v in total.tolist()]
+
+
+@dataclass
+class KeptOutput:
+    """A part's kept-set columns while it is computed: (T_part,) float32 kept mass and full log-probs."""
+
+    kept_mass: np.ndarray
+    logprobs_full: np.ndarray
+
+    @classmethod
+    def zeros(cls, n_tokens: int) -> KeptOutput:
+        return cls(np.ones(n_tokens, dtype=np.float32), np.zeros(n_tokens, dtype=np.float32))
+
+    def put(
+        self, where: np.ndarray, kept_mass: torch.Tensor, full: torch.Tensor | None, bias_sum: list[float]
+    ) -> None:
+        mass = kept_mass.float().cpu().numpy()
+        self.kept_mass[where] = mass
+        if full is not None:
+            self.logprobs_full[where] = full.float().cpu().numpy()
+        bias_sum[0] += float(-np.log(np.clip(mass.astype(np.float64), 1e-300, 1.0)).sum())
+        bias_sum[1] += float(mass.shape[0])
+
+    def columns(self) -> dict[str, np.ndarray]:
+        return {"kept_mass": self.kept_mass, "logprobs_full": self.logprobs_full}
 
 
 def _environment(device: torch.device) -> dict[str, Any]:

@@ -34,7 +34,8 @@ class RecomputeSettings:
 
     `tag` None: ``rc_<dtype>_<head_dtype>``. `temperature` "auto": the run's per-token, per-row or sampling
     temperature, else 1.0. `softmax_vocab` restricts the softmax to the first N head rows ("tokenizer": the run's
-    recorded tokenizer length). `micro_batch` forwards a fixed number of samples at a time instead of packing into
+    recorded tokenizer length). `kept_set` scores each token over its kept set K (docs/recompute.md, "Kept
+    sets"). `micro_batch` forwards a fixed number of samples at a time instead of packing into
     `batch_tokens`. `out` None: ``RUN/logprobs/<tag>``. MoE: `routing` "replay" runs the experts recorded in the
     run's ``routed_experts`` column; `experts` picks the expert compute.
     """
@@ -56,6 +57,7 @@ class RecomputeSettings:
     entropy: bool = True
     routing: str = "recompute"
     experts: str = "auto"
+    kept_set: str = "auto"  # auto | recorded | reconstruct[:vllm|:sglang] | off (`recompute.kept_rules`)
 
     def __post_init__(self) -> None:
         for name, choices in (
@@ -117,9 +119,18 @@ class ResolvedRecompute:
     deterministic: bool = False
     routing: str = "recompute"  # MoE: "recompute" (the router picks) or "replay" (the recorded experts)
     experts: str = "none"  # MoE expert compute, resolved: loop or grouped; "none" for a dense model
+    kept_set: str = "off"  # scoring: recorded | reconstruct:<engine> (over K) | off (full vocabulary)
+    kept_source: str = (
+        "none"  # K of the kept mass: recorded | reconstruct:<engine> | none (recompute.kept_rules)
+    )
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The settings as recorded in the manifest; the kept-set fields only when used (so that a recompute
+        made before they existed still resumes)."""
+        out = asdict(self)
+        if self.kept_set == "off" and self.kept_source == "none":
+            del out["kept_set"], out["kept_source"]
+        return out
 
 
 def default_tag(dtype: str, head_dtype: str) -> str:
@@ -148,6 +159,8 @@ def resume_command(
     words += [f"{option} {value}" for option, value, default in optional if value != default]
     if not settings.entropy:
         words.append("--no-entropy")
+    if settings.kept_set != "off" or settings.kept_source != "none":
+        words += ["--kept-set", settings.kept_set]
     if settings.tp > 1 or settings.dp > 1:
         words += ["--tp", str(settings.tp), "--dp", str(settings.dp)]
     if out is not None:
