@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from pgdiag.analysis.losses import loss_parity_rows, parse_losses
+from pgdiag.analysis.losses import loss_parity_rows
 from pgdiag.analysis.rules import PROXIMAL_THETA, Replay, RuleEffect, apply_named_rule, verl_chain
-from pgdiag.analysis.settings import POSITION_EDGES, RULE_KINDS, CorrectionRule, WhatifSettings
+from pgdiag.analysis.settings import POSITION_EDGES, RULE_KINDS, CorrectionRule, WhatifSettings, parse_losses
 from pgdiag.analysis.signal import batch_weights, psis_rows, rule_signal, zero_advantage_groups
 from pgdiag.analysis.staleness import lag_localised, staleness_rows
 from pgdiag.data.batch import TokenBatch

@@ -376,6 +376,7 @@ def _prepare(
         footer_base,
         tuple(warnings),
         moe is not None,
+        kept,
     )
 
 
