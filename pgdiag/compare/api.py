@@ -34,6 +34,7 @@ from pgdiag.compare.settings import DEFAULT_PROFILE, CompareSettings
 from pgdiag.compare.side_by_side import SideMetrics, side_by_side_rows, side_settings
 from pgdiag.compare.worst import token_decoder
 from pgdiag.data.batch import TokenBatch
+from pgdiag.data.schema import BASE_STREAMS
 from pgdiag.data.validate import CheckResult, CheckSettings, Issue, merge_check_results, raise_first_error
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.metrics.api import metric_streams
@@ -44,7 +45,6 @@ from pgdiag.report.report import CHECKS_SCHEMA, Report, ReportRow, summary_frame
 if TYPE_CHECKING:
     from pgdiag.compare.tokens import TokenTableWriter
 
-_CANONICAL = ("rollout", "old", "ref", "new")
 _DLOGP_STEPS = (1e-6, 1e-4, 1e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 20.0)  # nats
 DLOGP_EDGES = (-np.inf, *(-x for x in reversed(_DLOGP_STEPS)), 0.0, *_DLOGP_STEPS, np.inf)  # Δ histogram bins
 
@@ -73,7 +73,7 @@ def _aligned(side: Side) -> Side:
 def auto_stream(streams: Sequence[str], *, exclude: str | None = None) -> str | None:
     """First present of new, old, the only recompute tag, rollout, skipping `exclude`."""
     present = [s for s in streams if s != exclude]
-    tags = [s for s in present if s not in _CANONICAL]
+    tags = [s for s in present if s not in BASE_STREAMS]
     for name in ("new", "old"):
         if name in present:
             return name

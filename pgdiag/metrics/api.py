@@ -19,7 +19,7 @@ from pgdiag.data.batch import TokenBatch
 from pgdiag.data.load import LoadedBatch, read_token_batch
 from pgdiag.data.pieces import plan_step_pieces, reads_whole
 from pgdiag.data.runs import Run, restrict_steps, row_keys
-from pgdiag.data.schema import stream_column
+from pgdiag.data.schema import BASE_STREAMS, stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import (
     CheckResult,
@@ -38,8 +38,6 @@ from pgdiag.report.report import Report, ReportRow, summary_frame
 if TYPE_CHECKING:
     from pgdiag.metrics.engine import StepMetrics
 
-_CANONICAL = ("rollout", "old", "ref", "new")
-
 
 def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
     """Settings with every stream name resolved against the run's streams (docs/cli.md).
@@ -49,7 +47,7 @@ def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
     stream's entropy when it is a recompute tag that has one.
     """
     streams = set(run.streams)
-    tags = [s for s in run.streams if s not in _CANONICAL]
+    tags = [s for s in run.streams if s not in BASE_STREAMS]
 
     def need(name: str | None, what: str) -> str | None:
         if name is not None and name not in streams:
