@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from os import PathLike
 
 import numpy as np
 import polars as pl
@@ -27,12 +28,14 @@ from pgdiag.checks.samples import CrossRunParts, cross_run_findings, cross_run_p
 from pgdiag.checks.signatures import SignatureStats, signature_issues, signature_stats
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.flat import FlatList, RowTable, flat_list
+from pgdiag.data.kept import KEPT_COLUMNS, kept_from_series
 from pgdiag.data.runs import (
     FILE_COLUMN,
     Run,
     batch_inputs,
     build_token_batch,
     load_rows,
+    read_run,
     reads_whole,
     restrict_steps,
     step_chunks,
@@ -64,7 +67,15 @@ def _pair_piece(
     if shift is not None:
         issues.append(shift)
     issues += zero_fill_issues(
-        lp_a, lp_b, batch, name_a=name_a, name_b=name_b, single_stream=False, max_examples=max_examples
+        lp_a,
+        lp_b,
+        batch,
+        name_a=name_a,
+        name_b=name_b,
+        single_stream=False,
+        max_examples=max_examples,
+        legit_a=batch.one_token_sets(a),
+        legit_b=batch.one_token_sets(b),
     )
     valid = np.isfinite(lp_a) & np.isfinite(lp_b)  # (M,)
     where = batch if valid.all() else keep_tokens(batch, valid)
@@ -114,7 +125,7 @@ def check_frame(
     ]
     if issues:
         return check_result([i for i in issues if i.code not in ignored], strict=strict)
-    stream_cols = tuple(c for c in frame.columns if c.endswith("_logprobs"))
+    stream_cols = tuple(c for c in frame.columns if c.endswith("_logprobs") and c not in KEPT_COLUMNS)
     list_cols = [
         "input_ids",
         "loss_mask",
@@ -138,9 +149,12 @@ def check_frame(
         lists[column] = FlatList(
             raw.offsets, raw.values.astype(numpy_type, copy=False), raw.valid, raw.row_valid
         )
-    scalars = frame.drop(list_cols).with_columns(pl.lit(source).alias(FILE_COLUMN))
+    kept = kept_from_series({c: frame[c] for c in KEPT_COLUMNS if c in frame.columns})
+    scalars = frame.drop([*list_cols, *(c for c in KEPT_COLUMNS if c in frame.columns)]).with_columns(
+        pl.lit(source).alias(FILE_COLUMN)
+    )
     found = validate_rows(
-        RowTable(scalars, lists, stream_cols),
+        RowTable(scalars, lists, stream_cols, kept),
         ignore=ignored,
         max_examples=max_examples,
         vocab_size=vocab_size,
@@ -277,6 +291,20 @@ def _pieces(run: Run, other: Run | None, chunk_rows: int) -> list[tuple[tuple[in
     return [(c, any(s in rows_a for s in c), any(s in rows_b for s in c)) for c in chunks]
 
 
+def _as_run(value: object, name: str) -> Run:
+    """`value` as a `Run`: a run as given, a path read with `read_run`; E513 for any other type (an
+    AttributeError deep inside before)."""
+    if isinstance(value, Run):
+        return value
+    if isinstance(value, (str, PathLike)):
+        return read_run(value)
+    raise UsageError(
+        "E513",
+        f"check_run: {name} is a {type(value).__name__}, not a run",
+        "pass a pgdiag.read_run(PATH) result or the run's path",
+    )
+
+
 def check_run(
     run: Run,
     other: Run | None = None,
@@ -301,6 +329,8 @@ def check_run(
     (`merge_piece_issues`), and E206's share of 0.0 and E302 (by nulls, and its medians on a pooled
     `ShiftSample`) are judged over the run.
     """
+    run = _as_run(run, "run")
+    other = None if other is None else _as_run(other, "other")
     ignored = set(ignore)
     found_a = _RunFindings(run, _stream_names(run, streams))
     found_b = None if other is None else _RunFindings(other, _stream_names(other, streams))

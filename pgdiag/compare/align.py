@@ -552,7 +552,17 @@ def align_batches(
     for issue in [shift] if shift is not None else []:
         _raise_or_record(replace(issue, message=f"{pair_name}: {issue.message}"), ignore, issues)
     values = value_issues([(lp_a, name_a), (lp_b, name_b)], where)
-    zero_fill = zero_fill_issues(lp_a, lp_b, where, name_a=name_a, name_b=name_b, single_stream=held is None)
+    legit_a, legit_b = a.one_token_sets(stream_a), b.one_token_sets(stream_b)
+    zero_fill = zero_fill_issues(
+        lp_a,
+        lp_b,
+        where,
+        name_a=name_a,
+        name_b=name_b,
+        single_stream=held is None,
+        legit_a=None if legit_a is None else _gather(legit_a, idx_a),
+        legit_b=None if legit_b is None else _gather(legit_b, idx_b),
+    )
     for issue in values + zero_fill:
         _raise_or_record(replace(issue, message=f"{pair_name}: {issue.message}"), ignore, issues)
     keep = None  # E207 ignored: the non-finite tokens are dropped and counted

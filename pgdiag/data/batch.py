@@ -44,6 +44,9 @@ class TokenBatch:
     env: np.ndarray | None = None  # (S,) object (str) or None
     sample_row: np.ndarray | None = None  # (S,) int64 row index in the source (for messages)
     seq_hash: np.ndarray | None = None  # (S,) uint64 `seq_hash` as read (None for a batch built in memory)
+    kept_size: np.ndarray | None = (
+        None  # (M,) int32 size of the recorded kept set (0 = none); None: no K read
+    )
 
     @property
     def n_samples(self) -> int:
@@ -57,6 +60,13 @@ class TokenBatch:
     def n_loss(self) -> np.ndarray:
         """(S,) int64 loss positions per sample (valid or not)."""
         return np.diff(self.offsets)
+
+    def one_token_sets(self, stream: str) -> np.ndarray | None:
+        """(M,) bool: where `stream` is the sampling stream and its recorded kept set holds one token (a
+        renormalised 0.0 there is right, not a fill); None when no kept set was read or for another stream."""
+        if stream != "rollout" or self.kept_size is None:
+            return None
+        return self.kept_size == 1
 
     def token_sample(self) -> np.ndarray:
         """(M,) int64 index of the sample that owns each token."""
@@ -102,6 +112,7 @@ class TokenBatch:
             env=opt(self.env, lambda a: a[rows]),
             sample_row=opt(self.sample_row, lambda a: a[rows]),
             seq_hash=opt(self.seq_hash, lambda a: a[rows]),
+            kept_size=opt(self.kept_size, tok),
         )
 
     def slice(self, lo: int, hi: int) -> TokenBatch:
@@ -129,6 +140,7 @@ class TokenBatch:
             env=opt(self.env, lo, hi),
             sample_row=opt(self.sample_row, lo, hi),
             seq_hash=opt(self.seq_hash, lo, hi),
+            kept_size=opt(self.kept_size, t_lo, t_hi),
         )
 
     def with_steps(self, step: np.ndarray) -> TokenBatch:
@@ -173,4 +185,5 @@ def concat_batches(parts: Sequence[TokenBatch]) -> TokenBatch:
         env=opt("env"),
         sample_row=opt("sample_row"),
         seq_hash=opt("seq_hash"),
+        kept_size=opt("kept_size"),
     )

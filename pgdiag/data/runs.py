@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.flat import FlatList, LossView, RowTable, flat_list, loss_view
+from pgdiag.data.kept import KEPT_COLUMNS, KEPT_IDS, KEPT_OFFSETS, kept_from_series
 from pgdiag.data.memory import MemoryLimits, check_piece_memory
 from pgdiag.data.paths import check_input_path, readable_file
 from pgdiag.data.schema import (
@@ -640,11 +641,15 @@ def load_rows(
     scalars: Sequence[str] = (),
     lists: Sequence[str] = (),
     memory: MemoryLimits | None = None,
+    kept: bool | None = None,
 ) -> LoadedRows:
     """Collect the needed columns of `run` (recompute joined) and flatten every list column.
 
     Required columns are always read; missing ones are E102 issues and the rows cannot be loaded
     (an InvalidInputError is raised with the first such issue, as nothing can be validated without them).
+    The kept-set columns (`pgdiag.data.kept`), when the run has them, are read and validated (E220-E223) when
+    `kept` is True, or by default (None) when the rollout stream is read (its zero-fill rules skip the
+    positions whose recorded set holds one token).
     Before the read, UsageError E518 when the columns of its steps need more memory than is left
     (`pgdiag.data.memory.check_piece_memory`; `memory` says where to read what is left).
     """
@@ -666,7 +671,15 @@ def load_rows(
                 f"{run.label}: no entropy for {tag!r}",
                 f"entropy: {', '.join(run.entropy_streams) or 'none'}",
             )
-    file_cols = [c for c in (*REQUIRED_COLUMNS, "segment_idx", *scalars, *lists, *stream_cols) if c in schema]
+    read_kept = ("rollout" in streams) if kept is None else kept
+    kept_cols = [c for c in KEPT_COLUMNS if c in schema] if read_kept else []
+    if KEPT_IDS not in kept_cols or KEPT_OFFSETS not in kept_cols:
+        kept_cols = []
+    file_cols = [
+        c
+        for c in (*REQUIRED_COLUMNS, "segment_idx", *scalars, *lists, *stream_cols, *kept_cols)
+        if c in schema
+    ]
     issues = missing_columns(set(schema), REQUIRED_COLUMNS)
     if issues:
         raise InvalidInputError(
@@ -715,6 +728,8 @@ def load_rows(
         *entropy_cols,
         *(c for c in lists if c in frame.columns),
     ]
+    kept_sets = kept_from_series({c: frame[c] for c in kept_cols})
+    frame = frame.drop(kept_cols)
     flat: dict[str, FlatList] = {}
     for column in dict.fromkeys(list_cols):
         raw = flat_list(frame[column])
@@ -735,7 +750,7 @@ def load_rows(
             flat[column] = FlatList(
                 raw.offsets, raw.values.astype(np.float32, copy=False), raw.valid, raw.row_valid
             )
-    table = RowTable(frame.drop(recompute_hash), flat, tuple(stream_cols))
+    table = RowTable(frame.drop(recompute_hash), flat, tuple(stream_cols), kept_sets)
     return LoadedRows(table, issues, tuple(streams), tuple(entropy))
 
 
@@ -834,6 +849,7 @@ def build_token_batch(
         seq_hash=frame["seq_hash"].cast(pl.UInt64).fill_null(0).to_numpy()
         if "seq_hash" in frame.columns
         else None,
+        kept_size=view.kept_size,
     )
 
 

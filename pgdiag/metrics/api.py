@@ -313,6 +313,8 @@ def _zero_fill(batch: TokenBatch, a: str, b: str, max_examples: int) -> list[Iss
         single_stream=False,
         max_examples=max_examples,
         label=batch.label,
+        legit_a=batch.one_token_sets(a),
+        legit_b=batch.one_token_sets(b),
     )
 
 

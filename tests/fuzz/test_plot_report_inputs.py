@@ -20,12 +20,13 @@ import pytest
 from clean_error import error_code, files_under, run_cli
 from hypothesis import given
 from hypothesis import strategies as st
+from sample_paths import SAMPLE_DATA
 from test_fuzz_inputs import fuzz_settings
 
 from pgdiag.report import plots
 from pgdiag.report.report import REPORT_SCHEMA, load_report
 
-SAMPLE = Path(__file__).resolve().parents[2] / "sample_data"
+SAMPLE = SAMPLE_DATA
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
