@@ -126,7 +126,7 @@ def _read_side(
     the compared `streams` plus, for side-by-side `metrics` (resolved), theirs."""
     if isinstance(source, TokenBatch):
         return Side(source, None, None)
-    from pgdiag.data.runs import read_token_batch
+    from pgdiag.data.load import read_token_batch
 
     run = source
     wanted = list(dict.fromkeys([*streams, *(metric_streams(metrics) if metrics is not None else [])]))
