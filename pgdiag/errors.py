@@ -105,6 +105,17 @@ class Code(StrEnum):
     UNKNOWN_SEMANTICS = ("W409", "a stream's tempering or logprobs mode is unknown", 0)
     EXTREME_TOKENS = ("W410", "tokens with |Δ| > 20 (counted, not clamped)", 0)
     PRECISION_MISMATCH = ("W411", "the streams record different head or body dtypes", 0)
+    KEPT_FORMULA_INEXACT = (
+        "W412",
+        "a penalty, logit bias, guided decoding, logits processor or T < 1e-5 changed the sampler's logits: "
+        "the kept-set recompute is approximate",
+        0,
+    )
+    HIDDEN_KEPT_MASS = (
+        "W413",
+        "truncated sampling without a recorded kept set: the kept mass is a hidden bias (size estimated)",
+        0,
+    )
     # inputs, outputs and settings
     INPUT_NOT_FOUND = ("E501", "an input path matched nothing", 2)
     OUTPUT_EXISTS = ("E502", "the output exists and cannot be reused (pass --overwrite)", 2)

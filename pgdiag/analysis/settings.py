@@ -18,6 +18,23 @@ DEFAULT_TOKEN_CAPS = (1.5, 2.0, 3.0, 5.0)
 DEFAULT_SEQ_CAPS = (2.0, 5.0, 10.0)
 DEFAULT_ICEPOP = (0.5, 5.0)
 POSITION_EDGES = (0, 64, 256, 1024, 4096)
+# the shipped defaults or documented settings of the landed corrections (docs/whatif.md, "Default grid")
+DEFAULT_NAMED = (
+    "opsm:0.1",  # Trinity-RFT#420 finds δ 0.05-0.2 reasonable
+    "dppo_tv:0.2,0.2",  # prime-rl DefaultLossConfig dppo_mask_low/high
+    "ipo:0.1",  # prime-rl IPOLossConfig ipo_threshold
+    "dppo_kl:0.2,0.2",  # SkyRL DPPO delta_low/high
+    "rollout_is:0.2,0.2",  # SkyRL eps_clip_low/high
+    "seq_mask_tis:0.999,1.002",  # NeMo-RL's reference bounds (the MLPerf recipe)
+    "seq_mean_is:2",
+    "seq_logprob_error:2",  # NeMo-RL's setting on Nemotron-3-Nano
+    "token_veto:0.0001",  # DR.Kernel MRS
+    "m2po:0.04",  # the M2PO paper's τ (AReaL ships no default)
+    "cispo:0.2,0.2",  # verl clip_ratio
+    "sapo:1,1.05",  # AReaL sapo_tau_pos/neg
+    "gmpo:0.2,0.2",  # verl clip_ratio
+    "topr",  # ROLL topr_positive/negative_weight 1, 1
+)
 
 
 @dataclass(frozen=True)
@@ -114,7 +131,8 @@ def parse_rule(spec: str) -> CorrectionRule:
 
 
 def default_grid() -> tuple[CorrectionRule, ...]:
-    """Token TIS/MIS at C in 1.5/2/3/5 (MIS band [1/C, C]), sequence TIS/MIS at 2/5/10, IcePop [0.5, 5]."""
+    """Token TIS/MIS at C in 1.5/2/3/5 (MIS band [1/C, C]), sequence TIS/MIS at 2/5/10, IcePop [0.5, 5], and
+    DEFAULT_NAMED: one common setting of each landed correction."""
     rules: list[CorrectionRule] = []
     for cap in DEFAULT_TOKEN_CAPS:
         rules.append(CorrectionRule("token_tis", cap))
@@ -125,6 +143,7 @@ def default_grid() -> tuple[CorrectionRule, ...]:
     for cap in DEFAULT_SEQ_CAPS:
         rules.append(CorrectionRule("seq_mis", cap, 1.0 / cap))
     rules.append(CorrectionRule("icepop", DEFAULT_ICEPOP[1], DEFAULT_ICEPOP[0]))
+    rules += [parse_rule(spec) for spec in DEFAULT_NAMED]
     return tuple(rules)
 
 
@@ -141,10 +160,15 @@ class WhatifSettings:
     target: str | None = None
     rules: tuple[CorrectionRule, ...] = ()
     divisor: float | None = None
+    losses: str | None = None  # `FORM@MODE,FORM@MODE`: gradient parity of two loss definitions
 
     def __post_init__(self) -> None:
         if self.divisor is not None and not self.divisor > 0:
             raise UsageError("E503", f"--divisor must be > 0, got {self.divisor}")
+        if self.losses is not None:
+            from pgdiag.analysis.losses import parse_losses
+
+            parse_losses(self.losses)
 
     def grid(self) -> tuple[CorrectionRule, ...]:
         """The rules to replay: the user's, else the default grid."""
