@@ -38,6 +38,8 @@ from pgdiag.data.schema import (
     check_logprobs_footer,
     check_rollouts_footer,
     entropy_column,
+    full_logprobs_column,
+    kept_mass_column,
     read_footer,
     safe_coercions,
     stream_column,
@@ -114,6 +116,7 @@ class Run:
     row_filter: pl.Expr | None = None
     step_subset: tuple[int, ...] | None = None  # set by `restrict_steps`: the recompute join reads only these
     widened: pl.Schema | None = None  # files of one run whose integer/float widths differ: the widest of each
+    kept_tags: tuple[str, ...] = ()  # recompute tags whose parts hold kept_mass and logprobs_full (kept sets)
 
     def scan(self, *, with_file: bool = False) -> pl.LazyFrame:
         """A fresh scan of the rollouts with the run's filters; `with_file` adds the ``__file`` column."""
@@ -343,6 +346,11 @@ def _part_schema_has_entropy(directory: Path) -> bool:
     return bool(parts) and "entropy" in pq.read_schema(parts[0]).names
 
 
+def _part_schema_has_kept(directory: Path) -> bool:
+    parts = _parquet_under(directory)
+    return bool(parts) and {"kept_mass", "logprobs_full"} <= set(pq.read_schema(parts[0]).names)
+
+
 def read_run(
     path: str | Path,
     *,
@@ -397,6 +405,7 @@ def read_run(
         lazy=_scan(paths, hive, row_filter, widened=widened),
         streams=(*present, *recompute),
         entropy_streams=tuple(tag for tag, d in recompute.items() if _part_schema_has_entropy(d)),
+        kept_tags=tuple(tag for tag, d in recompute.items() if _part_schema_has_kept(d)),
         meta=metas[0],
         paths=paths,
         root=root,
@@ -522,7 +531,9 @@ def _step_condition(spec: StepSpec, base: pl.LazyFrame) -> pl.Expr:
     return pl.any_horizontal([pl.col("step").is_between(lo, hi) for lo, hi in ranges])
 
 
-def _recompute_frame(run: Run, tag: str, want_logprobs: bool, want_entropy: bool) -> pl.LazyFrame:
+def _recompute_frame(
+    run: Run, tag: str, want_logprobs: bool, want_entropy: bool, want_kept: bool = False
+) -> pl.LazyFrame:
     directory = run.recompute.get(tag)
     if directory is None:
         raise UsageError(
@@ -553,6 +564,9 @@ def _recompute_frame(run: Run, tag: str, want_logprobs: bool, want_entropy: bool
         columns.append(pl.col("logprobs").alias(stream_column(tag)))
     if want_entropy:
         columns.append(pl.col("entropy").alias(entropy_column(tag)))
+    if want_kept:
+        columns.append(pl.col("kept_mass").alias(kept_mass_column(tag)))
+        columns.append(pl.col("logprobs_full").alias(full_logprobs_column(tag)))
     if run.step_subset is not None:
         lazy = lazy.filter(pl.col("step").cast(pl.Int64).is_in(list(run.step_subset)))
     return lazy.select(columns)
@@ -563,9 +577,10 @@ def _with_recompute(run: Run, lazy: pl.LazyFrame, columns: Sequence[str]) -> pl.
     for tag in run.recompute:
         want_lp = stream_column(tag) in columns
         want_h = entropy_column(tag) in columns
-        if not (want_lp or want_h):
+        want_kept = kept_mass_column(tag) in columns
+        if not (want_lp or want_h or want_kept):
             continue
-        right = _recompute_frame(run, tag, want_lp, want_h)
+        right = _recompute_frame(run, tag, want_lp, want_h, want_kept)
         lazy = (
             lazy.with_columns(
                 pl.col("sample_id").cast(pl.String).alias("__sid"),
@@ -642,6 +657,7 @@ def load_rows(
     lists: Sequence[str] = (),
     memory: MemoryLimits | None = None,
     kept: bool | None = None,
+    kept_of: Sequence[str] = (),
 ) -> LoadedRows:
     """Collect the needed columns of `run` (recompute joined) and flatten every list column.
 
@@ -649,7 +665,8 @@ def load_rows(
     (an InvalidInputError is raised with the first such issue, as nothing can be validated without them).
     The kept-set columns (`pgdiag.data.kept`), when the run has them, are read and validated (E220-E223) when
     `kept` is True, or by default (None) when the rollout stream is read (its zero-fill rules skip the
-    positions whose recorded set holds one token).
+    positions whose recorded set holds one token). `kept_of`: recompute tags whose ``kept_mass`` and
+    ``logprobs_full`` columns are joined too (``<tag>_kept_mass``, ``<tag>_full_vocab``).
     Before the read, UsageError E518 when the columns of its steps need more memory than is left
     (`pgdiag.data.memory.check_piece_memory`; `memory` says where to read what is left).
     """
@@ -696,7 +713,15 @@ def load_rows(
         run.step_subset,
         memory,
     )
-    lazy = _with_recompute(run, run.scan(with_file=True), [*stream_cols, *entropy_cols])
+    for tag in kept_of:
+        if tag not in run.kept_tags:
+            raise UsageError(
+                "E111",
+                f"{run.label}: recompute {tag!r} holds no kept sets",
+                f"kept-set recomputes: {', '.join(run.kept_tags) or 'none'} (pgdiag logprobs --kept-set)",
+            )
+    kept_extra = [c for tag in kept_of for c in (kept_mass_column(tag), full_logprobs_column(tag))]
+    lazy = _with_recompute(run, run.scan(with_file=True), [*stream_cols, *entropy_cols, *kept_extra])
     recompute_hash = [
         f"__{t}_seq_hash" for t in run.recompute if stream_column(t) in stream_cols or t in entropy
     ]
@@ -704,6 +729,7 @@ def load_rows(
         *file_cols,
         *(c for c in stream_cols if c not in file_cols),
         *entropy_cols,
+        *kept_extra,
         *recompute_hash,
         FILE_COLUMN,
     ]
@@ -726,6 +752,7 @@ def load_rows(
         "loss_mask",
         *stream_cols,
         *entropy_cols,
+        *kept_extra,
         *(c for c in lists if c in frame.columns),
     ]
     kept_sets = kept_from_series({c: frame[c] for c in kept_cols})
@@ -799,6 +826,7 @@ def build_token_batch(
     advantages: bool = True,
     reward: bool = True,
     env: bool = False,
+    kept_of: Sequence[str] = (),
 ) -> TokenBatch:
     """A float64 `TokenBatch` from the scalar `frame` and the `view` of structurally sound rows.
 
@@ -850,6 +878,8 @@ def build_token_batch(
         if "seq_hash" in frame.columns
         else None,
         kept_size=view.kept_size,
+        kept_mass={t: view.values[kept_mass_column(t)].astype(np.float64) for t in kept_of},
+        full_vocab={t: view.values[full_logprobs_column(t)].astype(np.float64) for t in kept_of},
     )
 
 
@@ -874,6 +904,7 @@ def read_token_batch(
     max_examples: int = 5,
     piece: bool = False,
     raise_errors: bool = True,
+    kept_of: Sequence[str] = (),
 ) -> LoadedBatch:
     """Load, validate and flatten the loss positions of `run` for the given streams.
 
@@ -887,7 +918,7 @@ def read_token_batch(
     """
     scalars = [c for c, on in (("advantage", advantages), ("reward", reward), ("env", env)) if on]
     lists = ["advantages"] if advantages else []
-    rows = load_rows(run, streams=streams, entropy=entropy, scalars=scalars, lists=lists)
+    rows = load_rows(run, streams=streams, entropy=entropy, scalars=scalars, lists=lists, kept_of=kept_of)
     found = validate_rows(rows.table, ignore=ignore, max_examples=max_examples)
     issues = [i for i in (*rows.issues, *found.issues) if i.code not in set(ignore)]
     if raise_errors:
@@ -906,6 +937,7 @@ def read_token_batch(
         advantages=advantages,
         reward=reward,
         env=env,
+        kept_of=kept_of,
     )
     return LoadedBatch(batch, check_result(issues, pending=pending))
 
