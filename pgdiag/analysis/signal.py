@@ -16,6 +16,8 @@ import numpy as np
 
 from pgdiag.analysis.psis import khat_threshold, min_sample_size, psis_khat
 from pgdiag.analysis.rules import RuleEffect
+from pgdiag.data.batch import TokenBatch
+from pgdiag.report.report import ReportRow
 
 CLAMPS = (("20", 20.0), ("10", 10.0))  # verl / AReaL / SkyRL clamp Δ to ±20; miles ±10
 LENGTH_COLLAPSE_MEDIAN = 0.5
@@ -105,3 +107,52 @@ def step_psis(log_ratio: np.ndarray, offsets: np.ndarray) -> dict[str, float | N
         "whatif/psis_khat_token": psis_khat(log_ratio),  # heuristic
         "whatif/psis_sequences": float(seq_sum.shape[0]),
     }
+
+
+def psis_rows(batch: TokenBatch, log_ratio: np.ndarray, pair: str) -> list[ReportRow]:
+    """PSIS k̂ per step (breakdown `psis/step`), never pooled, and its max and median over steps (bucket none)."""
+    rows: list[ReportRow] = []
+    per_step: list[float] = []
+    tok_sample = batch.token_sample()
+    for step in np.unique(batch.step):
+        samples = np.flatnonzero(batch.step == step)
+        tok = np.isin(tok_sample, samples)
+        offsets = np.concatenate([[0], np.cumsum(batch.n_loss[samples])])
+        values = step_psis(log_ratio[tok], offsets)
+        if values["whatif/psis_khat_seq"] is not None:
+            per_step.append(values["whatif/psis_khat_seq"])
+        for metric, value in values.items():
+            rows.append(
+                ReportRow(
+                    pair,
+                    "seq",
+                    "psis/step",
+                    str(int(step)),
+                    metric,
+                    value,
+                    "index",
+                    "seq",
+                    len(samples),
+                    float(step),
+                    float(step),
+                )
+            )
+    summary = {
+        "whatif/psis_khat_seq_max": max(per_step) if per_step else None,
+        "whatif/psis_khat_seq_median": float(np.median(per_step)) if per_step else None,
+    }
+    for metric, value in summary.items():
+        rows.append(
+            ReportRow(
+                pair,
+                "token",
+                "threshold",
+                "none",
+                metric,
+                value,
+                "index",
+                "max" if metric.endswith("max") else "median",
+                len(per_step),
+            )
+        )
+    return rows

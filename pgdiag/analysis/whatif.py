@@ -19,18 +19,23 @@ tokens is. Fractions of sequences count non-empty sequences only (verl's `seq_va
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from pgdiag.analysis.losses import loss_parity_rows, parse_losses
 from pgdiag.analysis.rules import PROXIMAL_THETA, Replay, RuleEffect, apply_named_rule, verl_chain
 from pgdiag.analysis.settings import POSITION_EDGES, RULE_KINDS, CorrectionRule, WhatifSettings
-from pgdiag.analysis.signal import batch_weights, rule_signal, step_psis, zero_advantage_groups
+from pgdiag.analysis.signal import batch_weights, psis_rows, rule_signal, zero_advantage_groups
+from pgdiag.analysis.staleness import lag_localised, staleness_rows
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.runs import Run, read_token_batch
+from pgdiag.data.load import read_token_batch
+from pgdiag.data.runs import Run
 from pgdiag.data.validate import CheckSettings
+from pgdiag.data.versions import TokenLag, token_lag
 from pgdiag.errors import UsageError
 from pgdiag.metrics.loss import GSPO_MODES, NATIVE_MODES, sample_weights
 from pgdiag.report.report import Report, ReportRow, summary_frame
@@ -228,7 +233,13 @@ def not_applicable(rule: CorrectionRule, streams: Sequence[str], new: str | None
 
 
 def whatif_batch(
-    batch: TokenBatch, settings: WhatifSettings, *, behavior: str, target: str, new: str | None = None
+    batch: TokenBatch,
+    settings: WhatifSettings,
+    *,
+    behavior: str,
+    target: str,
+    new: str | None = None,
+    lag: TokenLag | None = None,
 ) -> list[ReportRow]:
     """Report rows of every rule of `settings` on an already read `batch` holding both streams (and `new`, the
     policy after an update, for the proximal→θ rules)."""
@@ -276,7 +287,12 @@ def whatif_batch(
             batch.advantages, batch.group[batch.token_sample()], len(batch.group_names)
         )
         add("none", "whatif/zero_advantage_groups", float(groups), n_seq)
-    rows.extend(_psis_rows(batch, log_ratio, pair))
+    rows.extend(psis_rows(batch, log_ratio, pair))
+    if settings.losses is not None and has_loss:
+        forms = parse_losses(settings.losses)
+        rows += loss_parity_rows(batch, forms, replays, rule_effect, settings.divisor, pair)
+    if lag is not None:
+        rows += staleness_rows(batch, lag, behavior=behavior, target=target, new=new, pair=pair, later=later)
     for rule in settings.grid():
         bucket = rule.label
         effect = (
@@ -289,7 +305,10 @@ def whatif_batch(
             add(bucket, metric, value, n_seq if metric_unit(metric)[1].startswith("seq") else n_tok, rule)
         if effect is None:
             continue
-        for breakdown, where, b_lo, b_hi, value, n in _localised(batch, effect.affected):
+        where_lost = _localised(batch, effect.affected)
+        if lag is not None:
+            where_lost = itertools.chain(where_lost, lag_localised(lag, effect.affected))
+        for breakdown, where, b_lo, b_hi, value, n in where_lost:
             rows.append(
                 ReportRow(
                     pair if rule.pair != PROXIMAL_THETA else later,
@@ -347,55 +366,6 @@ def _rule_metrics(
         before = base_loss[mode]
         metrics[f"whatif/loss_delta/{mode}"] = None if after is None or before is None else after - before
     return metrics
-
-
-def _psis_rows(batch: TokenBatch, log_ratio: np.ndarray, pair: str) -> list[ReportRow]:
-    """PSIS k̂ per step (breakdown `psis/step`), never pooled, and its max and median over steps (bucket none)."""
-    rows: list[ReportRow] = []
-    per_step: list[float] = []
-    tok_sample = batch.token_sample()
-    for step in np.unique(batch.step):
-        samples = np.flatnonzero(batch.step == step)
-        tok = np.isin(tok_sample, samples)
-        offsets = np.concatenate([[0], np.cumsum(batch.n_loss[samples])])
-        values = step_psis(log_ratio[tok], offsets)
-        if values["whatif/psis_khat_seq"] is not None:
-            per_step.append(values["whatif/psis_khat_seq"])
-        for metric, value in values.items():
-            rows.append(
-                ReportRow(
-                    pair,
-                    "seq",
-                    "psis/step",
-                    str(int(step)),
-                    metric,
-                    value,
-                    "index",
-                    "seq",
-                    len(samples),
-                    float(step),
-                    float(step),
-                )
-            )
-    summary = {
-        "whatif/psis_khat_seq_max": max(per_step) if per_step else None,
-        "whatif/psis_khat_seq_median": float(np.median(per_step)) if per_step else None,
-    }
-    for metric, value in summary.items():
-        rows.append(
-            ReportRow(
-                pair,
-                "token",
-                "threshold",
-                "none",
-                metric,
-                value,
-                "index",
-                "max" if metric.endswith("max") else "median",
-                len(per_step),
-            )
-        )
-    return rows
 
 
 def resolve_whatif_streams(run: Run, settings: WhatifSettings) -> tuple[str, str]:
@@ -460,7 +430,8 @@ def whatif(
         run, streams=streams, env=True, ignore=checks.ignore, max_examples=checks.max_examples
     )
     batch = loaded.batch
-    rows = whatif_batch(batch, settings, behavior=behavior, target=target, new=new)
+    lag = token_lag(run, batch)
+    rows = whatif_batch(batch, settings, behavior=behavior, target=target, new=new, lag=lag)
     rules = settings.grid()
     meta = {
         "command": "whatif",
@@ -473,6 +444,14 @@ def whatif(
                 r.label: reason for r in rules if (reason := not_applicable(r, streams, new)) is not None
             },
             "divisor": settings.divisor,
+            "lag": None
+            if lag is None
+            else {
+                "preset": lag.preset,
+                "offset": lag.offset,
+                "offset_verified": lag.verified,
+                "per_token_versions": lag.per_token,
+            },
         },
         "inputs": {
             "runs": [run.label],

@@ -29,18 +29,9 @@ from pgdiag.checks.signatures import SignatureStats, signature_issues, signature
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.flat import FlatList, RowTable, flat_list
 from pgdiag.data.kept import KEPT_COLUMNS, kept_from_series
-from pgdiag.data.runs import (
-    FILE_COLUMN,
-    Run,
-    batch_inputs,
-    build_token_batch,
-    load_rows,
-    read_run,
-    reads_whole,
-    restrict_steps,
-    step_chunks,
-    step_rows,
-)
+from pgdiag.data.load import batch_inputs, build_token_batch, load_rows
+from pgdiag.data.pieces import plan_step_pieces
+from pgdiag.data.runs import FILE_COLUMN, Run, read_run, restrict_steps
 from pgdiag.data.schema import REQUIRED_COLUMNS, cast_problem, stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import (
@@ -275,22 +266,6 @@ def _finish(found: _RunFindings) -> list[Issue]:
     return issues
 
 
-def _pieces(run: Run, other: Run | None, chunk_rows: int) -> list[tuple[tuple[int, ...] | None, bool, bool]]:
-    """(steps or None for the whole run, run has rows, other has rows) of each piece `check_run` reads."""
-    try:
-        rows_a = step_rows(run)
-        rows_b = {} if other is None else step_rows(other)
-    except InvalidInputError:
-        return [(None, True, other is not None)]  # the reader reports the unreadable step column
-    if reads_whole(run) or (other is not None and reads_whole(other)):
-        return [(None, True, other is not None)]  # an unfilterable or null step: read whole (E103, E213)
-    both = {s: rows_a.get(s, 0) + rows_b.get(s, 0) for s in sorted({*rows_a, *rows_b})}
-    chunks = step_chunks(both, chunk_rows)
-    if len(chunks) <= 1:
-        return [(None, True, other is not None)]
-    return [(c, any(s in rows_a for s in c), any(s in rows_b for s in c)) for c in chunks]
-
-
 def _as_run(value: object, name: str) -> Run:
     """`value` as a `Run`: a run as given, a path read with `read_run`; E513 for any other type (an
     AttributeError deep inside before)."""
@@ -335,7 +310,9 @@ def check_run(
     found_a = _RunFindings(run, _stream_names(run, streams))
     found_b = None if other is None else _RunFindings(other, _stream_names(other, streams))
     cross: CrossRunParts | None = None
-    for steps, in_a, in_b in _pieces(run, other, chunk_rows):
+    runs = [run] if other is None else [run, other]
+    for piece in plan_step_pieces(runs, chunk_rows).pieces:
+        steps, in_a, in_b = piece.steps, piece.present[0], other is not None and piece.present[-1]
         batch_a = batch_b = None
         if in_a and found_a.failed is None:
             piece_a = run if steps is None else restrict_steps(run, steps)

@@ -1,7 +1,7 @@
 """`TokenBatch`: the loss positions of a selection of rollout samples, flattened for vectorised math.
 
 The metric engine, the key styles and `compare` all work on this one in-memory layout, built by
-`pgdiag.data.runs.read_token_batch` from a run. Only **loss positions** (``loss_mask`` true) are kept: every
+`pgdiag.data.load.read_token_batch` from a run. Only **loss positions** (``loss_mask`` true) are kept: every
 metric of docs/metrics.md is defined on them. Token arrays are float64 (docs/metrics.md);
 a null stream value on a loss position (only possible when E204 is ignored) is NaN here and is then
 excluded and counted by the metrics as an invalid token.

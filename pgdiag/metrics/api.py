@@ -16,16 +16,9 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.runs import (
-    LoadedBatch,
-    Run,
-    read_token_batch,
-    reads_whole,
-    restrict_steps,
-    row_keys,
-    step_chunks,
-    step_rows,
-)
+from pgdiag.data.load import LoadedBatch, read_token_batch
+from pgdiag.data.pieces import plan_step_pieces, reads_whole
+from pgdiag.data.runs import Run, restrict_steps, row_keys
 from pgdiag.data.schema import stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import (
@@ -198,14 +191,18 @@ def compute_metrics(
         else StyleStream(settings)
     )
     feeder: DocStepFeeder | None = None
-    if reads_whole(run):  # a step column no chunk can filter, or a null step: the reader says which
-        return _whole_run_report(run, settings, checks)
     if settings.docs_per_step is None:  # chunks of consecutive steps, in step order
-        rows_per_step = step_rows(run)
-        budget = stream.budget(rows_per_step)
-        chunks = [(restrict_steps(run, c), None) for c in step_chunks(rows_per_step, budget)]
-        n_steps = len(rows_per_step)
+        plan = plan_step_pieces([run], stream.budget)
+        if not plan.by_step:  # a step column no chunk can filter, or a null step: the reader says which
+            return _whole_run_report(run, settings, checks)
+        chunks = [  # none for a run without rows
+            (run if p.steps is None else restrict_steps(run, p.steps), None)
+            for p in (plan.pieces if plan.rows_per_step else [])
+        ]
+        n_steps = len(plan.rows_per_step)
     else:  # chunks of real steps in read order, fed as whole steps of N documents
+        if reads_whole(run):
+            return _whole_run_report(run, settings, checks)
         keys = row_keys(run)  # (R,) rows: step, sample_id, group_id
         if keys is None or keys["step"].null_count():  # the whole read says what is wrong (E213, E102, ...)
             return _whole_run_report(run, settings, checks)

@@ -2,7 +2,7 @@
 
 What: `read_inputs` collects the columns `pgdiag logprobs` needs from a run (step, sample_id, group_id,
 segment_idx, seq_hash, input_ids, loss_mask and the optional temperature columns) with the reader and the row
-rules every command runs (`pgdiag.data.runs.load_rows`, `pgdiag.data.validate.validate_rows`: E102, E103,
+rules every command runs (`pgdiag.data.load.load_rows`, `pgdiag.data.validate.validate_rows`: E102, E103,
 E201-E203, E208, E210-E213, one line naming the file, step and sample), sorts them in part-plan order
 (step, group_id, sample_id, segment_idx) and flattens the token lists into one buffer with per-sample offsets.
 `resolve_temperature` applies the `--temperature auto` rule and `plan_parts` cuts the rows into output parts.
@@ -24,7 +24,8 @@ import polars as pl
 
 from pgdiag.data.flat import flat_list, subset_rows
 from pgdiag.data.kept import KeptColumns
-from pgdiag.data.runs import FILE_COLUMN, Run, load_rows
+from pgdiag.data.load import load_rows
+from pgdiag.data.runs import FILE_COLUMN, Run
 from pgdiag.data.seqhash import input_fingerprint
 from pgdiag.data.validate import validate_rows
 from pgdiag.errors import InvalidInputError
@@ -117,7 +118,7 @@ def read_inputs(
 ) -> RecomputeInputs:
     """The columns recompute needs, checked by the rules every command runs, sorted in part-plan order.
 
-    The rows are read and validated as `check` reads them (`pgdiag.data.runs.load_rows`, then
+    The rows are read and validated as `check` reads them (`pgdiag.data.load.load_rows`, then
     `pgdiag.data.validate.validate_rows` with the model's `vocab_size`): types (E103), structure and keys
     (E201, E202, E210-E213), loss positions (E203) and token ids (E208); the first error is raised.
     `routes`: read the optional ``routed_experts`` column (MoE models) and check it against this shape

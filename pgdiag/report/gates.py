@@ -61,6 +61,8 @@ PROFILES: dict[str, tuple[tuple[str, str], ...]] = {
     "slime": (("fail", "mismatch/abs_mean>0.1"),),
     # slime's true-on-policy CI
     "deterministic": (("fail", "mismatch/abs_mean>1e-6"), ("fail", "policy/kl_k1>1e-8")),
+    # bitwise agreement (`compare --exact`, verl-project/verl#7688: "not an epsilon threshold")
+    "exact": (("fail", "exact/n_nonzero>0"), ("fail", "exact/mask_mismatch>0")),
 }
 
 

@@ -234,7 +234,7 @@ def test_sample_runs_pass_cleanly() -> None:
 
 
 def test_synthetic_runs_have_the_documented_statistics() -> None:
-    from pgdiag.data.runs import read_token_batch
+    from pgdiag.data.load import read_token_batch
 
     a = read_token_batch(
         read_run(SAMPLE_DATA / "synthetic_a"), streams=["rollout", "old", "new"], env=True

@@ -50,7 +50,12 @@ def test_json_out_and_plot_match_the_library(tmp_path: Path):
             expected = library.value(metric, breakdown="threshold", bucket=rule.label)
             assert obj["summary"][rule.label][metric] == pytest.approx(expected)
     assert 0 < obj["summary"]["icepop:0.5,5"]["whatif/tokens_affected"] < 0.05
-    assert set(obj["worst"]["token_tis:2"]) == {"step", "env", "position"}
+    assert set(obj["worst"]["token_tis:2"]) == {
+        "step",
+        "env",
+        "position",
+        "lag",
+    }  # lag: run_a has policy_version
     loaded = load_report(out / "whatif.parquet")
     assert loaded.kind == "whatif"
     assert loaded.summary.equals(library.summary)

@@ -22,7 +22,8 @@ from pgdiag.data.kept import (
     position_sets,
     position_sizes,
 )
-from pgdiag.data.runs import read_run, read_token_batch
+from pgdiag.data.load import read_token_batch
+from pgdiag.data.runs import read_run
 from pgdiag.errors import InvalidInputError
 
 

@@ -15,8 +15,9 @@ from sample_paths import SAMPLE_DATA
 
 from pgdiag.cli.app import build_app
 from pgdiag.data import memory
+from pgdiag.data.load import load_rows
 from pgdiag.data.memory import MemoryLimits, available_memory, check_piece_memory, piece_bytes
-from pgdiag.data.runs import load_rows, read_run, restrict_steps
+from pgdiag.data.runs import read_run, restrict_steps
 from pgdiag.data.schema import REQUIRED_COLUMNS, encode_footer
 from pgdiag.errors import UsageError
 

@@ -11,7 +11,9 @@ import pytest
 from rollout_factory import write_logprobs_part, write_rollouts_file
 from sample_paths import SAMPLE_DATA
 
-from pgdiag.data.runs import read_run, read_token_batch, restrict_steps, run_steps, step_chunks, step_rows
+from pgdiag.data.load import read_token_batch
+from pgdiag.data.pieces import run_steps, step_chunks, step_rows
+from pgdiag.data.runs import read_run, restrict_steps
 from pgdiag.data.seqhash import seq_hash
 from pgdiag.errors import InvalidInputError
 

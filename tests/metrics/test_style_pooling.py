@@ -25,7 +25,7 @@ from sample_paths import SAMPLE_DATA
 
 import pgdiag
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.runs import read_token_batch
+from pgdiag.data.load import read_token_batch
 from pgdiag.metrics.api import metric_streams, resolve_streams
 from pgdiag.metrics.engine import StepMetrics, compute_by_step
 from pgdiag.metrics.settings import MetricSettings
