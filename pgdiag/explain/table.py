@@ -3,9 +3,9 @@ grid, lined up token by token, handed to the cause accumulators in pieces of who
 
 What: `ExplainPiece` holds the loss tokens of consecutive steps (M tokens): where they are (step, sample,
 response position, policy lag) and every value the causes read. `token_pieces` reads the token run (the
-budget's samples, `explain.tokens`) with the reader every command uses (`pgdiag.data.runs.read_token_batch`:
+budget's samples, `explain.tokens`) with the reader every command uses (`pgdiag.data.load.read_token_batch`:
 the same row rules, E207 on a non-finite value), joins the grid rows on (step, sample_id, segment_idx, pos),
-and cuts the result into pieces of whole steps (`pgdiag.data.runs.step_chunks`).
+and cuts the result into pieces of whole steps (`pgdiag.data.pieces.plan_step_pieces`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from pgdiag.data.runs import Run, read_token_batch, step_chunks
+from pgdiag.data.load import read_token_batch
+from pgdiag.data.pieces import plan_step_pieces
+from pgdiag.data.runs import Run, restrict_steps
 from pgdiag.errors import InvalidInputError
 from pgdiag.explain.grid import GridValues
 
@@ -99,10 +101,8 @@ def token_pieces(
     """The budget's tokens in pieces of whole steps (module docstring); `keys` from `grid_keys`."""
     lag = policy_lag(run)
     sample_base = 0
-    for steps in step_chunks(_rows_per_step(run), max_rows):
-        from pgdiag.data.runs import restrict_steps
-
-        part = restrict_steps(run, steps)
+    for step_piece in plan_step_pieces([run], max_rows).pieces:  # the one piece planner every command uses
+        part = run if step_piece.steps is None else restrict_steps(run, step_piece.steps)
         batch = read_token_batch(
             part, streams=[*pair, *configs], advantages=False, reward=False, ignore=("E206",)
         ).batch  # exact zeros are a signature here (explain.signatures.zeros_rule), not a refusal
@@ -141,9 +141,3 @@ def token_pieces(
             certain=grid.certain[rows],
         )
         sample_base += batch.n_samples
-
-
-def _rows_per_step(run: Run) -> dict[int, int]:
-    from pgdiag.data.runs import step_rows
-
-    return step_rows(run)
