@@ -208,20 +208,13 @@ def _default_device() -> str:
 
 
 def _declared_modes(run: Any, pair: tuple[str, str]) -> tuple[str, str]:
-    """The logprobs mode each stream's footer declares (``raw``, ``processed`` or ``unknown``); the run's
-    ``pgdiag.sampling.logprobs_mode`` stands for the rollout stream when its own entry says nothing."""
-    from pgdiag.data.schema import stream_column
+    """The logprobs mode of each stream (``raw``, ``processed`` or ``unknown``) from the stream semantics table
+    (`pgdiag.data.semantics.footer_semantics`: the stream's footer entry, then ``pgdiag.sampling``)."""
+    from pgdiag.data.semantics import footer_semantics
 
     meta = run.meta or {}
-    streams = meta.get("streams") or {}
-    modes = []
-    for stream in pair:
-        entry = streams.get(stream_column(stream)) or streams.get(stream) or {}
-        mode = entry.get("logprobs_mode") if isinstance(entry, dict) else None
-        if (mode in (None, "unknown")) and stream == "rollout":
-            mode = (meta.get("sampling") or {}).get("logprobs_mode")
-        modes.append(str(mode or "unknown"))
-    return modes[0], modes[1]
+    semantics = [footer_semantics(meta, stream) for stream in pair]
+    return semantics[0].logprobs_mode, semantics[1].logprobs_mode
 
 
 def _grid(
