@@ -209,12 +209,21 @@ def _default_device() -> str:
 
 def _declared_modes(run: Any, pair: tuple[str, str]) -> tuple[str, str]:
     """The logprobs mode of each stream (``raw``, ``processed`` or ``unknown``) from the stream semantics table
-    (`pgdiag.data.semantics.footer_semantics`: the stream's footer entry, then ``pgdiag.sampling``)."""
-    from pgdiag.data.semantics import footer_semantics
+    (`pgdiag.data.semantics`): the rollout stream's footer entry, then ``pgdiag.sampling`` (the engine's
+    settings); any other stream's own footer entry only (the sampling settings are not the trainer's)."""
+    from pgdiag.data.semantics import footer_semantics, stream_semantics
 
     meta = run.meta or {}
-    semantics = [footer_semantics(meta, stream) for stream in pair]
-    return semantics[0].logprobs_mode, semantics[1].logprobs_mode
+    entries = meta.get("streams") or {}
+    modes = []
+    for stream in pair:
+        if stream == "rollout":
+            modes.append(footer_semantics(meta, stream).logprobs_mode)
+            continue
+        entry = entries.get(stream) or entries.get(f"{stream}_logprobs") or {}
+        entry = entry if isinstance(entry, dict) else {}
+        modes.append(stream_semantics(entry.get("engine"), entry.get("logprobs_mode")).logprobs_mode)
+    return modes[0], modes[1]
 
 
 def _grid(
