@@ -25,6 +25,7 @@ from pgdiag.data.discover import (
     natural_key,
     parquet_under,
     part_schema_has_entropy,
+    part_schema_has_kept,
     recompute_dirs,
     recompute_manifest,
     resolve_paths,
@@ -35,6 +36,8 @@ from pgdiag.data.schema import (
     check_logprobs_footer,
     check_rollouts_footer,
     entropy_column,
+    full_logprobs_column,
+    kept_mass_column,
     read_footer,
     safe_coercions,
     stream_column,
@@ -99,6 +102,7 @@ class Run:
     row_filter: pl.Expr | None = None
     step_subset: tuple[int, ...] | None = None  # set by `restrict_steps`: the recompute join reads only these
     widened: pl.Schema | None = None  # files of one run whose integer/float widths differ: the widest of each
+    kept_tags: tuple[str, ...] = ()  # recompute tags whose parts hold kept_mass and logprobs_full (kept sets)
 
     def scan(self, *, with_file: bool = False) -> pl.LazyFrame:
         """A fresh scan of the rollouts with the run's filters; `with_file` adds the ``__file`` column."""
@@ -262,6 +266,7 @@ def read_run(
         lazy=_scan(paths, hive, row_filter, widened=widened),
         streams=(*present, *recompute),
         entropy_streams=tuple(tag for tag, d in recompute.items() if part_schema_has_entropy(d)),
+        kept_tags=tuple(tag for tag, d in recompute.items() if part_schema_has_kept(d)),
         meta=metas[0],
         paths=paths,
         root=root,
@@ -333,7 +338,9 @@ def _step_condition(spec: StepSpec, base: pl.LazyFrame) -> pl.Expr:
     return pl.any_horizontal([pl.col("step").is_between(lo, hi) for lo, hi in ranges])
 
 
-def _recompute_frame(run: Run, tag: str, want_logprobs: bool, want_entropy: bool) -> pl.LazyFrame:
+def _recompute_frame(
+    run: Run, tag: str, want_logprobs: bool, want_entropy: bool, want_kept: bool = False
+) -> pl.LazyFrame:
     directory = run.recompute.get(tag)
     if directory is None:
         raise UsageError(
@@ -364,6 +371,9 @@ def _recompute_frame(run: Run, tag: str, want_logprobs: bool, want_entropy: bool
         columns.append(pl.col("logprobs").alias(stream_column(tag)))
     if want_entropy:
         columns.append(pl.col("entropy").alias(entropy_column(tag)))
+    if want_kept:
+        columns.append(pl.col("kept_mass").alias(kept_mass_column(tag)))
+        columns.append(pl.col("logprobs_full").alias(full_logprobs_column(tag)))
     if run.step_subset is not None:
         lazy = lazy.filter(pl.col("step").cast(pl.Int64).is_in(list(run.step_subset)))
     return lazy.select(columns)
@@ -374,9 +384,10 @@ def with_recompute(run: Run, lazy: pl.LazyFrame, columns: Sequence[str]) -> pl.L
     for tag in run.recompute:
         want_lp = stream_column(tag) in columns
         want_h = entropy_column(tag) in columns
-        if not (want_lp or want_h):
+        want_kept = kept_mass_column(tag) in columns
+        if not (want_lp or want_h or want_kept):
             continue
-        right = _recompute_frame(run, tag, want_lp, want_h)
+        right = _recompute_frame(run, tag, want_lp, want_h, want_kept)
         lazy = (
             lazy.with_columns(
                 pl.col("sample_id").cast(pl.String).alias("__sid"),

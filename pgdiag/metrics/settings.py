@@ -91,6 +91,9 @@ class MetricSettings:
     stream_b: str | None = None  # mismatch pair evaluated side (default old, else new)
     ref: str | None = None
     entropy: str | None = None  # recompute tag whose entropy feeds entropy/*
+    kept: str | None = (
+        None  # kept-set recompute tag whose kept mass feeds mismatch/kept_mass_* (metrics.kept)
+    )
     # loss and clipping
     aggregation: str | None = None  # headline loss/pg; a native mode or alias; None = the style's default
     divisor: float | None = None  # L of `constant`; loss_scale_factor / max_completion_length for aliases
