@@ -171,15 +171,18 @@ def _widened_schema(paths: Sequence[Path]) -> pl.Schema | None:
     """The first file's schema with each column widened to the widest integer/float width any file stores it
     in (int32 ids in one file, int64 in another: a lossless upcast), or None when the files agree.
 
+    A data column named like the reader's own file-path column (``__file``) is left out of the schema: an
+    unknown extra column is ignored (docs/schema.md), where it collided with the path column (exit 101).
     Other disagreements are left to the reader, which refuses them (E103)."""
-    if len(paths) < 2:
-        return None
     schemas = [pl.scan_parquet(str(p), glob=False).collect_schema() for p in paths]
     merged = dict(schemas[0])
     for schema in schemas[1:]:
         for name, dtype in schema.items():
             if name in merged and merged[name] != dtype:
                 merged[name] = _wider(merged[name], dtype) or merged[name]
+    if any(FILE_COLUMN in schema for schema in schemas):
+        merged.pop(FILE_COLUMN, None)
+        return pl.Schema(merged)
     return None if merged == dict(schemas[0]) else pl.Schema(merged)
 
 
@@ -256,7 +259,9 @@ def read_run(
         if run is None and len(labels) > 1:
             raise UsageError("E505", f"{path} holds several runs {labels}", "pick one with --run NAME")
     if steps is not None:
-        conditions.append(_step_condition(parse_steps(steps), base))
+        spec = parse_steps(steps)
+        _check_steps_present(spec, base, steps)
+        conditions.append(_step_condition(spec, base))
     row_filter = pl.all_horizontal(conditions) if conditions else None
     default_label = run or (labels[0] if labels else (root.name if root is not None else Path(paths[0]).stem))
     recompute, incomplete = recompute_dirs(root, attach)
@@ -281,11 +286,18 @@ def read_run(
 def _check_step_range(paths: Sequence[Path], hive: bool) -> None:
     """E103 naming the file when a uint64 ``step`` holds a value above int64's range (the coercion to int64 of
     docs/schema.md would fail); read only when the column is uint64."""
-    raw = pl.scan_parquet(
-        [str(p) for p in paths], hive_partitioning=hive, glob=False, include_file_paths=FILE_COLUMN
-    )
-    if raw.collect_schema().get("step") != pl.UInt64:
+    files = [str(p) for p in paths]
+    if pl.scan_parquet(files, hive_partitioning=hive, glob=False).collect_schema().get("step") != pl.UInt64:
         return
+    raw = pl.scan_parquet(  # `step` alone: a data column named __file would collide with the path column
+        files,
+        schema=pl.Schema({"step": pl.UInt64}),
+        hive_partitioning=hive,
+        glob=False,
+        include_file_paths=FILE_COLUMN,
+        missing_columns="insert",
+        extra_columns="ignore",
+    )
     too_big = raw.select("step", FILE_COLUMN).filter(pl.col("step") > INT64_MAX).head(1).collect()
     if too_big.height:
         raise InvalidInputError(
@@ -325,6 +337,36 @@ def restrict_steps(run: Run, steps: Sequence[int]) -> Run:
         row_filter=row_filter,
         step_subset=wanted,
     )
+
+
+def step_list(steps: Sequence[int]) -> str:
+    """Steps in short form, consecutive ones as ranges: ``0-3, 7, 9-10``."""
+    parts: list[str] = []
+    for step in sorted(steps):
+        if parts and step == int(parts[-1].rpartition("-")[2]) + 1:
+            parts[-1] = f"{parts[-1].partition('-')[0]}-{step}"
+        else:
+            parts.append(str(step))
+    return ", ".join(parts)
+
+
+def _check_steps_present(spec: StepSpec, base: pl.LazyFrame, given: str | Sequence[int]) -> None:
+    """E503 listing the steps present when a ``--steps`` value (a step, or a whole range) matches no step."""
+    if not spec.ranges:
+        return
+    try:
+        present = base.select(pl.col("step").cast(pl.Int64).unique()).collect()["step"].drop_nulls().to_list()
+    except pl.exceptions.PolarsError:
+        return  # a step column that is not integers: the reader refuses it (E103) where it reads the steps
+    absent = [(lo, hi) for lo, hi in spec.ranges if not any(lo <= step <= hi for step in present)]
+    if absent:
+        shown = ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in absent)
+        text = given if isinstance(given, str) else ",".join(str(s) for s in given)
+        raise UsageError(
+            "E503",
+            f"--steps {text}: {shown} matches no step of the run",
+            f"steps present: {step_list(present)}" if present else "the run holds no step",
+        )
 
 
 def _step_condition(spec: StepSpec, base: pl.LazyFrame) -> pl.Expr:

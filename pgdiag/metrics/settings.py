@@ -126,6 +126,10 @@ class MetricSettings:
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise UsageError("E503", f"--{name.replace('_', '-')} must be a positive number, got {value}")
+        for name in ("zero_std_atol", "identity_tol"):  # tolerances: 0 (exact) or more; NaN is no tolerance
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise UsageError("E503", f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
         if self.docs_per_step is not None and self.docs_per_step < 1:
             raise UsageError("E503", f"--docs-per-step must be at least 1, got {self.docs_per_step}")
         if self.key_style != "pgdiag":
