@@ -267,31 +267,38 @@ def _watch(root: subprocess.Popen, seen: dict[int, dict], stop: threading.Event)
 
 
 def run_cli(args: argparse.Namespace) -> dict:
-    """Start every --cmd at once, watch them, wait; per command: wall, exit code, JSON object, processes."""
+    """Start every --cmd at once, watch them, wait; per command: its own wall time (a thread per command waits
+    for it), exit code, JSON object, and the processes that read more than 10 MB (the ranks; the parent's
+    counts include its reaped children)."""
     started = []
     t0 = time.perf_counter()
+
+    def wait(proc: subprocess.Popen, start: float, done: dict) -> None:
+        done["stdout"], _ = proc.communicate(timeout=args.timeout)
+        done["wall"] = time.perf_counter() - start
+
     for n, cmd in enumerate(args.cmd):
         log = open(Path(args.logs) / f"{args.name}-{n}.log", "w") if args.logs else subprocess.DEVNULL  # noqa: SIM115
+        start = time.perf_counter()
         proc = subprocess.Popen(cmd, shell=True, stdout=subprocess.PIPE, stderr=log, text=True)
         seen: dict[int, dict] = {}
         stop = threading.Event()
-        thread = threading.Thread(target=_watch, args=(proc, seen, stop), daemon=True)
-        thread.start()
-        started.append((cmd, proc, seen, stop, thread, time.perf_counter()))
+        watcher = threading.Thread(target=_watch, args=(proc, seen, stop), daemon=True)
+        watcher.start()
+        done: dict = {}
+        waiter = threading.Thread(target=wait, args=(proc, start, done), daemon=True)
+        waiter.start()
+        started.append((cmd, proc, seen, stop, watcher, waiter, done))
     rows = []
-    for cmd, proc, seen, stop, thread, start in started:
-        stdout, _ = proc.communicate(timeout=args.timeout)
-        wall = time.perf_counter() - start
+    for cmd, proc, seen, stop, watcher, waiter, done in started:
+        waiter.join()
         stop.set()
-        thread.join()
-        objects = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-        # torchrun workers carry RANK in their environ; the launcher's spawned workers set it after start, so
-        # they are told by their command line (multiprocessing spawn), in pid (= start) order
-        workers = {p: e for p, e in seen.items() if e.get("rank") is not None or "spawn" in e.get("cmd", "")}
+        watcher.join()
+        objects = [json.loads(line) for line in done.get("stdout", "").splitlines() if line.startswith("{")]
+        readers = [seen[p] for p in sorted(seen) if seen[p].get("rchar", 0) > 10**7]
         rows.append({
-            "cmd": cmd, "exit": proc.returncode, "wall_s": wall, "json": objects[-1] if objects else None,
-            "workers": [workers[p] for p in sorted(workers)],
-            "processes": len(seen), "read_bytes_all": sum(e.get("read_bytes", 0) for e in seen.values()),
+            "cmd": cmd, "exit": proc.returncode, "wall_s": done.get("wall"), "json": objects[-1] if objects else None,
+            "readers": readers, "processes": len(seen),
         })  # fmt: skip
     return {"name": args.name, "wall_s": time.perf_counter() - t0, "runs": rows}
 

@@ -7,6 +7,8 @@
 # part2: Llama-3-70B layouts (4x1, 2x2 = TP 2 on two GPUs) with an fp32-body reference at TP 4 and the peak of a
 #        64k-token batch, while the 70B checkpoint is written to disk; then page cache dropped, O_DIRECT read of
 #        the files (disk reference), and `pgdiag logprobs --tp 4` loading it, per-rank /proc/PID/io watched.
+# part3: the CLI on one GPU (4 at once, cold then warm) vs --dp 2 through pgdiag's launcher and torchrun, each
+#        pair swapped between GPU pairs, two run sizes: steady rate (slope) and fixed cost (intercept).
 # NVLink multicast stays off (the device machines require it). Needs polars (wheels in .whl, see the device notes).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -94,6 +96,29 @@ part2() {
     --cmd "$PG /tmp/bench/r70 --model /tmp/bench/c70 --json -q --tag tp4 --tp 4" --out "$OUT/load70.jsonl" | cut -c1-300
   tail -n 8 /tmp/bench/logs/*.log >"$OUT/clilogs.txt" 2>&1
   say "part2 done"
+}
+
+part3() {  # one GPU vs --dp 2, launcher vs torchrun: two run sizes each (slope = steady rate), symmetric phases
+  environment
+  python3 $C write-ckpt --model qwen3-8b --dir /tmp/bench/c8 --workers 4 --out "$OUT/cli.jsonl" | cut -c1-300
+  python3 $C make-run --vocab 151936 --rollouts 384 --steps 8 --dir /tmp/bench/big --out "$OUT/cli.jsonl"
+  python3 $C make-run --vocab 151936 --rollouts 128 --steps 4 --seed 1 --dir /tmp/bench/small --out "$OUT/cli.jsonl"
+  local one="$PG --model /tmp/bench/c8 --json -q"
+  local tr="--nproc-per-node 2 -m pgdiag logprobs --model /tmp/bench/c8 --json -q"
+  cli cold 150 "CUDA_VISIBLE_DEVICES=0 $one /tmp/bench/small --tag c0" "CUDA_VISIBLE_DEVICES=1 $one /tmp/bench/big --tag c1" \
+    "CUDA_VISIBLE_DEVICES=2 $one /tmp/bench/small --tag c2" "CUDA_VISIBLE_DEVICES=3 $one /tmp/bench/big --tag c3"
+  cli one_warm 100 "CUDA_VISIBLE_DEVICES=0 $one /tmp/bench/big --tag w0" "CUDA_VISIBLE_DEVICES=1 $one /tmp/bench/small --tag w1" \
+    "CUDA_VISIBLE_DEVICES=2 $one /tmp/bench/big --tag w2" "CUDA_VISIBLE_DEVICES=3 $one /tmp/bench/small --tag w3"
+  cli dp_big_a 100 "CUDA_VISIBLE_DEVICES=0,1 $one /tmp/bench/big --tag la --dp 2" \
+    "CUDA_VISIBLE_DEVICES=2,3 $TR --master-port 29512 $tr /tmp/bench/big --tag ta --dp 2"
+  cli dp_big_b 100 "CUDA_VISIBLE_DEVICES=0,1 $TR --master-port 29513 $tr /tmp/bench/big --tag tb --dp 2" \
+    "CUDA_VISIBLE_DEVICES=2,3 $one /tmp/bench/big --tag lb --dp 2"
+  [ "$(left)" -gt 70 ] && cli dp_small 80 "CUDA_VISIBLE_DEVICES=0,1 $one /tmp/bench/small --tag ls --dp 2" \
+    "CUDA_VISIBLE_DEVICES=2,3 $TR --master-port 29514 $tr /tmp/bench/small --tag ts --dp 2"
+  python3 $C same --run /tmp/bench/big --tags w0 c1 c3 w2 la ta tb lb --out "$OUT/cli.jsonl" | cut -c1-300
+  python3 $C same --run /tmp/bench/small --tags w1 c0 c2 w3 ls ts --out "$OUT/cli.jsonl" | cut -c1-300
+  tail -n 5 /tmp/bench/logs/*.log >"$OUT/clilogs.txt" 2>&1
+  say "part3 done"
 }
 
 "$@" 2>&1 | tee -a "$OUT/log.txt"
