@@ -100,6 +100,8 @@ part2() {
 
 part3() {  # one GPU vs --dp 2, launcher vs torchrun: two run sizes each (slope = steady rate), symmetric phases
   environment
+  timeout 120 $TR --nproc-per-node 4 $B --model qwen3-8b --layouts 1x4 --rollouts 128 --repeats 3 \
+    --commit "$COMMIT" --out "$OUT/l8b.json" 2>&1 | grep '^{'
   python3 $C write-ckpt --model qwen3-8b --dir /tmp/bench/c8 --workers 4 --out "$OUT/cli.jsonl" | cut -c1-300
   python3 $C make-run --vocab 151936 --rollouts 384 --steps 8 --dir /tmp/bench/big --out "$OUT/cli.jsonl"
   python3 $C make-run --vocab 151936 --rollouts 128 --steps 4 --seed 1 --dir /tmp/bench/small --out "$OUT/cli.jsonl"
