@@ -13,8 +13,8 @@ fresh subprocess (so peak RSS is the child's own `ru_maxrss`):
 Why: the target is <= 10 s wall and <= 4 GB peak RSS on the 2-core CPU machine, >= 5x pandas.
 Each child also reports its CPU seconds (user + system): on a shared machine wall time swings with the load, CPU
 time much less; the load average is printed beside the table.
-How: ``python benchmarks/bench_compare.py [--samples 20000] [--repeat 2] [--dir /tmp/pgdiag-bench-compare]``;
-files are reused when present. Prints a markdown table (median of the repeats) for docs/benchmarks.md.
+How: ``python benchmarks/bench_compare.py [--samples 20000] [--repeat 2] [--dir /tmp/pgdiag-bench-compare]
+[--tree NAME=PATH ...]``; files are reused when present; `--tree` times older source trees beside the current one. Prints a markdown table (median of the repeats) for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -34,8 +34,12 @@ PGDIAG_CHILD = """
 import sys, time, json
 t0 = time.perf_counter()
 from pgdiag.compare.api import compare_runs
-from pgdiag.data.runs import read_run
-report = compare_runs(read_run(sys.argv[1]), read_run(sys.argv[2])).report  # default breakdowns
+try:
+    from pgdiag.data.runs import read_run
+except ImportError:  # a tree of before the data/ folder (--tree NAME=PATH)
+    from pgdiag.runs import read_run
+report = compare_runs(read_run(sys.argv[1]), read_run(sys.argv[2]))  # default breakdowns
+report = getattr(report, "report", report)
 wall = time.perf_counter() - t0
 value = report.value("mismatch/abs_mean", scope="token")
 import resource
@@ -194,11 +198,13 @@ def write_runs(directory: Path, n_samples: int, seed: int = 0) -> tuple[Path, Pa
     return paths
 
 
-def run_child(code: str, a: Path, b: Path) -> dict:
-    """Run `code` in a fresh interpreter; its wall time and peak RSS (MiB, the child's own ru_maxrss)."""
+def run_child(code: str, a: Path, b: Path, tree: Path | None = None) -> dict:
+    """Run `code` in a fresh interpreter (importing pgdiag from `tree` when given); its wall time and peak RSS
+    (MiB, the child's own ru_maxrss)."""
+    env = dict(os.environ) if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
     start = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-c", code, str(a), str(b)], capture_output=True, text=True, check=False
+        [sys.executable, "-c", code, str(a), str(b)], capture_output=True, text=True, check=False, env=env
     )
     outer = time.perf_counter() - start
     if done.returncode != 0:
@@ -214,12 +220,24 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/pgdiag-bench-compare"))
     parser.add_argument("--skip-pandas", action="store_true")
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also time pgdiag from this source tree (e.g. a `git worktree` of an older commit), interleaved "
+        "with the current one in each repeat: old and new side by side under the same load",
+    )
     args = parser.parse_args()
     a, b = write_runs(args.dir, args.samples)
     load_before = os.getloadavg()
-    results: dict[str, list[dict]] = {"pgdiag": [], "pandas": [], "pandas-full": []}
+    trees = {name: Path(path) for name, path in (t.split("=", 1) for t in args.tree)}
+    results: dict[str, list[dict]] = {"pgdiag": [], **{f"pgdiag {n}": [] for n in trees}}
+    results.update({"pandas": [], "pandas-full": []})
     for _ in range(args.repeat):
         results["pgdiag"].append(run_child(PGDIAG_CHILD, a, b))
+        for name, tree in trees.items():
+            results[f"pgdiag {name}"].append(run_child(PGDIAG_CHILD, a, b, tree))
     if not args.skip_pandas:
         for _ in range(args.repeat):
             results["pandas"].append(run_child(PANDAS_CHILD, a, b))

@@ -27,7 +27,7 @@ _EXPORTS = {
     "InvalidInputError": "pgdiag.errors",
     "read_run": "pgdiag.data.runs",
     "Run": "pgdiag.data.runs",
-    "read_token_batch": "pgdiag.data.runs",
+    "read_token_batch": "pgdiag.data.load",
     "check_run": "pgdiag.checks.run",
     "CheckResult": "pgdiag.data.validate",
     "TokenBatch": "pgdiag.data.batch",

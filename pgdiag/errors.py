@@ -74,6 +74,15 @@ class Code(StrEnum):
         "or not a number > 0)",
         3,
     )
+    KEPT_OFFSETS_BROKEN = (
+        "E220",
+        "sampling_kept_offsets not T + 1 non-decreasing offsets from 0 to len(sampling_kept_ids) "
+        "(or a kept bitmask of the wrong length)",
+        3,
+    )
+    SAMPLED_OUTSIDE_KEPT = ("E221", "a sampled token is not in its recorded kept set", 3)
+    KEPT_OUT_OF_VOCAB = ("E222", "a kept token id < 0 or >= the vocabulary size", 3)
+    KEPT_DUPLICATE = ("E223", "a token id twice in one kept set", 3)
     VALUE_OFF_LOSS = ("W214", "a per-token value set outside loss_mask (ignored)", 0)
     EMPTY_LOSS_MASK = ("W215", "a sample with an empty loss_mask", 0)
     ISOLATED_ZEROS = ("W216", "isolated exact 0.0 log-probs below the E206 limits, or 0 < lp <= 1e-6", 0)
@@ -96,6 +105,17 @@ class Code(StrEnum):
     UNKNOWN_SEMANTICS = ("W409", "a stream's tempering or logprobs mode is unknown", 0)
     EXTREME_TOKENS = ("W410", "tokens with |Δ| > 20 (counted, not clamped)", 0)
     PRECISION_MISMATCH = ("W411", "the streams record different head or body dtypes", 0)
+    KEPT_FORMULA_INEXACT = (
+        "W412",
+        "a penalty, logit bias, guided decoding, logits processor or T < 1e-5 changed the sampler's logits: "
+        "the kept-set recompute is approximate",
+        0,
+    )
+    HIDDEN_KEPT_MASS = (
+        "W413",
+        "truncated sampling without a recorded kept set: the kept mass is a hidden bias (size estimated)",
+        0,
+    )
     # inputs, outputs and settings
     INPUT_NOT_FOUND = ("E501", "an input path matched nothing", 2)
     OUTPUT_EXISTS = ("E502", "the output exists and cannot be reused (pass --overwrite)", 2)
@@ -170,8 +190,15 @@ def catalogued(code: str) -> Code:
         raise ValueError(f"{code!r} is not a pgdiag error or warning code (see pgdiag.errors.Code)") from None
 
 
+def one_line(text: str) -> str:
+    """`text` with line breaks written as ``\\n`` / ``\\r``, so an id or an exception text cannot break the
+    one-line rule of a message."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 class PgdiagError(Exception):
-    """An expected failure: a catalogue code, a one-line message and an optional hint."""
+    """An expected failure: a catalogue code, a one-line message and an optional hint (line breaks inside
+    either, from an id or a library's text, are escaped by `one_line`)."""
 
     exit_code: int = EXIT_USAGE
 
@@ -181,10 +208,11 @@ class PgdiagError(Exception):
             raise ValueError(
                 f"{entry.value} exits {entry.exit_code}, not {self.exit_code}: raise the other class"
             )
+        message = one_line(message)
         super().__init__(f"{entry.value}: {message}")
         self.code = entry.value
         self.message = message
-        self.hint = hint
+        self.hint = None if hint is None else one_line(hint)
 
 
 class UsageError(PgdiagError):

@@ -120,9 +120,11 @@ def write_rollouts_file(
     rows: list[dict[str, Any]],
     *,
     raw_types: dict[str, pl.DataType] | None = None,
+    row_group_rows: int | None = None,
     **meta: Any,
 ) -> Path:
-    """Write `rows` to `path` as one Parquet file with a pgdiag footer (see the module docstring)."""
+    """Write `rows` to `path` as one Parquet file with a pgdiag footer (see the module docstring); one row group,
+    or row groups of `row_group_rows` rows."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     footer = default_footer()
@@ -133,7 +135,7 @@ def write_rollouts_file(
             footer[key] = value
     table = rollouts_frame(rows, raw_types=raw_types).to_arrow()
     table = table.replace_schema_metadata(encode_footer(footer))
-    pq.write_table(table, path, compression="zstd")
+    pq.write_table(table, path, compression="zstd", row_group_size=row_group_rows)
     return path
 
 

@@ -18,23 +18,54 @@ DEFAULT_TOKEN_CAPS = (1.5, 2.0, 3.0, 5.0)
 DEFAULT_SEQ_CAPS = (2.0, 5.0, 10.0)
 DEFAULT_ICEPOP = (0.5, 5.0)
 POSITION_EDGES = (0, 64, 256, 1024, 4096)
+# the shipped defaults or documented settings of the landed corrections (docs/whatif.md, "Default grid")
+DEFAULT_NAMED = (
+    "opsm:0.1",  # Trinity-RFT#420 finds δ 0.05-0.2 reasonable
+    "dppo_tv:0.2,0.2",  # prime-rl DefaultLossConfig dppo_mask_low/high
+    "ipo:0.1",  # prime-rl IPOLossConfig ipo_threshold
+    "dppo_kl:0.2,0.2",  # SkyRL DPPO delta_low/high
+    "rollout_is:0.2,0.2",  # SkyRL eps_clip_low/high
+    "seq_mask_tis:0.999,1.002",  # NeMo-RL's reference bounds (the MLPerf recipe)
+    "seq_mean_is:2",
+    "seq_logprob_error:2",  # NeMo-RL's setting on Nemotron-3-Nano
+    "token_veto:0.0001",  # DR.Kernel MRS
+    "m2po:0.04",  # the M2PO paper's τ (AReaL ships no default)
+    "cispo:0.2,0.2",  # verl clip_ratio
+    "sapo:1,1.05",  # AReaL sapo_tau_pos/neg
+    "gmpo:0.2,0.2",  # verl clip_ratio
+    "topr",  # ROLL topr_positive/negative_weight 1, 1
+)
 
 
 @dataclass(frozen=True)
 class CorrectionRule:
-    """One rule: `kind` in RULE_KINDS; `hi` is the cap C (TIS) or the upper bound; `lo` the lower bound."""
+    """One rule. The six classic kinds (RULE_KINDS): `hi` is the cap C (TIS) or the upper bound, `lo` the lower
+    bound. Every other rule of `pgdiag.analysis.rules.NAMED_RULES` (and `verl_chain`) carries its arguments as
+    written after `NAME:` in `args`, checked here."""
 
     kind: str
-    hi: float
+    hi: float | None = None
     lo: float | None = None
+    args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        from pgdiag.analysis.rules import NAMED_RULES, VERL_RS_OPTIONS, parse_rule_args
+
+        if self.kind == "verl_chain":
+            for part in self.args:
+                name, _, text = part.partition(":")
+                if name not in VERL_RS_OPTIONS:
+                    raise UsageError("E503", f"--rule {part}: only verl rejection options chain with '+'")
+                parse_rule_args(name, tuple(text.split(",")) if text else ())
+            return
+        if self.kind in NAMED_RULES:
+            parse_rule_args(self.kind, self.args)
+            return
         if self.kind not in RULE_KINDS:
-            raise UsageError(
-                "E503", f"unknown correction rule {self.kind!r}", f"one of {', '.join(RULE_KINDS)}"
-            )
+            known = ", ".join((*RULE_KINDS, *NAMED_RULES))
+            raise UsageError("E503", f"unknown correction rule {self.kind!r}", f"one of {known}")
         bounded = self.kind in BOUNDED_KINDS
-        if bounded != (self.lo is not None):
+        if bounded != (self.lo is not None) or self.hi is None:
             need = "LO,HI" if bounded else "one cap C"
             raise UsageError("E503", f"--{self.kind.replace('_', '-')} takes {need}")
         if not (math.isfinite(self.hi) and self.hi > 0):
@@ -48,18 +79,60 @@ class CorrectionRule:
 
     @property
     def label(self) -> str:
-        """`token_tis:2`, `icepop:0.5,5`: the report bucket of this rule."""
+        """`token_tis:2`, `icepop:0.5,5`, `opsm:0.1`, `token_k1:0.5,2+seq_max_k2:1`: the report bucket."""
+        if self.kind == "verl_chain":
+            return "+".join(self.args)
+        if self.kind not in RULE_KINDS:
+            return f"{self.kind}:{','.join(self.args)}" if self.args else self.kind
         if self.lo is None:
             return f"{self.kind}:{self.hi:g}"
         return f"{self.kind}:{self.lo:g},{self.hi:g}"
 
     @property
+    def pair(self) -> str:
+        """Which ratio the rule acts on: `behaviour→proximal` or `proximal→θ` (docs/whatif.md)."""
+        from pgdiag.analysis.rules import BEHAVIOUR_PROXIMAL, NAMED_RULES
+
+        return NAMED_RULES[self.kind][0] if self.kind in NAMED_RULES else BEHAVIOUR_PROXIMAL
+
+    @property
     def sequence_level(self) -> bool:
+        from pgdiag.analysis.rules import NAMED_RULES
+
+        if self.kind in NAMED_RULES:
+            return NAMED_RULES[self.kind][2]
         return self.kind in ("seq_tis", "seq_mis", "geo_mask")
 
 
+def parse_rule(spec: str) -> CorrectionRule:
+    """`--rule NAME:PARAMS` (e.g. `opsm:0.1`, `token_tis:2`, `icepop:0.5,5`, `token_k1:0.5,2+seq_max_k2:1`,
+    `m2po:0.04,scope=mb:4`, `topr`) as a rule; E503 for an unknown name or malformed parameters."""
+    text = spec.strip()
+    if "+" in text:
+        return CorrectionRule("verl_chain", args=tuple(p.strip() for p in text.split("+")))
+    name, _, params = text.partition(":")
+    args = tuple(p.strip() for p in params.split(",")) if params else ()
+    if name == "m2po" and params:  # m2po:TAU,scope=mb:N keeps the colon of its scope
+        head, _, scope = params.partition(",")
+        args = (head.strip(), scope.strip()) if scope else (head.strip(),)
+    if name in RULE_KINDS:
+        try:
+            numbers = [float(a) for a in args]
+        except ValueError:
+            raise UsageError("E503", f"--rule {spec}: not a number") from None
+        if name in BOUNDED_KINDS and len(numbers) == 2:
+            return CorrectionRule(name, numbers[1], numbers[0])
+        if name not in BOUNDED_KINDS and len(numbers) == 1:
+            return CorrectionRule(name, numbers[0])
+        raise UsageError(
+            "E503", f"--rule {spec}: {name} takes {'LO,HI' if name in BOUNDED_KINDS else 'one cap C'}"
+        )
+    return CorrectionRule(name, args=args)
+
+
 def default_grid() -> tuple[CorrectionRule, ...]:
-    """Token TIS/MIS at C in 1.5/2/3/5 (MIS band [1/C, C]), sequence TIS/MIS at 2/5/10, IcePop [0.5, 5]."""
+    """Token TIS/MIS at C in 1.5/2/3/5 (MIS band [1/C, C]), sequence TIS/MIS at 2/5/10, IcePop [0.5, 5], and
+    DEFAULT_NAMED: one common setting of each landed correction."""
     rules: list[CorrectionRule] = []
     for cap in DEFAULT_TOKEN_CAPS:
         rules.append(CorrectionRule("token_tis", cap))
@@ -70,6 +143,7 @@ def default_grid() -> tuple[CorrectionRule, ...]:
     for cap in DEFAULT_SEQ_CAPS:
         rules.append(CorrectionRule("seq_mis", cap, 1.0 / cap))
     rules.append(CorrectionRule("icepop", DEFAULT_ICEPOP[1], DEFAULT_ICEPOP[0]))
+    rules += [parse_rule(spec) for spec in DEFAULT_NAMED]
     return tuple(rules)
 
 
@@ -86,10 +160,15 @@ class WhatifSettings:
     target: str | None = None
     rules: tuple[CorrectionRule, ...] = ()
     divisor: float | None = None
+    losses: str | None = None  # `FORM@MODE,FORM@MODE`: gradient parity of two loss definitions
 
     def __post_init__(self) -> None:
         if self.divisor is not None and not self.divisor > 0:
             raise UsageError("E503", f"--divisor must be > 0, got {self.divisor}")
+        if self.losses is not None:
+            from pgdiag.analysis.losses import parse_losses
+
+            parse_losses(self.losses)
 
     def grid(self) -> tuple[CorrectionRule, ...]:
         """The rules to replay: the user's, else the default grid."""

@@ -19,17 +19,23 @@ tokens is. Fractions of sequences count non-empty sequences only (verl's `seq_va
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from pgdiag.analysis.settings import POSITION_EDGES, CorrectionRule, WhatifSettings
+from pgdiag.analysis.losses import loss_parity_rows, parse_losses
+from pgdiag.analysis.rules import PROXIMAL_THETA, Replay, RuleEffect, apply_named_rule, verl_chain
+from pgdiag.analysis.settings import POSITION_EDGES, RULE_KINDS, CorrectionRule, WhatifSettings
+from pgdiag.analysis.signal import batch_weights, psis_rows, rule_signal, zero_advantage_groups
+from pgdiag.analysis.staleness import lag_localised, staleness_rows
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.runs import Run, read_token_batch
+from pgdiag.data.load import read_token_batch
+from pgdiag.data.runs import Run
 from pgdiag.data.validate import CheckSettings
+from pgdiag.data.versions import TokenLag, token_lag
 from pgdiag.errors import UsageError
 from pgdiag.metrics.loss import GSPO_MODES, NATIVE_MODES, sample_weights
 from pgdiag.report.report import Report, ReportRow, summary_frame
@@ -37,15 +43,6 @@ from pgdiag.report.report import Report, ReportRow, summary_frame
 SAFETY_BOUND = 20.0  # verl rollout_corr_helper.SAFETY_BOUND: |log ratio| clamp before exp
 LOSS_MODES = tuple(m for m in NATIVE_MODES if m not in GSPO_MODES)
 _CANONICAL = ("rollout", "old", "ref", "new")
-
-
-@dataclass(frozen=True)
-class RuleEffect:
-    """What one rule does to a batch: per-token weight and keep flag, per-token `affected` flag."""
-
-    weight: np.ndarray  # (M,) float64, the factor on each token's pg loss (0 where dropped)
-    keep: np.ndarray  # (M,) bool, token stays in the loss mask
-    affected: np.ndarray  # (M,) bool, truncated or dropped
 
 
 def _sample_of_token(offsets: np.ndarray) -> np.ndarray:
@@ -60,18 +57,19 @@ def _sums(x: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 def apply_rule(rule: CorrectionRule, log_ratio: np.ndarray, offsets: np.ndarray) -> RuleEffect:
     """The weights and flags of `rule` on the per-token log ratio d = log π_target − log π_behavior (M,),
     samples delimited by `offsets` (S + 1,). Definitions in the module docstring."""
+    assert rule.hi is not None
     safe = np.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND)  # (M,)
     m = log_ratio.shape[0]
     ones = np.ones(m)
     all_kept = np.ones(m, dtype=bool)
     if rule.kind == "token_tis":
         ratio = np.exp(safe)
-        return RuleEffect(np.minimum(ratio, rule.hi), all_kept, ratio > rule.hi)
+        return RuleEffect(np.minimum(ratio, rule.hi), all_kept, ratio > rule.hi, ratio)
     if rule.kind == "icepop":
         assert rule.lo is not None
         ratio = np.exp(safe)
         inside = (ratio >= rule.lo) & (ratio <= rule.hi)
-        return RuleEffect(np.where(inside, ratio, 0.0), all_kept, ~inside)
+        return RuleEffect(np.where(inside, ratio, 0.0), all_kept, ~inside, ratio)
     if rule.kind == "token_mis":
         assert rule.lo is not None
         k1 = -safe
@@ -81,7 +79,8 @@ def apply_rule(rule: CorrectionRule, log_ratio: np.ndarray, offsets: np.ndarray)
     if rule.kind == "seq_tis":
         seq_ratio = np.exp(np.clip(_sums(log_ratio, offsets), -SAFETY_BOUND, SAFETY_BOUND))  # (S,)
         truncated = np.repeat(seq_ratio > rule.hi, counts)
-        return RuleEffect(np.repeat(np.minimum(seq_ratio, rule.hi), counts), all_kept, truncated)
+        raw = np.repeat(seq_ratio, counts)
+        return RuleEffect(np.repeat(np.minimum(seq_ratio, rule.hi), counts), all_kept, truncated, raw)
     assert rule.lo is not None
     k1_sum = _sums(-safe, offsets)  # (S,)
     # seq_mis: the sum; geo_mask: verl's masked_mean, sum / (count + 1e-8)
@@ -176,11 +175,76 @@ def _localised(
             yield "position", label, lo, hi, _fraction(affected[tok]), int(tok.sum())
 
 
+_COUNTS = ("whatif/nonfinite_log_ratio", "whatif/log_ratio_beyond_", "whatif/zero_advantage_groups")
+_SEQ_RATIOS = ("whatif/chi2_seq", "whatif/seq_weight_")
+_TOKEN_RATIOS = ("whatif/weight_", "whatif/token_ratio_mean", "whatif/grad_coef_ratio")
+
+
+def metric_unit(metric: str) -> tuple[str, str]:
+    """(unit, reduction) of a whatif metric of docs/whatif.md."""
+    if "/loss" in metric:
+        return "loss", "sum"
+    if metric.startswith(_COUNTS):
+        return "count", "sum"
+    if metric.startswith(_SEQ_RATIOS):
+        return "ratio", "seq-mean"
+    if metric.startswith(_TOKEN_RATIOS):
+        return "ratio", "token-mean"
+    if metric == "whatif/length_collapse":
+        return "flag", "seq-median"
+    if metric.startswith("whatif/signal_kept"):
+        return "fraction", "token-sum"
+    return "fraction", "seq-mean" if "seq" in metric else "token-mean"
+
+
+def _replay(batch: TokenBatch, base: str, cur: str) -> Replay:
+    return Replay(
+        base=batch.streams[base],
+        cur=batch.streams[cur],
+        offsets=batch.offsets,
+        step=batch.step,
+        pos=batch.pos,
+        advantages=batch.advantages,
+        reward=batch.reward,
+    )
+
+
+def rule_effect(rule: CorrectionRule, replay: Replay) -> RuleEffect:
+    """The effect of any rule (classic kind, named rule or verl chain) on its pair's replay."""
+    if rule.kind in RULE_KINDS:
+        return apply_rule(rule, replay.log_ratio, replay.offsets)
+    if rule.kind == "verl_chain":
+        options = []
+        for part in rule.args:
+            name, _, text = part.partition(":")
+            options.append((name, tuple(float(x) for x in text.split(","))))
+        return verl_chain(options, replay)
+    return apply_named_rule(rule.kind, rule.args, replay)
+
+
+def not_applicable(rule: CorrectionRule, streams: Sequence[str], new: str | None) -> str | None:
+    """Why `rule` cannot be replayed on this batch (None: it can)."""
+    if rule.pair == PROXIMAL_THETA and new is None:
+        return (
+            "acts on proximal→θ, which is exactly 1 at new = old: record a `new` stream after an update "
+            "(or compare loss forms with compare --losses)"
+        )
+    return None
+
+
 def whatif_batch(
-    batch: TokenBatch, settings: WhatifSettings, *, behavior: str, target: str
+    batch: TokenBatch,
+    settings: WhatifSettings,
+    *,
+    behavior: str,
+    target: str,
+    new: str | None = None,
+    lag: TokenLag | None = None,
 ) -> list[ReportRow]:
-    """Report rows of every rule of `settings` on an already read `batch` holding both streams."""
+    """Report rows of every rule of `settings` on an already read `batch` holding both streams (and `new`, the
+    policy after an update, for the proximal→θ rules)."""
     pair = f"{batch.label}:{behavior} vs {batch.label}:{target}"
+    later = f"{batch.label}:{target} vs {batch.label}:{new}"
     log_ratio = batch.streams[target] - batch.streams[behavior]  # (M,)
     offsets = batch.offsets
     counts = np.diff(offsets)
@@ -197,112 +261,57 @@ def whatif_batch(
         mode: _loss(batch, uncorrected, plain.keep, mode, settings.divisor) if has_loss else None
         for mode in LOSS_MODES
     }
+    replays = {False: _replay(batch, behavior, target)}
+    if new is not None:
+        replays[True] = _replay(batch, target, new)
     rows: list[ReportRow] = []
 
     def add(
-        bucket: str, metric: str, value: float | None, unit: str, reduction: str, n: int, **kw: Any
+        bucket: str, metric: str, value: float | None, n: int, rule: CorrectionRule | None = None
     ) -> None:
-        rows.append(ReportRow(pair, "token", "threshold", bucket, metric, value, unit, reduction, n, **kw))
+        unit, reduction = metric_unit(metric)
+        on = later if rule is not None and rule.pair == PROXIMAL_THETA else pair
+        lo = rule.lo if rule is not None else None
+        hi = rule.hi if rule is not None else None
+        rows.append(ReportRow(on, "token", "threshold", bucket, metric, value, unit, reduction, n, lo, hi))
 
-    add("none", "whatif/ess_token", ess_token_before, "fraction", "token-mean", n_tok)
-    add("none", "whatif/ess_seq", ess_seq_before, "fraction", "seq-mean", n_seq)
+    add("none", "whatif/ess_token", ess_token_before, n_tok)
+    add("none", "whatif/ess_seq", ess_seq_before, n_seq)
     for mode in LOSS_MODES:
-        add("none", f"whatif/loss/{mode}", base_loss[mode], "loss", "sum", n_tok)
+        add("none", f"whatif/loss/{mode}", base_loss[mode], n_tok)
+    for metric, value in batch_weights(log_ratio, offsets).items():
+        add("none", metric, value, n_tok)
+    if has_loss:
+        assert batch.advantages is not None
+        groups = zero_advantage_groups(
+            batch.advantages, batch.group[batch.token_sample()], len(batch.group_names)
+        )
+        add("none", "whatif/zero_advantage_groups", float(groups), n_seq)
+    rows.extend(psis_rows(batch, log_ratio, pair))
+    if settings.losses is not None and has_loss:
+        forms = parse_losses(settings.losses)
+        rows += loss_parity_rows(batch, forms, replays, rule_effect, settings.divisor, pair)
+    if lag is not None:
+        rows += staleness_rows(batch, lag, behavior=behavior, target=target, new=new, pair=pair, later=later)
     for rule in settings.grid():
-        effect = apply_rule(rule, log_ratio, offsets)
-        dropped = ~effect.keep | (effect.weight == 0)
-        seq_affected = (_sums(effect.affected.astype(np.float64), offsets) > 0)[nonempty]
-        seq_w = _seq_weights(effect, offsets, sequence_level=rule.sequence_level)[nonempty]
         bucket = rule.label
-        lo = rule.lo
-        add(
-            bucket,
-            "whatif/tokens_affected",
-            _fraction(effect.affected),
-            "fraction",
-            "token-mean",
-            n_tok,
-            bucket_lo=lo,
-            bucket_hi=rule.hi,
+        effect = (
+            None
+            if not_applicable(rule, list(batch.streams), new)
+            else rule_effect(rule, replays[rule.pair == PROXIMAL_THETA])
         )
-        add(
-            bucket,
-            "whatif/tokens_kept",
-            _fraction(~dropped),
-            "fraction",
-            "token-mean",
-            n_tok,
-            bucket_lo=lo,
-            bucket_hi=rule.hi,
-        )
-        add(
-            bucket,
-            "whatif/seqs_affected",
-            _fraction(seq_affected),
-            "fraction",
-            "seq-mean",
-            n_seq,
-            bucket_lo=lo,
-            bucket_hi=rule.hi,
-        )
-        add(
-            bucket,
-            "whatif/ess_token_before",
-            ess_token_before,
-            "fraction",
-            "token-mean",
-            n_tok,
-            bucket_lo=lo,
-            bucket_hi=rule.hi,
-        )
-        add(
-            bucket,
-            "whatif/ess_token_after",
-            kish_ess(np.where(effect.keep, effect.weight, 0.0)),
-            "fraction",
-            "token-mean",
-            n_tok,
-            bucket_lo=lo,
-            bucket_hi=rule.hi,
-        )
-        add(
-            bucket,
-            "whatif/ess_seq_before",
-            ess_seq_before,
-            "fraction",
-            "seq-mean",
-            n_seq,
-            bucket_lo=lo,
-            bucket_hi=rule.hi,
-        )
-        add(
-            bucket,
-            "whatif/ess_seq_after",
-            kish_ess(seq_w),
-            "fraction",
-            "seq-mean",
-            n_seq,
-            bucket_lo=lo,
-            bucket_hi=rule.hi,
-        )
-        for mode in LOSS_MODES:
-            after = _loss(batch, effect.weight, effect.keep, mode, settings.divisor) if has_loss else None
-            before = base_loss[mode]
-            delta = None if after is None or before is None else after - before
-            add(
-                bucket,
-                f"whatif/loss_delta/{mode}",
-                delta,
-                "loss",
-                "sum",
-                n_tok,
-                bucket_lo=lo,
-                bucket_hi=rule.hi,
-            )
-        for breakdown, where, b_lo, b_hi, value, n in _localised(batch, effect.affected):
+        metrics = _rule_metrics(batch, rule, effect, settings, base_loss, ess_token_before, ess_seq_before)
+        for metric, value in metrics.items():
+            add(bucket, metric, value, n_seq if metric_unit(metric)[1].startswith("seq") else n_tok, rule)
+        if effect is None:
+            continue
+        where_lost = _localised(batch, effect.affected)
+        if lag is not None:
+            where_lost = itertools.chain(where_lost, lag_localised(lag, effect.affected))
+        for breakdown, where, b_lo, b_hi, value, n in where_lost:
             rows.append(
                 ReportRow(
-                    pair,
+                    pair if rule.pair != PROXIMAL_THETA else later,
                     "token",
                     f"threshold/{breakdown}",
                     f"{bucket}|{where}",
@@ -316,6 +325,47 @@ def whatif_batch(
                 )
             )
     return rows
+
+
+def _rule_metrics(
+    batch: TokenBatch,
+    rule: CorrectionRule,
+    effect: RuleEffect | None,
+    settings: WhatifSettings,
+    base_loss: dict[str, float | None],
+    ess_token_before: float | None,
+    ess_seq_before: float | None,
+) -> dict[str, float | None]:
+    """Every per-rule metric of docs/whatif.md; all None when the rule is n/a on this batch."""
+    offsets = batch.offsets
+    nonempty = np.diff(offsets) > 0
+    metrics: dict[str, float | None] = {
+        "whatif/ess_token_before": ess_token_before,
+        "whatif/ess_seq_before": ess_seq_before,
+    }
+    if effect is None:
+        names = ("tokens_affected", "tokens_kept", "seqs_affected", "ess_token_after", "ess_seq_after")
+        return {**metrics, **{f"whatif/{n}": None for n in names}}
+    dropped = ~effect.keep | (effect.weight == 0)
+    seq_affected = (_sums(effect.affected.astype(np.float64), offsets) > 0)[nonempty]
+    seq_w = _seq_weights(effect, offsets, sequence_level=rule.sequence_level)[nonempty]
+    metrics |= {
+        "whatif/tokens_affected": _fraction(effect.affected),
+        "whatif/tokens_kept": _fraction(~dropped),
+        "whatif/seqs_affected": _fraction(seq_affected),
+        "whatif/ess_token_after": kish_ess(np.where(effect.keep, effect.weight, 0.0)),
+        "whatif/ess_seq_after": kish_ess(seq_w),
+    }
+    metrics |= rule_signal(effect, batch.advantages)
+    for mode in LOSS_MODES:
+        after = (
+            _loss(batch, effect.weight, effect.keep, mode, settings.divisor)
+            if batch.advantages is not None
+            else None
+        )
+        before = base_loss[mode]
+        metrics[f"whatif/loss_delta/{mode}"] = None if after is None or before is None else after - before
+    return metrics
 
 
 def resolve_whatif_streams(run: Run, settings: WhatifSettings) -> tuple[str, str]:
@@ -374,23 +424,39 @@ def whatif(
     settings = settings or WhatifSettings()
     checks = checks or CheckSettings()
     behavior, target = resolve_whatif_streams(run, settings)
+    new = "new" if "new" in run.streams and "new" not in (behavior, target) else None
+    streams = [behavior, target] + ([new] if new else [])
     loaded = read_token_batch(
-        run, streams=[behavior, target], env=True, ignore=checks.ignore, max_examples=checks.max_examples
+        run, streams=streams, env=True, ignore=checks.ignore, max_examples=checks.max_examples
     )
     batch = loaded.batch
-    rows = whatif_batch(batch, settings, behavior=behavior, target=target)
+    lag = token_lag(run, batch)
+    rows = whatif_batch(batch, settings, behavior=behavior, target=target, new=new, lag=lag)
+    rules = settings.grid()
     meta = {
         "command": "whatif",
         "settings": {
             "behavior": behavior,
             "target": target,
-            "rules": [r.label for r in settings.grid()],
+            "rules": [r.label for r in rules],
+            "pairs": {r.label: r.pair for r in rules},
+            "not_applicable": {
+                r.label: reason for r in rules if (reason := not_applicable(r, streams, new)) is not None
+            },
             "divisor": settings.divisor,
+            "lag": None
+            if lag is None
+            else {
+                "preset": lag.preset,
+                "offset": lag.offset,
+                "offset_verified": lag.verified,
+                "per_token_versions": lag.per_token,
+            },
         },
         "inputs": {
             "runs": [run.label],
             "paths": [str(p) for p in run.paths],
-            "streams": [behavior, target],
+            "streams": streams,
             "n_samples": batch.n_samples,
             "n_tokens": batch.n_tokens,
             "ignored_codes": list(checks.ignore),

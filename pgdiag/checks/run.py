@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from os import PathLike
 
 import numpy as np
 import polars as pl
@@ -26,18 +27,11 @@ from pgdiag.checks.pairs import (
 from pgdiag.checks.samples import CrossRunParts, cross_run_findings, cross_run_parts, one_side_parts
 from pgdiag.checks.signatures import SignatureStats, signature_issues, signature_stats
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.flat import FlatList, RowTable, flat_list
-from pgdiag.data.runs import (
-    FILE_COLUMN,
-    Run,
-    batch_inputs,
-    build_token_batch,
-    load_rows,
-    reads_whole,
-    restrict_steps,
-    step_chunks,
-    step_rows,
-)
+from pgdiag.data.flat import METADATA_LISTS, FlatList, RowTable, flat_list
+from pgdiag.data.kept import KEPT_COLUMNS, kept_from_series
+from pgdiag.data.load import batch_inputs, build_token_batch, load_rows
+from pgdiag.data.pieces import plan_step_pieces
+from pgdiag.data.runs import FILE_COLUMN, Run, read_run, restrict_steps
 from pgdiag.data.schema import REQUIRED_COLUMNS, cast_problem, stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import (
@@ -64,7 +58,15 @@ def _pair_piece(
     if shift is not None:
         issues.append(shift)
     issues += zero_fill_issues(
-        lp_a, lp_b, batch, name_a=name_a, name_b=name_b, single_stream=False, max_examples=max_examples
+        lp_a,
+        lp_b,
+        batch,
+        name_a=name_a,
+        name_b=name_b,
+        single_stream=False,
+        max_examples=max_examples,
+        legit_a=batch.one_token_sets(a),
+        legit_b=batch.one_token_sets(b),
     )
     valid = np.isfinite(lp_a) & np.isfinite(lp_b)  # (M,)
     where = batch if valid.all() else keep_tokens(batch, valid)
@@ -114,7 +116,7 @@ def check_frame(
     ]
     if issues:
         return check_result([i for i in issues if i.code not in ignored], strict=strict)
-    stream_cols = tuple(c for c in frame.columns if c.endswith("_logprobs"))
+    stream_cols = tuple(c for c in frame.columns if c.endswith("_logprobs") and c not in KEPT_COLUMNS)
     list_cols = [
         "input_ids",
         "loss_mask",
@@ -138,9 +140,12 @@ def check_frame(
         lists[column] = FlatList(
             raw.offsets, raw.values.astype(numpy_type, copy=False), raw.valid, raw.row_valid
         )
-    scalars = frame.drop(list_cols).with_columns(pl.lit(source).alias(FILE_COLUMN))
+    kept = kept_from_series({c: frame[c] for c in KEPT_COLUMNS if c in frame.columns})
+    scalars = frame.drop([*list_cols, *(c for c in KEPT_COLUMNS if c in frame.columns)]).with_columns(
+        pl.lit(source).alias(FILE_COLUMN)
+    )
     found = validate_rows(
-        RowTable(scalars, lists, stream_cols),
+        RowTable(scalars, lists, stream_cols, kept),
         ignore=ignored,
         max_examples=max_examples,
         vocab_size=vocab_size,
@@ -191,8 +196,8 @@ def _add_piece(
             piece,
             streams=list(dict.fromkeys(pair_streams)),
             entropy=run.entropy_streams,
-            scalars=["advantage", "reward", "env"],
-            lists=["advantages"],
+            scalars=["advantage", "reward", "env", "temperature"],
+            lists=["advantages", *METADATA_LISTS],
         )
     except InvalidInputError as exc:  # unreadable rows: this one issue is the run's finding, as for one read
         found.failed = Issue(exc.code, "error", 1, exc.message, hint=exc.hint)
@@ -258,23 +263,32 @@ def _finish(found: _RunFindings) -> list[Issue]:
             )
         )
     issues += metadata_checks(found.run.meta, found.pair_streams, recompute_settings(found.run))
+    if not found.run.streams:  # docs/schema.md: at least one stream column (a text-only import has none yet)
+        issues.append(
+            Issue(
+                "E102",
+                "error",
+                1,
+                f"{found.run.display_path(found.run.paths[0])}: no log-prob stream (no *_logprobs column, "
+                "no recompute under logprobs/)",
+                hint="recompute one with pgdiag logprobs RUN --model CKPT, or import the run's log-probs",
+            )
+        )
     return issues
 
 
-def _pieces(run: Run, other: Run | None, chunk_rows: int) -> list[tuple[tuple[int, ...] | None, bool, bool]]:
-    """(steps or None for the whole run, run has rows, other has rows) of each piece `check_run` reads."""
-    try:
-        rows_a = step_rows(run)
-        rows_b = {} if other is None else step_rows(other)
-    except InvalidInputError:
-        return [(None, True, other is not None)]  # the reader reports the unreadable step column
-    if reads_whole(run) or (other is not None and reads_whole(other)):
-        return [(None, True, other is not None)]  # an unfilterable or null step: read whole (E103, E213)
-    both = {s: rows_a.get(s, 0) + rows_b.get(s, 0) for s in sorted({*rows_a, *rows_b})}
-    chunks = step_chunks(both, chunk_rows)
-    if len(chunks) <= 1:
-        return [(None, True, other is not None)]
-    return [(c, any(s in rows_a for s in c), any(s in rows_b for s in c)) for c in chunks]
+def _as_run(value: object, name: str) -> Run:
+    """`value` as a `Run`: a run as given, a path read with `read_run`; E513 for any other type (an
+    AttributeError deep inside before)."""
+    if isinstance(value, Run):
+        return value
+    if isinstance(value, (str, PathLike)):
+        return read_run(value)
+    raise UsageError(
+        "E513",
+        f"check_run: {name} is a {type(value).__name__}, not a run",
+        "pass a pgdiag.read_run(PATH) result or the run's path",
+    )
 
 
 def check_run(
@@ -301,11 +315,15 @@ def check_run(
     (`merge_piece_issues`), and E206's share of 0.0 and E302 (by nulls, and its medians on a pooled
     `ShiftSample`) are judged over the run.
     """
+    run = _as_run(run, "run")
+    other = None if other is None else _as_run(other, "other")
     ignored = set(ignore)
     found_a = _RunFindings(run, _stream_names(run, streams))
     found_b = None if other is None else _RunFindings(other, _stream_names(other, streams))
     cross: CrossRunParts | None = None
-    for steps, in_a, in_b in _pieces(run, other, chunk_rows):
+    runs = [run] if other is None else [run, other]
+    for piece in plan_step_pieces(runs, chunk_rows).pieces:
+        steps, in_a, in_b = piece.steps, piece.present[0], other is not None and piece.present[-1]
         batch_a = batch_b = None
         if in_a and found_a.failed is None:
             piece_a = run if steps is None else restrict_steps(run, steps)

@@ -24,9 +24,10 @@ import click
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
-from pgdiag.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, PgdiagError, UsageError
+from pgdiag.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, PgdiagError, UsageError, one_line
 from pgdiag.report.report import _jsonable
 
 RESULT_SCHEMA = "pgdiag.result/v1"
@@ -105,7 +106,7 @@ ProfileOpt = Annotated[
     str | None,
     typer.Option(
         "--profile",
-        help="Threshold set: recommended, nemo, verl, slime, deterministic.",
+        help="Threshold set: recommended, nemo, verl, slime, deterministic, exact.",
         rich_help_panel=THRESHOLDS,
     ),
 ]
@@ -194,6 +195,20 @@ def help_text(doc: str | None) -> str:
     return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
 
 
+class LineConsole(Console):
+    """A rich console that never wraps a line of text off a terminal.
+
+    A finding, a verdict, an error or a hint is one line whatever its length when the stream is a pipe or a
+    file (``| tail -1`` reads the verdict, ``grep`` a finding): `print` of text (``str`` or `Text`) soft-wraps
+    there, so the terminal, not rich, folds it. Tables and other renderables keep the console width.
+    """
+
+    def print(self, *objects: Any, soft_wrap: bool | None = None, **options: Any) -> None:
+        if soft_wrap is None and not self.is_terminal and all(isinstance(o, (str, Text)) for o in objects):
+            soft_wrap = True
+        super().print(*objects, soft_wrap=soft_wrap, **options)
+
+
 def make_console(*, quiet: bool = False, width: int | None = None) -> Console:
     """The stderr console; honours NO_COLOR / FORCE_COLOR / COLUMNS / TERMINAL_WIDTH through rich.
 
@@ -206,7 +221,7 @@ def make_console(*, quiet: bool = False, width: int | None = None) -> Console:
     sized = os.environ.get("COLUMNS") or os.environ.get("TERMINAL_WIDTH")
     if width is None and not sys.stderr.isatty() and not sized:
         width = 160
-    return Console(stderr=True, quiet=quiet, highlight=False, emoji=False, width=width)
+    return LineConsole(stderr=True, quiet=quiet, highlight=False, emoji=False, width=width)
 
 
 @contextmanager
@@ -258,11 +273,6 @@ def result_object(command: str, **fields: Any) -> dict[str, Any]:
     }
     base.update(fields)
     return base
-
-
-def one_line(text: str) -> str:
-    """`text` with line breaks written as ``\\n`` / ``\\r``, so an id or an exception text cannot break the one-line rule."""
-    return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def print_error(console: Console, error: PgdiagError) -> None:

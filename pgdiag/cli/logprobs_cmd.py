@@ -77,6 +77,15 @@ class Experts(StrEnum):
     grouped = "grouped"
 
 
+class KeptSetMode(StrEnum):
+    auto = "auto"
+    recorded = "recorded"
+    reconstruct = "reconstruct"
+    reconstruct_vllm = "reconstruct:vllm"
+    reconstruct_sglang = "reconstruct:sglang"
+    off = "off"
+
+
 class Device(StrEnum):
     cuda = "cuda"
     cpu = "cpu"
@@ -161,6 +170,17 @@ def logprobs(
             rich_help_panel=MODEL,
         ),
     ] = Routing.recompute,
+    kept_set: Annotated[
+        KeptSetMode,
+        typer.Option(
+            help="Score each token over the engine's kept set K (top-k/top-p/min-p survivors, renormalised): "
+            "recorded = the run's sampling_kept_* columns; reconstruct[:vllm|:sglang] = rebuild K from the "
+            "model and the run's top_k/top_p/min_p in that engine's order; off = the full vocabulary. auto = "
+            "recorded when K is recorded and the rollout stream is renormalised (docs/schema.md, stream "
+            "semantics), else off. With any K the stream also gets kept_mass and logprobs_full.",
+            rich_help_panel=MODEL,
+        ),
+    ] = KeptSetMode.auto,
     impl: Annotated[
         Impl,
         typer.Option(help="LM-head kernel: auto = triton on CUDA, else torch.", rich_help_panel=PERFORMANCE),
@@ -249,6 +269,7 @@ def logprobs(
         "attn": attn.value,
         "routing": routing.value,
         "experts": experts.value,
+        "kept_set": kept_set.value,
         "out": out,
         "resume": resume,
         "overwrite": overwrite,
@@ -358,6 +379,13 @@ def _render_summary(console: Console, result: RecomputeResult, *, verbose: bool)
             markup=False,
             soft_wrap=True,
         )
+    if result.truncation_bias is not None:
+        console.print(
+            f"kept sets ({settings.kept_set}, K {settings.kept_source}): mean -log kept mass "
+            f"{result.truncation_bias:.4g} nats a loss token -> kept_mass, logprobs_full in the stream",
+            markup=False,
+            soft_wrap=True,
+        )
     for warning in result.warnings:
         console.print(Text.assemble(("warning", "yellow"), f" {warning}"), soft_wrap=True)
     if verbose:
@@ -391,6 +419,7 @@ def _result_json(result: RecomputeResult, run: str) -> dict[str, Any]:
                 "parts_skipped": result.parts_skipped,
                 "peak_memory_bytes": result.peak_memory_bytes,
                 "routing/disagree_frac": result.routing_disagree_frac,
+                "mismatch/truncation_bias": result.truncation_bias,
                 "settings": result.settings.as_dict(),
             }
         },

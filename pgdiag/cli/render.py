@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from pgdiag.errors import one_line
 from pgdiag.report.format import format_value
 from pgdiag.report.gates import GateResult
 from pgdiag.report.report import Report
@@ -191,7 +192,10 @@ def render_catalog(console: Console | None = None) -> None:
     line with its unit and reduction, then its meaning indented below."""
     from pgdiag.metrics.catalog import METRIC_CATALOG
 
-    console = console or Console(highlight=False, emoji=False)
+    if console is None:
+        from pgdiag.cli.common import LineConsole
+
+        console = LineConsole(highlight=False, emoji=False)
     family = None
     for entry in METRIC_CATALOG:
         if entry.family != family:
@@ -212,7 +216,7 @@ def render_catalog(console: Console | None = None) -> None:
 def render_verdict(console: Console, verdict: Verdict) -> None:
     """The verdict line, last; green when clean or AGREE, yellow for warnings, red otherwise."""
     colour = {"clean": "green", "AGREE": "green", "warnings": "yellow"}.get(verdict.status, "red")
-    head, _, rest = verdict.line.partition(": ")
+    head, _, rest = one_line(verdict.line).partition(": ")
     status, _, detail = rest.partition(" ")
     console.print(
         Text.assemble((f"{head}: ", "bold"), (status, f"bold {colour}"), f" {detail}" if detail else "")
@@ -225,10 +229,10 @@ def render_checks(console: Console, checks: pl.DataFrame, hints: Sequence[str | 
     for index, (code, severity, message) in enumerate(rows):
         colour = "red" if severity == "error" else "yellow"
         console.print(f"[{colour}]{severity}{escape(f'[{code}]')}[/] ", end="")
-        console.print(message, markup=False, soft_wrap=True)
+        console.print(one_line(message), markup=False, soft_wrap=True)
         hint = hints[index] if index < len(hints) else None
         if hint:
-            console.print(f"  hint: {hint}", markup=False, soft_wrap=True)
+            console.print(f"  hint: {one_line(hint)}", markup=False, soft_wrap=True)
 
 
 def render_gates(console: Console, gates: GateResult) -> None:
@@ -267,3 +271,24 @@ def render_written(console: Console, files: Mapping[str, Any]) -> None:
         console.print(Text.assemble(f"  {role:<{width}}  ", (path, "cyan")), soft_wrap=True)
     for kind, why in skipped.items():
         console.print(Text(f"  skipped {kind}: {why}", style="dim"), soft_wrap=True)
+
+
+def render_exact(console: Console, exact: Mapping[str, Any]) -> None:
+    """`compare --exact`: per pair, identical or the count of tokens with a nonzero Δ, the first one, ULPs."""
+    for pair, result in exact.items():
+        if result["identical"]:
+            console.print(f"exact {pair}: identical, {result['n_tokens']} tokens bit for bit")
+            continue
+        first = result["first"]
+        line = f"exact {pair}: {result['n_nonzero']} of {result['n_tokens']} tokens differ"
+        if result["mask_mismatch"]:
+            line += f", loss masks differ on {result['mask_mismatch']} positions"
+        console.print(line)
+        if first is not None:
+            console.print(
+                f"  first: step {first['step']}, sample {first['sample_id']}, pos {first['pos']}, token "
+                f"{first['token_id']}: {first['value_a']!r} vs {first['value_b']!r}"
+                + (f" ({first['ulp']} ULP)" if first["ulp"] is not None else "")
+            )
+        histogram = ", ".join(f"{k}: {v}" for k, v in result["ulp_histogram"].items())
+        console.print(f"  ULP distance histogram: {histogram}")

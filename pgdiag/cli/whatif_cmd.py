@@ -55,6 +55,7 @@ def parse_rules(
     seq_mis: tuple[str, ...],
     geo_mask: tuple[str, ...],
     icepop: tuple[str, ...],
+    rule: tuple[str, ...] = (),
 ) -> tuple[Any, ...]:
     """The `CorrectionRule`s named on the command line, in flag order (E503 for a malformed LO,HI)."""
     from pgdiag.analysis.settings import CorrectionRule
@@ -76,6 +77,9 @@ def parse_rules(
     rules += [band("seq_mis", t) for t in seq_mis]
     rules += [band("geo_mask", t) for t in geo_mask]
     rules += [band("icepop", t) for t in icepop]
+    from pgdiag.analysis.settings import parse_rule
+
+    rules += [parse_rule(spec) for spec in rule]
     return tuple(rules)
 
 
@@ -85,6 +89,8 @@ TABLE_METRICS = (
     ("whatif/tokens_kept", "tokens kept"),
     ("whatif/ess_token_after", "ESS tok"),
     ("whatif/ess_seq_after", "ESS seq"),
+    ("whatif/signal_kept", "signal kept"),
+    ("whatif/grad_coef_ratio", "Σ|g|/Σ|A|"),
     ("whatif/loss_delta/token_mean", "Δ token_mean"),
     ("whatif/loss_delta/sample_mean", "Δ sample_mean"),
 )
@@ -123,6 +129,22 @@ def whatif(
     ] = None,
     icepop: Annotated[
         list[str] | None, _cap_option("--icepop", "IcePop: zero the weight of tokens whose ratio leaves A,B.")
+    ] = None,
+    rule: Annotated[
+        list[str] | None,
+        _cap_option(
+            "--rule",
+            "Any rule as NAME:PARAMS (opsm:0.1, dppo_tv:0.2,0.2, m2po:0.04,scope=mb:4, "
+            "token_k1:0.5,2+seq_max_k2:1; docs/whatif.md lists them).",
+        ),
+    ] = None,
+    losses: Annotated[
+        str | None,
+        _cap_option(
+            "--losses",
+            "Gradient parity of two loss definitions FORM@MODE,FORM@MODE "
+            "(vanilla@token_mean,cispo:0.2,0.28@seq_mean_token_sum).",
+        ),
     ] = None,
     divisor: Annotated[
         float | None,
@@ -182,8 +204,11 @@ def whatif(
             seq_mis=list_option(seq_mis),
             geo_mask=list_option(geo_mask),
             icepop=list_option(icepop),
+            rule=list_option(rule),
         )
-        settings = WhatifSettings(behavior=behavior, target=target, rules=rules, divisor=divisor)
+        settings = WhatifSettings(
+            behavior=behavior, target=target, rules=rules, divisor=divisor, losses=losses
+        )
         checks = CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
         report = replay(source, settings, checks=checks)
@@ -194,13 +219,16 @@ def whatif(
             render_checks(console, report.checks)
             table = Table(title=f"whatif {report.meta['pairs'][0]}", title_justify="left")
             table.add_column("rule")
+            table.add_column("pair")
+            pairs = report.meta["settings"]["pairs"]
+            skipped = report.meta["settings"]["not_applicable"]
             for _, header in TABLE_METRICS:
                 table.add_column(header, justify="right")
             table.add_column("worst step")
             wide = report.wide().filter(report.wide()["breakdown"] == "threshold")
             for row in wide.iter_rows(named=True):
-                rule = row["bucket"]
-                if rule == "none":  # the uncorrected batch: everything kept, ESS before any rule
+                name = row["bucket"]
+                if name == "none":  # the uncorrected batch: everything kept, ESS before any name
                     row = {
                         **row,
                         "whatif/tokens_kept": 1.0,
@@ -208,13 +236,16 @@ def whatif(
                     }
                     row["whatif/ess_seq_after"] = row.get("whatif/ess_seq")
                 cells = [format_value(row.get(metric), "fraction") for metric, _ in TABLE_METRICS]
-                top = worst.get(rule, {}).get("step", [])
+                top = worst.get(name, {}).get("step", [])
                 where = (
                     f"{top[0]['bucket']} ({format_value(top[0]['tokens_affected'], 'fraction')})"
                     if top
                     else "—"
                 )
-                table.add_row(rule, *cells, where if rule != "none" else "")
+                if name in skipped:
+                    table.add_row(name, pairs[name], f"n/a: {skipped[name]}", *[""] * len(TABLE_METRICS))
+                    continue
+                table.add_row(name, pairs.get(name, ""), *cells, where if name != "none" else "")
             console.print(table)
         inputs = report.meta["inputs"]
         result = result_object(
@@ -233,6 +264,7 @@ def whatif(
         result["worst"] = worst
         result["settings"] = report.meta["settings"]
         result["verdict"] = verdict.as_dict()
+        result["losses"] = json_view["breakdowns"].get("losses", {})
         from pgdiag.report.plots import plot_whatif
 
         write_report_outputs(

@@ -41,6 +41,7 @@ from pgdiag.compare.pooled import PooledParity, _merge_rows
 from pgdiag.compare.settings import CompareSettings
 from pgdiag.compare.worst import token_decoder
 from pgdiag.data.batch import TokenBatch
+from pgdiag.data.pieces import plan_step_pieces
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.report.report import Report, ReportRow, summary_frame
 
@@ -158,19 +159,10 @@ def _pieces(sources: Sequence[Any], settings: CompareSettings) -> list[tuple[tup
     in one piece."""
     if settings.join == "hash-any-step" or any(isinstance(s, TokenBatch) for s in sources):
         return []
-    from pgdiag.data.runs import reads_whole, step_chunks, step_rows
-
-    if any(reads_whole(s) for s in sources):
-        return []  # an unfilterable or null step: read whole (the reader's E103, E213)
-    per_run = [step_rows(s) for s in sources]
-    rows: dict[int, int] = {}
-    for run_rows in per_run:
-        for step, n in run_rows.items():
-            rows[step] = rows.get(step, 0) + n
-    chunks = step_chunks(dict(sorted(rows.items())), settings.chunk_rows)
-    if len(chunks) <= 1:
+    planned = plan_step_pieces(sources, settings.chunk_rows).pieces
+    if planned[0].steps is None:
         return []
-    return [(c, [any(s in run_rows for s in c) for run_rows in per_run]) for c in chunks]
+    return [(p.steps, list(p.present)) for p in planned]
 
 
 def _compare_whole(
@@ -357,7 +349,7 @@ def _read(source: Any, stream: str, settings: CompareSettings) -> TokenBatch:
     """One run (or a piece of it) read once (the compared stream), or an in-memory batch as given."""
     if isinstance(source, TokenBatch):
         return source
-    from pgdiag.data.runs import read_token_batch
+    from pgdiag.data.load import read_token_batch
 
     loaded = read_token_batch(
         source,

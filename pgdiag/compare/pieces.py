@@ -26,6 +26,8 @@ import polars as pl
 
 from pgdiag.compare.align import Deferred, rank_join
 from pgdiag.data.batch import TokenBatch
+from pgdiag.data.pieces import plan_step_pieces, reads_whole, step_chunks, step_rows
+from pgdiag.data.runs import sample_keys
 from pgdiag.errors import InvalidInputError
 
 # Codes whose rows the reader leaves out when they are ignored: the batch then lacks rows the keys hold
@@ -110,18 +112,10 @@ def plan_pieces(
 
 
 def step_pieces(a: Any, b: Any, one_run: bool, chunk_rows: int) -> list[Piece]:
-    """Consecutive steps of both runs under `chunk_rows` rows (a + b); one whole piece when they fit in one."""
-    from pgdiag.data.runs import reads_whole, step_chunks, step_rows
-
-    if reads_whole(a) or (not one_run and reads_whole(b)):
-        return [Piece(None)]  # an unfilterable or null step: read whole (the reader's E103, E213)
-    rows_a = step_rows(a)
-    rows_b = rows_a if one_run else step_rows(b)
-    both = {s: rows_a.get(s, 0) + (0 if one_run else rows_b.get(s, 0)) for s in sorted({*rows_a, *rows_b})}
-    chunks = step_chunks(both, chunk_rows)
-    if len(chunks) <= 1:
-        return [Piece(None)]
-    return [Piece(c, any(s in rows_a for s in c), one_run or any(s in rows_b for s in c)) for c in chunks]
+    """Consecutive steps of both runs under `chunk_rows` rows (a + b; `pgdiag.data.pieces.plan_step_pieces`);
+    one whole piece when they fit in one."""
+    planned = plan_step_pieces([a] if one_run else [a, b], chunk_rows).pieces
+    return [Piece(p.steps, p.present[0], p.present[-1]) for p in planned]
 
 
 def _first(step: np.ndarray, sample_id: pl.Series, rows: np.ndarray) -> tuple[int, str] | None:
@@ -166,7 +160,6 @@ def any_step_pieces(a: Any, b: Any, chunk_rows: int, ignore: Collection[str]) ->
     all of b with it). Read whole (one piece): runs that fit in one piece, a step column that is not an integer
     or is null (`reads_whole`), and an ignored code whose rows the reader leaves out (`ROW_DROPPING_CODES`: the keys would pair rows the batch lacks).
     """
-    from pgdiag.data.runs import reads_whole, sample_keys, step_chunks, step_rows
 
     whole = Plan([Piece(None)])
     if reads_whole(a) or reads_whole(b):

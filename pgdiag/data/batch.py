@@ -1,7 +1,7 @@
 """`TokenBatch`: the loss positions of a selection of rollout samples, flattened for vectorised math.
 
 The metric engine, the key styles and `compare` all work on this one in-memory layout, built by
-`pgdiag.data.runs.read_token_batch` from a run. Only **loss positions** (``loss_mask`` true) are kept: every
+`pgdiag.data.load.read_token_batch` from a run. Only **loss positions** (``loss_mask`` true) are kept: every
 metric of docs/metrics.md is defined on them. Token arrays are float64 (docs/metrics.md);
 a null stream value on a loss position (only possible when E204 is ignored) is NaN here and is then
 excluded and counted by the metrics as an invalid token.
@@ -44,6 +44,11 @@ class TokenBatch:
     env: np.ndarray | None = None  # (S,) object (str) or None
     sample_row: np.ndarray | None = None  # (S,) int64 row index in the source (for messages)
     seq_hash: np.ndarray | None = None  # (S,) uint64 `seq_hash` as read (None for a batch built in memory)
+    # (M,) int32 size of the recorded kept set (0 = none); None: no K read
+    kept_size: np.ndarray | None = None
+    # kept-set recompute tag -> (M,) kept mass, and -> (M,) its full-vocabulary log-probs
+    kept_mass: Mapping[str, np.ndarray] = field(default_factory=dict)
+    full_vocab: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def n_samples(self) -> int:
@@ -57,6 +62,13 @@ class TokenBatch:
     def n_loss(self) -> np.ndarray:
         """(S,) int64 loss positions per sample (valid or not)."""
         return np.diff(self.offsets)
+
+    def one_token_sets(self, stream: str) -> np.ndarray | None:
+        """(M,) bool: where `stream` is the sampling stream and its recorded kept set holds one token (a
+        renormalised 0.0 there is right, not a fill); None when no kept set was read or for another stream."""
+        if stream != "rollout" or self.kept_size is None:
+            return None
+        return self.kept_size == 1
 
     def token_sample(self) -> np.ndarray:
         """(M,) int64 index of the sample that owns each token."""
@@ -102,6 +114,9 @@ class TokenBatch:
             env=opt(self.env, lambda a: a[rows]),
             sample_row=opt(self.sample_row, lambda a: a[rows]),
             seq_hash=opt(self.seq_hash, lambda a: a[rows]),
+            kept_size=opt(self.kept_size, tok),
+            kept_mass={k: tok(v) for k, v in self.kept_mass.items()},
+            full_vocab={k: tok(v) for k, v in self.full_vocab.items()},
         )
 
     def slice(self, lo: int, hi: int) -> TokenBatch:
@@ -129,6 +144,9 @@ class TokenBatch:
             env=opt(self.env, lo, hi),
             sample_row=opt(self.sample_row, lo, hi),
             seq_hash=opt(self.seq_hash, lo, hi),
+            kept_size=opt(self.kept_size, t_lo, t_hi),
+            kept_mass={k: v[t_lo:t_hi] for k, v in self.kept_mass.items()},
+            full_vocab={k: v[t_lo:t_hi] for k, v in self.full_vocab.items()},
         )
 
     def with_steps(self, step: np.ndarray) -> TokenBatch:
@@ -173,4 +191,7 @@ def concat_batches(parts: Sequence[TokenBatch]) -> TokenBatch:
         env=opt("env"),
         sample_row=opt("sample_row"),
         seq_hash=opt("seq_hash"),
+        kept_size=opt("kept_size"),
+        kept_mass={k: np.concatenate([p.kept_mass[k] for p in parts]) for k in first.kept_mass},
+        full_vocab={k: np.concatenate([p.full_vocab[k] for p in parts]) for k in first.full_vocab},
     )

@@ -10,10 +10,14 @@ zero-copy for the values and with validity bitmaps unpacked by numpy; a `RowTabl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
+
+if TYPE_CHECKING:
+    from pgdiag.data.kept import KeptColumns
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,9 @@ class RowTable:
     frame: pl.DataFrame  # (R rows) scalar columns and "__file"
     lists: dict[str, FlatList]  # column -> flat list (input_ids, loss_mask, streams, advantages, entropy)
     stream_columns: tuple[str, ...]  # log-prob columns among `lists` (E205/E206/W216 apply to them)
+    kept: KeptColumns | None = (
+        None  # the kept sets of the sampling stream (CSR, not token-aligned), when read
+    )
 
     @property
     def n_rows(self) -> int:
@@ -59,10 +66,18 @@ class LossView:
     valid: dict[str, np.ndarray | None]  # column -> (M,) bool validity, None = no null on a loss position
     token_id: np.ndarray  # (M,) int32 input_ids at the loss positions
     seq_offsets: np.ndarray  # (R + 1,) int64 offsets of the rows in the flat input_ids
+    kept_size: np.ndarray | None = (
+        None  # (M,) int32 size of the recorded kept set (0 = none); None: no K read
+    )
 
     def rows_of(self, loss_token: np.ndarray) -> np.ndarray:
         """(K,) row owning each of the given loss-token indices."""
         return np.searchsorted(self.row_start, loss_token, side="right") - 1
+
+
+# Per-token metadata lists read by `check` for their rules alone (E201 length, E207 non-finite): no loss
+# positions are gathered for them and the value rules of streams do not apply.
+METADATA_LISTS = ("temperature_tok", "policy_version_tok")
 
 
 def loss_view(table: RowTable) -> LossView:
@@ -74,7 +89,7 @@ def loss_view(table: RowTable) -> LossView:
     valid: dict[str, np.ndarray | None] = {}
     mask = table.lists["loss_mask"].values
     for column, flat in table.lists.items():
-        if column in ("input_ids", "loss_mask"):
+        if column in ("input_ids", "loss_mask", *METADATA_LISTS):
             continue
         gathered = flat.values[mask].astype(np.float32, copy=False)  # (M,) float32 until the batch
         column_valid = None
@@ -83,7 +98,12 @@ def loss_view(table: RowTable) -> LossView:
             gathered[~column_valid] = np.nan
         values[column], valid[column] = gathered, column_valid
     token_id = ids.values[mask].astype(np.int32, copy=False)
-    return LossView(index, row_start, values, valid, token_id, ids.offsets)
+    kept_size = None
+    if table.kept is not None:
+        from pgdiag.data.kept import position_sizes  # kept imports this module
+
+        kept_size = position_sizes(table.kept, ids.offsets)[index].astype(np.int32)
+    return LossView(index, row_start, values, valid, token_id, ids.offsets, kept_size)
 
 
 def subset_rows(table: RowTable, keep: np.ndarray) -> RowTable:
@@ -103,7 +123,8 @@ def subset_rows(table: RowTable, keep: np.ndarray) -> RowTable:
             None if flat.valid is None else flat.valid[take],
             None if flat.row_valid is None else flat.row_valid[keep],
         )
-    return RowTable(table.frame[keep.tolist()], lists, table.stream_columns)
+    kept = None if table.kept is None else table.kept.take(keep)
+    return RowTable(table.frame[keep.tolist()], lists, table.stream_columns, kept)
 
 
 def _bits(buffer: pa.Buffer, offset: int, length: int) -> np.ndarray:

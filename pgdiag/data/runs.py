@@ -1,64 +1,53 @@
-"""Finding, scanning and loading runs: `read_run`, `parse_steps`, `read_token_batch`.
+"""Opening a run: `read_run`, `parse_steps`, `restrict_steps`, and the `Run` they return.
 
 Why: every command starts from a RUN argument (a run directory, a directory of Parquet files, one file or a
-quoted glob) and needs a few columns of it as flat arrays, fast. How: `read_run` resolves the files, checks
-their footers (E101/E104), discovers the log-prob streams (columns ``<stream>_logprobs`` plus the recompute
-tags under ``RUN/logprobs/<tag>/`` or ``--attach`` directories) and returns a `Run` whose `lazy` frame is a
-polars ``scan_parquet`` (hive ``step=`` partitions, step and run filters pushed down). `read_token_batch`
-selects only the needed columns, joins recompute parts on (step, sample_id, segment_idx) (E305 on a seq_hash
-disagreement, E504 on an incomplete dataset), flattens list columns to numpy buffers through Arrow, validates
-them (`pgdiag.data.validate`) and keeps the loss positions as float64 in a `TokenBatch`.
+quoted glob). How: `read_run` resolves the files (`pgdiag.data.discover`), checks their footers (E101/E104),
+discovers the log-prob streams (columns ``<stream>_logprobs`` plus the recompute tags under
+``RUN/logprobs/<tag>/`` or ``--attach`` directories) and returns a `Run` whose `lazy` frame is a polars
+``scan_parquet`` (hive ``step=`` partitions, step and run filters pushed down); `with_recompute` joins the
+recompute parts to it. Reading rows is `pgdiag.data.load`; planning pieces of whole steps is
+`pgdiag.data.pieces`.
 """
 
 from __future__ import annotations
 
-import glob as globlib
-import json
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
-from pgdiag.data.batch import TokenBatch
-from pgdiag.data.flat import FlatList, LossView, RowTable, flat_list, loss_view
-from pgdiag.data.memory import MemoryLimits, check_piece_memory
-from pgdiag.data.paths import check_input_path, readable_file
+from pgdiag.data.discover import (
+    manifest_object,
+    natural_key,
+    parquet_under,
+    part_schema_has_entropy,
+    part_schema_has_kept,
+    recompute_dirs,
+    recompute_manifest,
+    resolve_paths,
+)
 from pgdiag.data.schema import (
     BASE_STREAMS,
     INT64_MAX,
-    REQUIRED_COLUMNS,
-    cast_problem,
     check_logprobs_footer,
     check_rollouts_footer,
     entropy_column,
+    full_logprobs_column,
+    kept_mass_column,
     read_footer,
     safe_coercions,
     stream_column,
 )
-from pgdiag.data.validate import (
-    CheckResult,
-    Issue,
-    MessageParts,
-    RowIssues,
-    as_template,
-    check_result,
-    missing_columns,
-    raise_first_error,
-    validate_rows,
-)
+from pgdiag.data.validate import Issue, MessageParts, as_template
 from pgdiag.errors import InvalidInputError, UsageError
 
 FILE_COLUMN = "__file"
 RECOMPUTE_KEYS = ("step", "sample_id", "segment_idx")
 _HIVE_DIR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=[^/]*$")
-_STEP_DIR = re.compile(r"^step=(-?\d+)$")
-_F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -113,6 +102,7 @@ class Run:
     row_filter: pl.Expr | None = None
     step_subset: tuple[int, ...] | None = None  # set by `restrict_steps`: the recompute join reads only these
     widened: pl.Schema | None = None  # files of one run whose integer/float widths differ: the widest of each
+    kept_tags: tuple[str, ...] = ()  # recompute tags whose parts hold kept_mass and logprobs_full (kept sets)
 
     def scan(self, *, with_file: bool = False) -> pl.LazyFrame:
         """A fresh scan of the rollouts with the run's filters; `with_file` adds the ``__file`` column."""
@@ -122,8 +112,8 @@ class Run:
         """The named columns, recompute columns (``<tag>_logprobs``, ``<tag>_entropy``) joined in."""
         for tag in self.incomplete:
             if {stream_column(tag), entropy_column(tag)} & set(columns):
-                raise _incomplete_error(self, tag)
-        lazy = _with_recompute(self, self.lazy, columns)
+                raise incomplete_error(self, tag)
+        lazy = with_recompute(self, self.lazy, columns)
         try:
             return lazy.select(list(columns)).collect()
         except pl.exceptions.PolarsError as exc:
@@ -134,76 +124,6 @@ class Run:
     def display_path(self, path: str | Path) -> str:
         """`path` as messages show it: as reached from the RUN argument the user gave."""
         return str(Path(path))
-
-
-def _visible(path: Path, base: Path) -> bool:
-    try:
-        parts = path.relative_to(base).parts
-    except ValueError:
-        parts = (path.name,)
-    return not any(part.startswith(("_", ".")) for part in parts)
-
-
-def _natural_key(path: Path) -> tuple:
-    steps = [int(m.group(1)) for part in path.parts if (m := _STEP_DIR.match(part))]
-    return (steps[-1] if steps else -1, str(path))
-
-
-def _parquet_under(directory: Path) -> list[Path]:
-    """Every visible ``*.parquet`` file below `directory`; a folder or link that cannot be read is E516.
-
-    (``Path.rglob`` skipped an unreadable ``step=N/`` folder silently, so a command ran on part of the run.)
-    """
-
-    def refuse(error: OSError) -> None:
-        raise UsageError(
-            "E516",
-            f"{error.filename or directory}: cannot be read ({error.strerror or error})",
-            "fix its permissions or link, or move it out of the run",
-        )
-
-    found: list[Path] = []
-    for folder, subfolders, names in os.walk(directory, onerror=refuse, followlinks=True):
-        base = Path(folder)
-        subfolders[:] = [name for name in subfolders if _visible(base / name, directory)]
-        for name in names:
-            path = base / name
-            if not _visible(path, directory):
-                continue
-            if path.is_symlink() and not path.exists():  # dangling, or a loop of links
-                refuse(OSError(40, "a link that leads nowhere or loops", str(path)))
-            if name.endswith(".parquet"):
-                found.append(readable_file(path))  # E516 for a FIFO, a device or a file it may not open
-    return found
-
-
-def resolve_paths(path: str | Path) -> tuple[tuple[Path, ...], Path | None]:
-    """The rollouts files of a RUN argument, in read order, and the run directory if it is one (E501)."""
-    text = str(path)
-    candidate = Path(text)
-    root: Path | None = None
-    check_input_path(candidate)  # E516: too long, under a file, a loop of links, a FIFO or a device
-    if candidate.is_dir():
-        if (candidate / "rollouts").is_dir():
-            root = candidate
-            files = _parquet_under(candidate / "rollouts")
-        else:
-            files = _parquet_under(candidate)
-    elif candidate.is_file():
-        files = [readable_file(candidate)]
-    elif globlib.has_magic(text):
-        files = [
-            Path(p)
-            for p in globlib.glob(text, recursive=True)
-            if Path(p).is_file() and not Path(p).name.startswith(("_", "."))
-        ]
-    else:
-        files = []
-    if not files:
-        raise UsageError(
-            "E501", f"nothing matched {text}", "give a run directory, a Parquet file, or a quoted glob"
-        )
-    return tuple(sorted(files, key=_natural_key)), root
 
 
 def _scan(
@@ -251,71 +171,38 @@ def _widened_schema(paths: Sequence[Path]) -> pl.Schema | None:
     """The first file's schema with each column widened to the widest integer/float width any file stores it
     in (int32 ids in one file, int64 in another: a lossless upcast), or None when the files agree.
 
+    A data column named like the reader's own file-path column (``__file``) is left out of the schema: an
+    unknown extra column is ignored (docs/schema.md), where it collided with the path column (exit 101).
     Other disagreements are left to the reader, which refuses them (E103)."""
-    if len(paths) < 2:
-        return None
     schemas = [pl.scan_parquet(str(p), glob=False).collect_schema() for p in paths]
     merged = dict(schemas[0])
     for schema in schemas[1:]:
         for name, dtype in schema.items():
             if name in merged and merged[name] != dtype:
                 merged[name] = _wider(merged[name], dtype) or merged[name]
+    if any(FILE_COLUMN in schema for schema in schemas):
+        merged.pop(FILE_COLUMN, None)
+        return pl.Schema(merged)
     return None if merged == dict(schemas[0]) else pl.Schema(merged)
-
-
-def _manifest(directory: Path) -> dict[str, Any]:
-    """The recompute manifest of `directory` ({} when absent or unreadable)."""
-    try:
-        manifest = json.loads((directory / "_manifest.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return manifest if isinstance(manifest, dict) else {}
-
-
-def _recompute_dirs(
-    root: Path | None, attach: Sequence[str | Path]
-) -> tuple[dict[str, Path], dict[str, Path]]:
-    """(complete, incomplete) recompute directories by tag. Found under RUN/logprobs/, an unfinished one
-    (interrupted or refused run) is set aside as incomplete; an --attach directory is always used (E504 later)."""
-    found: dict[str, Path] = {}
-    incomplete: dict[str, Path] = {}
-    if root is not None and (root / "logprobs").is_dir():
-        for sub in sorted((root / "logprobs").iterdir()):
-            if sub.is_dir() and not sub.name.startswith(("_", ".")):
-                if _manifest(sub).get("complete") is True:
-                    found[sub.name] = sub
-                else:
-                    incomplete[sub.name] = sub
-    for directory in attach:
-        directory = Path(directory)
-        if not directory.is_dir():
-            raise UsageError(
-                "E501", f"--attach {directory}: not a directory", "give a logprobs/<tag> directory"
-            )
-        tag = directory.name
-        manifest = directory / "_manifest.json"
-        tag = str(_manifest_object(manifest).get("tag", tag))
-        found[tag] = directory
-        incomplete.pop(tag, None)
-    return found, incomplete
 
 
 def _finish_hint(run: Run, tag: str) -> str:
     """The commands that finish (resume) or remove the unfinished recompute `tag` of `run`."""
     directory = run.incomplete[tag]
     finish = (
-        _manifest(directory).get("resume_command") or f"pgdiag logprobs {run.root} --model CKPT --tag {tag}"
+        recompute_manifest(directory).get("resume_command")
+        or f"pgdiag logprobs {run.root} --model CKPT --tag {tag}"
     )
     return f"finish it: {finish} (resumes); or remove it: rm -r {directory}"
 
 
-def _incomplete_error(run: Run, tag: str) -> UsageError:
+def incomplete_error(run: Run, tag: str) -> UsageError:
     return UsageError(
         "E504", f"{run.incomplete[tag]}: recompute {tag!r} is incomplete", _finish_hint(run, tag)
     )
 
 
-def _incomplete_issues(run: Run) -> list[Issue]:
+def incomplete_issues(run: Run) -> list[Issue]:
     """W504 for every unfinished recompute under RUN/logprobs/: named, with the commands that finish or remove it."""
     issues = []
     for tag, directory in run.incomplete.items():
@@ -326,20 +213,6 @@ def _incomplete_issues(run: Run) -> list[Issue]:
         parts = MessageParts(as_template(text), located=False, once=True)  # every piece of the run says it
         issues.append(Issue("W504", "warning", 1, text, hint=_finish_hint(run, tag), rule=text, parts=parts))
     return issues
-
-
-def _manifest_object(manifest: Path) -> dict[str, Any]:
-    """A recompute ``_manifest.json`` as an object; {} when it is absent, unreadable or JSON of another shape."""
-    try:
-        value = json.loads(manifest.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _part_schema_has_entropy(directory: Path) -> bool:
-    parts = _parquet_under(directory)
-    return bool(parts) and "entropy" in pq.read_schema(parts[0]).names
 
 
 def read_run(
@@ -386,16 +259,19 @@ def read_run(
         if run is None and len(labels) > 1:
             raise UsageError("E505", f"{path} holds several runs {labels}", "pick one with --run NAME")
     if steps is not None:
-        conditions.append(_step_condition(parse_steps(steps), base))
+        spec = parse_steps(steps)
+        _check_steps_present(spec, base, steps)
+        conditions.append(_step_condition(spec, base))
     row_filter = pl.all_horizontal(conditions) if conditions else None
     default_label = run or (labels[0] if labels else (root.name if root is not None else Path(paths[0]).stem))
-    recompute, incomplete = _recompute_dirs(root, attach)
+    recompute, incomplete = recompute_dirs(root, attach)
     present = [s for s in BASE_STREAMS if stream_column(s) in schema]
     return Run(
         label=label or default_label,
         lazy=_scan(paths, hive, row_filter, widened=widened),
         streams=(*present, *recompute),
-        entropy_streams=tuple(tag for tag, d in recompute.items() if _part_schema_has_entropy(d)),
+        entropy_streams=tuple(tag for tag, d in recompute.items() if part_schema_has_entropy(d)),
+        kept_tags=tuple(tag for tag, d in recompute.items() if part_schema_has_kept(d)),
         meta=metas[0],
         paths=paths,
         root=root,
@@ -410,11 +286,18 @@ def read_run(
 def _check_step_range(paths: Sequence[Path], hive: bool) -> None:
     """E103 naming the file when a uint64 ``step`` holds a value above int64's range (the coercion to int64 of
     docs/schema.md would fail); read only when the column is uint64."""
-    raw = pl.scan_parquet(
-        [str(p) for p in paths], hive_partitioning=hive, glob=False, include_file_paths=FILE_COLUMN
-    )
-    if raw.collect_schema().get("step") != pl.UInt64:
+    files = [str(p) for p in paths]
+    if pl.scan_parquet(files, hive_partitioning=hive, glob=False).collect_schema().get("step") != pl.UInt64:
         return
+    raw = pl.scan_parquet(  # `step` alone: a data column named __file would collide with the path column
+        files,
+        schema=pl.Schema({"step": pl.UInt64}),
+        hive_partitioning=hive,
+        glob=False,
+        include_file_paths=FILE_COLUMN,
+        missing_columns="insert",
+        extra_columns="ignore",
+    )
     too_big = raw.select("step", FILE_COLUMN).filter(pl.col("step") > INT64_MAX).head(1).collect()
     if too_big.height:
         raise InvalidInputError(
@@ -442,43 +325,6 @@ def _run_labels(paths: Sequence[Path]) -> list[str] | None:
     return sorted(labels)
 
 
-def run_steps(run: Run) -> list[int]:
-    """The distinct steps of `run` (its filters applied), ascending; reads the `step` column alone."""
-    return [int(step) for step in step_rows(run)]
-
-
-def step_rows(run: Run) -> dict[int, int]:
-    """Rows per step of `run` (its filters applied), in step order; reads the `step` column alone (E103 when the
-    column cannot be read as integers)."""
-    try:
-        frame = (
-            run.lazy.select(pl.col("step").cast(pl.Int64, strict=True))
-            .group_by("step")
-            .len()
-            .sort("step")
-            .collect()
-        )
-    except pl.exceptions.PolarsError as exc:
-        raise InvalidInputError(
-            "E103", f"{run.display_path(run.paths[0])}, column step: cannot be read as integers ({exc})"
-        ) from exc
-    return {
-        int(s): int(n)
-        for s, n in zip(frame["step"].to_list(), frame["len"].to_list(), strict=True)
-        if s is not None
-    }
-
-
-def reads_whole(run: Run) -> bool:
-    """Whether `run` cannot be read step by step, so a command reads it whole, where the reader says why: a `step`
-    column that is missing or not an integer (E102/E103: no piece can filter it) or rows whose `step` is null
-    (E213: no piece holds them)."""
-    step_type = run.lazy.collect_schema().get("step")
-    if step_type is None or not step_type.is_integer():
-        return True
-    return bool(run.lazy.select(pl.col("step").null_count()).collect().item())
-
-
 def restrict_steps(run: Run, steps: Sequence[int]) -> Run:
     """`run` limited to the rows of `steps` (one more filter on the scan; the recompute join reads those steps
     only), for commands that read a run step by step."""
@@ -493,21 +339,34 @@ def restrict_steps(run: Run, steps: Sequence[int]) -> Run:
     )
 
 
-def step_chunks(rows_per_step: Mapping[int, int], max_rows: int) -> list[tuple[int, ...]]:
-    """Consecutive steps grouped so that each group holds at most `max_rows` rows; a step larger than that is a
-    group of its own (memory is then bounded by the largest step)."""
-    chunks: list[tuple[int, ...]] = []
-    current: list[int] = []
-    held = 0
-    for step, n in rows_per_step.items():
-        if current and held + n > max_rows:
-            chunks.append(tuple(current))
-            current, held = [], 0
-        current.append(step)
-        held += n
-    if current:
-        chunks.append(tuple(current))
-    return chunks
+def step_list(steps: Sequence[int]) -> str:
+    """Steps in short form, consecutive ones as ranges: ``0-3, 7, 9-10``."""
+    parts: list[str] = []
+    for step in sorted(steps):
+        if parts and step == int(parts[-1].rpartition("-")[2]) + 1:
+            parts[-1] = f"{parts[-1].partition('-')[0]}-{step}"
+        else:
+            parts.append(str(step))
+    return ", ".join(parts)
+
+
+def _check_steps_present(spec: StepSpec, base: pl.LazyFrame, given: str | Sequence[int]) -> None:
+    """E503 listing the steps present when a ``--steps`` value (a step, or a whole range) matches no step."""
+    if not spec.ranges:
+        return
+    try:
+        present = base.select(pl.col("step").cast(pl.Int64).unique()).collect()["step"].drop_nulls().to_list()
+    except pl.exceptions.PolarsError:
+        return  # a step column that is not integers: the reader refuses it (E103) where it reads the steps
+    absent = [(lo, hi) for lo, hi in spec.ranges if not any(lo <= step <= hi for step in present)]
+    if absent:
+        shown = ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in absent)
+        text = given if isinstance(given, str) else ",".join(str(s) for s in given)
+        raise UsageError(
+            "E503",
+            f"--steps {text}: {shown} matches no step of the run",
+            f"steps present: {step_list(present)}" if present else "the run holds no step",
+        )
 
 
 def _step_condition(spec: StepSpec, base: pl.LazyFrame) -> pl.Expr:
@@ -521,20 +380,22 @@ def _step_condition(spec: StepSpec, base: pl.LazyFrame) -> pl.Expr:
     return pl.any_horizontal([pl.col("step").is_between(lo, hi) for lo, hi in ranges])
 
 
-def _recompute_frame(run: Run, tag: str, want_logprobs: bool, want_entropy: bool) -> pl.LazyFrame:
+def _recompute_frame(
+    run: Run, tag: str, want_logprobs: bool, want_entropy: bool, want_kept: bool = False
+) -> pl.LazyFrame:
     directory = run.recompute.get(tag)
     if directory is None:
         raise UsageError(
             "E111", f"stream {tag!r} not found in {run.label}", f"streams: {', '.join(run.streams)}"
         )
     manifest = directory / "_manifest.json"
-    if _manifest_object(manifest).get("complete") is not True:
+    if manifest_object(manifest).get("complete") is not True:
         raise UsageError(
             "E504",
             f"{directory}: recompute dataset is incomplete (no _manifest.json with complete: true)",
             "rerun pgdiag logprobs to finish it",
         )
-    parts = sorted(_parquet_under(directory), key=_natural_key)
+    parts = sorted(parquet_under(directory), key=natural_key)
     if not parts:
         raise UsageError("E504", f"{directory}: no recompute parts", "rerun pgdiag logprobs")
     for part in parts:
@@ -552,19 +413,23 @@ def _recompute_frame(run: Run, tag: str, want_logprobs: bool, want_entropy: bool
         columns.append(pl.col("logprobs").alias(stream_column(tag)))
     if want_entropy:
         columns.append(pl.col("entropy").alias(entropy_column(tag)))
+    if want_kept:
+        columns.append(pl.col("kept_mass").alias(kept_mass_column(tag)))
+        columns.append(pl.col("logprobs_full").alias(full_logprobs_column(tag)))
     if run.step_subset is not None:
         lazy = lazy.filter(pl.col("step").cast(pl.Int64).is_in(list(run.step_subset)))
     return lazy.select(columns)
 
 
-def _with_recompute(run: Run, lazy: pl.LazyFrame, columns: Sequence[str]) -> pl.LazyFrame:
+def with_recompute(run: Run, lazy: pl.LazyFrame, columns: Sequence[str]) -> pl.LazyFrame:
     """`lazy` left-joined with the recompute parts that provide any of `columns` (E305 columns kept)."""
     for tag in run.recompute:
         want_lp = stream_column(tag) in columns
         want_h = entropy_column(tag) in columns
-        if not (want_lp or want_h):
+        want_kept = kept_mass_column(tag) in columns
+        if not (want_lp or want_h or want_kept):
             continue
-        right = _recompute_frame(run, tag, want_lp, want_h)
+        right = _recompute_frame(run, tag, want_lp, want_h, want_kept)
         lazy = (
             lazy.with_columns(
                 pl.col("sample_id").cast(pl.String).alias("__sid"),
@@ -583,315 +448,6 @@ def _with_recompute(run: Run, lazy: pl.LazyFrame, columns: Sequence[str]) -> pl.
             .drop("__sid", "__seg")
         )
     return lazy
-
-
-@dataclass(frozen=True)
-class LoadedBatch:
-    """A `TokenBatch` and the warnings found while loading it."""
-
-    batch: TokenBatch
-    checks: CheckResult
-
-
-@dataclass(frozen=True)
-class LoadedRows:
-    """Rows of a run read for validation and flattening, before any rule ran."""
-
-    table: RowTable
-    issues: list[Issue]  # E102/E103/E305 found while reading
-    streams: tuple[str, ...]
-    entropy: tuple[str, ...]
-
-
-def _typed_issues(run: Run, schema: pl.Schema, columns: Sequence[str]) -> list[Issue]:
-    issues = []
-    for column in columns:
-        problem = cast_problem(column, schema[column]) if column in schema else None
-        if problem is not None:
-            issues.append(Issue("E103", "error", 1, f"{run.display_path(run.paths[0])}: {problem}"))
-    return issues
-
-
-def _range_issue(column: str, values: np.ndarray, kind: str) -> Issue | None:
-    if values.size == 0:
-        return None
-    if kind == "int32":
-        lo, hi = int(values.min()), int(values.max())
-        if lo < np.iinfo(np.int32).min or hi > np.iinfo(np.int32).max:
-            worst = lo if lo < np.iinfo(np.int32).min else hi
-            return Issue("E103", "error", 1, f"{column}: value {worst} does not fit int32")
-    elif kind == "float32" and values.dtype == np.float64:
-        finite = values[np.isfinite(values)]
-        if finite.size and float(np.abs(finite).max()) > _F32_MAX:
-            return Issue(
-                "E103",
-                "error",
-                1,
-                f"{column}: list<double> with {float(np.abs(finite).max()):.3g} does not fit float32",
-            )
-    return None
-
-
-def load_rows(
-    run: Run,
-    *,
-    streams: Sequence[str],
-    entropy: Sequence[str] = (),
-    scalars: Sequence[str] = (),
-    lists: Sequence[str] = (),
-    memory: MemoryLimits | None = None,
-) -> LoadedRows:
-    """Collect the needed columns of `run` (recompute joined) and flatten every list column.
-
-    Required columns are always read; missing ones are E102 issues and the rows cannot be loaded
-    (an InvalidInputError is raised with the first such issue, as nothing can be validated without them).
-    Before the read, UsageError E518 when the columns of its steps need more memory than is left
-    (`pgdiag.data.memory.check_piece_memory`; `memory` says where to read what is left).
-    """
-    schema = run.lazy.collect_schema()
-    stream_cols = [stream_column(s) for s in streams]
-    entropy_cols = [entropy_column(t) for t in entropy]
-    for stream in (*streams, *entropy):
-        if stream in run.incomplete:
-            raise _incomplete_error(run, stream)
-    for stream in streams:
-        if stream not in run.streams:
-            raise UsageError(
-                "E111", f"{run.label}: no stream {stream!r}", f"streams: {', '.join(run.streams) or 'none'}"
-            )
-    for tag in entropy:
-        if tag not in run.entropy_streams:
-            raise UsageError(
-                "E111",
-                f"{run.label}: no entropy for {tag!r}",
-                f"entropy: {', '.join(run.entropy_streams) or 'none'}",
-            )
-    file_cols = [c for c in (*REQUIRED_COLUMNS, "segment_idx", *scalars, *lists, *stream_cols) if c in schema]
-    issues = missing_columns(set(schema), REQUIRED_COLUMNS)
-    if issues:
-        raise InvalidInputError(
-            issues[0].code, f"{run.display_path(run.paths[0])}: {issues[0].message}", issues[0].hint
-        )
-    issues = _typed_issues(run, schema, file_cols)
-    if issues:
-        raise InvalidInputError("E103", issues[0].message, "re-import with pgdiag import")
-    file_cols = list(dict.fromkeys(file_cols))
-    check_piece_memory(
-        run.label,
-        run.paths,
-        {*file_cols, *stream_cols},
-        run.step_subset,
-        memory,
-    )
-    lazy = _with_recompute(run, run.scan(with_file=True), [*stream_cols, *entropy_cols])
-    recompute_hash = [
-        f"__{t}_seq_hash" for t in run.recompute if stream_column(t) in stream_cols or t in entropy
-    ]
-    wanted = [
-        *file_cols,
-        *(c for c in stream_cols if c not in file_cols),
-        *entropy_cols,
-        *recompute_hash,
-        FILE_COLUMN,
-    ]
-    try:
-        fixed_size = {c for c in wanted if isinstance(schema.get(c), pl.Array)}
-        frame = lazy.select(
-            pl.col(c).cast(pl.List(schema[c].inner)) if c in fixed_size else pl.col(c) for c in wanted
-        ).collect()
-    except pl.exceptions.PolarsError as exc:
-        raise InvalidInputError(
-            "E103",
-            f"{run.label}: cannot read the rollouts or join the recompute parts ({exc})",
-            "re-import with pgdiag import, or rerun pgdiag logprobs --overwrite",
-        ) from exc
-    shown = {f: run.display_path(f) for f in frame[FILE_COLUMN].unique().to_list()}
-    frame = frame.with_columns(pl.col(FILE_COLUMN).replace_strict(shown, return_dtype=pl.String))
-    issues = [*_incomplete_issues(run), *_recompute_issues(run, frame, recompute_hash)]
-    list_cols = [
-        "input_ids",
-        "loss_mask",
-        *stream_cols,
-        *entropy_cols,
-        *(c for c in lists if c in frame.columns),
-    ]
-    flat: dict[str, FlatList] = {}
-    for column in dict.fromkeys(list_cols):
-        raw = flat_list(frame[column])
-        frame = frame.drop(column)  # frees polars' chunks once Arrow holds the (rechunked) buffers
-        if column == "input_ids":
-            problem = _range_issue(column, raw.values, "int32") if raw.values.dtype.itemsize > 4 else None
-            if problem is not None:
-                raise InvalidInputError("E103", problem.message, "re-import with pgdiag import")
-            flat[column] = FlatList(
-                raw.offsets, raw.values.astype(np.int32, copy=False), raw.valid, raw.row_valid
-            )
-        elif column == "loss_mask":
-            flat[column] = raw
-        else:
-            problem = _range_issue(column, raw.values, "float32")
-            if problem is not None:
-                raise InvalidInputError("E103", problem.message, "re-import with pgdiag import")
-            flat[column] = FlatList(
-                raw.offsets, raw.values.astype(np.float32, copy=False), raw.valid, raw.row_valid
-            )
-    table = RowTable(frame.drop(recompute_hash), flat, tuple(stream_cols))
-    return LoadedRows(table, issues, tuple(streams), tuple(entropy))
-
-
-def _recompute_issues(run: Run, frame: pl.DataFrame, hash_columns: Sequence[str]) -> list[Issue]:
-    issues = []
-    for column in hash_columns:
-        tag = column[2 : -len("_seq_hash")]
-        stale = (frame[column].is_null() | (frame[column] != frame["seq_hash"].cast(pl.UInt64))).fill_null(
-            True
-        )
-        n_stale = int(stale.sum())
-        if n_stale:
-            first = frame.filter(stale).row(0, named=True)
-            parts = MessageParts(
-                as_template(f"logprobs/{tag} was computed on other rollouts: ")
-                + "{n} samples missing or with another seq_hash (first: {examples})",
-                sums=(("n", n_stale),),
-                examples=((None, f"step {first['step']}, sample {first['sample_id']}"),),
-                max_examples=1,
-                located=False,
-            )
-            issues.append(
-                Issue(
-                    "E305",
-                    "error",
-                    n_stale,
-                    parts.render(0),
-                    step=int(first["step"]),
-                    sample_id=str(first["sample_id"]),
-                    hint="rerun pgdiag logprobs --overwrite",
-                    rule=parts.template,
-                    parts=parts,
-                )
-            )
-    return issues
-
-
-def build_token_batch(
-    run: Run,
-    frame: pl.DataFrame,
-    view: LossView,
-    *,
-    streams: Sequence[str],
-    entropy: Sequence[str] = (),
-    sample_row: np.ndarray | None = None,
-    advantages: bool = True,
-    reward: bool = True,
-    env: bool = False,
-) -> TokenBatch:
-    """A float64 `TokenBatch` from the scalar `frame` and the `view` of structurally sound rows.
-
-    Needs no list buffer, so callers can drop them first (peak memory). `sample_row` (S,) maps rows back to
-    the rows as read (default: identity).
-    """
-    offsets = view.row_start  # (S + 1,)
-    n_loss = np.diff(offsets)
-    n_rows = frame.height
-    pos = (view.index - np.repeat(view.seq_offsets[:-1], n_loss)).astype(np.int32)  # (M,)
-    group_raw = frame["group_id"].cast(pl.String).fill_null("").to_numpy().astype(object)
-    group_names, group = np.unique(group_raw, return_inverse=True)
-    adv: np.ndarray | None = None
-    if advantages and "advantages" in view.values:
-        adv = view.values["advantages"].astype(np.float64)
-    elif advantages and "advantage" in frame.columns:
-        adv = np.repeat(frame["advantage"].cast(pl.Float64).fill_null(np.nan).to_numpy(), n_loss)
-    segment = (
-        frame["segment_idx"].fill_null(0).cast(pl.Int32).to_numpy()
-        if "segment_idx" in frame.columns
-        else np.zeros(n_rows, dtype=np.int32)
-    )
-    reward_values = (
-        frame["reward"].cast(pl.Float64).fill_null(np.nan).to_numpy()
-        if reward and "reward" in frame.columns
-        else None
-    )
-    return TokenBatch(
-        label=run.label,
-        step=frame["step"].cast(pl.Int64).to_numpy(),
-        sample_id=frame["sample_id"].cast(pl.String).to_numpy().astype(object),
-        segment_idx=segment,
-        group=group.astype(np.int64),
-        group_names=group_names.astype(object),
-        prompt_len=frame["prompt_len"].cast(pl.Int32).to_numpy(),
-        seq_len=np.diff(view.seq_offsets).astype(np.int32),
-        offsets=offsets,
-        pos=pos,
-        token_id=view.token_id,
-        streams={s: view.values[stream_column(s)].astype(np.float64) for s in streams},
-        entropy={t: view.values[entropy_column(t)].astype(np.float64) for t in entropy},
-        advantages=adv,
-        reward=reward_values,
-        env=frame["env"].cast(pl.String).to_numpy().astype(object)
-        if env and "env" in frame.columns
-        else None,
-        sample_row=np.arange(n_rows, dtype=np.int64) if sample_row is None else sample_row,
-        seq_hash=frame["seq_hash"].cast(pl.UInt64).fill_null(0).to_numpy()
-        if "seq_hash" in frame.columns
-        else None,
-    )
-
-
-def batch_inputs(rows: LoadedRows, found: RowIssues) -> tuple[pl.DataFrame, LossView, np.ndarray]:
-    """The scalar frame, loss view and source row indices of the sound rows, for `build_token_batch`."""
-    table = found.sound if found.sound is not None else rows.table
-    view = found.loss if found.loss is not None else loss_view(table)
-    n_rows = rows.table.n_rows
-    keep = np.arange(n_rows, dtype=np.int64) if found.bad_rows is None else np.flatnonzero(~found.bad_rows)
-    return table.frame, view, keep
-
-
-def read_token_batch(
-    run: Run,
-    *,
-    streams: Sequence[str],
-    entropy: Sequence[str] = (),
-    advantages: bool = True,
-    reward: bool = True,
-    env: bool = False,
-    ignore: Sequence[str] = (),
-    max_examples: int = 5,
-    piece: bool = False,
-    raise_errors: bool = True,
-) -> LoadedBatch:
-    """Load, validate and flatten the loss positions of `run` for the given streams.
-
-    Raises InvalidInputError with the first error (lowest code) unless its code is in `ignore`; warnings are
-    returned in `LoadedBatch.checks`. Rows with ignored structural errors are left out of the batch.
-    `piece`: `run` is one piece of a run read in pieces: the errors of the rules judged over the run (E206's
-    share of exact 0.0, E302 by nulls: `Issue.pooled`) do not raise but are returned in the checks with this
-    piece's share of those rules (`CheckResult.pending`), for the caller to merge over the pieces
-    (`merge_check_results`) and raise the run's verdict. `raise_errors` False: no error raises (the caller
-    merges and raises the run's first error, as one read would).
-    """
-    scalars = [c for c, on in (("advantage", advantages), ("reward", reward), ("env", env)) if on]
-    lists = ["advantages"] if advantages else []
-    rows = load_rows(run, streams=streams, entropy=entropy, scalars=scalars, lists=lists)
-    found = validate_rows(rows.table, ignore=ignore, max_examples=max_examples)
-    issues = [i for i in (*rows.issues, *found.issues) if i.code not in set(ignore)]
-    if raise_errors:
-        raise_first_error([i for i in issues if not (piece and i.pooled is not None)])
-    pending = found.pending
-    frame, view, keep = batch_inputs(rows, found)
-    kept_streams, kept_entropy = rows.streams, rows.entropy
-    del rows, found  # drop the list buffers before the float64 arrays are allocated
-    batch = build_token_batch(
-        run,
-        frame,
-        view,
-        streams=kept_streams,
-        entropy=kept_entropy,
-        sample_row=keep,
-        advantages=advantages,
-        reward=reward,
-        env=env,
-    )
-    return LoadedBatch(batch, check_result(issues, pending=pending))
 
 
 def run_summary(run: Run) -> dict[str, Any]:

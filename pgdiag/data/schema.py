@@ -83,6 +83,12 @@ ROLLOUT_ARROW_TYPES: dict[str, pa.DataType] = {
     # MoE routing replay: per sample T x L x k expert ids, flat in token, then MoE layer, then rank order;
     # -1 = not recorded (docs/models.md, "Routing replay")
     "routed_experts": pa.list_(pa.int16()),
+    # kept sets of the sampling stream in CSR form (pgdiag.data.kept; docs/schema.md, "Kept sets")
+    "sampling_kept_ids": pa.list_(pa.int32()),
+    "sampling_kept_offsets": pa.list_(pa.int32()),
+    "sampling_kept_logprobs": _FLOAT_LIST,
+    "sampling_kept_bitmask": pa.list_(pa.uint8()),
+    "sampling_kept_bitmask_positions": pa.list_(pa.int32()),
 }
 
 # Column kinds that decide which polars dtypes are accepted (lossless cast).
@@ -105,6 +111,10 @@ _KIND_OF: dict[str, str] = {
     "temperature_tok": "float_list",
     "policy_version": "int64",
     "routed_experts": "int32_list",
+    "sampling_kept_ids": "int32_list",
+    "sampling_kept_offsets": "int32_list",
+    "sampling_kept_bitmask": "int32_list",
+    "sampling_kept_bitmask_positions": "int32_list",
 }
 _INTS = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32, pl.UInt64)
 _FLOATS = (pl.Float16, pl.Float32, pl.Float64) if hasattr(pl, "Float16") else (pl.Float32, pl.Float64)
@@ -119,6 +129,16 @@ def stream_column(stream: str) -> str:
 def entropy_column(tag: str) -> str:
     """Column holding the entropy of recompute `tag` once joined (``rc`` -> ``rc_entropy``)."""
     return f"{tag}_entropy"
+
+
+def kept_mass_column(tag: str) -> str:
+    """Column holding the kept mass of recompute `tag` once joined (``rc`` -> ``rc_kept_mass``)."""
+    return f"{tag}_kept_mass"
+
+
+def full_logprobs_column(tag: str) -> str:
+    """Column holding the full-vocabulary log-probs of a kept-set recompute `tag` once joined (``rc_full_vocab``)."""
+    return f"{tag}_full_vocab"
 
 
 def column_kind(name: str) -> str | None:

@@ -56,16 +56,23 @@ def zero_fill_issues(
     single_stream: bool = True,
     max_examples: int = 1,
     label: str | None = None,
+    legit_a: np.ndarray | None = None,
+    legit_b: np.ndarray | None = None,
 ) -> list[Issue]:
     """E206 per side: exact 0.0 where the other side is < −1 and, with `single_stream`, the one-stream rule of
     the reader (`data.validate.zero_fill_rows`: > 1 % exact 0.0, or a sample of ≥ 2 loss values all 0.0).
 
     `check` and `metrics` pass ``single_stream=False``: the reader has already applied that rule to each column.
-    `label` (a run's), when given, starts the message.
+    `label` (a run's), when given, starts the message. `legit_a` / `legit_b` (M,) bool mark the tokens where
+    an exact 0.0 of that side is right (the sampling stream renormalised over a recorded one-token kept set,
+    `TokenBatch.one_token_sets`): they are not zeros for either rule.
     """
     prefix = "" if label is None else f"{as_template(label)}: "
     issues = []
-    for values, other, name, other_name in ((lp_a, lp_b, name_a, name_b), (lp_b, lp_a, name_b, name_a)):
+    sides = ((lp_a, lp_b, name_a, name_b, legit_a), (lp_b, lp_a, name_b, name_a, legit_b))
+    for values, other, name, other_name, legit in sides:
+        if legit is not None and legit.any():
+            values = np.where(legit & (values == 0.0), -1.0, values)  # a right 0.0 is no zero of either rule
         zero = np.flatnonzero(values == 0.0)
         if zero.size == 0:
             continue

@@ -18,10 +18,19 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import polars as pl
 
-from pgdiag.data.flat import FlatList, LossView, RowTable, loss_view, subset_rows
+from pgdiag.data.flat import METADATA_LISTS, FlatList, LossView, RowTable, loss_view, subset_rows
+from pgdiag.data.kept import kept_issues, position_sizes
 from pgdiag.data.schema import REQUIRED_HINTS
 from pgdiag.data.seqhash import seq_hashes
-from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK, InvalidInputError, UsageError, catalogued
+from pgdiag.errors import (
+    EXIT_GATE,
+    EXIT_INVALID,
+    EXIT_OK,
+    InvalidInputError,
+    UsageError,
+    catalogued,
+    one_line,
+)
 
 LOGPROB_POSITIVE_TOL = 1e-6
 ZERO_FILL_FRACTION = 0.01
@@ -164,6 +173,9 @@ class Issue:
             self.severity != "note"
         ):  # a note (rows dropped at import) carries the code "note", not a catalogue code
             catalogued(self.code)  # ValueError for a code outside the catalogue: a bug in pgdiag
+        object.__setattr__(
+            self, "message", one_line(self.message)
+        )  # an id holding a line break stays one line
 
 
 First = tuple[int | None, str | None, int | None]  # (step, sample_id, pos) of an issue's first location
@@ -663,7 +675,7 @@ class _Rules:
                         parts=parts,
                     )
                 )
-        for column in ("reward", "advantage"):
+        for column in ("reward", "advantage", "temperature"):
             if self.on("E207") and column in frame.columns:
                 values = frame[column].cast(pl.Float64).to_numpy()
                 nonfinite = np.isnan(values) & ~_null_rows(frame, column) | np.isinf(values)
@@ -763,9 +775,41 @@ class _Rules:
         if self.on("E209") and view.index.size == 0 and not any(i.code == "E209" for i in self.issues):
             self.add(Issue("E209", "error", 1, f"the selection ({n_rows} samples) has no loss tokens"))
         self._token_ids(ids, good)
+        if self.table.kept is not None:
+            for found in kept_issues(
+                self.table.kept,
+                ids,
+                issue=self.loc.issue,
+                on=self.on,
+                vocab_size=self.vocab_size,
+                max_examples=self.loc.max_examples,
+            ):
+                self.add(found)  # type: ignore[arg-type]
         for column, flat in self.table.lists.items():
-            if column not in ("input_ids", "loss_mask"):
+            if column in METADATA_LISTS:
+                self._finite_metadata(column, flat)
+            elif column not in ("input_ids", "loss_mask"):
                 self._float_column(column, flat, view)
+
+    def _finite_metadata(self, column: str, flat: FlatList) -> None:
+        """E207 on a per-token metadata list (`METADATA_LISTS`): any non-null non-finite value, loss or not."""
+        bad = ~np.isfinite(flat.values)
+        if flat.valid is not None:
+            bad &= flat.valid
+        if self.on("E207") and bad.any():
+            bad_index = np.flatnonzero(bad)
+            rows = _row_of(self.table.lists["input_ids"].offsets, bad_index)
+            offsets = self.table.lists["input_ids"].offsets
+            self.add(
+                self.loc.issue(
+                    "E207",
+                    "error",
+                    f"{column}: NaN or inf",
+                    rows,
+                    bad_index.size,
+                    pos=bad_index - offsets[rows],
+                )
+            )
 
     def _token_ids(self, ids: FlatList, good: np.ndarray) -> None:
         if not self.on("E208"):
@@ -930,6 +974,7 @@ class _Rules:
             )
         if not (self.on("E206") or self.on("W216")):
             return
+        at_loss = self._without_singletons(column, at_loss, view)
         filled = zero_fill_rows(at_loss, view.row_start)
         zero, all_zero_rows = filled.zero, filled.all_zero_rows
         tiny = np.flatnonzero((at_loss > 0.0) & ~positive)
@@ -957,6 +1002,19 @@ class _Rules:
         verdict = part.issue()
         if verdict is not None:
             self.add(verdict)
+
+    def _without_singletons(self, column: str, at_loss: np.ndarray, view: LossView) -> np.ndarray:
+        """`at_loss` with the sampling stream's values where the recorded kept set holds one token replaced by
+        -1: a renormalised log-prob there is exactly 0.0 by right, so the zero-fill rules (E206, W216) skip it."""
+        if self.table.kept is None or column != "rollout_logprobs":
+            return at_loss
+        sizes = position_sizes(self.table.kept, self.table.lists["input_ids"].offsets)[view.index]  # (M,)
+        single = sizes == 1
+        if not single.any():
+            return at_loss
+        out = at_loss.copy()
+        out[single & (at_loss >= 0.0)] = -1.0
+        return out
 
 
 def missing_columns(columns: Collection[str], required: Sequence[str]) -> list[Issue]:

@@ -20,6 +20,7 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.flat import FlatList, flat_list
+from pgdiag.data.kept import KEPT_COLUMNS
 from pgdiag.data.schema import ROLLOUTS_SCHEMA, decode_footer
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.importers import alignment
@@ -65,7 +66,12 @@ def _place_response_aligned(df: pl.DataFrame, shifted: set[str], source: str) ->
     prompt_len = df["prompt_len"].to_numpy().astype(np.int64) if "prompt_len" in df.columns else None
     replaced = []
     for column, dtype in df.schema.items():
-        if column == "input_ids" or column in shifted or not isinstance(dtype, pl.List):
+        if (
+            column == "input_ids"
+            or column in shifted
+            or not isinstance(dtype, pl.List)
+            or column in KEPT_COLUMNS
+        ):
             continue
         values = flat_list(df[column])
         lengths = values.lengths
@@ -114,7 +120,7 @@ def canonical_step(
         shifted = {c for c, t in df.schema.items() if isinstance(t, pl.List)}
     df = _place_response_aligned(df, shifted, source)
     df = apply_shifts(df, options.shifts, source)
-    streams = {c: c for c in df.columns if c.endswith("_logprobs")}
+    streams = {c: c for c in df.columns if c.endswith("_logprobs") and c not in KEPT_COLUMNS}
     return ImportedStep(
         step=step,
         rows=df,

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pgdiag.data.flat import FlatList, RowTable, flat_list
+from pgdiag.data.kept import KEPT_COLUMNS, kept_from_series
 from pgdiag.data.schema import (
     LABEL_PATTERN,
     ROLLOUTS_SCHEMA,
@@ -88,11 +89,15 @@ def _stream_of(column: str) -> str:
 
 
 def _masked_columns(columns: Iterable[str]) -> list[str]:
-    return [c for c in columns if c.endswith(MASKED_COLUMNS_SUFFIX) or c == "advantages"]
+    return [
+        c
+        for c in columns
+        if (c.endswith(MASKED_COLUMNS_SUFFIX) or c == "advantages") and c not in KEPT_COLUMNS
+    ]
 
 
 def _stream_columns(columns: Iterable[str]) -> list[str]:
-    return [c for c in columns if c.endswith(MASKED_COLUMNS_SUFFIX)]
+    return [c for c in columns if c.endswith(MASKED_COLUMNS_SUFFIX) and c not in KEPT_COLUMNS]
 
 
 def run_label(label: str | None, out: Path) -> str:
@@ -104,7 +109,12 @@ def run_label(label: str | None, out: Path) -> str:
 
 
 def _per_token_columns(df: pl.DataFrame) -> list[str]:
-    return [c for c, t in df.schema.items() if isinstance(t, pl.List) and c != "input_ids"]
+    """Token-aligned list columns (the kept sets are CSR, not token-aligned: a --shift leaves them)."""
+    return [
+        c
+        for c, t in df.schema.items()
+        if isinstance(t, pl.List) and c != "input_ids" and c not in KEPT_COLUMNS
+    ]
 
 
 def apply_shifts(df: pl.DataFrame, shifts: Iterable[tuple[str | None, int]], source: str) -> pl.DataFrame:
@@ -217,6 +227,8 @@ def _row_table(table: pa.Table, source: str) -> RowTable:
     scalars = []
     for name in table.column_names:
         column = table.column(name)
+        if name in KEPT_COLUMNS:
+            continue
         if name in ("input_ids", "loss_mask") or name.endswith(MASKED_COLUMNS_SUFFIX) or name == "advantages":
             series = pl.Series(name, column)
             flat = flat_list(series)
@@ -229,7 +241,10 @@ def _row_table(table: pa.Table, source: str) -> RowTable:
     assert isinstance(frame, pl.DataFrame)
     frame = frame.with_columns(pl.lit(source).alias("__file"))
     streams = tuple(c for c in lists if c.endswith(MASKED_COLUMNS_SUFFIX))
-    return RowTable(frame, lists, streams)
+    kept = kept_from_series(
+        {c: pl.Series(c, table.column(c)) for c in KEPT_COLUMNS if c in table.column_names}
+    )
+    return RowTable(frame, lists, streams, kept)
 
 
 def _loss_values(table: RowTable, column: str) -> tuple[np.ndarray, np.ndarray]:
@@ -409,6 +424,7 @@ def _write_step(
             rows.frame,
             {k: v for k, v in rows.lists.items() if k not in skip_zero_rule},
             tuple(c for c in rows.stream_columns if c not in skip_zero_rule),
+            rows.kept,
         )
     # a seq_hash the writer derived (finalize_rows) is the hash of these very ids: E212 cannot fire, skip the rehash
     derived_hash = "seq_hash" not in imported.rows.columns

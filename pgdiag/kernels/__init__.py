@@ -15,6 +15,11 @@ which implementation and which head precision ran:
     torch    lm_head_logprobs_ref.py         chunked plain torch; the reference and the CPU path
     triton   lm_head_logprobs_triton.py      fused forward kernel (CUDA, or the Triton interpreter)
 
+Kept sets (``kept``, a `kept_set.KeptSet` in CSR form): the renormalised log-prob and entropy over each token's
+kept set K replace the full ones where K is not empty, and the kept mass and the full-vocabulary log-prob and
+entropy come beside them (`kept_set`); the kept logits are a gather-dot (torch, or the Triton kernel of
+`kept_set_triton`), and under TP their partials travel in the same one all-gather as the head's.
+
 Ignored tokens (``targets == ignore_index``) get logprob 0.0 and their entropy computed as usual (it does
 not depend on the target). Any other target outside [0, V) raises `InvalidInputError` E208.
 """
@@ -28,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from pgdiag.errors import InvalidInputError, UsageError
-from pgdiag.kernels.vocab_parallel import finish_partials, gather_partials, merge_partials
+from pgdiag.kernels.kept_set import KeptSet, finish_kept, kept_partials
+from pgdiag.kernels.vocab_parallel import PARTIAL_ROWS, finish_partials, gather_partials, merge_partials
 
 IMPLS = ("auto", "torch", "triton")
 HEAD_DTYPES = ("bf16", "fp32")
@@ -50,6 +56,11 @@ class TokenLogprobs:
     impl: str
     head_dtype: str
     head_mode: str
+    kept_mass: torch.Tensor | None = (
+        None  # (N,) sum of the full softmax over K (1 where K is empty); with `kept`
+    )
+    logprobs_full: torch.Tensor | None = None  # (N,) full-vocabulary log-probs; with `kept`
+    entropy_full: torch.Tensor | None = None  # (N,) full-vocabulary entropy; with `kept`
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -95,6 +106,7 @@ def lm_head_logprobs(
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
     ignore_index: int = -100,
+    kept: KeptSet | None = None,
 ) -> TokenLogprobs:
     """Per-token logprobs of `targets` and entropies under ``softmax(hidden @ weight.T / temperature)``.
 
@@ -104,6 +116,10 @@ def lm_head_logprobs(
     passed as is: its values are exact, and the kernel then needs one MMA per tile instead of three). With `tp_group`,
     every rank of the group calls this with its own shard and the same hidden/targets; one all-gather of
     16 bytes a token merges the shards. Without it, W is the whole head (or one shard used alone).
+    `kept` (N tokens in CSR, global ids): ``logprobs`` and ``entropy`` are renormalised over each token's
+    kept set (full where it is empty), with ``kept_mass``, ``logprobs_full`` and ``entropy_full`` beside them;
+    under TP the kept partials join the same one all-gather (32 bytes a token). A target outside its
+    non-empty kept set raises E221.
     """
     _check_arguments(hidden, weight, targets, temperature, head_dtype)
     resolved = resolve_impl(impl, hidden.device)
@@ -129,9 +145,27 @@ def lm_head_logprobs(
         hidden, weight, local_targets, temperature=temperature, head_dtype=head_dtype
     )  # (S, 4, N)
     merged = merge_partials(partials)  # (4, N)
-    # 2. vocab-parallel: one all-gather of the (4, N) partials, then the same merge on every rank
+    merged_kept = None
+    if kept is not None:
+        _check_kept(kept, targets)
+        merged_kept = kept_partials(
+            hidden,
+            weight,
+            targets,
+            kept.to(hidden.device),
+            vocab_start=vocab_start,
+            temperature=temperature,
+            head_dtype=head_dtype,
+            impl=resolved,
+        )[0]  # (4, N)
+    # 2. vocab-parallel: one all-gather of the (4, N) partials (with the kept ones: (8, N)), then the same merge
+    #    on every rank
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        merged = merge_partials(gather_partials(merged, tp_group))
+        both = merged if merged_kept is None else torch.cat([merged, merged_kept])
+        gathered = gather_partials(both, tp_group)  # (world, 4 or 8, N)
+        merged = merge_partials(gathered[:, :PARTIAL_ROWS])
+        if merged_kept is not None:
+            merged_kept = merge_partials(gathered[:, PARTIAL_ROWS:])
     # 3. logprob and entropy; a target that no shard holds is out of the vocabulary
     logprobs, entropy, target_found = finish_partials(merged)
     missing = ~target_found & ~ignored
@@ -143,7 +177,45 @@ def lm_head_logprobs(
             "token ids must be < the head's vocab size; was the rollout tokenized for another model?",
         )
     head_mode = backend.head_mode_for(head_dtype, weight.dtype, hidden.dtype)
-    return TokenLogprobs(logprobs, entropy, resolved, head_dtype, head_mode)
+    if kept is None or merged_kept is None:
+        return TokenLogprobs(logprobs, entropy, resolved, head_dtype, head_mode)
+    nonempty = (kept.sizes() > 0).to(hidden.device) & ~ignored
+    scores = finish_kept(merged, merged_kept, nonempty, logprobs, entropy)
+    outside = ~scores.target_in_set & ~ignored
+    if bool(outside.any()):
+        row = int(outside.nonzero()[0, 0])
+        raise InvalidInputError(
+            "E221",
+            f"token {row}: target {int(targets[row])} is not in its kept set",
+            "the kept set of a position holds the token sampled there",
+        )
+    return TokenLogprobs(
+        torch.where(ignored, 0.0, scores.logprobs),
+        scores.entropy,
+        resolved,
+        head_dtype,
+        head_mode,
+        kept_mass=scores.kept_mass,
+        logprobs_full=scores.logprobs_full,
+        entropy_full=scores.entropy_full,
+    )
+
+
+def _check_kept(kept: KeptSet, targets: torch.Tensor) -> None:
+    """UsageError E513 when the kept sets do not describe the N target tokens."""
+    offsets = kept.offsets
+    if offsets.dim() != 1 or offsets.shape[0] != targets.shape[0] + 1 or kept.ids.dim() != 1:
+        raise UsageError(
+            "E513",
+            f"lm_head_logprobs: kept offsets {tuple(offsets.shape)} for {targets.shape[0]} tokens "
+            f"(expected ({targets.shape[0] + 1},)), ids {tuple(kept.ids.shape)}",
+        )
+    if (
+        int(offsets[0]) != 0
+        or int(offsets[-1]) != kept.ids.shape[0]
+        or bool((offsets[1:] < offsets[:-1]).any())
+    ):
+        raise UsageError("E513", "lm_head_logprobs: kept offsets must rise from 0 to len(ids)")
 
 
 def _check_arguments(

@@ -16,27 +16,22 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.runs import (
-    LoadedBatch,
-    Run,
-    read_token_batch,
-    reads_whole,
-    restrict_steps,
-    row_keys,
-    step_chunks,
-    step_rows,
-)
+from pgdiag.data.load import LoadedBatch, read_token_batch
+from pgdiag.data.pieces import plan_step_pieces, reads_whole
+from pgdiag.data.runs import Run, restrict_steps, row_keys
 from pgdiag.data.schema import stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import (
     CheckResult,
     CheckSettings,
     Issue,
+    check_result,
     merge_check_results,
     merge_piece_issues,
     raise_first_error,
 )
 from pgdiag.errors import UsageError
+from pgdiag.metrics.kept import truncation_warning
 from pgdiag.metrics.pooled import QuantileSettings
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.gates import gate_policy
@@ -101,7 +96,10 @@ def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
         )
     if entropy is None and new in run.entropy_streams:
         entropy = new
-    return replace(settings, new=new, old=old, stream_a=stream_a, stream_b=stream_b, ref=ref, entropy=entropy)
+    kept = next((s for s in (stream_b, stream_a, new) if s is not None and s in run.kept_tags), None)
+    return replace(
+        settings, new=new, old=old, stream_a=stream_a, stream_b=stream_b, ref=ref, entropy=entropy, kept=kept
+    )
 
 
 def _pair_names(label: str, settings: MetricSettings) -> tuple[str, str | None]:
@@ -193,14 +191,18 @@ def compute_metrics(
         else StyleStream(settings)
     )
     feeder: DocStepFeeder | None = None
-    if reads_whole(run):  # a step column no chunk can filter, or a null step: the reader says which
-        return _whole_run_report(run, settings, checks)
     if settings.docs_per_step is None:  # chunks of consecutive steps, in step order
-        rows_per_step = step_rows(run)
-        budget = stream.budget(rows_per_step)
-        chunks = [(restrict_steps(run, c), None) for c in step_chunks(rows_per_step, budget)]
-        n_steps = len(rows_per_step)
+        plan = plan_step_pieces([run], stream.budget)
+        if not plan.by_step:  # a step column no chunk can filter, or a null step: the reader says which
+            return _whole_run_report(run, settings, checks)
+        chunks = [  # none for a run without rows
+            (run if p.steps is None else restrict_steps(run, p.steps), None)
+            for p in (plan.pieces if plan.rows_per_step else [])
+        ]
+        n_steps = len(plan.rows_per_step)
     else:  # chunks of real steps in read order, fed as whole steps of N documents
+        if reads_whole(run):
+            return _whole_run_report(run, settings, checks)
         keys = row_keys(run)  # (R,) rows: step, sample_id, group_id
         if keys is None or keys["step"].null_count():  # the whole read says what is wrong (E213, E102, ...)
             return _whole_run_report(run, settings, checks)
@@ -288,6 +290,7 @@ def _read(
         max_examples=checks.max_examples,
         piece=piece,
         raise_errors=not piece,
+        kept_of=[settings.kept] if settings.kept else [],
     )
     found: list[Issue] = []
     if "E206" not in checks.ignore:
@@ -313,6 +316,8 @@ def _zero_fill(batch: TokenBatch, a: str, b: str, max_examples: int) -> list[Iss
         single_stream=False,
         max_examples=max_examples,
         label=batch.label,
+        legit_a=batch.one_token_sets(a),
+        legit_b=batch.one_token_sets(b),
     )
 
 
@@ -409,7 +414,21 @@ def _report(
     }
     if checks is None:
         return Report(kind="metrics", summary=summary_frame(rows), meta=meta)
+    warning = None if "W413" in ignored else truncation_warning(run, settings.kept, _all_value(results))
+    if warning is not None:
+        checks = pl.concat([checks, check_result([warning]).issues], how="vertical_relaxed")
     return Report(kind="metrics", summary=summary_frame(rows), meta=meta, checks=checks)
+
+
+def _all_value(
+    results: Sequence[tuple[str, StepMetrics]], key: str = "mismatch/truncation_bias"
+) -> float | None:
+    """`key`'s value in the pooled ``all`` row (None when absent)."""
+    for label, step in results:
+        if label == "all":
+            value = step.by_key().get(key)
+            return None if value is None else value.value
+    return None
 
 
 def stream_report(

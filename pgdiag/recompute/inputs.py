@@ -2,7 +2,7 @@
 
 What: `read_inputs` collects the columns `pgdiag logprobs` needs from a run (step, sample_id, group_id,
 segment_idx, seq_hash, input_ids, loss_mask and the optional temperature columns) with the reader and the row
-rules every command runs (`pgdiag.data.runs.load_rows`, `pgdiag.data.validate.validate_rows`: E102, E103,
+rules every command runs (`pgdiag.data.load.load_rows`, `pgdiag.data.validate.validate_rows`: E102, E103,
 E201-E203, E208, E210-E213, one line naming the file, step and sample), sorts them in part-plan order
 (step, group_id, sample_id, segment_idx) and flattens the token lists into one buffer with per-sample offsets.
 `resolve_temperature` applies the `--temperature auto` rule and `plan_parts` cuts the rows into output parts.
@@ -23,10 +23,13 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.flat import flat_list, subset_rows
-from pgdiag.data.runs import FILE_COLUMN, Run, load_rows
+from pgdiag.data.kept import KeptColumns
+from pgdiag.data.load import load_rows
+from pgdiag.data.runs import FILE_COLUMN, Run
 from pgdiag.data.seqhash import input_fingerprint
 from pgdiag.data.validate import validate_rows
 from pgdiag.errors import InvalidInputError
+from pgdiag.recompute.kept_rules import SAMPLING_COLUMNS, sample_sampling
 
 # Defaults of `recompute_logprobs`, kept in this torch-free module so the CLI can show them without importing torch.
 DEFAULT_BATCH_TOKENS = 32768
@@ -49,6 +52,8 @@ class RecomputeInputs:
     routed_experts: np.ndarray | None = (
         None  # (T_total, L_sparse, k) int16 recorded routes, -1 = not recorded
     )
+    kept: KeptColumns | None = None  # the recorded kept sets (CSR per sample), when read
+    sampling: dict[str, np.ndarray] | None = None  # (S,) per-sample top_k / top_p / min_p, when read
 
     def keys(self, rows: range) -> list[tuple[int, str, int, int]]:
         return [
@@ -103,24 +108,32 @@ _HINTS = {"E208": "the rollouts were made with another tokenizer or model; check
 
 
 def read_inputs(
-    run: Run, vocab_size: int, routes: RouteShape | None = None, *, temperatures: bool = True
+    run: Run,
+    vocab_size: int,
+    routes: RouteShape | None = None,
+    *,
+    temperatures: bool = True,
+    kept: bool = False,
+    sampling: bool = False,
 ) -> RecomputeInputs:
     """The columns recompute needs, checked by the rules every command runs, sorted in part-plan order.
 
-    The rows are read and validated as `check` reads them (`pgdiag.data.runs.load_rows`, then
+    The rows are read and validated as `check` reads them (`pgdiag.data.load.load_rows`, then
     `pgdiag.data.validate.validate_rows` with the model's `vocab_size`): types (E103), structure and keys
     (E201, E202, E210-E213), loss positions (E203) and token ids (E208); the first error is raised.
     `routes`: read the optional ``routed_experts`` column (MoE models) and check it against this shape
     (E201 length, E218 expert id out of range); None or no such column leaves `routed_experts` None.
     `temperatures`: read the per-token temperatures (`--temperature auto`; E219 when unusable); False (an
-    explicit temperature) leaves the temperature columns unread.
+    explicit temperature) leaves the temperature columns unread. `kept`: read and check the recorded kept
+    sets (E220-E223); `sampling`: read the per-row top_k / top_p / min_p (for ``--kept-set reconstruct``).
     """
     source = str(run.root if run.root is not None else (run.paths[0] if run.paths else "RUN"))
     optional = (
         *(("temperature", "temperature_tok") if temperatures else ()),
         *((ROUTES_COLUMN,) if routes else ()),
+        *(SAMPLING_COLUMNS if sampling else ()),
     )
-    rows = load_rows(run, streams=(), scalars=optional)  # only the columns the run has
+    rows = load_rows(run, streams=(), scalars=optional, kept=kept)  # only the columns the run has
     found = validate_rows(rows.table, ignore=_NOT_RECOMPUTE_ERRORS, vocab_size=vocab_size)
     errors = sorted((i for i in (*rows.issues, *found.issues) if i.severity == "error"), key=lambda i: i.code)
     if errors:
@@ -150,7 +163,19 @@ def read_inputs(
         loss_mask=mask,
         temperature=_token_temperatures(frame, offsets, mask) if temperatures else None,
         routed_experts=_routes(frame, offsets, routes) if routes else None,
+        kept=table.kept,
+        sampling=_row_sampling(run, frame) if sampling else None,
     )
+
+
+def _row_sampling(run: Run, frame: pl.DataFrame) -> dict[str, np.ndarray]:
+    """(S,) top_k / top_p / min_p of every sample (row columns, else the run's defaults; see `recompute.kept`)."""
+    columns = {
+        name: frame[name].cast(pl.Float64).fill_null(np.nan).to_numpy()
+        for name in SAMPLING_COLUMNS
+        if name in frame.columns
+    }
+    return sample_sampling(run, columns, frame.height)
 
 
 def _routes(frame: pl.DataFrame, offsets: np.ndarray, shape: RouteShape) -> np.ndarray | None:

@@ -55,6 +55,8 @@ from pgdiag.recompute.inputs import (
     resolve_temperature,
     with_uniform_temperature,
 )
+from pgdiag.recompute.kept_batch import batch_kept
+from pgdiag.recompute.kept_rules import KeptPlan, hidden_bias_warning, inexact_warnings, resolve_kept_set
 from pgdiag.recompute.launch import ParallelLayout, barrier, current_layout, replica_parts
 from pgdiag.recompute.output import (
     MANIFEST_NAME,
@@ -71,7 +73,8 @@ if TYPE_CHECKING:
     from pgdiag.data.runs import Run
     from pgdiag.model import CausalLM, ModelConfig
 
-DTYPES = ("bf16", "fp32")
+DTYPES = ("bf16", "fp32", "fp16")  # body dtypes (fp16: the recompute matrix of `pgdiag explain`)
+HEAD_DTYPES = ("bf16", "fp32")
 IMPLS = ("auto", "triton", "torch")
 ROUTING_MODES = ("recompute", "replay")
 _IGNORED = -100
@@ -99,9 +102,18 @@ class RecomputeSettings:
     deterministic: bool = False
     routing: str = "recompute"  # MoE: "recompute" (the router picks) or "replay" (the recorded experts)
     experts: str = "none"  # MoE expert compute, resolved: loop or grouped; "none" for a dense model
+    kept_set: str = "off"  # scoring: recorded | reconstruct:<engine> (over K) | off (full vocabulary)
+    kept_source: str = (
+        "none"  # K of the kept mass: recorded | reconstruct:<engine> | none (recompute.kept_rules)
+    )
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The settings as recorded in the manifest; the kept-set fields only when used (so that a recompute
+        made before they existed still resumes)."""
+        out = asdict(self)
+        if self.kept_set == "off" and self.kept_source == "none":
+            del out["kept_set"], out["kept_source"]
+        return out
 
 
 @dataclass(frozen=True)
@@ -134,6 +146,7 @@ class RecomputeResult:
     routing_disagree_frac: float | None = (
         None  # MoE with recorded routes: tokens x layers whose top-k set differs
     )
+    truncation_bias: float | None = None  # mean -log kept mass over the loss tokens computed now (K known)
 
 
 def default_tag(dtype: str, head_dtype: str) -> str:
@@ -165,6 +178,7 @@ def recompute_rank(
     progress: Callable[[ProgressUpdate], None] | None = None,
     routing: str = "recompute",
     experts: str = "auto",
+    kept_set: str = "auto",
 ) -> RecomputeResult:
     """Recompute log-probs and entropy of `run` (a `pgdiag.Run` or a path) with `model` (a checkpoint directory or
     a loaded `pgdiag.model.CausalLM`) and write them as the stream `tag` (default ``rc_<dtype>_<head_dtype>``).
@@ -183,6 +197,10 @@ def recompute_rank(
     weights recomputed by the router), ``"recompute"`` lets the router choose; either way, when the column exists,
     the per step and layer fraction of tokens whose router top-k differs from the recorded one is written to
     ``_routing.parquet`` in the stream (`pgdiag.recompute.routing`). `experts`: "auto", "loop" or "grouped".
+    `kept_set` (docs/recompute.md, "Kept sets"): ``recorded`` / ``reconstruct[:vllm|:sglang]`` score each token
+    over its kept set K (renormalised), ``off`` over the full vocabulary, ``auto`` picks by the stream semantics
+    (`pgdiag.recompute.kept_rules`); with any source of K the stream also holds ``kept_mass`` and
+    ``logprobs_full``.
     """
     start_time = time.perf_counter()
     _check_options(dtype, head_dtype, impl, batch_tokens, part_samples, temperature)
@@ -207,7 +225,15 @@ def recompute_rank(
             "E506", f"--routing replay needs a mixture-of-experts model; {spec.config.architecture} is dense"
         )
     shape = RouteShape(len(moe.sparse_layer_indices), moe.top_k, moe.num_experts) if moe else None
-    inputs = read_inputs(run_obj, vocab_size, routes=shape, temperatures=temperature == "auto")
+    plan = resolve_kept_set(run_obj, kept_set)
+    inputs = read_inputs(
+        run_obj,
+        vocab_size,
+        routes=shape,
+        temperatures=temperature == "auto",
+        kept=plan.needs_recorded,
+        sampling=plan.reconstructs is not None,
+    )
     if routing == "replay" and inputs.routed_experts is None:
         raise UsageError(
             "E506",
@@ -218,6 +244,8 @@ def recompute_rank(
     temp_value, temp_source, warnings = resolve_temperature(run_obj, inputs, temperature)
     if temp_value is not None:
         inputs = with_uniform_temperature(inputs)
+    if plan.kept_source != "none":
+        warnings = (*warnings, *inexact_warnings(run_obj, temp_value))
     settings = RecomputeSettings(
         dtype=dtype,
         head_dtype=head_dtype,
@@ -235,6 +263,8 @@ def recompute_rank(
         micro_batch=micro_batch,
         routing=routing,
         experts=resolve_expert_impl(experts, spec.device, parse_dtype(dtype, "--dtype")) if moe else "none",
+        kept_set=plan.kept_set,
+        kept_source=plan.kept_source,
     )
     model_meta = spec.meta()
     parts = plan_parts(inputs, part_samples)
@@ -305,6 +335,7 @@ def recompute_rank(
             owned = replica_parts(len(parts), layout.dp_rank, layout.dp_size)
             mine = [parts[i] for i in owned if parts[i].relpath not in done]
             counts = [0, 0, 0]
+            bias_sum = [0.0, 0.0]  # sum of -log kept mass over loss tokens, and their count
             if mine and model_obj is not None:
                 counts = _compute_parts(
                     model_obj,
@@ -317,8 +348,11 @@ def recompute_rank(
                     progress,
                     tp_group=tp_group,
                     tag=tag,
+                    plan=plan,
+                    bias_sum=bias_sum,
                 )
             counts = _sum_over_ranks(counts, layout, spec.device)
+            bias_sum = _sum_floats_over_ranks(bias_sum, layout, spec.device)
             barrier()
 
             # 4. the marker, last: global rank 0 checks every planned part is on disk
@@ -337,6 +371,8 @@ def recompute_rank(
                 _remove_empty(created)
             raise
 
+    bias = bias_sum[0] / bias_sum[1] if bias_sum[1] else None
+    warnings = (*warnings, *hidden_bias_warning(plan, bias))
     return RecomputeResult(
         path=out_dir,
         tag=tag,
@@ -350,6 +386,7 @@ def recompute_rank(
         peak_memory_bytes=_peak_memory(spec.device),
         warnings=warnings,
         routing_disagree_frac=disagree,
+        truncation_bias=bias,
     )
 
 
@@ -374,6 +411,8 @@ def resume_command(
     words += [f"{option} {value}" for option, value, default in optional if value != default]
     if not settings.entropy:
         words.append("--no-entropy")
+    if settings.kept_set != "off" or settings.kept_source != "none":
+        words += ["--kept-set", settings.kept_set]
     if settings.tp > 1 or settings.dp > 1:
         words += ["--tp", str(settings.tp), "--dp", str(settings.dp)]
     if out is not None:
@@ -386,7 +425,7 @@ def _check_options(
 ) -> None:
     for name, value, choices in (
         ("dtype", dtype, DTYPES),
-        ("head_dtype", head_dtype, DTYPES),
+        ("head_dtype", head_dtype, HEAD_DTYPES),
         ("impl", impl, IMPLS),
     ):
         if value not in choices:
@@ -544,8 +583,11 @@ def _compute_parts(
     *,
     tp_group: Any,
     tag: str,
+    plan: KeptPlan,
+    bias_sum: list[float],
 ) -> list[int]:
-    """Compute and write `parts`; returns [tokens forwarded, loss tokens, parts computed]."""
+    """Compute and write `parts`; returns [tokens forwarded, loss tokens, parts computed]. With a source of
+    kept sets (`plan`), adds the sum of -log kept mass over the loss tokens and their count to `bias_sum`."""
     device = model.lm_head_weight.device
     lengths = np.diff(inputs.offsets)
     cumulative = np.concatenate([[0], np.cumsum(inputs.loss_mask, dtype=np.int64)])  # (T_total+1,)
@@ -562,6 +604,7 @@ def _compute_parts(
     for done_parts, (part, rows) in enumerate(active):
         logprobs = np.zeros(int(inputs.offsets[part.stop] - inputs.offsets[part.start]), dtype=np.float32)
         entropy = np.zeros_like(logprobs)
+        kept_cols = None if plan.kept_source == "none" else KeptOutput.zeros(logprobs.shape[0])
         base = int(inputs.offsets[part.start])
         route_tokens = np.zeros(len(sparse_layers), dtype=np.int64)
         route_disagree = np.zeros(len(sparse_layers), dtype=np.int64)
@@ -590,8 +633,25 @@ def _compute_parts(
                 targets = packed.targets.to(device)  # (K,)
                 flat = inputs.offsets[packed.target_sample] + packed.target_pos  # (K,) run token index
                 for temp, select in _temperature_groups(settings.temperature, inputs.temperature, flat):
+                    group_hidden = hidden if select is None else hidden[select.to(device)]
+                    group_flat = flat if select is None else flat[select.numpy()]
+                    group_samples = (
+                        packed.target_sample if select is None else packed.target_sample[select.numpy()]
+                    )
+                    kept = batch_kept(
+                        plan,
+                        inputs,
+                        group_flat,
+                        group_samples,
+                        hidden=group_hidden,
+                        head=head,
+                        temperature=temp,
+                        head_dtype=settings.head_dtype,
+                        tp_group=tp_group,
+                        vocab_start=int(model.vocab_start),
+                    )
                     result = lm_head_logprobs(
-                        hidden if select is None else hidden[select.to(device)],
+                        group_hidden,
                         head,
                         targets if select is None else targets[select.to(device)],
                         temperature=temp,
@@ -600,10 +660,16 @@ def _compute_parts(
                         tp_group=tp_group,
                         vocab_start=int(model.vocab_start),
                         ignore_index=_IGNORED,
+                        kept=kept,
                     )
-                    where = flat - base if select is None else (flat - base)[select.numpy()]
-                    logprobs[where] = result.logprobs.float().cpu().numpy()
-                    entropy[where] = result.entropy.float().cpu().numpy()
+                    where = group_flat - base
+                    scored_full = kept is not None and plan.kept_set == "off"
+                    lp = result.logprobs_full if scored_full else result.logprobs
+                    ent = result.entropy_full if scored_full else result.entropy
+                    logprobs[where] = lp.float().cpu().numpy()  # type: ignore[union-attr]
+                    entropy[where] = ent.float().cpu().numpy()  # type: ignore[union-attr]
+                    if kept_cols is not None and result.kept_mass is not None:
+                        kept_cols.put(where, result.kept_mass, result.logprobs_full, bias_sum)
                 tokens_done += packed.n_tokens
                 loss_done += packed.n_targets
                 samples_done += int(packed.sample_index.shape[0])
@@ -619,7 +685,7 @@ def _compute_parts(
             )
             write_part(
                 inputs, part, logprobs, entropy, out_dir, footer_base, with_entropy=settings.entropy, tag=tag,
-                routing=routing,
+                routing=routing, kept=None if kept_cols is None else kept_cols.columns(),
             )  # fmt: skip
         samples_done += (part.stop - part.start) - len(rows)
         if progress is not None:
@@ -712,6 +778,41 @@ def _sum_over_ranks(counts: list[int], layout: ParallelLayout, device: torch.dev
     total = torch.tensor(mine, dtype=torch.int64, device=device)
     torch.distributed.all_reduce(total)
     return [int(v) for v in total.tolist()]
+
+
+def _sum_floats_over_ranks(values: list[float], layout: ParallelLayout, device: torch.device) -> list[float]:
+    """Float totals over DP replicas (TP rank 0 of each replica contributes)."""
+    if layout.world_size == 1:
+        return values
+    mine = values if layout.is_writer else [0.0] * len(values)
+    total = torch.tensor(mine, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(total)
+    return [float(v) for v in total.tolist()]
+
+
+@dataclass
+class KeptOutput:
+    """A part's kept-set columns while it is computed: (T_part,) float32 kept mass and full log-probs."""
+
+    kept_mass: np.ndarray
+    logprobs_full: np.ndarray
+
+    @classmethod
+    def zeros(cls, n_tokens: int) -> KeptOutput:
+        return cls(np.ones(n_tokens, dtype=np.float32), np.zeros(n_tokens, dtype=np.float32))
+
+    def put(
+        self, where: np.ndarray, kept_mass: torch.Tensor, full: torch.Tensor | None, bias_sum: list[float]
+    ) -> None:
+        mass = kept_mass.float().cpu().numpy()
+        self.kept_mass[where] = mass
+        if full is not None:
+            self.logprobs_full[where] = full.float().cpu().numpy()
+        bias_sum[0] += float(-np.log(np.clip(mass.astype(np.float64), 1e-300, 1.0)).sum())
+        bias_sum[1] += float(mass.shape[0])
+
+    def columns(self) -> dict[str, np.ndarray]:
+        return {"kept_mass": self.kept_mass, "logprobs_full": self.logprobs_full}
 
 
 def _environment(device: torch.device) -> dict[str, Any]:

@@ -147,11 +147,13 @@ def write_part(
     with_entropy: bool,
     tag: str,
     routing: dict[str, Any] | None = None,
+    kept: dict[str, np.ndarray] | None = None,
 ) -> None:
     """One pgdiag.logprobs/v1 file: full-length lists, null off the loss positions.
 
     `logprobs` and `entropy` are (T_part,) float32 over the part's tokens; values off the loss mask are ignored.
     `routing`: the part's MoE routing counts (`pgdiag.recompute.routing.footer_entry`), kept in the footer.
+    `kept`: the kept-set columns (``kept_mass``, ``logprobs_full``, (T_part,) float32 each), written as lists too.
     """
     rows = slice(part.start, part.stop)
     base = int(inputs.offsets[part.start])
@@ -176,6 +178,8 @@ def write_part(
     }
     if with_entropy:
         columns["entropy"] = tokens(entropy)
+    for name, values in (kept or {}).items():
+        columns[name] = tokens(values)
     recompute = {**footer_base, "part": part.plan_entry(), **({"routing": routing} if routing else {})}
     footer = {"schema": LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY: recompute}
     write_parquet(pa.table(columns), out_dir / part.relpath, metadata=footer)

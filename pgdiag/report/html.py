@@ -246,9 +246,10 @@ def _compare_tables(report: Report) -> str:
 
 
 def _rule_parts(rule: str) -> tuple[str, str]:
-    """`token_mis:0.5,2` -> (`token_mis`, `0.5,2`); `none` -> (`none`, `no correction`)."""
+    """`token_mis:0.5,2` -> (`token_mis`, `0.5,2`); `none` -> (`none`, `no correction`); a rule without parameters
+    (`topr`) -> (`topr`, `defaults`)."""
     family, _, threshold = rule.partition(":")
-    return family, threshold or "no correction"
+    return family, threshold or ("no correction" if rule == "none" else "defaults")
 
 
 def _whatif_tables(report: Report) -> str:
@@ -560,6 +561,10 @@ def render_html(
         tables = _whatif_tables(report)
     elif report.kind == "drift":
         tables = _drift_tables(report, marks)
+    elif report.kind == "explain":
+        from pgdiag.report.explain_page import explain_tables
+
+        tables = explain_tables(report)
     else:
         tables = _compare_tables(report)
     sections = [

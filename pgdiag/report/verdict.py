@@ -52,7 +52,7 @@ class Finding:
     """One anomaly or problem: what, where (step, bucket or token) and by how much."""
 
     kind: str  # ess_low | ratio_max | kl_jump | clip_frac | empty_step | disagree | data_lost | change_point
-    # | error | warning
+    # | error | warning | signal_low | one_sign | length_collapse | chi2_negative | psis_unreliable
     metric: str | None
     step: str | None  # step id as in the report ("0", "1", ...), None when pooled or not step-bound
     value: float | None
@@ -379,6 +379,9 @@ def whatif_verdict(report: Report, thresholds: VerdictThresholds = VerdictThresh
                 f"{rule} drops {_percent(1.0 - kept)} of the tokens{sequences(rule)}{where(rule)}",
             )
         )
+    from pgdiag.report.whatif_findings import whatif_signal_findings
+
+    findings += whatif_signal_findings(report)
     if findings:
         head = (
             f"{len(lossy)} of {len(rules)} rules drop more than {_percent(t.whatif_lost_max)} of the tokens"

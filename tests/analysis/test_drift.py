@@ -10,7 +10,8 @@ import pytest
 
 from pgdiag.analysis.drift import change_points, drift, robust_sigma
 from pgdiag.analysis.settings import ChangePointSettings
-from pgdiag.data.runs import read_run, run_steps
+from pgdiag.data.pieces import run_steps
+from pgdiag.data.runs import read_run
 from pgdiag.metrics.api import compute_metrics
 from tests.rollout_factory import write_rollouts_file
 

@@ -7,14 +7,18 @@ change that fixes a number regenerates them in the same commit and says which ro
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import polars as pl
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: sample_paths, when run as a script
+from sample_paths import SAMPLE_DATA
+
 import pgdiag
 
-ROOT = Path(__file__).resolve().parents[2] / "sample_data"
+ROOT = SAMPLE_DATA
 HERE = Path(__file__).resolve().parent
 RUNS = ("run_a", "run_b", "synthetic_a", "synthetic_b")
 

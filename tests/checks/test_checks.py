@@ -9,6 +9,7 @@ import numpy as np
 import polars as pl
 import pytest
 from rollout_factory import valid_rows, write_rollouts_file
+from sample_paths import SAMPLE_DATA
 
 from pgdiag.checks.metadata import metadata_checks
 from pgdiag.checks.run import check_run, pair_checks
@@ -225,20 +226,20 @@ def test_cross_run_checks(tmp_path: Path) -> None:
 
 
 def test_sample_runs_pass_cleanly() -> None:
-    synthetic_a = read_run(REPO / "sample_data" / "synthetic_a")
-    synthetic_b = read_run(REPO / "sample_data" / "synthetic_b")
+    synthetic_a = read_run(SAMPLE_DATA / "synthetic_a")
+    synthetic_b = read_run(SAMPLE_DATA / "synthetic_b")
     assert synthetic_a.streams == ("rollout", "old", "new") and synthetic_a.label == "synthetic_a"
     for result in (check_run(synthetic_a), check_run(synthetic_b), check_run(synthetic_a, synthetic_b)):
         assert result.issues.height == 0 and result.exit_code == EXIT_OK
 
 
 def test_synthetic_runs_have_the_documented_statistics() -> None:
-    from pgdiag.data.runs import read_token_batch
+    from pgdiag.data.load import read_token_batch
 
     a = read_token_batch(
-        read_run(REPO / "sample_data" / "synthetic_a"), streams=["rollout", "old", "new"], env=True
+        read_run(SAMPLE_DATA / "synthetic_a"), streams=["rollout", "old", "new"], env=True
     ).batch
-    b = read_token_batch(read_run(REPO / "sample_data" / "synthetic_b"), streams=["rollout", "old"]).batch
+    b = read_token_batch(read_run(SAMPLE_DATA / "synthetic_b"), streams=["rollout", "old"]).batch
     assert a.n_samples == 128 and a.n_tokens == 15201
     np.testing.assert_array_equal(a.token_id, b.token_id)
     np.testing.assert_array_equal(a.streams["rollout"], b.streams["rollout"])

@@ -62,7 +62,8 @@ def _sample(rows: list[dict[str, Any]], step: int, k: int) -> dict[str, Any]:
 
 
 def _write(path: Path, rows: list[dict[str, Any]]):
-    write_rollouts_file(path, rows)
+    # a row group per step: the piece planner may then cut between any two steps (it keeps a row group whole)
+    write_rollouts_file(path, rows, row_group_rows=PER_STEP)
     return read_run(path)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from sample_paths import SAMPLE_DATA
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
@@ -229,7 +230,7 @@ def test_list_metrics_prints_the_catalogue_and_help_does_not(runner: CliRunner) 
 
 
 def test_miles_mismatch_metrics_reaches_the_style(runner: CliRunner) -> None:
-    run_a = Path(__file__).resolve().parents[2] / "sample_data" / "run_a"
+    run_a = SAMPLE_DATA / "run_a"
     outputs = {}
     for flags in ((), ("--mismatch-metrics",), ("--tis",)):
         result = invoke(runner, "metrics", run_a, "--key-style", "miles", *flags, "--json", "-q")

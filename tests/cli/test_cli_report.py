@@ -9,12 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
+from sample_paths import SAMPLE_DATA
 from typer.testing import CliRunner
 
 from pgdiag.report.report import load_report
 from tests.analysis.test_drift import synthetic_run
 
-SAMPLE = Path(__file__).resolve().parents[2] / "sample_data"
+SAMPLE = SAMPLE_DATA
 
 
 def invoke(*args: str):

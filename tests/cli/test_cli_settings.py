@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import typer
+from sample_paths import SAMPLE_DATA
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
@@ -20,7 +21,7 @@ from pgdiag.data.validate import CheckSettings
 from pgdiag.errors import UsageError
 from pgdiag.metrics.settings import ClipBand, MetricSettings, StyleOptions
 
-TOKENIZER = Path(__file__).resolve().parents[2] / "sample_data" / "tiny-qwen" / "tokenizer.json"  # read first
+TOKENIZER = SAMPLE_DATA / "tiny-qwen" / "tokenizer.json"  # read first
 READ_OPTIONS = {"steps", "run_name", "label", "attach", "label_a", "label_b"}  # read_run's arguments
 GATE_OPTIONS = {"fail_on", "warn_on", "profile", "strict", "exit_zero"}  # GateSettings
 RENDER_OPTIONS = {

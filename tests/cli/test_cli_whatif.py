@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from sample_paths import SAMPLE_DATA
 from typer.testing import CliRunner
 
 from pgdiag.analysis.settings import CorrectionRule, WhatifSettings
@@ -15,7 +16,7 @@ from pgdiag.analysis.whatif import whatif
 from pgdiag.data.runs import read_run
 from pgdiag.report.report import load_report
 
-RUN = str(Path(__file__).resolve().parents[2] / "sample_data" / "run_a")
+RUN = str(SAMPLE_DATA / "run_a")
 
 
 def invoke(*args: str):
@@ -32,7 +33,11 @@ def test_json_out_and_plot_match_the_library(tmp_path: Path):
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     obj = json.loads(result.stdout.strip().splitlines()[-1])
-    assert obj["command"] == "whatif" and obj["inputs"]["streams"] == ["rollout", "old"]
+    assert obj["command"] == "whatif" and obj["inputs"]["streams"] == [
+        "rollout",
+        "old",
+        "new",
+    ]  # new: for the proximal→θ rules
     assert list(obj["summary"]) == ["none", "token_tis:2", "seq_mis:0.5,2", "icepop:0.5,5"]
     rules = (
         CorrectionRule("token_tis", 2.0),
@@ -45,7 +50,12 @@ def test_json_out_and_plot_match_the_library(tmp_path: Path):
             expected = library.value(metric, breakdown="threshold", bucket=rule.label)
             assert obj["summary"][rule.label][metric] == pytest.approx(expected)
     assert 0 < obj["summary"]["icepop:0.5,5"]["whatif/tokens_affected"] < 0.05
-    assert set(obj["worst"]["token_tis:2"]) == {"step", "env", "position"}
+    assert set(obj["worst"]["token_tis:2"]) == {
+        "step",
+        "env",
+        "position",
+        "lag",
+    }  # lag: run_a has policy_version
     loaded = load_report(out / "whatif.parquet")
     assert loaded.kind == "whatif"
     assert loaded.summary.equals(library.summary)

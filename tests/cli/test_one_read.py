@@ -13,11 +13,12 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from sample_paths import SAMPLE_DATA
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
 
-SAMPLE_DATA = Path(__file__).resolve().parents[2] / "sample_data"
+SAMPLE_DATA = SAMPLE_DATA
 RUN_A, RUN_B = SAMPLE_DATA / "run_a", SAMPLE_DATA / "run_b"
 
 

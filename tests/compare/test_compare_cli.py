@@ -10,6 +10,7 @@ import numpy as np
 import polars as pl
 import pytest
 from batch_factory import random_samples, write_run
+from sample_paths import SAMPLE_DATA
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
@@ -312,7 +313,7 @@ def test_runs_with_different_sample_ids_join_on_seq_hash(tmp_path) -> None:
     assert forced.exit_code == 3 and "error[E304]" in forced.stderr
 
 
-SAMPLE_DATA = Path(__file__).resolve().parents[2] / "sample_data"
+SAMPLE_DATA = SAMPLE_DATA
 
 
 def _json_summary(*args: str) -> dict:

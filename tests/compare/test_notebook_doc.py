@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import polars as pl
+from sample_paths import SAMPLE_DATA
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "notebook.md"
@@ -19,7 +20,7 @@ def python_blocks(text: str) -> list[str]:
 def test_notebook_doc_runs(tmp_path) -> None:
     blocks = python_blocks(DOC.read_text(encoding="utf-8"))
     assert len(blocks) >= 10
-    (tmp_path / "sample_data").symlink_to(ROOT / "sample_data")
+    (tmp_path / "sample_data").symlink_to(SAMPLE_DATA)
     namespace: dict = {}
     cwd = os.getcwd()
     os.chdir(tmp_path)

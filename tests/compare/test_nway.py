@@ -8,6 +8,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
+from sample_paths import SAMPLE_DATA
 
 import pgdiag
 from pgdiag.compare.api import compare_runs
@@ -15,7 +16,7 @@ from pgdiag.compare.nway import MATRIX_STATISTIC, compare_many
 from pgdiag.compare.settings import CompareSettings
 from pgdiag.errors import UsageError
 
-SAMPLES = Path(__file__).resolve().parents[2] / "sample_data"
+SAMPLES = SAMPLE_DATA
 
 
 @pytest.fixture

@@ -11,15 +11,17 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from rollout_factory import default_footer, rollouts_frame, valid_rows
+from sample_paths import SAMPLE_DATA
 
 from pgdiag.cli.app import build_app
 from pgdiag.data import memory
+from pgdiag.data.load import load_rows
 from pgdiag.data.memory import MemoryLimits, available_memory, check_piece_memory, piece_bytes
-from pgdiag.data.runs import load_rows, read_run, restrict_steps
+from pgdiag.data.runs import read_run, restrict_steps
 from pgdiag.data.schema import REQUIRED_COLUMNS, encode_footer
 from pgdiag.errors import UsageError
 
-RUN_A = Path("sample_data/run_a")
+RUN_A = SAMPLE_DATA / "run_a"
 READ = {"input_ids", "loss_mask", "old_logprobs"}
 
 
@@ -126,7 +128,7 @@ def test_every_reader_refuses_with_one_e518_line_and_writes_nothing(
     args = {
         "check": ["check", str(RUN_A)],
         "metrics": ["metrics", str(RUN_A), "--out", str(tmp_path / "out")],
-        "compare": ["compare", str(RUN_A), "sample_data/run_b", "--out", str(tmp_path / "out")],
+        "compare": ["compare", str(RUN_A), str(SAMPLE_DATA / "run_b"), "--out", str(tmp_path / "out")],
     }[command]
     result = CliRunner().invoke(build_app(), args, env={"COLUMNS": "1000"})
     assert result.exit_code == 2, result.output

@@ -14,6 +14,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from sample_paths import SAMPLE_DATA
 
 import pgdiag
 from pgdiag.checks.run import check_run
@@ -23,7 +24,7 @@ from pgdiag.compare.settings import CompareSettings
 from pgdiag.errors import InvalidInputError
 from pgdiag.metrics.api import StreamSettings
 
-SAMPLES = Path(__file__).resolve().parents[2] / "sample_data"
+SAMPLES = SAMPLE_DATA
 
 
 def _with_step_type(tmp_path: Path, name: str, step_type: pa.DataType) -> Path:

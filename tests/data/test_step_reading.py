@@ -9,12 +9,15 @@ from typing import Any
 import numpy as np
 import pytest
 from rollout_factory import write_logprobs_part, write_rollouts_file
+from sample_paths import SAMPLE_DATA
 
-from pgdiag.data.runs import read_run, read_token_batch, restrict_steps, run_steps, step_chunks, step_rows
+from pgdiag.data.load import read_token_batch
+from pgdiag.data.pieces import run_steps, step_chunks, step_rows
+from pgdiag.data.runs import read_run, restrict_steps
 from pgdiag.data.seqhash import seq_hash
 from pgdiag.errors import InvalidInputError
 
-RUN_A = "sample_data/run_a"
+RUN_A = str(SAMPLE_DATA / "run_a")
 
 
 def test_step_rows_counts_every_row_of_each_step() -> None:

@@ -12,7 +12,8 @@ import pytest
 from rollout_factory import valid_rows, write_rollouts_file
 
 from pgdiag.checks.run import check_run
-from pgdiag.data.runs import read_run, read_token_batch
+from pgdiag.data.load import read_token_batch
+from pgdiag.data.runs import read_run
 from pgdiag.data.validate import CheckResult
 from pgdiag.errors import EXIT_GATE, EXIT_INVALID, EXIT_OK, InvalidInputError
 

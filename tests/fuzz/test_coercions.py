@@ -14,8 +14,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from clean_error import error_code, run_cli
+from sample_paths import SAMPLE_DATA
 
-SAMPLE = Path(__file__).resolve().parents[2] / "sample_data"
+SAMPLE = SAMPLE_DATA
 
 
 def _sample_table() -> pa.Table:

@@ -14,11 +14,12 @@ from pathlib import Path
 
 from clean_error import error_code, files_under, run_cli
 from rollout_factory import valid_rows, write_rollouts_file
+from sample_paths import SAMPLE_DATA
 
 from pgdiag.cli import run
 from pgdiag.report.report import load_report
 
-SAMPLE_RUN = Path(__file__).resolve().parents[2] / "sample_data" / "run_a"
+SAMPLE_RUN = SAMPLE_DATA / "run_a"
 
 
 def long_samples(n_tokens: int, gap: float) -> list[dict]:

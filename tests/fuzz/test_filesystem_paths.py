@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 from clean_error import error_code, files_under, run_cli
+from sample_paths import SAMPLE_DATA
 
-SAMPLE = Path(__file__).resolve().parents[2] / "sample_data"
+SAMPLE = SAMPLE_DATA
 RUN = SAMPLE / "run_a"
 MODEL = SAMPLE / "tiny-qwen"
 NOBODY = 65534

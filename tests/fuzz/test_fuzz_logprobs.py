@@ -19,9 +19,10 @@ from clean_error import error_code, run_cli
 from hypothesis import given
 from hypothesis import strategies as st
 from rollout_factory import valid_rows, write_rollouts_file
+from sample_paths import SAMPLE_DATA
 from test_fuzz_inputs import COLUMN_TYPES, FOOTER_KEYS, JSON_VALUES, fuzz_settings
 
-TINY = Path(__file__).resolve().parents[2] / "sample_data" / "tiny-qwen"
+TINY = SAMPLE_DATA / "tiny-qwen"
 CONFIG_KEYS = (
     "architectures",
     "head_dim",

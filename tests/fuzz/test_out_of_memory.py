@@ -18,10 +18,11 @@ import polars as pl
 import pyarrow as pa
 import pytest
 from clean_error import error_code, run_cli
+from sample_paths import SAMPLE_DATA
 
 from pgdiag.data.writing import source_meta, stream_meta, write_rollouts
 
-SAMPLE = Path(__file__).resolve().parents[2] / "sample_data"
+SAMPLE = SAMPLE_DATA
 ROOT = Path(__file__).resolve().parents[2]
 
 CAPPED_METRICS = """

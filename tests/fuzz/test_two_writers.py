@@ -13,10 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sample_paths import SAMPLE_DATA
+
 from pgdiag.report.report import load_report
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNS = (ROOT / "sample_data" / "run_a", ROOT / "sample_data" / "run_b")
+RUNS = (SAMPLE_DATA / "run_a", SAMPLE_DATA / "run_b")
 
 
 def start_both(out: Path, *extra: str) -> list[subprocess.CompletedProcess]:
@@ -106,7 +108,7 @@ def test_report_writers_take_turns_even_in_the_race_window(tmp_path: Path, monke
 # at once with E519 (a recompute can run for hours: it does not wait), or, when the first has already finished,
 # finds its complete result (E502). Before, both wrote parts and manifests into one directory.
 
-TINY = ROOT / "sample_data" / "tiny-qwen"
+TINY = SAMPLE_DATA / "tiny-qwen"
 LOGPROBS = ["--model", str(TINY), "--tag", "rc", "--dtype", "fp32", "--part-samples", "4", "--device", "cpu"]
 
 

@@ -9,17 +9,18 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
+from sample_paths import SAMPLE_DATA
 
 import pgdiag
 from pgdiag.data.seqhash import seq_hash
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.importers.base import ImportOptions
-from tests.importers.conftest import REPO, assert_nothing_written
+from tests.importers.conftest import assert_nothing_written
 
 
 @pytest.mark.parametrize("run", ["run_a", "run_b", "synthetic_a", "synthetic_b"])
 def test_canonical_reproduces_sample_runs(tmp_path, run):
-    src = REPO / "sample_data" / run
+    src = SAMPLE_DATA / run
     result = pgdiag.import_run("canonical", src, tmp_path / run)
     original = sorted((src / "rollouts").glob("step=*/part-*.parquet"))
     imported = sorted((tmp_path / run / "rollouts").glob("step=*/part-*.parquet"))
@@ -40,7 +41,7 @@ def test_canonical_reproduces_sample_runs(tmp_path, run):
 
 
 def test_import_then_compare_has_zero_deltas(tmp_path):
-    src = REPO / "sample_data" / "run_a"
+    src = SAMPLE_DATA / "run_a"
     a = pgdiag.import_run("canonical", src, tmp_path / "a")
     b = pgdiag.import_run("canonical", src, tmp_path / "b")
     report = pgdiag.compare_runs(pgdiag.read_run(a.path), pgdiag.read_run(b.path)).report

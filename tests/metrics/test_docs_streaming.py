@@ -19,7 +19,8 @@ import pytest
 from polars.testing import assert_frame_equal
 from rollout_factory import rollouts_frame, valid_rows, write_logprobs_part, write_rollouts_file
 
-from pgdiag.data.runs import read_run, read_token_batch, row_keys
+from pgdiag.data.load import read_token_batch
+from pgdiag.data.runs import read_run, row_keys
 from pgdiag.data.seqhash import seq_hash
 from pgdiag.data.validate import CheckSettings
 from pgdiag.errors import InvalidInputError, PgdiagError

@@ -18,7 +18,8 @@ from polars.testing import assert_frame_equal
 from rollout_factory import write_logprobs_part, write_rollouts_file
 
 from pgdiag.checks.run import check_run
-from pgdiag.data.runs import read_run, read_token_batch
+from pgdiag.data.load import read_token_batch
+from pgdiag.data.runs import read_run
 from pgdiag.data.seqhash import seq_hash
 from pgdiag.data.validate import CheckSettings, Issue, check_result, merge_check_results
 from pgdiag.errors import InvalidInputError

@@ -17,22 +17,22 @@ import functools
 import math
 import statistics
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 from metrics_batch_factory import make_batch
+from sample_paths import SAMPLE_DATA
 
 import pgdiag
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.runs import read_token_batch
+from pgdiag.data.load import read_token_batch
 from pgdiag.metrics.api import metric_streams, resolve_streams
 from pgdiag.metrics.engine import StepMetrics, compute_by_step
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.metrics.styles import STYLE_NAMES, compute_step_style
 from pgdiag.metrics.styles.pooled import POOL_RULES, PoolRule, pool_rules
 
-SAMPLE_DATA = Path(__file__).resolve().parents[2] / "sample_data"
+SAMPLE_DATA = SAMPLE_DATA
 WHOLE_GROUP_KEYS = {"count/groups", "count/groups_singleton", "count/groups_split", "frac_reward_zero_std"}
 
 # every style with each of its flags (docs/key-styles.md)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from sample_paths import SAMPLE_DATA
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
@@ -22,13 +23,13 @@ from pgdiag.recompute.jobs import recompute_logprobs
 from pgdiag.recompute.logprobs import ProgressUpdate
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "sample_data" / "tiny-qwen"
+TINY = SAMPLE_DATA / "tiny-qwen"
 
 
 @pytest.fixture
 def run_copy(tmp_path: Path) -> Path:
     run = tmp_path / "run_a"
-    shutil.copytree(ROOT / "sample_data" / "run_a", run, ignore=shutil.ignore_patterns("logprobs"))
+    shutil.copytree(SAMPLE_DATA / "run_a", run, ignore=shutil.ignore_patterns("logprobs"))
     return run
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from sample_paths import SAMPLE_DATA
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
@@ -23,7 +24,7 @@ from pgdiag.recompute.jobs import recompute_logprobs
 from pgdiag.recompute.logprobs import ProgressUpdate
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "sample_data" / "tiny-qwen"
+TINY = SAMPLE_DATA / "tiny-qwen"
 OPTIONS = ["--dtype", "fp32", "--part-samples", "2", "--batch-tokens", "256", "--device", "cpu"]
 
 
@@ -31,9 +32,7 @@ OPTIONS = ["--dtype", "fp32", "--part-samples", "2", "--batch-tokens", "256", "-
 def run_copy(tmp_path: Path) -> Path:
     """Step 0 of the sample run: 32 samples, 16 parts of 2."""
     run = tmp_path / "run_a"
-    shutil.copytree(
-        ROOT / "sample_data" / "run_a", run, ignore=shutil.ignore_patterns("logprobs", "step=[123]")
-    )
+    shutil.copytree(SAMPLE_DATA / "run_a", run, ignore=shutil.ignore_patterns("logprobs", "step=[123]"))
     return run
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sample_paths import SAMPLE_DATA
 from typer.testing import CliRunner
 
 pytest.importorskip("tensorboard")
@@ -16,7 +17,7 @@ from pgdiag.report.export import step_scalars
 from pgdiag.report.report import load_report
 from tests.analysis.test_drift import N_STEPS, synthetic_run
 
-SAMPLE = Path(__file__).resolve().parents[2] / "sample_data"
+SAMPLE = SAMPLE_DATA
 
 
 def invoke(*args: str):

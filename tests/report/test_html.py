@@ -13,6 +13,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from sample_paths import SAMPLE_DATA
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
@@ -24,7 +25,7 @@ from pgdiag.report.report import Report, ReportRow, summary_frame
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chromium_page import VIEWPORT, chromium_binary, open_page
 
-SAMPLE = Path(__file__).resolve().parents[2] / "sample_data"
+SAMPLE = SAMPLE_DATA
 needs_chromium = pytest.mark.skipif(chromium_binary() is None, reason="no chromium binary on PATH")
 
 

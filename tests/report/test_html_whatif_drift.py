@@ -12,6 +12,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from sample_paths import SAMPLE_DATA
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
@@ -21,7 +22,7 @@ from tests.analysis.test_drift import JUMP_AT, synthetic_run
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chromium_page import VIEWPORT, chromium_binary, open_page
 
-SAMPLE = Path(__file__).resolve().parents[2] / "sample_data"
+SAMPLE = SAMPLE_DATA
 needs_chromium = pytest.mark.skipif(chromium_binary() is None, reason="no chromium binary on PATH")
 
 
@@ -138,7 +139,11 @@ def test_whatif_tables_equal_the_report(pages, name) -> None:
     tables = _tables(pages[name])
     rules = report.meta["settings"]["rules"]
     kept = _table(tables, "data kept and ESS")
-    assert [f"{r['rule'][0]}:{r['threshold'][0]}" for r in kept] == ["none:no correction", *rules]
+    labels = [
+        r["rule"][0] if r["threshold"][0] == "defaults" else f"{r['rule'][0]}:{r['threshold'][0]}"
+        for r in kept
+    ]
+    assert labels == ["none:no correction", *rules]
     columns = {
         "tokens hit": "whatif/tokens_affected",
         "sequences hit": "whatif/seqs_affected",

@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+from sample_paths import SAMPLE_DATA
 
 from pgdiag.errors import UsageError
 from pgdiag.report import plots
 from pgdiag.report.report import Report, ReportRow, summary_frame
 
-SAMPLE = Path(__file__).resolve().parents[2] / "sample_data"
+SAMPLE = SAMPLE_DATA
 PAIR = "run_a:new vs run_b:new"
 
 

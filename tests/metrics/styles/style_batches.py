@@ -1,7 +1,7 @@
 """Small explicit `TokenBatch`es for the key-style tests, and the worked example of docs/metrics.md.
 
 Token-level inputs are given per sample as Python lists (loss positions only, so a masked token is simply
-left out); `make_batch` flattens them the way `pgdiag.data.runs.read_token_batch` lays out a real batch.
+left out); `make_batch` flattens them the way `pgdiag.data.load.read_token_batch` lays out a real batch.
 """
 
 from __future__ import annotations
