@@ -165,6 +165,11 @@ class Code(StrEnum):
         "the dump's old log-probs come from the training forward (kept, flagged)",
         0,
     )
+    UNREAD_FLOAT_LIST = (
+        "W704",
+        "a per-token float column of no canonical name is kept but read as no stream (--map it)",
+        0,
+    )
     # checkpoints
     UNSUPPORTED_ARCHITECTURE = ("E601", "unsupported model architecture", 2)
     UNSUPPORTED_ROPE = ("E602", "unsupported RoPE configuration", 2)
