@@ -166,6 +166,13 @@ class CompareOptions:
         Path | None,
         typer.Option("--tokens-out", help="Write the exploded token table here.", rich_help_panel=OUTPUT),
     ] = None
+    exact: Annotated[
+        bool,
+        typer.Option(
+            "--exact",
+            help="Bitwise agreement: tokens with any nonzero Δ, the first one, a ULP histogram; fails on any.",
+        ),
+    ] = False
 
     def settings(self, metric: MetricOptions, check: CheckOptions) -> CompareSettings:
         """The `CompareSettings`; `metric` gives the clip band and, with --metrics, each run's metric settings."""
@@ -183,6 +190,7 @@ class CompareOptions:
             checks=check.settings(),
             model=self.model,
             tokenizer=self.tokenizer,
+            exact=self.exact,
         )
 
 
@@ -306,9 +314,10 @@ def _refuse_conflicts(
         raise UsageError(
             "E503", "--baseline picks the reference of an N-way compare: give three RUNs or more"
         )
-    if len(others) >= 2 and (options.tokens_out is not None or output.html is not None):
+    if len(others) >= 2 and (options.tokens_out is not None or output.html is not None or options.exact):
         raise UsageError(
-            "E503", "--tokens-out and --html compare two runs; drop them for N-way (--out keeps the report)"
+            "E503",
+            "--tokens-out, --html and --exact compare two runs; drop them for N-way (--out keeps the report)",
         )
     return others
 
@@ -317,7 +326,7 @@ def _render(
     screen: Screen, report: Any, decision: Any, decode: Any, worst_k: int, output: OutputSettings
 ) -> None:
     """The parity table, breakdowns (-v), worst tokens and gates on stdout; check findings on stderr."""
-    from pgdiag.cli.render import render_checks, render_gates
+    from pgdiag.cli.render import render_checks, render_exact, render_gates
 
     render_checks(screen.notes, report.checks)
     if output.quiet:  # rich lays tables out even on a quiet console: skip the work
@@ -327,6 +336,8 @@ def _render(
         render_breakdowns(screen.results, report)
     limit = worst_k if output.verbose else min(worst_k, 5)
     render_worst_tokens(screen.results, report, limit=limit, decode=decode)
+    if "exact" in report.meta:
+        render_exact(screen.results, report.meta["exact"])
     render_gates(screen.results, decision.gates)
 
 
@@ -355,6 +366,7 @@ def _result(report: Any, decision: Any, verdict: Any, *, two_runs: bool) -> dict
         gates=[g.__dict__ for g in decision.gates.gates],
         checks=report.checks.to_dicts(),
         verdict=verdict.as_dict(),
+        **({"exact": report.meta["exact"]} if "exact" in report.meta else {}),
     )
 
 

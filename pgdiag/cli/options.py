@@ -104,7 +104,7 @@ WarnOnOpt = Annotated[
 ]
 ProfileOpt = Annotated[
     str | None,
-    _option("--profile", "Threshold set: recommended, nemo, verl, slime, deterministic.", THRESHOLDS),
+    _option("--profile", "Threshold set: recommended, nemo, verl, slime, deterministic, exact.", THRESHOLDS),
 ]
 ExitZeroOpt = Annotated[bool, _option("--exit-zero", "Exit 0 when a gate fails (2 and 3 stay).", THRESHOLDS)]
 JsonOpt = Annotated[

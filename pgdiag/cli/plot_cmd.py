@@ -51,7 +51,7 @@ HELP = """Redraw plots from a saved report (compare, metrics, whatif or drift) o
 recomputation.
 
 --kind all (the default) draws every kind the source supports and lists those it leaves out, with why.
---html PAGE also writes a one-file HTML report of a saved report.
+--html PAGE writes a one-file HTML report of a saved report, and the figures only where --out says.
 Existing figures in --out are kept (E502) unless --overwrite is given; the files written are listed.
 """
 
@@ -68,7 +68,14 @@ KindOpt = Annotated[
         "--kind", help="Plot kind (repeatable; default: all the source supports).", rich_help_panel=OUTPUT
     ),
 ]
-FiguresOpt = Annotated[Path, typer.Option("--out", help="Directory for the figures.", rich_help_panel=OUTPUT)]
+FiguresOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        help="Directory for the figures (default: plots/, or none with --html: the page embeds them).",
+        rich_help_panel=OUTPUT,
+    ),
+]
 FormatOpt = Annotated[PlotFormat, typer.Option("--format", help="Figure format.", rich_help_panel=OUTPUT)]
 DpiOpt = Annotated[
     int,
@@ -90,7 +97,7 @@ def plot(
     source: SourceArg,
     *,
     kind: KindOpt = None,
-    out: FiguresOpt = Path("plots"),
+    out: FiguresOpt = None,
     fmt: FormatOpt = PlotFormat.png,
     dpi: DpiOpt = 120,
     output: Annotated[OutputSettings, Fields("html", "overwrite", "json_out", "quiet")],
@@ -106,9 +113,10 @@ def plot(
 
         if check_input_path(source) is None:
             raise UsageError("E501", f"{source}: no such file or directory")
-        check_destination(
-            out, [], overwrite=output.overwrite, hint="--out takes the directory of the figures"
-        )
+        figures_dir = Path("plots") if out is None and output.html is None else out  # --html alone: the page
+        hint = "--out takes the directory of the figures"
+        if figures_dir is not None:
+            check_destination(figures_dir, [], overwrite=output.overwrite, hint=hint)
         output.refuse_existing("plot")
         report, tokens, trace = _read_source(source, html=output.html is not None)
         page_verdict = _saved_verdict(report) if report is not None else {}
@@ -116,11 +124,11 @@ def plot(
         plot_set = plots.build_figures(
             report, kinds=wanted, tokens=tokens, trace=trace, marks=page_verdict.get("marks", ())
         )
-        figures = [out / f"{k}.{fmt.value}" for k in plot_set.figures]
-        check_destination(
-            out, figures, overwrite=output.overwrite, hint="--out takes the directory of the figures"
-        )
-        files: dict[str, Any] = {"plots": plots.save_figures(plot_set, out, fmt=fmt.value, dpi=dpi)}
+        files: dict[str, Any] = {}
+        if figures_dir is not None:
+            figures = [figures_dir / f"{k}.{fmt.value}" for k in plot_set.figures]
+            check_destination(figures_dir, figures, overwrite=output.overwrite, hint=hint)
+            files["plots"] = plots.save_figures(plot_set, figures_dir, fmt=fmt.value, dpi=dpi)
         if output.html is not None:
             from pgdiag.report.html import write_html
 
@@ -162,6 +170,10 @@ def _read_source(source: Path, *, html: bool) -> tuple[Any, Any, Any]:
                 )
             return None, read_table_file(source, finite=("lp_a", "lp_b")), None
     report = load_report(source)
+    if report.summary.height == 0:
+        raise UsageError(
+            "E511", f"{source}: the report has no rows to plot", "rerun the command that wrote it"
+        )
     report_file = (
         source
         if source.is_file()

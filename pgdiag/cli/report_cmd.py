@@ -23,8 +23,9 @@ from pgdiag.cli.outputs import OutputSettings
 
 HELP = """Re-render a saved report without recomputing it; gates are re-evaluated on its stored values.
 
-Any kind (metrics, compare, whatif, drift): a table of its headline rows, --markdown for a CI comment,
---html for the one-file page (its verdict derived again from the stored values), --pivot for the wide table.
+Any kind (metrics, compare, whatif, drift): a table of its headline rows (pair, scope, bucket, metric,
+value), --markdown for a CI comment, --html for the one-file page, --pivot for the wide table; the last line
+is the report's verdict, derived again from the stored values (compare: judged by the gates given).
 """
 
 SourceArg = Annotated[str, typer.Argument(help="A report .parquet file, or a directory holding one report.")]
@@ -58,10 +59,12 @@ def report(
     """The `report` command (help: `HELP`)."""
 
     def body(screen: Screen) -> dict[str, Any]:
+        from pgdiag.cli.render import render_verdict
         from pgdiag.data.writing import atomic_write, check_destination
         from pgdiag.report.gates import outcome
         from pgdiag.report.markdown import report_markdown
         from pgdiag.report.report import load_report
+        from pgdiag.report.verdict import report_verdict
 
         if markdown is not None:
             check_destination(
@@ -71,10 +74,10 @@ def report(
         loaded = load_report(source)
         verdict = outcome(loaded, gate.settings())
         gates = [g.__dict__ for g in verdict.gates.gates]
+        results = screen.notes if pivot else screen.results  # --pivot: the CSV alone on stdout
+        saved_verdict = report_verdict(loaded, verdict.gates)  # from the stored values, as --html shows it
         if not output.quiet:
-            _render(
-                screen.notes if pivot else screen.results, loaded, source, verdict
-            )  # --pivot: the CSV alone
+            _render(results, loaded, source, verdict)
         result = result_object(
             "report",
             status=verdict.status,
@@ -84,6 +87,7 @@ def report(
             checks=loaded.checks.to_dicts(),
             kind=loaded.kind,
             summary=loaded.to_json_dict()["summary"],
+            verdict=saved_verdict.as_dict(),
         )
         if markdown is not None:
             text = report_markdown(loaded, gates, verdict.status)
@@ -94,6 +98,7 @@ def report(
             result["files"]["html"] = str(page)
         if pivot and not output.json_out:
             sys.stdout.write(loaded.wide().write_csv())
+        render_verdict(results, saved_verdict)
         return result
 
     execute("report", body, json_out=output.json_out, quiet=output.quiet)
@@ -107,10 +112,10 @@ def _render(console: Any, loaded: Any, source: str, verdict: Any) -> None:
     from pgdiag.report.markdown import headline_rows
 
     table = Table(title=f"{loaded.kind} report {source}", title_justify="left")
-    for header in ("pair", "bucket", "metric", "value"):
+    for header in ("pair", "scope", "bucket", "metric", "value"):
         table.add_column(header, justify="right" if header == "value" else "left")
-    for pair, bucket, metric, value, unit, _ in headline_rows(loaded).iter_rows():
-        table.add_row(pair, bucket, metric, format_value(value, unit))
+    for pair, scope, bucket, metric, value, unit, _ in headline_rows(loaded).iter_rows():
+        table.add_row(pair, scope, bucket, metric, format_value(value, unit))
     console.print(table)
     render_gates(console, verdict.gates)
 

@@ -51,6 +51,11 @@ class RowTable:
         return self.frame.height
 
 
+# Per-token metadata lists read by `check` for their rules alone (E201 length, E207 non-finite): no loss
+# positions are gathered for them and the value rules of streams do not apply.
+METADATA_LISTS = ("temperature_tok", "policy_version_tok")
+
+
 def subset_rows(table: RowTable, keep: np.ndarray) -> RowTable:
     """The rows `keep` ((K,) int64 indices, in the order given) of `table`, every list column re-flattened."""
     keep = np.asarray(keep, dtype=np.int64)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pgdiag.data.flat import RowTable
+from pgdiag.data.flat import METADATA_LISTS, RowTable
 from pgdiag.data.kept import position_sizes
 
 
@@ -44,7 +44,7 @@ def loss_view(table: RowTable) -> LossView:
     valid: dict[str, np.ndarray | None] = {}
     mask = table.lists["loss_mask"].values
     for column, flat in table.lists.items():
-        if column in ("input_ids", "loss_mask"):
+        if column in ("input_ids", "loss_mask", *METADATA_LISTS):
             continue
         gathered = flat.values[mask].astype(np.float32, copy=False)  # (M,) float32 until the batch
         column_valid = None

@@ -20,7 +20,8 @@ from pgdiag.recompute.inputs import DEFAULT_BATCH_TOKENS, DEFAULT_PART_SAMPLES
 if TYPE_CHECKING:
     from pgdiag.data.runs import Run
 
-DTYPES = ("bf16", "fp32")
+DTYPES = ("bf16", "fp32", "fp16")  # body dtypes (fp16: the recompute matrix of `pgdiag explain`)
+HEAD_DTYPES = ("bf16", "fp32")
 IMPLS = ("auto", "triton", "torch")
 ORDERS = ("length", "source")
 ATTENTIONS = ("auto", "sdpa", "varlen")
@@ -62,7 +63,7 @@ class RecomputeSettings:
     def __post_init__(self) -> None:
         for name, choices in (
             ("dtype", DTYPES),
-            ("head_dtype", DTYPES),
+            ("head_dtype", HEAD_DTYPES),
             ("impl", IMPLS),
             ("order", ORDERS),
             ("attn", ATTENTIONS),
