@@ -114,7 +114,7 @@ def test_readme_comments_are_true(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         result = runner.invoke(build_app(), command, env={"COLUMNS": "100"})
         assert result.exit_code in (0, 1), (name, result.output)
         head = "compare" if name == "report" else name
-        assert result.stderr.rstrip("\n").split("\n")[-1].startswith(f"{head}: "), (
+        assert result.stdout.rstrip("\n").split("\n")[-1].startswith(f"{head}: "), (  # the verdict: stdout
             name,
-            result.stderr[-300:],
+            result.stdout[-300:],
         )
