@@ -26,7 +26,14 @@ import polars as pl
 
 from pgdiag.checks.signatures import Signatures, signature_issues
 from pgdiag.compare import breakdowns as bd
-from pgdiag.compare.align import AlignedPair, Deferred, align_batches, unmatched_side
+from pgdiag.compare.align import AlignedPair, Deferred, align_batches, finite_only, unmatched_side
+from pgdiag.compare.exact import (
+    EXACT_GATES,
+    ExactAgreement,
+    ExactResult,
+    check_float32_storage,
+    exact_rows,
+)
 from pgdiag.compare.parity import unit_and_reduction
 from pgdiag.compare.pieces import Piece, checked_matches, concat_batches, plan_pieces
 from pgdiag.compare.pooled import PooledParity
@@ -424,6 +431,10 @@ def _compare_runs(
     checks_b: list[CheckResult] = []
     shown: list[SideMetrics] = []  # each run's own metrics, fed piece by piece (--metrics)
     tau_samples = None if model is None else TauSamples()  # the first matched tokens the τ fit reads
+    exact = ExactAgreement() if settings.exact else None
+    if exact is not None:
+        check_float32_storage(a, sa)
+        check_float32_storage(a if one_run else b, sb)
     pair: AlignedPair | None = None
     side_a = side_b = None
     la = lb = ""
@@ -488,8 +499,12 @@ def _compare_runs(
             ignore=ignore,
             deferred=len(pieces) > 1,
             matches=checked_matches(piece, batch_a, batch_b),
+            keep_nonfinite=exact is not None,
         )
         del batch_a, batch_b
+        if exact is not None:
+            exact.add(piece_pair)
+            piece_pair = finite_only(piece_pair)
         side_a = _aligned(side_a)
         side_b = side_a if one_run else _aligned(side_b)
         if piece_pair.deferred is not None:
@@ -536,6 +551,11 @@ def _compare_runs(
             ReportRow(name, "token", "all", "all", "mismatch/tau_fit_rms", tau.rms, "nats", "fit", tau.n)
         )
         issues_tau = _tau_warning(name, la, lb, pooled.n_tokens, tau.tau)
+    exact_result = None
+    if exact is not None:
+        found = [*(pair.issues if pair is not None else ()), *deferred_issues]
+        exact_result = exact.finish(sum(i.count for i in found if i.code in ("W303", "E303")))
+        rows += exact_rows(exact_result, name)
     side_meta: dict[str, Any] = {}
     if shown:
         side_rows, side_meta = side_by_side_rows(shown)
@@ -569,6 +589,7 @@ def _compare_runs(
         diagnosis=diagnosis,
         tau_fit=None if tau is None else tau.tau,
         side_meta=side_meta,
+        exact=exact_result,
     )
 
 
@@ -624,6 +645,7 @@ def pair_comparison(
     diagnosis: Signatures,
     tau_fit: float | None,
     side_meta: dict[str, Any] | None = None,
+    exact: ExactResult | None = None,
 ) -> Comparison:
     """The `Comparison` of one pooled pair: its summary rows, checks (`issues` after the reader's), meta, worst
     tables and trace. `pair` is the aligned pair of a one-piece read (else None: `held` has the counts);
@@ -637,7 +659,9 @@ def pair_comparison(
     n_samples_b = pair.n_samples_b if pair is not None else held.n_b
     meta = {
         "pairs": [name],
-        "gate_policy": gate_policy(default_family="mismatch"),
+        "gate_policy": gate_policy(
+            default_family="mismatch", fail_on=EXACT_GATES if exact is not None else ()
+        ),
         "labels": {"a": la, "b": lb},
         "streams": {"a": sa, "b": sb},
         "join": pair.join if pair is not None else held.join,
@@ -661,6 +685,7 @@ def pair_comparison(
             }
         },
         **({"side_metrics": side_meta} if side_meta else {}),
+        **({"exact": {name: exact.as_dict()}} if exact is not None else {}),
     }
     worst_tok, worst_seq = pooled.worst()
     report = Report(
