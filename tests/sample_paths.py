@@ -18,6 +18,7 @@ CHECKOUT_SAMPLE_DATA = Path(__file__).resolve().parents[1] / "sample_data"
 
 def _clean_copy() -> Path:
     root = Path(tempfile.mkdtemp(prefix="pgdiag-sample-data-"))
+    root.chmod(0o755)  # readable by others, as the checkout is: the permission tests run commands as `nobody`
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     target = root / "sample_data"
     shutil.copytree(

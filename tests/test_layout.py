@@ -2,9 +2,9 @@
 
 Every ``import``/``from ... import`` in pgdiag/ (also those inside functions) is parsed. Arrows point down only:
 `cli` -> every stage; `compare` -> checks, metrics, report, data (and model, for the exact temperature fit from
-logits); `recompute` -> model, kernels, data; `metrics`, `checks`, `importers` -> report, data; `model`, `kernels`
+logits); `explain` -> recompute, model, kernels, compare, checks, metrics, report, data; `recompute` -> model, kernels, data; `metrics`, `checks`, `importers` -> report, data; `model`, `kernels`
 -> errors only (never polars); `data` -> errors only (never torch). Only `cli/` imports typer and rich; only
-`report/plots.py` and `report/html.py` import matplotlib. ``import pgdiag`` (the version) is allowed everywhere.
+`report/plots.py`, `report/explain_plots.py` and `report/html.py` import matplotlib. ``import pgdiag`` (the version) is allowed everywhere.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "analysis": {"report", "data", "metrics", "checks"},
     "recompute": {"model", "kernels", "data"},
     "compare": {"checks", "metrics", "report", "data", "model"},  # model: `compare/tau.py` needs logits
+    "explain": {"recompute", "model", "kernels", "compare", "checks", "metrics", "report", "data"},
     "hooks": {"data", "importers"},
     "capture": {"data", "importers", "hooks"},
     "cli": {"*"},
@@ -36,7 +37,7 @@ ALLOWED: dict[str, set[str]] = {
 THIRD_PARTY_ONLY_IN = {
     "typer": {"cli"},
     "rich": {"cli"},
-    "matplotlib": {"report/plots.py", "report/html.py"},
+    "matplotlib": {"report/plots.py", "report/html.py", "report/explain_plots.py"},
 }
 NEVER_IN = {"model": {"polars"}, "kernels": {"polars"}, "data": {"torch"}}
 

@@ -160,10 +160,15 @@ class WhatifSettings:
     target: str | None = None
     rules: tuple[CorrectionRule, ...] = ()
     divisor: float | None = None
+    losses: str | None = None  # `FORM@MODE,FORM@MODE`: gradient parity of two loss definitions
 
     def __post_init__(self) -> None:
         if self.divisor is not None and not self.divisor > 0:
             raise UsageError("E503", f"--divisor must be > 0, got {self.divisor}")
+        if self.losses is not None:
+            from pgdiag.analysis.losses import parse_losses
+
+            parse_losses(self.losses)
 
     def grid(self) -> tuple[CorrectionRule, ...]:
         """The rules to replay: the user's, else the default grid."""

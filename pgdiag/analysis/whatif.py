@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from pgdiag.analysis.losses import loss_parity_rows, parse_losses
 from pgdiag.analysis.rules import PROXIMAL_THETA, Replay, RuleEffect, apply_named_rule, verl_chain
 from pgdiag.analysis.settings import POSITION_EDGES, RULE_KINDS, CorrectionRule, WhatifSettings
 from pgdiag.analysis.signal import batch_weights, psis_rows, rule_signal, zero_advantage_groups
@@ -287,6 +288,9 @@ def whatif_batch(
         )
         add("none", "whatif/zero_advantage_groups", float(groups), n_seq)
     rows.extend(psis_rows(batch, log_ratio, pair))
+    if settings.losses is not None and has_loss:
+        forms = parse_losses(settings.losses)
+        rows += loss_parity_rows(batch, forms, replays, rule_effect, settings.divisor, pair)
     if lag is not None:
         rows += staleness_rows(batch, lag, behavior=behavior, target=target, new=new, pair=pair, later=later)
     for rule in settings.grid():

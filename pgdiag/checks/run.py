@@ -27,7 +27,7 @@ from pgdiag.checks.pairs import (
 from pgdiag.checks.samples import CrossRunParts, cross_run_findings, cross_run_parts, one_side_parts
 from pgdiag.checks.signatures import SignatureStats, signature_issues, signature_stats
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.flat import FlatList, RowTable, flat_list
+from pgdiag.data.flat import METADATA_LISTS, FlatList, RowTable, flat_list
 from pgdiag.data.kept import KEPT_COLUMNS, kept_from_series
 from pgdiag.data.load import batch_inputs, build_token_batch, load_rows
 from pgdiag.data.pieces import plan_step_pieces
@@ -196,8 +196,8 @@ def _add_piece(
             piece,
             streams=list(dict.fromkeys(pair_streams)),
             entropy=run.entropy_streams,
-            scalars=["advantage", "reward", "env"],
-            lists=["advantages"],
+            scalars=["advantage", "reward", "env", "temperature"],
+            lists=["advantages", *METADATA_LISTS],
         )
     except InvalidInputError as exc:  # unreadable rows: this one issue is the run's finding, as for one read
         found.failed = Issue(exc.code, "error", 1, exc.message, hint=exc.hint)
@@ -263,6 +263,17 @@ def _finish(found: _RunFindings) -> list[Issue]:
             )
         )
     issues += metadata_checks(found.run.meta, found.pair_streams, recompute_settings(found.run))
+    if not found.run.streams:  # docs/schema.md: at least one stream column (a text-only import has none yet)
+        issues.append(
+            Issue(
+                "E102",
+                "error",
+                1,
+                f"{found.run.display_path(found.run.paths[0])}: no log-prob stream (no *_logprobs column, "
+                "no recompute under logprobs/)",
+                hint="recompute one with pgdiag logprobs RUN --model CKPT, or import the run's log-probs",
+            )
+        )
     return issues
 
 

@@ -3,7 +3,7 @@
 Commands: ``check`` (validation and alignment), ``metrics`` (policy-gradient metric set and every loss
 aggregation), ``compare`` (parity of two runs), ``plot`` (redraw a report's plots), ``logprobs``/``recompute``
 (new log-probs and entropy from a checkpoint), ``import`` (a framework's rollout dump to a canonical run), ``whatif`` (off-policy correction rules replayed
-on a saved batch), ``drift`` (per-step metrics over a whole run, with change points), ``report`` (re-render a saved report). ``python -m pgdiag`` is the same program.
+on a saved batch), ``drift`` (per-step metrics over a whole run, with change points), ``report`` (re-render a saved report), ``explain`` (why two streams disagree, attributed to causes). ``python -m pgdiag`` is the same program.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pgdiag.cli import (
     check_cmd,
     compare_cmd,
     drift_cmd,
+    explain_cmd,
     import_cmd,
     logprobs_cmd,
     metrics_cmd,
@@ -67,6 +68,7 @@ def build_app() -> typer.Typer:
         whatif_cmd,
         drift_cmd,
         report_cmd,
+        explain_cmd,
     ):
         module.register(app)
     for info in app.registered_commands:  # plain flags, and help paragraphs without hard line breaks

@@ -106,7 +106,7 @@ ProfileOpt = Annotated[
     str | None,
     typer.Option(
         "--profile",
-        help="Threshold set: recommended, nemo, verl, slime, deterministic.",
+        help="Threshold set: recommended, nemo, verl, slime, deterministic, exact.",
         rich_help_panel=THRESHOLDS,
     ),
 ]

@@ -225,6 +225,13 @@ def compare(
             rich_help_panel=MODEL,
         ),
     ] = None,
+    exact: Annotated[
+        bool,
+        typer.Option(
+            "--exact",
+            help="Bitwise agreement: tokens with any nonzero Δ, the first one, a ULP histogram; fails on any.",
+        ),
+    ] = False,
     fail_on: FailOnOpt = None,
     warn_on: WarnOnOpt = None,
     profile: ProfileOpt = None,
@@ -257,7 +264,13 @@ def compare(
     """
 
     def body(console: Console) -> dict[str, Any]:
-        from pgdiag.cli.render import render_checks, render_gates, render_verdict, render_written
+        from pgdiag.cli.render import (
+            render_checks,
+            render_exact,
+            render_gates,
+            render_verdict,
+            render_written,
+        )
         from pgdiag.compare.api import compare_runs
         from pgdiag.compare.output import planned_outputs
         from pgdiag.compare.worst import token_decoder
@@ -298,6 +311,7 @@ def compare(
             checks=check_settings(ignore, max_examples),
             model=model,
             tokenizer=tokenizer,
+            exact=exact,
         )
         if html is not None:
             from pgdiag.report.html import check_html_path
@@ -310,10 +324,10 @@ def compare(
             raise UsageError(
                 "E503", "--baseline picks the reference of an N-way compare: give three RUNs or more"
             )
-        if len(others) >= 2 and (tokens_out is not None or html is not None):
+        if len(others) >= 2 and (tokens_out is not None or html is not None or exact):
             raise UsageError(
                 "E503",
-                "--tokens-out and --html compare two runs; drop them for N-way (--out keeps the report)",
+                "--tokens-out, --html and --exact compare two runs; drop them for N-way (--out keeps the report)",
             )
         source_a = read_run(run_a, attach=list_option(attach), steps=steps, run=run_name)
         if len(others) >= 2:
@@ -333,6 +347,8 @@ def compare(
             if verbose:
                 render_breakdowns(console, report)
             render_worst_tokens(console, report, limit=worst_k if verbose else min(worst_k, 5), decode=decode)
+            if exact:
+                render_exact(console, report.meta["exact"])
             render_checks(console, report.checks)
             render_gates(console, decision.gates)
         labels, streams, inputs = report.meta["labels"], report.meta["streams"], report.meta["inputs"]
@@ -353,6 +369,8 @@ def compare(
             checks=report.checks.to_dicts(),
             verdict=verdict.as_dict(),
         )
+        if exact:
+            result["exact"] = report.meta["exact"]
         if routing_replay is not None:
             from pgdiag.compare.routing import routing_attribution
 

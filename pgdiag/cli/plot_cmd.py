@@ -67,8 +67,13 @@ def plot(
         ),
     ] = None,
     out: Annotated[
-        Path, typer.Option("--out", help="Directory for the figures.", rich_help_panel=OUTPUT)
-    ] = Path("plots"),
+        Path | None,
+        typer.Option(
+            "--out",
+            help="Directory for the figures (default: plots/, or none with --html: the page embeds them).",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
     fmt: Annotated[
         PlotFormat, typer.Option("--format", help="Figure format.", rich_help_panel=OUTPUT)
     ] = PlotFormat.png,
@@ -84,7 +89,9 @@ def plot(
     html: Annotated[
         Path | None,
         typer.Option(
-            "--html", help="Also write a one-file HTML report of a saved report.", rich_help_panel=OUTPUT
+            "--html",
+            help="Write a one-file HTML report of a saved report (figures on disk only with --out).",
+            rich_help_panel=OUTPUT,
         ),
     ] = None,
     overwrite: OverwriteOpt = False,
@@ -94,7 +101,7 @@ def plot(
     """Redraw plots from a saved report (compare, metrics, whatif or drift) or a token table, without recomputation.
 
     --kind all (the default) draws every kind the source supports and lists those it leaves out, with why.
-    --html PAGE also writes a one-file HTML report of a saved report.
+    --html PAGE writes a one-file HTML report of a saved report, and the figures only where --out says.
     Existing figures in --out are kept (E502) unless --overwrite is given; the files written are listed.
     """
 
@@ -113,7 +120,11 @@ def plot(
 
         if check_input_path(source) is None:
             raise UsageError("E501", f"{source}: no such file or directory")
-        check_destination(out, [], overwrite=overwrite, hint="--out takes the directory of the figures")
+        figures_dir = Path("plots") if out is None and html is None else out  # --html alone: the page only
+        if figures_dir is not None:
+            check_destination(
+                figures_dir, [], overwrite=overwrite, hint="--out takes the directory of the figures"
+            )
         if html is not None:
             from pgdiag.report.html import check_html_path
 
@@ -138,6 +149,10 @@ def plot(
             tokens = read_table_file(source, finite=("lp_a", "lp_b"))
         else:
             report = load_report(source)
+            if report.summary.height == 0:
+                raise UsageError(
+                    "E511", f"{source}: the report has no rows to plot", "rerun the command that wrote it"
+                )
             report_file = (
                 source
                 if source.is_file()
@@ -149,10 +164,12 @@ def plot(
         plot_set = plots.build_figures(
             report, kinds=wanted, tokens=tokens, trace=trace, marks=page_verdict.get("marks", ())
         )
-        figures = [out / f"{k}.{fmt.value}" for k in plot_set.figures]
-        check_destination(out, figures, overwrite=overwrite, hint="--out takes the directory of the figures")
-        written = plots.save_figures(plot_set, out, fmt=fmt.value, dpi=dpi)
-        files: dict[str, Any] = {"plots": written}
+        files: dict[str, Any] = {}
+        if figures_dir is not None:
+            figures = [figures_dir / f"{k}.{fmt.value}" for k in plot_set.figures]
+            hint = "--out takes the directory of the figures"
+            check_destination(figures_dir, figures, overwrite=overwrite, hint=hint)
+            files["plots"] = plots.save_figures(plot_set, figures_dir, fmt=fmt.value, dpi=dpi)
         if html is not None:
             from pgdiag.report.html import write_html
 

@@ -271,3 +271,24 @@ def render_written(console: Console, files: Mapping[str, Any]) -> None:
         console.print(Text.assemble(f"  {role:<{width}}  ", (path, "cyan")), soft_wrap=True)
     for kind, why in skipped.items():
         console.print(Text(f"  skipped {kind}: {why}", style="dim"), soft_wrap=True)
+
+
+def render_exact(console: Console, exact: Mapping[str, Any]) -> None:
+    """`compare --exact`: per pair, identical or the count of tokens with a nonzero Δ, the first one, ULPs."""
+    for pair, result in exact.items():
+        if result["identical"]:
+            console.print(f"exact {pair}: identical, {result['n_tokens']} tokens bit for bit")
+            continue
+        first = result["first"]
+        line = f"exact {pair}: {result['n_nonzero']} of {result['n_tokens']} tokens differ"
+        if result["mask_mismatch"]:
+            line += f", loss masks differ on {result['mask_mismatch']} positions"
+        console.print(line)
+        if first is not None:
+            console.print(
+                f"  first: step {first['step']}, sample {first['sample_id']}, pos {first['pos']}, token "
+                f"{first['token_id']}: {first['value_a']!r} vs {first['value_b']!r}"
+                + (f" ({first['ulp']} ULP)" if first["ulp"] is not None else "")
+            )
+        histogram = ", ".join(f"{k}: {v}" for k, v in result["ulp_histogram"].items())
+        console.print(f"  ULP distance histogram: {histogram}")

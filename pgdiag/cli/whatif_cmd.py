@@ -138,6 +138,14 @@ def whatif(
             "token_k1:0.5,2+seq_max_k2:1; docs/whatif.md lists them).",
         ),
     ] = None,
+    losses: Annotated[
+        str | None,
+        _cap_option(
+            "--losses",
+            "Gradient parity of two loss definitions FORM@MODE,FORM@MODE "
+            "(vanilla@token_mean,cispo:0.2,0.28@seq_mean_token_sum).",
+        ),
+    ] = None,
     divisor: Annotated[
         float | None,
         typer.Option("--divisor", help="L of the `constant` loss mode.", rich_help_panel=THRESHOLDS),
@@ -198,7 +206,9 @@ def whatif(
             icepop=list_option(icepop),
             rule=list_option(rule),
         )
-        settings = WhatifSettings(behavior=behavior, target=target, rules=rules, divisor=divisor)
+        settings = WhatifSettings(
+            behavior=behavior, target=target, rules=rules, divisor=divisor, losses=losses
+        )
         checks = CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
         source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
         report = replay(source, settings, checks=checks)
@@ -254,6 +264,7 @@ def whatif(
         result["worst"] = worst
         result["settings"] = report.meta["settings"]
         result["verdict"] = verdict.as_dict()
+        result["losses"] = json_view["breakdowns"].get("losses", {})
         from pgdiag.report.plots import plot_whatif
 
         write_report_outputs(

@@ -362,6 +362,7 @@ def align_batches(
     ignore: Collection[str] = (),
     deferred: bool = False,
     matches: tuple[np.ndarray, np.ndarray] | None = None,
+    keep_nonfinite: bool = False,
 ) -> AlignedPair:
     """Pair the samples and loss tokens of `a` and `b` and run the alignment checks (module docstring).
 
@@ -371,6 +372,8 @@ def align_batches(
     `matches`: (rows of a, rows of b) of the matched samples in a's row order, when the caller paired them on the
     whole runs' keys (`--join hash-any-step` read in pieces, `compare.pieces`); needs `deferred`, and the
     deferred sample counts (E304, E306) are then the caller's: zero here.
+    `keep_nonfinite` (with E207 ignored): keep the non-finite tokens in the pair (`compare --exact` counts them;
+    `finite_only` drops them for every other consumer).
     """
     for batch, stream, side in ((a, stream_a, "a"), (b, stream_b, "b")):
         if stream not in batch.streams:
@@ -571,22 +574,7 @@ def align_batches(
     if entropy is None and a.entropy.get(stream_a) is not None:
         entropy = _gather(np.asarray(a.entropy[stream_a], dtype=np.float64), idx_a)
     resp_pos = pos - prompt_len.astype(pos.dtype)[token_row]  # (M,) int32
-    n_invalid = 0
-    if keep is not None:
-        n_invalid = int((~keep).sum())
-        counts = np.bincount(token_row[keep], minlength=ia.shape[0])
-        offsets = np.zeros(ia.shape[0] + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        lp_a, lp_b, pos, resp_pos, token_id = (
-            lp_a[keep],
-            lp_b[keep],
-            pos[keep],
-            resp_pos[keep],
-            token_id[keep],
-        )
-        token_row = token_row[keep]
-        entropy = None if entropy is None else entropy[keep]
-    return AlignedPair(
+    pair = AlignedPair(
         label_a=a.label,
         label_b=b.label,
         stream_a=stream_a,
@@ -610,9 +598,33 @@ def align_batches(
         rows_b=ib,
         n_samples_a=a.n_samples,
         n_samples_b=b.n_samples,
-        n_invalid=n_invalid,
+        n_invalid=0,
         issues=tuple(issues),
         deferred=held,
+    )
+    return pair if keep is None or keep_nonfinite else finite_only(pair)
+
+
+def finite_only(pair: AlignedPair) -> AlignedPair:
+    """`pair` without its tokens that are non-finite on either side (counted in `n_invalid`)."""
+    keep = np.isfinite(pair.lp_a) & np.isfinite(pair.lp_b)  # (M,)
+    if keep.all():
+        return pair
+    counts = np.bincount(pair.token_row[keep], minlength=pair.n_samples)
+    offsets = np.zeros(pair.n_samples + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return replace(
+        pair,
+        offsets=offsets,
+        token_row=pair.token_row[keep],
+        pos=pair.pos[keep],
+        resp_pos=pair.resp_pos[keep],
+        token_id=pair.token_id[keep],
+        lp_a=pair.lp_a[keep],
+        lp_b=pair.lp_b[keep],
+        delta=pair.delta[keep],
+        entropy=None if pair.entropy is None else pair.entropy[keep],
+        n_invalid=pair.n_invalid + int((~keep).sum()),
     )
 
 

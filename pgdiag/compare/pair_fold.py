@@ -19,7 +19,8 @@ import numpy as np
 import polars as pl
 
 from pgdiag.compare import breakdowns as bd
-from pgdiag.compare.align import AlignedPair, Deferred, align_batches, unmatched_side
+from pgdiag.compare.align import AlignedPair, Deferred, align_batches, finite_only, unmatched_side
+from pgdiag.compare.exact import ExactAgreement, check_float32_storage, exact_rows
 from pgdiag.compare.pair_report import DLOGP_EDGES, Comparison, diagnosed_rows, pair_comparison
 from pgdiag.compare.pieces import AnyStepKeys, Piece, checked_matches
 from pgdiag.compare.pooled import PooledParity
@@ -197,6 +198,10 @@ class PairFold:
         self.tau_samples = None if settings.model is None else TauSamples()  # the first matched tokens for τ
         self.pair: AlignedPair | None = None  # every aligned token, when the comparison is one piece
         self.labels: tuple[str, str] | None = None
+        self.exact = ExactAgreement() if settings.exact else None  # --exact: every token's bits compared
+        if self.exact is not None:
+            check_float32_storage(sources.a, sources.streams[0])
+            check_float32_storage(sources.a if sources.one_run else sources.b, sources.streams[1])
 
     @property
     def name(self) -> str:
@@ -223,6 +228,9 @@ class PairFold:
                 self._hold(self._unmatched(side_a, side_b))
             return
         piece_pair = self._align(piece, side_a, side_b)
+        if self.exact is not None:  # the exact tally sees every token; the parity tables the finite ones
+            self.exact.add(piece_pair)
+            piece_pair = finite_only(piece_pair)
         side_a = _aligned(side_a)  # the batches go before the tables allocate theirs (peak memory)
         side_b = side_a if self.sources.one_run else _aligned(side_b)
         self._hold(piece_pair.deferred)
@@ -285,6 +293,7 @@ class PairFold:
             ignore=self.settings.checks.ignore,
             deferred=self.n_pieces > 1,
             matches=checked_matches(piece, batch_a, batch_b),
+            keep_nonfinite=self.exact is not None,
         )
 
     def _pool(self, piece_pair: AlignedPair, side_b: Side) -> None:
@@ -322,6 +331,11 @@ class PairFold:
         la, lb = self.labels
         rows, diagnosis = diagnosed_rows(pooled, self.name, la, lb, self.sources.streams[0])
         tau, issues_tau = self._tau(rows)
+        exact_result = None
+        if self.exact is not None:
+            found = [*(self.pair.issues if self.pair is not None else ()), *deferred_issues]
+            exact_result = self.exact.finish(sum(i.count for i in found if i.code in ("W303", "E303")))
+            rows += exact_rows(exact_result, self.name)
         side_meta: dict[str, Any] = {}
         if self.shown:
             side_rows, side_meta = side_by_side_rows(self.shown)
@@ -348,6 +362,7 @@ class PairFold:
             diagnosis=diagnosis,
             tau_fit=tau,
             side_meta=side_meta,
+            exact=exact_result,
         )
 
     def _tau(self, rows: list[ReportRow]) -> tuple[float | None, list[Issue]]:

@@ -17,6 +17,7 @@ import polars as pl
 
 from pgdiag.checks.signatures import Signatures, signature_issues
 from pgdiag.compare.align import AlignedPair, Deferred
+from pgdiag.compare.exact import EXACT_GATES, ExactResult
 from pgdiag.compare.parity import unit_and_reduction
 from pgdiag.compare.pooled import PooledParity
 from pgdiag.compare.settings import CompareSettings
@@ -198,6 +199,7 @@ def pair_comparison(
     diagnosis: Signatures,
     tau_fit: float | None,
     side_meta: dict[str, Any] | None = None,
+    exact: ExactResult | None = None,
 ) -> Comparison:
     """The `Comparison` of one pooled pair: its summary rows, checks (`issues` after the reader's), meta, worst
     tables and trace. `pair` is the aligned pair of a one-piece read (else None: `held` has the counts);
@@ -211,7 +213,9 @@ def pair_comparison(
     n_samples_b = pair.n_samples_b if pair is not None else held.n_b
     meta = {
         "pairs": [name],
-        "gate_policy": gate_policy(default_family="mismatch"),
+        "gate_policy": gate_policy(
+            default_family="mismatch", fail_on=EXACT_GATES if exact is not None else ()
+        ),
         "labels": {"a": la, "b": lb},
         "streams": {"a": sa, "b": sb},
         "join": pair.join if pair is not None else held.join,
@@ -235,6 +239,7 @@ def pair_comparison(
             }
         },
         **({"side_metrics": side_meta} if side_meta else {}),
+        **({"exact": {name: exact.as_dict()}} if exact is not None else {}),
     }
     worst_tok, worst_seq = pooled.worst()
     report = Report(

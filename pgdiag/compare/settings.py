@@ -39,6 +39,7 @@ class CompareSettings:
     model: Path | None = None  # checkpoint for the exact temperature fit from logits
     tokenizer: Path | None = None  # tokenizer.json (or its folder) for the worst tokens' text
     chunk_rows: int = 16_384  # rows (both runs) read at a time: consecutive whole steps (docs/compare.md)
+    exact: bool = False  # bitwise agreement: ULP histogram, first divergent token, the `exact` gate
 
     def __post_init__(self) -> None:
         if self.join not in JOINS:
@@ -52,6 +53,10 @@ class CompareSettings:
             raise UsageError("E503", f"chunk_rows must be >= 1 (got {self.chunk_rows})")
         if self.worst_k < 0:
             raise UsageError("E503", f"--worst-k must be >= 0 (got {self.worst_k})")
+        if (
+            self.exact and "E207" not in self.checks.ignore
+        ):  # --exact compares NaN and inf, never refuses them
+            object.__setattr__(self, "checks", replace(self.checks, ignore=(*self.checks.ignore, "E207")))
         if self.metrics is not None and self.metrics.clip != self.clip:
             object.__setattr__(self, "metrics", replace(self.metrics, clip=self.clip))
 

@@ -32,7 +32,14 @@ def token_decoder(tokenizer: Path) -> Callable[[Sequence[int]], str]:
         raise UsageError("E509", "--tokenizer needs the optional 'tokenizers' package") from None
     if not path.exists():
         raise UsageError("E501", f"{path}: no such tokenizer file")
-    loaded = Tokenizer.from_file(str(path))
+    try:
+        loaded = Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises bare Exceptions on bad files (was exit 101)
+        raise UsageError(
+            "E112",
+            f"{path}: not a tokenizers tokenizer.json ({exc})",
+            "--tokenizer takes a Hugging Face tokenizer.json or the folder holding one",
+        ) from None
     return lambda ids: loaded.decode(list(ids), skip_special_tokens=False)
 
 

@@ -44,9 +44,11 @@ class TokenBatch:
     env: np.ndarray | None = None  # (S,) object (str) or None
     sample_row: np.ndarray | None = None  # (S,) int64 row index in the source (for messages)
     seq_hash: np.ndarray | None = None  # (S,) uint64 `seq_hash` as read (None for a batch built in memory)
-    kept_size: np.ndarray | None = (
-        None  # (M,) int32 size of the recorded kept set (0 = none); None: no K read
-    )
+    # (M,) int32 size of the recorded kept set (0 = none); None: no K read
+    kept_size: np.ndarray | None = None
+    # kept-set recompute tag -> (M,) kept mass, and -> (M,) its full-vocabulary log-probs
+    kept_mass: Mapping[str, np.ndarray] = field(default_factory=dict)
+    full_vocab: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def n_samples(self) -> int:
@@ -113,6 +115,8 @@ class TokenBatch:
             sample_row=opt(self.sample_row, lambda a: a[rows]),
             seq_hash=opt(self.seq_hash, lambda a: a[rows]),
             kept_size=opt(self.kept_size, tok),
+            kept_mass={k: tok(v) for k, v in self.kept_mass.items()},
+            full_vocab={k: tok(v) for k, v in self.full_vocab.items()},
         )
 
     def slice(self, lo: int, hi: int) -> TokenBatch:
@@ -141,6 +145,8 @@ class TokenBatch:
             sample_row=opt(self.sample_row, lo, hi),
             seq_hash=opt(self.seq_hash, lo, hi),
             kept_size=opt(self.kept_size, t_lo, t_hi),
+            kept_mass={k: v[t_lo:t_hi] for k, v in self.kept_mass.items()},
+            full_vocab={k: v[t_lo:t_hi] for k, v in self.full_vocab.items()},
         )
 
     def with_steps(self, step: np.ndarray) -> TokenBatch:
@@ -186,4 +192,6 @@ def concat_batches(parts: Sequence[TokenBatch]) -> TokenBatch:
         sample_row=opt("sample_row"),
         seq_hash=opt("seq_hash"),
         kept_size=opt("kept_size"),
+        kept_mass={k: np.concatenate([p.kept_mass[k] for p in parts]) for k in first.kept_mass},
+        full_vocab={k: np.concatenate([p.full_vocab[k] for p in parts]) for k in first.full_vocab},
     )

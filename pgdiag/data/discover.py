@@ -144,3 +144,9 @@ def manifest_object(manifest: Path) -> dict[str, Any]:
 def part_schema_has_entropy(directory: Path) -> bool:
     parts = parquet_under(directory)
     return bool(parts) and "entropy" in pq.read_schema(parts[0]).names
+
+
+def part_schema_has_kept(directory: Path) -> bool:
+    """Whether a recompute's parts hold the kept-set columns (``kept_mass``, ``logprobs_full``)."""
+    parts = parquet_under(directory)
+    return bool(parts) and {"kept_mass", "logprobs_full"} <= set(pq.read_schema(parts[0]).names)

@@ -75,6 +75,11 @@ class LossView:
         return np.searchsorted(self.row_start, loss_token, side="right") - 1
 
 
+# Per-token metadata lists read by `check` for their rules alone (E201 length, E207 non-finite): no loss
+# positions are gathered for them and the value rules of streams do not apply.
+METADATA_LISTS = ("temperature_tok", "policy_version_tok")
+
+
 def loss_view(table: RowTable) -> LossView:
     """Gather the loss positions of `table` (every row must be structurally sound)."""
     ids = table.lists["input_ids"]
@@ -84,7 +89,7 @@ def loss_view(table: RowTable) -> LossView:
     valid: dict[str, np.ndarray | None] = {}
     mask = table.lists["loss_mask"].values
     for column, flat in table.lists.items():
-        if column in ("input_ids", "loss_mask"):
+        if column in ("input_ids", "loss_mask", *METADATA_LISTS):
             continue
         gathered = flat.values[mask].astype(np.float32, copy=False)  # (M,) float32 until the batch
         column_valid = None

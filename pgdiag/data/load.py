@@ -20,7 +20,14 @@ from pgdiag.data.flat import FlatList, LossView, RowTable, flat_list, loss_view
 from pgdiag.data.kept import KEPT_COLUMNS, KEPT_IDS, KEPT_OFFSETS, kept_from_series
 from pgdiag.data.memory import MemoryLimits, check_piece_memory
 from pgdiag.data.runs import FILE_COLUMN, Run, incomplete_error, incomplete_issues, with_recompute
-from pgdiag.data.schema import REQUIRED_COLUMNS, cast_problem, entropy_column, stream_column
+from pgdiag.data.schema import (
+    REQUIRED_COLUMNS,
+    cast_problem,
+    entropy_column,
+    full_logprobs_column,
+    kept_mass_column,
+    stream_column,
+)
 from pgdiag.data.validate import (
     CheckResult,
     Issue,
@@ -93,6 +100,7 @@ def load_rows(
     lists: Sequence[str] = (),
     memory: MemoryLimits | None = None,
     kept: bool | None = None,
+    kept_of: Sequence[str] = (),
 ) -> LoadedRows:
     """Collect the needed columns of `run` (recompute joined) and flatten every list column.
 
@@ -100,7 +108,9 @@ def load_rows(
     (an InvalidInputError is raised with the first such issue, as nothing can be validated without them).
     The kept-set columns (`pgdiag.data.kept`), when the run has them, are read and validated (E220-E223) when
     `kept` is True, or by default (None) when the rollout stream is read (its zero-fill rules skip the
-    positions whose recorded set holds one token).
+    positions whose recorded set holds one token). `kept_of`: kept-set recompute tags whose ``kept_mass`` and
+    ``logprobs_full`` columns are joined too (``<tag>_kept_mass``, ``<tag>_full_vocab``; E111 for a tag
+    without them).
     Before the read, UsageError E518 when the columns of its steps need more memory than is left
     (`pgdiag.data.memory.check_piece_memory`; `memory` says where to read what is left).
     """
@@ -147,7 +157,15 @@ def load_rows(
         run.step_subset,
         memory,
     )
-    lazy = with_recompute(run, run.scan(with_file=True), [*stream_cols, *entropy_cols])
+    for tag in kept_of:
+        if tag not in run.kept_tags:
+            raise UsageError(
+                "E111",
+                f"{run.label}: recompute {tag!r} holds no kept sets",
+                f"kept-set recomputes: {', '.join(run.kept_tags) or 'none'} (pgdiag logprobs --kept-set)",
+            )
+    kept_extra = [c for tag in kept_of for c in (kept_mass_column(tag), full_logprobs_column(tag))]
+    lazy = with_recompute(run, run.scan(with_file=True), [*stream_cols, *entropy_cols, *kept_extra])
     recompute_hash = [
         f"__{t}_seq_hash" for t in run.recompute if stream_column(t) in stream_cols or t in entropy
     ]
@@ -155,6 +173,7 @@ def load_rows(
         *file_cols,
         *(c for c in stream_cols if c not in file_cols),
         *entropy_cols,
+        *kept_extra,
         *recompute_hash,
         FILE_COLUMN,
     ]
@@ -177,6 +196,7 @@ def load_rows(
         "loss_mask",
         *stream_cols,
         *entropy_cols,
+        *kept_extra,
         *(c for c in lists if c in frame.columns),
     ]
     kept_sets = kept_from_series({c: frame[c] for c in kept_cols})
@@ -250,6 +270,7 @@ def build_token_batch(
     advantages: bool = True,
     reward: bool = True,
     env: bool = False,
+    kept_of: Sequence[str] = (),
 ) -> TokenBatch:
     """A float64 `TokenBatch` from the scalar `frame` and the `view` of structurally sound rows.
 
@@ -301,6 +322,8 @@ def build_token_batch(
         if "seq_hash" in frame.columns
         else None,
         kept_size=view.kept_size,
+        kept_mass={t: view.values[kept_mass_column(t)].astype(np.float64) for t in kept_of},
+        full_vocab={t: view.values[full_logprobs_column(t)].astype(np.float64) for t in kept_of},
     )
 
 
@@ -325,6 +348,7 @@ def read_token_batch(
     max_examples: int = 5,
     piece: bool = False,
     raise_errors: bool = True,
+    kept_of: Sequence[str] = (),
 ) -> LoadedBatch:
     """Load, validate and flatten the loss positions of `run` for the given streams.
 
@@ -338,7 +362,7 @@ def read_token_batch(
     """
     scalars = [c for c, on in (("advantage", advantages), ("reward", reward), ("env", env)) if on]
     lists = ["advantages"] if advantages else []
-    rows = load_rows(run, streams=streams, entropy=entropy, scalars=scalars, lists=lists)
+    rows = load_rows(run, streams=streams, entropy=entropy, scalars=scalars, lists=lists, kept_of=kept_of)
     found = validate_rows(rows.table, ignore=ignore, max_examples=max_examples)
     issues = [i for i in (*rows.issues, *found.issues) if i.code not in set(ignore)]
     if raise_errors:
@@ -357,5 +381,6 @@ def read_token_batch(
         advantages=advantages,
         reward=reward,
         env=env,
+        kept_of=kept_of,
     )
     return LoadedBatch(batch, check_result(issues, pending=pending))

@@ -25,6 +25,7 @@ from pgdiag.data.discover import (
     natural_key,
     parquet_under,
     part_schema_has_entropy,
+    part_schema_has_kept,
     recompute_dirs,
     recompute_manifest,
     resolve_paths,
@@ -35,6 +36,8 @@ from pgdiag.data.schema import (
     check_logprobs_footer,
     check_rollouts_footer,
     entropy_column,
+    full_logprobs_column,
+    kept_mass_column,
     read_footer,
     safe_coercions,
     stream_column,
@@ -99,6 +102,7 @@ class Run:
     row_filter: pl.Expr | None = None
     step_subset: tuple[int, ...] | None = None  # set by `restrict_steps`: the recompute join reads only these
     widened: pl.Schema | None = None  # files of one run whose integer/float widths differ: the widest of each
+    kept_tags: tuple[str, ...] = ()  # recompute tags whose parts hold kept_mass and logprobs_full (kept sets)
 
     def scan(self, *, with_file: bool = False) -> pl.LazyFrame:
         """A fresh scan of the rollouts with the run's filters; `with_file` adds the ``__file`` column."""
@@ -167,15 +171,18 @@ def _widened_schema(paths: Sequence[Path]) -> pl.Schema | None:
     """The first file's schema with each column widened to the widest integer/float width any file stores it
     in (int32 ids in one file, int64 in another: a lossless upcast), or None when the files agree.
 
+    A data column named like the reader's own file-path column (``__file``) is left out of the schema: an
+    unknown extra column is ignored (docs/schema.md), where it collided with the path column (exit 101).
     Other disagreements are left to the reader, which refuses them (E103)."""
-    if len(paths) < 2:
-        return None
     schemas = [pl.scan_parquet(str(p), glob=False).collect_schema() for p in paths]
     merged = dict(schemas[0])
     for schema in schemas[1:]:
         for name, dtype in schema.items():
             if name in merged and merged[name] != dtype:
                 merged[name] = _wider(merged[name], dtype) or merged[name]
+    if any(FILE_COLUMN in schema for schema in schemas):
+        merged.pop(FILE_COLUMN, None)
+        return pl.Schema(merged)
     return None if merged == dict(schemas[0]) else pl.Schema(merged)
 
 
@@ -252,7 +259,9 @@ def read_run(
         if run is None and len(labels) > 1:
             raise UsageError("E505", f"{path} holds several runs {labels}", "pick one with --run NAME")
     if steps is not None:
-        conditions.append(_step_condition(parse_steps(steps), base))
+        spec = parse_steps(steps)
+        _check_steps_present(spec, base, steps)
+        conditions.append(_step_condition(spec, base))
     row_filter = pl.all_horizontal(conditions) if conditions else None
     default_label = run or (labels[0] if labels else (root.name if root is not None else Path(paths[0]).stem))
     recompute, incomplete = recompute_dirs(root, attach)
@@ -262,6 +271,7 @@ def read_run(
         lazy=_scan(paths, hive, row_filter, widened=widened),
         streams=(*present, *recompute),
         entropy_streams=tuple(tag for tag, d in recompute.items() if part_schema_has_entropy(d)),
+        kept_tags=tuple(tag for tag, d in recompute.items() if part_schema_has_kept(d)),
         meta=metas[0],
         paths=paths,
         root=root,
@@ -276,11 +286,18 @@ def read_run(
 def _check_step_range(paths: Sequence[Path], hive: bool) -> None:
     """E103 naming the file when a uint64 ``step`` holds a value above int64's range (the coercion to int64 of
     docs/schema.md would fail); read only when the column is uint64."""
-    raw = pl.scan_parquet(
-        [str(p) for p in paths], hive_partitioning=hive, glob=False, include_file_paths=FILE_COLUMN
-    )
-    if raw.collect_schema().get("step") != pl.UInt64:
+    files = [str(p) for p in paths]
+    if pl.scan_parquet(files, hive_partitioning=hive, glob=False).collect_schema().get("step") != pl.UInt64:
         return
+    raw = pl.scan_parquet(  # `step` alone: a data column named __file would collide with the path column
+        files,
+        schema=pl.Schema({"step": pl.UInt64}),
+        hive_partitioning=hive,
+        glob=False,
+        include_file_paths=FILE_COLUMN,
+        missing_columns="insert",
+        extra_columns="ignore",
+    )
     too_big = raw.select("step", FILE_COLUMN).filter(pl.col("step") > INT64_MAX).head(1).collect()
     if too_big.height:
         raise InvalidInputError(
@@ -322,6 +339,36 @@ def restrict_steps(run: Run, steps: Sequence[int]) -> Run:
     )
 
 
+def step_list(steps: Sequence[int]) -> str:
+    """Steps in short form, consecutive ones as ranges: ``0-3, 7, 9-10``."""
+    parts: list[str] = []
+    for step in sorted(steps):
+        if parts and step == int(parts[-1].rpartition("-")[2]) + 1:
+            parts[-1] = f"{parts[-1].partition('-')[0]}-{step}"
+        else:
+            parts.append(str(step))
+    return ", ".join(parts)
+
+
+def _check_steps_present(spec: StepSpec, base: pl.LazyFrame, given: str | Sequence[int]) -> None:
+    """E503 listing the steps present when a ``--steps`` value (a step, or a whole range) matches no step."""
+    if not spec.ranges:
+        return
+    try:
+        present = base.select(pl.col("step").cast(pl.Int64).unique()).collect()["step"].drop_nulls().to_list()
+    except pl.exceptions.PolarsError:
+        return  # a step column that is not integers: the reader refuses it (E103) where it reads the steps
+    absent = [(lo, hi) for lo, hi in spec.ranges if not any(lo <= step <= hi for step in present)]
+    if absent:
+        shown = ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in absent)
+        text = given if isinstance(given, str) else ",".join(str(s) for s in given)
+        raise UsageError(
+            "E503",
+            f"--steps {text}: {shown} matches no step of the run",
+            f"steps present: {step_list(present)}" if present else "the run holds no step",
+        )
+
+
 def _step_condition(spec: StepSpec, base: pl.LazyFrame) -> pl.Expr:
     ranges = list(spec.ranges)
     if spec.last:
@@ -333,7 +380,9 @@ def _step_condition(spec: StepSpec, base: pl.LazyFrame) -> pl.Expr:
     return pl.any_horizontal([pl.col("step").is_between(lo, hi) for lo, hi in ranges])
 
 
-def _recompute_frame(run: Run, tag: str, want_logprobs: bool, want_entropy: bool) -> pl.LazyFrame:
+def _recompute_frame(
+    run: Run, tag: str, want_logprobs: bool, want_entropy: bool, want_kept: bool = False
+) -> pl.LazyFrame:
     directory = run.recompute.get(tag)
     if directory is None:
         raise UsageError(
@@ -364,6 +413,9 @@ def _recompute_frame(run: Run, tag: str, want_logprobs: bool, want_entropy: bool
         columns.append(pl.col("logprobs").alias(stream_column(tag)))
     if want_entropy:
         columns.append(pl.col("entropy").alias(entropy_column(tag)))
+    if want_kept:
+        columns.append(pl.col("kept_mass").alias(kept_mass_column(tag)))
+        columns.append(pl.col("logprobs_full").alias(full_logprobs_column(tag)))
     if run.step_subset is not None:
         lazy = lazy.filter(pl.col("step").cast(pl.Int64).is_in(list(run.step_subset)))
     return lazy.select(columns)
@@ -374,9 +426,10 @@ def with_recompute(run: Run, lazy: pl.LazyFrame, columns: Sequence[str]) -> pl.L
     for tag in run.recompute:
         want_lp = stream_column(tag) in columns
         want_h = entropy_column(tag) in columns
-        if not (want_lp or want_h):
+        want_kept = kept_mass_column(tag) in columns
+        if not (want_lp or want_h or want_kept):
             continue
-        right = _recompute_frame(run, tag, want_lp, want_h)
+        right = _recompute_frame(run, tag, want_lp, want_h, want_kept)
         lazy = (
             lazy.with_columns(
                 pl.col("sample_id").cast(pl.String).alias("__sid"),

@@ -131,6 +131,16 @@ def entropy_column(tag: str) -> str:
     return f"{tag}_entropy"
 
 
+def kept_mass_column(tag: str) -> str:
+    """Column holding the kept mass of recompute `tag` once joined (``rc`` -> ``rc_kept_mass``)."""
+    return f"{tag}_kept_mass"
+
+
+def full_logprobs_column(tag: str) -> str:
+    """Column holding the full-vocabulary log-probs of a kept-set recompute `tag` once joined (``rc_full_vocab``)."""
+    return f"{tag}_full_vocab"
+
+
 def column_kind(name: str) -> str | None:
     """The type kind of a known column (``float_list`` for every stream column), or None when unknown."""
     if name.endswith("_logprobs") or name.endswith("_entropy"):

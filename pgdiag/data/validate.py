@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import polars as pl
 
-from pgdiag.data.flat import FlatList, LossView, RowTable, loss_view, subset_rows
+from pgdiag.data.flat import METADATA_LISTS, FlatList, LossView, RowTable, loss_view, subset_rows
 from pgdiag.data.kept import kept_issues, position_sizes
 from pgdiag.data.schema import REQUIRED_HINTS
 from pgdiag.data.seqhash import seq_hashes
@@ -675,7 +675,7 @@ class _Rules:
                         parts=parts,
                     )
                 )
-        for column in ("reward", "advantage"):
+        for column in ("reward", "advantage", "temperature"):
             if self.on("E207") and column in frame.columns:
                 values = frame[column].cast(pl.Float64).to_numpy()
                 nonfinite = np.isnan(values) & ~_null_rows(frame, column) | np.isinf(values)
@@ -786,8 +786,30 @@ class _Rules:
             ):
                 self.add(found)  # type: ignore[arg-type]
         for column, flat in self.table.lists.items():
-            if column not in ("input_ids", "loss_mask"):
+            if column in METADATA_LISTS:
+                self._finite_metadata(column, flat)
+            elif column not in ("input_ids", "loss_mask"):
                 self._float_column(column, flat, view)
+
+    def _finite_metadata(self, column: str, flat: FlatList) -> None:
+        """E207 on a per-token metadata list (`METADATA_LISTS`): any non-null non-finite value, loss or not."""
+        bad = ~np.isfinite(flat.values)
+        if flat.valid is not None:
+            bad &= flat.valid
+        if self.on("E207") and bad.any():
+            bad_index = np.flatnonzero(bad)
+            rows = _row_of(self.table.lists["input_ids"].offsets, bad_index)
+            offsets = self.table.lists["input_ids"].offsets
+            self.add(
+                self.loc.issue(
+                    "E207",
+                    "error",
+                    f"{column}: NaN or inf",
+                    rows,
+                    bad_index.size,
+                    pos=bad_index - offsets[rows],
+                )
+            )
 
     def _token_ids(self, ids: FlatList, good: np.ndarray) -> None:
         if not self.on("E208"):

@@ -30,6 +30,7 @@ Refusals are raised as the errors below, each naming the file, the field and the
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +104,15 @@ class ImportOptions:
             )
         if self.step is not None and self.step < 0:
             raise UsageError("E503", f"--step {self.step}: steps are >= 0")
+        ranges = (  # sampling values a sampler can have (vLLM: top_k -1 or 0 means no top-k)
+            ("temperature", self.temperature, "> 0", lambda v: v > 0),
+            ("top-p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1),
+            ("min-p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1),
+            ("top-k", self.top_k, ">= -1", lambda v: v >= -1),
+        )
+        for flag, value, rule, holds in ranges:
+            if value is not None and not (math.isfinite(value) and holds(value)):
+                raise UsageError("E503", f"--{flag} must be {rule}, got {value}")
         if self.retokenize and self.tokenizer is None:
             raise UsageError("E506", "--retokenize needs --tokenizer PATH (a tokenizer.json or its folder)")
 

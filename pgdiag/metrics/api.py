@@ -25,11 +25,13 @@ from pgdiag.data.validate import (
     CheckResult,
     CheckSettings,
     Issue,
+    check_result,
     merge_check_results,
     merge_piece_issues,
     raise_first_error,
 )
 from pgdiag.errors import UsageError
+from pgdiag.metrics.kept import truncation_warning
 from pgdiag.metrics.pooled import QuantileSettings
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.gates import gate_policy
@@ -95,7 +97,10 @@ def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
         )
     if entropy is None and new in run.entropy_streams:
         entropy = new
-    return replace(settings, new=new, old=old, stream_a=stream_a, stream_b=stream_b, ref=ref, entropy=entropy)
+    kept = next((s for s in (stream_b, stream_a, new) if s is not None and s in run.kept_tags), None)
+    return replace(
+        settings, new=new, old=old, stream_a=stream_a, stream_b=stream_b, ref=ref, entropy=entropy, kept=kept
+    )
 
 
 def _pair_names(label: str, settings: MetricSettings) -> tuple[str, str | None]:
@@ -335,6 +340,7 @@ def _read(
         max_examples=checks.max_examples,
         piece=piece,
         raise_errors=not piece,
+        kept_of=[settings.kept] if settings.kept else [],
     )
     found: list[Issue] = []
     if "E206" not in checks.ignore:
@@ -458,7 +464,21 @@ def _report(
     }
     if checks is None:
         return Report(kind="metrics", summary=summary_frame(rows), meta=meta)
+    warning = None if "W413" in ignored else truncation_warning(run, settings.kept, _all_value(results))
+    if warning is not None:
+        checks = pl.concat([checks, check_result([warning]).issues], how="vertical_relaxed")
     return Report(kind="metrics", summary=summary_frame(rows), meta=meta, checks=checks)
+
+
+def _all_value(
+    results: Sequence[tuple[str, StepMetrics]], key: str = "mismatch/truncation_bias"
+) -> float | None:
+    """`key`'s value in the pooled ``all`` row (None when absent)."""
+    for label, step in results:
+        if label == "all":
+            value = step.by_key().get(key)
+            return None if value is None else value.value
+    return None
 
 
 def stream_report(

@@ -197,6 +197,22 @@ METRIC_CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("mismatch/abs_dprob_p99", "mismatch", "prob", "tok", "0.99 quantile of |e^lp_b − e^lp_a|"),
     MetricSpec("mismatch/abs_dprob_max", "mismatch", "prob", "tok", "max |e^lp_b − e^lp_a|"),
     MetricSpec("mismatch/prob_pearson_r", "mismatch", "1", "tok", "Pearson correlation of (e^lp_a, e^lp_b)"),
+    MetricSpec(
+        "mismatch/kept_mass_mean", "mismatch", "prob", "R", "Σ_{j∈K} π(j) of a kept-set recompute (lp_b's K)"
+    ),
+    MetricSpec("mismatch/kept_mass_p05", "mismatch", "prob", "tok", "0.05 quantile of the kept mass"),
+    MetricSpec("mismatch/kept_mass_min", "mismatch", "prob", "tok", "min of the kept mass"),
+    MetricSpec(
+        "mismatch/truncation_bias",
+        "mismatch",
+        "nats",
+        "R",
+        "−log kept mass = log π^K(a) − log π(a): the log-ratio truncation puts between K and the full vocabulary",
+    ),
+    MetricSpec(
+        "mismatch/full_bias", "mismatch", "nats", "R", "lp_b_full − lp_a: Δ against the full-vocabulary lp_b"
+    ),
+    MetricSpec("mismatch/full_abs_mean", "mismatch", "nats", "R", "|lp_b_full − lp_a|"),
     MetricSpec("mismatch/seq_mean_delta_mean", "mismatch", "nats", "seq", "mean of δ̄_i = Σ_t Δ / N_i"),
     MetricSpec("mismatch/seq_mean_delta_sd", "mismatch", "nats", "seq", "population sd of δ̄_i"),
     MetricSpec("mismatch/seq_mean_delta_absmax", "mismatch", "nats", "seq", "max |δ̄_i|"),

@@ -41,6 +41,14 @@ from pgdiag.metrics.advantage import (
     finite_fraction_notice,
 )
 from pgdiag.metrics.catalog import MetricSink
+from pgdiag.metrics.kept import (
+    FullVocabTables,
+    KeptTables,
+    add_full_vocab_metrics,
+    add_kept_metrics,
+    build_full_vocab_tables,
+    build_kept_tables,
+)
 from pgdiag.metrics.loss import LossSums, ResolvedAggregation, add_loss_metrics, resolve_aggregation
 from pgdiag.metrics.mismatch import (
     MismatchTables,
@@ -129,6 +137,8 @@ class BatchTables:
     entropy: EntropyTables | None
     mismatch: MismatchTables | None
     notices: tuple[str, ...]
+    kept: KeptTables | None = None  # kept mass of a kept-set recompute (`metrics.kept`)
+    full_vocab: FullVocabTables | None = None  # stream a against that recompute's full-vocabulary log-probs
 
 
 def build_batch_tables(batch: TokenBatch, settings: MetricSettings) -> BatchTables:
@@ -152,7 +162,14 @@ def build_batch_tables(batch: TokenBatch, settings: MetricSettings) -> BatchTabl
             )
         tables = _build_policy_side(batch, settings, offsets, doc_of_sample, notices)
         mismatch = None if mismatch_future is None else mismatch_future.result()
-    return replace(tables, mismatch=mismatch, notices=tuple(notices))
+    kept = full_vocab = None
+    if settings.kept is not None and settings.kept in batch.kept_mass:
+        reduction = settings.metric_reduction
+        kept = build_kept_tables(batch.kept_mass[settings.kept], offsets, doc_of_sample, reduction)
+        if lp_a is not None:
+            full = batch.full_vocab[settings.kept]
+            full_vocab = build_full_vocab_tables(full, lp_a, offsets, doc_of_sample, reduction)
+    return replace(tables, mismatch=mismatch, kept=kept, full_vocab=full_vocab, notices=tuple(notices))
 
 
 def _build_policy_side(
@@ -265,6 +282,10 @@ def reduce_rows(
         add_mismatch_counts(mismatch, sink)
         add_mismatch_metrics(mismatch, settings, sink)
         mismatch_invalid = n_positions - mismatch.reducer.n_tokens
+    if tables.kept is not None:
+        add_kept_metrics(take_rows(tables.kept, lo, hi), sink)
+    if tables.full_vocab is not None:
+        add_full_vocab_metrics(take_rows(tables.full_vocab, lo, hi), sink)
     add_counts(n_positions, base, group_of_sample, n_groups, groups_split, sink)
     n_invalid = n_positions - base.n_tokens
     if n_invalid:
@@ -402,13 +423,15 @@ class NativeStream:
             entropy=families.get("entropy"),
             mismatch=families.get("mismatch"),
             notices=tuple(self._notices),
+            kept=families.get("kept"),
+            full_vocab=families.get("full_vocab"),
         )
         n_samples = int(n_positions.shape[0])
         pooled = reduce_rows(tables, 0, n_samples, self.settings, self.resolved, self._groups_split)
         return "all", _average_loss_over_steps(pooled, [m for _, m in self.steps])
 
 
-_FAMILIES = ("policy", "loss", "ref", "advantage", "entropy", "mismatch")
+_FAMILIES = ("policy", "loss", "ref", "advantage", "entropy", "mismatch", "kept", "full_vocab")
 
 
 class StyleStream:

@@ -91,6 +91,9 @@ class MetricSettings:
     stream_b: str | None = None  # mismatch pair evaluated side (default old, else new)
     ref: str | None = None
     entropy: str | None = None  # recompute tag whose entropy feeds entropy/*
+    kept: str | None = (
+        None  # kept-set recompute tag whose kept mass feeds mismatch/kept_mass_* (metrics.kept)
+    )
     # loss and clipping
     aggregation: str | None = None  # headline loss/pg; a native mode or alias; None = the style's default
     divisor: float | None = None  # L of `constant`; loss_scale_factor / max_completion_length for aliases
@@ -123,6 +126,10 @@ class MetricSettings:
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise UsageError("E503", f"--{name.replace('_', '-')} must be a positive number, got {value}")
+        for name in ("zero_std_atol", "identity_tol"):  # tolerances: 0 (exact) or more; NaN is no tolerance
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise UsageError("E503", f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
         if self.docs_per_step is not None and self.docs_per_step < 1:
             raise UsageError("E503", f"--docs-per-step must be at least 1, got {self.docs_per_step}")
         if self.key_style != "pgdiag":

@@ -73,7 +73,8 @@ if TYPE_CHECKING:
     from pgdiag.data.runs import Run
     from pgdiag.model import CausalLM, ModelConfig
 
-DTYPES = ("bf16", "fp32")
+DTYPES = ("bf16", "fp32", "fp16")  # body dtypes (fp16: the recompute matrix of `pgdiag explain`)
+HEAD_DTYPES = ("bf16", "fp32")
 IMPLS = ("auto", "triton", "torch")
 ROUTING_MODES = ("recompute", "replay")
 _IGNORED = -100
@@ -427,7 +428,7 @@ def _check_options(
 ) -> None:
     for name, value, choices in (
         ("dtype", dtype, DTYPES),
-        ("head_dtype", head_dtype, DTYPES),
+        ("head_dtype", head_dtype, HEAD_DTYPES),
         ("impl", impl, IMPLS),
     ):
         if value not in choices:

@@ -61,6 +61,8 @@ PROFILES: dict[str, tuple[tuple[str, str], ...]] = {
     "slime": (("fail", "mismatch/abs_mean>0.1"),),
     # slime's true-on-policy CI
     "deterministic": (("fail", "mismatch/abs_mean>1e-6"), ("fail", "policy/kl_k1>1e-8")),
+    # bitwise agreement (`compare --exact`, verl-project/verl#7688: "not an epsilon threshold")
+    "exact": (("fail", "exact/n_nonzero>0"), ("fail", "exact/mask_mismatch>0")),
 }
 
 
@@ -140,6 +142,16 @@ def _resolve(gate: Gate, known: Sequence[str], default_family: str | None) -> li
     return hits or None
 
 
+def _closest_by_stat(name: str, known: Sequence[str]) -> list[str]:
+    """The known key whose stat (the part after ``/``) is closest to `name`'s, as a whole key
+    (``policy/kl_k33`` on a compare report: ``mismatch/kl_k3``); empty when none is close."""
+    by_stat: dict[str, str] = {}
+    for key in known:
+        by_stat.setdefault(key.rpartition("/")[2], key)
+    close = difflib.get_close_matches(name.rpartition("/")[2], list(by_stat), n=1)
+    return [by_stat[close[0]]] if close else []
+
+
 def evaluate_gates(
     report: Report,
     *,
@@ -163,9 +175,7 @@ def evaluate_gates(
     for gate in explicit:
         keys = _resolve(gate, known, default_family)
         if keys is None:
-            close = difflib.get_close_matches(gate.name, known, n=1) or difflib.get_close_matches(
-                gate.name, [k.rpartition("/")[2] for k in known], n=1
-            )
+            close = difflib.get_close_matches(gate.name, known, n=1) or _closest_by_stat(gate.name, known)
             hint = f"did you mean {close[0]!r}?" if close else "see `pgdiag metrics --help` for metric names"
             raise UsageError("E110", f"gate {gate.expr!r}: unknown metric {gate.name!r}", hint)
         gates.append((gate, keys))

@@ -561,6 +561,10 @@ def render_html(
         tables = _whatif_tables(report)
     elif report.kind == "drift":
         tables = _drift_tables(report, marks)
+    elif report.kind == "explain":
+        from pgdiag.report.explain_page import explain_tables
+
+        tables = explain_tables(report)
     else:
         tables = _compare_tables(report)
     sections = [

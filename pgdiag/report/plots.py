@@ -107,7 +107,12 @@ TREND_PANELS: dict[str, TrendPanel] = {
     ),
 }
 TREND_KINDS = tuple(TREND_PANELS)
-REPORT_KINDS = ("whatif", "drift")  # the figure of a whatif report and of a drift report
+REPORT_KINDS = (
+    "whatif",
+    "drift",
+    "explain-shares",
+    "layers",
+)  # the figures of whatif, drift and explain reports
 ALL_KINDS = COMPARE_KINDS + TREND_KINDS + REPORT_KINDS
 
 
@@ -719,6 +724,8 @@ def build_figures(
             candidates = ("whatif",)
         elif _report_kind(report) == "drift":  # its per-step rows are metrics': their trend plots too
             candidates = ("drift", *TREND_KINDS)
+        elif _report_kind(report) == "explain":
+            candidates = ("explain-shares", "layers")
         else:
             candidates = COMPARE_KINDS
     else:
@@ -774,6 +781,10 @@ def _missing(kind: str, report: Any, tokens: Any, trace: pl.DataFrame | None, wa
         return None if _has(report, "threshold") else "needs a whatif report (pgdiag whatif --out)"
     if kind == "drift":
         return None if _has(report, "step") else "needs per-step rows (pgdiag drift --out)"
+    if kind == "explain-shares":
+        return None if _report_kind(report) == "explain" else "needs an explain report (pgdiag explain --out)"
+    if kind == "layers":
+        return None if (getattr(report, "meta", {}) or {}).get("layers") else "needs explain --layers"
     breakdown = {"by-prob": "prob_bucket", "by-position": "position", "by-step": "step"}[kind]
     if not _has(report, breakdown):
         return f"the report has no {breakdown} breakdown (compare --by {breakdown})"
@@ -804,6 +815,14 @@ def _draw(kind: str, report: Any, tokens: Any, trace: pl.DataFrame | None, marks
         return plot_whatif(report)
     if kind == "drift":
         return plot_drift(report)
+    if kind in ("explain-shares", "layers"):
+        from pgdiag.report import explain_plots
+
+        return (
+            explain_plots.plot_shares(report)
+            if kind == "explain-shares"
+            else explain_plots.plot_layers(report)
+        )
     return plot_trend(report, kind, marks=marks)
 
 

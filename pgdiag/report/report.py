@@ -269,7 +269,7 @@ class Report:
         return written
 
 
-REPORT_KINDS = ("metrics", "compare", "whatif", "drift")
+REPORT_KINDS = ("metrics", "compare", "whatif", "drift", "explain")
 
 # Documented shapes of the `meta` entries a saved report is read back through (docs/report.md): a key absent is
 # fine, a key present must hold this JSON type (lists: of this item type), else E105.

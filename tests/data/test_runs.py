@@ -296,9 +296,10 @@ def test_uncastable_scalar_and_empty_selection(tmp_path: Path, rollout_rows: lis
         read_token_batch(read_run(path), streams=["rollout"])
     assert e103.value.code == "E103" and "s.parquet: step" in e103.value.message
     valid = write_rollouts_file(tmp_path / "v.parquet", rollout_rows)
-    with pytest.raises(InvalidInputError) as e209:
-        read_token_batch(read_run(valid, steps="7"), streams=["rollout"])
-    assert e209.value.code == "E209" and "(0 samples) has no loss tokens" in e209.value.message
+    with pytest.raises(UsageError) as absent:  # was E209 "(0 samples) has no loss tokens", with no hint
+        read_run(valid, steps="7")
+    assert absent.value.code == "E503" and absent.value.message == "--steps 7: 7 matches no step of the run"
+    assert absent.value.hint == "steps present: 0-1"
 
 
 def test_recompute_duplicate_keys_refused(tmp_path: Path, rollout_rows: list[dict[str, Any]]) -> None:

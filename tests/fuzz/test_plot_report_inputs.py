@@ -167,14 +167,15 @@ def test_report_footer_of_another_shape_or_kind(
         _refused(result, tmp_path / "plots", code)
 
 
-def test_empty_report_plots_nothing_and_says_why(saved: dict[str, Path], tmp_path: Path) -> None:
+def test_empty_report_is_refused(saved: dict[str, Path], tmp_path: Path) -> None:
+    # issue 22: a report with zero rows was accepted (exit 0, every plot skipped); it is E511 now
     report = _rewrite(
         saved["metrics"], tmp_path / "r" / "metrics.parquet", pq.read_table(saved["metrics"]).slice(0, 0)
     )
-    result = _plot(report, tmp_path / "plots")
-    assert result.exit_code == 0, result.output
-    assert "skipped trend-kl: no per-step values" in result.output
-    assert _plot(report, tmp_path / "plots", "--kind", "trend-kl").exit_code == 2
+    for extra in ((), ("--kind", "trend-kl")):
+        result = _plot(report, tmp_path / "plots", *extra)
+        _refused(result, tmp_path / "plots", "E511")
+        assert "the report has no rows to plot" in result.output
 
 
 @pytest.mark.parametrize(

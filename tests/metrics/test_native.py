@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -406,6 +407,13 @@ def test_every_emitted_key_is_in_the_catalog_and_every_catalog_key_can_be_emitte
         divisor=4.0,
         grad_divisor=2.0,
         dual_clip=3.0,
+        kept="rc",
+    )
+    # a kept-set recompute "rc": its kept mass and full-vocabulary log-probs (metrics.kept)
+    batch = replace(
+        batch,
+        kept_mass={"rc": np.array([0.9, 1.0, 0.5, 0.8, 0.95])},
+        full_vocab={"rc": np.array([-1.1, -2.0, -1.2, -0.5, -1.6])},
     )
     emitted = {v.key for v in compute_step_native(batch, settings).values}
     assert emitted == {spec.key for spec in METRIC_CATALOG}

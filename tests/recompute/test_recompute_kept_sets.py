@@ -241,3 +241,47 @@ def test_recorded_without_kept_sets_is_e506(setup: dict, tmp_path: Path) -> None
     with pytest.raises(UsageError) as raised:
         resolve_kept_set(read_run(run), "recorded")
     assert raised.value.code == "E506"
+
+
+def _all_row(report) -> dict[str, float | None]:
+    summary = report.summary.filter(pl.col("bucket") == "all")
+    return dict(zip(summary["metric"].to_list(), summary["value"].to_list(), strict=True))
+
+
+def test_metrics_report_the_kept_mass_beside_the_mismatch(setup: dict) -> None:
+    """mismatch/* against the renormalised recompute is ~0 (the engine's stream scored the same way), the kept
+    mass and truncation bias equal the recompute's columns, and full_bias = bias − truncation_bias."""
+    _recompute(setup, "rc_metrics", "recorded")
+    run = read_run(setup["run"])
+    assert "rc_metrics" in run.kept_tags
+    report = pgdiag.compute_metrics(run, new="rc_metrics", stream_b="rc_metrics")
+    values = _all_row(report)
+    stream = _stream(setup["run"], "rc_metrics")
+    mass = _loss_values(stream, "kept_mass")
+    assert abs(values["mismatch/bias"]) <= 1e-5
+    assert values["mismatch/kept_mass_mean"] == pytest.approx(mass.mean(), abs=1e-6)
+    assert values["mismatch/kept_mass_min"] == pytest.approx(mass.min(), abs=1e-6)
+    assert values["mismatch/kept_mass_p05"] == pytest.approx(np.quantile(mass, 0.05), abs=1e-6)
+    assert values["mismatch/truncation_bias"] == pytest.approx(-np.log(mass).mean(), abs=1e-5)
+    assert values["mismatch/full_bias"] == pytest.approx(
+        values["mismatch/bias"] - values["mismatch/truncation_bias"], abs=1e-5
+    )
+    assert values["mismatch/full_abs_mean"] >= abs(values["mismatch/full_bias"]) - 1e-9
+    assert "W413" not in report.checks["code"].to_list()  # K is recorded
+
+
+def test_metrics_warn_w413_with_the_bias_size_when_k_is_not_recorded(setup: dict, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    frame = setup["frame"].drop("sampling_kept_ids", "sampling_kept_offsets", "full_tempered", "full_raw")
+    pgdiag.write_run(frame, run_dir, sampling=SAMPLING)
+    without = pgdiag.compute_metrics(read_run(run_dir), new="rollout", old="rollout", stream_a=None)
+    w413 = without.checks.filter(pl.col("code") == "W413")["message"].to_list()
+    assert len(w413) == 1 and "of unknown size" in w413[0]
+    result = _recompute({**setup, "run": run_dir}, "rc", "off")
+    assert result.settings.kept_source == "reconstruct:vllm"
+    report = pgdiag.compute_metrics(read_run(run_dir), new="rc", stream_b="rc")
+    values = _all_row(report)
+    message = report.checks.filter(pl.col("code") == "W413")["message"].to_list()
+    assert len(message) == 1 and f"{values['mismatch/truncation_bias']:.4g} nats" in message[0], message
+    # the processed rollout against the full-vocabulary recompute: the bias shows as mismatch of that size
+    assert values["mismatch/bias"] == pytest.approx(-values["mismatch/truncation_bias"], abs=2e-3)

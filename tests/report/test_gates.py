@@ -120,7 +120,7 @@ def test_profile_skips_absent_families_and_explicit_wins() -> None:
     result = evaluate_gates(report, fail_on=["mismatch/abs_mean>0.001"], profile="recommended")
     fails = [g.expr for g in result.gates if g.status == "fail"]
     assert fails == ["mismatch/abs_mean>0.001"]
-    assert set(PROFILES) == {"recommended", "nemo", "verl", "slime", "deterministic"}
+    assert set(PROFILES) == {"recommended", "nemo", "verl", "slime", "deterministic", "exact"}
 
 
 def test_unknown_profile() -> None:

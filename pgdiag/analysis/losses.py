@@ -1,0 +1,141 @@
+"""Gradient parity between two loss definitions on one batch (`whatif --losses A,B`, docs/whatif.md).
+
+A loss definition is `FORM@MODE`: FORM is `vanilla` (ℓ_t = −A_t·log π_θ) or any whatif rule (`cispo:0.2,0.28`,
+`dppo_tv:0.2,0.2`, `token_tis:2`, ...), MODE an aggregation of docs/metrics.md (`token_mean`, `sample_mean`,
+`prompt_mean`, `seq_mean_token_sum`, `token_sum`, `constant` with `--divisor`). On each step (one optimiser batch)
+the gradient of the aggregated loss with respect to log π_θ(t) is g_t = c_{i(t)}·f_t: f_t the form's per-token
+coefficient (the rule's, with its framework's stop-gradient semantics; −A_t for vanilla), c_i the aggregation
+weight of the token's sample, over the tokens the form keeps in its loss mask.
+
+Per step: `losses/rel_l2` = ‖g_A − g_B‖ / ‖g_A‖, split along g_A − g_B = (c_A − c_B)·f_A + c_B·(f_A − f_B) into
+`losses/rel_l2_aggregation` = ‖(c_A − c_B)·f_A‖ / ‖g_A‖ and `losses/rel_l2_factor` = ‖c_B·(f_A − f_B)‖ / ‖g_A‖
+(the two bound the total by the triangle inequality), and `losses/grad_norm_ratio` = ‖g_B‖ / ‖g_A‖: the grad-norm
+gap the loss alone explains.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pgdiag.analysis.rules import PROXIMAL_THETA, Replay, RuleEffect
+from pgdiag.analysis.settings import CorrectionRule, parse_rule
+from pgdiag.data.batch import TokenBatch
+from pgdiag.errors import UsageError
+from pgdiag.metrics.loss import GSPO_MODES, NATIVE_MODES, sample_weights
+from pgdiag.report.report import ReportRow
+
+LOSS_MODES = tuple(m for m in NATIVE_MODES if m not in GSPO_MODES)
+_SPEC = re.compile(r"\s*([^@]+)@(\w+)\s*(?:,|$)")
+EffectOf = Callable[[CorrectionRule, Replay], RuleEffect]
+
+
+@dataclass(frozen=True)
+class LossForm:
+    """One loss definition: the per-token form (None: vanilla policy gradient) and the aggregation mode."""
+
+    rule: CorrectionRule | None
+    mode: str
+    label: str
+
+
+def parse_losses(text: str) -> tuple[LossForm, LossForm]:
+    """`A,B` with A and B each `FORM@MODE` (E503 unless exactly two well-formed definitions)."""
+    found = [(m.group(1).strip(), m.group(2)) for m in _SPEC.finditer(text)]
+    if len(found) != 2 or sum(len(m.group(0)) for m in _SPEC.finditer(text)) != len(text):
+        raise UsageError("E503", f"--losses {text!r}: give two definitions, FORM@MODE,FORM@MODE")
+    forms = []
+    for form, mode in found:
+        if mode not in LOSS_MODES:
+            raise UsageError(
+                "E503", f"--losses: unknown aggregation {mode!r}", f"one of {', '.join(LOSS_MODES)}"
+            )
+        rule = None if form == "vanilla" else parse_rule(form)
+        forms.append(LossForm(rule, mode, f"{form}@{mode}"))
+    return forms[0], forms[1]
+
+
+def token_terms(
+    batch: TokenBatch, form: LossForm, replay: Replay, effect_of: EffectOf, divisor: float | None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(c, f), both (M,): the aggregation weight of each token's sample (0 off the form's loss mask; one
+    aggregation per step) and the form's per-token factor f_t; g = c·f. None when a step's weights are not
+    computable (zero denominator, or `constant` without a divisor)."""
+    assert batch.advantages is not None
+    if form.rule is None:
+        factor, keep = -batch.advantages, np.ones(batch.n_tokens, dtype=bool)
+    else:
+        effect = effect_of(form.rule, replay)
+        keep = effect.keep
+        factor = (
+            effect.grad if effect.grad is not None else -batch.advantages * np.where(keep, effect.weight, 0.0)
+        )
+    tok_sample = batch.token_sample()
+    kept = np.bincount(tok_sample, weights=keep.astype(np.float64), minlength=batch.n_samples)
+    weight = np.zeros(batch.n_samples)
+    for step in np.unique(batch.step):
+        rows = np.flatnonzero(batch.step == step)
+        groups, codes = np.unique(batch.group[rows], return_inverse=True)
+        c = sample_weights(form.mode, kept[rows], codes, len(groups), len(rows), divisor)
+        if c is None:
+            return None
+        weight[rows] = c
+    return np.where(keep, weight[tok_sample], 0.0), factor
+
+
+def loss_parity_rows(
+    batch: TokenBatch,
+    pair: tuple[LossForm, LossForm],
+    replays: dict[bool, Replay],
+    effect_of: EffectOf,
+    divisor: float | None,
+    on: str,
+) -> list[ReportRow]:
+    """Rows of breakdown `losses/step` (bucket `A vs B|step`) and `losses` (bucket `A vs B`, max over steps).
+    Proximal→θ forms use the `new` replay when there is one, else θ = π_old (every ratio 1)."""
+    a, b = pair
+    label = f"{a.label} vs {b.label}"
+    later = replays.get(True, _unit_replay(replays[False]))
+    terms = []
+    for form in pair:
+        theta = form.rule is not None and form.rule.pair == PROXIMAL_THETA
+        terms.append(token_terms(batch, form, later if theta else replays[False], effect_of, divisor))
+    if terms[0] is None or terms[1] is None:
+        return []
+    (c_a, f_a), (c_b, f_b) = terms
+    g_a, g_b = c_a * f_a, c_b * f_b
+    tok_sample = batch.token_sample()
+    rows: list[ReportRow] = []
+    worst: dict[str, float] = {}
+    for step in np.unique(batch.step):
+        tok = np.isin(tok_sample, np.flatnonzero(batch.step == step))
+        norm_a = float(np.linalg.norm(g_a[tok]))
+        values = {
+            "losses/rel_l2": _rel(g_a[tok] - g_b[tok], norm_a),
+            "losses/rel_l2_aggregation": _rel((c_a[tok] - c_b[tok]) * f_a[tok], norm_a),
+            "losses/rel_l2_factor": _rel(c_b[tok] * (f_a[tok] - f_b[tok]), norm_a),
+            "losses/grad_norm_ratio": _rel(g_b[tok], norm_a),
+        }
+        for metric, value in values.items():
+            n = int(tok.sum())
+            where = f"{label}|{int(step)}"
+            rows.append(ReportRow(on, "token", "losses/step", where, metric, value, "ratio", "l2", n))
+            if value is not None:
+                worst[metric] = max(worst.get(metric, value), value)
+    for metric, value in worst.items():
+        rows.append(ReportRow(on, "token", "losses", label, metric, value, "ratio", "max", batch.n_tokens))
+    return rows
+
+
+def _rel(x: np.ndarray, norm: float) -> float | None:
+    return float(np.linalg.norm(x)) / norm if norm > 0 else None
+
+
+def _unit_replay(replay: Replay) -> Replay:
+    """θ = π_old: the proximal→θ forms at the first mini-batch (every ratio 1)."""
+    return Replay(
+        replay.cur, replay.cur, replay.offsets, replay.step, replay.pos, replay.advantages, replay.reward
+    )

@@ -1,0 +1,265 @@
+"""`explain_run(run, model)`: why two log-prob streams of a run disagree (the library call behind `pgdiag explain`).
+
+What it does, in order (docs/explain.md):
+1. the token budget: whole samples, stratified by step, copied to ``OUT/tokens`` (`explain.tokens`);
+2. the sampling grid: one reference forward giving every token's log-prob at each candidate temperature and
+   kept set (`explain.grid`); fold 1 (`causes.SamplingFit`) finds the grid point each side fits;
+3. the cost of the recompute matrix is announced (`on_cost`), then the matrix runs at side a's temperature,
+   each configuration a recompute tag of the token run (`explain.matrix`);
+4. fold 2 (`causes.Evidence`) gathers what the signature rules read; `attribution.decide` applies them;
+5. fold 3 (`causes.Chain`) removes the causes in order; `attribution.shares` turns that into shares per cause,
+   overall, per response-position bucket and per step.
+Nothing here prints; the CLI renders `ExplainResult`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pgdiag.errors import UsageError
+from pgdiag.explain.attribution import CauseShare, shares, verdict_line
+from pgdiag.explain.settings import ExplainSettings
+
+
+@dataclass(frozen=True)
+class ExplainResult:
+    """What `explain_run` found: causes with shares (sorted), the verdict, and where each number came from."""
+
+    pair: tuple[str, str]
+    n_tokens: int
+    k3: float  # the pair's mean k3 on the budget's tokens
+    abs_mean: float
+    causes: list[CauseShare]
+    top_cause: str | None
+    verdict: str
+    nothing_to_explain: bool
+    by_position: dict[str, list[CauseShare]]
+    by_step: dict[str, list[CauseShare]]
+    signatures: list[dict[str, Any]]
+    configs: list[str]  # recompute tags written under `token_run`
+    skipped: dict[str, str]
+    cost: str
+    fits: dict[str, Any]
+    token_run: Path
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``explain`` block of the `--json` object (docs/explain.md, "JSON")."""
+
+        def rows(causes: list[CauseShare]) -> list[dict[str, Any]]:
+            return [c.as_dict() for c in causes]
+
+        return {
+            "pair": list(self.pair),
+            "n_tokens": self.n_tokens,
+            "k3": self.k3,
+            "abs_mean": self.abs_mean,
+            "causes": rows(self.causes),
+            "top_cause": self.top_cause,
+            "verdict": self.verdict,
+            "nothing_to_explain": self.nothing_to_explain,
+            "by_position": {k: rows(v) for k, v in self.by_position.items()},
+            "by_step": {k: rows(v) for k, v in self.by_step.items()},
+            "signatures": self.signatures,
+            "configs": self.configs,
+            "skipped": self.skipped,
+            "cost": self.cost,
+            "fits": self.fits,
+            "token_run": str(self.token_run),
+            "seconds": self.seconds,
+        }
+
+
+def explain_run(
+    run: Any,
+    model: str | Path,
+    settings: ExplainSettings | None = None,
+    *,
+    out: str | Path | None = None,
+    overwrite: bool = False,
+    on_cost: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ExplainResult:
+    """Attribute the mismatch between the two streams of `settings.pair` of `run` to causes (module docstring).
+
+    `run`: a `Run` or a run path; `model`: an HF checkpoint directory. `out` (default ``RUN/explain``) receives
+    the token run ``OUT/tokens`` with the matrix's recompute tags. `on_cost` receives the cost line before the
+    matrix runs. Raises UsageError (E111 a stream missing, E502 output exists, E503 options, E506 no home for
+    the output, E60x the checkpoint) and InvalidInputError (the row rules of every command).
+    """
+    from pgdiag.data.runs import read_run
+    from pgdiag.explain import matrix
+    from pgdiag.explain.causes import Chain, Evidence, SamplingFit
+    from pgdiag.explain.tokens import check_pair, select_samples, write_token_run
+    from pgdiag.model import read_model_config
+
+    settings = settings or ExplainSettings()
+    started = time.perf_counter()
+    source = read_run(run) if isinstance(run, (str, Path)) else run
+    check_pair(source, settings.pair)
+    if out is None:
+        if source.root is None:
+            raise UsageError(
+                "E506", "RUN is not a run directory, so explain's output has no home", "pass --out DIR"
+            )
+        out = Path(source.root) / "explain"
+    token_dir = Path(out) / "tokens"
+    if token_dir.exists() and not overwrite:
+        raise UsageError("E502", f"{token_dir} exists", "pass --overwrite to replace it, or another --out")
+    model_config = read_model_config(model)
+    device = settings.device or _default_device()
+    moe_routes = "routed_experts" in source.lazy.collect_schema()
+    memory = settings.memory_bytes or matrix.device_memory(device)
+    configs, skipped = matrix.plan_matrix(
+        model_config, moe_routes=moe_routes, tp=settings.tp, memory=memory, names=settings.configs
+    )
+    selection = select_samples(source, settings.tokens, settings.seed)
+    cost = matrix.estimate_cost(model_config, configs, selection.n_tokens, device)
+    if on_cost is not None:
+        on_cost(cost.line())
+    if token_dir.exists():
+        shutil.rmtree(token_dir)
+    write_token_run(source, selection, token_dir)
+    token_run = read_run(token_dir)
+    seconds: dict[str, float] = {"select": time.perf_counter() - started}
+
+    grid, keys, grid_dtype = _grid(token_run, model, model_config, device, skipped, memory, settings)
+    skipped.update({"grid_body": f"{grid_dtype} body (fp32 did not fit)"} if grid_dtype != "fp32" else {})
+    seconds["grid"] = time.perf_counter() - started - seconds["select"]
+    from pgdiag.explain.table import token_pieces
+
+    t1 = grid.temperatures.index(1.0)
+    fit = SamplingFit()
+    for piece in token_pieces(token_run, settings.pair, (), grid, keys):
+        fit.add(piece)
+    fits, _ = fit.finish(t1)
+    t_a = grid.temperatures[fits["a"].temperature_index]
+    seconds.update(
+        matrix.run_matrix(
+            token_dir, model, configs, prefix=settings.tag_prefix, temperature=t_a, tp=settings.tp,
+            device=settings.device, batch_tokens=settings.batch_tokens, progress=progress,
+        )
+    )  # fmt: skip
+    token_run = read_run(token_dir)
+    tags = tuple(c.tag(settings.tag_prefix) for c in configs)
+    evidence = Evidence(fits, tags)
+    for piece in token_pieces(token_run, settings.pair, tags, grid, keys):
+        evidence.add(piece)
+    from pgdiag.explain.attribution import decide
+
+    decisions, signatures, details = decide(
+        evidence,
+        fits,
+        grid.temperatures,
+        matrix.roles(configs, settings.tag_prefix),
+        _declared_modes(token_run, settings.pair),
+    )
+    chain = Chain(decisions, fits)
+    for piece in token_pieces(token_run, settings.pair, tags, grid, keys):
+        chain.add(piece)
+    nothing = evidence.sums.get("abs_0", 0.0) == 0.0
+    overall = shares(chain, ("all", "all"), details)
+    if nothing:
+        overall = [c.__class__(c.cause, 0.0, 0.0, 0.0, 0.0, 0.0, c.evidence) for c in overall]
+    top, verdict = verdict_line(overall, nothing)
+    by_position = {
+        label: shares(chain, (kind, label), details) for kind, label in chain.stages if kind == "position"
+    }
+    by_step = {label: shares(chain, (kind, label), details) for kind, label in chain.stages if kind == "step"}
+    seconds["total"] = time.perf_counter() - started
+    return ExplainResult(
+        pair=settings.pair,
+        n_tokens=evidence.n,
+        k3=evidence.mean("k3_0"),
+        abs_mean=evidence.mean("abs_0"),
+        causes=overall,
+        top_cause=top,
+        verdict=verdict,
+        nothing_to_explain=nothing,
+        by_position=by_position,
+        by_step=by_step,
+        signatures=[s.as_dict() for s in signatures],
+        configs=list(tags),
+        skipped=skipped,
+        cost=cost.line(),
+        fits={
+            side: {
+                "temperature": grid.temperatures[f.temperature_index],
+                "kept_set": grid.variants[f.variant_index].label,
+                "k3": f.k3,
+                "k3_at_t1_full": f.k3_full_at_t1,
+            }
+            for side, f in fits.items()
+        },
+        token_run=token_dir,
+        seconds=seconds,
+    )
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _declared_modes(run: Any, pair: tuple[str, str]) -> tuple[str, str]:
+    """The logprobs mode each stream's footer declares (``raw``, ``processed`` or ``unknown``); the run's
+    ``pgdiag.sampling.logprobs_mode`` stands for the rollout stream when its own entry says nothing."""
+    from pgdiag.data.schema import stream_column
+
+    meta = run.meta or {}
+    streams = meta.get("streams") or {}
+    modes = []
+    for stream in pair:
+        entry = streams.get(stream_column(stream)) or streams.get(stream) or {}
+        mode = entry.get("logprobs_mode") if isinstance(entry, dict) else None
+        if (mode in (None, "unknown")) and stream == "rollout":
+            mode = (meta.get("sampling") or {}).get("logprobs_mode")
+        modes.append(str(mode or "unknown"))
+    return modes[0], modes[1]
+
+
+def _grid(
+    token_run: Any,
+    model: str | Path,
+    model_config: Any,
+    device: str,
+    skipped: dict[str, str],
+    memory: int,
+    settings: ExplainSettings,
+) -> tuple[Any, Any, str]:
+    """(GridValues, grid keys, body dtype): the sampling grid on one device, fp32 when it fits, else bf16."""
+    import torch
+
+    from pgdiag.explain import grid as sampling
+    from pgdiag.explain.matrix import weight_bytes
+    from pgdiag.explain.table import grid_keys
+    from pgdiag.model import load_model
+    from pgdiag.recompute.inputs import read_inputs
+
+    dtype = "fp32" if weight_bytes(model_config, "fp32", 1) <= 0.8 * memory else "bf16"
+    inputs = read_inputs(token_run, int(model_config.vocab_size))
+    ids = [inputs.input_ids[inputs.offsets[r] : inputs.offsets[r + 1]] for r in range(len(inputs.step))]
+    masks = [inputs.loss_mask[inputs.offsets[r] : inputs.offsets[r + 1]] for r in range(len(inputs.step))]
+    sampling_meta = (token_run.meta or {}).get("sampling") or {}
+    recorded_t = (
+        [sampling_meta["temperature"]] if isinstance(sampling_meta.get("temperature"), (int, float)) else []
+    )
+    top_p = [sampling_meta["top_p"]] if isinstance(sampling_meta.get("top_p"), (int, float)) else []
+    top_k = sampling_meta.get("top_k") if isinstance(sampling_meta.get("top_k"), int) else None
+    lm = load_model(model, dtype=dtype, head_dtype="fp32", device=torch.device(device))
+    values = sampling.sampling_grid(
+        lm,
+        ids,
+        masks,
+        sampling.temperatures(recorded_t),
+        sampling.variants(top_k, top_p),
+        batch_tokens=settings.batch_tokens,
+    )
+    del lm
+    return values, grid_keys(inputs.step, inputs.sample_id, inputs.segment_idx, masks), dtype

@@ -1,0 +1,201 @@
+"""The recompute matrix of `pgdiag explain`: which configurations, what they cost, which fit, and running them.
+
+Each configuration is one `pgdiag logprobs` recompute (`pgdiag.recompute.jobs.recompute_logprobs`: TP, MoE
+routing, resume) of the token run, written under the tag ``<prefix>_<name>`` so any two can be compared
+afterwards. All run at side a's fitted temperature over the full vocabulary (the frame the attribution works
+in); the temperature and kept-set configurations come from the sampling grid's one forward (`explain.grid`).
+
+| name | body | head | batches | role |
+|---|---|---|---|---|
+| ref | fp32 | fp32 | packed | the reference |
+| bf16 | bf16 | fp32 | packed | precision; batch invariance (packed side); MoE routes recomputed |
+| bf16_head | bf16 | bf16 | packed | precision of the head |
+| fp16 | fp16 | fp32 | packed | precision |
+| b1 | bf16 | fp32 | one sequence per forward | batch invariance |
+| replay | bf16 | fp32 | packed, recorded routes | MoE runs with recorded routes: routing |
+
+A configuration whose weights do not fit the device (an fp32 body of a 70B model needs 282 GB) is skipped; the
+fp32 reference then falls back to a bf16 body with the fp32 head (``ref`` is left out and ``bf16`` plays the
+reference), and the JSON names what was skipped and why.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pgdiag.explain.attribution import ConfigRoles
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One recompute configuration of the matrix."""
+
+    name: str
+    dtype: str
+    head_dtype: str
+    micro_batch: int | None = None
+    routing: str = "recompute"
+
+    def tag(self, prefix: str) -> str:
+        return f"{prefix}_{self.name}"
+
+
+CONFIGS = (
+    Config("ref", "fp32", "fp32"),
+    Config("bf16", "bf16", "fp32"),
+    Config("bf16_head", "bf16", "bf16"),
+    Config("fp16", "fp16", "fp32"),
+    Config("b1", "bf16", "fp32", micro_batch=1),
+    Config("replay", "bf16", "fp32", routing="replay"),
+)
+
+
+def parameter_count(config: Any) -> int:
+    """Parameters of a decoder from its `ModelConfig` (embedding, head, attention, MLP or experts)."""
+    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    attention = h * (config.q_size + 2 * config.kv_size) + config.q_size * h
+    moe = config.moe
+    dense_mlp = 3 * h * config.intermediate_size
+    if moe is None:
+        mlp = [dense_mlp] * layers
+    else:
+        expert = 3 * h * moe.expert_intermediate_size * moe.num_experts + h * moe.num_experts
+        shared = 3 * h * moe.shared_expert_intermediate_size
+        mlp = [expert + shared if sparse else dense_mlp for sparse in moe.sparse_layers]
+    head = 0 if config.tie_word_embeddings else vocab * h
+    return vocab * h + head + layers * attention + sum(mlp)
+
+
+def weight_bytes(config: Any, dtype: str, tp: int) -> int:
+    """Bytes of one rank's weights in `dtype` (what the fit check compares with the device's memory)."""
+    return parameter_count(config) * _BYTES[dtype] // max(tp, 1)
+
+
+def device_memory(device: str) -> int:
+    """Bytes of memory of `device` (a CUDA device's total, else the machine's RAM)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def plan_matrix(
+    model_config: Any,
+    *,
+    moe_routes: bool,
+    tp: int,
+    memory: int,
+    names: tuple[str, ...] | None,
+) -> tuple[list[Config], dict[str, str]]:
+    """(configurations to run, {skipped name: why}). Weights that fill more than 80 % of `memory` do not fit."""
+    run: list[Config] = []
+    skipped: dict[str, str] = {}
+    for config in CONFIGS:
+        if names is not None and config.name not in names:
+            continue
+        if config.routing == "replay" and not (model_config.moe and moe_routes):
+            skipped[config.name] = "dense model or no recorded routes (routed_experts)"
+            continue
+        need = weight_bytes(model_config, config.dtype, tp)
+        if need > 0.8 * memory:
+            skipped[config.name] = (
+                f"{config.dtype} body needs {need / 2**30:.1f} GiB per rank of {memory / 2**30:.1f} GiB: fell back "
+                "to the bf16 body with the fp32 head as the reference"
+            )
+            continue
+        run.append(config)
+    return run, skipped
+
+
+def roles(configs: list[Config], prefix: str) -> ConfigRoles:
+    """Which tag plays which role in the attribution (`explain.attribution.ConfigRoles`)."""
+    tags = {c.name: c.tag(prefix) for c in configs}
+    reference = tags.get("ref") or tags.get("bf16")
+    precision = tuple(tags[n] for n in ("bf16", "bf16_head", "fp16") if n in tags and tags[n] != reference)
+    return ConfigRoles(
+        reference=reference,
+        precision=precision,
+        packed=tags.get("bf16"),
+        single=tags.get("b1"),
+        replay=tags.get("replay"),
+        recompute_routes=tags.get("bf16") if "replay" in tags else None,
+    )
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """What the matrix will cost, printed before it runs: tokens x configurations x seconds per token."""
+
+    tokens: int
+    configurations: int
+    seconds_per_token: float  # per configuration, the mean over the configurations' dtypes
+    device: str
+
+    @property
+    def seconds(self) -> float:
+        return self.tokens * self.configurations * self.seconds_per_token
+
+    def line(self) -> str:
+        return (
+            f"recompute matrix: {self.tokens} tokens x {self.configurations} configurations (+ the sampling grid) "
+            f"x {self.seconds_per_token * 1e6:.3g} us/token ≈ {self.seconds:.0f} s on {self.device} (estimated)"
+        )
+
+
+def estimate_cost(model_config: Any, configs: list[Config], tokens: int, device: str) -> CostEstimate:
+    """A rough cost from the forward's FLOPs (2 per parameter per token) at an assumed rate: 40 % of an H100's
+    dense bf16 rate on CUDA (fp32 at an eighth of it), 50 GFLOP/s on a CPU."""
+    flops = 2.0 * parameter_count(model_config)
+    if device.startswith("cuda"):
+        rates = {"bf16": 0.4 * 989e12, "fp16": 0.4 * 989e12, "fp32": 0.4 * 989e12 / 8}
+    else:
+        rates = {"bf16": 2e10, "fp16": 2e10, "fp32": 5e10}
+    per = [flops / rates[c.dtype] for c in configs] or [0.0]
+    return CostEstimate(tokens, len(configs) + 1, sum(per) / len(per), device)
+
+
+def run_matrix(
+    token_run: Path,
+    model: str | Path,
+    configs: list[Config],
+    *,
+    prefix: str,
+    temperature: float,
+    tp: int,
+    device: str | None,
+    batch_tokens: int,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, float]:
+    """Recompute every configuration on the token run (resumable: a rerun skips finished tags); returns
+    {tag: seconds}."""
+    from pgdiag.recompute.jobs import recompute_logprobs
+
+    seconds: dict[str, float] = {}
+    for config in configs:
+        if progress is not None:
+            progress(f"recompute {config.tag(prefix)}: body {config.dtype}, head {config.head_dtype}")
+        result = recompute_logprobs(
+            str(token_run),
+            str(model),
+            tp=tp,
+            device=device,
+            tag=config.tag(prefix),
+            dtype=config.dtype,
+            head_dtype=config.head_dtype,
+            temperature=temperature,
+            micro_batch=config.micro_batch,
+            routing=config.routing,
+            batch_tokens=batch_tokens,
+            entropy=False,
+            impl="auto",
+            kept_set="off",  # the common frame is the full vocabulary; kept sets are the grid's (module docstring)
+        )
+        seconds[config.tag(prefix)] = result.seconds if result is not None else 0.0
+    return seconds

@@ -1,0 +1,103 @@
+"""The token budget of `pgdiag explain`: whole samples, stratified by step, written as a run of their own.
+
+What: `select_samples(run, budget, seed)` picks whole samples so that every step gets an equal share of the
+`budget` loss tokens (samples shuffled with `seed` within each step, taken until the step's share is reached;
+a step with fewer tokens gives all it has). `write_token_run` writes those rows, every column and the footer
+kept, as a canonical run directory (`OUT/tokens/`), so the recompute matrix writes its tags beside them and
+``pgdiag compare OUT/tokens --stream-a ex_ref --stream-b ex_bf16`` works afterwards.
+Why a copy: the recompute machinery (parts, manifests, resume) works on runs; a budget of 200k tokens is a small
+copy, and the user's run directory is never written to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from pgdiag.data.runs import Run
+from pgdiag.data.schema import BASE_STREAMS, stream_column
+from pgdiag.data.writing import source_meta, write_rollouts
+from pgdiag.errors import InvalidInputError, UsageError
+
+KEYS = ("step", "sample_id", "segment_idx")
+
+
+@dataclass(frozen=True)
+class TokenSelection:
+    """The samples the budget took: their keys, and loss tokens taken and available per step."""
+
+    keys: pl.DataFrame  # step, sample_id, segment_idx of the chosen samples
+    tokens_per_step: dict[int, tuple[int, int]]  # step -> (loss tokens taken, loss tokens in the run)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(taken for taken, _ in self.tokens_per_step.values())
+
+
+def select_samples(run: Run, budget: int, seed: int = 0) -> TokenSelection:
+    """Whole samples holding about `budget` loss tokens, an equal share per step (module docstring)."""
+    columns = run.lazy.collect_schema().names()
+    keys = [k for k in KEYS if k in columns]
+    frame = run.lazy.select(*keys, pl.col("loss_mask").list.sum().alias("n_loss")).collect()
+    if frame.height == 0:
+        raise InvalidInputError("E209", f"{run.label}: the selection has no samples")
+    steps = sorted(int(s) for s in frame["step"].unique().to_list())
+    share = max(1, budget // len(steps))
+    rng = np.random.default_rng(seed)
+    chosen: list[pl.DataFrame] = []
+    per_step: dict[int, tuple[int, int]] = {}
+    for step in steps:
+        rows = frame.filter(pl.col("step") == step)
+        order = rng.permutation(rows.height)
+        counts = rows["n_loss"].fill_null(0).to_numpy()[order]
+        cumulative = np.cumsum(counts)
+        take = int(np.searchsorted(cumulative, share) + 1)  # whole samples until the share is reached
+        picked = rows[np.sort(order[:take])]
+        chosen.append(picked)
+        per_step[step] = (int(picked["n_loss"].fill_null(0).sum()), int(counts.sum()))
+    return TokenSelection(pl.concat(chosen).select(keys), per_step)
+
+
+def write_token_run(run: Run, selection: TokenSelection, out: Path, *, overwrite: bool = False) -> Path:
+    """The chosen samples of `run` as a run directory at `out` (footer kept); returns `out`."""
+    keys = [k for k in KEYS if k in selection.keys.columns]
+    frame = run.lazy.join(selection.keys.lazy(), on=keys, how="semi").collect()
+    meta = run.meta or {}
+    streams_meta = {
+        name: entry
+        for name, entry in (meta.get("streams") or {}).items()
+        if name in frame.columns or stream_column(name) in frame.columns
+    }
+    return write_rollouts(
+        frame,
+        out,
+        label=run.label,
+        source=meta.get("source") or source_meta("pgdiag explain"),
+        streams_meta=streams_meta,
+        sampling=meta.get("sampling"),
+        tokenizer=meta.get("tokenizer"),
+        model=meta.get("model"),
+        created_by="pgdiag explain",
+        overwrite=overwrite,
+    )
+
+
+def check_pair(run: Run, pair: tuple[str, str]) -> None:
+    """E111 when a stream of `pair` is not a stored stream of `run` (explain compares stored streams)."""
+    for stream in pair:
+        if stream not in BASE_STREAMS:
+            raise UsageError(
+                "E503",
+                f"--pair {','.join(pair)}: explain compares stored streams ({', '.join(BASE_STREAMS)}), "
+                f"not {stream!r}",
+                "compare a recompute tag with `pgdiag compare --stream-a/--stream-b`",
+            )
+        if stream not in run.streams:
+            raise UsageError(
+                "E111",
+                f"{run.label}: no stream {stream!r}; streams: {', '.join(run.streams) or 'none'}",
+                "name two stored streams with --pair A,B",
+            )

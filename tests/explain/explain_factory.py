@@ -1,0 +1,179 @@
+"""Tiny checkpoints, sampled rollouts and planted causes for the `pgdiag explain` tests.
+
+`make_checkpoint` saves a random 2-layer Qwen3 (transformers' own class, as tests/recompute does) with a scaled
+head, so next-token distributions are peaked like a trained LM's; `perturbed_checkpoint` copies it with every
+weight scaled by (1 + eps·N(0, 1)); `sample_rows` samples responses autoregressively from it (pgdiag's own model
+in fp32, plain torch, optional temperature and top-p) and `score` computes the log-prob of every loss token
+under a chosen body dtype, temperature, top-p renormalisation, or with an extra token inserted at the start of
+the response (the chat-template plant). The plants are written as runs with `rollout_factory`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from rollout_factory import write_rollouts_file
+
+VOCAB = 64
+
+
+def make_checkpoint(directory: Path, seed: int = 0, head_scale: float = 12.0) -> Path:
+    """A tiny random Qwen3 saved as safetensors at `directory` (its head scaled by `head_scale`)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+        model.model.embed_tokens.weight.mul_(3.0)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def perturbed_checkpoint(source: Path, directory: Path, eps: float, seed: int = 1) -> Path:
+    """`source` with every weight w -> w * (1 + eps * N(0, 1))."""
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(source).float()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            parameter.mul_(1.0 + eps * noise)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    """(T, V) fp32 logits of one sequence under pgdiag's model."""
+    n = len(ids)
+    trunk = model.forward_packed(
+        torch.tensor(ids, dtype=torch.int64),
+        torch.arange(n, dtype=torch.int64),
+        torch.tensor([0, n], dtype=torch.int32),
+    )
+    return trunk.hidden.float() @ model.lm_head_weight.float().T
+
+
+def _log_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """(…, V) log-probs at `temperature`, renormalised over the top-p set (kept when the mass before < p)."""
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    if top_p >= 1.0:
+        return logp
+    probs = logp.exp()
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    keep_sorted = before < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    masked = logp.masked_fill(~keep, -torch.inf)
+    return masked - torch.logsumexp(masked, dim=-1, keepdim=True)
+
+
+def sample_rows(
+    checkpoint: Path,
+    *,
+    steps: int = 3,
+    per_step: int = 6,
+    response: int = 10,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> list[dict]:
+    """Rows with prompts of 3-5 random tokens and `response` sampled tokens (loss on the response)."""
+    from pgdiag.model import load_model
+
+    model = load_model(checkpoint, dtype="fp32", head_dtype="fp32", device="cpu")
+    rng = np.random.default_rng(seed)
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [rng.integers(0, VOCAB, size=int(rng.integers(3, 6))).tolist() for _ in range(steps * per_step)]
+    sequences = [list(p) for p in prompts]
+    with torch.inference_mode():
+        for _ in range(response):  # one packed forward over every sequence per sampled position
+            lengths = [len(s) for s in sequences]
+            cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+            trunk = model.forward_packed(
+                torch.tensor(np.concatenate(sequences), dtype=torch.int64),
+                torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths]),
+                cu,
+            )
+            last = trunk.hidden[cu[1:].long() - 1].float() @ model.lm_head_weight.float().T  # (S, V)
+            probs = _log_probs(last, temperature, top_p).exp()
+            picked = torch.multinomial(probs, 1, generator=generator)[:, 0]
+            for sequence, token in zip(sequences, picked.tolist(), strict=True):
+                sequence.append(int(token))
+    rows = []
+    for index, (prompt, ids) in enumerate(zip(prompts, sequences, strict=True)):
+        step, k = divmod(index, per_step)
+        rows.append(
+            {
+                "step": step,
+                "sample_id": f"{step}:{k}",
+                "group_id": f"g{step}",
+                "input_ids": ids,
+                "prompt_len": len(prompt),
+                "loss_mask": [t >= len(prompt) for t in range(len(ids))],
+            }
+        )
+    return rows
+
+
+def score(
+    checkpoint: Path,
+    rows: list[dict],
+    *,
+    dtype: str = "fp32",
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    insert_token: int | None = None,
+) -> list[list[float | None]]:
+    """Per row, the log-prob of every loss token (None elsewhere) under the given plant."""
+    from pgdiag.model import load_model
+
+    model = load_model(checkpoint, dtype=dtype, head_dtype="fp32", device="cpu")
+    out = []
+    with torch.inference_mode():
+        for row in rows:
+            ids, start = list(row["input_ids"]), row["prompt_len"]
+            shift = 0
+            if insert_token is not None:
+                ids = [*ids[:start], insert_token, *ids[start:]]
+                shift = 1
+            logp = _log_probs(_logits(model, ids), temperature, top_p)  # (T', V)
+            values: list[float | None] = [None] * len(row["input_ids"])
+            for t, on in enumerate(row["loss_mask"]):
+                if on:
+                    values[t] = float(logp[t - 1 + shift, ids[t + shift]])
+            out.append(values)
+    return out
+
+
+def write_plant(
+    path: Path,
+    rows: list[dict],
+    rollout: list[list[float | None]],
+    old: list[list[float | None]],
+    **meta,
+) -> Path:
+    """A run directory at `path` holding `rows` with the two planted streams (footer entries from `meta`)."""
+    filled = [dict(r, rollout_logprobs=a, old_logprobs=b) for r, a, b in zip(rows, rollout, old, strict=True)]
+    import polars as pl
+
+    write_rollouts_file(
+        path / "rollouts" / "part-00000.parquet", filled, raw_types={"policy_version": pl.Int64}, **meta
+    )
+    return path

@@ -1,0 +1,192 @@
+"""`pgdiag explain` on runs made from a tiny checkpoint, each with one planted cause (issue 24, "How it is checked").
+
+Every run is sampled from the checkpoint (`explain_factory.sample_rows`) and scored twice: `old` the plain fp32
+teacher-forced log-probs, `rollout` with the plant. explain's `top_cause` must be the planted one with a share of
+at least 0.5, and the shares of every run sum to 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from explain_factory import make_checkpoint, perturbed_checkpoint, sample_rows, score, write_plant
+
+from pgdiag.explain.api import ExplainResult, explain_run
+from pgdiag.explain.settings import CAUSES, ExplainSettings
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+def _explain(run: Path, checkpoint: Path, **options) -> ExplainResult:
+    result = explain_run(run, checkpoint, ExplainSettings(tokens=10_000, **options))
+    assert [c.cause for c in result.causes if c.cause not in CAUSES] == []
+    assert sorted(c.cause for c in result.causes) == sorted(CAUSES)
+    assert all(0.0 <= c.share <= 1.0 for c in result.causes)
+    if not result.nothing_to_explain:
+        assert sum(c.share for c in result.causes) == pytest.approx(1.0, abs=1e-9)
+    return result
+
+
+def _share(result: ExplainResult, cause: str) -> float:
+    return next(c.share for c in result.causes if c.cause == cause)
+
+
+def _k3(a: list, b: list) -> float:
+    """Mean k3 of Δ = b − a over every loss token (the pair's mismatch as explain measures it)."""
+    lp_a = np.array([v for row in a for v in row if v is not None])
+    lp_b = np.array([v for row in b for v in row if v is not None])
+    delta = lp_b - lp_a
+    return float(np.mean(np.expm1(delta) - delta))
+
+
+def _top(result: ExplainResult, cause: str) -> None:
+    assert result.top_cause == cause, [(c.cause, round(c.share, 3)) for c in result.causes]
+    assert result.causes[0].share >= 0.5
+    assert cause.replace("_", " ") in result.verdict and "%" in result.verdict
+
+
+def test_missing_temperature(checkpoint: Path, tmp_path: Path) -> None:
+    rows = sample_rows(checkpoint, temperature=0.7)
+    run = write_plant(
+        tmp_path / "run", rows, score(checkpoint, rows, temperature=0.7), score(checkpoint, rows)
+    )
+    result = _explain(run, checkpoint)
+    _top(result, "temperature")
+    assert result.fits["a"]["temperature"] == 0.7 and result.fits["b"]["temperature"] == 1.0
+    assert "record the sampling temperature" in result.verdict
+
+
+def test_top_p_truncation_without_kept_sets(checkpoint: Path, tmp_path: Path) -> None:
+    rows = sample_rows(checkpoint, top_p=0.8)
+    run = write_plant(tmp_path / "run", rows, score(checkpoint, rows, top_p=0.8), score(checkpoint, rows))
+    result = _explain(run, checkpoint)
+    _top(result, "sampling_truncation")
+    assert result.fits["a"]["kept_set"] == "top_p=0.8"
+    assert "--kept-set" in result.verdict
+
+
+def test_bf16_rollout_against_fp32_old_is_precision(checkpoint: Path, tmp_path: Path) -> None:
+    rows = sample_rows(checkpoint)
+    run = write_plant(tmp_path / "run", rows, score(checkpoint, rows, dtype="bf16"), score(checkpoint, rows))
+    result = _explain(run, checkpoint)
+    _top(result, "precision")
+    assert "consistent with" in result.verdict
+    # the null plant: an ordinary precision pair never comes out as other weights or a template
+    assert _share(result, "weights") == 0.0 and _share(result, "tokenization") == 0.0
+    fired = {s["name"] for s in result.signatures if s["fired"]}
+    assert not fired & {"other_weights_a", "other_weights_b", "chat_template"}
+
+
+def test_weights_perturbed_by_five_percent(checkpoint: Path, tmp_path: Path) -> None:
+    rows = sample_rows(checkpoint)
+    other = perturbed_checkpoint(checkpoint, tmp_path / "other", 0.05)
+    run = write_plant(tmp_path / "run", rows, score(other, rows), score(checkpoint, rows))
+    result = _explain(run, checkpoint)
+    _top(result, "weights")
+    weights = next(c for c in result.causes if c.cause == "weights").evidence
+    assert weights["distance_a"] > weights["floor"] > 0 and weights["distance_b"] < weights["floor"]
+
+
+def test_extra_template_token_is_tokenization(checkpoint: Path, tmp_path: Path) -> None:
+    rows = sample_rows(checkpoint)
+    rollout = score(checkpoint, rows, insert_token=7)  # scored with one more token before the response
+    run = write_plant(tmp_path / "run", rows, rollout, score(checkpoint, rows))
+    result = _explain(run, checkpoint)
+    _top(result, "tokenization")
+    tokenization = next(c for c in result.causes if c.cause == "tokenization").evidence
+    assert tokenization["template_positions"] >= 1
+    assert result.by_position["0"][0].cause == "tokenization"
+
+
+def test_policy_lag_on_half_the_samples_is_staleness(checkpoint: Path, tmp_path: Path) -> None:
+    rows = sample_rows(checkpoint, steps=3, per_step=8)
+    old = score(checkpoint, rows)
+    rollout = list(old)
+    stale = {
+        lag: perturbed_checkpoint(checkpoint, tmp_path / f"lag{lag}", 0.02 * lag, seed=lag)
+        for lag in (1, 2, 3)
+    }
+    for i, row in enumerate(rows):
+        lag = 0 if i % 2 == 0 else 1 + (i // 2) % 3
+        row["policy_version"] = 10 + row["step"] - lag
+        if lag:
+            rollout[i] = score(stale[lag], [row])[0]
+    run = write_plant(tmp_path / "run", rows, rollout, old)
+    result = _explain(run, checkpoint)
+    _top(result, "staleness")
+    per_lag = {
+        r["lag"]: r["k3"]
+        for r in next(c for c in result.causes if c.cause == "staleness").evidence["per_lag"]
+    }
+    assert per_lag[0] < 1e-9 < per_lag[1] < per_lag[2] < per_lag[3]  # per-lag differences: more lag, more k3
+
+
+def test_missing_temperature_and_bf16_body_split(tmp_path: Path) -> None:
+    # a sharper head, so bf16 rounding and a missing T = 0.9 both carry a real part of the mismatch
+    checkpoint = make_checkpoint(tmp_path / "sharp", head_scale=120.0)
+    rows = sample_rows(checkpoint, temperature=0.9)
+    rollout = score(checkpoint, rows, dtype="bf16", temperature=0.9)
+    old = score(checkpoint, rows)
+    planted_precision = _k3(rollout, score(checkpoint, rows, temperature=0.9)) / _k3(rollout, old)
+    assert 0.1 < planted_precision < 0.5  # both causes matter in this plant
+    run = write_plant(tmp_path / "run", rows, rollout, old)
+    result = _explain(run, checkpoint)
+    assert _share(result, "temperature") == pytest.approx(1 - planted_precision, abs=0.1)
+    assert _share(result, "precision") == pytest.approx(planted_precision, abs=0.1)
+
+
+def test_old_equal_to_rollout_bit_for_bit(checkpoint: Path, tmp_path: Path) -> None:
+    from pgdiag.compare.api import compare_runs
+
+    rows = sample_rows(checkpoint)
+    old = score(checkpoint, rows)
+    run = write_plant(tmp_path / "run", rows, old, old)
+    exact = next(iter(compare_runs(run, exact=True).report.meta["exact"].values()))
+    assert exact["identical"] and exact["n_tokens"] == 180
+    result = _explain(run, checkpoint)
+    assert result.nothing_to_explain and result.top_cause is None
+    assert result.verdict == "nothing to explain: the two streams agree bit for bit"
+    assert all(c.share == 0.0 for c in result.causes)
+
+
+def test_weights_one_optimizer_step_stale(checkpoint: Path, tmp_path: Path) -> None:
+    """One real AdamW step at lr 1e-6 moves each weight by about 1e-6: named `weights` only when its mismatch
+    clears the documented floor (10x the largest k3 between two precision configurations)."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    rows = sample_rows(checkpoint)
+    model = Qwen3ForCausalLM.from_pretrained(checkpoint).float()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    ids = torch.tensor([row["input_ids"][:13] for row in rows])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    model.save_pretrained(tmp_path / "stepped", safe_serialization=True)
+    run = write_plant(tmp_path / "run", rows, score(checkpoint, rows), score(tmp_path / "stepped", rows))
+    result = _explain(run, checkpoint)
+    weights = next(c for c in result.causes if c.cause == "weights").evidence
+    detected = max(weights["distance_a"], weights["distance_b"]) > weights["floor"]
+    assert (result.top_cause == "weights") == detected
+    assert not detected  # measured: a 1e-6 step sits below the floor of this model (docs/explain.md)
+    assert result.k3 < weights["floor"]
+
+
+def test_tensor_parallel_gives_the_same_attribution(checkpoint: Path, tmp_path: Path) -> None:
+    rows = sample_rows(checkpoint)
+    run = write_plant(
+        tmp_path / "run", rows, score(checkpoint, rows, temperature=0.7), score(checkpoint, rows)
+    )
+    configs = ("ref", "bf16")
+    one = explain_run(run, checkpoint, ExplainSettings(tokens=10_000, configs=configs), out=tmp_path / "tp1")
+    two = explain_run(
+        run, checkpoint, ExplainSettings(tokens=10_000, configs=configs, tp=2), out=tmp_path / "tp2"
+    )
+    assert one.top_cause == two.top_cause == "temperature"
+    for c1, c2 in zip(one.causes, two.causes, strict=True):
+        assert c1.cause == c2.cause
+        assert c1.share == pytest.approx(c2.share, abs=1e-3)
