@@ -12,13 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import polars as pl
 
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.load import LoadedBatch, read_token_batch
-from pgdiag.data.pieces import plan_step_pieces, reads_whole
-from pgdiag.data.runs import Run, restrict_steps, row_keys
+from pgdiag.data.runs import Run
 from pgdiag.data.schema import stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import (
@@ -31,6 +29,7 @@ from pgdiag.data.validate import (
     raise_first_error,
 )
 from pgdiag.errors import UsageError
+from pgdiag.metrics.chunks import ChunkPlan, plan_chunks
 from pgdiag.metrics.kept import truncation_warning
 from pgdiag.metrics.pooled import QuantileSettings
 from pgdiag.metrics.settings import MetricSettings
@@ -38,7 +37,6 @@ from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import Report, ReportRow, summary_frame
 
 if TYPE_CHECKING:
-    from pgdiag.metrics.docsteps import DocStepFeeder
     from pgdiag.metrics.engine import NativeStream, StepMetrics, StyleStream
 
 _CANONICAL = ("rollout", "old", "ref", "new")
@@ -190,7 +188,7 @@ def compute_metrics(
         if settings.key_style == "pgdiag"
         else StyleStream(settings)
     )
-    plan = _plan_chunks(run, settings, stream, engine)
+    plan = plan_chunks(run, settings, stream.budget, engine)
     if plan is None:  # a run no chunking reads exactly: the reader says what is wrong
         return _whole_run_report(run, settings, checks)
     fold = MetricsFold(run, settings, checks, stream, engine, plan)
@@ -203,44 +201,6 @@ def compute_metrics(
         if reduced and progress is not None:
             progress(len(engine.steps), plan.n_steps)
     return fold.finish()
-
-
-@dataclass(frozen=True)
-class ChunkPlan:
-    """The chunks `compute_metrics` reads (each with its row count under `--docs-per-step`, else None), the
-    steps it reports and the feeder that cuts steps of N documents."""
-
-    chunks: list[tuple[Run, int | None]]
-    n_steps: int
-    feeder: DocStepFeeder | None = None
-
-
-def _plan_chunks(
-    run: Run, settings: MetricSettings, stream: StreamSettings, engine: NativeStream | StyleStream
-) -> ChunkPlan | None:
-    """The chunks of `run`: pieces of whole steps (`pgdiag.data.pieces`), or under `--docs-per-step` chunks of
-    real steps in read order; None when the run must be read whole (null or non-integer steps)."""
-    from pgdiag.metrics.docsteps import DocStepFeeder, plan_doc_steps, read_order_chunks
-
-    if settings.docs_per_step is None:  # chunks of consecutive steps, in step order
-        pieces = plan_step_pieces([run], stream.budget)
-        if not pieces.by_step:
-            return None
-        chunks: list[tuple[Run, int | None]] = [  # none for a run without rows
-            (run if p.steps is None else restrict_steps(run, p.steps), None)
-            for p in (pieces.pieces if pieces.rows_per_step else [])
-        ]
-        return ChunkPlan(chunks, len(pieces.rows_per_step))
-    if reads_whole(run):
-        return None
-    keys = row_keys(run)  # (R,) rows: step, sample_id, group_id
-    if keys is None or keys["step"].null_count():  # the whole read says what is wrong (E213, E102, ...)
-        return None
-    steps = keys["step"].to_numpy()  # (R,)
-    budget = stream.budget(dict(enumerate(np.unique(steps, return_counts=True)[1].tolist())))
-    cut = plan_doc_steps(keys, settings.docs_per_step)
-    chunks = [(restrict_steps(run, c), hi - lo) for c, lo, hi in read_order_chunks(steps, budget)]
-    return ChunkPlan(chunks, cut.n_steps, DocStepFeeder(cut, engine))
 
 
 class MetricsFold:
