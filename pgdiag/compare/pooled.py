@@ -202,7 +202,9 @@ class PooledParity:
             self.trace = worst_trace(pair)
         elif self.trace is None:
             self.trace = worst_trace(pair)
-        stats = signature_stats(pair.lp_a, pair.lp_b, pair, max_examples=1, fit=False)
+        stats = signature_stats(
+            pair.lp_a, pair.lp_b, pair, max_examples=1, fit=False, delta=d, abs_delta=terms.abs_d
+        )
         self.signature = stats if self.signature is None else self.signature.merge(stats, 1)
 
     def _add_moments(self, pair: AlignedPair, terms: TokenTerms) -> None:
