@@ -59,3 +59,62 @@ def test_every_command_is_documented() -> None:
     cli_doc = (ROOT / "docs" / "cli.md").read_text()
     for name in names:
         assert f"pgdiag {name}" in cli_doc, name
+
+
+def test_readme_comments_are_true(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the README's API block and its loop say: wide() rows, parity.write's files, the verdict lines."""
+    import polars as pl
+    from typer.testing import CliRunner
+
+    import pgdiag
+
+    (block,) = _blocks((ROOT / "README.md").read_text(), "python")
+    assert '# one row per pair and step (+ each pair\'s "all")' in block
+    monkeypatch.chdir(ROOT)
+    namespace: dict = {}
+    exec(compile(block.replace("/tmp/parity-api", str(tmp_path / "parity")), "README.md", "exec"), namespace)
+    report, parity = namespace["report"], namespace["parity"]
+    wide = report.wide()
+    pairs = report.summary["pair"].unique().to_list()
+    assert wide.height == len(pairs) * 5  # 4 steps + "all", per pair
+    assert set(wide.select("pair", "bucket").iter_rows()) == {
+        (p, b) for p in pairs for b in ("0", "1", "2", "3", "all")
+    }
+    assert set(report.summary["metric"].unique()) <= set(wide.columns)
+    assert wide.filter((pl.col("bucket") == "all") & pl.col("policy/clip_frac_binding").is_not_null()).item(
+        0, "policy/clip_frac_binding"
+    ) == report.value("policy/clip_frac_binding")
+    # parity.write: the report files that compare --out writes, loaded back identically
+    out = tmp_path / "cli"
+    runner = CliRunner()
+    args = ["compare", "sample_data/run_a", "sample_data/run_b", "--out", str(out)]
+    assert runner.invoke(build_app(), args).exit_code == 0
+    api_files = {p.name for p in (tmp_path / "parity").iterdir()}
+    assert api_files == {
+        "compare.parquet",
+        "compare.json",
+        "compare.worst_tokens.parquet",
+        "compare.worst_seqs.parquet",
+    }
+    assert api_files <= {p.name for p in out.iterdir()}
+    loaded = pgdiag.load_report(tmp_path / "parity" / "compare.parquet")
+    assert loaded.summary.equals(parity.summary) and loaded.meta == parity.meta
+    cli_report = pgdiag.load_report(out)
+    assert cli_report.summary.equals(parity.summary)
+    # check, metrics, compare, whatif, drift and report end with their verdict line
+    commands = {
+        "check": ["check", "sample_data/run_a"],
+        "metrics": ["metrics", "sample_data/run_a"],
+        "compare": ["compare", "sample_data/run_a", "sample_data/run_b"],
+        "whatif": ["whatif", "sample_data/run_a"],
+        "drift": ["drift", "sample_data/run_a", "--new", "new"],
+        "report": ["report", str(out)],
+    }
+    for name, command in commands.items():
+        result = runner.invoke(build_app(), command, env={"COLUMNS": "100"})
+        assert result.exit_code in (0, 1), (name, result.output)
+        head = "compare" if name == "report" else name
+        assert result.stderr.rstrip("\n").split("\n")[-1].startswith(f"{head}: "), (
+            name,
+            result.stderr[-300:],
+        )

@@ -89,11 +89,21 @@ def explain(
         )
         if layers is not None:
             from pgdiag.explain.layers import compare_layers
+            from pgdiag.explain.report import layers_report, layers_verdict
 
-            found = compare_layers(run, model, layers[0], layers[1], settings, plot=html)
+            found = compare_layers(run, model, layers[0], layers[1], settings)
+            verdict = layers_verdict(found)
             if not quiet:
                 render_layers(console, found)
-            return result_object("explain", inputs={"runs": [str(run)]}, layers=found.to_json())
+            outcome = result_object("explain", inputs={"runs": [str(run)]}, layers=found.to_json())
+            outcome["verdict"] = verdict.as_dict()
+            write_report_outputs(
+                console, layers_report(found).with_meta(verdict=verdict.as_dict()), outcome, out=out, plot=None,
+                draw=lambda r: None, overwrite=overwrite, html=html, verdict=verdict,
+            )  # fmt: skip
+            if not quiet:
+                render_verdict(console, verdict)
+            return outcome
         from pgdiag.explain.api import explain_run
         from pgdiag.explain.report import explain_report, explain_verdict
 

@@ -208,19 +208,21 @@ def _default_device() -> str:
 
 
 def _declared_modes(run: Any, pair: tuple[str, str]) -> tuple[str, str]:
-    """The logprobs mode each stream's footer declares (``raw``, ``processed`` or ``unknown``); the run's
-    ``pgdiag.sampling.logprobs_mode`` stands for the rollout stream when its own entry says nothing."""
-    from pgdiag.data.schema import stream_column
+    """The logprobs mode of each stream (``raw``, ``processed`` or ``unknown``) from the stream semantics table
+    (`pgdiag.data.semantics`): the rollout stream's footer entry, then ``pgdiag.sampling`` (the engine's
+    settings); any other stream's own footer entry only (the sampling settings are not the trainer's)."""
+    from pgdiag.data.semantics import footer_semantics, stream_semantics
 
     meta = run.meta or {}
-    streams = meta.get("streams") or {}
+    entries = meta.get("streams") or {}
     modes = []
     for stream in pair:
-        entry = streams.get(stream_column(stream)) or streams.get(stream) or {}
-        mode = entry.get("logprobs_mode") if isinstance(entry, dict) else None
-        if (mode in (None, "unknown")) and stream == "rollout":
-            mode = (meta.get("sampling") or {}).get("logprobs_mode")
-        modes.append(str(mode or "unknown"))
+        if stream == "rollout":
+            modes.append(footer_semantics(meta, stream).logprobs_mode)
+            continue
+        entry = entries.get(stream) or entries.get(f"{stream}_logprobs") or {}
+        entry = entry if isinstance(entry, dict) else {}
+        modes.append(stream_semantics(entry.get("engine"), entry.get("logprobs_mode")).logprobs_mode)
     return modes[0], modes[1]
 
 

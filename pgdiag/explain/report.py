@@ -7,6 +7,8 @@ and ``explain/k3_after/<cause>`` (the k3 once the cause and those before it are 
 
 from __future__ import annotations
 
+from typing import Any
+
 from pgdiag.explain.api import ExplainResult
 from pgdiag.report.report import Report, ReportRow, summary_frame
 from pgdiag.report.verdict import Verdict
@@ -73,3 +75,41 @@ def explain_verdict(result: ExplainResult) -> Verdict:
     else:
         status = "UNEXPLAINED" if result.top_cause == "unexplained" else "EXPLAINED"
     return Verdict("explain", status, f"explain {pair_name(result)}: {status} {result.verdict}")
+
+
+def layers_report(found: Any) -> Report:
+    """The report of `explain --layers`: rows ``layers/cumulative``, ``layers/local`` and ``layers/route_flips``
+    per block (breakdown ``layer``, bucket = the block index, ``-1`` the embeddings); meta ``layers``."""
+    name = f"{found.config_a} vs {found.config_b}"
+    rows = []
+    for row in found.rows:
+        for metric, value, unit in (
+            ("layers/cumulative", row.cumulative, "ratio"),
+            ("layers/local", row.local, "ratio"),
+            ("layers/route_flips", row.route_flips, "fraction"),
+        ):
+            if value is not None:
+                rows.append(
+                    ReportRow(
+                        name, "token", "layer", str(row.layer), metric, value, unit, "rms", found.n_tokens
+                    )
+                )
+    meta = {"pairs": [name], "layers": found.to_json()}
+    return Report(kind="explain", summary=summary_frame(rows), meta=meta)
+
+
+def layers_verdict(found: Any) -> Verdict:
+    """``layers <A> vs <B>: DIVERGES at layer i`` or ``UNIFORM`` (no block stands out)."""
+    name = f"{found.config_a} vs {found.config_b}"
+    if found.first_divergent is None:
+        return Verdict(
+            "explain",
+            "UNIFORM",
+            f"layers {name}: UNIFORM no block's local error stands out (spread evenly, as precision noise is)",
+        )
+    row = next(r for r in found.rows if r.layer == found.first_divergent)
+    return Verdict(
+        "explain",
+        "DIVERGES",
+        f"layers {name}: DIVERGES first at layer {found.first_divergent} (local error {row.local:.3g})",
+    )

@@ -348,8 +348,13 @@ class CausalLM(nn.Module):
         cu_seqlens: Tensor,
         *,
         replay_experts: Tensor | None = None,
+        layer_hook: Callable[[int, Tensor, Tensor], Tensor | None] | None = None,
     ) -> TrunkOutput:
         """`hidden_states` plus the routing of the sparse layers.
+
+        layer_hook(i, x_in (N, H), x_out (N, H)): called with i = -1 on the embeddings (x_in is x_out), then after
+        each block i; a tensor it returns replaces x_out as the next block's input (layer-wise comparison:
+        `pgdiag.explain.layers` feeds one configuration's blocks with another's inputs).
 
         replay_experts (N, L_sparse, k) integer: routing replay, the experts to run in each sparse layer (in
         `MoeConfig.sparse_layer_indices` order) instead of the router's choice; their weights are recomputed from
@@ -377,12 +382,23 @@ class CausalLM(nn.Module):
                 )
             replay_experts = replay_experts.to(device=device, dtype=torch.int64)
         x = self.model.embed_tokens(input_ids)  # (N, H)
+        if layer_hook is not None:
+            x = _hooked(layer_hook, -1, x, x)
         picked: list[Tensor] = []
-        for layer in self.model.layers:
+        for index, layer in enumerate(self.model.layers):
             replay = None if replay_experts is None or not layer.sparse else replay_experts[:, len(picked)]
-            x, chosen = layer(
+            out, chosen = layer(
                 x, cos, sin, docs, self.attention_backend, self.tp_group, self.expert_impl, replay
             )
+            x = out if layer_hook is None else _hooked(layer_hook, index, x, out)
             if chosen is not None:
                 picked.append(chosen)
         return TrunkOutput(self.model.norm(x), torch.stack(picked, dim=1) if picked else None)
+
+
+def _hooked(
+    hook: Callable[[int, Tensor, Tensor], Tensor | None], index: int, x_in: Tensor, x_out: Tensor
+) -> Tensor:
+    """`x_out`, or what `hook` returns in its place (cast to x_out's dtype and device)."""
+    replaced = hook(index, x_in, x_out)
+    return x_out if replaced is None else replaced.to(dtype=x_out.dtype, device=x_out.device)

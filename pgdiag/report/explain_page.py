@@ -16,6 +16,8 @@ def explain_tables(report: Report) -> str:
     """HTML of the explain tables (module docstring)."""
     from pgdiag.report.html import _e, _num, _table
 
+    if report.meta.get("layers") and not report.meta.get("explain"):
+        return _layers_table(report.meta["layers"])
     block: dict[str, Any] = report.meta.get("explain") or {}
     causes = block.get("causes") or []
     parts = [
@@ -85,3 +87,27 @@ def explain_tables(report: Report) -> str:
         f'<p class="note">Recompute tags: {_e(configs)}. Skipped: {_e(skipped)}. {_e(block.get("cost"))}</p>'
     )
     return "".join(parts)
+
+
+def _layers_table(layers: dict[str, Any]) -> str:
+    """The per-block errors of `explain --layers` and the first divergent layer."""
+    from pgdiag.report.html import _e, _num, _table
+
+    first = layers.get("first_divergent")
+    rows = [
+        (
+            "embed" if row["layer"] == -1 else str(row["layer"]),
+            _num(row["cumulative"]),
+            _num(row["local"]),
+            "" if row.get("route_flips") is None else f"{100 * row['route_flips']:.2f} %",
+        )
+        for row in layers.get("rows") or []
+    ]
+    where = "none (the error is spread evenly)" if first is None else f"layer {first}"
+    return (
+        f'<p class="note">{_e(layers.get("config_a"))} vs {_e(layers.get("config_b"))} on '
+        f"{_e(layers.get('n_tokens'))} tokens. Cumulative error: each configuration fed by its own previous "
+        "block; local error: the second configuration's block fed the first's input. First divergent layer "
+        f"({_e(layers.get('rule'))}): {_e(where)}.</p>"
+        + _table(("layer", "cumulative", "local", "route flips"), rows)
+    )

@@ -782,7 +782,8 @@ def _missing(kind: str, report: Any, tokens: Any, trace: pl.DataFrame | None, wa
     if kind == "drift":
         return None if _has(report, "step") else "needs per-step rows (pgdiag drift --out)"
     if kind == "explain-shares":
-        return None if _report_kind(report) == "explain" else "needs an explain report (pgdiag explain --out)"
+        shares = _report_kind(report) == "explain" and (getattr(report, "meta", {}) or {}).get("explain")
+        return None if shares else "needs an explain report (pgdiag explain --out)"
     if kind == "layers":
         return None if (getattr(report, "meta", {}) or {}).get("layers") else "needs explain --layers"
     breakdown = {"by-prob": "prob_bucket", "by-position": "position", "by-step": "step"}[kind]

@@ -19,7 +19,7 @@ from rollout_factory import write_rollouts_file
 VOCAB = 64
 
 
-def make_checkpoint(directory: Path, seed: int = 0, head_scale: float = 12.0) -> Path:
+def make_checkpoint(directory: Path, seed: int = 0, head_scale: float = 12.0, layers: int = 2) -> Path:
     """A tiny random Qwen3 saved as safetensors at `directory` (its head scaled by `head_scale`)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -27,7 +27,7 @@ def make_checkpoint(directory: Path, seed: int = 0, head_scale: float = 12.0) ->
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
@@ -45,14 +45,18 @@ def make_checkpoint(directory: Path, seed: int = 0, head_scale: float = 12.0) ->
     return directory
 
 
-def perturbed_checkpoint(source: Path, directory: Path, eps: float, seed: int = 1) -> Path:
-    """`source` with every weight w -> w * (1 + eps * N(0, 1))."""
+def perturbed_checkpoint(
+    source: Path, directory: Path, eps: float, seed: int = 1, only: str | None = None
+) -> Path:
+    """`source` with every weight w -> w * (1 + eps * N(0, 1)) (only those whose name contains `only`)."""
     from transformers import Qwen3ForCausalLM
 
     model = Qwen3ForCausalLM.from_pretrained(source).float()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for parameter in model.parameters():
+        for name, parameter in model.named_parameters():
+            if only is not None and only not in name:
+                continue
             noise = torch.randn(parameter.shape, generator=generator)
             parameter.mul_(1.0 + eps * noise)
     model.save_pretrained(directory, safe_serialization=True)
