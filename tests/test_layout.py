@@ -115,7 +115,7 @@ TO_SPLIT = {
     "cli/compare_cmd.py": 607,
     "compare/align.py": 733,
     "data/validate.py": 1053,
-    "importers/writer.py": 634,
+    "importers/writer.py": 636,
     "metrics/engine.py": 676,
     "metrics/styles/pooled.py": 556,
     "model/checkpoint.py": 506,
