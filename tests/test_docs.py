@@ -118,3 +118,37 @@ def test_readme_comments_are_true(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
             name,
             result.stderr[-300:],
         )
+
+
+def test_drift_doc_examples_run_verbatim_on_the_shipped_long_run(tmp_path: Path) -> None:
+    """docs/drift.md's commands on sample_data/long_run (only /tmp is moved under the test's folder), and the
+    verdict line it quotes."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    doc = (ROOT / "docs" / "drift.md").read_text()
+    block = _blocks(doc, "bash")[0]
+    lines = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    assert len(lines) == 3 and all(line.startswith("pgdiag drift sample_data/long_run ") for line in lines)
+    env = {**os.environ, "COLUMNS": "200"}
+    outputs = []
+    for line in lines:
+        command, _, jq_filter = line.replace("/tmp/", f"{tmp_path}/").partition(" | jq ")
+        argv = [sys.executable, "-m", "pgdiag", *command.split()[1:]]
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, (line, done.stderr)
+        if jq_filter:
+            assert jq_filter == ".change_points"
+            found = json.loads(done.stdout)["change_points"]
+            assert [(cp["metric"], cp["step"]) for cp in found] == [("rollout_corr/k3_kl", 15)]
+        outputs.append(done.stderr.rstrip("\n").split("\n")[-1])
+    assert (tmp_path / "drift" / "drift.parquet").is_file() and (
+        tmp_path / "drift.png"
+    ).stat().st_size > 10_000
+    assert (tmp_path / "drift.html").read_text().count("mismatch/abs_mean") > 0
+    quoted = re.search(r"`(drift: 3 change points over 24 steps: [^`]*?); \.\.\.`", doc)
+    assert quoted, "docs/drift.md quotes the verdict of the long run"
+    assert outputs[0].startswith(quoted.group(1)), (outputs[0], quoted.group(1))
+    assert outputs[2] == outputs[0]
