@@ -98,7 +98,7 @@ def test_compare_run_with_itself_keeps_labels_as_text_and_agrees() -> None:
     assert not re.search(r"[\U0001F100-\U0001FAFF]", result.stderr)  # no emoji anywhere
     lines = result.stderr.splitlines()
     assert max(len(line) for line in table_lines(lines)) <= 80 and "…" not in result.stderr
-    from pgdiag.cli.compare_cmd import TABLE_STATS
+    from pgdiag.cli.compare_render import TABLE_STATS
 
     start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["metric"])
     end = next(i for i in range(start + 2, len(lines)) if "│" not in lines[i])
