@@ -216,7 +216,7 @@ def pair_comparison(
         "gate_policy": gate_policy(
             default_family="mismatch",
             fail_on=EXACT_GATES if exact is not None else (),
-            default_profile=DEFAULT_PROFILE,
+            default_profile=None if exact is not None else DEFAULT_PROFILE,  # --exact: its own gates
         ),
         "labels": {"a": la, "b": lb},
         "streams": {"a": sa, "b": sb},
