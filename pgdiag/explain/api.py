@@ -264,4 +264,6 @@ def _grid(
         batch_tokens=settings.batch_tokens,
     )
     del lm
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the matrix loads its own models next
     return values, grid_keys(inputs.step, inputs.sample_id, inputs.segment_idx, masks), dtype

@@ -145,7 +145,7 @@ class CostEstimate:
     def line(self) -> str:
         return (
             f"recompute matrix: {self.tokens} tokens x {self.configurations} configurations (+ the sampling grid) "
-            f"x {self.seconds_per_token * 1e6:.3g} us/token ≈ {self.seconds:.0f} s on {self.device} (estimated)"
+            f"x {self.seconds_per_token * 1e6:.3g} us/token ≈ {self.seconds:.3g} s on {self.device} (estimated)"
         )
 
 
