@@ -113,10 +113,17 @@ def explain_run(
         raise UsageError("E502", f"{token_dir} exists", "pass --overwrite to replace it, or another --out")
     model_config = read_model_config(model)
     device = settings.device or _default_device()
+    from pgdiag.recompute.kept_rules import run_records_kept
+
     moe_routes = "routed_experts" in source.lazy.collect_schema()
     memory = settings.memory_bytes or matrix.device_memory(device)
     configs, skipped = matrix.plan_matrix(
-        model_config, moe_routes=moe_routes, tp=settings.tp, memory=memory, names=settings.configs
+        model_config,
+        moe_routes=moe_routes,
+        records_kept=run_records_kept(source),
+        tp=settings.tp,
+        memory=memory,
+        names=settings.configs,
     )
     selection = select_samples(source, settings.tokens, settings.seed)
     cost = matrix.estimate_cost(model_config, configs, selection.n_tokens, device)
@@ -147,7 +154,8 @@ def explain_run(
     )  # fmt: skip
     token_run = read_run(token_dir)
     tags = tuple(c.tag(settings.tag_prefix) for c in configs)
-    evidence = Evidence(fits, tags)
+    roles = matrix.roles(configs, settings.tag_prefix)
+    evidence = Evidence(fits, tags, (roles.kept, roles.reference) if roles.kept and roles.reference else None)
     for piece in token_pieces(token_run, settings.pair, tags, grid, keys):
         evidence.add(piece)
     from pgdiag.explain.attribution import decide
@@ -156,7 +164,7 @@ def explain_run(
         evidence,
         fits,
         grid.temperatures,
-        matrix.roles(configs, settings.tag_prefix),
+        roles,
         _declared_modes(token_run, settings.pair),
     )
     chain = Chain(decisions, fits)

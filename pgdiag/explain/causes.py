@@ -100,16 +100,25 @@ class SamplingFit:
         return fits, region
 
 
-def frame_corrections(piece: ExplainPiece, fits: dict[str, SideFit]) -> dict[str, np.ndarray]:
+def frame_corrections(
+    piece: ExplainPiece, fits: dict[str, SideFit], kept_pair: tuple[str, str] | None = None
+) -> dict[str, np.ndarray]:
     """Per token, the grid differences the sampling causes remove (module docstring, docs/explain.md):
     ``temperature`` = L[T_b, full] − L[T_a, full]; ``truncation`` = (L[T_b, K_b] − L[T_b, full]) −
-    (L[T_a, K_a] − L[T_a, full]); and ``a_frame`` = side a without its truncation (L at side a's temperature)."""
+    (L[T_a, K_a] − L[T_a, full]); and ``a_frame`` = side a without its truncation (L at side a's temperature).
+    `kept_pair` (kept, reference): when the run records kept sets and side a fits a truncated grid point, side
+    a's truncation is the recorded one, R_kept − R_ref (both fp32 at side a's temperature), not the grid's."""
     fa, fb = fits["a"], fits["b"]
     grid = piece.grid.astype(np.float64)
     la_full, lb_full = grid[:, fa.temperature_index, 0], grid[:, fb.temperature_index, 0]
     la_kept = grid[:, fa.temperature_index, fa.variant_index]
     lb_kept = grid[:, fb.temperature_index, fb.variant_index]
     trunc_a = np.nan_to_num(la_kept - la_full, neginf=0.0)
+    if kept_pair is not None and fa.variant_index != 0:
+        kept, reference = kept_pair
+        trunc_a = np.nan_to_num(
+            piece.configs[kept] - piece.configs[reference], nan=0.0, neginf=0.0, posinf=0.0
+        )
     trunc_b = np.nan_to_num(lb_kept - lb_full, neginf=0.0)
     return {
         "temperature": lb_full - la_full,
@@ -126,6 +135,7 @@ class Evidence:
 
     fits: dict[str, SideFit]
     configs: tuple[str, ...]
+    kept_pair: tuple[str, str] | None = None  # (kept, reference) configurations of a run with kept sets
     n: int = 0
     n_lagged: int = 0
     sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -133,7 +143,7 @@ class Evidence:
     by_position: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [tokens, k3 sum, |Δ| sum]
 
     def add(self, piece: ExplainPiece) -> None:
-        corr = frame_corrections(piece, self.fits)
+        corr = frame_corrections(piece, self.fits, self.kept_pair)
         a_frame, b_frame = corr["a_frame"], corr["b_frame"]
         delta = b_frame - a_frame  # (M,) Δ after the sampling causes
         kd = k3(delta)
@@ -204,6 +214,7 @@ class Decisions:
     batch_pair: tuple[str, str] | None  # (packed, one-per-forward) configurations
     precision_pairs: tuple[tuple[str, str], ...]  # (low precision, reference) pairs
     routing_pair: tuple[str, str] | None  # (routes replayed, routes recomputed)
+    kept_pair: tuple[str, str] | None = None  # (kept, reference) when the run records kept sets
 
 
 GROUPS = ("all", "position", "step")
@@ -221,7 +232,7 @@ class Chain:
 
     def add(self, piece: ExplainPiece) -> None:
         d = self.decisions
-        corr = frame_corrections(piece, self.fits)
+        corr = frame_corrections(piece, self.fits, d.kept_pair)
         a_cur, b_cur = piece.a.copy(), piece.b.copy()  # each side as the removals leave it
         trunc_a = piece.a - corr["a_frame"]
         trunc_b = corr["truncation"] + trunc_a

@@ -13,6 +13,7 @@ in); the temperature and kept-set configurations come from the sampling grid's o
 | fp16 | fp16 | fp32 | packed | precision |
 | b1 | bf16 | fp32 | one sequence per forward | batch invariance |
 | replay | bf16 | fp32 | packed, recorded routes | MoE runs with recorded routes: routing |
+| kept | fp32 | fp32 | packed, over the recorded kept sets | runs with kept sets: side a's exact truncation |
 
 A configuration whose weights do not fit the device (an fp32 body of a 70B model needs 282 GB) is skipped; the
 fp32 reference then falls back to a bf16 body with the fp32 head (``ref`` is left out and ``bf16`` plays the
@@ -41,6 +42,7 @@ class Config:
     head_dtype: str
     micro_batch: int | None = None
     routing: str = "recompute"
+    kept_set: str = "off"  # "recorded": scored over the run's recorded kept sets (issue 23's --kept-set)
 
     def tag(self, prefix: str) -> str:
         return f"{prefix}_{self.name}"
@@ -53,6 +55,7 @@ CONFIGS = (
     Config("fp16", "fp16", "fp32"),
     Config("b1", "bf16", "fp32", micro_batch=1),
     Config("replay", "bf16", "fp32", routing="replay"),
+    Config("kept", "fp32", "fp32", kept_set="recorded"),
 )
 
 
@@ -90,6 +93,7 @@ def plan_matrix(
     model_config: Any,
     *,
     moe_routes: bool,
+    records_kept: bool = False,
     tp: int,
     memory: int,
     names: tuple[str, ...] | None,
@@ -102,6 +106,11 @@ def plan_matrix(
             continue
         if config.routing == "replay" and not (model_config.moe and moe_routes):
             skipped[config.name] = "dense model or no recorded routes (routed_experts)"
+            continue
+        if config.kept_set == "recorded" and not records_kept:
+            skipped[config.name] = (
+                "the run records no kept sets (sampling_kept_ids/offsets): kept sets come from the grid"
+            )
             continue
         need = weight_bytes(model_config, config.dtype, tp)
         if need > 0.8 * memory:
@@ -126,6 +135,7 @@ def roles(configs: list[Config], prefix: str) -> ConfigRoles:
         single=tags.get("b1"),
         replay=tags.get("replay"),
         recompute_routes=tags.get("bf16") if "replay" in tags else None,
+        kept=tags.get("kept") if "ref" in tags else None,
     )
 
 
@@ -195,7 +205,7 @@ def run_matrix(
             batch_tokens=batch_tokens,
             entropy=False,
             impl="auto",
-            kept_set="off",  # the common frame is the full vocabulary; kept sets are the grid's (module docstring)
+            kept_set=config.kept_set,  # the common frame is the full vocabulary, but for ex_kept (module docstring)
         )
         seconds[config.tag(prefix)] = result.seconds if result is not None else 0.0
     return seconds

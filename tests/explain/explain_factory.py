@@ -177,7 +177,29 @@ def write_plant(
     filled = [dict(r, rollout_logprobs=a, old_logprobs=b) for r, a, b in zip(rows, rollout, old, strict=True)]
     import polars as pl
 
-    write_rollouts_file(
-        path / "rollouts" / "part-00000.parquet", filled, raw_types={"policy_version": pl.Int64}, **meta
-    )
+    types = {
+        "policy_version": pl.Int64,
+        "sampling_kept_ids": pl.List(pl.Int32),
+        "sampling_kept_offsets": pl.List(pl.Int32),
+    }
+    write_rollouts_file(path / "rollouts" / "part-00000.parquet", filled, raw_types=types, **meta)
     return path
+
+
+def record_kept_sets(checkpoint: Path, rows: list[dict], top_p: float) -> None:
+    """Add the top-p kept set of every response position to `rows` in the CSR columns of docs/schema.md
+    (``sampling_kept_ids``, ``sampling_kept_offsets``; empty sets on the prompt: not recorded)."""
+    from pgdiag.model import load_model
+
+    model = load_model(checkpoint, dtype="fp32", head_dtype="fp32", device="cpu")
+    with torch.inference_mode():
+        for row in rows:
+            logp = _log_probs(_logits(model, row["input_ids"]), 1.0, top_p)  # (T, V), -inf outside the set
+            ids, offsets = [], [0]
+            for t, on in enumerate(row["loss_mask"]):
+                if on:
+                    kept = torch.nonzero(torch.isfinite(logp[t - 1]))[:, 0]
+                    ids += kept.tolist()
+                offsets.append(len(ids))
+            row["sampling_kept_ids"] = ids
+            row["sampling_kept_offsets"] = offsets

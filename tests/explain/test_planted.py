@@ -11,7 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from explain_factory import make_checkpoint, perturbed_checkpoint, sample_rows, score, write_plant
+from explain_factory import (
+    make_checkpoint,
+    perturbed_checkpoint,
+    record_kept_sets,
+    sample_rows,
+    score,
+    write_plant,
+)
 
 from pgdiag.explain.api import ExplainResult, explain_run
 from pgdiag.explain.settings import CAUSES, ExplainSettings
@@ -68,6 +75,20 @@ def test_top_p_truncation_without_kept_sets(checkpoint: Path, tmp_path: Path) ->
     _top(result, "sampling_truncation")
     assert result.fits["a"]["kept_set"] == "top_p=0.8"
     assert "--kept-set" in result.verdict
+
+
+def test_top_p_truncation_with_recorded_kept_sets(checkpoint: Path, tmp_path: Path) -> None:
+    """With kept sets recorded, side a's truncation is removed with the kept-set recompute (issue 23's
+    ``--kept-set recorded``, tag ex_kept) instead of the grid's candidate sets: nothing is left."""
+    rows = sample_rows(checkpoint, top_p=0.8)
+    record_kept_sets(checkpoint, rows, 0.8)
+    run = write_plant(tmp_path / "run", rows, score(checkpoint, rows, top_p=0.8), score(checkpoint, rows))
+    result = _explain(run, checkpoint)
+    _top(result, "sampling_truncation")
+    assert "ex_kept" in result.configs
+    truncation = next(c for c in result.causes if c.cause == "sampling_truncation")
+    assert truncation.evidence["kept_set"] == "recorded (ex_kept)"
+    assert truncation.k3_after < 1e-9 * truncation.k3_before + 1e-12
 
 
 def test_bf16_rollout_against_fp32_old_is_precision(checkpoint: Path, tmp_path: Path) -> None:
