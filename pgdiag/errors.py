@@ -148,6 +148,11 @@ class Code(StrEnum):
     )
     OUT_OF_MEMORY = ("E518", "out of memory (read fewer steps or use a larger machine)", 2)
     OUTPUT_BUSY = ("E519", "another process is writing this output now", 2)
+    WORKER_DIED = (
+        "E520",
+        "a parallel worker died (killed by a signal, the OOM killer); the parts written are kept for a resume",
+        2,
+    )
     BAD_COMMAND_LINE = ("E515", "the command line cannot be parsed (unknown option, missing argument)", 2)
     # imports of framework dumps
     UNSAFE_PICKLE_GLOBAL = ("E701", "a pickle needs a global outside the preset's allow-list", 2)
@@ -158,6 +163,11 @@ class Code(StrEnum):
     TRAIN_FORWARD_LOGPROBS = (
         "W703",
         "the dump's old log-probs come from the training forward (kept, flagged)",
+        0,
+    )
+    UNREAD_FLOAT_LIST = (
+        "W704",
+        "a per-token float column of no canonical name is kept but read as no stream (--map it)",
         0,
     )
     # checkpoints

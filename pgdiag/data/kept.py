@@ -103,9 +103,11 @@ def _within_row_diff(flat: FlatList) -> tuple[np.ndarray, np.ndarray]:
 
 
 def offsets_sound(kept: KeptColumns, seq_lengths: np.ndarray) -> np.ndarray:
-    """(R,) bool: the row's offsets have T + 1 values, start at 0, end at len(ids) and never decrease."""
+    """(R,) bool: the row's offsets have T + 1 values, start at 0, end at len(ids) and never decrease; or the
+    row records no set at all (offsets and ids both empty or null: "not recorded" at every position)."""
     offsets, ids = kept.offsets, kept.ids
     n_rows = seq_lengths.shape[0]
+    unrecorded = (offsets.lengths == 0) & (ids.lengths == 0)
     ok = offsets.lengths == seq_lengths + 1
     nonempty = offsets.lengths > 0
     first = np.full(n_rows, -1, dtype=np.int64)
@@ -124,7 +126,7 @@ def offsets_sound(kept: KeptColumns, seq_lengths: np.ndarray) -> np.ndarray:
             bad_index = np.flatnonzero(~offsets.valid)
             bad[np.searchsorted(offsets.offsets, bad_index, side="right") - 1] = True
         ok &= ~bad
-    return ok
+    return ok | unrecorded
 
 
 def _bitmask_width(kept: KeptColumns) -> np.ndarray | None:
@@ -145,7 +147,7 @@ def id_sizes(kept: KeptColumns, seq_offsets: np.ndarray) -> np.ndarray:
     seq_lengths = np.diff(seq_offsets)
     sound = offsets_sound(kept, seq_lengths)
     sizes = np.zeros(int(seq_offsets[-1]), dtype=np.int64)
-    rows = np.flatnonzero(sound)
+    rows = np.flatnonzero(sound & (kept.offsets.lengths > 0))  # rows that record sets (others: all 0)
     if rows.size:
         flat = take_rows(kept.offsets, rows)
         diff, _ = _within_row_diff(flat)
@@ -214,9 +216,13 @@ def position_sets(
     rows = np.searchsorted(seq_offsets, tokens, side="right") - 1
     pos = tokens - seq_offsets[rows]
     off_values = kept.offsets.values.astype(np.int64, copy=False)
-    base = kept.offsets.offsets[rows] + pos
-    lo = off_values[base] + kept.ids.offsets[rows]
-    hi = off_values[base + 1] + kept.ids.offsets[rows]
+    recorded = kept.offsets.lengths[rows] > 0  # a row without offsets records no set anywhere
+    base = np.where(recorded, kept.offsets.offsets[rows] + pos, 0)
+    lo = np.where(recorded, off_values[base] if off_values.size else 0, 0) + kept.ids.offsets[rows]
+    hi = np.where(
+        recorded, off_values[np.minimum(base + 1, max(off_values.size - 1, 0))] if off_values.size else 0, 0
+    )
+    hi = np.where(recorded, hi + kept.ids.offsets[rows], lo)
     sizes = hi - lo
     width = _bitmask_width(kept)
     extra: dict[int, np.ndarray] = {}
@@ -314,6 +320,8 @@ def kept_issues(
         bad = ids < 0
         if vocab_size is not None:
             bad |= ids >= vocab_size
+        if sub.ids.valid is not None:
+            bad |= ~sub.ids.valid  # a null id
         where = np.flatnonzero(bad)
         if where.size:
             limit = f" or >= vocab_size {vocab_size}" if vocab_size is not None else ""

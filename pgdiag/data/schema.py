@@ -222,12 +222,37 @@ def decode_footer(metadata: Mapping[bytes, bytes] | None) -> dict[str, Any]:
     return out
 
 
+def csv_error(path: Path) -> InvalidInputError | None:
+    """E101 for a CSV or TSV file given where Parquet is read (a ``.csv``/``.tsv`` name, or a first line of text
+    with commas or tabs), naming `pgdiag.write_run`; None for any other file."""
+    if path.suffix.lower() not in (".csv", ".tsv"):
+        try:
+            with open(path, "rb") as handle:
+                head = handle.read(4096)
+        except OSError:
+            return None
+        first = head.split(b"\n", 1)[0]
+        try:
+            text = first.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        if b"\0" in head or head.startswith(b"PAR1") or not ("," in text or "\t" in text):
+            return None
+    return InvalidInputError(
+        "E101",
+        f"{path}: a CSV file, not Parquet; pgdiag reads Parquet rollouts (docs/schema.md)",
+        "load it (e.g. polars.read_csv) and write it with pgdiag.write_run(df, OUT) (docs/import.md, "
+        "'Your own format')",
+    )
+
+
 def read_footer(path: Path) -> dict[str, Any]:
-    """Decoded ``pgdiag.*`` footer of one Parquet file; an unreadable file is E101."""
+    """Decoded ``pgdiag.*`` footer of one Parquet file; an unreadable file is E101 (a CSV one names
+    `pgdiag.write_run`)."""
     try:
         schema = pq.read_schema(path)
     except (OSError, pa.ArrowException) as exc:
-        raise InvalidInputError(
+        raise csv_error(path) or InvalidInputError(
             "E101", f"{path}: not a readable Parquet file ({exc})", "convert it with pgdiag import"
         ) from exc
     return decode_footer(schema.metadata)

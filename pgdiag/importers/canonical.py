@@ -21,10 +21,17 @@ import polars as pl
 
 from pgdiag.data.flat import FlatList, flat_list
 from pgdiag.data.kept import KEPT_COLUMNS
-from pgdiag.data.schema import ROLLOUTS_SCHEMA, decode_footer
+from pgdiag.data.schema import (
+    BASE_STREAMS,
+    ROLLOUT_ARROW_TYPES,
+    ROLLOUTS_SCHEMA,
+    csv_error,
+    decode_footer,
+    stream_column,
+)
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.importers import alignment
-from pgdiag.importers.base import ImportedStep, ImportOptions, Preset, bad_layout
+from pgdiag.importers.base import ImportedStep, ImportOptions, ImportWarning, Preset, bad_layout
 from pgdiag.importers.writer import apply_shifts
 
 _PASS_THROUGH_FOOTER = ("source", "streams", "sampling", "tokenizer", "model")
@@ -44,7 +51,10 @@ def _source_files(src: Path) -> list[Path]:
         and not any(part.startswith((".", "_")) for part in p.relative_to(base).parts)
     ]
     if not files:
-        raise UsageError("E501", f"{src}: no .parquet or .jsonl file found")
+        tables = sorted(p for p in base.rglob("*") if p.suffix.lower() in (".csv", ".tsv") and p.is_file())
+        raise (tables and csv_error(tables[0])) or UsageError(
+            "E501", f"{src}: no .parquet or .jsonl file found"
+        )
     kinds = {p.suffix for p in files}
     if len(kinds) > 1:
         raise UsageError("E505", f"{src}: holds both .parquet and .jsonl files; point SRC at one kind")
@@ -98,6 +108,28 @@ def _place_response_aligned(df: pl.DataFrame, shifted: set[str], source: str) ->
     return df.with_columns(replaced) if replaced else df
 
 
+def unread_float_lists(df: pl.DataFrame, streams: Mapping[str, str]) -> list[ImportWarning]:
+    """W704 for each per-token float column that is neither a stream (``*_logprobs``) nor a schema column
+    (``old_log_probs``, ``logprobs``): kept, but no command reads it; the hint names the closest stream."""
+    import difflib
+
+    targets = [stream_column(s) for s in BASE_STREAMS]
+    found = []
+    for column, dtype in df.schema.items():
+        inner = dtype.inner if isinstance(dtype, pl.List) else None  # type: ignore[union-attr]
+        if inner is None or not inner.is_float() or column in streams or column in ROLLOUT_ARROW_TYPES:
+            continue
+        close = difflib.get_close_matches(column, targets, n=1, cutoff=0.5)
+        found.append(
+            ImportWarning(
+                "W704",
+                f"{column}: per-token floats of no canonical name, kept but read as no stream; if they are "
+                f"log-probs, pass --map {column}={close[0] if close else 'old_logprobs'} (docs/schema.md)",
+            )
+        )
+    return found
+
+
 def canonical_step(
     df: pl.DataFrame,
     step: int,
@@ -122,6 +154,7 @@ def canonical_step(
     df = apply_shifts(df, options.shifts, source)
     streams = {c: c for c in df.columns if c.endswith("_logprobs") and c not in KEPT_COLUMNS}
     return ImportedStep(
+        warnings=unread_float_lists(df, streams),
         step=step,
         rows=df,
         src_files=src_files,
@@ -179,7 +212,9 @@ def _parquet_footer(files: list[Path]) -> dict[str, Any]:
         try:
             metas.append(pq.read_schema(path).metadata)
         except (OSError, pa.ArrowException) as exc:
-            raise bad_layout(path, "footer", f"a complete Parquet file ({exc}); truncated?") from exc
+            raise csv_error(path) or bad_layout(
+                path, "footer", f"a complete Parquet file ({exc}); truncated?"
+            ) from exc
     meta = decode_footer(metas[0])
     if meta.get("schema") != ROLLOUTS_SCHEMA:
         return {}

@@ -19,8 +19,9 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.flat import FlatList
+from pgdiag.errors import UsageError
 from pgdiag.importers import alignment
-from pgdiag.importers.base import ImportedStep, ImportOptions, Preset, bad_layout, text_only
+from pgdiag.importers.base import ImportedStep, ImportOptions, Preset, bad_layout
 from pgdiag.importers.hookdump import HookFile, int_lengths, read_hook_steps
 
 REQUIRED = (
@@ -40,10 +41,32 @@ STREAMS = {
 }
 
 
+def completions_table(src: Path) -> Path | None:
+    """TRL's own completion table (`GRPOTrainer` with ``log_completions``: ``pandas.to_parquet`` of step,
+    prompt, completion, rewards and advantage to ``<output_dir>/completions/completions_<step:05d>.parquet``,
+    TRL 1.16.0 `grpo_trainer.py`) when `src` is one such file, their folder, or the output_dir holding it with no
+    hook file; None otherwise."""
+    if src.is_file():
+        return src if src.suffix == ".parquet" else None
+    if not src.is_dir():
+        return None
+    if any(src.glob("completions_*.parquet")):
+        return src
+    folder = src / "completions"
+    if any(folder.glob("completions_*.parquet")) and not any(src.glob("step_*.pt")):
+        return folder
+    return None
+
+
 def read(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
     """Yield one `ImportedStep` per hook step, rank files concatenated in rank order."""
-    if src.suffix == ".parquet" or (src.is_dir() and any(src.glob("completions_*.parquet"))):
-        raise text_only(src, "completions (TRL's completion table)")
+    table = completions_table(src)
+    if table is not None:
+        raise UsageError(
+            "E702",
+            f"{table}: TRL's completion table holds text (prompt, completion), no token ids or log-probs",
+            "record the run with the pgdiag.hooks.trl hook and import its dump folder (docs/import.md, 'TRL')",
+        )
     for hook_step in read_hook_steps(src, "trl", REQUIRED, allow_unsafe=options.allow_unsafe_pickle):
         files = hook_step.files
         frames = [_rows(file) for file in files]

@@ -448,9 +448,11 @@ def _write_step(
     )
     mask = rows.lists["loss_mask"]
     # import warnings (W70x) and notes (dropped rows, derived ids: code "note", never counted as warnings)
+    said = {w.message for w in totals.warnings}  # a warning on every step (W704 on a column) is said once
     warnings = [
         Issue(w.code, "warning" if w.code.startswith("W") else "note", 1, w.message)
         for w in imported.warnings
+        if w.message not in said
     ]
     warnings += [i for i in found.issues if i.severity == "warning"]
     summary = StepSummary(

@@ -18,9 +18,12 @@ How: ``setup = setup_distributed(tp=2, dp=None, device="cpu")`` inside each work
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -84,6 +87,12 @@ def current_layout(tp_group: dist.ProcessGroup | None) -> ParallelLayout:
     return ParallelLayout(
         rank=rank, world_size=world, tp_rank=tp_rank, tp_size=tp, dp_rank=rank // tp, dp_size=world // tp
     )
+
+
+def replica_parts(n_parts: int, dp_rank: int, dp_size: int) -> range:
+    """Indices of the plan's parts that replica `dp_rank` of `dp_size` computes: part i goes to replica i mod dp,
+    so the replicas share the plan whole, without overlap, and a resume finds each part's owner again."""
+    return range(dp_rank, n_parts, dp_size)
 
 
 def launched_by_torchrun(environ: dict[str, str] | None = None) -> bool:
@@ -162,7 +171,8 @@ def run_workers(entry: Callable[[T], Any], job: T, *, nproc: int) -> dict[int, A
     Workers get the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) from torch's
     elastic launch API with a c10d rendezvous on a free local port, no restarts, and spawn start method, so
     `entry` must be a module-level function and `job` picklable. Ctrl-C stops every worker. A worker that
-    dies (signal, uncaught exception) raises `WorkerCrashedError` with the worst exit code.
+    dies (a signal, the OOM killer; `entry` itself must not raise) stops the others and raises UsageError
+    E520 naming the worst exit, in one line: torch's own log of the failure (a traceback) is silenced.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -182,18 +192,36 @@ def run_workers(entry: Callable[[T], Any], job: T, *, nproc: int) -> dict[int, A
         start_method="spawn",
     )
     try:
-        return dict(elastic_launch(config, entry)(job))
+        with _quiet_loggers(_ELASTIC_LOGGERS):
+            return dict(elastic_launch(config, entry)(job))
     except SignalException:  # Ctrl-C or SIGTERM: the agent has already stopped the workers
         raise KeyboardInterrupt from None
     except ChildFailedError as failed:
         codes = [int(f.exitcode) for f in failed.failures.values()]
         worst = max(codes, key=abs)
-        raise WorkerCrashedError(worst, f"{len(codes)} of {nproc} workers died (exit {worst})") from None
+        how = f"signal {signal.Signals(-worst).name}" if worst < 0 and -worst in _SIGNALS else f"exit {worst}"
+        raise UsageError(
+            "E520",
+            f"{len(codes)} of {nproc} workers died ({how}); the others were stopped",
+            "the parts already written are kept: run the same command again to resume",
+        ) from None
 
 
-class WorkerCrashedError(RuntimeError):
-    """A launched worker died without returning a result (a bug or a signal, not a PgdiagError)."""
+_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing.spawn", "torch.distributed.launcher")
+_SIGNALS = {s.value for s in signal.Signals}
 
-    def __init__(self, exit_code: int, message: str) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
+
+@contextlib.contextmanager
+def _quiet_loggers(prefixes: tuple[str, ...]) -> Iterator[None]:
+    """Raise the loggers named by these prefixes, and their children (torch's elastic loggers set their own
+    level), to CRITICAL while the block runs: pgdiag reports a failed worker itself."""
+    names = [*prefixes, *(n for n in logging.root.manager.loggerDict if n.startswith(prefixes))]
+    loggers = [logging.getLogger(name) for name in dict.fromkeys(names)]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)

@@ -57,7 +57,7 @@ from pgdiag.recompute.inputs import (
 )
 from pgdiag.recompute.kept_batch import batch_kept
 from pgdiag.recompute.kept_rules import KeptPlan, hidden_bias_warning, inexact_warnings, resolve_kept_set
-from pgdiag.recompute.launch import ParallelLayout, barrier, current_layout
+from pgdiag.recompute.launch import ParallelLayout, barrier, current_layout, replica_parts
 from pgdiag.recompute.output import (
     MANIFEST_NAME,
     clear_output,
@@ -332,11 +332,8 @@ def recompute_rank(
             barrier()
 
             # 3. compute this replica's pending parts; TP rank 0 writes them
-            mine = [
-                p
-                for i, p in enumerate(parts)
-                if i % layout.dp_size == layout.dp_rank and p.relpath not in done
-            ]
+            owned = replica_parts(len(parts), layout.dp_rank, layout.dp_size)
+            mine = [parts[i] for i in owned if parts[i].relpath not in done]
             counts = [0, 0, 0]
             bias_sum = [0.0, 0.0]  # sum of -log kept mass over loss tokens, and their count
             if mine and model_obj is not None:

@@ -185,3 +185,74 @@ def test_garbage_tokenizer_json_is_a_usage_error(tmp_path: Path) -> None:
             result = run_cli(["compare", SAMPLE_RUN, SAMPLE_RUN_B, "--tokenizer", given])  # exit 101 before
             assert error_code(result) == "E112"
             assert "not a tokenizers tokenizer.json" in result.output
+
+
+def test_trls_own_completion_table_is_e702_from_its_output_dir(tmp_path: Path) -> None:
+    # TRL 1.16.0 GRPOTrainer.log (grpo_trainer.py): with log_completions, pandas.DataFrame(table).to_parquet(
+    # f"{output_dir}/completions/completions_{global_step:05d}.parquet"); table = step, prompt, completion, the
+    # reward functions' columns and advantage: text, no token ids. The output_dir was E703 (no hook file).
+    import pandas as pd
+
+    output_dir = tmp_path / "grpo_out"
+    (output_dir / "completions").mkdir(parents=True)
+    (output_dir / "checkpoint-10").mkdir()
+    table = {
+        "step": [10, 10],
+        "prompt": ["What is 2+2?", "Name a prime."],
+        "completion": ["4", "7"],
+        "accuracy_reward": [1.0, 1.0],
+        "advantage": [0.0, 0.0],
+    }
+    pd.DataFrame(table).to_parquet(output_dir / "completions" / "completions_00010.parquet")
+    for src in (
+        output_dir,
+        output_dir / "completions",
+        output_dir / "completions" / "completions_00010.parquet",
+    ):
+        result = run_cli(["import", "--preset", "trl", src, tmp_path / "out"])
+        assert error_code(result) == "E702", result.output
+        assert "TRL's completion table holds text" in result.output and "pgdiag.hooks.trl" in result.output
+        assert files_under(tmp_path / "out") == set()
+
+
+def test_csv_input_names_write_run(tmp_path: Path) -> None:
+    import polars as pl
+
+    frame = pl.DataFrame({"step": [0], "sample_id": ["a"], "reward": [1.0]})
+    for name in ("rollouts.csv", "rollouts.parquet"):  # a CSV under a Parquet name too
+        path = tmp_path / name
+        frame.write_csv(path)
+        for args in (["check", path], ["import", "--preset", "canonical", path, tmp_path / "out"]):
+            result = run_cli(args)  # was E101 "not a readable Parquet file" / E703 "truncated?"
+            assert error_code(result, check=True) == "E101", result.output
+            assert "a CSV file, not Parquet" in result.output and "pgdiag.write_run(df, OUT)" in result.output
+        with pytest.raises(PgdiagError, match="a CSV file"):
+            pgdiag.read_run(path)
+
+
+def test_canonical_import_warns_on_unread_float_lists(tmp_path: Path) -> None:
+    import polars as pl
+
+    frame = pl.read_parquet(SAMPLE_RUN / "rollouts").rename({"old_logprobs": "old_log_probs"})
+    frame.write_parquet(tmp_path / "mine.parquet")
+    result = run_cli(["import", "--preset", "canonical", tmp_path / "mine.parquet", tmp_path / "out"])
+    assert result.exit_code == 0, result.output
+    warned = [line for line in result.output.splitlines() if line.startswith("warning[W704]")]
+    assert warned == [
+        "warning[W704] old_log_probs: per-token floats of no canonical name, kept but read as no stream; if they "
+        "are log-probs, pass --map old_log_probs=old_logprobs (docs/schema.md)"
+    ]  # once, not once per step
+    assert pgdiag.read_run(tmp_path / "out").streams == ("rollout", "new")
+    again = run_cli(
+        [
+            "import",
+            "--preset",
+            "canonical",
+            tmp_path / "mine.parquet",
+            tmp_path / "out2",
+            "--map",
+            "old_log_probs=old_logprobs",
+        ]
+    )
+    assert again.exit_code == 0 and "W704" not in again.output
+    assert pgdiag.read_run(tmp_path / "out2").streams == ("rollout", "old", "new")
