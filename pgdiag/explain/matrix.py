@@ -60,7 +60,8 @@ CONFIGS = (
 
 
 def parameter_count(config: Any) -> int:
-    """Parameters of a decoder from its `ModelConfig` (embedding, head, attention, MLP or experts)."""
+    """Parameters of a decoder from its `ModelConfig` (embedding, head, attention, MLP or experts, norms; biases
+    left out)."""
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     attention = h * (config.q_size + 2 * config.kv_size) + config.q_size * h
     moe = config.moe
@@ -72,7 +73,8 @@ def parameter_count(config: Any) -> int:
         shared = 3 * h * moe.shared_expert_intermediate_size
         mlp = [expert + shared if sparse else dense_mlp for sparse in moe.sparse_layers]
     head = 0 if config.tie_word_embeddings else vocab * h
-    return vocab * h + head + layers * attention + sum(mlp)
+    norms = layers * (2 * h + (2 * config.head_dim if config.qk_norm else 0)) + h
+    return vocab * h + head + layers * attention + sum(mlp) + norms
 
 
 def weight_bytes(config: Any, dtype: str, tp: int) -> int:
