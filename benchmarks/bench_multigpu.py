@@ -69,9 +69,20 @@ LLAMA3_70B = {
     "hidden_act": "silu",
     "torch_dtype": "bfloat16",
 }
+# Qwen3-235B-A22B's published config.json (94 layers); `--layers N` cuts it to what fits
+QWEN3_235B_A22B = {
+    **QWEN3_30B_A3B,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 1536,
+    "num_hidden_layers": 94,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 4,
+}
 MODELS = {
     "qwen3-8b": QWEN3_8B,
     "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "qwen3-235b-a22b": QWEN3_235B_A22B,
     "llama3-70b": LLAMA3_70B,
     "tiny": TINY,
     "tiny-moe": TINY_MOE,
@@ -292,6 +303,7 @@ def route_disagreement(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b")
+    parser.add_argument("--layers", type=int, default=0, help="cut the model to its first N layers (0: all)")
     parser.add_argument("--layouts", default="", help="TPxDP,... (tp x dp = world); default: every divisor")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rollouts", type=int, default=64)
@@ -318,14 +330,16 @@ def main() -> None:
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    cfg = ModelConfig.from_hf_dict(MODELS[args.model], source=args.model)
+    hf = MODELS[args.model] | ({"num_hidden_layers": args.layers} if args.layers else {})
+    cfg = ModelConfig.from_hf_dict(hf, source=args.model)
     tiny = args.model.startswith("tiny")
     rollouts = make_rollouts(args.rollouts, cfg.vocab_size, device, seed=0, scale=0.05 if tiny else 1.0)
     layouts = [tuple(int(x) for x in s.split("x")) for s in args.layouts.split(",") if s] or [
         (tp, world // tp) for tp in range(1, world + 1) if world % tp == 0
     ]
     result = {
-        "model": args.model, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "model": args.model, "layers": cfg.num_hidden_layers,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world": world, "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": args.commit,
         "torch": torch.__version__, "non_embedding_params": cfg.non_embedding_params(),
         "active_params": cfg.active_params(), "rollouts": args.rollouts,

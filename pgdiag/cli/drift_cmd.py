@@ -6,7 +6,7 @@ render (a table of change points and the verdict on stderr, `--json` on stdout, 
 the trend plot, `--html` the one-file page).
 Example::
 
-    pgdiag drift runs/long_run --key-style verl --out /tmp/drift --plot /tmp/drift.png
+    pgdiag drift sample_data/long_run --key-style verl --out /tmp/drift --plot /tmp/drift.png
 """
 
 from __future__ import annotations

@@ -71,18 +71,20 @@ def report(
 ) -> None:
     """Re-render a saved report without recomputing it; gates are re-evaluated on its stored values.
 
-    Any kind (metrics, compare, whatif, drift): a table of its headline rows, --markdown for a CI comment,
-    --html for the one-file page (its verdict derived again from the stored values), --pivot for the wide table.
+    Any kind (metrics, compare, whatif, drift): a table of its headline rows (pair, scope, bucket, metric,
+    value), --markdown for a CI comment, --html for the one-file page, --pivot for the wide table; the last line
+    is the report's verdict, derived again from the stored values (compare: judged by the gates given).
     """
 
     def body(console: Console) -> dict[str, Any]:
         from rich.table import Table
 
-        from pgdiag.cli.render import format_value, render_gates
+        from pgdiag.cli.render import format_value, render_gates, render_verdict
         from pgdiag.data.writing import atomic_write, check_destination
         from pgdiag.report.gates import GateSettings, outcome
         from pgdiag.report.markdown import headline_rows, report_markdown
         from pgdiag.report.report import load_report
+        from pgdiag.report.verdict import report_verdict
 
         if markdown is not None:
             check_destination(
@@ -102,12 +104,13 @@ def report(
         if not quiet:
             rows = headline_rows(loaded)
             table = Table(title=f"{loaded.kind} report {source}", title_justify="left")
-            for header in ("pair", "bucket", "metric", "value"):
+            for header in ("pair", "scope", "bucket", "metric", "value"):
                 table.add_column(header, justify="right" if header == "value" else "left")
-            for pair, bucket, metric, value, unit, _ in rows.iter_rows():
-                table.add_row(pair, bucket, metric, format_value(value, unit))
+            for pair, scope, bucket, metric, value, unit, _ in rows.iter_rows():
+                table.add_row(pair, scope, bucket, metric, format_value(value, unit))
             console.print(table)
             render_gates(console, verdict.gates)
+        saved_verdict = report_verdict(loaded, verdict.gates)  # from the stored values, as --html shows it
         result = result_object(
             "report",
             status=verdict.status,
@@ -118,6 +121,7 @@ def report(
         )
         result["kind"] = loaded.kind
         result["summary"] = loaded.to_json_dict()["summary"]
+        result["verdict"] = saved_verdict.as_dict()
         if markdown is not None:
             text = report_markdown(loaded, gates, verdict.status)
             atomic_write(markdown, lambda tmp: Path(tmp).write_text(text))
@@ -128,6 +132,7 @@ def report(
             )
         if pivot and not json_out:
             sys.stdout.write(loaded.wide().write_csv())
+        render_verdict(console, saved_verdict)
         return result
 
     execute("report", body, json_out=json_out, quiet=quiet)

@@ -285,3 +285,49 @@ def test_metrics_warn_w413_with_the_bias_size_when_k_is_not_recorded(setup: dict
     assert len(message) == 1 and f"{values['mismatch/truncation_bias']:.4g} nats" in message[0], message
     # the processed rollout against the full-vocabulary recompute: the bias shows as mismatch of that size
     assert values["mismatch/bias"] == pytest.approx(-values["mismatch/truncation_bias"], abs=2e-3)
+
+
+def test_compare_pairs_the_engine_stream_with_the_kept_set_recompute(setup: dict) -> None:
+    """`compare RUN --stream-a rollout --stream-b TAG`: the engine's renormalised stream against the recompute
+    scored over K agrees to 1e-5 on every token (a one-token set's 0.0 is no E206), against the full-vocabulary
+    recompute it is off by −log kept mass."""
+    _recompute(setup, "rc_cmp", "recorded")
+    _recompute(setup, "rc_cmp_off", "off")
+    run = read_run(setup["run"])
+    kept = pgdiag.compare_runs(run, stream_a="rollout", stream_b="rc_cmp", keep_tokens=True)
+    assert kept.pair is not None and np.abs(kept.pair.lp_b - kept.pair.lp_a).max() <= 1e-5
+    full = pgdiag.compare_runs(run, stream_a="rollout", stream_b="rc_cmp_off", keep_tokens=True)
+    assert full.pair is not None
+    mass = _loss_values(_stream(setup["run"], "rc_cmp_off"), "kept_mass")
+    gap = full.pair.lp_a - full.pair.lp_b  # the renormalised minus the full-vocabulary log-prob
+    assert gap.mean() == pytest.approx(-np.log(mass).mean(), abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def moe_setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The same rollouts from a tiny Qwen2-MoE (4 experts, top-2, a shared expert)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    root = tmp_path_factory.mktemp("kept_moe")
+    config = Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(2)
+    model = Qwen2MoeForCausalLM(config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(12.0)
+    model.save_pretrained(root / "ckpt", safe_serialization=True)
+    frame, seen = _rollouts(model, n_samples=6)
+    run = root / "run"
+    pgdiag.write_run(frame.drop("full_tempered", "full_raw"), run, sampling=SAMPLING)
+    return {"root": root, "ckpt": root / "ckpt", "run": run, "frame": frame, "seen": seen}
+
+
+def test_moe_recorded_reproduces_the_rollout(moe_setup: dict) -> None:
+    result = _recompute(moe_setup, "rc", "auto")
+    assert result.settings.kept_set == "recorded" and result.settings.experts != "none"
+    rollout = _loss_values(moe_setup["frame"].sort("sample_id"), "rollout_logprobs")
+    got = _loss_values(_stream(moe_setup["run"], "rc"), "logprobs")
+    assert np.abs(got - rollout).max() <= 1e-5, np.abs(got - rollout).max()
