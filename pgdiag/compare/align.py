@@ -574,6 +574,8 @@ def align_batches(
     if entropy is None and a.entropy.get(stream_a) is not None:
         entropy = _gather(np.asarray(a.entropy[stream_a], dtype=np.float64), idx_a)
     resp_pos = pos - prompt_len.astype(pos.dtype)[token_row]  # (M,) int32
+    with np.errstate(invalid="ignore"):  # inf − inf kept for --exact: NaN in Δ, never read by its counts
+        delta = lp_b - lp_a
     pair = AlignedPair(
         label_a=a.label,
         label_b=b.label,
@@ -590,7 +592,7 @@ def align_batches(
         token_id=token_id,
         lp_a=lp_a,
         lp_b=lp_b,
-        delta=lp_b - lp_a,
+        delta=delta,
         entropy=entropy,
         reward=None if a.reward is None else np.asarray(a.reward, dtype=np.float64)[ia],
         env=None if a.env is None else a.env[ia],
