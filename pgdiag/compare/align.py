@@ -372,8 +372,7 @@ def align_batches(
     `matches`: (rows of a, rows of b) of the matched samples in a's row order, when the caller paired them on the
     whole runs' keys (`--join hash-any-step` read in pieces, `compare.pieces`); needs `deferred`, and the
     deferred sample counts (E304, E306) are then the caller's: zero here.
-    `keep_nonfinite` (with E207 ignored): keep the non-finite tokens in the pair (`compare --exact` counts them;
-    `finite_only` drops them for every other consumer).
+    `keep_nonfinite` (E207 ignored): keep non-finite tokens (`compare --exact`; `finite_only` drops them).
     """
     for batch, stream, side in ((a, stream_a, "a"), (b, stream_b, "b")):
         if stream not in batch.streams:
@@ -613,8 +612,7 @@ def finite_only(pair: AlignedPair) -> AlignedPair:
     if keep.all():
         return pair
     counts = np.bincount(pair.token_row[keep], minlength=pair.n_samples)
-    offsets = np.zeros(pair.n_samples + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # (S + 1,)
     return replace(
         pair,
         offsets=offsets,

@@ -66,6 +66,7 @@ class SamplingFit:
     best point per side, fitted outside a chat-template region (the raw pair's first positions, when the
     tokenization rule fires on them: a template's few huge Δ would otherwise pull the temperature fit)."""
 
+    t1_index: int  # the grid's T = 1 column
     sums: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)  # (side, bucket) -> (n_T, n_K)
     raw: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [tokens, k3 sum, |Δ| sum] of b − a
 
@@ -84,7 +85,7 @@ class SamplingFit:
                 key = (side, int(index))
                 self.sums[key] = total if key not in self.sums else self.sums[key] + total
 
-    def finish(self, t1_index: int) -> tuple[dict[str, SideFit], int]:
+    def finish(self) -> tuple[dict[str, SideFit], int]:
         """({side: best grid point}, template region: response positions < N left out of the fit)."""
         from pgdiag.explain.signatures import first_position_rule
 
@@ -96,7 +97,7 @@ class SamplingFit:
             n = sum(self.raw[b][0] for b, _ in kept)
             mean = sum(t for _, t in kept) / max(n, 1)
             i, j = np.unravel_index(int(np.argmin(mean)), mean.shape)
-            fits[side] = SideFit(int(i), int(j), float(mean[i, j]), float(mean[t1_index, 0]))
+            fits[side] = SideFit(int(i), int(j), float(mean[i, j]), float(mean[self.t1_index, 0]))
         return fits, region
 
 
@@ -276,6 +277,10 @@ class Chain:
             sums["n"] += float(sel.sum())
             for name, values in noise_terms.items():
                 sums[name] += float(values[sel].sum())
+
+    def finish(self) -> Chain:
+        """The per-group stage sums (read by `explain.attribution.shares`)."""
+        return self
 
     def _noise_terms(self, piece: ExplainPiece) -> dict[str, np.ndarray]:
         d = self.decisions
