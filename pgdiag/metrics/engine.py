@@ -43,10 +43,13 @@ from pgdiag.metrics.advantage import (
 from pgdiag.metrics.catalog import MetricSink
 from pgdiag.metrics.kept import (
     FullVocabTables,
+    KeptKlTables,
     KeptTables,
     add_full_vocab_metrics,
+    add_kept_kl_metrics,
     add_kept_metrics,
     build_full_vocab_tables,
+    build_kept_kl_tables,
     build_kept_tables,
 )
 from pgdiag.metrics.loss import LossSums, ResolvedAggregation, add_loss_metrics, resolve_aggregation
@@ -139,6 +142,7 @@ class BatchTables:
     notices: tuple[str, ...]
     kept: KeptTables | None = None  # kept mass of a kept-set recompute (`metrics.kept`)
     full_vocab: FullVocabTables | None = None  # stream a against that recompute's full-vocabulary log-probs
+    kept_kl: KeptKlTables | None = None  # the engine's kept log-probs against the model over K
 
 
 def build_batch_tables(batch: TokenBatch, settings: MetricSettings) -> BatchTables:
@@ -162,14 +166,20 @@ def build_batch_tables(batch: TokenBatch, settings: MetricSettings) -> BatchTabl
             )
         tables = _build_policy_side(batch, settings, offsets, doc_of_sample, notices)
         mismatch = None if mismatch_future is None else mismatch_future.result()
-    kept = full_vocab = None
+    kept = full_vocab = kl = None
+    if settings.kept is not None and settings.kept in batch.kept_kl:
+        kl = build_kept_kl_tables(
+            batch.kept_kl[settings.kept], offsets, doc_of_sample, settings.metric_reduction
+        )
     if settings.kept is not None and settings.kept in batch.kept_mass:
         reduction = settings.metric_reduction
         kept = build_kept_tables(batch.kept_mass[settings.kept], offsets, doc_of_sample, reduction)
         if lp_a is not None:
             full = batch.full_vocab[settings.kept]
             full_vocab = build_full_vocab_tables(full, lp_a, offsets, doc_of_sample, reduction)
-    return replace(tables, mismatch=mismatch, kept=kept, full_vocab=full_vocab, notices=tuple(notices))
+    return replace(
+        tables, mismatch=mismatch, kept=kept, full_vocab=full_vocab, kept_kl=kl, notices=tuple(notices)
+    )
 
 
 def _build_policy_side(
@@ -286,6 +296,8 @@ def reduce_rows(
         add_kept_metrics(take_rows(tables.kept, lo, hi), sink)
     if tables.full_vocab is not None:
         add_full_vocab_metrics(take_rows(tables.full_vocab, lo, hi), sink)
+    if tables.kept_kl is not None:
+        add_kept_kl_metrics(take_rows(tables.kept_kl, lo, hi), sink)
     add_counts(n_positions, base, group_of_sample, n_groups, groups_split, sink)
     n_invalid = n_positions - base.n_tokens
     if n_invalid:
@@ -425,13 +437,14 @@ class NativeStream:
             notices=tuple(self._notices),
             kept=families.get("kept"),
             full_vocab=families.get("full_vocab"),
+            kept_kl=families.get("kept_kl"),
         )
         n_samples = int(n_positions.shape[0])
         pooled = reduce_rows(tables, 0, n_samples, self.settings, self.resolved, self._groups_split)
         return "all", _average_loss_over_steps(pooled, [m for _, m in self.steps])
 
 
-_FAMILIES = ("policy", "loss", "ref", "advantage", "entropy", "mismatch", "kept", "full_vocab")
+_FAMILIES = ("policy", "loss", "ref", "advantage", "entropy", "mismatch", "kept", "full_vocab", "kept_kl")
 
 
 class StyleStream:

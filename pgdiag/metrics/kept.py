@@ -9,6 +9,7 @@ What: for a recompute written with kept sets (`pgdiag logprobs --kept-set`, colu
     mismatch/truncation_bias    R(−log kept mass)                the log-ratio a renormalised stream carries
     mismatch/full_bias          R(lp_full − lp_a)                Δ against the full-vocabulary log-probs
     mismatch/full_abs_mean      R(|lp_full − lp_a|)
+    mismatch/kept_kl            R(KL(engine ‖ model) over K)      with the engine's kept log-probs recorded
 
 The mismatch family itself compares stream a with the recompute's ``logprobs`` (renormalised over K when the
 recompute scored over K); the two ``full_*`` keys are the full-vocabulary figures beside it, so a table shows
@@ -53,6 +54,28 @@ class FullVocabTables:
     reducer: TokenReducer
     sum_delta: np.ndarray = field(metadata=SAMPLE_AXIS)
     sum_abs: np.ndarray = field(metadata=SAMPLE_AXIS)
+
+
+@dataclass(frozen=True)
+class KeptKlTables:
+    """Per-sample sums (S,) of the engine-vs-model KL over K on the tokens where it is finite."""
+
+    reducer: TokenReducer
+    sum_kl: np.ndarray = field(metadata=SAMPLE_AXIS)
+
+
+def build_kept_kl_tables(
+    kl: np.ndarray, offsets: np.ndarray, doc_of_sample: np.ndarray, reduction: str
+) -> KeptKlTables:
+    """Token phase of ``mismatch/kept_kl`` on (M,) per-token KLs (NaN where no set or no engine log-probs)."""
+    valid = np.isfinite(kl)  # (M,)
+    reducer = TokenReducer.build(valid, offsets, doc_of_sample, reduction)
+    return KeptKlTables(reducer, reducer.sample_sums(kl[valid]))
+
+
+def add_kept_kl_metrics(t: KeptKlTables, sink: MetricSink) -> None:
+    """``mismatch/kept_kl``: R mean of KL(engine ‖ model) over K."""
+    sink.add("mismatch/kept_kl", t.reducer.mean_of_sums(t.sum_kl), t.reducer.population)
 
 
 def build_kept_tables(

@@ -36,8 +36,11 @@ def batch_kept(
         return None
     if plan.needs_recorded:
         assert inputs.kept is not None
-        ids, offsets = position_sets(inputs.kept, inputs.offsets, flat)
-        return KeptSet(torch.from_numpy(ids).to(device), torch.from_numpy(offsets).to(device))
+        sets = position_sets(inputs.kept, inputs.offsets, flat)
+        logprobs = None if sets.logprobs is None else torch.from_numpy(sets.logprobs).to(device)
+        return KeptSet(
+            torch.from_numpy(sets.ids).to(device), torch.from_numpy(sets.offsets).to(device), logprobs
+        )
     engine = plan.reconstructs
     assert engine is not None and inputs.sampling is not None
     rows = sample_of_target

@@ -604,7 +604,10 @@ def _compute_parts(
     for done_parts, (part, rows) in enumerate(active):
         logprobs = np.zeros(int(inputs.offsets[part.stop] - inputs.offsets[part.start]), dtype=np.float32)
         entropy = np.zeros_like(logprobs)
-        kept_cols = None if plan.kept_source == "none" else KeptOutput.zeros(logprobs.shape[0])
+        with_kl = plan.needs_recorded and inputs.kept is not None and inputs.kept.logprobs is not None
+        kept_cols = (
+            None if plan.kept_source == "none" else KeptOutput.zeros(logprobs.shape[0], with_kl=with_kl)
+        )
         base = int(inputs.offsets[part.start])
         route_tokens = np.zeros(len(sparse_layers), dtype=np.int64)
         route_disagree = np.zeros(len(sparse_layers), dtype=np.int64)
@@ -669,7 +672,7 @@ def _compute_parts(
                     logprobs[where] = lp.float().cpu().numpy()  # type: ignore[union-attr]
                     entropy[where] = ent.float().cpu().numpy()  # type: ignore[union-attr]
                     if kept_cols is not None and result.kept_mass is not None:
-                        kept_cols.put(where, result.kept_mass, result.logprobs_full, bias_sum)
+                        kept_cols.put(where, result.kept_mass, result.logprobs_full, bias_sum, result.kept_kl)
                 tokens_done += packed.n_tokens
                 loss_done += packed.n_targets
                 samples_done += int(packed.sample_index.shape[0])
@@ -796,23 +799,35 @@ class KeptOutput:
 
     kept_mass: np.ndarray
     logprobs_full: np.ndarray
+    kept_kl: np.ndarray | None = None  # (T_part,) with the engine's kept log-probs; NaN (null) without a set
 
     @classmethod
-    def zeros(cls, n_tokens: int) -> KeptOutput:
-        return cls(np.ones(n_tokens, dtype=np.float32), np.zeros(n_tokens, dtype=np.float32))
+    def zeros(cls, n_tokens: int, *, with_kl: bool = False) -> KeptOutput:
+        kl = np.full(n_tokens, np.nan, dtype=np.float32) if with_kl else None
+        return cls(np.ones(n_tokens, dtype=np.float32), np.zeros(n_tokens, dtype=np.float32), kl)
 
     def put(
-        self, where: np.ndarray, kept_mass: torch.Tensor, full: torch.Tensor | None, bias_sum: list[float]
+        self,
+        where: np.ndarray,
+        kept_mass: torch.Tensor,
+        full: torch.Tensor | None,
+        bias_sum: list[float],
+        kept_kl: torch.Tensor | None = None,
     ) -> None:
         mass = kept_mass.float().cpu().numpy()
         self.kept_mass[where] = mass
         if full is not None:
             self.logprobs_full[where] = full.float().cpu().numpy()
+        if kept_kl is not None and self.kept_kl is not None:
+            self.kept_kl[where] = kept_kl.float().cpu().numpy()
         bias_sum[0] += float(-np.log(np.clip(mass.astype(np.float64), 1e-300, 1.0)).sum())
         bias_sum[1] += float(mass.shape[0])
 
     def columns(self) -> dict[str, np.ndarray]:
-        return {"kept_mass": self.kept_mass, "logprobs_full": self.logprobs_full}
+        out = {"kept_mass": self.kept_mass, "logprobs_full": self.logprobs_full}
+        if self.kept_kl is not None:
+            out["kept_kl"] = self.kept_kl
+        return out
 
 
 def _environment(device: torch.device) -> dict[str, Any]:
