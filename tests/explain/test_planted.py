@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from explain_factory import (
     make_checkpoint,
+    make_moe_checkpoint,
     perturbed_checkpoint,
     record_kept_sets,
+    routed,
     sample_rows,
     score,
     write_plant,
@@ -145,6 +147,19 @@ def test_policy_lag_on_half_the_samples_is_staleness(checkpoint: Path, tmp_path:
         for r in next(c for c in result.causes if c.cause == "staleness").evidence["per_lag"]
     }
     assert per_lag[0] < 1e-9 < per_lag[1] < per_lag[2] < per_lag[3]  # per-lag differences: more lag, more k3
+
+
+def test_engine_routes_recorded_and_not_replayed_is_routing(tmp_path: Path) -> None:
+    """The engine's recorded MoE routes differ from the router's on 30 % of the tokens of layer 0; the trainer
+    recomputed its own routes: `routing`, removed with ex_replay − ex_bf16 (recorded routes against the router)."""
+    checkpoint = make_moe_checkpoint(tmp_path / "moe")
+    rows = sample_rows(checkpoint, steps=2, per_step=6)
+    rollout = routed(checkpoint, rows, flip=0.3)
+    run = write_plant(tmp_path / "run", rows, rollout, score(checkpoint, rows))
+    result = _explain(run, checkpoint)
+    _top(result, "routing")
+    assert "ex_replay" in result.configs
+    assert next(c for c in result.causes if c.cause == "weights").share == 0.0
 
 
 def test_missing_temperature_and_bf16_body_split(tmp_path: Path) -> None:
