@@ -20,7 +20,7 @@ import pytest
 from sample_paths import SAMPLE_DATA
 
 from pgdiag.analysis.drift import drift
-from pgdiag.checks.run import check_run
+from pgdiag.checks.run import RunChecks, check_run
 from pgdiag.compare.api import compare_runs
 from pgdiag.compare.nway import compare_many
 from pgdiag.compare.settings import CompareSettings
@@ -127,6 +127,7 @@ def test_the_metric_engines_are_folds() -> None:
     settings = resolve_streams(run, MetricSettings())
     native = NativeStream(settings, QuantileSettings(), pooled=True)
     assert isinstance(native, Fold) and isinstance(StyleStream(MetricSettings(key_style="verl")), Fold)
+    assert isinstance(RunChecks(run, list(run.streams)), Fold)
     batches = (
         read_token_batch(restrict_steps(run, p.steps), streams=metric_streams(settings)).batch
         for p in plan_step_pieces([run], ONE_STEP).pieces

@@ -53,7 +53,7 @@ from pgdiag.recompute.inputs import (
     resolve_temperature,
     with_uniform_temperature,
 )
-from pgdiag.recompute.kept_batch import batch_kept
+from pgdiag.recompute.kept_batch import KeptOutput, batch_kept, sum_floats_over_ranks
 from pgdiag.recompute.kept_rules import KeptPlan, hidden_bias_warning, inexact_warnings, resolve_kept_set
 from pgdiag.recompute.launch import ParallelLayout, barrier, current_layout, replica_parts
 from pgdiag.recompute.output import (
@@ -237,7 +237,7 @@ def recompute_rank(
                     bias_sum=bias_sum,
                 )
             counts = _sum_over_ranks(counts, layout, spec.device)
-            bias_sum = _sum_floats_over_ranks(bias_sum, layout, spec.device)
+            bias_sum = sum_floats_over_ranks(bias_sum, layout.world_size, layout.is_writer, spec.device)
             barrier()
 
             # 4. the marker, last: global rank 0 checks every planned part is on disk
@@ -720,53 +720,6 @@ def _sum_over_ranks(counts: list[int], layout: ParallelLayout, device: torch.dev
     total = torch.tensor(mine, dtype=torch.int64, device=device)
     torch.distributed.all_reduce(total)
     return [int(v) for v in total.tolist()]
-
-
-def _sum_floats_over_ranks(values: list[float], layout: ParallelLayout, device: torch.device) -> list[float]:
-    """Float totals over DP replicas (TP rank 0 of each replica contributes)."""
-    if layout.world_size == 1:
-        return values
-    mine = values if layout.is_writer else [0.0] * len(values)
-    total = torch.tensor(mine, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(total)
-    return [float(v) for v in total.tolist()]
-
-
-@dataclass
-class KeptOutput:
-    """A part's kept-set columns while it is computed: (T_part,) float32 kept mass and full log-probs."""
-
-    kept_mass: np.ndarray
-    logprobs_full: np.ndarray
-    kept_kl: np.ndarray | None = None  # (T_part,) with the engine's kept log-probs; NaN (null) without a set
-
-    @classmethod
-    def zeros(cls, n_tokens: int, *, with_kl: bool = False) -> KeptOutput:
-        kl = np.full(n_tokens, np.nan, dtype=np.float32) if with_kl else None
-        return cls(np.ones(n_tokens, dtype=np.float32), np.zeros(n_tokens, dtype=np.float32), kl)
-
-    def put(
-        self,
-        where: np.ndarray,
-        kept_mass: torch.Tensor,
-        full: torch.Tensor | None,
-        bias_sum: list[float],
-        kept_kl: torch.Tensor | None = None,
-    ) -> None:
-        mass = kept_mass.float().cpu().numpy()
-        self.kept_mass[where] = mass
-        if full is not None:
-            self.logprobs_full[where] = full.float().cpu().numpy()
-        if kept_kl is not None and self.kept_kl is not None:
-            self.kept_kl[where] = kept_kl.float().cpu().numpy()
-        bias_sum[0] += float(-np.log(np.clip(mass.astype(np.float64), 1e-300, 1.0)).sum())
-        bias_sum[1] += float(mass.shape[0])
-
-    def columns(self) -> dict[str, np.ndarray]:
-        out = {"kept_mass": self.kept_mass, "logprobs_full": self.logprobs_full}
-        if self.kept_kl is not None:
-            out["kept_kl"] = self.kept_kl
-        return out
 
 
 def _environment(device: torch.device) -> dict[str, Any]:
