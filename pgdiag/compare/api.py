@@ -25,11 +25,12 @@ import polars as pl
 
 from pgdiag.compare.pair_fold import PairFold, PairSources, PieceSides, Side
 from pgdiag.compare.pair_report import Comparison
-from pgdiag.compare.pieces import Piece, concat_batches, plan_pieces
+from pgdiag.compare.pieces import concat_batches, plan_pieces
 from pgdiag.compare.settings import CompareSettings
 from pgdiag.compare.side_by_side import side_settings
 from pgdiag.compare.worst import token_decoder
 from pgdiag.data.batch import TokenBatch
+from pgdiag.data.pieces import PairPiece
 from pgdiag.data.schema import BASE_STREAMS
 from pgdiag.data.validate import CheckSettings
 from pgdiag.errors import UsageError
@@ -112,7 +113,7 @@ def _read_side(
 
 def _read_side_b(
     run: Any,
-    piece: Piece,
+    piece: PairPiece,
     streams: Sequence[str],
     checks: CheckSettings,
     metrics: MetricSettings | None,
@@ -268,7 +269,9 @@ def _sources(a: Any, b: Any, settings: CompareSettings) -> PairSources:
     return PairSources(a, b, (sa, sb), (metrics_a, metrics_b))
 
 
-def _read_piece(sources: PairSources, piece: Piece, checks: CheckSettings, *, in_pieces: bool) -> PieceSides:
+def _read_piece(
+    sources: PairSources, piece: PairPiece, checks: CheckSettings, *, in_pieces: bool
+) -> PieceSides:
     """Both sides of `piece` read (side a's steps; side b's, or under hash-any-step the steps of b it needs)."""
     from pgdiag.data.runs import restrict_steps
 
