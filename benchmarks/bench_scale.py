@@ -79,6 +79,8 @@ COMMANDS = {
         "--json",
         "-q",
     ],
+    # the default grid of whatif (29 rules since issue 25), rollout vs old, with the run's new stream
+    "whatif": ["whatif", "{run}", "--json", "-q"],
     # steps of 3,000 documents cut across the run's steps of ~5,000 (10M) or ~15,000 (30M) samples
     "metrics-docs": [
         "metrics",

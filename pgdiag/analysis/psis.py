@@ -26,7 +26,8 @@ def _gpd_shape(tail: np.ndarray) -> float:
     b += 1 / tail[-1]
     k = np.log1p(-b[:, None] * tail).mean(axis=1)  # (m_est,)
     len_scale = n * (np.log(-(b / k)) - k - 1)
-    weights = 1 / np.exp(len_scale - len_scale[:, None]).sum(axis=1)
+    with np.errstate(over="ignore"):  # an overflowing term gives weight 0, as in arviz
+        weights = 1 / np.exp(len_scale - len_scale[:, None]).sum(axis=1)
     real = weights >= 10 * np.finfo(float).eps
     weights, b = weights[real], b[real]
     weights /= weights.sum()

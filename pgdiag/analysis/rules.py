@@ -67,6 +67,17 @@ _WORD_OPTIONS = {  # rules whose leading arguments are words: name -> allowed va
 }
 
 
+def segment_sums(x: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """(S,) sums of the contiguous segments offsets[i]:offsets[i + 1] of x (M,); 0 for an empty segment."""
+    out = np.zeros(max(offsets.shape[0] - 1, 0))
+    starts = offsets[:-1]
+    inside = starts < x.shape[0]  # empty segments at the end start at M
+    if inside.any():
+        out[inside] = np.add.reduceat(np.asarray(x, dtype=np.float64), starts[inside])
+    out[offsets[1:] == starts] = 0.0  # reduceat gives x[start] for an empty segment
+    return out
+
+
 @dataclass(frozen=True)
 class RuleEffect:
     """What one rule does to a batch (M loss tokens)."""
@@ -89,6 +100,7 @@ class Replay:
     pos: np.ndarray  # (M,) int32 position in the sequence (segments: runs of consecutive positions)
     advantages: np.ndarray | None  # (M,) float64
     reward: np.ndarray | None = None  # (S,) float64
+    sample_of_token: np.ndarray | None = None  # (M,) int64, computed from offsets when None
 
     @property
     def log_ratio(self) -> np.ndarray:
@@ -96,11 +108,13 @@ class Replay:
         return self.cur - self.base
 
     def token_sample(self) -> np.ndarray:
+        if self.sample_of_token is not None:
+            return self.sample_of_token
         return np.repeat(np.arange(self.offsets.shape[0] - 1, dtype=np.int64), np.diff(self.offsets))
 
     def seq_sum(self, x: np.ndarray) -> np.ndarray:
         """(S,) per-sample sums of x (M,)."""
-        return np.bincount(self.token_sample(), weights=x, minlength=self.offsets.shape[0] - 1)
+        return segment_sums(x, self.offsets)
 
     def seq_mean(self, x: np.ndarray) -> np.ndarray:
         """(S,) per-sample means of x (M,); 0 for an empty sample."""
@@ -319,7 +333,9 @@ def _areal(words: tuple[str, ...], nums: tuple[float, ...], r: Replay) -> RuleEf
         ok = inside(stat)
     if action == "mask":
         return _mask_effect(ok, weight, weight)
-    clamped = np.where(ok, weight, np.clip(weight, lower if lower is not None else 0.0, upper))
+    bounded = np.clip(weight, lower if lower is not None else 0.0, upper)
+    # token level clamps every weight to the bounds (whatever the metric); sequence level only out-of-bounds ones
+    clamped = bounded if level == "token" else np.where(ok, weight, bounded)
     return RuleEffect(clamped, np.ones(d.shape[0], bool), clamped != weight, weight)
 
 

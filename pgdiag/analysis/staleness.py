@@ -11,8 +11,6 @@ and a `new` stream, AReaL's log-linear approximation log π_prox ≈ log μ + α
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 
 from pgdiag.data.batch import TokenBatch
@@ -65,12 +63,3 @@ def staleness_rows(
         if error is not None and label != "unknown":
             add(pair, "whatif/lag_loglinear_abs_error", _mean(error[tok]))
     return rows
-
-
-def lag_localised(
-    lag: TokenLag, affected: np.ndarray
-) -> Iterator[tuple[str, str, float | None, float | None, float | None, int]]:
-    """(breakdown, bucket, lo, hi, fraction affected, tokens) per lag bucket, for a rule's `threshold/lag` rows."""
-    for label, tok in lag_buckets(lag.lag):
-        value = float(label) if label.isdigit() else None
-        yield "lag", label, value, value, _mean(affected[tok].astype(np.float64)), int(tok.sum())

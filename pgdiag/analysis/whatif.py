@@ -19,30 +19,37 @@ tokens is. Fractions of sequences count non-empty sequences only (verl's `seq_va
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from pgdiag.analysis.losses import loss_parity_rows, parse_losses
-from pgdiag.analysis.rules import PROXIMAL_THETA, Replay, RuleEffect, apply_named_rule, verl_chain
-from pgdiag.analysis.settings import POSITION_EDGES, RULE_KINDS, CorrectionRule, WhatifSettings
+from pgdiag.analysis.losses import loss_parity_rows
+from pgdiag.analysis.rules import (
+    PROXIMAL_THETA,
+    Replay,
+    RuleEffect,
+    apply_named_rule,
+    segment_sums,
+    verl_chain,
+)
+from pgdiag.analysis.settings import POSITION_EDGES, RULE_KINDS, CorrectionRule, WhatifSettings, parse_losses
 from pgdiag.analysis.signal import batch_weights, psis_rows, rule_signal, zero_advantage_groups
-from pgdiag.analysis.staleness import lag_localised, staleness_rows
+from pgdiag.analysis.staleness import staleness_rows
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.load import read_token_batch
 from pgdiag.data.runs import Run
+from pgdiag.data.schema import BASE_STREAMS
 from pgdiag.data.validate import CheckSettings
-from pgdiag.data.versions import TokenLag, token_lag
+from pgdiag.data.versions import TokenLag, lag_buckets, token_lag
 from pgdiag.errors import UsageError
 from pgdiag.metrics.loss import GSPO_MODES, NATIVE_MODES, sample_weights
 from pgdiag.report.report import Report, ReportRow, summary_frame
 
 SAFETY_BOUND = 20.0  # verl rollout_corr_helper.SAFETY_BOUND: |log ratio| clamp before exp
 LOSS_MODES = tuple(m for m in NATIVE_MODES if m not in GSPO_MODES)
-_CANONICAL = ("rollout", "old", "ref", "new")
 
 
 def _sample_of_token(offsets: np.ndarray) -> np.ndarray:
@@ -51,7 +58,7 @@ def _sample_of_token(offsets: np.ndarray) -> np.ndarray:
 
 def _sums(x: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """(S,) per-sample sums of the token array x (M,); 0 for an empty sample."""
-    return np.bincount(_sample_of_token(offsets), weights=x, minlength=offsets.shape[0] - 1)
+    return segment_sums(x, offsets)
 
 
 def apply_rule(rule: CorrectionRule, log_ratio: np.ndarray, offsets: np.ndarray) -> RuleEffect:
@@ -121,18 +128,20 @@ def _seq_weights(effect: RuleEffect, offsets: np.ndarray, *, sequence_level: boo
     return np.exp(log_w - top)
 
 
-def _loss(
-    batch: TokenBatch, weight: np.ndarray, keep: np.ndarray, mode: str, divisor: float | None
-) -> float | None:
-    """Aggregated pg loss −Σ_i c_i Σ_t A_t w_t at the first mini-batch (new = old), kept tokens only."""
+def _losses(
+    batch: TokenBatch, weight: np.ndarray, keep: np.ndarray, divisor: float | None
+) -> dict[str, float | None]:
+    """Aggregated pg loss −Σ_i c_i Σ_t A_t w_t under every mode at the first mini-batch (new = old), kept tokens
+    only; None for a mode whose weights are not computable."""
     assert batch.advantages is not None
     n_per_sample = _sums(keep.astype(np.float64), batch.offsets)
     n_groups = int(batch.group_names.shape[0])
-    c = sample_weights(mode, n_per_sample, batch.group, n_groups, batch.n_samples, divisor)
-    if c is None:
-        return None
     per_sample = _sums(np.where(keep, -batch.advantages * weight, 0.0), batch.offsets)
-    return float(np.sum(c * per_sample))
+    out: dict[str, float | None] = {}
+    for mode in LOSS_MODES:
+        c = sample_weights(mode, n_per_sample, batch.group, n_groups, batch.n_samples, divisor)
+        out[mode] = None if c is None else float(np.sum(c * per_sample))
+    return out
 
 
 def _position_bucket(resp_pos: np.ndarray) -> tuple[np.ndarray, list[tuple[str, float, float]]]:
@@ -153,26 +162,51 @@ def _fraction(flags: np.ndarray) -> float | None:
     return float(np.mean(flags)) if flags.shape[0] else None
 
 
-def _localised(
-    batch: TokenBatch, affected: np.ndarray
-) -> Iterator[tuple[str, str, float | None, float | None, float | None, int]]:
-    """(breakdown, bucket, lo, hi, token fraction affected, tokens) per step, env and response-position bucket."""
-    tok_sample = _sample_of_token(batch.offsets)
-    for step in np.unique(batch.step):
-        rows = batch.step == step
-        tok = rows[tok_sample]
-        yield "step", str(int(step)), float(step), float(step), _fraction(affected[tok]), int(tok.sum())
-    if batch.env is not None:
-        for env in sorted(set(batch.env.tolist()), key=str):
-            rows = batch.env == env
-            tok = rows[tok_sample]
-            yield "env", str(env), None, None, _fraction(affected[tok]), int(tok.sum())
-    resp_pos = batch.pos.astype(np.int64) - batch.prompt_len[tok_sample].astype(np.int64)
-    index, labels = _position_bucket(resp_pos)
-    for i, (label, lo, hi) in enumerate(labels):
-        tok = index == i
-        if tok.any():
-            yield "position", label, lo, hi, _fraction(affected[tok]), int(tok.sum())
+@dataclass(frozen=True)
+class Localiser:
+    """The buckets of every `threshold/<breakdown>` table, coded once per batch: per breakdown a bucket code per
+    token (M,), and per bucket its label, bounds and token count."""
+
+    tables: tuple[tuple[str, np.ndarray, tuple[tuple[str, float | None, float | None, int], ...]], ...]
+
+    @staticmethod
+    def of(batch: TokenBatch, lag: TokenLag | None = None) -> Localiser:
+        tok_sample = _sample_of_token(batch.offsets)
+        tables = []
+        steps, step_code = np.unique(batch.step, return_inverse=True)
+        tables.append(("step", step_code[tok_sample], [(str(int(v)), float(v), float(v)) for v in steps]))
+        if batch.env is not None:
+            envs = sorted(set(batch.env.tolist()), key=str)
+            index = {env: i for i, env in enumerate(envs)}
+            env_code = np.asarray([index[e] for e in batch.env.tolist()], dtype=np.int64)
+            tables.append(("env", env_code[tok_sample], [(str(e), None, None) for e in envs]))
+        resp_pos = batch.pos.astype(np.int64) - batch.prompt_len[tok_sample].astype(np.int64)
+        index, labels = _position_bucket(resp_pos)
+        tables.append(("position", index, labels))
+        if lag is not None:
+            code = np.zeros(batch.n_tokens, dtype=np.int64)  # lag_buckets covers every token
+            lag_labels = []
+            for i, (label, tok) in enumerate(lag_buckets(lag.lag)):
+                code[tok] = i
+                value = float(label) if label.isdigit() else None
+                lag_labels.append((label, value, value))
+            tables.append(("lag", code, lag_labels))
+        coded = []
+        for name, code, labels in tables:
+            counts = np.bincount(code, minlength=len(labels))
+            buckets = tuple((lab, lo, hi, int(n)) for (lab, lo, hi), n in zip(labels, counts, strict=True))
+            coded.append((name, code, buckets))
+        return Localiser(tuple(coded))
+
+    def affected(
+        self, flags: np.ndarray
+    ) -> Iterator[tuple[str, str, float | None, float | None, float | None, int]]:
+        """(breakdown, bucket, lo, hi, token fraction affected, tokens) of the non-empty buckets."""
+        for name, code, buckets in self.tables:
+            hits = np.bincount(code, weights=flags, minlength=len(buckets))
+            for (label, lo, hi, n), hit in zip(buckets, hits, strict=True):
+                if n:
+                    yield name, label, lo, hi, float(hit) / n, n
 
 
 _COUNTS = ("whatif/nonfinite_log_ratio", "whatif/log_ratio_beyond_", "whatif/zero_advantage_groups")
@@ -206,6 +240,7 @@ def _replay(batch: TokenBatch, base: str, cur: str) -> Replay:
         pos=batch.pos,
         advantages=batch.advantages,
         reward=batch.reward,
+        sample_of_token=batch.token_sample(),
     )
 
 
@@ -257,10 +292,10 @@ def whatif_batch(
     ess_seq_before = kish_ess(_seq_weights(plain, offsets, sequence_level=False)[nonempty])
     has_loss = batch.advantages is not None
     uncorrected = np.ones(n_tok)
-    base_loss = {
-        mode: _loss(batch, uncorrected, plain.keep, mode, settings.divisor) if has_loss else None
-        for mode in LOSS_MODES
-    }
+    base_loss = (
+        _losses(batch, uncorrected, plain.keep, settings.divisor) if has_loss else dict.fromkeys(LOSS_MODES)
+    )
+    localiser = Localiser.of(batch, lag)
     replays = {False: _replay(batch, behavior, target)}
     if new is not None:
         replays[True] = _replay(batch, target, new)
@@ -305,10 +340,7 @@ def whatif_batch(
             add(bucket, metric, value, n_seq if metric_unit(metric)[1].startswith("seq") else n_tok, rule)
         if effect is None:
             continue
-        where_lost = _localised(batch, effect.affected)
-        if lag is not None:
-            where_lost = itertools.chain(where_lost, lag_localised(lag, effect.affected))
-        for breakdown, where, b_lo, b_hi, value, n in where_lost:
+        for breakdown, where, b_lo, b_hi, value, n in localiser.affected(effect.affected):
             rows.append(
                 ReportRow(
                     pair if rule.pair != PROXIMAL_THETA else later,
@@ -357,12 +389,13 @@ def _rule_metrics(
         "whatif/ess_seq_after": kish_ess(seq_w),
     }
     metrics |= rule_signal(effect, batch.advantages)
+    after_loss = (
+        _losses(batch, effect.weight, effect.keep, settings.divisor)
+        if batch.advantages is not None
+        else dict.fromkeys(LOSS_MODES)
+    )
     for mode in LOSS_MODES:
-        after = (
-            _loss(batch, effect.weight, effect.keep, mode, settings.divisor)
-            if batch.advantages is not None
-            else None
-        )
+        after = after_loss[mode]
         before = base_loss[mode]
         metrics[f"whatif/loss_delta/{mode}"] = None if after is None or before is None else after - before
     return metrics
@@ -385,7 +418,7 @@ def resolve_whatif_streams(run: Run, settings: WhatifSettings) -> tuple[str, str
             "E111", f"{run.label}: no stream {target!r} for --target", f"streams present: {listed}"
         )
     if target is None:
-        tags = [s for s in present if s not in _CANONICAL]
+        tags = [s for s in present if s not in BASE_STREAMS]
         if "old" in present:
             target = "old"
         elif len(tags) == 1:

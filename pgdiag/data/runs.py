@@ -15,7 +15,6 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import polars as pl
 import pyarrow.parquet as pq
@@ -37,6 +36,7 @@ from pgdiag.data.schema import (
     check_rollouts_footer,
     entropy_column,
     full_logprobs_column,
+    kept_kl_column,
     kept_mass_column,
     read_footer,
     safe_coercions,
@@ -416,6 +416,8 @@ def _recompute_frame(
     if want_kept:
         columns.append(pl.col("kept_mass").alias(kept_mass_column(tag)))
         columns.append(pl.col("logprobs_full").alias(full_logprobs_column(tag)))
+        if "kept_kl" in lazy.collect_schema():  # written with the engine's kept log-probs
+            columns.append(pl.col("kept_kl").alias(kept_kl_column(tag)))
     if run.step_subset is not None:
         lazy = lazy.filter(pl.col("step").cast(pl.Int64).is_in(list(run.step_subset)))
     return lazy.select(columns)
@@ -448,16 +450,6 @@ def with_recompute(run: Run, lazy: pl.LazyFrame, columns: Sequence[str]) -> pl.L
             .drop("__sid", "__seg")
         )
     return lazy
-
-
-def run_summary(run: Run) -> dict[str, Any]:
-    """Label, files, streams and entropy streams of `run` for result objects and messages."""
-    return {
-        "label": run.label,
-        "files": [run.display_path(p) for p in run.paths],
-        "streams": list(run.streams),
-        "entropy_streams": list(run.entropy_streams),
-    }
 
 
 def sample_keys(run: Run) -> pl.DataFrame:

@@ -10,6 +10,13 @@ false (rank balancing). Values are token-aligned. There is no old stream (the tr
 loss) and no reward; groups are by prompt (packing sorts by length and keeps no ids). ``routed_experts`` (MoE
 router replay, ``[tokens, layers, top_k]`` raw bytes for the whole micro-batch) is cut per packed sample and kept
 flat as the ``routed_experts`` column (docs/schema.md); a micro-batch without it gives null rows.
+
+Kept sets (sampling-mask replay, PrimeIntellect-ai/prime-rl#3431, read on its branch at d09488d5,
+``src/prime_rl/transport/types.py``): the same MicroBatch with ``kept_tokens`` appended last, a ``KeptTokens``
+array ``[ids, counts]`` of raw int32 bytes: ``counts`` one per token of the micro-batch (0 = no mask there),
+``ids`` the kept ids concatenated (4 x sum(counts) bytes). verifiers' ``KeptTokens`` reach disk only this way.
+They become ``sampling_kept_ids`` / ``sampling_kept_offsets`` per packed sample (docs/schema.md, "Kept sets");
+broken sets are refused by the writer (E220-E223).
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ FIELDS_0_8_0 = (
     Field("rl_weights", "float_list", True, True),
     Field("ce_weights", "float_list", True, True),
     Field("ref_kl_weights", "float_list", True, True),
+    # prime-rl#3431 (d09488d5): the kept-set sampling masks, appended last for wire-layout stability
+    Field("kept_tokens", "kept_tokens", False, True),
 )
 _REQUIRED = sum(not f.optional for f in FIELDS_0_8_0)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -88,6 +97,11 @@ def _check_field(field: Field, value: Any, path: Path, mb: int) -> None:
         ok = isinstance(value, list) and len(value) == 3 and isinstance(value[0], bytes)
         if not ok:
             raise bad_layout(path, field.name, f"nil or [data bytes, shape, dtype] ({where})")
+        return
+    if field.kind == "kept_tokens":
+        ok = isinstance(value, list) and len(value) == 2 and all(isinstance(v, bytes) for v in value)
+        if not ok:
+            raise bad_layout(path, field.name, f"nil or [ids bytes, counts bytes] ({where})")
         return
     if field.kind == "mm_kwargs":
         if not isinstance(value, dict):
@@ -160,6 +174,24 @@ def _routes(fields: dict[str, Any], path: Path, mb: int) -> np.ndarray | None:
     return routes
 
 
+def _kept(fields: dict[str, Any], path: Path, mb: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """((N,) int64 kept-set size per token, (E,) int64 kept ids) of the micro-batch, or None without masks."""
+    value = fields["kept_tokens"]
+    if value is None:
+        return None
+    ids_bytes, count_bytes = value
+    n_tokens = len(fields["input_ids"])
+    if len(count_bytes) != 4 * n_tokens or len(ids_bytes) % 4:
+        raise bad_layout(
+            path, "kept_tokens", f"{n_tokens} int32 counts (one per token) and int32 ids (micro-batch {mb})"
+        )
+    counts = np.frombuffer(count_bytes, dtype="<i4").astype(np.int64)  # (N,)
+    ids = np.frombuffer(ids_bytes, dtype="<i4").astype(np.int64)  # (E,)
+    if (counts < 0).any() or int(counts.sum()) != ids.size:
+        raise bad_layout(path, "kept_tokens", f"counts >= 0 summing to the {ids.size} ids (micro-batch {mb})")
+    return counts, ids
+
+
 def _segments(fields: dict[str, Any], path: Path, mb: int) -> list[tuple[int, int]]:
     """(start, end) of each packed sample: where position_ids restart at 0, padding segment dropped."""
     positions = np.asarray(fields["position_ids"], dtype=np.int64)
@@ -186,6 +218,8 @@ def _read_step(step: int, files: list[Path]) -> ImportedStep:
     streams: dict[str, list[np.ndarray]] = {"rollout_logprobs": [], "advantages": [], "temperature_tok": []}
     refs: list[np.ndarray | None] = []
     routes: list[np.ndarray | None] = []
+    kept_ids: list[list[int] | None] = []
+    kept_offsets: list[list[int] | None] = []
     envs: list[str] = []
     dummies = 0
     for path in files:
@@ -205,6 +239,8 @@ def _read_step(step: int, files: list[Path]) -> ImportedStep:
             if fields["rl_weights"] is not None:
                 loss = loss & (np.asarray(fields["rl_weights"], dtype=np.float64) != 0)
             batch_routes = _routes(fields, path, mb)  # (N, L, k) or None
+            batch_kept = _kept(fields, path, mb)  # ((N,) counts, (E,) ids) or None
+            starts = None if batch_kept is None else np.concatenate([[0], np.cumsum(batch_kept[0])])
             for s, e in _segments(fields, path, mb):
                 ids.append(np.asarray(fields["input_ids"][s:e], dtype=np.int64))
                 masks.append(loss[s:e])
@@ -219,6 +255,12 @@ def _read_step(step: int, files: list[Path]) -> ImportedStep:
                     None if batch_routes is None else batch_routes[s:e].reshape(-1).astype(np.int16)
                 )
                 envs.append(fields["env_names"][s])
+                if batch_kept is None or starts is None:
+                    kept_ids.append(None)
+                    kept_offsets.append(None)
+                else:
+                    kept_ids.append(batch_kept[1][starts[s] : starts[e]].tolist())
+                    kept_offsets.append((starts[s : e + 1] - starts[s]).tolist())
     if not ids:
         raise bad_layout(files[0].parent, "loss_mask", "at least one micro-batch with loss tokens")
     columns = [
@@ -241,6 +283,9 @@ def _read_step(step: int, files: list[Path]) -> ImportedStep:
                 "routed_experts", [None if r is None else r.tolist() for r in routes], pl.List(pl.Int16)
             )
         )
+    if any(k is not None for k in kept_offsets):  # docs/schema.md, "Kept sets"
+        columns.append(pl.Series("sampling_kept_ids", kept_ids, dtype=pl.List(pl.Int64)))
+        columns.append(pl.Series("sampling_kept_offsets", kept_offsets, dtype=pl.List(pl.Int64)))
     columns.append(pl.Series("env", envs, dtype=pl.String))
     columns.append(pl.Series("sample_id", [f"{step}:{k}" for k in range(len(ids))], dtype=pl.String))
     warnings = (

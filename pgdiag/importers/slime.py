@@ -12,6 +12,12 @@ re-assembled) holds one dict per trained sample with ``log_probs`` (old), ``ref_
 whole-batch ``raw_reward`` gives the reward of dict-valued rewards. When the dump shows more than one
 optimizer step per rollout, ``log_probs`` may come from the training forward after an update (slime snapshots
 them there when it skipped the recompute): W703, ``old`` kept. The `miles` preset reuses the rollout reading.
+
+Top-p kept sets (slime 624b824a ``Sample.rollout_top_p_token_ids`` / ``rollout_top_p_token_offsets``, set from
+SGLang's ``top_p_token_ids`` / ``top_p_token_offsets`` meta info when ``--rollout-top-p`` < 1): CSR over the
+response tokens (response token i keeps ``ids[offsets[i]:offsets[i + 1]]``; tool tokens get empty spans), so
+the offsets are response_length + 1 values. They become ``sampling_kept_ids`` and ``sampling_kept_offsets``
+(docs/schema.md), the prompt positions given empty sets; broken sets are refused by the writer (E220-E223).
 """
 
 from __future__ import annotations
@@ -177,6 +183,8 @@ def read_rollout_samples(path: Path, payload: Any, rollout_id: int) -> RolloutSa
     finish: list[str | None] = []
     versions: list[int | None] = []
     routes: list[np.ndarray | None] = []
+    kept_ids: list[list[int] | None] = []
+    kept_offsets: list[list[int] | None] = []
     with_rollout = [isinstance(s, Mapping) and s.get("rollout_log_probs") is not None for s in samples]
     if any(with_rollout) and not all(with_rollout):
         row = with_rollout.index(not with_rollout[0])
@@ -217,6 +225,9 @@ def read_rollout_samples(path: Path, payload: Any, rollout_id: int) -> RolloutSa
         versions.append(_policy_version(sample.get("weight_versions")))
         raw_routes = sample.get("rollout_routed_experts")
         routes.append(None if raw_routes is None else _routes_row(raw_routes, tokens.shape[0], path, row))
+        ids, offsets = _kept_row(sample, tokens.shape[0] - n_resp, path, row)
+        kept_ids.append(ids)
+        kept_offsets.append(offsets)
     frame = pl.DataFrame(
         {
             "sample_id": pl.Series(sample_ids, dtype=pl.String),
@@ -231,6 +242,11 @@ def read_rollout_samples(path: Path, payload: Any, rollout_id: int) -> RolloutSa
             pl.Series(
                 "routed_experts", [None if r is None else r.tolist() for r in routes], dtype=pl.List(pl.Int16)
             )
+        )
+    if any(o is not None for o in kept_offsets):  # top-p kept sets (docs/schema.md, "Kept sets")
+        frame = frame.with_columns(
+            pl.Series("sampling_kept_ids", kept_ids, dtype=pl.List(pl.Int64)),
+            pl.Series("sampling_kept_offsets", kept_offsets, dtype=pl.List(pl.Int64)),
         )
     dict_rewards = any(c is not None for c in components)
     if dict_rewards:
@@ -251,6 +267,24 @@ def read_rollout_samples(path: Path, payload: Any, rollout_id: int) -> RolloutSa
         frame=frame,
         dict_rewards=dict_rewards,
     )
+
+
+def _kept_row(
+    sample: Mapping[str, Any], prompt_len: int, path: Path, row: int
+) -> tuple[list[int] | None, list[int] | None]:
+    """(ids, offsets over all T tokens) of a sample's ``rollout_top_p_token_ids`` / ``_offsets`` (CSR over its
+    response tokens): the prompt positions get empty sets. (None, None) when the sample records none; E703 when
+    only one of the two is there. Wrong lengths and orders are left to the writer's E220-E223."""
+    raw_ids, raw_offsets = sample.get("rollout_top_p_token_ids"), sample.get("rollout_top_p_token_offsets")
+    if raw_ids is None and raw_offsets is None:
+        return None, None
+    if raw_ids is None or raw_offsets is None:
+        raise bad_layout(
+            path, "rollout_top_p_token_ids", "both rollout_top_p_token_ids and _offsets, or neither", row=row
+        )
+    ids = _as_int_array(raw_ids, path, "rollout_top_p_token_ids", row).reshape(-1)
+    offsets = _as_int_array(raw_offsets, path, "rollout_top_p_token_offsets", row).reshape(-1)
+    return ids.tolist(), [0] * prompt_len + offsets.tolist()
 
 
 def reward_components_series(components: Sequence[Mapping[str, float] | None]) -> pl.Series:

@@ -19,10 +19,10 @@ MAX_MARKDOWN_ROWS = 40  # a CI comment stays short: the first rows, then a count
 
 
 def headline_rows(report: Report) -> pl.DataFrame:
-    """The tidy rows that summarise `report` (pair, bucket, metric, value, unit), in report order."""
+    """The tidy rows that summarise `report` (pair, scope, bucket, metric, value, unit, n), in report order."""
     breakdown = HEADLINE_BREAKDOWN.get(report.kind, "all")
     rows = report.summary.filter(pl.col("breakdown") == breakdown)
-    return rows.select("pair", "bucket", "metric", "value", "unit", "n")
+    return rows.select("pair", "scope", "bucket", "metric", "value", "unit", "n")
 
 
 def _number(value: float | None) -> str:
@@ -48,7 +48,7 @@ def report_markdown(report: Report, gates: list[dict[str, Any]], status: str) ->
         lines.append("")
     rows = headline_rows(report)
     lines += ["| pair | bucket | metric | value |", "|---|---|---|---|"]
-    for pair, bucket, metric, value, _, _ in rows.head(MAX_MARKDOWN_ROWS).iter_rows():
+    for pair, _, bucket, metric, value, _, _ in rows.head(MAX_MARKDOWN_ROWS).iter_rows():
         lines.append(f"| {pair} | {bucket} | `{metric}` | {_number(value)} |")
     if rows.height > MAX_MARKDOWN_ROWS:
         lines.append(f"\n… {rows.height - MAX_MARKDOWN_ROWS} more rows in the report.")

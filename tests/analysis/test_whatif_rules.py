@@ -209,3 +209,19 @@ def test_malformed_rules_are_e503(spec):
 def test_classic_rules_still_parse_through_rule():
     assert parse_rule("icepop:0.5,5") == CorrectionRule("icepop", 5.0, 0.5)
     assert parse_rule("token_tis:2") == CorrectionRule("token_tis", 2.0)
+
+
+def test_areal_unified_rejection_levels_and_actions():
+    # Δ = (ln 2, −ln 2, 0) in one sequence: geometric mean 1, token ratios 2, 0.5, 1
+    r = replay([[-2 * LN2, -LN2, -1.0]], [[-LN2, -2 * LN2, -1.0]], [1.0])
+    token_mask = apply_named_rule("areal_rs", ("token", "mask", "ratio", "mean", "2", "0.5"), r)
+    assert token_mask.keep.tolist() == [True, True, True]  # 2 and 0.5 exactly on the bounds: kept
+    np.testing.assert_allclose(token_mask.weight, [2.0, 0.5, 1.0])
+    seq = apply_named_rule("areal_rs", ("sequence", "mask", "ratio", "mean", "1.5", "0.9"), r)
+    np.testing.assert_allclose(seq.weight, [1.0, 1.0, 1.0])  # the geometric mean on every token
+    assert seq.keep.all()
+    # token clamp on a KL metric clamps every weight to [0, upper] (AReaL clamps the weight, not the metric)
+    clamp = apply_named_rule("areal_rs", ("token", "clamp", "kl_k2", "mean", "1.5"), r)
+    np.testing.assert_allclose(clamp.weight, [1.5, 0.5, 1.0])
+    # sequence max of k2 = ½(ln 2)² = 0.2402 > 0.2: the whole sequence out of bounds
+    assert not apply_named_rule("areal_rs", ("sequence", "mask", "kl_k2", "max", "0.2"), r).keep.any()

@@ -256,3 +256,22 @@ def test_canonical_import_warns_on_unread_float_lists(tmp_path: Path) -> None:
     )
     assert again.exit_code == 0 and "W704" not in again.output
     assert pgdiag.read_run(tmp_path / "out2").streams == ("rollout", "old", "new")
+
+
+def test_report_prints_a_scope_column_and_the_verdict(tmp_path: Path) -> None:
+    import json
+
+    out = tmp_path / "cmp"
+    assert run_cli(["compare", SAMPLE_RUN, SAMPLE_RUN_B, "--out", out, "--by", "step"]).exit_code == 0
+    saved = pgdiag.load_report(out).meta["verdict"]["line"]
+    result = run_cli(["report", out])
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.output.splitlines() if "metric" in line and "pair" in line)
+    assert header.split()[1:6] == ["pair", "┃", "scope", "┃", "bucket"], header
+    assert (
+        result.output.rstrip("\n").split("\n")[-1] == saved
+    )  # the verdict the compare stored, derived again
+    failed = run_cli(["report", out, "--fail-on", "abs_mean>1e-9", "--json"])
+    assert failed.exit_code == 1
+    assert failed.output.rstrip("\n").split("\n")[-2].startswith("compare: DISAGREE (1 gates)")
+    assert json.loads(failed.output.rstrip("\n").split("\n")[-1])["verdict"]["status"] == "DISAGREE"

@@ -6,6 +6,10 @@ encoded with msgspec's own MessagePack encoder, as ``FileSystemMicroBatchSender`
 micro-batch from samples the way ``prepare_sample`` + ``pad_micro_batch`` lay it out (position ids restarting
 at 0 per sample, padding tokens 1 with loss false and env "" extending the last ``seq_lens`` entry), and `dummy`
 is ``_make_dummy_batch`` (loss mask all false, weight streams dropped).
+
+The kept-set masks of prime-rl#3431 (branch feat/top-p-mask-replay at d09488d5, ``src/prime_rl/transport/
+types.py``) are declared the same way: ``KeptTokens(ids, counts)`` of raw int32 bytes, ``MicroBatch.kept_tokens``
+appended last; `pack` concatenates the samples' bytes and pads ``counts`` with zeros as ``_pad_kept_tokens`` does.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ class RoutedExperts(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tru
     dtype: str
 
 
+class KeptTokens(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    ids: bytes
+    counts: bytes
+
+
 class MicroBatch(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     input_ids: list[int]
     loss_mask: list[bool]
@@ -47,6 +56,7 @@ class MicroBatch(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     rl_weights: list[float] | None = None
     ce_weights: list[float] | None = None
     ref_kl_weights: list[float] | None = None
+    kept_tokens: KeptTokens | None = None
 
 
 @dataclass
@@ -64,6 +74,7 @@ class Sample:
     routed_experts: np.ndarray | None = (
         None  # (T, layers, top_k), as the orchestrator encodes a branch's routes
     )
+    kept: list[list[int]] | None = None  # the kept set of every token ([] = no mask), as _encode_kept_tokens
 
 
 def pack(samples: list[Sample], pad_to_multiple_of: int = 1) -> MicroBatch:
@@ -88,6 +99,12 @@ def pack(samples: list[Sample], pad_to_multiple_of: int = 1) -> MicroBatch:
     if samples[0].routed_experts is not None:  # prepare_sample concatenates the samples' RoutedExperts bytes
         routes = np.concatenate([s.routed_experts for s in samples], axis=0)  # type: ignore[misc]
         batch.routed_experts = RoutedExperts(routes.tobytes(), list(routes.shape), str(routes.dtype))
+    if samples[0].kept is not None:  # KeptTokens bytes of the samples one after the other
+        sets = [k for s in samples for k in (s.kept or [[]] * len(s.token_ids))]
+        batch.kept_tokens = KeptTokens(
+            np.asarray([t for k in sets for t in k], dtype="<i4").tobytes(),
+            np.asarray([len(k) for k in sets], dtype="<i4").tobytes(),
+        )
     padding = -total % pad_to_multiple_of
     if padding:
         batch.input_ids.extend([1] * padding)
@@ -109,6 +126,8 @@ def pack(samples: list[Sample], pad_to_multiple_of: int = 1) -> MicroBatch:
                 padding * row * np.dtype(batch.routed_experts.dtype).itemsize
             )
             batch.routed_experts.shape[0] += padding
+        if batch.kept_tokens is not None:  # _pad_kept_tokens: zero counts
+            batch.kept_tokens.counts += b"\0" * (padding * 4)
     return batch
 
 

@@ -142,3 +142,19 @@ class Hostile:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (open, (str(self.marker), "w"))
+
+
+def top_p_tape(spans: list[list[int] | int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rollout_top_p_token_ids, rollout_top_p_token_offsets)`` as slime 624b824a builds them (int32
+    tensors): each list is the kept set SGLang returned for one generated token (``top_p_token_ids`` /
+    ``_offsets`` meta info, appended turn by turn), each int a run of that many tool tokens, given empty
+    spans (slime's ``_pad_rollout_top_p_offsets``). Offsets: one per response token, plus one."""
+    ids: list[int] = []
+    offsets = [0]
+    for span in spans:
+        if isinstance(span, int):
+            offsets += [offsets[-1]] * span
+            continue
+        ids += span
+        offsets.append(offsets[-1] + len(span))
+    return torch.tensor(ids, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32)

@@ -95,10 +95,10 @@ def test_swapped_fields_are_e703_naming_the_field(tmp_path: Path) -> None:
 
 def test_extra_trailing_field_is_e703(tmp_path: Path) -> None:
     raw = _raw_batch(tmp_path)
-    raw[0] = raw[0] + [None] * (17 - len(raw[0]))
+    raw[0] = raw[0] + [None] * (18 - len(raw[0]))  # 17 with kept_tokens (prime-rl#3431), one more
     with pytest.raises(InvalidInputError) as err:
         _read(_rewrite(tmp_path, raw))
-    assert err.value.code == "E703" and "17" in err.value.message
+    assert err.value.code == "E703" and "18" in err.value.message
 
 
 def test_shifted_stream_is_e703_naming_the_field(tmp_path: Path) -> None:
@@ -167,3 +167,46 @@ def test_routed_experts_of_the_wrong_token_count_are_e703(tmp_path: Path) -> Non
     with pytest.raises(InvalidInputError) as err:
         _read(_dump(tmp_path, samples))
     assert err.value.code == "E703" and "routed_experts" in err.value.message
+
+
+# the kept set of every token of SAMPLES (no mask on prompt and tool tokens), each holding the sampled token
+KEPT = [
+    [[], [], [100, 3], [101], [102, 4, 5]],
+    [[], [], [110, 111], [], [111]],
+    [[], [120, 6, 7], [121]],
+]
+
+
+def _with_kept(kept: list[list[list[int]]]) -> list[Sample]:
+    return [Sample(**{**s.__dict__, "kept": k}) for s, k in zip(SAMPLES, kept, strict=True)]
+
+
+def test_kept_tokens_become_kept_sets_per_packed_sample(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = import_cli("prime-rl", _dump(tmp_path, _with_kept(KEPT)), out)
+    assert result.exit_code == 0, result.output
+    rows = read_rows(out).sort("sample_id")
+    assert rows["sampling_kept_ids"].to_list() == [[t for k in sets for t in k] for sets in KEPT]
+    assert rows["sampling_kept_offsets"].to_list() == [
+        [0, 0, 0, 2, 3, 6],
+        [0, 0, 0, 2, 2, 3],
+        [0, 0, 3, 4],  # the padding segment of the first micro-batch is dropped with its zero counts
+    ]
+
+
+def test_kept_tokens_without_the_sampled_token_are_e221(tmp_path: Path) -> None:
+    broken = [KEPT[0], [[], [], [110, 111], [], [112]], KEPT[2]]
+    out = tmp_path / "run"
+    result = import_cli("prime-rl", _dump(tmp_path, _with_kept(broken)), out)
+    assert result.exit_code == 3 and "error[E221]" in result.output and "sample 3:1, pos 4" in result.output
+    assert_nothing_written(out)
+
+
+def test_kept_tokens_counts_not_matching_the_ids_are_e703(tmp_path: Path) -> None:
+    root = _dump(tmp_path, _with_kept(KEPT))
+    raw = msgspec.msgpack.decode((root / "rollouts" / "step_3" / "rank_0.bin").read_bytes())
+    ids, counts = raw[0][-1]
+    raw[0][-1] = [ids[:-4], counts]  # one id fewer than the counts add up to
+    with pytest.raises(InvalidInputError) as err:
+        _read(_rewrite(tmp_path, raw))
+    assert err.value.code == "E703" and "kept_tokens" in err.value.message

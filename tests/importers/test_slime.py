@@ -17,6 +17,7 @@ from tests.importers.slime_dumps import (
     sample_record,
     slime_train_payload,
     tensor,
+    top_p_tape,
     write_rollout_dump,
 )
 
@@ -287,3 +288,70 @@ def test_routing_replay_arrays_of_the_wrong_length_are_e703(tmp_path: Path) -> N
     with pytest.raises(InvalidInputError) as err:
         _read(_dump(tmp_path, overrides=experts, train=False))
     assert err.value.code == "E703" and "rollout_routed_experts" in err.value.message
+
+
+# top-p kept sets per response token (sample 0's third token is a tool token: an empty span)
+TOP_P = [[[31, 5], [32], 1, [34, 1, 2]], [[41], [42, 7], [43, 8, 9]], [[51, 3], [52]], [[61], [62], [63, 60]]]
+
+
+def _top_p_overrides(tapes: list[list]) -> dict[int, dict]:
+    out = {}
+    for i, spans in enumerate(tapes):
+        ids, offsets = top_p_tape(spans)
+        out[i] = {"extra": {"rollout_top_p_token_ids": ids, "rollout_top_p_token_offsets": offsets}}
+    return out
+
+
+def test_top_p_kept_sets_are_imported_over_all_tokens(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = import_cli("slime", _dump(tmp_path, overrides=_top_p_overrides(TOP_P), train=False), out)
+    assert result.exit_code == 0, result.stderr
+    rows = read_rows(out)
+    ids, offsets = rows["sampling_kept_ids"].to_list(), rows["sampling_kept_offsets"].to_list()
+    assert ids[0] == [31, 5, 32, 34, 1, 2]
+    assert offsets[0] == [0, 0, 0, 0, 2, 3, 3, 6]  # 3 prompt positions (empty), then slime's response offsets
+    assert ids[1] == [41, 42, 7, 43, 8, 9] and offsets[1] == [0, 0, 0, 0, 1, 3, 6]
+    assert offsets[2] == [0, 0, 0, 2, 3] and offsets[3] == [0, 0, 0, 1, 2, 4]
+
+
+@pytest.mark.parametrize(
+    ("tapes", "code", "where"),
+    [
+        (
+            [
+                [[31, 5], [32], 1, [34, 1, 2]],
+                [[41], [42, 7], [43, 8, 9]],
+                [[51, 3], [52]],
+                [[61], [62], [60, 63]],
+            ],
+            None,
+            None,
+        ),
+        ([[[31, 5], [99], 1, [34, 1, 2]], *TOP_P[1:]], "E221", "sample 100, pos 4"),
+        ([*TOP_P[:3], [[61], [62, 62], [63]]], "E223", "sample 103, pos 3"),
+    ],
+    ids=["order_of_ids_free", "sampled_outside", "duplicate"],
+)
+def test_broken_top_p_kept_sets_are_refused(
+    tmp_path: Path, tapes: list, code: str | None, where: str | None
+) -> None:
+    out = tmp_path / "run"
+    result = import_cli("slime", _dump(tmp_path, overrides=_top_p_overrides(tapes), train=False), out)
+    if code is None:
+        assert result.exit_code == 0, result.stderr
+        return
+    assert result.exit_code == 3 and f"error[{code}]" in result.stderr and where in result.stderr, (
+        result.stderr
+    )
+    assert_nothing_written(out)
+
+
+def test_top_p_offsets_not_monotone_are_e220(tmp_path: Path) -> None:
+    overrides = _top_p_overrides(TOP_P)
+    overrides[1]["extra"]["rollout_top_p_token_offsets"] = torch.tensor([0, 3, 1, 6], dtype=torch.int32)
+    out = tmp_path / "run"
+    result = import_cli("slime", _dump(tmp_path, overrides=overrides, train=False), out)
+    assert result.exit_code == 3 and "error[E220]" in result.stderr and "sample 101" in result.stderr, (
+        result.stderr
+    )
+    assert_nothing_written(out)

@@ -81,6 +81,7 @@ def _rollouts(model: torch.nn.Module, n_samples: int = 12, new_tokens: int = 14)
         prompt_len = len(ids)
         lps, kept, offsets = [None] * prompt_len, [], [0] * (prompt_len + 1)
         full_t, full_raw = [None] * prompt_len, [None] * prompt_len
+        kept_lp: list[float] = []  # an engine that logged its kept log-probs at T = 1 (sampled at T = 0.8)
         for _ in range(new_tokens):
             with torch.no_grad():
                 logits = model(torch.tensor([ids])).logits[0, -1].float()  # (V,)
@@ -88,6 +89,7 @@ def _rollouts(model: torch.nn.Module, n_samples: int = 12, new_tokens: int = 14)
             token = int(torch.multinomial(logp.exp(), 1, generator=gen))
             k = torch.isfinite(logp).nonzero()[:, 0].tolist()
             kept += k
+            kept_lp += torch.log_softmax(logits.double(), -1)[k].tolist()
             offsets.append(offsets[-1] + len(k))
             lps.append(float(logp[token]))
             full_t.append(float(torch.log_softmax(logits.double() / TEMPERATURE, -1)[token]))
@@ -105,6 +107,7 @@ def _rollouts(model: torch.nn.Module, n_samples: int = 12, new_tokens: int = 14)
                 "rollout_logprobs": lps,
                 "sampling_kept_ids": kept,
                 "sampling_kept_offsets": offsets,
+                "sampling_kept_logprobs": kept_lp,
                 "full_tempered": full_t,  # SGLang's default stream: tempered, full vocabulary
                 "full_raw": full_raw,  # vLLM raw_logprobs: T = 1, full vocabulary
             }
@@ -218,7 +221,7 @@ def test_three_stream_semantics(
         .drop("full_tempered", "full_raw")
     )
     if not with_kept:
-        frame = frame.drop("sampling_kept_ids", "sampling_kept_offsets")
+        frame = frame.drop("sampling_kept_ids", "sampling_kept_offsets", "sampling_kept_logprobs")
     run = tmp_path / "run"
     pgdiag.write_run(
         frame, run, sampling={**sampling, "temperature": TEMPERATURE, "top_k": TOP_K, "top_p": TOP_P}
@@ -236,7 +239,9 @@ def test_three_stream_semantics(
 def test_recorded_without_kept_sets_is_e506(setup: dict, tmp_path: Path) -> None:
     run = tmp_path / "run"
     pgdiag.write_run(
-        setup["frame"].drop("sampling_kept_ids", "sampling_kept_offsets"), run, sampling=SAMPLING
+        setup["frame"].drop("sampling_kept_ids", "sampling_kept_offsets", "sampling_kept_logprobs"),
+        run,
+        sampling=SAMPLING,
     )
     with pytest.raises(UsageError) as raised:
         resolve_kept_set(read_run(run), "recorded")
@@ -272,7 +277,9 @@ def test_metrics_report_the_kept_mass_beside_the_mismatch(setup: dict) -> None:
 
 def test_metrics_warn_w413_with_the_bias_size_when_k_is_not_recorded(setup: dict, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    frame = setup["frame"].drop("sampling_kept_ids", "sampling_kept_offsets", "full_tempered", "full_raw")
+    frame = setup["frame"].drop(
+        "sampling_kept_ids", "sampling_kept_offsets", "sampling_kept_logprobs", "full_tempered", "full_raw"
+    )
     pgdiag.write_run(frame, run_dir, sampling=SAMPLING)
     without = pgdiag.compute_metrics(read_run(run_dir), new="rollout", old="rollout", stream_a=None)
     w413 = without.checks.filter(pl.col("code") == "W413")["message"].to_list()
@@ -285,3 +292,67 @@ def test_metrics_warn_w413_with_the_bias_size_when_k_is_not_recorded(setup: dict
     assert len(message) == 1 and f"{values['mismatch/truncation_bias']:.4g} nats" in message[0], message
     # the processed rollout against the full-vocabulary recompute: the bias shows as mismatch of that size
     assert values["mismatch/bias"] == pytest.approx(-values["mismatch/truncation_bias"], abs=2e-3)
+
+
+def test_compare_pairs_the_engine_stream_with_the_kept_set_recompute(setup: dict) -> None:
+    """`compare RUN --stream-a rollout --stream-b TAG`: the engine's renormalised stream against the recompute
+    scored over K agrees to 1e-5 on every token (a one-token set's 0.0 is no E206), against the full-vocabulary
+    recompute it is off by −log kept mass."""
+    _recompute(setup, "rc_cmp", "recorded")
+    _recompute(setup, "rc_cmp_off", "off")
+    run = read_run(setup["run"])
+    kept = pgdiag.compare_runs(run, stream_a="rollout", stream_b="rc_cmp", keep_tokens=True)
+    assert kept.pair is not None and np.abs(kept.pair.lp_b - kept.pair.lp_a).max() <= 1e-5
+    full = pgdiag.compare_runs(run, stream_a="rollout", stream_b="rc_cmp_off", keep_tokens=True)
+    assert full.pair is not None
+    mass = _loss_values(_stream(setup["run"], "rc_cmp_off"), "kept_mass")
+    gap = full.pair.lp_a - full.pair.lp_b  # the renormalised minus the full-vocabulary log-prob
+    assert gap.mean() == pytest.approx(-np.log(mass).mean(), abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def moe_setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The same rollouts from a tiny Qwen2-MoE (4 experts, top-2, a shared expert)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    root = tmp_path_factory.mktemp("kept_moe")
+    config = Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(2)
+    model = Qwen2MoeForCausalLM(config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(12.0)
+    model.save_pretrained(root / "ckpt", safe_serialization=True)
+    frame, seen = _rollouts(model, n_samples=6)
+    run = root / "run"
+    pgdiag.write_run(frame.drop("full_tempered", "full_raw"), run, sampling=SAMPLING)
+    return {"root": root, "ckpt": root / "ckpt", "run": run, "frame": frame, "seen": seen}
+
+
+def test_moe_recorded_reproduces_the_rollout(moe_setup: dict) -> None:
+    result = _recompute(moe_setup, "rc", "auto")
+    assert result.settings.kept_set == "recorded" and result.settings.experts != "none"
+    rollout = _loss_values(moe_setup["frame"].sort("sample_id"), "rollout_logprobs")
+    got = _loss_values(_stream(moe_setup["run"], "rc"), "logprobs")
+    assert np.abs(got - rollout).max() <= 1e-5, np.abs(got - rollout).max()
+
+
+def test_kept_kl_of_the_engine_kept_logprobs(setup: dict) -> None:
+    """The run records the engine's kept log-probs (here at T = 1 while it sampled at T = 0.8): the recompute's
+    kept_kl column and mismatch/kept_kl equal KL over K of softmax_K(z) against softmax_K(z / 0.8), by hand."""
+    _recompute(setup, "rc_kl", "recorded")
+    expected = []
+    for logits, k in setup["seen"]:
+        z = logits.double()[k]
+        engine = torch.log_softmax(z, 0)
+        model = torch.log_softmax(z / TEMPERATURE, 0)
+        expected.append(float((engine.exp() * (engine - model)).sum()))
+    stream = _stream(setup["run"], "rc_kl")
+    got = _loss_values(stream, "kept_kl")
+    assert got.shape[0] == len(expected)
+    assert np.sort(got) == pytest.approx(np.sort(expected), abs=2e-5)
+    report = pgdiag.compute_metrics(read_run(setup["run"]), new="rc_kl", stream_b="rc_kl")
+    assert _all_row(report)["mismatch/kept_kl"] == pytest.approx(np.mean(expected), abs=2e-5)
