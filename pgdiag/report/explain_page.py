@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pgdiag.report.html_cells import _e, _num, _table
 from pgdiag.report.report import Report
 
 
