@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.loss import GSPO_MODES, NATIVE_MODES
 
 RULE_KINDS = ("token_tis", "token_mis", "seq_tis", "seq_mis", "geo_mask", "icepop")
@@ -166,7 +166,9 @@ def parse_losses(text: str) -> tuple[LossForm, LossForm]:
     """`A,B` with A and B each `FORM@MODE` (E503 unless exactly two well-formed definitions)."""
     found = [(m.group(1).strip(), m.group(2)) for m in _SPEC.finditer(text)]
     if len(found) != 2 or sum(len(m.group(0)) for m in _SPEC.finditer(text)) != len(text):
-        raise UsageError("E503", f"--losses {text!r}: give two definitions, FORM@MODE,FORM@MODE")
+        raise UsageError(
+            Code.UNPARSABLE_OPTION, f"--losses {text!r}: give two definitions, FORM@MODE,FORM@MODE"
+        )
     forms = []
     for form, mode in found:
         if mode not in LOSS_MODES:

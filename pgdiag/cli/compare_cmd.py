@@ -40,7 +40,7 @@ from pgdiag.cli.options import (
 )
 from pgdiag.cli.outputs import OutputSettings, write_outputs
 from pgdiag.compare.settings import CompareSettings
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 
 _DEFAULTS = CompareSettings()
 
@@ -284,14 +284,15 @@ def _refuse_conflicts(
     output.refuse_existing("compare", planned=planned_outputs)
     others = list(run_b or [])
     if routing_replay is not None and others:
-        raise UsageError("E112", "--routing-replay compares streams of one run; give one RUN")
+        raise UsageError(Code.OPTIONS_CONFLICT, "--routing-replay compares streams of one run; give one RUN")
     if baseline is not None and len(others) < 2:
         raise UsageError(
-            "E503", "--baseline picks the reference of an N-way compare: give three RUNs or more"
+            Code.OPTIONS_CONFLICT,
+            "--baseline picks the reference of an N-way compare: give three RUNs or more",
         )
     if len(others) >= 2 and (options.tokens_out is not None or output.html is not None or options.exact):
         raise UsageError(
-            "E503",
+            Code.OPTIONS_CONFLICT,
             "--tokens-out, --html and --exact compare two runs; drop them for N-way (--out keeps the report)",
         )
     return others
@@ -391,14 +392,17 @@ def _compare_many(
     from pgdiag.report.verdict import compare_verdict
 
     if any(x is not None for x in (settings.metrics, settings.model)) or settings.tokenizer is not None:
-        raise UsageError("E503", "--metrics, --model and --tokenizer compare two runs; drop them for N-way")
+        raise UsageError(
+            Code.OPTIONS_CONFLICT, "--metrics, --model and --tokenizer compare two runs; drop them for N-way"
+        )
     index = 0
     if baseline is not None:
         names = [[str(p), Path(p).name, s.label] for p, s in zip(paths, sources, strict=True)]
         matches = [i for i, n in enumerate(names) if baseline in n]
         if len(matches) != 1:
             raise UsageError(
-                "E503", f"--baseline {baseline!r} names {len(matches)} of the runs; give a path or label"
+                Code.BAD_OPTION_VALUE,
+                f"--baseline {baseline!r} names {len(matches)} of the runs; give a path or label",
             )
         index = matches[0]
     nway = compare_many(sources, settings, baseline=index)

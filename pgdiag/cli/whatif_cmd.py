@@ -60,7 +60,7 @@ def parse_rules(
 ) -> tuple[Any, ...]:
     """The `CorrectionRule`s named on the command line, in flag order (E503 for a malformed LO,HI)."""
     from pgdiag.analysis.settings import CorrectionRule
-    from pgdiag.errors import UsageError
+    from pgdiag.errors import Code, UsageError
 
     def band(kind: str, text: str) -> CorrectionRule:
         parts = [p.strip() for p in text.split(",")]
@@ -68,7 +68,7 @@ def parse_rules(
             lo, hi = (float(p) for p in parts)
         except ValueError:
             raise UsageError(
-                "E503", f"--{kind.replace('_', '-')} {text!r}: give two numbers, 'LO,HI'"
+                Code.UNPARSABLE_OPTION, f"--{kind.replace('_', '-')} {text!r}: give two numbers, 'LO,HI'"
             ) from None
         return CorrectionRule(kind, hi, lo)
 

@@ -76,7 +76,7 @@ def test_default_grid_runs():
 @pytest.mark.parametrize(
     ("args", "code"),
     [
-        (("--icepop", "0.5"), "E503"),
+        (("--icepop", "0.5"), "E112"),
         (("--token-mis", "2,0.5"), "E503"),
         (("--behavior", "nope"), "E111"),
         (("--target", "rollout"), "E503"),
