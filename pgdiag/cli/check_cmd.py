@@ -60,14 +60,16 @@ def check(
     def body(screen: Screen) -> dict[str, Any]:
         from pgdiag.checks.run import check_run
         from pgdiag.cli.render import render_checks, render_verdict
-        from pgdiag.errors import UsageError
+        from pgdiag.errors import Code, UsageError
         from pgdiag.report.verdict import check_verdict
 
         pair = None
         if streams is not None:
             pair = [s.strip() for s in streams.split(",")]
             if len(pair) != 2 or not all(pair):
-                raise UsageError("E112", f"--streams {streams!r}: give two stream names, 'A,B'")
+                raise UsageError(
+                    Code.UNPARSABLE_OPTION, f"--streams {streams!r}: give two stream names, 'A,B'"
+                )
         source = inputs.read(run)
         other = inputs.read(run_b, first=False) if run_b is not None else None
         settings = check.settings()

@@ -28,7 +28,7 @@ from rich.markup import escape
 from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
-from pgdiag.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, PgdiagError, UsageError, one_line
+from pgdiag.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, Code, PgdiagError, UsageError, one_line
 from pgdiag.report.report import _jsonable
 
 RESULT_SCHEMA = "pgdiag.result/v1"
@@ -168,7 +168,7 @@ def environment_error(command: str, error: BaseException) -> PgdiagError | None:
     """
     if isinstance(error, MemoryError):
         return UsageError(
-            "E518",
+            Code.OUT_OF_MEMORY,
             f"out of memory while running pgdiag {command} ({type(error).__name__}: {one_line(str(error)) or 'no detail'})",
             "read fewer steps with --steps (or one run at a time), or use a machine with more memory",
         )
@@ -180,7 +180,7 @@ def environment_error(command: str, error: BaseException) -> PgdiagError | None:
             errnos.EROFS: "write to another folder",
             errnos.EACCES: "fix its permissions, or choose another path",
         }.get(error.errno, "check the path")
-        return UsageError("E517", f"{error.filename}: {error.strerror or error}", hint)
+        return UsageError(Code.UNWRITABLE_PATH, f"{error.filename}: {error.strerror or error}", hint)
     return None
 
 

@@ -108,11 +108,11 @@ def plot(
         from pgdiag.cli.render import render_written
         from pgdiag.data.paths import check_input_path
         from pgdiag.data.writing import check_destination
-        from pgdiag.errors import UsageError
+        from pgdiag.errors import Code, UsageError
         from pgdiag.report import plots
 
         if check_input_path(source) is None:
-            raise UsageError("E501", f"{source}: no such file or directory")
+            raise UsageError(Code.INPUT_NOT_FOUND, f"{source}: no such file or directory")
         figures_dir = Path("plots") if out is None and output.html is None else out  # --html alone: the page
         hint = "--out takes the directory of the figures"
         if figures_dir is not None:
@@ -152,7 +152,7 @@ def _read_source(source: Path, *, html: bool) -> tuple[Any, Any, Any]:
     from pgdiag.compare.output import trace_path
     from pgdiag.compare.tokens import TOKEN_TABLE_SCHEMA_ID
     from pgdiag.data.paths import readable_file
-    from pgdiag.errors import InvalidInputError, UsageError
+    from pgdiag.errors import Code, InvalidInputError, UsageError
     from pgdiag.report.report import load_report, one_line_text, read_table_file
 
     if source.is_file():
@@ -160,19 +160,21 @@ def _read_source(source: Path, *, html: bool) -> tuple[Any, Any, Any]:
             footer = pq.read_schema(readable_file(source)).metadata or {}
         except (OSError, pa.ArrowException) as exc:
             raise InvalidInputError(
-                "E101", f"{source}: not a readable Parquet file ({one_line_text(exc)})"
+                Code.NOT_ROLLOUTS_FILE, f"{source}: not a readable Parquet file ({one_line_text(exc)})"
             ) from None
         if footer.get(b"pgdiag.schema", b"").strip(b'"') == TOKEN_TABLE_SCHEMA_ID.encode():
             if html:
                 raise UsageError(
-                    "E511",
+                    Code.WRONG_PLOT_INPUT,
                     "--html needs a report (compare, metrics, whatif or drift --out), not a token table",
                 )
             return None, read_table_file(source, finite=("lp_a", "lp_b")), None
     report = load_report(source)
     if report.summary.height == 0:
         raise UsageError(
-            "E511", f"{source}: the report has no rows to plot", "rerun the command that wrote it"
+            Code.WRONG_PLOT_INPUT,
+            f"{source}: the report has no rows to plot",
+            "rerun the command that wrote it",
         )
     report_file = (
         source
