@@ -241,6 +241,7 @@ def _replay(batch: TokenBatch, base: str, cur: str) -> Replay:
         advantages=batch.advantages,
         reward=batch.reward,
         sample_of_token=batch.token_sample(),
+        ref=batch.streams.get("ref"),
     )
 
 
@@ -259,6 +260,8 @@ def rule_effect(rule: CorrectionRule, replay: Replay) -> RuleEffect:
 
 def not_applicable(rule: CorrectionRule, streams: Sequence[str], new: str | None) -> str | None:
     """Why `rule` cannot be replayed on this batch (None: it can)."""
+    if rule.kind == "ref_kl" and "ref" not in streams:
+        return "needs a `ref` stream: prime-rl's ref_kl takes log π_ref − log π_θ as its advantage"
     if rule.pair == PROXIMAL_THETA and new is None:
         return (
             "acts on proximal→θ, which is exactly 1 at new = old: record a `new` stream after an update "
@@ -459,6 +462,8 @@ def whatif(
     behavior, target = resolve_whatif_streams(run, settings)
     new = "new" if "new" in run.streams and "new" not in (behavior, target) else None
     streams = [behavior, target] + ([new] if new else [])
+    if any(r.kind == "ref_kl" for r in settings.grid()) and "ref" in run.streams and "ref" not in streams:
+        streams.append("ref")  # prime-rl's ref_kl reads it as its advantage
     loaded = read_token_batch(
         run, streams=streams, env=True, ignore=checks.ignore, max_examples=checks.max_examples
     )
