@@ -45,7 +45,9 @@ value = report.value("mismatch/abs_mean", scope="token")
 import resource
 usage = resource.getrusage(resource.RUSAGE_SELF)
 peak, cpu = usage.ru_maxrss / 1024.0, usage.ru_utime + usage.ru_stime
-print(json.dumps({"wall_s": wall, "cpu_s": cpu, "abs_mean": value, "rows": report.summary.height, "peak_rss_mib": peak}))
+import pgdiag
+print(json.dumps({"wall_s": wall, "cpu_s": cpu, "abs_mean": value, "rows": report.summary.height, "peak_rss_mib": peak,
+                  "source": pgdiag.__file__}))
 """
 
 PANDAS_CHILD = """
@@ -203,8 +205,13 @@ def run_child(code: str, a: Path, b: Path, tree: Path | None = None) -> dict:
     (MiB, the child's own ru_maxrss)."""
     env = dict(os.environ) if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
     start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(a), str(b)], capture_output=True, text=True, check=False, env=env
+    done = subprocess.run(  # cwd: `python -c` puts it first on sys.path, so it picks the tree imported
+        [sys.executable, "-c", code, str(a), str(b)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+        cwd=None if tree is None else tree,
     )
     outer = time.perf_counter() - start
     if done.returncode != 0:

@@ -10,7 +10,7 @@ sequence ESS, log-ratio and sequence-ratio quantiles, the mismatch family (bias,
 fit, k3, tmpe, chi²), all nine loss modes incl. the GSPO ones, two gradient scales and advantage stats. pgdiag
 computes every native metric (about 180 keys) and every aggregation mode, so the comparison still favours pandas.
 
-Run:  python benchmarks/bench_metrics.py [--tokens 10_000_000] [--steps 20] [--keep DIR]
+Run:  python benchmarks/bench_metrics.py [--tokens 10_000_000] [--steps 20] [--keep DIR] [--skip-pandas] [--tree NAME=PATH ...]
 """
 
 from __future__ import annotations
@@ -153,11 +153,12 @@ print(len(out))
 """
 
 
-def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:
-    """Wall seconds, peak RSS (GiB, from the child's own rusage via wait4) and stdout of a child process."""
+def timed(cmd: list[str], env: dict[str, str], cwd: Path | None = None) -> tuple[float, float, str, float]:
+    """Wall seconds, peak RSS (GiB, from the child's own rusage via wait4), stdout and CPU seconds (user +
+    system) of a child process."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -165,7 +166,7 @@ def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:
         err.seek(0)
         if proc.returncode not in (0, 1):
             raise SystemExit(f"{cmd[:4]} failed ({proc.returncode}): {err.read().decode()[-2000:]}")
-        return wall, usage.ru_maxrss / 2**20, out.read().decode()
+        return wall, usage.ru_maxrss / 2**20, out.read().decode(), usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -176,6 +177,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--keep", type=Path, default=None, help="Write the synthetic run here and keep it.")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--skip-pandas", action="store_true")
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also time pgdiag from this source tree (a `git worktree` of an older commit), interleaved with the "
+        "current one in each repeat (the child runs in PATH: `-m` puts the cwd first on sys.path)",
+    )
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="pgdiag-bench-")) if args.keep is None else args.keep
@@ -187,7 +197,21 @@ def main() -> None:
     pgdiag_cmd = [sys.executable, "-m", "pgdiag", "metrics", str(run), "--aggregation", "constant",
                   "--divisor", "40960", "--json", "-q"]  # fmt: skip
     pandas_cmd = [sys.executable, "-c", PANDAS_SCRIPT, str(run)]
-    pgdiag_runs = [timed(pgdiag_cmd, env) for _ in range(args.repeats)]
+    trees = {name: Path(path) for name, path in (t.split("=", 1) for t in args.tree)}
+    pgdiag_runs, tree_runs = [], {name: [] for name in trees}
+    for _ in range(args.repeats):
+        pgdiag_runs.append(timed(pgdiag_cmd, env))
+        for name, tree in trees.items():
+            tree_runs[name].append(timed(pgdiag_cmd, {**env, "PYTHONPATH": str(tree)}, cwd=tree))
+    for name, runs in {"pgdiag": pgdiag_runs, **tree_runs}.items():
+        print(
+            f"{name}: wall s {[round(r[0], 2) for r in runs]} (min {min(r[0] for r in runs):.2f}), CPU s "
+            f"{[round(r[3], 2) for r in runs]} (min {min(r[3] for r in runs):.2f}), peak RSS "
+            f"{max(r[1] for r in runs):.2f} GiB",
+            file=sys.stderr,
+        )
+    if args.skip_pandas:
+        return
     result = json.loads(pgdiag_runs[-1][2])
     pandas_runs = [timed(pandas_cmd, env) for _ in range(max(1, args.repeats - 1))]
     wall = statistics.median(r[0] for r in pgdiag_runs)

@@ -37,7 +37,7 @@ _EXPORTS = {
     "StyleOptions": "pgdiag.metrics.settings",
     "CompareSettings": "pgdiag.compare.settings",
     "CheckSettings": "pgdiag.data.validate",
-    "Comparison": "pgdiag.compare.api",
+    "Comparison": "pgdiag.compare.pair_report",
     "Report": "pgdiag.report.report",
     "load_report": "pgdiag.report.report",
     "evaluate_gates": "pgdiag.report.gates",

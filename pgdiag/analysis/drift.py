@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import polars as pl
@@ -26,6 +27,9 @@ from pgdiag.data.runs import Run
 from pgdiag.data.validate import CheckSettings
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import Report, ReportRow, summary_frame
+
+if TYPE_CHECKING:
+    from pgdiag.metrics.api import StreamSettings
 
 
 @dataclass(frozen=True)
@@ -100,20 +104,26 @@ def drift(
     change: ChangePointSettings | None = None,
     checks: CheckSettings | None = None,
     progress: Callable[[int, int], None] | None = None,
+    stream: StreamSettings | None = None,
 ) -> Report:
     """Per-step metrics of `run`, read in chunks of whole steps, plus change points; a Report of kind "drift".
 
     Rows: every per-step metric row of `compute_metrics` (``breakdown = step``), and one row per change point
     (``breakdown = changepoint``, ``bucket`` = the step, ``metric`` = the series, ``value`` = the jump,
     ``bucket_lo``/``bucket_hi`` = the means before and after, ``n`` = steps in the series). `progress(i, n)`
-    is called after each chunk with the steps done.
+    is called after each chunk with the steps done. `stream`: the chunk sizes (`metrics.api.StreamSettings`;
+    nothing is pooled for an ``all`` row).
     """
     from pgdiag.metrics.api import StreamSettings, compute_metrics
 
     settings = settings or MetricSettings()
     change = change or ChangePointSettings()
     report = compute_metrics(
-        run, settings, checks=checks, stream=StreamSettings(pooled=False), progress=progress
+        run,
+        settings,
+        checks=checks,
+        stream=replace(stream or StreamSettings(), pooled=False),
+        progress=progress,
     )  # chunks of whole steps, so memory follows the largest step
     steps = [int(s["step"]) for s in report.meta.get("steps", []) if s["step"] != "all"]
     rows = [report.summary.filter(pl.col("breakdown") == "step")]

@@ -157,11 +157,16 @@ CHECK_CHUNK_ROWS = 16_384  # rows of both runs read at a time by `check_run` (wh
 
 
 @dataclass
-class _RunFindings:
-    """What the pieces of one run found so far (`_add_piece`), merged at the end (`_finish`)."""
+class RunChecks:
+    """Every check of one run over its pieces (`pgdiag.data.fold.Fold`): `add(piece)` reads and checks one piece
+    (the run restricted to the piece's steps), `finish()` the run's issues, merged as one read gives them."""
 
     run: Run
     pair_streams: list[str]
+    explicit_pair: bool = False  # --streams A,B: check that pair only (else every pair with rollout)
+    ignored: frozenset[str] = frozenset()
+    max_examples: int = 5
+    vocab_size: int | None = None
     pairs: list[tuple[str, str]] | None = None
     reader: list[list[Issue]] = field(default_factory=list)  # per piece
     pending: list[list[PendingRule]] = field(default_factory=list)  # per piece: rules judged over the run
@@ -173,108 +178,104 @@ class _RunFindings:
     sound: bool = True
     failed: Issue | None = None  # the reader refused a piece: the run's only finding
 
+    def add(self, piece: Run) -> TokenBatch | None:
+        """Read and check one piece of `self.run`; its batch when structurally sound (for cross-run checks)."""
+        run, pair_streams = self.run, self.pair_streams
+        try:
+            rows = load_rows(
+                piece,
+                streams=list(dict.fromkeys(pair_streams)),
+                entropy=run.entropy_streams,
+                scalars=["advantage", "reward", "env", "temperature"],
+                lists=["advantages", *METADATA_LISTS],
+            )
+        # unreadable rows: this one issue is the run's finding, as for one read
+        except InvalidInputError as exc:
+            self.failed = Issue(exc.code, "error", 1, exc.message, hint=exc.hint)
+            self.sound = False
+            return None
+        checked = validate_rows(
+            rows.table, ignore=self.ignored, max_examples=self.max_examples, vocab_size=self.vocab_size
+        )
+        self.reader.append(rows.issues + checked.issues)
+        self.pending.append(checked.pending)
+        sound = checked.bad_rows is None
+        frame, view, keep = batch_inputs(rows, checked)
+        loaded_streams, loaded_entropy = rows.streams, rows.entropy
+        del rows, checked  # drop the list buffers before the float64 arrays are allocated
+        batch = build_token_batch(
+            piece, frame, view, streams=loaded_streams, entropy=loaded_entropy, sample_row=keep, env=True
+        )
+        del view
+        if self.pairs is None:
+            if self.explicit_pair:
+                self.pairs = [(pair_streams[0], pair_streams[1])]
+            elif "rollout" in pair_streams:
+                self.pairs = [("rollout", s) for s in pair_streams if s != "rollout"]
+            else:
+                self.pairs = []
+        for a, b in self.pairs:
+            issues, stats = _pair_piece(batch, a, b, max_examples=self.max_examples)
+            self.pair_issues.setdefault((a, b), []).append(issues)
+            held = self.shift.get((a, b), ShiftSample.empty())
+            self.shift[(a, b)] = held.merge(ShiftSample.of_piece(batch.streams[a], batch.streams[b], batch))
+            self.stats[(a, b)] = (
+                stats if (a, b) not in self.stats else self.stats[(a, b)].merge(stats, self.max_examples)
+            )
+        if {"old", "new"} <= set(batch.streams):
+            equal = np.array_equal(batch.streams["old"], batch.streams["new"], equal_nan=True)
+            self.old_equals_new = equal if self.old_equals_new is None else self.old_equals_new and equal
+        self.n_tokens += batch.n_tokens
+        self.sound &= sound
+        return batch if sound else None
+
+    def finish(self) -> list[Issue]:
+        """The issues of the whole run, in the order one read gives them: reader, each pair's checks and
+        signatures, W408, the footer checks."""
+        if self.failed is not None:
+            return [self.failed]
+        issues = merge_piece_issues(self.reader, self.pending)
+        for a, b in self.pairs or []:
+            pieces = self.pair_issues[(a, b)]
+            if len(pieces) > 1:  # E302 on the sample pooled over the pieces (`ShiftSample`), not per piece
+                names = {"name_a": stream_column(a), "name_b": stream_column(b)}
+                rule = shift_rule(**names)
+                pieces = [[i for i in piece if not (i.code == "E302" and i.rule == rule)] for piece in pieces]
+                shift = shift_verdict(self.shift[(a, b)], **names)
+                issues += [] if shift is None else [shift]
+            issues += merge_piece_issues(pieces)
+            issues += _pair_findings(self.stats[(a, b)], a, b)
+        if self.old_equals_new:
+            issues.append(
+                Issue(
+                    "W408",
+                    "warning",
+                    self.n_tokens,
+                    "old_logprobs identical to new_logprobs: one iteration only?",
+                )
+            )
+        issues += metadata_checks(self.run.meta, self.pair_streams, recompute_settings(self.run))
+        if (
+            not self.run.streams
+        ):  # docs/schema.md: at least one stream column (a text-only import has none yet)
+            issues.append(
+                Issue(
+                    "E102",
+                    "error",
+                    1,
+                    f"{self.run.display_path(self.run.paths[0])}: no log-prob stream (no *_logprobs column, "
+                    "no recompute under logprobs/)",
+                    hint="recompute one with pgdiag logprobs RUN --model CKPT, or import the run's log-probs",
+                )
+            )
+        return issues
+
 
 def _stream_names(run: Run, streams: Sequence[str] | None) -> list[str]:
     pair_streams = list(streams) if streams is not None else list(run.streams)
     if streams is not None and len(pair_streams) != 2:
         raise UsageError("E112", f"--streams needs two names, got {pair_streams}", "pass --streams A,B")
     return pair_streams
-
-
-def _add_piece(
-    found: _RunFindings,
-    piece: Run,
-    streams: Sequence[str] | None,
-    ignored: set[str],
-    max_examples: int,
-    vocab_size: int | None,
-) -> TokenBatch | None:
-    """Read and check one piece of `found.run`; its batch when structurally sound (for cross-run checks)."""
-    run, pair_streams = found.run, found.pair_streams
-    try:
-        rows = load_rows(
-            piece,
-            streams=list(dict.fromkeys(pair_streams)),
-            entropy=run.entropy_streams,
-            scalars=["advantage", "reward", "env", "temperature"],
-            lists=["advantages", *METADATA_LISTS],
-        )
-    except InvalidInputError as exc:  # unreadable rows: this one issue is the run's finding, as for one read
-        found.failed = Issue(exc.code, "error", 1, exc.message, hint=exc.hint)
-        found.sound = False
-        return None
-    checked = validate_rows(rows.table, ignore=ignored, max_examples=max_examples, vocab_size=vocab_size)
-    found.reader.append(rows.issues + checked.issues)
-    found.pending.append(checked.pending)
-    sound = checked.bad_rows is None
-    frame, view, keep = batch_inputs(rows, checked)
-    loaded_streams, loaded_entropy = rows.streams, rows.entropy
-    del rows, checked  # drop the list buffers before the float64 arrays are allocated
-    batch = build_token_batch(
-        piece, frame, view, streams=loaded_streams, entropy=loaded_entropy, sample_row=keep, env=True
-    )
-    del view
-    if found.pairs is None:
-        if streams is not None:
-            found.pairs = [(pair_streams[0], pair_streams[1])]
-        elif "rollout" in pair_streams:
-            found.pairs = [("rollout", s) for s in pair_streams if s != "rollout"]
-        else:
-            found.pairs = []
-    for a, b in found.pairs:
-        issues, stats = _pair_piece(batch, a, b, max_examples=max_examples)
-        found.pair_issues.setdefault((a, b), []).append(issues)
-        held = found.shift.get((a, b), ShiftSample.empty())
-        found.shift[(a, b)] = held.merge(ShiftSample.of_piece(batch.streams[a], batch.streams[b], batch))
-        found.stats[(a, b)] = (
-            stats if (a, b) not in found.stats else found.stats[(a, b)].merge(stats, max_examples)
-        )
-    if {"old", "new"} <= set(batch.streams):
-        equal = np.array_equal(batch.streams["old"], batch.streams["new"], equal_nan=True)
-        found.old_equals_new = equal if found.old_equals_new is None else found.old_equals_new and equal
-    found.n_tokens += batch.n_tokens
-    found.sound &= sound
-    return batch if sound else None
-
-
-def _finish(found: _RunFindings) -> list[Issue]:
-    """The issues of the whole run, in the order one read gives them: reader, each pair's checks and
-    signatures, W408, the footer checks."""
-    if found.failed is not None:
-        return [found.failed]
-    issues = merge_piece_issues(found.reader, found.pending)
-    for a, b in found.pairs or []:
-        pieces = found.pair_issues[(a, b)]
-        if len(pieces) > 1:  # E302 on the sample pooled over the pieces (`ShiftSample`), not per piece
-            names = {"name_a": stream_column(a), "name_b": stream_column(b)}
-            rule = shift_rule(**names)
-            pieces = [[i for i in piece if not (i.code == "E302" and i.rule == rule)] for piece in pieces]
-            shift = shift_verdict(found.shift[(a, b)], **names)
-            issues += [] if shift is None else [shift]
-        issues += merge_piece_issues(pieces)
-        issues += _pair_findings(found.stats[(a, b)], a, b)
-    if found.old_equals_new:
-        issues.append(
-            Issue(
-                "W408",
-                "warning",
-                found.n_tokens,
-                "old_logprobs identical to new_logprobs: one iteration only?",
-            )
-        )
-    issues += metadata_checks(found.run.meta, found.pair_streams, recompute_settings(found.run))
-    if not found.run.streams:  # docs/schema.md: at least one stream column (a text-only import has none yet)
-        issues.append(
-            Issue(
-                "E102",
-                "error",
-                1,
-                f"{found.run.display_path(found.run.paths[0])}: no log-prob stream (no *_logprobs column, "
-                "no recompute under logprobs/)",
-                hint="recompute one with pgdiag logprobs RUN --model CKPT, or import the run's log-probs",
-            )
-        )
-    return issues
 
 
 def _as_run(value: object, name: str) -> Run:
@@ -318,8 +319,14 @@ def check_run(
     run = _as_run(run, "run")
     other = None if other is None else _as_run(other, "other")
     ignored = set(ignore)
-    found_a = _RunFindings(run, _stream_names(run, streams))
-    found_b = None if other is None else _RunFindings(other, _stream_names(other, streams))
+    options = {
+        "explicit_pair": streams is not None,
+        "ignored": frozenset(ignored),
+        "max_examples": max_examples,
+        "vocab_size": vocab_size,
+    }
+    found_a = RunChecks(run, _stream_names(run, streams), **options)
+    found_b = None if other is None else RunChecks(other, _stream_names(other, streams), **options)
     cross: CrossRunParts | None = None
     runs = [run] if other is None else [run, other]
     for piece in plan_step_pieces(runs, chunk_rows).pieces:
@@ -327,10 +334,10 @@ def check_run(
         batch_a = batch_b = None
         if in_a and found_a.failed is None:
             piece_a = run if steps is None else restrict_steps(run, steps)
-            batch_a = _add_piece(found_a, piece_a, streams, ignored, max_examples, vocab_size)
+            batch_a = found_a.add(piece_a)
         if found_b is not None and in_b and found_b.failed is None:
             piece_b = other if steps is None else restrict_steps(other, steps)
-            batch_b = _add_piece(found_b, piece_b, streams, ignored, max_examples, vocab_size)
+            batch_b = found_b.add(piece_b)
         if found_b is None or not (found_a.sound and found_b.sound):
             continue
         if batch_a is not None and batch_b is not None:
@@ -343,9 +350,9 @@ def check_run(
             continue
         cross = part if cross is None else cross.merge(part)
         del batch_a, batch_b
-    issues = _finish(found_a)
+    issues = found_a.finish()
     if found_b is not None:
-        issues += _finish(found_b)
+        issues += found_b.finish()
         if found_a.sound and found_b.sound and cross is not None:
             issues += cross_run_findings(cross)
     return check_result([i for i in issues if i.code not in ignored], strict=strict)

@@ -143,12 +143,20 @@ class SignatureStats:
 
 
 def signature_stats(
-    lp_a: np.ndarray, lp_b: np.ndarray, where: TokenLocations, *, max_examples: int = 1, fit: bool = True
+    lp_a: np.ndarray,
+    lp_b: np.ndarray,
+    where: TokenLocations,
+    *,
+    max_examples: int = 1,
+    fit: bool = True,
+    delta: np.ndarray | None = None,
+    abs_delta: np.ndarray | None = None,
 ) -> SignatureStats:
     """The sums `signature_issues` reads, over the (M,) finite tokens of one piece; `fit=False` skips the
-    (lp_a, lp_b) moments when the caller has its own fit (`compare`'s parity table)."""
-    delta = lp_b - lp_a  # (M,)
-    abs_delta = np.abs(delta)  # (M,)
+    (lp_a, lp_b) moments when the caller has its own fit (`compare`'s parity table). `delta` (lp_b − lp_a) and
+    `abs_delta` (its absolute value), (M,), when the caller holds them already (compare's parity terms)."""
+    delta = lp_b - lp_a if delta is None else delta  # (M,)
+    abs_delta = np.abs(delta) if abs_delta is None else abs_delta  # (M,)
     n = int(delta.shape[0])
     firsts = where.offsets[:-1][np.diff(where.offsets) > 0]
     first_d = delta[firsts]

@@ -372,8 +372,7 @@ def align_batches(
     `matches`: (rows of a, rows of b) of the matched samples in a's row order, when the caller paired them on the
     whole runs' keys (`--join hash-any-step` read in pieces, `compare.pieces`); needs `deferred`, and the
     deferred sample counts (E304, E306) are then the caller's: zero here.
-    `keep_nonfinite` (with E207 ignored): keep the non-finite tokens in the pair (`compare --exact` counts them;
-    `finite_only` drops them for every other consumer).
+    `keep_nonfinite` (E207 ignored): keep non-finite tokens (`compare --exact`; `finite_only` drops them).
     """
     for batch, stream, side in ((a, stream_a, "a"), (b, stream_b, "b")):
         if stream not in batch.streams:
@@ -574,6 +573,8 @@ def align_batches(
     if entropy is None and a.entropy.get(stream_a) is not None:
         entropy = _gather(np.asarray(a.entropy[stream_a], dtype=np.float64), idx_a)
     resp_pos = pos - prompt_len.astype(pos.dtype)[token_row]  # (M,) int32
+    with np.errstate(invalid="ignore"):  # inf − inf kept for --exact: NaN in Δ, never read by its counts
+        delta = lp_b - lp_a
     pair = AlignedPair(
         label_a=a.label,
         label_b=b.label,
@@ -590,7 +591,7 @@ def align_batches(
         token_id=token_id,
         lp_a=lp_a,
         lp_b=lp_b,
-        delta=lp_b - lp_a,
+        delta=delta,
         entropy=entropy,
         reward=None if a.reward is None else np.asarray(a.reward, dtype=np.float64)[ia],
         env=None if a.env is None else a.env[ia],
@@ -611,8 +612,7 @@ def finite_only(pair: AlignedPair) -> AlignedPair:
     if keep.all():
         return pair
     counts = np.bincount(pair.token_row[keep], minlength=pair.n_samples)
-    offsets = np.zeros(pair.n_samples + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # (S + 1,)
     return replace(
         pair,
         offsets=offsets,

@@ -27,15 +27,8 @@ import polars as pl
 
 from pgdiag.compare import breakdowns as bd
 from pgdiag.compare.align import Deferred, align_batches
-from pgdiag.compare.api import (
-    DLOGP_EDGES,
-    Comparison,
-    _as_source,
-    compare_runs,
-    diagnosed_rows,
-    pair_comparison,
-    resolve_streams,
-)
+from pgdiag.compare.api import _as_source, compare_runs, resolve_streams
+from pgdiag.compare.pair_report import DLOGP_EDGES, Comparison, diagnosed_rows, pair_comparison
 from pgdiag.compare.parity import token_table, token_terms
 from pgdiag.compare.pooled import PooledParity, _merge_rows
 from pgdiag.compare.settings import CompareSettings

@@ -127,7 +127,7 @@ def write_outputs(
     verdict: Verdict | None = None,
     overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Write every output of `comparison` (a `compare.api.Comparison`) under `out`; returns the JSON `files`
+    """Write every output of `comparison` (a `compare.pair_report.Comparison`) under `out`; returns the JSON `files`
     (with those already in ``result["files"]``), which the saved ``<name>.json`` lists too. `verdict` is saved
     in the report's meta and heads the markdown summary."""
     from pgdiag.data.writing import atomic_write, check_destination, write_parquet

@@ -5,7 +5,7 @@ docs/compare.md) and keeps what the tables need: each piece's own token and brea
 co-moments behind the fits, each matched sample's mean log-probs (the sequence scope), the Δ histogram counts,
 the worst tokens and sequences, the signatures' sums, and an evenly strided sample of tokens (bucket quantiles
 and token plots); a run read in one piece keeps that piece's tables only. `token_table`, `sequence_table`,
-`bucket_rows` and `worst` then give the tables of the whole run, which `compare.api.parity_rows` reports.
+`bucket_rows` and `worst` then give the tables of the whole run, which `compare.pair_report.parity_rows` reports.
 Why: peak memory then follows the largest piece, not the run, and the numbers are those of the run read whole:
   * a table or bucket seen in one piece only (every `step` bucket; everything when the run is one piece) is that
     piece's own values, bit for bit;
@@ -202,7 +202,9 @@ class PooledParity:
             self.trace = worst_trace(pair)
         elif self.trace is None:
             self.trace = worst_trace(pair)
-        stats = signature_stats(pair.lp_a, pair.lp_b, pair, max_examples=1, fit=False)
+        stats = signature_stats(
+            pair.lp_a, pair.lp_b, pair, max_examples=1, fit=False, delta=d, abs_delta=terms.abs_d
+        )
         self.signature = stats if self.signature is None else self.signature.merge(stats, 1)
 
     def _add_moments(self, pair: AlignedPair, terms: TokenTerms) -> None:

@@ -49,6 +49,9 @@ class TokenBatch:
     # kept-set recompute tag -> (M,) kept mass, and -> (M,) its full-vocabulary log-probs
     kept_mass: Mapping[str, np.ndarray] = field(default_factory=dict)
     full_vocab: Mapping[str, np.ndarray] = field(default_factory=dict)
+    kept_kl: Mapping[str, np.ndarray] = field(
+        default_factory=dict
+    )  # that tag -> (M,) engine-vs-model KL over K
 
     @property
     def n_samples(self) -> int:
@@ -117,6 +120,7 @@ class TokenBatch:
             kept_size=opt(self.kept_size, tok),
             kept_mass={k: tok(v) for k, v in self.kept_mass.items()},
             full_vocab={k: tok(v) for k, v in self.full_vocab.items()},
+            kept_kl={k: tok(v) for k, v in self.kept_kl.items()},
         )
 
     def slice(self, lo: int, hi: int) -> TokenBatch:
@@ -147,6 +151,7 @@ class TokenBatch:
             kept_size=opt(self.kept_size, t_lo, t_hi),
             kept_mass={k: v[t_lo:t_hi] for k, v in self.kept_mass.items()},
             full_vocab={k: v[t_lo:t_hi] for k, v in self.full_vocab.items()},
+            kept_kl={k: v[t_lo:t_hi] for k, v in self.kept_kl.items()},
         )
 
     def with_steps(self, step: np.ndarray) -> TokenBatch:
@@ -194,4 +199,5 @@ def concat_batches(parts: Sequence[TokenBatch]) -> TokenBatch:
         kept_size=opt("kept_size"),
         kept_mass={k: np.concatenate([p.kept_mass[k] for p in parts]) for k in first.kept_mass},
         full_vocab={k: np.concatenate([p.full_vocab[k] for p in parts]) for k in first.full_vocab},
+        kept_kl={k: np.concatenate([p.kept_kl[k] for p in parts]) for k in first.kept_kl},
     )

@@ -205,10 +205,18 @@ def pack_bitmask(token_ids: Sequence[int] | np.ndarray, vocab_size: int) -> np.n
     return np.packbits(bits, bitorder="little")
 
 
-def position_sets(
-    kept: KeptColumns, seq_offsets: np.ndarray, tokens: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """The kept sets of the flat token positions `tokens` (Q,) as CSR: (E,) int64 ids and (Q + 1,) int64 offsets.
+@dataclass(frozen=True)
+class PositionSets:
+    """The kept sets of Q token positions in CSR form, with the engine's log-probs of each kept id when the run
+    records them (NaN for ids expanded from a bitmask, which carries none)."""
+
+    ids: np.ndarray  # (E,) int64
+    offsets: np.ndarray  # (Q + 1,) int64
+    logprobs: np.ndarray | None  # (E,) float32, or None without sampling_kept_logprobs
+
+
+def position_sets(kept: KeptColumns, seq_offsets: np.ndarray, tokens: np.ndarray) -> PositionSets:
+    """The kept sets of the flat token positions `tokens` (Q,) (`PositionSets`).
 
     Bitmask positions are expanded to ids here (memory: bounded by the piece the caller read). Rows must have
     sound offsets (validated by the reader)."""
@@ -246,7 +254,16 @@ def position_sets(
     out[plain_elements] = ids_values[gather[plain_elements]]
     for q, values in extra.items():
         out[offsets[q] : offsets[q + 1]] = values
-    return out, offsets
+    logprobs = None
+    if kept.logprobs is not None:
+        logprobs = np.full(out.shape[0], np.nan, dtype=np.float32)
+        source = kept.logprobs.values.astype(np.float32, copy=False)
+        logprobs[plain_elements] = source[gather[plain_elements]]
+        if kept.logprobs.valid is not None:
+            logprobs[plain_elements] = np.where(
+                kept.logprobs.valid[gather[plain_elements]], logprobs[plain_elements], np.nan
+            )
+    return PositionSets(out, offsets, logprobs)
 
 
 IssueMaker = Callable[..., object]

@@ -25,6 +25,7 @@ from pgdiag.data.schema import (
     cast_problem,
     entropy_column,
     full_logprobs_column,
+    kept_kl_column,
     kept_mass_column,
     stream_column,
 )
@@ -164,8 +165,13 @@ def load_rows(
                 f"{run.label}: recompute {tag!r} holds no kept sets",
                 f"kept-set recomputes: {', '.join(run.kept_tags) or 'none'} (pgdiag logprobs --kept-set)",
             )
-    kept_extra = [c for tag in kept_of for c in (kept_mass_column(tag), full_logprobs_column(tag))]
+    kept_extra = [
+        c for tag in kept_of for c in (kept_mass_column(tag), full_logprobs_column(tag), kept_kl_column(tag))
+    ]
     lazy = with_recompute(run, run.scan(with_file=True), [*stream_cols, *entropy_cols, *kept_extra])
+    if kept_extra:
+        joined = lazy.collect_schema()
+        kept_extra = [c for c in kept_extra if c in joined]
     recompute_hash = [
         f"__{t}_seq_hash" for t in run.recompute if stream_column(t) in stream_cols or t in entropy
     ]
@@ -324,6 +330,11 @@ def build_token_batch(
         kept_size=view.kept_size,
         kept_mass={t: view.values[kept_mass_column(t)].astype(np.float64) for t in kept_of},
         full_vocab={t: view.values[full_logprobs_column(t)].astype(np.float64) for t in kept_of},
+        kept_kl={
+            t: view.values[kept_kl_column(t)].astype(np.float64)
+            for t in kept_of
+            if kept_kl_column(t) in view.values
+        },
     )
 
 

@@ -37,6 +37,7 @@ from pgdiag.data.schema import (
     check_rollouts_footer,
     entropy_column,
     full_logprobs_column,
+    kept_kl_column,
     kept_mass_column,
     read_footer,
     safe_coercions,
@@ -416,6 +417,8 @@ def _recompute_frame(
     if want_kept:
         columns.append(pl.col("kept_mass").alias(kept_mass_column(tag)))
         columns.append(pl.col("logprobs_full").alias(full_logprobs_column(tag)))
+        if "kept_kl" in lazy.collect_schema():  # written with the engine's kept log-probs
+            columns.append(pl.col("kept_kl").alias(kept_kl_column(tag)))
     if run.step_subset is not None:
         lazy = lazy.filter(pl.col("step").cast(pl.Int64).is_in(list(run.step_subset)))
     return lazy.select(columns)

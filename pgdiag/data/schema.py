@@ -141,6 +141,11 @@ def full_logprobs_column(tag: str) -> str:
     return f"{tag}_full_vocab"
 
 
+def kept_kl_column(tag: str) -> str:
+    """Column holding the engine-vs-model KL over K of a kept-set recompute `tag` once joined (``rc_kept_kl``)."""
+    return f"{tag}_kept_kl"
+
+
 def column_kind(name: str) -> str | None:
     """The type kind of a known column (``float_list`` for every stream column), or None when unknown."""
     if name.endswith("_logprobs") or name.endswith("_entropy"):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,15 +92,64 @@ def explain_run(
     matrix runs. Raises UsageError (E111 a stream missing, E502 output exists, E503 options, E506 no home for
     the output, E60x the checkpoint) and InvalidInputError (the row rules of every command).
     """
+    from pgdiag.data.fold import fold
     from pgdiag.data.runs import read_run
     from pgdiag.explain import matrix
-    from pgdiag.explain.causes import Chain, Evidence, SamplingFit
-    from pgdiag.explain.tokens import check_pair, select_samples, write_token_run
-    from pgdiag.model import read_model_config
+    from pgdiag.explain.causes import SamplingFit
+    from pgdiag.explain.table import token_pieces
 
     settings = settings or ExplainSettings()
     started = time.perf_counter()
     source = read_run(run) if isinstance(run, (str, Path)) else run
+    plan = _prepare(source, model, settings, out, overwrite, on_cost)
+    token_run = read_run(plan.token_dir)
+    seconds: dict[str, float] = {"select": time.perf_counter() - started}
+    grid, keys, grid_dtype = _grid(token_run, model, plan.model_config, plan.device, plan.memory, settings)
+    if grid_dtype != "fp32":
+        plan.skipped["grid_body"] = f"{grid_dtype} body (fp32 did not fit)"
+    seconds["grid"] = time.perf_counter() - started - seconds["select"]
+    fits, _ = fold(
+        SamplingFit(grid.temperatures.index(1.0)), token_pieces(token_run, settings.pair, (), grid, keys)
+    )
+    t_a = grid.temperatures[fits["a"].temperature_index]
+    seconds.update(
+        matrix.run_matrix(
+            plan.token_dir, model, plan.configs, prefix=settings.tag_prefix, temperature=t_a, tp=settings.tp,
+            device=settings.device, batch_tokens=settings.batch_tokens, progress=progress,
+        )
+    )  # fmt: skip
+    result = _attribute(read_run(plan.token_dir), settings, plan, fits, grid, keys)
+    seconds["total"] = time.perf_counter() - started
+    return replace(result, seconds=seconds)
+
+
+@dataclass
+class _Plan:
+    """What explain decided before any heavy work: where, which configurations, what they cost."""
+
+    token_dir: Path
+    model_config: Any
+    device: str
+    memory: int
+    configs: list[Any]
+    skipped: dict[str, str]
+    cost: Any
+
+
+def _prepare(
+    source: Any,
+    model: str | Path,
+    settings: ExplainSettings,
+    out: str | Path | None,
+    overwrite: bool,
+    on_cost: Callable[[str], None] | None,
+) -> _Plan:
+    """Check the pair and the output, plan the matrix, announce its cost, write the budget's token run."""
+    from pgdiag.explain import matrix
+    from pgdiag.explain.tokens import check_pair, select_samples, write_token_run
+    from pgdiag.model import read_model_config
+    from pgdiag.recompute.kept_rules import run_records_kept
+
     check_pair(source, settings.pair)
     if out is None:
         if source.root is None:
@@ -113,10 +162,14 @@ def explain_run(
         raise UsageError("E502", f"{token_dir} exists", "pass --overwrite to replace it, or another --out")
     model_config = read_model_config(model)
     device = settings.device or _default_device()
-    moe_routes = "routed_experts" in source.lazy.collect_schema()
     memory = settings.memory_bytes or matrix.device_memory(device)
     configs, skipped = matrix.plan_matrix(
-        model_config, moe_routes=moe_routes, tp=settings.tp, memory=memory, names=settings.configs
+        model_config,
+        moe_routes="routed_experts" in source.lazy.collect_schema(),
+        records_kept=run_records_kept(source),
+        tp=settings.tp,
+        memory=memory,
+        names=settings.configs,
     )
     selection = select_samples(source, settings.tokens, settings.seed)
     cost = matrix.estimate_cost(model_config, configs, selection.n_tokens, device)
@@ -125,53 +178,38 @@ def explain_run(
     if token_dir.exists():
         shutil.rmtree(token_dir)
     write_token_run(source, selection, token_dir)
-    token_run = read_run(token_dir)
-    seconds: dict[str, float] = {"select": time.perf_counter() - started}
+    return _Plan(token_dir, model_config, device, memory, configs, skipped, cost)
 
-    grid, keys, grid_dtype = _grid(token_run, model, model_config, device, skipped, memory, settings)
-    skipped.update({"grid_body": f"{grid_dtype} body (fp32 did not fit)"} if grid_dtype != "fp32" else {})
-    seconds["grid"] = time.perf_counter() - started - seconds["select"]
+
+def _attribute(
+    token_run: Any, settings: ExplainSettings, plan: _Plan, fits: dict[str, Any], grid: Any, keys: Any
+) -> ExplainResult:
+    """Folds 2 and 3 over the token run with the matrix's tags, the decisions between them, the shares."""
+    from pgdiag.data.fold import fold
+    from pgdiag.explain import matrix
+    from pgdiag.explain.attribution import decide
+    from pgdiag.explain.causes import Chain, Evidence
     from pgdiag.explain.table import token_pieces
 
-    t1 = grid.temperatures.index(1.0)
-    fit = SamplingFit()
-    for piece in token_pieces(token_run, settings.pair, (), grid, keys):
-        fit.add(piece)
-    fits, _ = fit.finish(t1)
-    t_a = grid.temperatures[fits["a"].temperature_index]
-    seconds.update(
-        matrix.run_matrix(
-            token_dir, model, configs, prefix=settings.tag_prefix, temperature=t_a, tp=settings.tp,
-            device=settings.device, batch_tokens=settings.batch_tokens, progress=progress,
-        )
-    )  # fmt: skip
-    token_run = read_run(token_dir)
-    tags = tuple(c.tag(settings.tag_prefix) for c in configs)
-    evidence = Evidence(fits, tags)
-    for piece in token_pieces(token_run, settings.pair, tags, grid, keys):
-        evidence.add(piece)
-    from pgdiag.explain.attribution import decide
-
-    decisions, signatures, details = decide(
-        evidence,
-        fits,
-        grid.temperatures,
-        matrix.roles(configs, settings.tag_prefix),
-        _declared_modes(token_run, settings.pair),
-    )
-    chain = Chain(decisions, fits)
-    for piece in token_pieces(token_run, settings.pair, tags, grid, keys):
-        chain.add(piece)
+    tags = tuple(c.tag(settings.tag_prefix) for c in plan.configs)
+    roles = matrix.roles(plan.configs, settings.tag_prefix)
+    evidence = Evidence(fits, tags, (roles.kept, roles.reference) if roles.kept and roles.reference else None)
+    fold(evidence, token_pieces(token_run, settings.pair, tags, grid, keys))
+    modes = _declared_modes(token_run, settings.pair)
+    decisions, signatures, details = decide(evidence, fits, grid.temperatures, roles, modes)
+    chain = fold(Chain(decisions, fits), token_pieces(token_run, settings.pair, tags, grid, keys))
     nothing = evidence.sums.get("abs_0", 0.0) == 0.0
     overall = shares(chain, ("all", "all"), details)
     if nothing:
-        overall = [c.__class__(c.cause, 0.0, 0.0, 0.0, 0.0, 0.0, c.evidence) for c in overall]
+        overall = [
+            replace(c, share=0.0, k3_before=0.0, k3_after=0.0, abs_mean_before=0.0, abs_mean_after=0.0)
+            for c in overall
+        ]
     top, verdict = verdict_line(overall, nothing)
-    by_position = {
-        label: shares(chain, (kind, label), details) for kind, label in chain.stages if kind == "position"
+    groups = {
+        kind: {label: shares(chain, (k, label), details) for k, label in chain.stages if k == kind}
+        for kind in ("position", "step")
     }
-    by_step = {label: shares(chain, (kind, label), details) for kind, label in chain.stages if kind == "step"}
-    seconds["total"] = time.perf_counter() - started
     return ExplainResult(
         pair=settings.pair,
         n_tokens=evidence.n,
@@ -181,12 +219,12 @@ def explain_run(
         top_cause=top,
         verdict=verdict,
         nothing_to_explain=nothing,
-        by_position=by_position,
-        by_step=by_step,
+        by_position=groups["position"],
+        by_step=groups["step"],
         signatures=[s.as_dict() for s in signatures],
         configs=list(tags),
-        skipped=skipped,
-        cost=cost.line(),
+        skipped=plan.skipped,
+        cost=plan.cost.line(),
         fits={
             side: {
                 "temperature": grid.temperatures[f.temperature_index],
@@ -196,8 +234,7 @@ def explain_run(
             }
             for side, f in fits.items()
         },
-        token_run=token_dir,
-        seconds=seconds,
+        token_run=plan.token_dir,
     )
 
 
@@ -227,13 +264,7 @@ def _declared_modes(run: Any, pair: tuple[str, str]) -> tuple[str, str]:
 
 
 def _grid(
-    token_run: Any,
-    model: str | Path,
-    model_config: Any,
-    device: str,
-    skipped: dict[str, str],
-    memory: int,
-    settings: ExplainSettings,
+    token_run: Any, model: str | Path, model_config: Any, device: str, memory: int, settings: ExplainSettings
 ) -> tuple[Any, Any, str]:
     """(GridValues, grid keys, body dtype): the sampling grid on one device, fp32 when it fits, else bf16."""
     import torch
@@ -264,4 +295,6 @@ def _grid(
         batch_tokens=settings.batch_tokens,
     )
     del lm
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the matrix loads its own models next
     return values, grid_keys(inputs.step, inputs.sample_id, inputs.segment_idx, masks), dtype

@@ -52,6 +52,7 @@ class ConfigRoles:
     single: str | None  # one sequence per forward
     replay: str | None
     recompute_routes: str | None
+    kept: str | None = None  # scored over the recorded kept sets (fp32, beside the fp32 reference)
 
     @property
     def numeric(self) -> tuple[str, ...]:
@@ -137,7 +138,11 @@ def decide(
     details = {
         "logprobs_mode": {"declared": list(declared_modes), "exact_zero_fraction_a": sig_zeros.value},
         "temperature": {"fitted_a": t_a, "fitted_b": t_b},
-        "sampling_truncation": {"kept_set": "none recorded: candidate sets from pgdiag's own logits"},
+        "sampling_truncation": {
+            "kept_set": f"recorded ({evidence.kept_pair[0]})"
+            if evidence.kept_pair and fits["a"].variant_index != 0
+            else "none recorded: candidate sets from pgdiag's own logits"
+        },
         "tokenization": {"template_positions": region, "first_position_ratio": sig_first.value},
         "staleness": {
             "per_lag": [

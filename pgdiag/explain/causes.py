@@ -66,6 +66,7 @@ class SamplingFit:
     best point per side, fitted outside a chat-template region (the raw pair's first positions, when the
     tokenization rule fires on them: a template's few huge Δ would otherwise pull the temperature fit)."""
 
+    t1_index: int  # the grid's T = 1 column
     sums: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)  # (side, bucket) -> (n_T, n_K)
     raw: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [tokens, k3 sum, |Δ| sum] of b − a
 
@@ -84,7 +85,7 @@ class SamplingFit:
                 key = (side, int(index))
                 self.sums[key] = total if key not in self.sums else self.sums[key] + total
 
-    def finish(self, t1_index: int) -> tuple[dict[str, SideFit], int]:
+    def finish(self) -> tuple[dict[str, SideFit], int]:
         """({side: best grid point}, template region: response positions < N left out of the fit)."""
         from pgdiag.explain.signatures import first_position_rule
 
@@ -96,20 +97,29 @@ class SamplingFit:
             n = sum(self.raw[b][0] for b, _ in kept)
             mean = sum(t for _, t in kept) / max(n, 1)
             i, j = np.unravel_index(int(np.argmin(mean)), mean.shape)
-            fits[side] = SideFit(int(i), int(j), float(mean[i, j]), float(mean[t1_index, 0]))
+            fits[side] = SideFit(int(i), int(j), float(mean[i, j]), float(mean[self.t1_index, 0]))
         return fits, region
 
 
-def frame_corrections(piece: ExplainPiece, fits: dict[str, SideFit]) -> dict[str, np.ndarray]:
+def frame_corrections(
+    piece: ExplainPiece, fits: dict[str, SideFit], kept_pair: tuple[str, str] | None = None
+) -> dict[str, np.ndarray]:
     """Per token, the grid differences the sampling causes remove (module docstring, docs/explain.md):
     ``temperature`` = L[T_b, full] − L[T_a, full]; ``truncation`` = (L[T_b, K_b] − L[T_b, full]) −
-    (L[T_a, K_a] − L[T_a, full]); and ``a_frame`` = side a without its truncation (L at side a's temperature)."""
+    (L[T_a, K_a] − L[T_a, full]); and ``a_frame`` = side a without its truncation (L at side a's temperature).
+    `kept_pair` (kept, reference): when the run records kept sets and side a fits a truncated grid point, side
+    a's truncation is the recorded one, R_kept − R_ref (both fp32 at side a's temperature), not the grid's."""
     fa, fb = fits["a"], fits["b"]
     grid = piece.grid.astype(np.float64)
     la_full, lb_full = grid[:, fa.temperature_index, 0], grid[:, fb.temperature_index, 0]
     la_kept = grid[:, fa.temperature_index, fa.variant_index]
     lb_kept = grid[:, fb.temperature_index, fb.variant_index]
     trunc_a = np.nan_to_num(la_kept - la_full, neginf=0.0)
+    if kept_pair is not None and fa.variant_index != 0:
+        kept, reference = kept_pair
+        trunc_a = np.nan_to_num(
+            piece.configs[kept] - piece.configs[reference], nan=0.0, neginf=0.0, posinf=0.0
+        )
     trunc_b = np.nan_to_num(lb_kept - lb_full, neginf=0.0)
     return {
         "temperature": lb_full - la_full,
@@ -126,6 +136,7 @@ class Evidence:
 
     fits: dict[str, SideFit]
     configs: tuple[str, ...]
+    kept_pair: tuple[str, str] | None = None  # (kept, reference) configurations of a run with kept sets
     n: int = 0
     n_lagged: int = 0
     sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -133,7 +144,7 @@ class Evidence:
     by_position: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [tokens, k3 sum, |Δ| sum]
 
     def add(self, piece: ExplainPiece) -> None:
-        corr = frame_corrections(piece, self.fits)
+        corr = frame_corrections(piece, self.fits, self.kept_pair)
         a_frame, b_frame = corr["a_frame"], corr["b_frame"]
         delta = b_frame - a_frame  # (M,) Δ after the sampling causes
         kd = k3(delta)
@@ -204,6 +215,7 @@ class Decisions:
     batch_pair: tuple[str, str] | None  # (packed, one-per-forward) configurations
     precision_pairs: tuple[tuple[str, str], ...]  # (low precision, reference) pairs
     routing_pair: tuple[str, str] | None  # (routes replayed, routes recomputed)
+    kept_pair: tuple[str, str] | None = None  # (kept, reference) when the run records kept sets
 
 
 GROUPS = ("all", "position", "step")
@@ -221,7 +233,7 @@ class Chain:
 
     def add(self, piece: ExplainPiece) -> None:
         d = self.decisions
-        corr = frame_corrections(piece, self.fits)
+        corr = frame_corrections(piece, self.fits, d.kept_pair)
         a_cur, b_cur = piece.a.copy(), piece.b.copy()  # each side as the removals leave it
         trunc_a = piece.a - corr["a_frame"]
         trunc_b = corr["truncation"] + trunc_a
@@ -265,6 +277,10 @@ class Chain:
             sums["n"] += float(sel.sum())
             for name, values in noise_terms.items():
                 sums[name] += float(values[sel].sum())
+
+    def finish(self) -> Chain:
+        """The per-group stage sums (read by `explain.attribution.shares`)."""
+        return self
 
     def _noise_terms(self, piece: ExplainPiece) -> dict[str, np.ndarray]:
         d = self.decisions

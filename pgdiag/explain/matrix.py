@@ -13,6 +13,7 @@ in); the temperature and kept-set configurations come from the sampling grid's o
 | fp16 | fp16 | fp32 | packed | precision |
 | b1 | bf16 | fp32 | one sequence per forward | batch invariance |
 | replay | bf16 | fp32 | packed, recorded routes | MoE runs with recorded routes: routing |
+| kept | fp32 | fp32 | packed, over the recorded kept sets | runs with kept sets: side a's exact truncation |
 
 A configuration whose weights do not fit the device (an fp32 body of a 70B model needs 282 GB) is skipped; the
 fp32 reference then falls back to a bf16 body with the fp32 head (``ref`` is left out and ``bf16`` plays the
@@ -41,6 +42,7 @@ class Config:
     head_dtype: str
     micro_batch: int | None = None
     routing: str = "recompute"
+    kept_set: str = "off"  # "recorded": scored over the run's recorded kept sets (issue 23's --kept-set)
 
     def tag(self, prefix: str) -> str:
         return f"{prefix}_{self.name}"
@@ -53,11 +55,13 @@ CONFIGS = (
     Config("fp16", "fp16", "fp32"),
     Config("b1", "bf16", "fp32", micro_batch=1),
     Config("replay", "bf16", "fp32", routing="replay"),
+    Config("kept", "fp32", "fp32", kept_set="recorded"),
 )
 
 
 def parameter_count(config: Any) -> int:
-    """Parameters of a decoder from its `ModelConfig` (embedding, head, attention, MLP or experts)."""
+    """Parameters of a decoder from its `ModelConfig` (embedding, head, attention, MLP or experts, norms; biases
+    left out)."""
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     attention = h * (config.q_size + 2 * config.kv_size) + config.q_size * h
     moe = config.moe
@@ -69,7 +73,8 @@ def parameter_count(config: Any) -> int:
         shared = 3 * h * moe.shared_expert_intermediate_size
         mlp = [expert + shared if sparse else dense_mlp for sparse in moe.sparse_layers]
     head = 0 if config.tie_word_embeddings else vocab * h
-    return vocab * h + head + layers * attention + sum(mlp)
+    norms = layers * (2 * h + (2 * config.head_dim if config.qk_norm else 0)) + h
+    return vocab * h + head + layers * attention + sum(mlp) + norms
 
 
 def weight_bytes(config: Any, dtype: str, tp: int) -> int:
@@ -90,6 +95,7 @@ def plan_matrix(
     model_config: Any,
     *,
     moe_routes: bool,
+    records_kept: bool = False,
     tp: int,
     memory: int,
     names: tuple[str, ...] | None,
@@ -102,6 +108,11 @@ def plan_matrix(
             continue
         if config.routing == "replay" and not (model_config.moe and moe_routes):
             skipped[config.name] = "dense model or no recorded routes (routed_experts)"
+            continue
+        if config.kept_set == "recorded" and not records_kept:
+            skipped[config.name] = (
+                "the run records no kept sets (sampling_kept_ids/offsets): kept sets come from the grid"
+            )
             continue
         need = weight_bytes(model_config, config.dtype, tp)
         if need > 0.8 * memory:
@@ -126,6 +137,7 @@ def roles(configs: list[Config], prefix: str) -> ConfigRoles:
         single=tags.get("b1"),
         replay=tags.get("replay"),
         recompute_routes=tags.get("bf16") if "replay" in tags else None,
+        kept=tags.get("kept") if "ref" in tags else None,
     )
 
 
@@ -145,7 +157,7 @@ class CostEstimate:
     def line(self) -> str:
         return (
             f"recompute matrix: {self.tokens} tokens x {self.configurations} configurations (+ the sampling grid) "
-            f"x {self.seconds_per_token * 1e6:.3g} us/token ≈ {self.seconds:.0f} s on {self.device} (estimated)"
+            f"x {self.seconds_per_token * 1e6:.3g} us/token ≈ {self.seconds:.3g} s on {self.device} (estimated)"
         )
 
 
@@ -195,7 +207,7 @@ def run_matrix(
             batch_tokens=batch_tokens,
             entropy=False,
             impl="auto",
-            kept_set="off",  # the common frame is the full vocabulary; kept sets are the grid's (module docstring)
+            kept_set=config.kept_set,  # the common frame is the full vocabulary, but for ex_kept (module docstring)
         )
         seconds[config.tag(prefix)] = result.seconds if result is not None else 0.0
     return seconds

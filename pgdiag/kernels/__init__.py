@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from pgdiag.errors import InvalidInputError, UsageError
-from pgdiag.kernels.kept_set import KeptSet, finish_kept, kept_partials
+from pgdiag.kernels.kept_set import KeptSet, finish_kept, kept_kl, kept_partials
 from pgdiag.kernels.vocab_parallel import PARTIAL_ROWS, finish_partials, gather_partials, merge_partials
 
 IMPLS = ("auto", "torch", "triton")
@@ -61,6 +61,7 @@ class TokenLogprobs:
     )
     logprobs_full: torch.Tensor | None = None  # (N,) full-vocabulary log-probs; with `kept`
     entropy_full: torch.Tensor | None = None  # (N,) full-vocabulary entropy; with `kept`
+    kept_kl: torch.Tensor | None = None  # (N,) KL(engine ‖ model) over K; with `kept.logprobs` (NaN: no set)
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -145,10 +146,10 @@ def lm_head_logprobs(
         hidden, weight, local_targets, temperature=temperature, head_dtype=head_dtype
     )  # (S, 4, N)
     merged = merge_partials(partials)  # (4, N)
-    merged_kept = None
+    merged_kept = pz = None
     if kept is not None:
         _check_kept(kept, targets)
-        merged_kept = kept_partials(
+        merged_kept, pz = kept_partials(
             hidden,
             weight,
             targets,
@@ -157,15 +158,20 @@ def lm_head_logprobs(
             temperature=temperature,
             head_dtype=head_dtype,
             impl=resolved,
-        )[0]  # (4, N)
+        )
+        merged_kept = merged_kept[0]  # (4, N)
     # 2. vocab-parallel: one all-gather of the (4, N) partials (with the kept ones: (8, N)), then the same merge
     #    on every rank
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        both = merged if merged_kept is None else torch.cat([merged, merged_kept])
-        gathered = gather_partials(both, tp_group)  # (world, 4 or 8, N)
+        pieces = [merged] if merged_kept is None else [merged, merged_kept]
+        if pz is not None:
+            pieces.append(pz.float()[None])  # Σ p_e z over this shard's ids: summed over the ranks
+        gathered = gather_partials(torch.cat(pieces), tp_group)  # (world, 4, 8 or 9, N)
         merged = merge_partials(gathered[:, :PARTIAL_ROWS])
         if merged_kept is not None:
-            merged_kept = merge_partials(gathered[:, PARTIAL_ROWS:])
+            merged_kept = merge_partials(gathered[:, PARTIAL_ROWS : 2 * PARTIAL_ROWS])
+        if pz is not None:
+            pz = gathered[:, 2 * PARTIAL_ROWS].double().sum(0)
     # 3. logprob and entropy; a target that no shard holds is out of the vocabulary
     logprobs, entropy, target_found = finish_partials(merged)
     missing = ~target_found & ~ignored
@@ -198,6 +204,7 @@ def lm_head_logprobs(
         kept_mass=scores.kept_mass,
         logprobs_full=scores.logprobs_full,
         entropy_full=scores.entropy_full,
+        kept_kl=None if pz is None else kept_kl(scores, kept.to(hidden.device).engine_terms()[1], pz),
     )
 
 

@@ -43,6 +43,7 @@ class KeptSet:
 
     ids: torch.Tensor  # (E,) int64 global token ids
     offsets: torch.Tensor  # (N + 1,) int64, offsets[0] == 0, offsets[-1] == E
+    logprobs: torch.Tensor | None = None  # (E,) the engine's own log-probs of the kept ids (for kept_kl)
 
     @property
     def n_tokens(self) -> int:
@@ -57,7 +58,26 @@ class KeptSet:
         return torch.repeat_interleave(torch.arange(self.n_tokens, device=self.ids.device), self.sizes())
 
     def to(self, device: torch.device) -> KeptSet:
-        return KeptSet(self.ids.to(device), self.offsets.to(device))
+        logprobs = None if self.logprobs is None else self.logprobs.to(device)
+        return KeptSet(self.ids.to(device), self.offsets.to(device), logprobs)
+
+    def engine_terms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """((E,) p_e, the engine's probabilities renormalised over each set; (N,) Σ p_e log p_e per token), in
+        fp64 from `logprobs` (the same on every TP rank: they are inputs, not shards)."""
+        assert self.logprobs is not None
+        token = self.element_token()
+        lp = self.logprobs.double()
+        top = torch.full((self.n_tokens,), float("-inf"), dtype=torch.float64, device=lp.device)
+        top = top.scatter_reduce(0, token, lp, reduce="amax", include_self=True)
+        sums = torch.zeros(self.n_tokens, dtype=torch.float64, device=lp.device).index_add_(
+            0, token, torch.exp(lp - top[token])
+        )
+        lp_k = lp - (top + torch.log(sums))[token]  # (E,) log p_e over K
+        p = torch.exp(lp_k)
+        plogp = torch.zeros(self.n_tokens, dtype=torch.float64, device=lp.device).index_add_(
+            0, token, p * lp_k
+        )
+        return p, plogp
 
 
 def kept_logits(
@@ -131,9 +151,10 @@ def kept_partials(
     temperature: float,
     head_dtype: str,
     impl: str,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(1, PARTIAL_ROWS, N) partials of the kept logits of this vocab shard (rows ``[vocab_start, vocab_start +
-    V_local)``); `impl` "torch" or "triton" computes the gather-dot. targets (N,) global target ids."""
+    V_local)``) and, when the kept set carries the engine's log-probs, (N,) fp64 Σ p_e z over this shard's ids
+    (for kept_kl); `impl` "torch" or "triton" computes the gather-dot. targets (N,) global target ids."""
     element_token = kept.element_token()  # (E,)
     local = kept.ids - vocab_start
     element_row = torch.where((local >= 0) & (local < weight.shape[0]), local, -1)  # (E,)
@@ -150,7 +171,14 @@ def kept_partials(
     is_target = kept.ids == targets.long()[element_token]
     out = segment_partials(z, element_token, is_target, kept.n_tokens)
     assert out.shape[1] == PARTIAL_ROWS
-    return out
+    if kept.logprobs is None:
+        return out, None
+    p, _ = kept.engine_terms()
+    weighted = torch.where(torch.isfinite(z), p * z.double(), 0.0)  # (E,) ids of other shards count 0 here
+    pz = torch.zeros(kept.n_tokens, dtype=torch.float64, device=z.device).index_add_(
+        0, element_token, weighted
+    )
+    return out, pz
 
 
 @dataclass(frozen=True)
@@ -163,6 +191,8 @@ class KeptScores:
     logprobs_full: torch.Tensor
     entropy_full: torch.Tensor
     target_in_set: torch.Tensor  # (N,) bool: K empty, or the target is in K
+    kept_lse: torch.Tensor  # (N,) logsumexp of z over K (0 where K is empty)
+    has_set: torch.Tensor  # (N,) bool: K recorded there
 
 
 def finish_kept(
@@ -184,7 +214,24 @@ def finish_kept(
     logprobs = torch.where(has & ~target_in, float("-inf"), logprobs)
     entropy = torch.where(has, torch.log(safe_sum) - kept_centred / safe_sum, full_entropy)
     kept_mass = torch.where(has, torch.exp(kept_lse - full_lse).clamp(max=1.0), 1.0)
-    return KeptScores(logprobs, entropy, kept_mass, full_logprobs, full_entropy, ~has | target_in)
+    return KeptScores(
+        logprobs, entropy, kept_mass, full_logprobs, full_entropy, ~has | target_in, kept_lse, has
+    )
 
 
-__all__ = ["KeptScores", "KeptSet", "finish_kept", "kept_logits", "kept_partials", "segment_partials"]
+def kept_kl(scores: KeptScores, plogp: torch.Tensor, pz: torch.Tensor) -> torch.Tensor:
+    """(N,) fp32 KL(engine ‖ trainer) over K, both renormalised over K: Σ p_e (log p_e − (z − lse_K)) =
+    Σ p_e log p_e − Σ p_e z + lse_K; NaN where no set is recorded."""
+    value = plogp - pz + scores.kept_lse.double()
+    return torch.where(scores.has_set, value, float("nan")).float()
+
+
+__all__ = [
+    "KeptScores",
+    "KeptSet",
+    "finish_kept",
+    "kept_kl",
+    "kept_logits",
+    "kept_partials",
+    "segment_partials",
+]

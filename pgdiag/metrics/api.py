@@ -12,13 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import polars as pl
 
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.load import LoadedBatch, read_token_batch
-from pgdiag.data.pieces import plan_step_pieces, reads_whole
-from pgdiag.data.runs import Run, restrict_steps, row_keys
+from pgdiag.data.runs import Run
 from pgdiag.data.schema import stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import (
@@ -31,6 +29,7 @@ from pgdiag.data.validate import (
     raise_first_error,
 )
 from pgdiag.errors import UsageError
+from pgdiag.metrics.chunks import ChunkPlan, plan_chunks
 from pgdiag.metrics.kept import truncation_warning
 from pgdiag.metrics.pooled import QuantileSettings
 from pgdiag.metrics.settings import MetricSettings
@@ -38,7 +37,7 @@ from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import Report, ReportRow, summary_frame
 
 if TYPE_CHECKING:
-    from pgdiag.metrics.engine import StepMetrics
+    from pgdiag.metrics.engine import NativeStream, StepMetrics, StyleStream
 
 _CANONICAL = ("rollout", "old", "ref", "new")
 
@@ -182,7 +181,6 @@ def compute_metrics(
     checks = checks or CheckSettings()
     stream = stream or StreamSettings()
     settings = resolve_streams(run, settings)
-    from pgdiag.metrics.docsteps import DocStepFeeder, plan_doc_steps, read_order_chunks
     from pgdiag.metrics.engine import NativeStream, StyleStream
 
     engine = (
@@ -190,77 +188,89 @@ def compute_metrics(
         if settings.key_style == "pgdiag"
         else StyleStream(settings)
     )
-    feeder: DocStepFeeder | None = None
-    if settings.docs_per_step is None:  # chunks of consecutive steps, in step order
-        plan = plan_step_pieces([run], stream.budget)
-        if not plan.by_step:  # a step column no chunk can filter, or a null step: the reader says which
-            return _whole_run_report(run, settings, checks)
-        chunks = [  # none for a run without rows
-            (run if p.steps is None else restrict_steps(run, p.steps), None)
-            for p in (plan.pieces if plan.rows_per_step else [])
-        ]
-        n_steps = len(plan.rows_per_step)
-    else:  # chunks of real steps in read order, fed as whole steps of N documents
-        if reads_whole(run):
-            return _whole_run_report(run, settings, checks)
-        keys = row_keys(run)  # (R,) rows: step, sample_id, group_id
-        if keys is None or keys["step"].null_count():  # the whole read says what is wrong (E213, E102, ...)
-            return _whole_run_report(run, settings, checks)
-        steps = keys["step"].to_numpy()  # (R,)
-        budget = stream.budget(dict(enumerate(np.unique(steps, return_counts=True)[1].tolist())))
-        plan = plan_doc_steps(keys, settings.docs_per_step)
-        chunks = [(restrict_steps(run, c), hi - lo) for c, lo, hi in read_order_chunks(steps, budget)]
-        feeder, n_steps = DocStepFeeder(plan, engine), plan.n_steps
-        del keys, steps
-    chunk_checks: list[CheckResult] = []
-    pair_checks: list[list[Issue]] = []  # the pair zero-fill rule's, per chunk
-    failed = False  # a chunk has an error: the later ones are validated only, for the run's first error
-    n_samples = n_tokens = 0
-    for chunk, n_rows in chunks or [(run, None)]:  # a run without rows is read once, as a whole
-        loaded = _read(chunk, settings, checks, piece=len(chunks) > 1, pair_checks=pair_checks)
+    plan = plan_chunks(run, settings, stream.budget, engine)
+    if plan is None:  # a run no chunking reads exactly: the reader says what is wrong
+        return _whole_run_report(run, settings, checks)
+    fold = MetricsFold(run, settings, checks, stream, engine, plan)
+    for chunk, n_rows in plan.chunks or [(run, None)]:  # a run without rows is read once, as a whole
+        loaded = _read(chunk, settings, checks, piece=len(plan.chunks) > 1, pair_checks=fold.pair_checks)
         if n_rows is not None and loaded.batch.n_samples != n_rows:  # rows left out: cut the rows kept
             return _whole_run_report(run, settings, checks)
-        chunk_checks.append(loaded.checks)
-        failed = failed or any(
-            i.severity == "error" and i.pooled is None for i in (*loaded.checks.found, *pair_checks[-1])
-        )
-        if failed:
-            del loaded
-            continue
-        if feeder is None:
-            engine.add(loaded.batch)
-        else:
-            feeder.add(loaded.batch)
-        n_samples += loaded.batch.n_samples
-        n_tokens += loaded.batch.n_tokens
+        reduced = fold.add(loaded)
         del loaded  # the chunk's token arrays go before the next chunk is read
-        if progress is not None:
-            progress(len(engine.steps), n_steps)
-    merged_checks = merge_check_results(chunk_checks)
-    raise_first_error(merged_checks.found)  # as one read: the reader's first error, then the pair rule's
-    raise_first_error(merge_piece_issues(pair_checks))
-    if feeder is not None:
-        feeder.finish()
-    results = [*engine.steps, engine.finish()] if stream.pooled else list(engine.steps)
-    notice = _quantile_notice(engine.quantiles_exact, stream.quantiles)
-    return _report(
-        results,
-        settings,
-        run=run,
-        n_samples=n_samples,
-        n_tokens=n_tokens,
-        checks=merged_checks.issues,
-        ignored=checks.ignore,
-        extra_meta={
-            "pooled_quantiles": {
-                "exact": engine.quantiles_exact,
-                "exact_limit": stream.quantiles.exact_limit,
-                "relative_error": None if engine.quantiles_exact else stream.quantiles.relative_error,
+        if reduced and progress is not None:
+            progress(len(engine.steps), plan.n_steps)
+    return fold.finish()
+
+
+class MetricsFold:
+    """The metric engine over a run's chunks (`pgdiag.data.fold.Fold`): `add(LoadedBatch)` per chunk in order,
+    `finish()` the `Report`. After a chunk with an error the later ones are validated only (not reduced), and
+    the run's first error is raised once, in `finish`, as one read of the run raises it."""
+
+    def __init__(
+        self,
+        run: Run,
+        settings: MetricSettings,
+        checks: CheckSettings,
+        stream: StreamSettings,
+        engine: NativeStream | StyleStream,
+        plan: ChunkPlan,
+    ) -> None:
+        self.run, self.settings, self.checks, self.stream, self.engine, self.plan = (
+            run,
+            settings,
+            checks,
+            stream,
+            engine,
+            plan,
+        )
+        self.chunk_checks: list[CheckResult] = []
+        self.pair_checks: list[list[Issue]] = []  # the pair zero-fill rule's, per chunk (appended by `_read`)
+        self.failed = False
+        self.n_samples = self.n_tokens = 0
+
+    def add(self, loaded: LoadedBatch) -> bool:
+        """Fold one chunk in; False when it was only validated (an error came before)."""
+        self.chunk_checks.append(loaded.checks)
+        self.failed = self.failed or any(
+            i.severity == "error" and i.pooled is None for i in (*loaded.checks.found, *self.pair_checks[-1])
+        )
+        if self.failed:
+            return False
+        (self.engine if self.plan.feeder is None else self.plan.feeder).add(loaded.batch)
+        self.n_samples += loaded.batch.n_samples
+        self.n_tokens += loaded.batch.n_tokens
+        return True
+
+    def finish(self) -> Report:
+        """The run's report: its first error raised (reader, then the pair rule), else every step and `all`."""
+        merged_checks = merge_check_results(self.chunk_checks)
+        raise_first_error(merged_checks.found)  # as one read: the reader's first error, then the pair rule's
+        raise_first_error(merge_piece_issues(self.pair_checks))
+        if self.plan.feeder is not None:
+            self.plan.feeder.finish()
+        engine, stream = self.engine, self.stream
+        results = [*engine.steps, engine.finish()] if stream.pooled else list(engine.steps)
+        notice = _quantile_notice(engine.quantiles_exact, stream.quantiles)
+        return _report(
+            results,
+            self.settings,
+            run=self.run,
+            n_samples=self.n_samples,
+            n_tokens=self.n_tokens,
+            checks=merged_checks.issues,
+            ignored=self.checks.ignore,
+            extra_meta={
+                "pooled_quantiles": {
+                    "exact": engine.quantiles_exact,
+                    "exact_limit": stream.quantiles.exact_limit,
+                    "relative_error": None if engine.quantiles_exact else stream.quantiles.relative_error,
+                },
+                "chunks": len(self.plan.chunks),
             },
-            "chunks": len(chunks),
-        },
-        extra_notices=[] if notice is None else [notice],
-    )
+            extra_notices=[] if notice is None else [notice],
+        )
 
 
 def _whole_run_report(run: Run, settings: MetricSettings, checks: CheckSettings) -> Report:

@@ -213,6 +213,13 @@ METRIC_CATALOG: tuple[MetricSpec, ...] = (
         "mismatch/full_bias", "mismatch", "nats", "R", "lp_b_full − lp_a: Δ against the full-vocabulary lp_b"
     ),
     MetricSpec("mismatch/full_abs_mean", "mismatch", "nats", "R", "|lp_b_full − lp_a|"),
+    MetricSpec(
+        "mismatch/kept_kl",
+        "mismatch",
+        "nats",
+        "R",
+        "KL over K of the engine's kept log-probs (sampling_kept_logprobs) against lp_b's, both renormalised",
+    ),
     MetricSpec("mismatch/seq_mean_delta_mean", "mismatch", "nats", "seq", "mean of δ̄_i = Σ_t Δ / N_i"),
     MetricSpec("mismatch/seq_mean_delta_sd", "mismatch", "nats", "seq", "population sd of δ̄_i"),
     MetricSpec("mismatch/seq_mean_delta_absmax", "mismatch", "nats", "seq", "max |δ̄_i|"),

@@ -42,12 +42,12 @@ from pgdiag.metrics.advantage import (
 )
 from pgdiag.metrics.catalog import MetricSink
 from pgdiag.metrics.kept import (
+    KEPT_FAMILIES,
     FullVocabTables,
+    KeptKlTables,
     KeptTables,
-    add_full_vocab_metrics,
-    add_kept_metrics,
-    build_full_vocab_tables,
-    build_kept_tables,
+    add_kept_families,
+    kept_families,
 )
 from pgdiag.metrics.loss import LossSums, ResolvedAggregation, add_loss_metrics, resolve_aggregation
 from pgdiag.metrics.mismatch import (
@@ -139,6 +139,7 @@ class BatchTables:
     notices: tuple[str, ...]
     kept: KeptTables | None = None  # kept mass of a kept-set recompute (`metrics.kept`)
     full_vocab: FullVocabTables | None = None  # stream a against that recompute's full-vocabulary log-probs
+    kept_kl: KeptKlTables | None = None  # the engine's kept log-probs against the model over K
 
 
 def build_batch_tables(batch: TokenBatch, settings: MetricSettings) -> BatchTables:
@@ -162,14 +163,8 @@ def build_batch_tables(batch: TokenBatch, settings: MetricSettings) -> BatchTabl
             )
         tables = _build_policy_side(batch, settings, offsets, doc_of_sample, notices)
         mismatch = None if mismatch_future is None else mismatch_future.result()
-    kept = full_vocab = None
-    if settings.kept is not None and settings.kept in batch.kept_mass:
-        reduction = settings.metric_reduction
-        kept = build_kept_tables(batch.kept_mass[settings.kept], offsets, doc_of_sample, reduction)
-        if lp_a is not None:
-            full = batch.full_vocab[settings.kept]
-            full_vocab = build_full_vocab_tables(full, lp_a, offsets, doc_of_sample, reduction)
-    return replace(tables, mismatch=mismatch, kept=kept, full_vocab=full_vocab, notices=tuple(notices))
+    kept = kept_families(batch, settings.kept, lp_a, offsets, doc_of_sample, settings.metric_reduction)
+    return replace(tables, mismatch=mismatch, notices=tuple(notices), **kept)  # type: ignore[arg-type]
 
 
 def _build_policy_side(
@@ -282,10 +277,7 @@ def reduce_rows(
         add_mismatch_counts(mismatch, sink)
         add_mismatch_metrics(mismatch, settings, sink)
         mismatch_invalid = n_positions - mismatch.reducer.n_tokens
-    if tables.kept is not None:
-        add_kept_metrics(take_rows(tables.kept, lo, hi), sink)
-    if tables.full_vocab is not None:
-        add_full_vocab_metrics(take_rows(tables.full_vocab, lo, hi), sink)
+    add_kept_families(tables, lo, hi, sink)
     add_counts(n_positions, base, group_of_sample, n_groups, groups_split, sink)
     n_invalid = n_positions - base.n_tokens
     if n_invalid:
@@ -423,15 +415,14 @@ class NativeStream:
             entropy=families.get("entropy"),
             mismatch=families.get("mismatch"),
             notices=tuple(self._notices),
-            kept=families.get("kept"),
-            full_vocab=families.get("full_vocab"),
+            **{name: families.get(name) for name in KEPT_FAMILIES},  # type: ignore[arg-type]
         )
         n_samples = int(n_positions.shape[0])
         pooled = reduce_rows(tables, 0, n_samples, self.settings, self.resolved, self._groups_split)
         return "all", _average_loss_over_steps(pooled, [m for _, m in self.steps])
 
 
-_FAMILIES = ("policy", "loss", "ref", "advantage", "entropy", "mismatch", "kept", "full_vocab")
+_FAMILIES = ("policy", "loss", "ref", "advantage", "entropy", "mismatch", *KEPT_FAMILIES)
 
 
 class StyleStream:

@@ -9,6 +9,7 @@ What: for a recompute written with kept sets (`pgdiag logprobs --kept-set`, colu
     mismatch/truncation_bias    R(−log kept mass)                the log-ratio a renormalised stream carries
     mismatch/full_bias          R(lp_full − lp_a)                Δ against the full-vocabulary log-probs
     mismatch/full_abs_mean      R(|lp_full − lp_a|)
+    mismatch/kept_kl            R(KL(engine ‖ model) over K)      with the engine's kept log-probs recorded
 
 The mismatch family itself compares stream a with the recompute's ``logprobs`` (renormalised over K when the
 recompute scored over K); the two ``full_*`` keys are the full-vocabulary figures beside it, so a table shows
@@ -30,10 +31,13 @@ from pgdiag.data.semantics import footer_semantics, truncation_on
 from pgdiag.data.validate import Issue
 from pgdiag.metrics.catalog import MetricSink
 from pgdiag.metrics.pooled import QuantileSummary, extremum_of, quantiles_of
-from pgdiag.metrics.reduce import SAMPLE_AXIS, TOKEN_AXIS, TokenReducer
+from pgdiag.metrics.reduce import SAMPLE_AXIS, TOKEN_AXIS, TokenReducer, take_rows
 
 if TYPE_CHECKING:
+    from pgdiag.data.batch import TokenBatch
     from pgdiag.data.runs import Run
+
+KEPT_FAMILIES = ("kept", "full_vocab", "kept_kl")  # the engine's table fields of this module
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,28 @@ class FullVocabTables:
     reducer: TokenReducer
     sum_delta: np.ndarray = field(metadata=SAMPLE_AXIS)
     sum_abs: np.ndarray = field(metadata=SAMPLE_AXIS)
+
+
+@dataclass(frozen=True)
+class KeptKlTables:
+    """Per-sample sums (S,) of the engine-vs-model KL over K on the tokens where it is finite."""
+
+    reducer: TokenReducer
+    sum_kl: np.ndarray = field(metadata=SAMPLE_AXIS)
+
+
+def build_kept_kl_tables(
+    kl: np.ndarray, offsets: np.ndarray, doc_of_sample: np.ndarray, reduction: str
+) -> KeptKlTables:
+    """Token phase of ``mismatch/kept_kl`` on (M,) per-token KLs (NaN where no set or no engine log-probs)."""
+    valid = np.isfinite(kl)  # (M,)
+    reducer = TokenReducer.build(valid, offsets, doc_of_sample, reduction)
+    return KeptKlTables(reducer, reducer.sample_sums(kl[valid]))
+
+
+def add_kept_kl_metrics(t: KeptKlTables, sink: MetricSink) -> None:
+    """``mismatch/kept_kl``: R mean of KL(engine ‖ model) over K."""
+    sink.add("mismatch/kept_kl", t.reducer.mean_of_sums(t.sum_kl), t.reducer.population)
 
 
 def build_kept_tables(
@@ -89,6 +115,41 @@ def add_full_vocab_metrics(t: FullVocabTables, sink: MetricSink) -> None:
     """The full-vocabulary Δ beside the mismatch family."""
     sink.add("mismatch/full_bias", t.reducer.mean_of_sums(t.sum_delta), t.reducer.population)
     sink.add("mismatch/full_abs_mean", t.reducer.mean_of_sums(t.sum_abs), t.reducer.population)
+
+
+def kept_families(
+    batch: TokenBatch,
+    tag: str | None,
+    lp_a: np.ndarray | None,
+    offsets: np.ndarray,
+    doc_of_sample: np.ndarray,
+    reduction: str,
+) -> dict[str, KeptTables | FullVocabTables | KeptKlTables | None]:
+    """The token phase of the kept-set recompute `tag`'s families over one batch (None where an input is missing),
+    keyed as the engine's table fields (`KEPT_FAMILIES`)."""
+    out: dict[str, KeptTables | FullVocabTables | KeptKlTables | None] = dict.fromkeys(KEPT_FAMILIES)
+    if tag is None:
+        return out
+    if tag in batch.kept_kl:
+        out["kept_kl"] = build_kept_kl_tables(batch.kept_kl[tag], offsets, doc_of_sample, reduction)
+    if tag in batch.kept_mass:
+        out["kept"] = build_kept_tables(batch.kept_mass[tag], offsets, doc_of_sample, reduction)
+        if lp_a is not None:
+            out["full_vocab"] = build_full_vocab_tables(
+                batch.full_vocab[tag], lp_a, offsets, doc_of_sample, reduction
+            )
+    return out
+
+
+def add_kept_families(tables: object, lo: int, hi: int, sink: MetricSink) -> None:
+    """The reduce phase of the families `kept_families` built, on samples lo..hi of the engine's `tables`."""
+    kept, full, kl = (getattr(tables, name) for name in KEPT_FAMILIES)
+    if kept is not None:
+        add_kept_metrics(take_rows(kept, lo, hi), sink)
+    if full is not None:
+        add_full_vocab_metrics(take_rows(full, lo, hi), sink)
+    if kl is not None:
+        add_kept_kl_metrics(take_rows(kl, lo, hi), sink)
 
 
 def truncation_warning(run: Run, kept_tag: str | None, bias: float | None) -> Issue | None:

@@ -55,7 +55,7 @@ from pgdiag.recompute.inputs import (
     resolve_temperature,
     with_uniform_temperature,
 )
-from pgdiag.recompute.kept_batch import batch_kept
+from pgdiag.recompute.kept_batch import KeptOutput, batch_kept, sum_floats_over_ranks
 from pgdiag.recompute.kept_rules import KeptPlan, hidden_bias_warning, inexact_warnings, resolve_kept_set
 from pgdiag.recompute.launch import ParallelLayout, barrier, current_layout, replica_parts
 from pgdiag.recompute.output import (
@@ -352,7 +352,7 @@ def recompute_rank(
                     bias_sum=bias_sum,
                 )
             counts = _sum_over_ranks(counts, layout, spec.device)
-            bias_sum = _sum_floats_over_ranks(bias_sum, layout, spec.device)
+            bias_sum = sum_floats_over_ranks(bias_sum, layout.world_size, layout.is_writer, spec.device)
             barrier()
 
             # 4. the marker, last: global rank 0 checks every planned part is on disk
@@ -604,7 +604,10 @@ def _compute_parts(
     for done_parts, (part, rows) in enumerate(active):
         logprobs = np.zeros(int(inputs.offsets[part.stop] - inputs.offsets[part.start]), dtype=np.float32)
         entropy = np.zeros_like(logprobs)
-        kept_cols = None if plan.kept_source == "none" else KeptOutput.zeros(logprobs.shape[0])
+        with_kl = plan.needs_recorded and inputs.kept is not None and inputs.kept.logprobs is not None
+        kept_cols = (
+            None if plan.kept_source == "none" else KeptOutput.zeros(logprobs.shape[0], with_kl=with_kl)
+        )
         base = int(inputs.offsets[part.start])
         route_tokens = np.zeros(len(sparse_layers), dtype=np.int64)
         route_disagree = np.zeros(len(sparse_layers), dtype=np.int64)
@@ -669,7 +672,7 @@ def _compute_parts(
                     logprobs[where] = lp.float().cpu().numpy()  # type: ignore[union-attr]
                     entropy[where] = ent.float().cpu().numpy()  # type: ignore[union-attr]
                     if kept_cols is not None and result.kept_mass is not None:
-                        kept_cols.put(where, result.kept_mass, result.logprobs_full, bias_sum)
+                        kept_cols.put(where, result.kept_mass, result.logprobs_full, bias_sum, result.kept_kl)
                 tokens_done += packed.n_tokens
                 loss_done += packed.n_targets
                 samples_done += int(packed.sample_index.shape[0])
@@ -778,41 +781,6 @@ def _sum_over_ranks(counts: list[int], layout: ParallelLayout, device: torch.dev
     total = torch.tensor(mine, dtype=torch.int64, device=device)
     torch.distributed.all_reduce(total)
     return [int(v) for v in total.tolist()]
-
-
-def _sum_floats_over_ranks(values: list[float], layout: ParallelLayout, device: torch.device) -> list[float]:
-    """Float totals over DP replicas (TP rank 0 of each replica contributes)."""
-    if layout.world_size == 1:
-        return values
-    mine = values if layout.is_writer else [0.0] * len(values)
-    total = torch.tensor(mine, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(total)
-    return [float(v) for v in total.tolist()]
-
-
-@dataclass
-class KeptOutput:
-    """A part's kept-set columns while it is computed: (T_part,) float32 kept mass and full log-probs."""
-
-    kept_mass: np.ndarray
-    logprobs_full: np.ndarray
-
-    @classmethod
-    def zeros(cls, n_tokens: int) -> KeptOutput:
-        return cls(np.ones(n_tokens, dtype=np.float32), np.zeros(n_tokens, dtype=np.float32))
-
-    def put(
-        self, where: np.ndarray, kept_mass: torch.Tensor, full: torch.Tensor | None, bias_sum: list[float]
-    ) -> None:
-        mass = kept_mass.float().cpu().numpy()
-        self.kept_mass[where] = mass
-        if full is not None:
-            self.logprobs_full[where] = full.float().cpu().numpy()
-        bias_sum[0] += float(-np.log(np.clip(mass.astype(np.float64), 1e-300, 1.0)).sum())
-        bias_sum[1] += float(mass.shape[0])
-
-    def columns(self) -> dict[str, np.ndarray]:
-        return {"kept_mass": self.kept_mass, "logprobs_full": self.logprobs_full}
 
 
 def _environment(device: torch.device) -> dict[str, Any]:

@@ -153,7 +153,8 @@ def write_part(
 
     `logprobs` and `entropy` are (T_part,) float32 over the part's tokens; values off the loss mask are ignored.
     `routing`: the part's MoE routing counts (`pgdiag.recompute.routing.footer_entry`), kept in the footer.
-    `kept`: the kept-set columns (``kept_mass``, ``logprobs_full``, (T_part,) float32 each), written as lists too.
+    `kept`: the kept-set columns (``kept_mass``, ``logprobs_full``, optional ``kept_kl``; (T_part,) float32 each),
+    written as lists too; a NaN in them (``kept_kl`` where no set is recorded) is written null.
     """
     rows = slice(part.start, part.stop)
     base = int(inputs.offsets[part.start])
@@ -179,7 +180,10 @@ def write_part(
     if with_entropy:
         columns["entropy"] = tokens(entropy)
     for name, values in (kept or {}).items():
-        columns[name] = tokens(values)
+        null = ~valid | ~np.isfinite(values)
+        columns[name] = pa.ListArray.from_arrays(
+            pa.array(offsets), pa.array(values, type=pa.float32(), mask=null)
+        )
     recompute = {**footer_base, "part": part.plan_entry(), **({"routing": routing} if routing else {})}
     footer = {"schema": LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY: recompute}
     write_parquet(pa.table(columns), out_dir / part.relpath, metadata=footer)

@@ -69,8 +69,9 @@ def test_written_read_back_and_sizes(tmp_path: Path) -> None:
     assert kept is not None
     seq_offsets = np.array([0, 4, 8])
     assert position_sizes(kept, seq_offsets).tolist() == [0, 0, 2, 1, 0, 0, 3, 2]
-    ids, offsets = position_sets(kept, seq_offsets, np.array([3, 6, 0]))
-    assert offsets.tolist() == [0, 1, 4, 4] and ids.tolist() == [7, 4, 8, 2]
+    sets = position_sets(kept, seq_offsets, np.array([3, 6, 0]))
+    assert sets.offsets.tolist() == [0, 1, 4, 4] and sets.ids.tolist() == [7, 4, 8, 2]
+    assert sets.logprobs is None
 
 
 def test_zero_without_a_singleton_set_still_warns(tmp_path: Path) -> None:
@@ -164,8 +165,8 @@ def test_bitmask_form(tmp_path: Path) -> None:
     assert kept is not None
     seq_offsets = np.array([0, 4, 8])
     assert position_sizes(kept, seq_offsets).tolist() == [0, 0, 2, 1, 0, 0, 3, 2]
-    ids, offsets = position_sets(kept, seq_offsets, np.array([6, 7]))
-    assert ids.tolist() == [2, 4, 8, 9, 1] and offsets.tolist() == [0, 3, 5]
+    sets = position_sets(kept, seq_offsets, np.array([6, 7]))
+    assert sets.ids.tolist() == [2, 4, 8, 9, 1] and sets.offsets.tolist() == [0, 3, 5]
     # the sampled token 4 of sample b, pos 2 must be in the bitmask
     bad = frame.with_columns(
         pl.Series(KEPT_BITMASK, [[], pack_bitmask([8, 2], vocab).tolist()], dtype=pl.List(pl.UInt8))

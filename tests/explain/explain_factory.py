@@ -177,7 +177,72 @@ def write_plant(
     filled = [dict(r, rollout_logprobs=a, old_logprobs=b) for r, a, b in zip(rows, rollout, old, strict=True)]
     import polars as pl
 
-    write_rollouts_file(
-        path / "rollouts" / "part-00000.parquet", filled, raw_types={"policy_version": pl.Int64}, **meta
-    )
+    types = {
+        "policy_version": pl.Int64,
+        "sampling_kept_ids": pl.List(pl.Int32),
+        "sampling_kept_offsets": pl.List(pl.Int32),
+    }
+    write_rollouts_file(path / "rollouts" / "part-00000.parquet", filled, raw_types=types, **meta)
     return path
+
+
+def record_kept_sets(checkpoint: Path, rows: list[dict], top_p: float) -> None:
+    """Add the top-p kept set of every response position to `rows` in the CSR columns of docs/schema.md
+    (``sampling_kept_ids``, ``sampling_kept_offsets``; empty sets on the prompt: not recorded)."""
+    from pgdiag.model import load_model
+
+    model = load_model(checkpoint, dtype="fp32", head_dtype="fp32", device="cpu")
+    with torch.inference_mode():
+        for row in rows:
+            logp = _log_probs(_logits(model, row["input_ids"]), 1.0, top_p)  # (T, V), -inf outside the set
+            ids, offsets = [], [0]
+            for t, on in enumerate(row["loss_mask"]):
+                if on:
+                    kept = torch.nonzero(torch.isfinite(logp[t - 1]))[:, 0]
+                    ids += kept.tolist()
+                offsets.append(len(ids))
+            row["sampling_kept_ids"] = ids
+            row["sampling_kept_offsets"] = offsets
+
+
+def make_moe_checkpoint(directory: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen2-MoE (8 experts, top-2, 2 layers) as tests/recompute/test_routing_replay.py builds it."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen2MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+        model.lm_head.weight.mul_(5.0)
+    model.save_pretrained(directory)
+    return directory
+
+
+def routed(checkpoint: Path, rows: list[dict], flip: float, seed: int = 0) -> list[list[float | None]]:
+    """Record routes in `rows` (``routed_experts``, T x L x k flat): the router's own, with a fraction `flip` of
+    the tokens of layer 0 sent to two other experts; returns each row's log-probs under those routes (fp32)."""
+    from pgdiag.model import load_model
+
+    model = load_model(checkpoint, dtype="fp32", head_dtype="fp32", device="cpu")
+    rng = np.random.default_rng(seed)
+    out = []
+    with torch.inference_mode():
+        for row in rows:
+            ids = torch.tensor(row["input_ids"])
+            n = ids.shape[0]
+            args = (ids, torch.arange(n), torch.tensor([0, n], dtype=torch.int32))
+            topk = model.forward_packed(*args).router_topk.clone()  # (T, L, k)
+            for t in np.flatnonzero(rng.random(n) < flip):
+                free = [e for e in range(8) if e not in topk[t, 0].tolist()]
+                topk[t, 0] = torch.tensor(rng.choice(free, 2, replace=False))
+            row["routed_experts"] = topk.reshape(-1).tolist()
+            hidden = model.forward_packed(*args, replay_experts=topk).hidden.float()
+            logp = torch.log_softmax(hidden @ model.lm_head_weight.float().T, dim=-1)
+            out.append([float(logp[t - 1, ids[t]]) if on else None for t, on in enumerate(row["loss_mask"])])
+    return out

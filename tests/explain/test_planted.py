@@ -11,7 +11,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from explain_factory import make_checkpoint, perturbed_checkpoint, sample_rows, score, write_plant
+from explain_factory import (
+    make_checkpoint,
+    make_moe_checkpoint,
+    perturbed_checkpoint,
+    record_kept_sets,
+    routed,
+    sample_rows,
+    score,
+    write_plant,
+)
 
 from pgdiag.explain.api import ExplainResult, explain_run
 from pgdiag.explain.settings import CAUSES, ExplainSettings
@@ -70,6 +79,20 @@ def test_top_p_truncation_without_kept_sets(checkpoint: Path, tmp_path: Path) ->
     assert "--kept-set" in result.verdict
 
 
+def test_top_p_truncation_with_recorded_kept_sets(checkpoint: Path, tmp_path: Path) -> None:
+    """With kept sets recorded, side a's truncation is removed with the kept-set recompute (issue 23's
+    ``--kept-set recorded``, tag ex_kept) instead of the grid's candidate sets: nothing is left."""
+    rows = sample_rows(checkpoint, top_p=0.8)
+    record_kept_sets(checkpoint, rows, 0.8)
+    run = write_plant(tmp_path / "run", rows, score(checkpoint, rows, top_p=0.8), score(checkpoint, rows))
+    result = _explain(run, checkpoint)
+    _top(result, "sampling_truncation")
+    assert "ex_kept" in result.configs
+    truncation = next(c for c in result.causes if c.cause == "sampling_truncation")
+    assert truncation.evidence["kept_set"] == "recorded (ex_kept)"
+    assert truncation.k3_after < 1e-9 * truncation.k3_before + 1e-12
+
+
 def test_bf16_rollout_against_fp32_old_is_precision(checkpoint: Path, tmp_path: Path) -> None:
     rows = sample_rows(checkpoint)
     run = write_plant(tmp_path / "run", rows, score(checkpoint, rows, dtype="bf16"), score(checkpoint, rows))
@@ -124,6 +147,19 @@ def test_policy_lag_on_half_the_samples_is_staleness(checkpoint: Path, tmp_path:
         for r in next(c for c in result.causes if c.cause == "staleness").evidence["per_lag"]
     }
     assert per_lag[0] < 1e-9 < per_lag[1] < per_lag[2] < per_lag[3]  # per-lag differences: more lag, more k3
+
+
+def test_engine_routes_recorded_and_not_replayed_is_routing(tmp_path: Path) -> None:
+    """The engine's recorded MoE routes differ from the router's on 30 % of the tokens of layer 0; the trainer
+    recomputed its own routes: `routing`, removed with ex_replay − ex_bf16 (recorded routes against the router)."""
+    checkpoint = make_moe_checkpoint(tmp_path / "moe")
+    rows = sample_rows(checkpoint, steps=2, per_step=6)
+    rollout = routed(checkpoint, rows, flip=0.3)
+    run = write_plant(tmp_path / "run", rows, rollout, score(checkpoint, rows))
+    result = _explain(run, checkpoint)
+    _top(result, "routing")
+    assert "ex_replay" in result.configs
+    assert next(c for c in result.causes if c.cause == "weights").share == 0.0
 
 
 def test_missing_temperature_and_bf16_body_split(tmp_path: Path) -> None:

@@ -96,7 +96,7 @@ def _tp_rank(rank: int, world: int, port: int, vocab: int, out_dir: str) -> None
             head_dtype="fp32",
             tp_group=dist.group.WORLD,
             vocab_start=start,
-            kept=kc.kept,
+            kept=_with_engine_logprobs(kc),
         )
         dist.all_gather = original
         n = kc.case.targets.shape[0]
@@ -121,6 +121,7 @@ def _tp_rank(rank: int, world: int, port: int, vocab: int, out_dir: str) -> None
                 "entropy": out.entropy,
                 "kept_mass": out.kept_mass,
                 "full": out.logprobs_full,
+                "kl": out.kept_kl,
                 "gathers": len(calls),
                 "rebuilt_ids": rebuilt.ids,
                 "rebuilt_offsets": rebuilt.offsets,
@@ -142,7 +143,7 @@ def test_tp2_on_gloo_equals_one_rank(tmp_path: Path) -> None:
         kc.case.targets,
         temperature=TEMPERATURE,
         head_dtype="fp32",
-        kept=kc.kept,
+        kept=_with_engine_logprobs(kc),
     )
     n = kc.case.targets.shape[0]
     rebuilt = reconstruct_kept(
@@ -160,7 +161,8 @@ def test_tp2_on_gloo_equals_one_rank(tmp_path: Path) -> None:
         torch.testing.assert_close(got["entropy"], single.entropy, rtol=0, atol=1e-5)
         torch.testing.assert_close(got["kept_mass"], single.kept_mass, rtol=5e-6, atol=1e-7)
         torch.testing.assert_close(got["full"], single.logprobs_full, rtol=1e-6, atol=1e-5)
-        assert got["gathers"] == 1  # the head's and the kept partials are reduced once
+        torch.testing.assert_close(got["kl"], single.kept_kl, rtol=0, atol=2e-5, equal_nan=True)
+        assert got["gathers"] == 1  # the head's and the kept partials (and Σ p_e z) are reduced once
         assert torch.equal(got["rebuilt_ids"], rebuilt.ids) and torch.equal(
             got["rebuilt_offsets"], rebuilt.offsets
         )
@@ -254,3 +256,32 @@ def test_topk_path_agrees_with_the_sort_reference(k: int, p: float, m: float, ti
     assert (fast.sum(1) == literal.sum(1)).float().mean() >= 0.99
     if not tie:
         assert (fast == literal).all(1).float().mean() >= 0.99
+
+
+def _with_engine_logprobs(kc, seed: int = 3) -> KeptSet:
+    """The case's kept sets with engine log-probs: the model's own, perturbed (an engine of another precision)."""
+    z = (kc.case.hidden.double() @ kc.case.weight.double().T) / TEMPERATURE
+    token = kc.kept.element_token()
+    gen = torch.Generator().manual_seed(seed)
+    noisy = z[token, kc.kept.ids] + 0.05 * torch.randn(token.shape[0], generator=gen, dtype=torch.float64)
+    return KeptSet(kc.kept.ids, kc.kept.offsets, noisy.float())
+
+
+def test_kept_kl_matches_fp64() -> None:
+    kc = kept_case(40, 24, 61, seed=8)
+    kept = _with_engine_logprobs(kc)
+    out = lm_head_logprobs(
+        kc.case.hidden, kc.case.weight, kc.case.targets, temperature=TEMPERATURE, head_dtype="fp32", kept=kept
+    )
+    assert out.kept_kl is not None
+    z = (kc.case.hidden.double() @ kc.case.weight.double().T) / TEMPERATURE
+    for n in range(kc.case.targets.shape[0]):
+        lo, hi = int(kept.offsets[n]), int(kept.offsets[n + 1])
+        if hi == lo:
+            assert torch.isnan(out.kept_kl[n])
+            continue
+        engine = torch.log_softmax(kept.logprobs[lo:hi].double(), 0)
+        model = torch.log_softmax(z[n, kept.ids[lo:hi]], 0)
+        truth = float((engine.exp() * (engine - model)).sum())
+        assert abs(float(out.kept_kl[n]) - truth) <= 2e-5, (n, float(out.kept_kl[n]), truth)
+    assert float(out.kept_kl[0]) == pytest.approx(0.0, abs=1e-6)  # a one-token set: no divergence

@@ -414,6 +414,7 @@ def test_every_emitted_key_is_in_the_catalog_and_every_catalog_key_can_be_emitte
         batch,
         kept_mass={"rc": np.array([0.9, 1.0, 0.5, 0.8, 0.95])},
         full_vocab={"rc": np.array([-1.1, -2.0, -1.2, -0.5, -1.6])},
+        kept_kl={"rc": np.array([0.01, np.nan, 0.002, 0.0, 0.03])},
     )
     emitted = {v.key for v in compute_step_native(batch, settings).values}
     assert emitted == {spec.key for spec in METRIC_CATALOG}

@@ -81,6 +81,7 @@ def _rollouts(model: torch.nn.Module, n_samples: int = 12, new_tokens: int = 14)
         prompt_len = len(ids)
         lps, kept, offsets = [None] * prompt_len, [], [0] * (prompt_len + 1)
         full_t, full_raw = [None] * prompt_len, [None] * prompt_len
+        kept_lp: list[float] = []  # an engine that logged its kept log-probs at T = 1 (sampled at T = 0.8)
         for _ in range(new_tokens):
             with torch.no_grad():
                 logits = model(torch.tensor([ids])).logits[0, -1].float()  # (V,)
@@ -88,6 +89,7 @@ def _rollouts(model: torch.nn.Module, n_samples: int = 12, new_tokens: int = 14)
             token = int(torch.multinomial(logp.exp(), 1, generator=gen))
             k = torch.isfinite(logp).nonzero()[:, 0].tolist()
             kept += k
+            kept_lp += torch.log_softmax(logits.double(), -1)[k].tolist()
             offsets.append(offsets[-1] + len(k))
             lps.append(float(logp[token]))
             full_t.append(float(torch.log_softmax(logits.double() / TEMPERATURE, -1)[token]))
@@ -105,6 +107,7 @@ def _rollouts(model: torch.nn.Module, n_samples: int = 12, new_tokens: int = 14)
                 "rollout_logprobs": lps,
                 "sampling_kept_ids": kept,
                 "sampling_kept_offsets": offsets,
+                "sampling_kept_logprobs": kept_lp,
                 "full_tempered": full_t,  # SGLang's default stream: tempered, full vocabulary
                 "full_raw": full_raw,  # vLLM raw_logprobs: T = 1, full vocabulary
             }
@@ -218,7 +221,7 @@ def test_three_stream_semantics(
         .drop("full_tempered", "full_raw")
     )
     if not with_kept:
-        frame = frame.drop("sampling_kept_ids", "sampling_kept_offsets")
+        frame = frame.drop("sampling_kept_ids", "sampling_kept_offsets", "sampling_kept_logprobs")
     run = tmp_path / "run"
     pgdiag.write_run(
         frame, run, sampling={**sampling, "temperature": TEMPERATURE, "top_k": TOP_K, "top_p": TOP_P}
@@ -236,7 +239,9 @@ def test_three_stream_semantics(
 def test_recorded_without_kept_sets_is_e506(setup: dict, tmp_path: Path) -> None:
     run = tmp_path / "run"
     pgdiag.write_run(
-        setup["frame"].drop("sampling_kept_ids", "sampling_kept_offsets"), run, sampling=SAMPLING
+        setup["frame"].drop("sampling_kept_ids", "sampling_kept_offsets", "sampling_kept_logprobs"),
+        run,
+        sampling=SAMPLING,
     )
     with pytest.raises(UsageError) as raised:
         resolve_kept_set(read_run(run), "recorded")
@@ -272,7 +277,9 @@ def test_metrics_report_the_kept_mass_beside_the_mismatch(setup: dict) -> None:
 
 def test_metrics_warn_w413_with_the_bias_size_when_k_is_not_recorded(setup: dict, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    frame = setup["frame"].drop("sampling_kept_ids", "sampling_kept_offsets", "full_tempered", "full_raw")
+    frame = setup["frame"].drop(
+        "sampling_kept_ids", "sampling_kept_offsets", "sampling_kept_logprobs", "full_tempered", "full_raw"
+    )
     pgdiag.write_run(frame, run_dir, sampling=SAMPLING)
     without = pgdiag.compute_metrics(read_run(run_dir), new="rollout", old="rollout", stream_a=None)
     w413 = without.checks.filter(pl.col("code") == "W413")["message"].to_list()
@@ -331,3 +338,21 @@ def test_moe_recorded_reproduces_the_rollout(moe_setup: dict) -> None:
     rollout = _loss_values(moe_setup["frame"].sort("sample_id"), "rollout_logprobs")
     got = _loss_values(_stream(moe_setup["run"], "rc"), "logprobs")
     assert np.abs(got - rollout).max() <= 1e-5, np.abs(got - rollout).max()
+
+
+def test_kept_kl_of_the_engine_kept_logprobs(setup: dict) -> None:
+    """The run records the engine's kept log-probs (here at T = 1 while it sampled at T = 0.8): the recompute's
+    kept_kl column and mismatch/kept_kl equal KL over K of softmax_K(z) against softmax_K(z / 0.8), by hand."""
+    _recompute(setup, "rc_kl", "recorded")
+    expected = []
+    for logits, k in setup["seen"]:
+        z = logits.double()[k]
+        engine = torch.log_softmax(z, 0)
+        model = torch.log_softmax(z / TEMPERATURE, 0)
+        expected.append(float((engine.exp() * (engine - model)).sum()))
+    stream = _stream(setup["run"], "rc_kl")
+    got = _loss_values(stream, "kept_kl")
+    assert got.shape[0] == len(expected)
+    assert np.sort(got) == pytest.approx(np.sort(expected), abs=2e-5)
+    report = pgdiag.compute_metrics(read_run(setup["run"]), new="rc_kl", stream_b="rc_kl")
+    assert _all_row(report)["mismatch/kept_kl"] == pytest.approx(np.mean(expected), abs=2e-5)
