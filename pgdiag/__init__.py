@@ -55,6 +55,7 @@ _EXPORTS = {
     "compare_runs": "pgdiag.compare.api",
     "recompute_logprobs": "pgdiag.recompute.jobs",
     "RecomputeResult": "pgdiag.recompute.logprobs",
+    "RecomputeSettings": "pgdiag.recompute.settings",
     "load_model": "pgdiag.model",
     "lm_head_logprobs": "pgdiag.kernels",
     "TokenLogprobs": "pgdiag.kernels",

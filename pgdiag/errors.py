@@ -50,7 +50,7 @@ class Code(StrEnum):
     STREAM_NOT_FOUND = ("E111", "a named stream or entropy is not in the run", 2)
     UNPARSABLE_OPTION = (
         "E112",
-        "an option's text cannot be parsed (--steps, --streams A,B, --shift, --map)",
+        "an option's text cannot be parsed (--steps, --streams A,B, --shift, --map, whatif LO,HI, --losses)",
         2,
     )
     # row and token rules of the rollout schema
@@ -154,6 +154,8 @@ class Code(StrEnum):
         2,
     )
     BAD_COMMAND_LINE = ("E515", "the command line cannot be parsed (unknown option, missing argument)", 2)
+    OPTIONS_CONFLICT = ("E521", "an option does not fit the number of RUNs given or another option", 2)
+    WRONG_FILE_KIND = ("E522", "a file an option names is not of the kind the option reads", 2)
     # imports of framework dumps
     UNSAFE_PICKLE_GLOBAL = ("E701", "a pickle needs a global outside the preset's allow-list", 2)
     TEXT_ONLY_SOURCE = ("E702", "the source holds text but no token ids (pass --retokenize --tokenizer)", 2)

@@ -114,9 +114,9 @@ def test_readme_comments_are_true(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         result = runner.invoke(build_app(), command, env={"COLUMNS": "100"})
         assert result.exit_code in (0, 1), (name, result.output)
         head = "compare" if name == "report" else name
-        assert result.stderr.rstrip("\n").split("\n")[-1].startswith(f"{head}: "), (
+        assert result.stdout.rstrip("\n").split("\n")[-1].startswith(f"{head}: "), (  # the verdict: stdout
             name,
-            result.stderr[-300:],
+            result.stdout[-300:],
         )
 
 
@@ -143,7 +143,8 @@ def test_drift_doc_examples_run_verbatim_on_the_shipped_long_run(tmp_path: Path)
             assert jq_filter == ".change_points"
             found = json.loads(done.stdout)["change_points"]
             assert [(cp["metric"], cp["step"]) for cp in found] == [("rollout_corr/k3_kl", 15)]
-        outputs.append(done.stderr.rstrip("\n").split("\n")[-1])
+        shown = done.stderr if jq_filter else done.stdout  # the verdict: stdout, or stderr beside --json
+        outputs.append(shown.rstrip("\n").split("\n")[-1])
     assert (tmp_path / "drift" / "drift.parquet").is_file() and (
         tmp_path / "drift.png"
     ).stat().st_size > 10_000

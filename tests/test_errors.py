@@ -19,6 +19,7 @@ from pgdiag.errors import EXIT_INVALID, EXIT_OK, EXIT_USAGE, Code, InvalidInputE
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE = re.compile(r"\b[EW]\d{3}\b")
+CODE_MEMBER = re.compile(r"\bCode\.([A-Z][A-Z0-9_]*)\b")
 ERROR_CLASSES = {"UsageError": UsageError, "InvalidInputError": InvalidInputError, "PgdiagError": PgdiagError}
 
 
@@ -93,6 +94,14 @@ def test_every_code_written_in_pgdiag_is_catalogued() -> None:
     outside = {
         code for path, source in _sources() if path.name != "errors.py" for code in CODE.findall(source)
     }
+    members = {
+        Code[name].value
+        for path, source in _sources()
+        if path.name != "errors.py"
+        for name in CODE_MEMBER.findall(source)
+        if name in Code.__members__
+    }  # a raise site that names its code as a `Code` member writes it too
+    outside |= members
     assert {c.value for c in Code} - outside == set()
 
 
@@ -115,7 +124,10 @@ def test_every_raise_site_uses_the_class_of_its_codes_exit_code() -> None:
     for path, source in _sources():
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Call) and _name(node.func) in ERROR_CLASSES and node.args:
-                code = _text(node.args[0])
+                first = node.args[0]
+                code = _text(first)
+                if isinstance(first, ast.Attribute) and _name(first.value) == "Code":
+                    code = Code[first.attr].value  # raised with a `Code` member
                 if code is None:
                     continue  # re-raised issue codes, checked when the Issue was built
                 sites += 1

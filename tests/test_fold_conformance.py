@@ -29,9 +29,10 @@ from pgdiag.data.load import read_token_batch
 from pgdiag.data.pieces import plan_step_pieces
 from pgdiag.data.runs import read_run, restrict_steps
 from pgdiag.metrics.api import StreamSettings, compute_metrics, metric_streams, resolve_streams
-from pgdiag.metrics.engine import NativeStream, StyleStream
+from pgdiag.metrics.engine import NativeStream
 from pgdiag.metrics.pooled import QuantileSettings
 from pgdiag.metrics.settings import MetricSettings
+from pgdiag.metrics.styles.steps import StyleStream
 
 ONE_STEP, WHOLE = 1, 10**9
 RUN_A, RUN_B = SAMPLE_DATA / "run_a", SAMPLE_DATA / "run_b"

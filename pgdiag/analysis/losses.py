@@ -15,47 +15,17 @@ gap the loss alone explains.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from pgdiag.analysis.rules import PROXIMAL_THETA, Replay, RuleEffect
-from pgdiag.analysis.settings import CorrectionRule, parse_rule
+from pgdiag.analysis.settings import CorrectionRule, LossForm
 from pgdiag.data.batch import TokenBatch
-from pgdiag.errors import UsageError
-from pgdiag.metrics.loss import GSPO_MODES, NATIVE_MODES, sample_weights
+from pgdiag.metrics.loss import sample_weights
 from pgdiag.report.report import ReportRow
 
-LOSS_MODES = tuple(m for m in NATIVE_MODES if m not in GSPO_MODES)
-_SPEC = re.compile(r"\s*([^@]+)@(\w+)\s*(?:,|$)")
 EffectOf = Callable[[CorrectionRule, Replay], RuleEffect]
-
-
-@dataclass(frozen=True)
-class LossForm:
-    """One loss definition: the per-token form (None: vanilla policy gradient) and the aggregation mode."""
-
-    rule: CorrectionRule | None
-    mode: str
-    label: str
-
-
-def parse_losses(text: str) -> tuple[LossForm, LossForm]:
-    """`A,B` with A and B each `FORM@MODE` (E503 unless exactly two well-formed definitions)."""
-    found = [(m.group(1).strip(), m.group(2)) for m in _SPEC.finditer(text)]
-    if len(found) != 2 or sum(len(m.group(0)) for m in _SPEC.finditer(text)) != len(text):
-        raise UsageError("E503", f"--losses {text!r}: give two definitions, FORM@MODE,FORM@MODE")
-    forms = []
-    for form, mode in found:
-        if mode not in LOSS_MODES:
-            raise UsageError(
-                "E503", f"--losses: unknown aggregation {mode!r}", f"one of {', '.join(LOSS_MODES)}"
-            )
-        rule = None if form == "vanilla" else parse_rule(form)
-        forms.append(LossForm(rule, mode, f"{form}@{mode}"))
-    return forms[0], forms[1]
 
 
 def token_terms(

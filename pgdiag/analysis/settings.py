@@ -8,9 +8,11 @@ streams, the rules (the default grid unless the user names rules) and the loss s
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
+from pgdiag.metrics.loss import GSPO_MODES, NATIVE_MODES
 
 RULE_KINDS = ("token_tis", "token_mis", "seq_tis", "seq_mis", "geo_mask", "icepop")
 BOUNDED_KINDS = ("token_mis", "seq_mis", "geo_mask", "icepop")
@@ -147,6 +149,37 @@ def default_grid() -> tuple[CorrectionRule, ...]:
     return tuple(rules)
 
 
+LOSS_MODES = tuple(m for m in NATIVE_MODES if m not in GSPO_MODES)
+_SPEC = re.compile(r"\s*([^@]+)@(\w+)\s*(?:,|$)")
+
+
+@dataclass(frozen=True)
+class LossForm:
+    """One loss definition: the per-token form (None: vanilla policy gradient) and the aggregation mode."""
+
+    rule: CorrectionRule | None
+    mode: str
+    label: str
+
+
+def parse_losses(text: str) -> tuple[LossForm, LossForm]:
+    """`A,B` with A and B each `FORM@MODE` (E503 unless exactly two well-formed definitions)."""
+    found = [(m.group(1).strip(), m.group(2)) for m in _SPEC.finditer(text)]
+    if len(found) != 2 or sum(len(m.group(0)) for m in _SPEC.finditer(text)) != len(text):
+        raise UsageError(
+            Code.UNPARSABLE_OPTION, f"--losses {text!r}: give two definitions, FORM@MODE,FORM@MODE"
+        )
+    forms = []
+    for form, mode in found:
+        if mode not in LOSS_MODES:
+            raise UsageError(
+                "E503", f"--losses: unknown aggregation {mode!r}", f"one of {', '.join(LOSS_MODES)}"
+            )
+        rule = None if form == "vanilla" else parse_rule(form)
+        forms.append(LossForm(rule, mode, f"{form}@{mode}"))
+    return forms[0], forms[1]
+
+
 @dataclass(frozen=True)
 class WhatifSettings:
     """Streams, rules and loss settings of `whatif`.
@@ -166,8 +199,6 @@ class WhatifSettings:
         if self.divisor is not None and not self.divisor > 0:
             raise UsageError("E503", f"--divisor must be > 0, got {self.divisor}")
         if self.losses is not None:
-            from pgdiag.analysis.losses import parse_losses
-
             parse_losses(self.losses)
 
     def grid(self) -> tuple[CorrectionRule, ...]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pgdiag.analysis.losses import loss_parity_rows, parse_losses
+from pgdiag.analysis.losses import loss_parity_rows
 from pgdiag.analysis.rules import (
     PROXIMAL_THETA,
     Replay,
@@ -34,13 +34,14 @@ from pgdiag.analysis.rules import (
     segment_sums,
     verl_chain,
 )
-from pgdiag.analysis.settings import RULE_KINDS, CorrectionRule, WhatifSettings
+from pgdiag.analysis.settings import RULE_KINDS, CorrectionRule, WhatifSettings, parse_losses
 from pgdiag.analysis.signal import batch_weights, psis_rows, rule_signal, zero_advantage_groups
 from pgdiag.analysis.staleness import staleness_rows
 from pgdiag.analysis.where import Localiser
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.load import read_token_batch
 from pgdiag.data.runs import Run
+from pgdiag.data.schema import BASE_STREAMS
 from pgdiag.data.validate import CheckSettings
 from pgdiag.data.versions import TokenLag, token_lag
 from pgdiag.errors import UsageError
@@ -49,7 +50,6 @@ from pgdiag.report.report import Report, ReportRow, summary_frame
 
 SAFETY_BOUND = 20.0  # verl rollout_corr_helper.SAFETY_BOUND: |log ratio| clamp before exp
 LOSS_MODES = tuple(m for m in NATIVE_MODES if m not in GSPO_MODES)
-_CANONICAL = ("rollout", "old", "ref", "new")
 
 
 def _sample_of_token(offsets: np.ndarray) -> np.ndarray:
@@ -360,7 +360,7 @@ def resolve_whatif_streams(run: Run, settings: WhatifSettings) -> tuple[str, str
             "E111", f"{run.label}: no stream {target!r} for --target", f"streams present: {listed}"
         )
     if target is None:
-        tags = [s for s in present if s not in _CANONICAL]
+        tags = [s for s in present if s not in BASE_STREAMS]
         if "old" in present:
             target = "old"
         elif len(tags) == 1:

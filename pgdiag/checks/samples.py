@@ -53,7 +53,7 @@ def _step_range(step: np.ndarray) -> str:
 
 @dataclass(frozen=True)
 class CrossRunParts:
-    """The counts behind `cross_run_issues` of one piece of two runs (the same steps of each), mergeable over
+    """The counts behind `cross_run_findings` of one piece of two runs (the same steps of each), mergeable over
     consecutive pieces: the issues of the merged parts are those of the two runs read whole."""
 
     label_a: str
@@ -155,15 +155,10 @@ def _span_text(span: tuple[int, int] | None) -> str:
     return f"{span[0]}-{span[1]}" if span is not None else "none"
 
 
-def cross_run_issues(a: TokenBatch, b: TokenBatch, max_examples: int) -> list[Issue]:
-    """E304 (no sample matched by (step, sample_id, segment_idx)), E301 (matched, different tokens: their
-    `seq_hash` differs), then E303/W303 (the loss positions of samples with equal tokens differ), on the two
-    batches as read (`TokenBatch.seq_hash`), so no run is read again."""
-    return cross_run_findings(cross_run_parts(a, b, max_examples))
-
-
 def cross_run_findings(parts: CrossRunParts) -> list[Issue]:
-    """The issues of `cross_run_issues` from (merged) parts."""
+    """E304 (no sample matched by (step, sample_id, segment_idx)), E301 (matched, different tokens: their
+    `seq_hash` differs), then E303/W303 (the loss positions of samples with equal tokens differ), from the
+    (merged) parts of the two runs as read (`TokenBatch.seq_hash`), so no run is read again."""
     if parts.matched == 0:
         message = (
             f"0 of {parts.n_a} samples matched by (step, sample_id); steps {_span_text(parts.steps_a)} vs "

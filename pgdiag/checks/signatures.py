@@ -47,7 +47,7 @@ class Signatures:
 class Comoments:
     """Mergeable first and second moments of a pair (x, y): n, means and centred sums of squares and products.
 
-    `of(x, y)` centres on np.mean (as `line_fit` always has), so a single piece gives the same slope and r bit
+    `of(x, y)` centres on np.mean, so a single piece gives the same slope and r bit
     for bit; `merge` pools pieces with the parallel update of Chan et al. (n_a n_b / n · δx δy), which moves a
     pooled value by rounding only (relative 1e-15 or so), never by cancellation: no raw sums of squares.
     """
@@ -86,15 +86,10 @@ class Comoments:
         )
 
     def slope_and_r(self) -> tuple[float | None, float | None]:
-        """(OLS slope of y on x, Pearson r), as `line_fit`; None below 3 points or where a spread is 0."""
+        """(OLS slope of y on x, Pearson r) over all tokens; None below 3 points or where a spread is 0."""
         if self.n < 3 or not (self.sxx > 0 and self.syy > 0):
             return None, None
         return self.sxy / self.sxx, self.sxy / float(np.sqrt(self.sxx * self.syy))
-
-
-def line_fit(lp_a: np.ndarray, lp_b: np.ndarray) -> tuple[float | None, float | None]:
-    """(OLS slope of lp_b on lp_a, Pearson r) over all tokens; None where a spread is zero."""
-    return Comoments.of(lp_a, lp_b).slope_and_r()
 
 
 @dataclass(frozen=True)
@@ -196,35 +191,6 @@ def first_token_stats(stats: SignatureStats) -> tuple[float | None, float]:
     return first_mean / overall, share
 
 
-def signatures(
-    lp_a: np.ndarray,
-    lp_b: np.ndarray,
-    where: TokenLocations,
-    *,
-    name: str,
-    name_a: str,
-    name_b: str,
-    sampling_side_is_engine: bool,
-    fit: tuple[float | None, float | None] | None = None,
-    max_examples: int = 1,
-) -> Signatures:
-    """W401, W403, W406, W407 and W410 of the pair; every token of `lp_a`, `lp_b` (M,) must be finite.
-
-    `name` prefixes the messages (the pair), `name_a`/`name_b` name the sides; `fit` is (slope, r) when the
-    caller has computed it (`compare`'s parity table), else it is computed here. W403 applies only when side a
-    is the sampling engine's.
-    """
-    stats = signature_stats(lp_a, lp_b, where, max_examples=max_examples, fit=fit is None)
-    return signature_issues(
-        stats,
-        name=name,
-        name_a=name_a,
-        name_b=name_b,
-        sampling_side_is_engine=sampling_side_is_engine,
-        fit=fit,
-    )
-
-
 def signature_issues(
     stats: SignatureStats,
     *,
@@ -234,7 +200,9 @@ def signature_issues(
     sampling_side_is_engine: bool,
     fit: tuple[float | None, float | None] | None = None,
 ) -> Signatures:
-    """The findings of `signatures` from the (pooled) `stats` of a pair."""
+    """W401, W403, W406, W407 and W410 of a pair from its (pooled) `stats`; `name` prefixes the messages (the
+    pair), `name_a`/`name_b` name the sides; `fit` is (slope, r) when the caller has computed it (`compare`'s
+    parity table). W403 applies only when side a is the sampling engine's."""
     n = stats.n
     issues: list[Issue] = []
     if n == 0:

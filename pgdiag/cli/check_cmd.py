@@ -1,7 +1,7 @@
 """`pgdiag check RUN [RUN_B]`: schema validation and alignment checks, the gate before any number is printed.
 
-Thin shell over `pgdiag.checks.run.check_run` (docs/cli.md). Exit 0 when clean (warnings
-allowed), 1 for warnings under `--strict`, 3 for any error.
+Thin shell over `pgdiag.checks.run.check_run` (docs/cli.md): the findings on stderr, the verdict on stdout. Exit 0
+when clean (warnings allowed), 1 for warnings under `--strict`, 3 for any error.
 """
 
 from __future__ import annotations
@@ -9,73 +9,57 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
-from pgdiag.cli.common import (
-    STREAMS,
-    AttachOpt,
-    IgnoreOpt,
-    JsonOpt,
-    LabelOpt,
-    MaxExamplesOpt,
-    QuietOpt,
-    RunArg,
-    RunNameOpt,
-    StepsOpt,
-    StrictOpt,
-    VerboseOpt,
-    execute,
-    list_option,
-    result_object,
-)
+from pgdiag.cli.common import Screen, execute, result_object
+from pgdiag.cli.options import STREAMS, CheckOptions, Fields, RunArg, RunInputs, StrictOpt, flat_command
+from pgdiag.cli.outputs import OutputSettings
+
+HELP = """Validate rollouts against [bold]pgdiag.rollouts/v1[/] and check stream alignment.
+
+Runs every schema rule (lengths, masks, nulls on loss positions, NaN/inf, positive or zero-filled
+log-probs, duplicate ids, seq_hash, empty masks, ...) and the semantic checks on every stream pair that
+includes rollout: off-by-one shifts (offsets 0 and +-1), zero fills, tempering and processed-logprob hints.
+Each finding is one line on stderr naming file, step, sample and column; the verdict goes to stdout. Exit 0
+clean, 1 warnings with --strict, 3 errors.
+"""
+
+StreamsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--streams",
+        help="Check this stream pair, 'A,B' (default: every pair with rollout).",
+        rich_help_panel=STREAMS,
+    ),
+]
+VocabSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--vocab-size", min=1, help="Enable the token-id range check (E208).", rich_help_panel=STREAMS
+    ),
+]
 
 
 def register(app: typer.Typer) -> None:
     """Add the `check` command to `app`."""
-    app.command("check")(check)
+    app.command("check", help=HELP)(flat_command(check))
 
 
 def check(
     run: RunArg,
     run_b: Annotated[str | None, typer.Argument(help="A second run to check alignment against.")] = None,
     *,
-    steps: StepsOpt = None,
-    run_name: RunNameOpt = None,
-    label: LabelOpt = None,
-    attach: AttachOpt = None,
-    streams: Annotated[
-        str | None,
-        typer.Option(
-            "--streams",
-            help="Check this stream pair, 'A,B' (default: every pair with rollout).",
-            rich_help_panel=STREAMS,
-        ),
-    ] = None,
-    vocab_size: Annotated[
-        int | None,
-        typer.Option(
-            "--vocab-size", min=1, help="Enable the token-id range check (E208).", rich_help_panel=STREAMS
-        ),
-    ] = None,
-    ignore: IgnoreOpt = None,
+    inputs: RunInputs,
+    streams: StreamsOpt = None,
+    vocab_size: VocabSizeOpt = None,
+    check: CheckOptions,
     strict: StrictOpt = False,
-    max_examples: MaxExamplesOpt = 5,
-    json_out: JsonOpt = False,
-    quiet: QuietOpt = False,
-    verbose: VerboseOpt = False,
+    output: Annotated[OutputSettings, Fields("json_out", "quiet", "verbose")],
 ) -> None:
-    """Validate rollouts against [bold]pgdiag.rollouts/v1[/] and check stream alignment.
+    """The `check` command (help: `HELP`)."""
 
-    Runs every schema rule (lengths, masks, nulls on loss positions, NaN/inf, positive or zero-filled
-    log-probs, duplicate ids, seq_hash, empty masks, ...) and the semantic checks on every stream pair that
-    includes rollout: off-by-one shifts (offsets 0 and +-1), zero fills, tempering and processed-logprob hints.
-    Each finding is one line naming file, step, sample and column. Exit 0 clean, 1 warnings with --strict, 3 errors.
-    """
-
-    def body(console: Console) -> dict[str, Any]:
+    def body(screen: Screen) -> dict[str, Any]:
         from pgdiag.checks.run import check_run
         from pgdiag.cli.render import render_checks, render_verdict
-        from pgdiag.data.runs import read_run
         from pgdiag.errors import UsageError
         from pgdiag.report.verdict import check_verdict
 
@@ -84,20 +68,16 @@ def check(
             pair = [s.strip() for s in streams.split(",")]
             if len(pair) != 2 or not all(pair):
                 raise UsageError("E112", f"--streams {streams!r}: give two stream names, 'A,B'")
-        source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
-        other = read_run(run_b, steps=steps, run=run_name) if run_b is not None else None
+        source = inputs.read(run)
+        other = inputs.read(run_b, first=False) if run_b is not None else None
+        settings = check.settings()
         result = check_run(
-            source,
-            other,
-            streams=pair,
-            ignore=list_option(ignore),
-            max_examples=max_examples,
-            vocab_size=vocab_size,
-            strict=strict,
-        )
-        render_checks(console, result.issues, result.hints)
+            source, other, streams=pair, ignore=settings.ignore, max_examples=settings.max_examples,
+            vocab_size=vocab_size, strict=strict,
+        )  # fmt: skip
+        render_checks(screen.notes, result.issues, result.hints)
         verdict = check_verdict(result)
-        render_verdict(console, verdict)
+        render_verdict(screen.results, verdict)
         return result_object(
             "check",
             status="ok" if result.exit_code == 0 else ("fail" if result.exit_code == 1 else "error"),
@@ -110,4 +90,4 @@ def check(
             verdict=verdict.as_dict(),
         )
 
-    execute("check", body, json_out=json_out, quiet=quiet)
+    execute("check", body, json_out=output.json_out, quiet=output.quiet)

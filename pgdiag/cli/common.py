@@ -1,9 +1,11 @@
-"""Shared pieces of every pgdiag command: options, the stderr console, errors to exit codes, the JSON object.
+"""Shared pieces of every pgdiag command: the consoles, errors to exit codes, the JSON object.
 
-Every command is parse -> one library call -> render. `execute` runs the body, turns a `PgdiagError` into
-``error[CODE] message`` plus a ``hint:`` line and its exit code (docs/cli.md), prints the
-`--json` object on stdout, and never shows a traceback for an expected failure (``PGDIAG_TRACEBACK=1``
-shows it for internal errors). Tables, progress and diagnostics go to stderr so stdout stays clean for ``jq``.
+Every command is parse -> settings -> one library call -> outcome -> render (its options: `cli.options`; its
+files: `cli.outputs`). `execute` runs the body, turns a `PgdiagError` into ``error[CODE] message`` plus a
+``hint:`` line and its exit code (docs/cli.md), prints the `--json` object on stdout, and never shows a traceback
+for an expected failure (``PGDIAG_TRACEBACK=1`` shows it for internal errors). Results (tables, the verdict) go to
+stdout, progress and diagnostics (check findings, errors, files written) to stderr; under `--json` stdout holds
+only the JSON and the tables go to stderr.
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from enum import StrEnum
-from pathlib import Path
-from typing import Annotated, Any
+from dataclasses import dataclass
+from typing import Any
 
 import click
 import typer
@@ -32,140 +33,14 @@ from pgdiag.report.report import _jsonable
 
 RESULT_SCHEMA = "pgdiag.result/v1"
 
-# Help panels.
-INPUTS = "Inputs"
-STREAMS = "Streams"
-ALIGNMENT = "Alignment"
-METRICS = "Metrics"
-MODEL = "Model"
-PERFORMANCE = "Performance"
-THRESHOLDS = "Thresholds"
-OUTPUT = "Output"
-SAFETY = "Safety"
 
+@dataclass(frozen=True)
+class Screen:
+    """Where a command prints: results (its tables and the verdict) on stdout, or on stderr under `--json` so
+    stdout holds only the JSON; notes (check findings, progress, the files written) on stderr."""
 
-class KeyStyle(StrEnum):
-    pgdiag = "pgdiag"
-    fast_llm = "fast-llm"
-    verl = "verl"
-    trl = "trl"
-    liger = "liger"
-    miles = "miles"
-    pipelinerl = "pipelinerl"
-
-
-RunArg = Annotated[
-    str,
-    typer.Argument(help="A run directory, a directory of Parquet files, a .parquet file, or a quoted glob."),
-]
-StepsOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--steps", help="Steps to read: N, A-B (inclusive), comma lists, or 'last'.", rich_help_panel=INPUTS
-    ),
-]
-RunNameOpt = Annotated[
-    str | None, typer.Option("--run", help="Keep only rows of this run label.", rich_help_panel=INPUTS)
-]
-LabelOpt = Annotated[
-    str | None,
-    typer.Option("--label", help="Override the run label shown in reports.", rich_help_panel=INPUTS),
-]
-AttachOpt = Annotated[
-    list[Path] | None,
-    typer.Option(
-        "--attach", help="Attach a recompute output directory (repeatable).", rich_help_panel=INPUTS
-    ),
-]
-IgnoreOpt = Annotated[
-    list[str] | None,
-    typer.Option("--ignore", help="Silence a check code, e.g. W217 (repeatable).", rich_help_panel=ALIGNMENT),
-]
-StrictOpt = Annotated[
-    bool, typer.Option("--strict/--no-strict", help="Warnings exit 1.", rich_help_panel=ALIGNMENT)
-]
-MaxExamplesOpt = Annotated[
-    int,
-    typer.Option(
-        "--max-examples", min=1, help="Locations listed per check message.", rich_help_panel=ALIGNMENT
-    ),
-]
-FailOnOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--fail-on",
-        help="Gate: exit 1 when EXPR holds, e.g. 'policy/clip_frac_binding>0.2'.",
-        rich_help_panel=THRESHOLDS,
-    ),
-]
-WarnOnOpt = Annotated[
-    list[str] | None,
-    typer.Option("--warn-on", help="Gate: print a warning when EXPR holds.", rich_help_panel=THRESHOLDS),
-]
-ProfileOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--profile",
-        help="Threshold set: recommended, nemo, verl, slime, deterministic, exact.",
-        rich_help_panel=THRESHOLDS,
-    ),
-]
-ExitZeroOpt = Annotated[
-    bool,
-    typer.Option("--exit-zero", help="Exit 0 when a gate fails (2 and 3 stay).", rich_help_panel=THRESHOLDS),
-]
-JsonOpt = Annotated[
-    bool, typer.Option("--json", help="Print the result object as JSON on stdout.", rich_help_panel=OUTPUT)
-]
-OutOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--out", help="Write the report: a directory or a .parquet file name.", rich_help_panel=OUTPUT
-    ),
-]
-OverwriteOpt = Annotated[
-    bool, typer.Option("--overwrite", help="Replace existing output files.", rich_help_panel=OUTPUT)
-]
-ToTensorboardOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--to-tensorboard",
-        help="Write the per-step scalars as TensorBoard events in this directory.",
-        rich_help_panel=OUTPUT,
-    ),
-]
-ToWandbOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--to-wandb",
-        metavar="PROJECT",
-        help="Log the per-step scalars as a W&B run of this project (offline unless WANDB_MODE is set).",
-        rich_help_panel=OUTPUT,
-    ),
-]
-WandbDirOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--wandb-dir",
-        help="Where --to-wandb writes its wandb/ folder [default: beside the --out report, else here].",
-        rich_help_panel=OUTPUT,
-    ),
-]
-QuietOpt = Annotated[
-    bool, typer.Option("--quiet", "-q", help="No tables or progress on stderr.", rich_help_panel=OUTPUT)
-]
-VerboseOpt = Annotated[
-    bool, typer.Option("--verbose", "-v", help="More detail on stderr.", rich_help_panel=OUTPUT)
-]
-
-
-def wandb_directory(wandb_dir: Path | None, out: Path | None) -> Path:
-    """The folder that gets `wandb/`: --wandb-dir, else the folder of the --out report, else the current one."""
-    if wandb_dir is not None:
-        return wandb_dir
-    if out is not None:
-        return out.parent if out.suffix == ".parquet" else out
-    return Path.cwd()
+    results: Console
+    notes: Console
 
 
 def _plain_flags(params: list[click.Parameter]) -> list[click.Parameter]:
@@ -209,8 +84,9 @@ class LineConsole(Console):
         super().print(*objects, soft_wrap=soft_wrap, **options)
 
 
-def make_console(*, quiet: bool = False, width: int | None = None) -> Console:
-    """The stderr console; honours NO_COLOR / FORCE_COLOR / COLUMNS / TERMINAL_WIDTH through rich.
+def make_console(*, quiet: bool = False, width: int | None = None, stdout: bool = False) -> Console:
+    """The stderr console (stdout with `stdout`); honours NO_COLOR / FORCE_COLOR / COLUMNS / TERMINAL_WIDTH
+    through rich.
 
     Emoji codes are off (a label such as ``run_a:new:`` stays text); user strings are printed escaped or with
     markup off. `width` fixes the width (tests).
@@ -219,9 +95,10 @@ def make_console(*, quiet: bool = False, width: int | None = None) -> Console:
     width is 160 unless COLUMNS or TERMINAL_WIDTH says otherwise.
     """
     sized = os.environ.get("COLUMNS") or os.environ.get("TERMINAL_WIDTH")
-    if width is None and not sys.stderr.isatty() and not sized:
+    stream = sys.stdout if stdout else sys.stderr
+    if width is None and not stream.isatty() and not sized:
         width = 160
-    return LineConsole(stderr=True, quiet=quiet, highlight=False, emoji=False, width=width)
+    return LineConsole(stderr=not stdout, quiet=quiet, highlight=False, emoji=False, width=width)
 
 
 @contextmanager
@@ -307,17 +184,17 @@ def environment_error(command: str, error: BaseException) -> PgdiagError | None:
     return None
 
 
-def execute(command: str, body: Callable[[Console], dict[str, Any]], *, json_out: bool, quiet: bool) -> None:
+def execute(command: str, body: Callable[[Screen], dict[str, Any]], *, json_out: bool, quiet: bool) -> None:
     """Run a command body and exit with its code.
 
-    `body(console)` returns the result object (from `result_object`) with ``exit_code`` set; expected failures
+    `body(screen)` returns the result object (from `result_object`) with ``exit_code`` set; expected failures
     are raised as `PgdiagError` and become ``error[CODE]`` lines; Ctrl-C exits 130; anything else is an internal
     error (exit 101) whose traceback is printed only with ``PGDIAG_TRACEBACK=1``.
     """
-    console = make_console(quiet=quiet)
+    screen = Screen(results=make_console(quiet=quiet, stdout=not json_out), notes=make_console(quiet=quiet))
     start = time.perf_counter()
     try:
-        result = body(console)
+        result = body(screen)
     except PgdiagError as error:
         print_error(make_console(), error)
         result = result_object(
@@ -360,91 +237,3 @@ def execute(command: str, body: Callable[[Console], dict[str, Any]], *, json_out
         sys.stdout.write(json.dumps(_jsonable(result)) + "\n")
         sys.stdout.flush()
     raise typer.Exit(int(result["exit_code"]))
-
-
-def list_option(values: list[Any] | None) -> tuple[Any, ...]:
-    """A repeatable option's values as a tuple (Typer gives None when absent)."""
-    return tuple(values or ())
-
-
-def gate_settings(
-    fail_on: list[str] | None, warn_on: list[str] | None, profile: str | None, strict: bool, exit_zero: bool
-) -> Any:
-    """The `report.gates.GateSettings` of the gate options every reporting command shares."""
-    from pgdiag.report.gates import GateSettings
-
-    return GateSettings(
-        fail_on=tuple(list_option(fail_on)),
-        warn_on=tuple(list_option(warn_on)),
-        profile=profile,
-        strict=strict,
-        exit_zero=exit_zero,
-    )
-
-
-def check_settings(ignore: list[str] | None, max_examples: int) -> Any:
-    """The `data.validate.CheckSettings` of `--ignore` and `--max-examples`."""
-    from pgdiag.data.validate import CheckSettings
-
-    return CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
-
-
-def check_report_outputs(
-    kind: str, out: Path | None, plot: Path | None, *, overwrite: bool, html: Path | None = None
-) -> None:
-    """Refuse an existing `kind` report (`--out`), figure (`--plot`) or page (`--html`) before any work: E502
-    unless `overwrite`, or a file standing where a directory must be (a directory where the page must be)."""
-    from pgdiag.data.writing import check_destination
-    from pgdiag.report.report import report_files
-
-    if out is not None:
-        planned = report_files(out, kind, worst=False)
-        check_destination(planned.report.parent, [planned.report, planned.json], overwrite=overwrite)
-    if plot is not None:
-        check_destination(plot.parent, [plot], overwrite=overwrite, hint="--plot takes a file name")
-    if html is not None:
-        from pgdiag.report.html import check_html_path
-
-        check_html_path(html, overwrite=overwrite)
-
-
-def write_report_outputs(
-    console: Console,
-    report: Any,
-    result: dict[str, Any],
-    *,
-    out: Path | None,
-    plot: Path | None,
-    draw: Callable[[Any], Any],
-    overwrite: bool,
-    html: Path | None = None,
-    verdict: Any = None,
-) -> None:
-    """Write `draw(report)` to `plot`, the one-file page of `report` with `verdict` on top to `html`, and
-    `report` to `out` (each when given; the report last, so its JSON lists every file), listing them in
-    `result["files"]`."""
-    if plot is not None:
-        from pgdiag.report.plots import save_figure
-
-        path = save_figure(draw(report), plot)
-        result.setdefault("files", {})["plots"] = [str(path)]
-        console.print(f"plot written to {path}", markup=False)
-    if html is not None:
-        from pgdiag.report.html import verdict_arguments, write_html
-        from pgdiag.report.plots import build_figures
-
-        page_verdict = verdict_arguments(verdict or {})  # its findings also mark the plots and tables
-        page = write_html(
-            report,
-            html,
-            overwrite=overwrite,
-            plot_set=build_figures(report, marks=page_verdict["marks"]),
-            argv=result.get("argv"),
-            **page_verdict,
-        )
-        result.setdefault("files", {})["html"] = str(page)
-        console.print(f"html written to {page}", markup=False)
-    if out is not None:
-        files = report.write(out, overwrite=overwrite, result=result)
-        result["files"] = {"report": str(files.report), "json": str(files.json), **result.get("files", {})}
-        console.print(f"report written to {files.report}", markup=False)

@@ -1,8 +1,8 @@
 """`pgdiag explain RUN --model CKPT`: why two streams disagree, attributed to causes (docs/explain.md).
 
 Thin shell over `pgdiag.explain.api.explain_run` (and `explain.layers.compare_layers` for ``--layers``):
-parse -> settings -> one library call -> render (the cause table and the verdict on stderr, `--json` on
-stdout, `--out` report files, `--html` the one-file page).
+parse -> settings -> one library call -> render (the cause table and the verdict on stdout, the cost and
+progress on stderr, `--json` on stdout alone, `--out` report files, `--html` the one-file page).
 Example::
 
     pgdiag explain runs/step_100 --model ckpt/ --tokens 200000 --out /tmp/explain --html /tmp/explain.html
@@ -14,107 +14,81 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
-from pgdiag.cli.common import (
-    MODEL,
-    PERFORMANCE,
-    STREAMS,
-    JsonOpt,
-    OutOpt,
-    OverwriteOpt,
-    QuietOpt,
-    RunArg,
-    check_report_outputs,
-    execute,
-    result_object,
-    write_report_outputs,
-)
+from pgdiag.cli.common import Screen, execute, result_object
+from pgdiag.cli.options import MODEL, PERFORMANCE, STREAMS, Fields, RunArg, flat_command
+from pgdiag.cli.outputs import OutputSettings, write_outputs
+
+HELP = """Attribute the mismatch of two streams to causes: logprobs_mode, temperature, sampling_truncation,
+tokenization, staleness, weights, routing, batch_variance, precision, unexplained.
+
+Runs a recompute matrix on a stratified token budget (the cost is printed first), removes the causes in a
+fixed order and prints each one's share; the last line names the top cause, its share and its fix.
+"""
+
+ModelOpt = Annotated[Path, typer.Option("--model", help="HF checkpoint directory.", rich_help_panel=MODEL)]
+PairOpt = Annotated[str, typer.Option("--pair", help="Streams A,B (A samples).", rich_help_panel=STREAMS)]
+TokensOpt = Annotated[
+    int, typer.Option("--tokens", help="Loss-token budget, stratified by step.", rich_help_panel=PERFORMANCE)
+]
+SeedOpt = Annotated[
+    int, typer.Option("--seed", help="Which samples the budget takes.", rich_help_panel=PERFORMANCE)
+]
+TpOpt = Annotated[
+    int, typer.Option("--tp", help="Tensor-parallel degree of the matrix.", rich_help_panel=PERFORMANCE)
+]
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="cuda or cpu.", rich_help_panel=PERFORMANCE)]
+LayersOpt = Annotated[
+    tuple[str, str] | None,
+    typer.Option(
+        "--layers", help="Per-layer divergence of two configurations (e.g. ref bf16).", rich_help_panel=MODEL
+    ),
+]
 
 
 def register(app: typer.Typer) -> None:
     """Add the `explain` command to `app`."""
-    app.command("explain")(explain)
+    app.command("explain", help=HELP)(flat_command(explain))
 
 
 def explain(
     run: RunArg,
     *,
-    model: Annotated[Path, typer.Option("--model", help="HF checkpoint directory.", rich_help_panel=MODEL)],
-    pair: Annotated[
-        str, typer.Option("--pair", help="Streams A,B (A samples).", rich_help_panel=STREAMS)
-    ] = "rollout,old",
-    tokens: Annotated[
-        int,
-        typer.Option("--tokens", help="Loss-token budget, stratified by step.", rich_help_panel=PERFORMANCE),
-    ] = 200_000,
-    seed: Annotated[
-        int, typer.Option("--seed", help="Which samples the budget takes.", rich_help_panel=PERFORMANCE)
-    ] = 0,
-    tp: Annotated[
-        int, typer.Option("--tp", help="Tensor-parallel degree of the matrix.", rich_help_panel=PERFORMANCE)
-    ] = 1,
-    device: Annotated[
-        str | None, typer.Option("--device", help="cuda or cpu.", rich_help_panel=PERFORMANCE)
-    ] = None,
-    layers: Annotated[
-        tuple[str, str] | None,
-        typer.Option(
-            "--layers",
-            help="Per-layer divergence of two configurations (e.g. ref bf16).",
-            rich_help_panel=MODEL,
-        ),
-    ] = None,
-    json_out: JsonOpt = False,
-    out: OutOpt = None,
-    html: Annotated[Path | None, typer.Option("--html", help="Write a one-file HTML report.")] = None,
-    overwrite: OverwriteOpt = False,
-    quiet: QuietOpt = False,
+    model: ModelOpt,
+    pair: PairOpt = "rollout,old",
+    tokens: TokensOpt = 200_000,
+    seed: SeedOpt = 0,
+    tp: TpOpt = 1,
+    device: DeviceOpt = None,
+    layers: LayersOpt = None,
+    output: Annotated[OutputSettings, Fields("json_out", "out", "html", "overwrite", "quiet")],
 ) -> None:
-    """Attribute the mismatch of two streams to causes: logprobs_mode, temperature, sampling_truncation,
-    tokenization, staleness, weights, routing, batch_variance, precision, unexplained.
+    """The `explain` command (help: `HELP`)."""
 
-    Runs a recompute matrix on a stratified token budget (the cost is printed first), removes the causes in a
-    fixed order and prints each one's share; the last line names the top cause, its share and its fix.
-    """
-
-    def body(console: Console) -> dict[str, Any]:
-        from pgdiag.cli.explain_render import render_explain, render_layers
-        from pgdiag.cli.render import render_verdict
+    def body(screen: Screen) -> dict[str, Any]:
+        from pgdiag.cli.explain_render import render_explain
+        from pgdiag.cli.render import render_verdict, render_written
         from pgdiag.explain.settings import ExplainSettings
 
-        check_report_outputs("explain", out, None, overwrite=overwrite, html=html)
+        output.refuse_existing("explain")
         settings = ExplainSettings(
             pair=tuple(p.strip() for p in pair.split(",")), tokens=tokens, seed=seed, tp=tp, device=device
         )
         if layers is not None:
-            from pgdiag.explain.layers import compare_layers
-            from pgdiag.explain.report import layers_report, layers_verdict
-
-            found = compare_layers(run, model, layers[0], layers[1], settings)
-            verdict = layers_verdict(found)
-            if not quiet:
-                render_layers(console, found)
-            outcome = result_object("explain", inputs={"runs": [str(run)]}, layers=found.to_json())
-            outcome["verdict"] = verdict.as_dict()
-            write_report_outputs(
-                console, layers_report(found).with_meta(verdict=verdict.as_dict()), outcome, out=out, plot=None,
-                draw=lambda r: None, overwrite=overwrite, html=html, verdict=verdict,
-            )  # fmt: skip
-            if not quiet:
-                render_verdict(console, verdict)
-            return outcome
+            return _layers(screen, run, model, layers, settings, output)
         from pgdiag.explain.api import explain_run
         from pgdiag.explain.report import explain_report, explain_verdict
 
+        out = output.out
         work = None if out is None else (out if out.suffix != ".parquet" else out.parent)
         result = explain_run(
-            run, model, settings, out=work, overwrite=overwrite, on_cost=lambda line: console.print(line, markup=False),
-            progress=None if quiet else lambda line: console.print(line, markup=False, style="dim"),
+            run, model, settings, out=work, overwrite=output.overwrite,
+            on_cost=lambda line: screen.notes.print(line, markup=False),
+            progress=None if output.quiet else lambda line: screen.notes.print(line, markup=False, style="dim"),
         )  # fmt: skip
         report, verdict = explain_report(result), explain_verdict(result)
-        if not quiet:
-            render_explain(console, result)
+        if not output.quiet:
+            render_explain(screen.results, result)
         outcome = result_object(
             "explain",
             inputs={"runs": [str(run)], "streams": list(result.pair), "n_tokens": result.n_tokens},
@@ -124,12 +98,32 @@ def explain(
             explain=result.to_json(),
             verdict=verdict.as_dict(),
         )
-        write_report_outputs(
-            console, report.with_meta(verdict=verdict.as_dict()), outcome, out=out, plot=None,
-            draw=lambda r: None, overwrite=overwrite, html=html, verdict=verdict,
-        )  # fmt: skip
-        if not quiet:
-            render_verdict(console, verdict)
+        outcome = write_outputs(report.with_meta(verdict=verdict.as_dict()), output, outcome, verdict=verdict)
+        render_written(screen.notes, outcome["files"])
+        render_verdict(screen.results, verdict)
         return outcome
 
-    execute("explain", body, json_out=json_out, quiet=quiet)
+    execute("explain", body, json_out=output.json_out, quiet=output.quiet)
+
+
+def _layers(
+    screen: Screen, run: str, model: Path, layers: tuple[str, str], settings: Any, output: OutputSettings
+) -> dict[str, Any]:
+    """`--layers A B`: the per-layer divergence of two configurations."""
+    from pgdiag.cli.explain_render import render_layers
+    from pgdiag.cli.render import render_verdict, render_written
+    from pgdiag.explain.layers import compare_layers
+    from pgdiag.explain.report import layers_report, layers_verdict
+
+    found = compare_layers(run, model, layers[0], layers[1], settings)
+    verdict = layers_verdict(found)
+    if not output.quiet:
+        render_layers(screen.results, found)
+    outcome = result_object(
+        "explain", inputs={"runs": [str(run)]}, layers=found.to_json(), verdict=verdict.as_dict()
+    )
+    report = layers_report(found).with_meta(verdict=verdict.as_dict())
+    outcome = write_outputs(report, output, outcome, verdict=verdict)
+    render_written(screen.notes, outcome["files"])
+    render_verdict(screen.results, verdict)
+    return outcome

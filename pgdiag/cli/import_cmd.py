@@ -7,28 +7,26 @@ for refusals (E701 unsafe global, E702 text only, existing output), 3 for invali
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.text import Text
 
-from pgdiag.cli.common import (
+from pgdiag.cli.common import Screen, execute, result_object
+from pgdiag.cli.options import (
     ALIGNMENT,
     INPUTS,
     SAFETY,
     STREAMS,
+    Fields,
     IgnoreOpt,
-    JsonOpt,
-    OverwriteOpt,
-    QuietOpt,
     StrictOpt,
-    VerboseOpt,
-    execute,
-    list_option,
-    result_object,
+    flat_command,
+    listed,
 )
+from pgdiag.cli.outputs import OutputSettings
 from pgdiag.importers.base import PRESET_MODULES, ImportOptions
 
 
@@ -39,7 +37,7 @@ def _preset_help() -> str:
 
 def register(app: typer.Typer) -> None:
     """Add the `import` command to `app`."""
-    app.command("import", help=_preset_help() + _DETAILS)(import_command)
+    app.command("import", help=_preset_help() + _DETAILS)(flat_command(import_command))
 
 
 _DETAILS = (
@@ -50,21 +48,17 @@ _DETAILS = (
 )
 
 
-def import_command(
-    src: Annotated[Path, typer.Argument(help="The dump: a file or the folder the preset reads.")],
-    out: Annotated[Path, typer.Argument(help="The run directory to write.")],
-    *,
-    preset: Annotated[
-        str,
-        typer.Option("--preset", help=f"Dump format: {', '.join(PRESET_MODULES)}.", rich_help_panel=INPUTS),
-    ],
+@dataclass(frozen=True)
+class ImportFlags:
+    """The options of `ImportOptions`, as typed on the command line."""
+
     step: Annotated[
         int | None,
         typer.Option("--step", min=0, help="Step of a source that records none.", rich_help_panel=INPUTS),
-    ] = None,
+    ] = None
     label: Annotated[
         str | None, typer.Option("--label", help="Run label (default: OUT's name).", rich_help_panel=INPUTS)
-    ] = None,
+    ] = None
     group_by: Annotated[
         str,
         typer.Option(
@@ -73,7 +67,7 @@ def import_command(
             "tokens), contiguous:N (N rows in order).",
             rich_help_panel=INPUTS,
         ),
-    ] = ImportOptions.group_by,
+    ] = ImportOptions.group_by
     shift: Annotated[
         list[str] | None,
         typer.Option(
@@ -82,7 +76,7 @@ def import_command(
             "Repeatable.",
             rich_help_panel=ALIGNMENT,
         ),
-    ] = None,
+    ] = None
     map_: Annotated[
         list[str] | None,
         typer.Option(
@@ -90,7 +84,7 @@ def import_command(
             help="SRC=DST: rename a source column to a canonical one (canonical preset). Repeatable.",
             rich_help_panel=INPUTS,
         ),
-    ] = None,
+    ] = None
     temperature: Annotated[
         float | None,
         typer.Option(
@@ -98,16 +92,16 @@ def import_command(
             help="Sampling temperature, when the source records none.",
             rich_help_panel=STREAMS,
         ),
-    ] = None,
+    ] = None
     top_p: Annotated[
         float | None, typer.Option("--top-p", help="Sampling top-p.", rich_help_panel=STREAMS)
-    ] = None,
-    top_k: Annotated[
-        int | None, typer.Option("--top-k", help="Sampling top-k.", rich_help_panel=STREAMS)
-    ] = None,
+    ] = None
+    top_k: Annotated[int | None, typer.Option("--top-k", help="Sampling top-k.", rich_help_panel=STREAMS)] = (
+        None
+    )
     min_p: Annotated[
         float | None, typer.Option("--min-p", help="Sampling min-p.", rich_help_panel=STREAMS)
-    ] = None,
+    ] = None
     logprobs_mode: Annotated[
         str | None,
         typer.Option(
@@ -115,7 +109,7 @@ def import_command(
             help="raw, processed or unknown (vLLM --logprobs-mode).",
             rich_help_panel=STREAMS,
         ),
-    ] = None,
+    ] = None
     tempered: Annotated[
         str | None,
         typer.Option(
@@ -123,7 +117,7 @@ def import_command(
             help="yes, no or unknown: were log-probs computed at the temperature?",
             rich_help_panel=STREAMS,
         ),
-    ] = None,
+    ] = None
     allow_unsafe_pickle: Annotated[
         bool,
         typer.Option(
@@ -132,7 +126,7 @@ def import_command(
             "Only for dumps you trust; the framework must be importable.",
             rich_help_panel=SAFETY,
         ),
-    ] = False,
+    ] = False
     retokenize: Annotated[
         bool,
         typer.Option(
@@ -140,75 +134,73 @@ def import_command(
             help="Tokenize text-only dumps (verl-jsonl) with --tokenizer.",
             rich_help_panel=SAFETY,
         ),
-    ] = False,
+    ] = False
     tokenizer: Annotated[
         Path | None,
         typer.Option(
             "--tokenizer", help="A tokenizer.json (or its folder) for --retokenize.", rich_help_panel=SAFETY
         ),
-    ] = None,
-    overwrite: OverwriteOpt = False,
-    ignore: IgnoreOpt = None,
-    strict: StrictOpt = False,
-    json_out: JsonOpt = False,
-    quiet: QuietOpt = False,
-    verbose: VerboseOpt = False,
-) -> None:
-    def body(console: Console) -> dict[str, Any]:
-        from pgdiag.cli.render import render_checks
-        from pgdiag.importers.api import import_run
+    ] = None
+
+    def options(self) -> ImportOptions:
+        """The `ImportOptions` (E112 for a malformed --shift or --map)."""
         from pgdiag.importers.base import parse_map, parse_shift
 
-        options = ImportOptions(
-            step=step,
-            label=label,
-            group_by=group_by,
-            shifts=tuple(parse_shift(s) for s in list_option(shift)),
-            maps=tuple(parse_map(m) for m in list_option(map_)),
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            logprobs_mode=logprobs_mode,
-            tempered=tempered,
-            allow_unsafe_pickle=allow_unsafe_pickle,
-            retokenize=retokenize,
-            tokenizer=tokenizer,
+        return ImportOptions(
+            step=self.step,
+            label=self.label,
+            group_by=self.group_by,
+            shifts=tuple(parse_shift(s) for s in listed(self.shift)),
+            maps=tuple(parse_map(m) for m in listed(self.map_)),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            logprobs_mode=self.logprobs_mode,
+            tempered=self.tempered,
+            allow_unsafe_pickle=self.allow_unsafe_pickle,
+            retokenize=self.retokenize,
+            tokenizer=self.tokenizer,
         )
-        if allow_unsafe_pickle:
-            console.print(
+
+
+PresetOpt = Annotated[
+    str, typer.Option("--preset", help=f"Dump format: {', '.join(PRESET_MODULES)}.", rich_help_panel=INPUTS)
+]
+
+
+def import_command(
+    src: Annotated[Path, typer.Argument(help="The dump: a file or the folder the preset reads.")],
+    out: Annotated[Path, typer.Argument(help="The run directory to write.")],
+    *,
+    preset: PresetOpt,
+    flags: ImportFlags,
+    ignore: IgnoreOpt = None,
+    strict: StrictOpt = False,
+    output: Annotated[OutputSettings, Fields("overwrite", "json_out", "quiet", "verbose")],
+) -> None:
+    """The `import` command (help: `_preset_help()`)."""
+
+    def body(screen: Screen) -> dict[str, Any]:
+        from pgdiag.cli.render import render_checks
+        from pgdiag.importers.api import import_run
+
+        options = flags.options()
+        if options.allow_unsafe_pickle:
+            screen.notes.print(
                 "[yellow]warning:[/] --allow-unsafe-pickle: code inside the dump may run while loading"
             )
-        with console.status(Text(f"importing {src} ({preset})"), spinner="dots") as status:
-
-            def progress(summary: Any) -> None:
-                notes = "; ".join(
-                    f"{w.code} {w.message}" if w.severity == "warning" else w.message
-                    for w in summary.warnings
-                    if w.code.startswith("W70") or w.severity == "note"
-                )
-                console.print(
-                    f"step {summary.step}: {summary.n_samples} samples, {summary.n_tokens} tokens "
-                    f"({summary.n_loss_tokens} loss), {summary.n_groups} groups, streams "
-                    f"{', '.join(summary.streams)}" + (f"; {notes}" if notes else ""),
-                    markup=False,
-                    soft_wrap=True,
-                )
-                status.update(Text(f"importing {src} ({preset}): step {summary.step} done"))
-
+        with screen.notes.status(Text(f"importing {src} ({preset})"), spinner="dots") as status:
             result = import_run(
-                preset,
-                src,
-                out,
-                options=options,
-                overwrite=overwrite,
-                ignore=tuple(list_option(ignore)),
-                progress=progress,
-            )
-        render_checks(console, result.issues.issues, result.issues.hints)
+                preset, src, out, options=options, overwrite=output.overwrite, ignore=listed(ignore),
+                progress=_StepLines(screen.notes, status, f"importing {src} ({preset})"),
+            )  # fmt: skip
+        render_checks(screen.notes, result.issues.issues, result.issues.hints)
         if result.dropped_streams:
-            console.print(f"dropped degenerate streams: {', '.join(result.dropped_streams)}", markup=False)
-        console.print(
+            screen.notes.print(
+                f"dropped degenerate streams: {', '.join(result.dropped_streams)}", markup=False
+            )
+        screen.results.print(
             Text.assemble(
                 ("imported", "green"),
                 f" {result.n_samples} samples, {result.n_tokens} tokens, {len(result.steps)} steps, "
@@ -232,4 +224,26 @@ def import_command(
             files={"run": str(result.path)},
         )
 
-    execute("import", body, json_out=json_out, quiet=quiet)
+    execute("import", body, json_out=output.json_out, quiet=output.quiet)
+
+
+class _StepLines:
+    """The import's progress: one line per step read (samples, tokens, groups, streams, notes) and the spinner."""
+
+    def __init__(self, console: Any, status: Any, what: str) -> None:
+        self.console, self.status, self.what = console, status, what
+
+    def __call__(self, summary: Any) -> None:
+        notes = "; ".join(
+            f"{w.code} {w.message}" if w.severity == "warning" else w.message
+            for w in summary.warnings
+            if w.code.startswith("W70") or w.severity == "note"
+        )
+        self.console.print(
+            f"step {summary.step}: {summary.n_samples} samples, {summary.n_tokens} tokens "
+            f"({summary.n_loss_tokens} loss), {summary.n_groups} groups, streams "
+            f"{', '.join(summary.streams)}" + (f"; {notes}" if notes else ""),
+            markup=False,
+            soft_wrap=True,
+        )
+        self.status.update(Text(f"{self.what}: step {summary.step} done"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -23,20 +24,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from pgdiag.cli.common import (
-    MODEL,
-    OUTPUT,
-    PERFORMANCE,
-    JsonOpt,
-    OverwriteOpt,
-    QuietOpt,
-    RunArg,
-    VerboseOpt,
-    execute,
-    make_console,
-    result_object,
-)
+from pgdiag.cli.common import Screen, execute, make_console, result_object
+from pgdiag.cli.options import MODEL, OUTPUT, PERFORMANCE, Fields, RunArg, flat_command
+from pgdiag.cli.outputs import OutputSettings
 from pgdiag.recompute.inputs import DEFAULT_BATCH_TOKENS, DEFAULT_PART_SAMPLES
+from pgdiag.recompute.settings import RecomputeSettings
 
 if TYPE_CHECKING:
     from pgdiag.recompute.logprobs import ProgressUpdate, RecomputeResult
@@ -93,8 +85,9 @@ class Device(StrEnum):
 
 def register(app: typer.Typer) -> None:
     """Add `logprobs` and its alias `recompute` to `app`."""
-    app.command("logprobs")(logprobs)
-    app.command("recompute", help="Alias of `logprobs`: the same command and options.")(logprobs)
+    command = flat_command(logprobs)
+    app.command("logprobs")(command)
+    app.command("recompute", help="Alias of `logprobs`: the same command and options.")(command)
 
 
 def _parse_temperature(value: str) -> float | str:
@@ -121,22 +114,17 @@ def _parse_softmax_vocab(value: str) -> int | str:
     return number
 
 
-def logprobs(
-    run: RunArg,
-    *,
-    model: Annotated[
-        Path,
-        typer.Option(
-            "--model", help="Checkpoint directory (config.json + safetensors).", rich_help_panel=MODEL
-        ),
-    ],
-    dtype: Annotated[Dtype, typer.Option(help="Body compute dtype.", rich_help_panel=MODEL)] = Dtype.bf16,
+@dataclass(frozen=True)
+class RecomputeOptions:
+    """The options of `RecomputeSettings`, by the settings' own names."""
+
+    dtype: Annotated[Dtype, typer.Option(help="Body compute dtype.", rich_help_panel=MODEL)] = Dtype.bf16
     head_dtype: Annotated[
         Dtype, typer.Option("--head-dtype", help="LM head and softmax dtype.", rich_help_panel=MODEL)
-    ] = Dtype.fp32,
+    ] = Dtype.fp32
     reference: Annotated[
         bool, typer.Option("--reference", help="fp32 body and head, tag rc_ref.", rich_help_panel=MODEL)
-    ] = False,
+    ] = False
     temperature: Annotated[
         str,
         typer.Option(
@@ -144,7 +132,7 @@ def logprobs(
             "are refused, E219), else its sampling metadata, else 1.0; or a number > 0 for every token.",
             rich_help_panel=MODEL,
         ),
-    ] = "auto",
+    ] = "auto"
     softmax_vocab: Annotated[
         str,
         typer.Option(
@@ -153,14 +141,14 @@ def logprobs(
             "(tests the padded-vocabulary gotcha).",
             rich_help_panel=MODEL,
         ),
-    ] = "config",
+    ] = "config"
     attn: Annotated[
         Attention,
         typer.Option(
             help="Attention backend of the body: auto = varlen on CUDA when available, else sdpa.",
             rich_help_panel=MODEL,
         ),
-    ] = Attention.auto,
+    ] = Attention.auto
     routing: Annotated[
         Routing,
         typer.Option(
@@ -169,7 +157,7 @@ def logprobs(
             "routing/disagree_frac goes to _routing.parquet in the stream.",
             rich_help_panel=MODEL,
         ),
-    ] = Routing.recompute,
+    ] = Routing.recompute
     kept_set: Annotated[
         KeptSetMode,
         typer.Option(
@@ -180,24 +168,24 @@ def logprobs(
             "semantics), else off. With any K the stream also gets kept_mass and logprobs_full.",
             rich_help_panel=MODEL,
         ),
-    ] = KeptSetMode.auto,
+    ] = KeptSetMode.auto
     impl: Annotated[
         Impl,
         typer.Option(help="LM-head kernel: auto = triton on CUDA, else torch.", rich_help_panel=PERFORMANCE),
-    ] = Impl.auto,
+    ] = Impl.auto
     experts: Annotated[
         Experts,
         typer.Option(
             help="MoE expert compute: auto = grouped GEMM on CUDA in bf16, else a loop over experts.",
             rich_help_panel=PERFORMANCE,
         ),
-    ] = Experts.auto,
+    ] = Experts.auto
     batch_tokens: Annotated[
         int,
         typer.Option(
             "--batch-tokens", min=1, help="Tokens per forward per replica.", rich_help_panel=PERFORMANCE
         ),
-    ] = DEFAULT_BATCH_TOKENS,
+    ] = DEFAULT_BATCH_TOKENS
     micro_batch: Annotated[
         int | None,
         typer.Option(
@@ -207,11 +195,69 @@ def logprobs(
             "packing into --batch-tokens.",
             rich_help_panel=PERFORMANCE,
         ),
-    ] = None,
+    ] = None
     order: Annotated[
         Order,
         typer.Option(help="Pack longest first (length) or in stored order.", rich_help_panel=PERFORMANCE),
-    ] = Order.length,
+    ] = Order.length
+    tag: Annotated[
+        str | None, typer.Option(help="Stream tag (default rc_<dtype>_<head_dtype>).", rich_help_panel=OUTPUT)
+    ] = None
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Output directory (default RUN/logprobs/<tag>).", rich_help_panel=OUTPUT),
+    ] = None
+    entropy: Annotated[
+        bool, typer.Option("--entropy/--no-entropy", help="Write the entropy column.", rich_help_panel=OUTPUT)
+    ] = True
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume/--no-resume",
+            help="Skip parts already written by an interrupted job.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = True
+    part_samples: Annotated[
+        int, typer.Option("--part-samples", min=1, help="Samples per output part.", rich_help_panel=OUTPUT)
+    ] = DEFAULT_PART_SAMPLES
+
+    def settings(self, *, overwrite: bool) -> RecomputeSettings:
+        """The frozen `RecomputeSettings` (`--reference`: fp32 body and head, tag rc_ref)."""
+        body, head = (Dtype.fp32, Dtype.fp32) if self.reference else (self.dtype, self.head_dtype)
+        return RecomputeSettings(
+            tag=self.tag or ("rc_ref" if self.reference else None),
+            dtype=body.value,
+            head_dtype=head.value,
+            temperature=_parse_temperature(self.temperature),
+            impl=self.impl.value,
+            batch_tokens=self.batch_tokens,
+            order=self.order.value,
+            micro_batch=self.micro_batch,
+            softmax_vocab=_parse_softmax_vocab(self.softmax_vocab),
+            attn=self.attn.value,
+            routing=self.routing.value,
+            experts=self.experts.value,
+            kept_set=self.kept_set.value,
+            out=self.out,
+            resume=self.resume,
+            overwrite=overwrite,
+            part_samples=self.part_samples,
+            entropy=self.entropy,
+        )
+
+
+ModelOpt = Annotated[
+    Path,
+    typer.Option("--model", help="Checkpoint directory (config.json + safetensors).", rich_help_panel=MODEL),
+]
+
+
+def logprobs(
+    run: RunArg,
+    *,
+    model: ModelOpt,
+    options: RecomputeOptions,
     tp: Annotated[
         int | None,
         typer.Option(
@@ -228,74 +274,24 @@ def logprobs(
         Device | None,
         typer.Option(help="cuda or cpu (default: cuda when available).", rich_help_panel=PERFORMANCE),
     ] = None,
-    tag: Annotated[
-        str | None, typer.Option(help="Stream tag (default rc_<dtype>_<head_dtype>).", rich_help_panel=OUTPUT)
-    ] = None,
-    out: Annotated[
-        Path | None,
-        typer.Option("--out", help="Output directory (default RUN/logprobs/<tag>).", rich_help_panel=OUTPUT),
-    ] = None,
-    entropy: Annotated[
-        bool, typer.Option("--entropy/--no-entropy", help="Write the entropy column.", rich_help_panel=OUTPUT)
-    ] = True,
-    resume: Annotated[
-        bool,
-        typer.Option(
-            "--resume/--no-resume",
-            help="Skip parts already written by an interrupted job.",
-            rich_help_panel=OUTPUT,
-        ),
-    ] = True,
-    part_samples: Annotated[
-        int, typer.Option("--part-samples", min=1, help="Samples per output part.", rich_help_panel=OUTPUT)
-    ] = DEFAULT_PART_SAMPLES,
-    overwrite: OverwriteOpt = False,
-    json_out: JsonOpt = False,
-    quiet: QuietOpt = False,
-    verbose: VerboseOpt = False,
+    output: Annotated[OutputSettings, Fields("overwrite", "json_out", "quiet", "verbose")],
 ) -> None:
     """Recompute per-token log-probs and entropy of RUN's stored tokens with a checkpoint, at loss positions."""
-    body_dtype, head = (Dtype.fp32, Dtype.fp32) if reference else (dtype, head_dtype)
-    options = {
-        "tag": tag or ("rc_ref" if reference else None),
-        "dtype": body_dtype.value,
-        "head_dtype": head.value,
-        "temperature": _parse_temperature(temperature),
-        "impl": impl.value,
-        "batch_tokens": batch_tokens,
-        "order": order.value,
-        "micro_batch": micro_batch,
-        "softmax_vocab": _parse_softmax_vocab(softmax_vocab),
-        "attn": attn.value,
-        "routing": routing.value,
-        "experts": experts.value,
-        "kept_set": kept_set.value,
-        "out": out,
-        "resume": resume,
-        "overwrite": overwrite,
-        "part_samples": part_samples,
-        "entropy": entropy,
-    }
     rank = int(os.environ.get("RANK", "0"))
 
-    def body(console: Console) -> dict[str, Any]:
+    def body(screen: Screen) -> dict[str, Any]:
         from pgdiag.recompute.jobs import recompute_logprobs
 
-        result = recompute_logprobs(
-            run,
-            str(model),
-            tp=tp,
-            dp=dp,
-            device=None if device is None else device.value,
-            progress=ProgressRenderer(quiet=quiet),
-            **options,
-        )
+        settings = options.settings(overwrite=output.overwrite)
+        where = None if device is None else device.value
+        progress = ProgressRenderer(quiet=output.quiet)
+        result = recompute_logprobs(run, str(model), settings, tp=tp, dp=dp, device=where, progress=progress)
         if result is None:  # a non-zero rank of a torchrun job: rank 0 reports
             return result_object("logprobs")
-        _render_summary(console, result, verbose=verbose)
+        _render_summary(screen.results, result, verbose=output.verbose)
         return _result_json(result, run)
 
-    execute("logprobs", body, json_out=json_out and rank == 0, quiet=quiet or rank != 0)
+    execute("logprobs", body, json_out=output.json_out and rank == 0, quiet=output.quiet or rank != 0)
 
 
 class _TokensPerSecond(ProgressColumn):

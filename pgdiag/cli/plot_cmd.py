@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
-from pgdiag.cli.common import OUTPUT, JsonOpt, OverwriteOpt, QuietOpt, execute, result_object
+from pgdiag.cli.common import Screen, execute, result_object
+from pgdiag.cli.options import OUTPUT, Fields, flat_command
+from pgdiag.cli.outputs import OutputSettings
 
 
 class PlotKind(StrEnum):
@@ -46,141 +47,140 @@ class PlotFormat(StrEnum):
     pdf = "pdf"
 
 
+HELP = """Redraw plots from a saved report (compare, metrics, whatif or drift) or a token table, without
+recomputation.
+
+--kind all (the default) draws every kind the source supports and lists those it leaves out, with why.
+--html PAGE writes a one-file HTML report of a saved report, and the figures only where --out says.
+Existing figures in --out are kept (E502) unless --overwrite is given; the files written are listed.
+"""
+
+SourceArg = Annotated[
+    Path,
+    typer.Argument(
+        help="A saved report (.parquet or its directory: compare, metrics, whatif, drift) or a token table.",
+        readable=False,  # checked by pgdiag.data.paths: E516 like every other input, not click's message
+    ),
+]
+KindOpt = Annotated[
+    list[PlotKind] | None,
+    typer.Option(
+        "--kind", help="Plot kind (repeatable; default: all the source supports).", rich_help_panel=OUTPUT
+    ),
+]
+FiguresOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        help="Directory for the figures (default: plots/, or none with --html: the page embeds them).",
+        rich_help_panel=OUTPUT,
+    ),
+]
+FormatOpt = Annotated[PlotFormat, typer.Option("--format", help="Figure format.", rich_help_panel=OUTPUT)]
+DpiOpt = Annotated[
+    int,
+    typer.Option(
+        "--dpi",
+        min=10,
+        help="Resolution of raster figures (at most 50,000,000 pixels a figure: about 1,000 dpi).",
+        rich_help_panel=OUTPUT,
+    ),
+]
+
+
 def register(app: typer.Typer) -> None:
     """Add the `plot` command to `app`."""
-    app.command("plot")(plot)
+    app.command("plot", help=HELP)(flat_command(plot))
 
 
 def plot(
-    source: Annotated[
-        Path,
-        typer.Argument(
-            help="A saved report (.parquet or its directory: compare, metrics, whatif, drift) or a token table.",
-            readable=False,  # checked by pgdiag.data.paths: E516 like every other input, not click's message
-        ),
-    ],
+    source: SourceArg,
     *,
-    kind: Annotated[
-        list[PlotKind] | None,
-        typer.Option(
-            "--kind", help="Plot kind (repeatable; default: all the source supports).", rich_help_panel=OUTPUT
-        ),
-    ] = None,
-    out: Annotated[
-        Path | None,
-        typer.Option(
-            "--out",
-            help="Directory for the figures (default: plots/, or none with --html: the page embeds them).",
-            rich_help_panel=OUTPUT,
-        ),
-    ] = None,
-    fmt: Annotated[
-        PlotFormat, typer.Option("--format", help="Figure format.", rich_help_panel=OUTPUT)
-    ] = PlotFormat.png,
-    dpi: Annotated[
-        int,
-        typer.Option(
-            "--dpi",
-            min=10,
-            help="Resolution of raster figures (at most 50,000,000 pixels a figure: about 1,000 dpi).",
-            rich_help_panel=OUTPUT,
-        ),
-    ] = 120,
-    html: Annotated[
-        Path | None,
-        typer.Option(
-            "--html",
-            help="Write a one-file HTML report of a saved report (figures on disk only with --out).",
-            rich_help_panel=OUTPUT,
-        ),
-    ] = None,
-    overwrite: OverwriteOpt = False,
-    json_out: JsonOpt = False,
-    quiet: QuietOpt = False,
+    kind: KindOpt = None,
+    out: FiguresOpt = None,
+    fmt: FormatOpt = PlotFormat.png,
+    dpi: DpiOpt = 120,
+    output: Annotated[OutputSettings, Fields("html", "overwrite", "json_out", "quiet")],
 ) -> None:
-    """Redraw plots from a saved report (compare, metrics, whatif or drift) or a token table, without recomputation.
+    """The `plot` command (help: `HELP`)."""
 
-    --kind all (the default) draws every kind the source supports and lists those it leaves out, with why.
-    --html PAGE writes a one-file HTML report of a saved report, and the figures only where --out says.
-    Existing figures in --out are kept (E502) unless --overwrite is given; the files written are listed.
-    """
-
-    def body(console: Console) -> dict[str, Any]:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
+    def body(screen: Screen) -> dict[str, Any]:
         from pgdiag.cli.render import render_written
-        from pgdiag.compare.output import trace_path
-        from pgdiag.compare.tokens import TOKEN_TABLE_SCHEMA_ID
-        from pgdiag.data.paths import check_input_path, readable_file
+        from pgdiag.data.paths import check_input_path
         from pgdiag.data.writing import check_destination
-        from pgdiag.errors import InvalidInputError, UsageError
+        from pgdiag.errors import UsageError
         from pgdiag.report import plots
-        from pgdiag.report.report import load_report, one_line_text, read_table_file
 
         if check_input_path(source) is None:
             raise UsageError("E501", f"{source}: no such file or directory")
-        figures_dir = Path("plots") if out is None and html is None else out  # --html alone: the page only
+        figures_dir = Path("plots") if out is None and output.html is None else out  # --html alone: the page
+        hint = "--out takes the directory of the figures"
         if figures_dir is not None:
-            check_destination(
-                figures_dir, [], overwrite=overwrite, hint="--out takes the directory of the figures"
-            )
-        if html is not None:
-            from pgdiag.report.html import check_html_path
-
-            check_html_path(html, overwrite=overwrite)
-        is_tokens = False
-        if source.is_file():
-            try:
-                footer = pq.read_schema(readable_file(source)).metadata or {}
-            except (OSError, pa.ArrowException) as exc:
-                raise InvalidInputError(
-                    "E101", f"{source}: not a readable Parquet file ({one_line_text(exc)})"
-                ) from None
-            is_tokens = footer.get(b"pgdiag.schema", b"").strip(b'"') == TOKEN_TABLE_SCHEMA_ID.encode()
-        wanted = tuple(k.value for k in kind) if kind else ("all",)
-        report, tokens, trace = None, None, None
-        if is_tokens:
-            if html is not None:
-                raise UsageError(
-                    "E511",
-                    "--html needs a report (compare, metrics, whatif or drift --out), not a token table",
-                )
-            tokens = read_table_file(source, finite=("lp_a", "lp_b"))
-        else:
-            report = load_report(source)
-            if report.summary.height == 0:
-                raise UsageError(
-                    "E511", f"{source}: the report has no rows to plot", "rerun the command that wrote it"
-                )
-            report_file = (
-                source
-                if source.is_file()
-                else next(p for p in sorted(source.glob("*.parquet")) if ".worst_" not in p.name)
-            )
-            trace_file = trace_path(report_file)
-            trace = read_table_file(trace_file) if trace_file.exists() else None
+            check_destination(figures_dir, [], overwrite=output.overwrite, hint=hint)
+        output.refuse_existing("plot")
+        report, tokens, trace = _read_source(source, html=output.html is not None)
         page_verdict = _saved_verdict(report) if report is not None else {}
+        wanted = tuple(k.value for k in kind) if kind else ("all",)
         plot_set = plots.build_figures(
             report, kinds=wanted, tokens=tokens, trace=trace, marks=page_verdict.get("marks", ())
         )
         files: dict[str, Any] = {}
         if figures_dir is not None:
             figures = [figures_dir / f"{k}.{fmt.value}" for k in plot_set.figures]
-            hint = "--out takes the directory of the figures"
-            check_destination(figures_dir, figures, overwrite=overwrite, hint=hint)
+            check_destination(figures_dir, figures, overwrite=output.overwrite, hint=hint)
             files["plots"] = plots.save_figures(plot_set, figures_dir, fmt=fmt.value, dpi=dpi)
-        if html is not None:
+        if output.html is not None:
             from pgdiag.report.html import write_html
 
-            page = write_html(report, html, overwrite=overwrite, plot_set=plot_set, **page_verdict)
-            files["html"] = str(page)
-        render_written(console, files)
+            files["html"] = str(
+                write_html(report, output.html, overwrite=output.overwrite, plot_set=plot_set, **page_verdict)
+            )
+        render_written(screen.notes, files)
         for k, why in plot_set.skipped.items():
-            console.print(f"skipped {k}: {why}", markup=False, soft_wrap=True)
+            screen.notes.print(f"skipped {k}: {why}", markup=False, soft_wrap=True)
         return result_object("plot", files=files, plots_skipped=plot_set.skipped)
 
-    execute("plot", body, json_out=json_out, quiet=quiet)
+    execute("plot", body, json_out=output.json_out, quiet=output.quiet)
+
+
+def _read_source(source: Path, *, html: bool) -> tuple[Any, Any, Any]:
+    """(report, token table, worst trace) of `source`: a token table (E511 with --html), else a saved report and
+    the worst trace beside it when there is one."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pgdiag.compare.output import trace_path
+    from pgdiag.compare.tokens import TOKEN_TABLE_SCHEMA_ID
+    from pgdiag.data.paths import readable_file
+    from pgdiag.errors import InvalidInputError, UsageError
+    from pgdiag.report.report import load_report, one_line_text, read_table_file
+
+    if source.is_file():
+        try:
+            footer = pq.read_schema(readable_file(source)).metadata or {}
+        except (OSError, pa.ArrowException) as exc:
+            raise InvalidInputError(
+                "E101", f"{source}: not a readable Parquet file ({one_line_text(exc)})"
+            ) from None
+        if footer.get(b"pgdiag.schema", b"").strip(b'"') == TOKEN_TABLE_SCHEMA_ID.encode():
+            if html:
+                raise UsageError(
+                    "E511",
+                    "--html needs a report (compare, metrics, whatif or drift --out), not a token table",
+                )
+            return None, read_table_file(source, finite=("lp_a", "lp_b")), None
+    report = load_report(source)
+    if report.summary.height == 0:
+        raise UsageError(
+            "E511", f"{source}: the report has no rows to plot", "rerun the command that wrote it"
+        )
+    report_file = (
+        source
+        if source.is_file()
+        else next(p for p in sorted(source.glob("*.parquet")) if ".worst_" not in p.name)
+    )
+    trace_file = trace_path(report_file)
+    return report, None, read_table_file(trace_file) if trace_file.exists() else None
 
 
 def _saved_verdict(report: Any) -> dict[str, Any]:

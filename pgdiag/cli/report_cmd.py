@@ -1,7 +1,7 @@
 """`pgdiag report REPORT`: re-render a saved report (metrics, compare, whatif, drift) without recomputation.
 
 Thin shell over `pgdiag.report.report.load_report`, `pgdiag.report.markdown` and `pgdiag.report.html`: the
-headline rows as a table on stderr, `--markdown PATH` (a summary for a CI comment), `--html PATH` (the one-file
+headline rows as a table on stdout, `--markdown PATH` (a summary for a CI comment), `--html PATH` (the one-file
 page, its verdict re-derived from the stored values), `--pivot` (the wide table as CSV on stdout), and gates
 (`--fail-on`, `--warn-on`, `--profile`) re-evaluated on the stored values. Example::
 
@@ -16,101 +16,68 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
-from pgdiag.cli.common import (
-    OUTPUT,
-    ExitZeroOpt,
-    FailOnOpt,
-    JsonOpt,
-    OverwriteOpt,
-    ProfileOpt,
-    QuietOpt,
-    WarnOnOpt,
-    execute,
-    list_option,
-    result_object,
-)
+from pgdiag.cli.common import Screen, execute, result_object
+from pgdiag.cli.options import OUTPUT, Fields, GateOptions, flat_command
+from pgdiag.cli.outputs import OutputSettings
+
+HELP = """Re-render a saved report without recomputing it; gates are re-evaluated on its stored values.
+
+Any kind (metrics, compare, whatif, drift): a table of its headline rows (pair, scope, bucket, metric,
+value), --markdown for a CI comment, --html for the one-file page, --pivot for the wide table; the last line
+is the report's verdict, derived again from the stored values (compare: judged by the gates given).
+"""
+
+SourceArg = Annotated[str, typer.Argument(help="A report .parquet file, or a directory holding one report.")]
+MarkdownOpt = Annotated[
+    Path | None,
+    typer.Option("--markdown", help="Write a Markdown summary for a CI comment.", rich_help_panel=OUTPUT),
+]
+PivotOpt = Annotated[
+    bool,
+    typer.Option(
+        "--pivot",
+        help="Print the wide table (one column per metric) as CSV on stdout.",
+        rich_help_panel=OUTPUT,
+    ),
+]
 
 
 def register(app: typer.Typer) -> None:
     """Add the `report` command to `app`."""
-    app.command("report")(report)
+    app.command("report", help=HELP)(flat_command(report))
 
 
 def report(
-    source: Annotated[str, typer.Argument(help="A report .parquet file, or a directory holding one report.")],
+    source: SourceArg,
     *,
-    markdown: Annotated[
-        Path | None,
-        typer.Option("--markdown", help="Write a Markdown summary for a CI comment.", rich_help_panel=OUTPUT),
-    ] = None,
-    html: Annotated[
-        Path | None,
-        typer.Option(
-            "--html",
-            help="Write the one-file HTML report of the saved report (verdict, tables, plots).",
-            rich_help_panel=OUTPUT,
-        ),
-    ] = None,
-    pivot: Annotated[
-        bool,
-        typer.Option(
-            "--pivot",
-            help="Print the wide table (one column per metric) as CSV on stdout.",
-            rich_help_panel=OUTPUT,
-        ),
-    ] = False,
-    fail_on: FailOnOpt = None,
-    warn_on: WarnOnOpt = None,
-    profile: ProfileOpt = None,
-    exit_zero: ExitZeroOpt = False,
-    json_out: JsonOpt = False,
-    overwrite: OverwriteOpt = False,
-    quiet: QuietOpt = False,
+    markdown: MarkdownOpt = None,
+    pivot: PivotOpt = False,
+    gate: Annotated[GateOptions, Fields("fail_on", "warn_on", "profile", "exit_zero")],
+    output: Annotated[OutputSettings, Fields("html", "json_out", "overwrite", "quiet")],
 ) -> None:
-    """Re-render a saved report without recomputing it; gates are re-evaluated on its stored values.
+    """The `report` command (help: `HELP`)."""
 
-    Any kind (metrics, compare, whatif, drift): a table of its headline rows (pair, scope, bucket, metric,
-    value), --markdown for a CI comment, --html for the one-file page, --pivot for the wide table; the last line
-    is the report's verdict, derived again from the stored values (compare: judged by the gates given).
-    """
-
-    def body(console: Console) -> dict[str, Any]:
-        from rich.table import Table
-
-        from pgdiag.cli.render import format_value, render_gates, render_verdict
+    def body(screen: Screen) -> dict[str, Any]:
+        from pgdiag.cli.render import render_verdict
         from pgdiag.data.writing import atomic_write, check_destination
-        from pgdiag.report.gates import GateSettings, outcome
-        from pgdiag.report.markdown import headline_rows, report_markdown
+        from pgdiag.report.gates import outcome
+        from pgdiag.report.markdown import report_markdown
         from pgdiag.report.report import load_report
         from pgdiag.report.verdict import report_verdict
 
         if markdown is not None:
             check_destination(
-                markdown.parent, [markdown], overwrite=overwrite, hint="--markdown takes a file name"
+                markdown.parent, [markdown], overwrite=output.overwrite, hint="--markdown takes a file name"
             )
-        if html is not None:
-            from pgdiag.report.html import check_html_path
-
-            check_html_path(html, overwrite=overwrite)
+        output.refuse_existing("report")
         loaded = load_report(source)
-        gate_settings = GateSettings(
-            fail_on=tuple(list_option(fail_on)), warn_on=tuple(list_option(warn_on)), profile=profile,
-            exit_zero=exit_zero,
-        )  # fmt: skip
-        verdict = outcome(loaded, gate_settings)
+        verdict = outcome(loaded, gate.settings())
         gates = [g.__dict__ for g in verdict.gates.gates]
-        if not quiet:
-            rows = headline_rows(loaded)
-            table = Table(title=f"{loaded.kind} report {source}", title_justify="left")
-            for header in ("pair", "scope", "bucket", "metric", "value"):
-                table.add_column(header, justify="right" if header == "value" else "left")
-            for pair, scope, bucket, metric, value, unit, _ in rows.iter_rows():
-                table.add_row(pair, scope, bucket, metric, format_value(value, unit))
-            console.print(table)
-            render_gates(console, verdict.gates)
+        results = screen.notes if pivot else screen.results  # --pivot: the CSV alone on stdout
         saved_verdict = report_verdict(loaded, verdict.gates)  # from the stored values, as --html shows it
+        if not output.quiet:
+            _render(results, loaded, source, verdict)
         result = result_object(
             "report",
             status=verdict.status,
@@ -118,24 +85,39 @@ def report(
             pairs=loaded.meta.get("pairs", []),
             gates=gates,
             checks=loaded.checks.to_dicts(),
+            kind=loaded.kind,
+            summary=loaded.to_json_dict()["summary"],
+            verdict=saved_verdict.as_dict(),
         )
-        result["kind"] = loaded.kind
-        result["summary"] = loaded.to_json_dict()["summary"]
-        result["verdict"] = saved_verdict.as_dict()
         if markdown is not None:
             text = report_markdown(loaded, gates, verdict.status)
             atomic_write(markdown, lambda tmp: Path(tmp).write_text(text))
             result["files"]["markdown"] = str(markdown)
-        if html is not None:
-            result["files"]["html"] = str(
-                _write_page(loaded, source, html, verdict.gates, overwrite=overwrite)
-            )
-        if pivot and not json_out:
+        if output.html is not None:
+            page = _write_page(loaded, source, output.html, verdict.gates, overwrite=output.overwrite)
+            result["files"]["html"] = str(page)
+        if pivot and not output.json_out:
             sys.stdout.write(loaded.wide().write_csv())
-        render_verdict(console, saved_verdict)
+        render_verdict(results, saved_verdict)
         return result
 
-    execute("report", body, json_out=json_out, quiet=quiet)
+    execute("report", body, json_out=output.json_out, quiet=output.quiet)
+
+
+def _render(console: Any, loaded: Any, source: str, verdict: Any) -> None:
+    """The headline rows of a saved report and its gates."""
+    from rich.table import Table
+
+    from pgdiag.cli.render import format_value, render_gates
+    from pgdiag.report.markdown import headline_rows
+
+    table = Table(title=f"{loaded.kind} report {source}", title_justify="left")
+    for header in ("pair", "scope", "bucket", "metric", "value"):
+        table.add_column(header, justify="right" if header == "value" else "left")
+    for pair, scope, bucket, metric, value, unit, _ in headline_rows(loaded).iter_rows():
+        table.add_row(pair, scope, bucket, metric, format_value(value, unit))
+    console.print(table)
+    render_gates(console, verdict.gates)
 
 
 def _write_page(loaded: Any, source: str, html: Path, gates: Any, *, overwrite: bool) -> Path:

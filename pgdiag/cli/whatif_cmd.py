@@ -9,38 +9,39 @@ on stderr and the verdict last, `--json` on stdout, `--out` report files, `--plo
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import dataclass, fields
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
-from pgdiag.cli.common import (
-    OUTPUT,
+from pgdiag.cli.common import Screen, execute, result_object
+from pgdiag.cli.options import (
     STREAMS,
     THRESHOLDS,
-    AttachOpt,
-    IgnoreOpt,
-    JsonOpt,
-    LabelOpt,
-    MaxExamplesOpt,
-    OutOpt,
-    OverwriteOpt,
-    QuietOpt,
+    CheckOptions,
+    DivisorOpt,
+    Fields,
     RunArg,
-    RunNameOpt,
-    StepsOpt,
-    check_report_outputs,
-    execute,
-    list_option,
-    result_object,
-    write_report_outputs,
+    RunInputs,
+    flat_command,
+    listed,
 )
+from pgdiag.cli.outputs import OutputSettings, write_outputs
+
+HELP = """Replay off-policy corrections on a saved batch: how much data each rule drops, and where.
+
+Behaviour stream (rollout) against the target (old, else the single recompute tag). Rules, each as the
+framework that ships it defines it (docs/whatif.md): token TIS, token MIS, sequence TIS and MIS on the product
+ratio, geometric masking, IcePop. Without any rule flag the default grid runs (token 1.5/2/3/5, sequence
+2/5/10, IcePop 0.5,5). Per rule: fraction of tokens and sequences truncated or dropped, token and sequence ESS
+before and after, the change of every loss mode, and the steps, envs and positions that lose the most. The
+last line is the verdict: the rules that drop more than 5% of the tokens, each with its worst step.
+"""
 
 
 def register(app: typer.Typer) -> None:
     """Add the `whatif` command to `app`."""
-    app.command("whatif")(whatif)
+    app.command("whatif", help=HELP)(flat_command(whatif))
 
 
 def _cap_option(flag: str, text: str) -> Any:
@@ -59,7 +60,7 @@ def parse_rules(
 ) -> tuple[Any, ...]:
     """The `CorrectionRule`s named on the command line, in flag order (E503 for a malformed LO,HI)."""
     from pgdiag.analysis.settings import CorrectionRule
-    from pgdiag.errors import UsageError
+    from pgdiag.errors import Code, UsageError
 
     def band(kind: str, text: str) -> CorrectionRule:
         parts = [p.strip() for p in text.split(",")]
@@ -67,7 +68,7 @@ def parse_rules(
             lo, hi = (float(p) for p in parts)
         except ValueError:
             raise UsageError(
-                "E503", f"--{kind.replace('_', '-')} {text!r}: give two numbers, 'LO,HI'"
+                Code.UNPARSABLE_OPTION, f"--{kind.replace('_', '-')} {text!r}: give two numbers, 'LO,HI'"
             ) from None
         return CorrectionRule(kind, hi, lo)
 
@@ -96,40 +97,30 @@ TABLE_METRICS = (
 )
 
 
-def whatif(
-    run: RunArg,
-    *,
-    behavior: Annotated[
-        str, typer.Option("--behavior", help="The stream that sampled.", rich_help_panel=STREAMS)
-    ] = "rollout",
-    target: Annotated[
-        str | None,
-        typer.Option(
-            "--target",
-            help="The trainer's stream (default: old, else the single recompute tag).",
-            rich_help_panel=STREAMS,
-        ),
-    ] = None,
-    token_tis: Annotated[
-        list[float] | None, _cap_option("--token-tis", "Token TIS: truncate e^d at C.")
-    ] = None,
+@dataclass(frozen=True)
+class RuleOptions:
+    """The correction rules named on the command line (none: the default grid)."""
+
+    token_tis: Annotated[list[float] | None, _cap_option("--token-tis", "Token TIS: truncate e^d at C.")] = (
+        None
+    )
     token_mis: Annotated[
         list[str] | None, _cap_option("--token-mis", "Token MIS: drop tokens outside LO,HI (verl token_k1).")
-    ] = None,
+    ] = None
     seq_tis: Annotated[
         list[float] | None, _cap_option("--seq-tis", "Sequence TIS: truncate the product ratio at C.")
-    ] = None,
+    ] = None
     seq_mis: Annotated[
         list[str] | None,
         _cap_option("--seq-mis", "Sequence MIS: drop sequences whose product is outside LO,HI."),
-    ] = None,
+    ] = None
     geo_mask: Annotated[
         list[str] | None,
         _cap_option("--geo-mask", "Geometric mask: drop sequences whose geometric mean is outside LO,HI."),
-    ] = None,
+    ] = None
     icepop: Annotated[
         list[str] | None, _cap_option("--icepop", "IcePop: zero the weight of tokens whose ratio leaves A,B.")
-    ] = None,
+    ] = None
     rule: Annotated[
         list[str] | None,
         _cap_option(
@@ -137,142 +128,113 @@ def whatif(
             "Any rule as NAME:PARAMS (opsm:0.1, dppo_tv:0.2,0.2, m2po:0.04,scope=mb:4, "
             "token_k1:0.5,2+seq_max_k2:1; docs/whatif.md lists them).",
         ),
-    ] = None,
-    losses: Annotated[
-        str | None,
-        _cap_option(
-            "--losses",
-            "Gradient parity of two loss definitions FORM@MODE,FORM@MODE "
-            "(vanilla@token_mean,cispo:0.2,0.28@seq_mean_token_sum).",
-        ),
-    ] = None,
-    divisor: Annotated[
-        float | None,
-        typer.Option("--divisor", help="L of the `constant` loss mode.", rich_help_panel=THRESHOLDS),
-    ] = None,
-    steps: StepsOpt = None,
-    run_name: RunNameOpt = None,
-    label: LabelOpt = None,
-    attach: AttachOpt = None,
-    ignore: IgnoreOpt = None,
-    max_examples: MaxExamplesOpt = 5,
-    json_out: JsonOpt = False,
-    out: OutOpt = None,
-    plot: Annotated[
-        Path | None,
-        typer.Option(
-            "--plot", help="Write the data-kept vs ESS figure here (.png/.svg/.pdf).", rich_help_panel=OUTPUT
-        ),
-    ] = None,
-    html: Annotated[
-        Path | None,
-        typer.Option(
-            "--html",
-            help="Write a one-file HTML report (verdict, rule tables, where data is lost, the plot).",
-            rich_help_panel=OUTPUT,
-        ),
-    ] = None,
-    overwrite: OverwriteOpt = False,
-    quiet: QuietOpt = False,
+    ] = None
+
+    def rules(self) -> tuple[Any, ...]:
+        return parse_rules(**{f.name: listed(getattr(self, f.name)) for f in fields(self)})
+
+
+LossesOpt = Annotated[
+    str | None,
+    _cap_option(
+        "--losses",
+        "Gradient parity of two loss definitions FORM@MODE,FORM@MODE "
+        "(vanilla@token_mean,cispo:0.2,0.28@seq_mean_token_sum).",
+    ),
+]
+BehaviorOpt = Annotated[
+    str, typer.Option("--behavior", help="The stream that sampled.", rich_help_panel=STREAMS)
+]
+TargetOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--target",
+        help="The trainer's stream (default: old, else the single recompute tag).",
+        rich_help_panel=STREAMS,
+    ),
+]
+
+
+def whatif(
+    run: RunArg,
+    *,
+    behavior: BehaviorOpt = "rollout",
+    target: TargetOpt = None,
+    rule: RuleOptions,
+    losses: LossesOpt = None,
+    divisor: DivisorOpt = None,
+    inputs: RunInputs,
+    check: CheckOptions,
+    output: Annotated[OutputSettings, Fields("json_out", "out", "plot", "html", "overwrite", "quiet")],
 ) -> None:
-    """Replay off-policy corrections on a saved batch: how much data each rule drops, and where.
+    """The `whatif` command (help: `HELP`)."""
 
-    Behaviour stream (rollout) against the target (old, else the single recompute tag). Rules, each as the
-    framework that ships it defines it (docs/whatif.md): token TIS, token MIS, sequence TIS and MIS on the product
-    ratio, geometric masking, IcePop. Without any rule flag the default grid runs (token 1.5/2/3/5, sequence
-    2/5/10, IcePop 0.5,5). Per rule: fraction of tokens and sequences truncated or dropped, token and sequence ESS
-    before and after, the change of every loss mode, and the steps, envs and positions that lose the most. The
-    last line is the verdict: the rules that drop more than 5% of the tokens, each with its worst step.
-    """
-
-    def body(console: Console) -> dict[str, Any]:
-        from rich.table import Table
-
-        check_report_outputs("whatif", out, plot, overwrite=overwrite, html=html)
+    def body(screen: Screen) -> dict[str, Any]:
         from pgdiag.analysis.settings import WhatifSettings
         from pgdiag.analysis.whatif import whatif as replay
         from pgdiag.analysis.whatif import worst_buckets
-        from pgdiag.cli.render import format_value, render_checks, render_verdict
-        from pgdiag.data.runs import read_run
-        from pgdiag.data.validate import CheckSettings
+        from pgdiag.cli.render import render_checks, render_verdict, render_written
+        from pgdiag.report.plots import plot_whatif
         from pgdiag.report.verdict import whatif_verdict
 
-        rules = parse_rules(
-            token_tis=list_option(token_tis),
-            token_mis=list_option(token_mis),
-            seq_tis=list_option(seq_tis),
-            seq_mis=list_option(seq_mis),
-            geo_mask=list_option(geo_mask),
-            icepop=list_option(icepop),
-            rule=list_option(rule),
-        )
+        output.refuse_existing("whatif")
         settings = WhatifSettings(
-            behavior=behavior, target=target, rules=rules, divisor=divisor, losses=losses
+            behavior=behavior, target=target, rules=rule.rules(), divisor=divisor, losses=losses
         )
-        checks = CheckSettings(ignore=tuple(list_option(ignore)), max_examples=max_examples)
-        source = read_run(run, label=label, attach=list_option(attach), steps=steps, run=run_name)
-        report = replay(source, settings, checks=checks)
+        source = inputs.read(run)
+        report = replay(source, settings, checks=check.settings())
         verdict = whatif_verdict(report)
         report = report.with_meta(verdict=verdict.as_dict())
         worst = worst_buckets(report)
-        if not quiet:
-            render_checks(console, report.checks)
-            table = Table(title=f"whatif {report.meta['pairs'][0]}", title_justify="left")
-            table.add_column("rule")
-            table.add_column("pair")
-            pairs = report.meta["settings"]["pairs"]
-            skipped = report.meta["settings"]["not_applicable"]
-            for _, header in TABLE_METRICS:
-                table.add_column(header, justify="right")
-            table.add_column("worst step")
-            wide = report.wide().filter(report.wide()["breakdown"] == "threshold")
-            for row in wide.iter_rows(named=True):
-                name = row["bucket"]
-                if name == "none":  # the uncorrected batch: everything kept, ESS before any name
-                    row = {
-                        **row,
-                        "whatif/tokens_kept": 1.0,
-                        "whatif/ess_token_after": row.get("whatif/ess_token"),
-                    }
-                    row["whatif/ess_seq_after"] = row.get("whatif/ess_seq")
-                cells = [format_value(row.get(metric), "fraction") for metric, _ in TABLE_METRICS]
-                top = worst.get(name, {}).get("step", [])
-                where = (
-                    f"{top[0]['bucket']} ({format_value(top[0]['tokens_affected'], 'fraction')})"
-                    if top
-                    else "—"
-                )
-                if name in skipped:
-                    table.add_row(name, pairs[name], f"n/a: {skipped[name]}", *[""] * len(TABLE_METRICS))
-                    continue
-                table.add_row(name, pairs.get(name, ""), *cells, where if name != "none" else "")
-            console.print(table)
-        inputs = report.meta["inputs"]
+        render_checks(screen.notes, report.checks)
+        if not output.quiet:
+            screen.results.print(_rule_table(report, worst))
+        inputs_meta = report.meta["inputs"]
         result = result_object(
             "whatif",
-            inputs={
-                "runs": inputs["runs"],
-                "streams": inputs["streams"],
-                "n_samples": inputs["n_samples"],
-                "n_tokens": inputs["n_tokens"],
-            },
+            inputs={k: inputs_meta[k] for k in ("runs", "streams", "n_samples", "n_tokens")},
             pairs=report.meta["pairs"],
             checks=report.checks.to_dicts(),
+            summary=report.to_json_dict()["breakdowns"].get("threshold", {}),
+            losses=report.to_json_dict()["breakdowns"].get("losses", {}),
+            worst=worst,
+            settings=report.meta["settings"],
+            verdict=verdict.as_dict(),
         )
-        json_view = report.to_json_dict()
-        result["summary"] = json_view["breakdowns"].get("threshold", {})
-        result["worst"] = worst
-        result["settings"] = report.meta["settings"]
-        result["verdict"] = verdict.as_dict()
-        result["losses"] = json_view["breakdowns"].get("losses", {})
-        from pgdiag.report.plots import plot_whatif
-
-        write_report_outputs(
-            console, report, result, out=out, plot=plot, draw=plot_whatif, overwrite=overwrite, html=html,
-            verdict=verdict,
-        )  # fmt: skip
-        if not quiet:
-            render_verdict(console, verdict)
+        result = write_outputs(report, output, result, verdict=verdict, draw=plot_whatif)
+        render_written(screen.notes, result["files"])
+        render_verdict(screen.results, verdict)
         return result
 
-    execute("whatif", body, json_out=json_out, quiet=quiet)
+    execute("whatif", body, json_out=output.json_out, quiet=output.quiet)
+
+
+def _rule_table(report: Any, worst: dict[str, Any]) -> Any:
+    """One row per rule: its pair, the share hit and kept, ESS after, the signal kept, the loss change, and the
+    step that loses the most (a rule that does not apply to the run: why)."""
+    from rich.table import Table
+
+    from pgdiag.cli.render import format_value
+
+    table = Table(title=f"whatif {report.meta['pairs'][0]}", title_justify="left")
+    table.add_column("rule")
+    table.add_column("pair")
+    pairs = report.meta["settings"]["pairs"]
+    skipped = report.meta["settings"]["not_applicable"]
+    for _, header in TABLE_METRICS:
+        table.add_column(header, justify="right")
+    table.add_column("worst step")
+    wide = report.wide().filter(report.wide()["breakdown"] == "threshold")
+    for row in wide.iter_rows(named=True):
+        name = row["bucket"]
+        if name == "none":  # the uncorrected batch: everything kept, ESS before any rule
+            row = {**row, "whatif/tokens_kept": 1.0, "whatif/ess_token_after": row.get("whatif/ess_token")}
+            row["whatif/ess_seq_after"] = row.get("whatif/ess_seq")
+        if name in skipped:
+            table.add_row(name, pairs[name], f"n/a: {skipped[name]}", *[""] * len(TABLE_METRICS))
+            continue
+        cells = [format_value(row.get(metric), "fraction") for metric, _ in TABLE_METRICS]
+        top = worst.get(name, {}).get("step", [])
+        where = f"{top[0]['bucket']} ({format_value(top[0]['tokens_affected'], 'fraction')})" if top else "—"
+        table.add_row(name, pairs.get(name, ""), *cells, where if name != "none" else "")
+    return table

@@ -36,6 +36,7 @@ from pgdiag.checks.pairs import (
 )
 from pgdiag.checks.samples import mask_issue
 from pgdiag.data.batch import TokenBatch
+from pgdiag.data.pieces import rank_join
 from pgdiag.data.schema import stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import Issue
@@ -284,22 +285,6 @@ def _key_frame(batch: TokenBatch, hashes: np.ndarray, index_name: str) -> pl.Dat
             "hash": hashes.astype(np.uint64),
         }
     )
-
-
-def _ranked(frame: pl.DataFrame, group: list[str]) -> pl.DataFrame:
-    """Rank identical sequences within `group` by (step, sample_id, segment_idx) so duplicates pair in order
-    (ties, samples whose keys repeat under an ignored E210, keep their row order)."""
-    return frame.sort(["step", "sample_id", "segment_idx"], maintain_order=True).with_columns(
-        pl.int_range(pl.len()).over(group).alias("rank")
-    )
-
-
-def rank_join(fa: pl.DataFrame, fb: pl.DataFrame, group: list[str]) -> pl.DataFrame:
-    """(ia, ib, *group, rank) of the samples paired by a hash join: the n-th sample of `fa` with a given `group`
-    value pairs with the n-th of `fb` (n in (step, sample_id, segment_idx) order). Frames: `_key_frame`'s
-    columns, index columns ``ia`` and ``ib``."""
-    on = [*group, "rank"]
-    return _ranked(fa, group).select("ia", *on).join(_ranked(fb, group).select("ib", *on), on=on)
 
 
 def match_samples(

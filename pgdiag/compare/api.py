@@ -25,11 +25,13 @@ import polars as pl
 
 from pgdiag.compare.pair_fold import PairFold, PairSources, PieceSides, Side
 from pgdiag.compare.pair_report import Comparison
-from pgdiag.compare.pieces import Piece, concat_batches, plan_pieces
+from pgdiag.compare.pieces import concat_batches, plan_pieces
 from pgdiag.compare.settings import CompareSettings
 from pgdiag.compare.side_by_side import side_settings
 from pgdiag.compare.worst import token_decoder
 from pgdiag.data.batch import TokenBatch
+from pgdiag.data.pieces import PairPiece
+from pgdiag.data.schema import BASE_STREAMS
 from pgdiag.data.validate import CheckSettings
 from pgdiag.errors import UsageError
 from pgdiag.metrics.api import metric_streams
@@ -38,13 +40,11 @@ from pgdiag.metrics.settings import MetricSettings
 if TYPE_CHECKING:
     from pgdiag.compare.tokens import TokenTableWriter
 
-_CANONICAL = ("rollout", "old", "ref", "new")
-
 
 def auto_stream(streams: Sequence[str], *, exclude: str | None = None) -> str | None:
     """First present of new, old, the only recompute tag, rollout, skipping `exclude`."""
     present = [s for s in streams if s != exclude]
-    tags = [s for s in present if s not in _CANONICAL]
+    tags = [s for s in present if s not in BASE_STREAMS]
     for name in ("new", "old"):
         if name in present:
             return name
@@ -113,7 +113,7 @@ def _read_side(
 
 def _read_side_b(
     run: Any,
-    piece: Piece,
+    piece: PairPiece,
     streams: Sequence[str],
     checks: CheckSettings,
     metrics: MetricSettings | None,
@@ -269,7 +269,9 @@ def _sources(a: Any, b: Any, settings: CompareSettings) -> PairSources:
     return PairSources(a, b, (sa, sb), (metrics_a, metrics_b))
 
 
-def _read_piece(sources: PairSources, piece: Piece, checks: CheckSettings, *, in_pieces: bool) -> PieceSides:
+def _read_piece(
+    sources: PairSources, piece: PairPiece, checks: CheckSettings, *, in_pieces: bool
+) -> PieceSides:
     """Both sides of `piece` read (side a's steps; side b's, or under hash-any-step the steps of b it needs)."""
     from pgdiag.data.runs import restrict_steps
 

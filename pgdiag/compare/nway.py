@@ -35,7 +35,7 @@ from pgdiag.compare.settings import CompareSettings
 from pgdiag.compare.worst import token_decoder
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.pieces import plan_step_pieces
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, UsageError
 from pgdiag.report.report import Report, ReportRow, summary_frame
 
 MATRIX_STATISTIC = "mismatch/abs_mean"  # mean |Δ| over matched tokens, nats: the headline statistic
@@ -104,15 +104,17 @@ def compare_many(
 
     Streams: `settings.stream_a` on the baseline (default as for two runs: new, old, the only tag, rollout),
     `settings.stream_b` on every other run (default: the baseline's stream name). Side-by-side metrics and the
-    exact temperature fit (`settings.metrics`, `settings.model`) compare two runs only (E503).
+    exact temperature fit (`settings.metrics`, `settings.model`) compare two runs only (E521).
     """
     settings = settings or CompareSettings()
     if len(runs) < 2:
-        raise UsageError("E503", f"N-way compare needs at least two runs (got {len(runs)})")
+        raise UsageError(Code.OPTIONS_CONFLICT, f"N-way compare needs at least two runs (got {len(runs)})")
     if not 0 <= baseline < len(runs):
         raise UsageError("E503", f"--baseline {baseline}: choose a run from 0 to {len(runs) - 1}")
     if settings.metrics is not None or settings.model is not None:
-        raise UsageError("E503", "--metrics and --model compare two runs; give two RUNs or drop them")
+        raise UsageError(
+            Code.OPTIONS_CONFLICT, "--metrics and --model compare two runs; give two RUNs or drop them"
+        )
     sources = [_as_source(r) for r in runs]
     base = sources[baseline]
     other = next(s for i, s in enumerate(sources) if i != baseline)

@@ -22,11 +22,12 @@ from pgdiag.compare import breakdowns as bd
 from pgdiag.compare.align import AlignedPair, Deferred, align_batches, finite_only, unmatched_side
 from pgdiag.compare.exact import ExactAgreement, check_float32_storage, exact_rows
 from pgdiag.compare.pair_report import DLOGP_EDGES, Comparison, diagnosed_rows, pair_comparison
-from pgdiag.compare.pieces import AnyStepKeys, Piece, checked_matches
+from pgdiag.compare.pieces import checked_matches, keys_deferred
 from pgdiag.compare.pooled import PooledParity
 from pgdiag.compare.settings import CompareSettings
 from pgdiag.compare.side_by_side import SideMetrics, side_by_side_rows
 from pgdiag.data.batch import TokenBatch
+from pgdiag.data.pieces import AnyStepKeys, PairPiece
 from pgdiag.data.validate import CheckResult, Issue, merge_check_results, raise_first_error
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.metrics.settings import MetricSettings
@@ -153,7 +154,7 @@ class PieceSides:
     Mutable on purpose: `PairFold.add` takes the sides out (`take`), so their token arrays are freed once the pair
     is aligned, not when the caller's reference goes."""
 
-    piece: Piece
+    piece: PairPiece
     side_a: Side | None
     side_b: Side | None
 
@@ -254,7 +255,7 @@ class PairFold:
         )
         la, lb = self.labels
         if self.keys is not None:  # hash-any-step in pieces: samples paired on the keys
-            self.held = self.keys.deferred(self.name, la, lb)
+            self.held = keys_deferred(self.keys, self.name, la, lb)
         metrics_a, metrics_b = src.metrics
         if metrics_a is not None:
             self.shown.append(SideMetrics(la, src.a, metrics_a))
@@ -278,7 +279,7 @@ class PairFold:
             join=self.join,
         )
 
-    def _align(self, piece: Piece, side_a: Side, side_b: Side) -> AlignedPair:
+    def _align(self, piece: PairPiece, side_a: Side, side_b: Side) -> AlignedPair:
         assert self.labels is not None and side_a.batch is not None and side_b.batch is not None
         la, lb = self.labels
         sa, sb = self.sources.streams

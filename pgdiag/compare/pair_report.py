@@ -20,7 +20,7 @@ from pgdiag.compare.align import AlignedPair, Deferred
 from pgdiag.compare.exact import EXACT_GATES, ExactResult
 from pgdiag.compare.parity import unit_and_reduction
 from pgdiag.compare.pooled import PooledParity
-from pgdiag.compare.settings import CompareSettings
+from pgdiag.compare.settings import DEFAULT_PROFILE, CompareSettings
 from pgdiag.data.validate import Issue
 from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import CHECKS_SCHEMA, Report, ReportRow, summary_frame
@@ -214,7 +214,9 @@ def pair_comparison(
     meta = {
         "pairs": [name],
         "gate_policy": gate_policy(
-            default_family="mismatch", fail_on=EXACT_GATES if exact is not None else ()
+            default_family="mismatch",
+            fail_on=EXACT_GATES if exact is not None else (),
+            default_profile=None if exact is not None else DEFAULT_PROFILE,  # --exact: its own gates
         ),
         "labels": {"a": la, "b": lb},
         "streams": {"a": sa, "b": sb},

@@ -17,6 +17,9 @@ JOINS = ("auto", "id", "hash", "hash-any-step")
 BREAKDOWNS = ("position", "prob_bucket", "entropy_bucket", "length", "step", "env")
 
 
+DEFAULT_PROFILE = "recommended"  # its fail gates apply when `compare` is given no gate (docs/cli.md)
+
+
 @dataclass(frozen=True)
 class CompareSettings:
     """Settings of one comparison (docs/compare.md).

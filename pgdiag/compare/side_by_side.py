@@ -39,7 +39,8 @@ class SideMetrics:
     def __init__(
         self, label: str, run: Any, settings: MetricSettings, quantiles: QuantileSettings | None = None
     ) -> None:
-        from pgdiag.metrics.engine import NativeStream, StyleStream
+        from pgdiag.metrics.engine import NativeStream
+        from pgdiag.metrics.styles.steps import StyleStream
 
         self.label = label  # the run's label in the comparison
         self.run = run  # `Run`

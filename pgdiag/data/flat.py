@@ -3,8 +3,8 @@
 Why: per-token rules and metrics must run as vectorised numpy over millions of tokens, never as Python loops,
 and list columns are ragged. How: `flat_list` turns a polars list column into one `FlatList` through Arrow,
 zero-copy for the values and with validity bitmaps unpacked by numpy; a `RowTable` holds a selection of rows
-(scalar columns as a polars frame, list columns flattened); `subset_rows` drops rows and re-flattens;
-`loss_view` gathers every float column at the loss positions once, for both validation and `TokenBatch`.
+(scalar columns as a polars frame, list columns flattened); `subset_rows` drops rows and re-flattens.
+`data.loss_view` gathers every float column at the loss positions once, for both validation and `TokenBatch`.
 """
 
 from __future__ import annotations
@@ -51,59 +51,9 @@ class RowTable:
         return self.frame.height
 
 
-@dataclass(frozen=True)
-class LossView:
-    """The loss positions of a structurally sound `RowTable`, with every float column gathered there.
-
-    Computed once and shared by validation and `TokenBatch` building. Values stay float32 (half the memory
-    while the list buffers are alive; the batch converts to float64); a null on a loss position is NaN in
-    `values` and False in `valid`.
-    """
-
-    index: np.ndarray  # (M,) int64 flat index of every loss token
-    row_start: np.ndarray  # (R + 1,) int64 loss-token offsets of each row
-    values: dict[str, np.ndarray]  # column -> (M,) float32
-    valid: dict[str, np.ndarray | None]  # column -> (M,) bool validity, None = no null on a loss position
-    token_id: np.ndarray  # (M,) int32 input_ids at the loss positions
-    seq_offsets: np.ndarray  # (R + 1,) int64 offsets of the rows in the flat input_ids
-    kept_size: np.ndarray | None = (
-        None  # (M,) int32 size of the recorded kept set (0 = none); None: no K read
-    )
-
-    def rows_of(self, loss_token: np.ndarray) -> np.ndarray:
-        """(K,) row owning each of the given loss-token indices."""
-        return np.searchsorted(self.row_start, loss_token, side="right") - 1
-
-
 # Per-token metadata lists read by `check` for their rules alone (E201 length, E207 non-finite): no loss
 # positions are gathered for them and the value rules of streams do not apply.
 METADATA_LISTS = ("temperature_tok", "policy_version_tok")
-
-
-def loss_view(table: RowTable) -> LossView:
-    """Gather the loss positions of `table` (every row must be structurally sound)."""
-    ids = table.lists["input_ids"]
-    index = np.flatnonzero(table.lists["loss_mask"].values)  # (M,)
-    row_start = np.searchsorted(index, ids.offsets).astype(np.int64)  # (R + 1,)
-    values: dict[str, np.ndarray] = {}
-    valid: dict[str, np.ndarray | None] = {}
-    mask = table.lists["loss_mask"].values
-    for column, flat in table.lists.items():
-        if column in ("input_ids", "loss_mask", *METADATA_LISTS):
-            continue
-        gathered = flat.values[mask].astype(np.float32, copy=False)  # (M,) float32 until the batch
-        column_valid = None
-        if flat.valid is not None and np.count_nonzero(flat.valid & mask) != index.size:
-            column_valid = flat.valid[index]
-            gathered[~column_valid] = np.nan
-        values[column], valid[column] = gathered, column_valid
-    token_id = ids.values[mask].astype(np.int32, copy=False)
-    kept_size = None
-    if table.kept is not None:
-        from pgdiag.data.kept import position_sizes  # kept imports this module
-
-        kept_size = position_sizes(table.kept, ids.offsets)[index].astype(np.int32)
-    return LossView(index, row_start, values, valid, token_id, ids.offsets, kept_size)
 
 
 def subset_rows(table: RowTable, keep: np.ndarray) -> RowTable:

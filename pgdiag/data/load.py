@@ -16,8 +16,9 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.flat import FlatList, LossView, RowTable, flat_list, loss_view
+from pgdiag.data.flat import FlatList, RowTable, flat_list
 from pgdiag.data.kept import KEPT_COLUMNS, KEPT_IDS, KEPT_OFFSETS, kept_from_series
+from pgdiag.data.loss_view import LossView, loss_view
 from pgdiag.data.memory import MemoryLimits, check_piece_memory
 from pgdiag.data.runs import FILE_COLUMN, Run, incomplete_error, incomplete_issues, with_recompute
 from pgdiag.data.schema import (

@@ -1,4 +1,5 @@
-"""Which rows a command reads together: pieces of whole steps over 1..N runs (the one piece planner).
+"""Which rows a command reads together: pieces of whole steps over 1..N runs (the one piece planner), and the
+pieces of two runs paired across steps (`any_step_pieces`, `compare --join hash-any-step`).
 
 What: `plan_step_pieces` cuts the steps of one or more runs into pieces of consecutive whole steps, at most
 `chunk_rows` rows of all the runs together, each piece saying which runs have rows in it; `check`, `metrics`,
@@ -16,18 +17,17 @@ so memory stays bounded.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
+import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
+from pgdiag.data.runs import Run, sample_keys
 from pgdiag.errors import InvalidInputError
-
-if TYPE_CHECKING:
-    from pgdiag.data.runs import Run
 
 # a piece may grow to TIE_FACTOR x chunk_rows rows to keep the steps of one Parquet row group together
 TIE_FACTOR = 4
@@ -170,3 +170,182 @@ def plan_step_pieces(runs: Sequence[Run], chunk_rows: int | Callable[[dict[int, 
     return StepPlan(
         [StepPiece(c, tuple(any(s in rows for s in c) for rows in per_run)) for c in chunks], total
     )
+
+
+# ---- two runs paired across steps (`compare --join hash-any-step`) ----------------------------------------
+
+ROW_DROPPING_CODES = ("E201", "E202", "E213")
+
+
+@dataclass(frozen=True)
+class PairPiece:
+    """One piece of a two-run comparison: its steps, whether each run has rows in it and, under hash-any-step,
+    the steps of b it reads and its pairs."""
+
+    steps: tuple[int, ...] | None  # steps of a (and of b unless `steps_b` is set); None: the whole run
+    in_a: bool = True
+    in_b: bool = True
+    steps_b: tuple[int, ...] | None = None  # hash-any-step: the steps of b first read with this piece
+    steps_b_again: tuple[int, ...] = ()  # hash-any-step: steps of b an earlier piece read (read again)
+    matches: tuple[np.ndarray, np.ndarray] | None = (
+        None  # (rows of a, rows of b) paired on the whole runs' keys
+    )
+    n_a: int = 0  # rows of a and of b (first read, then again) this piece reads: checked against the batches
+    n_b: int = 0
+
+    @property
+    def b_steps(self) -> tuple[int, ...] | None:
+        """The steps of b read first with this piece."""
+        return self.steps if self.steps_b is None else self.steps_b
+
+
+@dataclass(frozen=True)
+class AnyStepKeys:
+    """The sample counts of a hash-any-step plan, from the whole runs' keys (E304, E306 of compare)."""
+
+    n_a: int
+    n_b: int
+    n_matched: int
+    first_only_a: tuple[int, str] | None  # (step, sample_id) of the first sample of a without a match
+    first_only_b: tuple[int, str] | None
+    steps_a: tuple[int, int] | None  # (min, max) step
+    steps_b: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """The pieces of one two-run comparison; `keys` holds the sample counts when they come from the keys."""
+
+    pieces: list[PairPiece]
+    keys: AnyStepKeys | None = None
+
+
+def _ranked(frame: pl.DataFrame, group: list[str]) -> pl.DataFrame:
+    """Rank identical sequences within `group` by (step, sample_id, segment_idx) so duplicates pair in order
+    (ties, samples whose keys repeat under an ignored E210, keep their row order)."""
+    return frame.sort(["step", "sample_id", "segment_idx"], maintain_order=True).with_columns(
+        pl.int_range(pl.len()).over(group).alias("rank")
+    )
+
+
+def rank_join(fa: pl.DataFrame, fb: pl.DataFrame, group: list[str]) -> pl.DataFrame:
+    """(ia, ib, *group, rank) of the samples paired by a hash join: the n-th sample of `fa` with a given `group`
+    value pairs with the n-th of `fb` (n in (step, sample_id, segment_idx) order). Frames: `_key_frame`'s
+    columns, index columns ``ia`` and ``ib``."""
+    on = [*group, "rank"]
+    return _ranked(fa, group).select("ia", *on).join(_ranked(fb, group).select("ib", *on), on=on)
+
+
+def _first(step: np.ndarray, sample_id: pl.Series, rows: np.ndarray) -> tuple[int, str] | None:
+    if rows.size == 0:
+        return None
+    r = int(rows[0])
+    return int(step[r]), str(sample_id[r])
+
+
+def _span(step: np.ndarray) -> tuple[int, int] | None:
+    return None if step.size == 0 else (int(step.min()), int(step.max()))
+
+
+def _key_frame(keys: pl.DataFrame, index: str) -> pl.DataFrame:
+    return keys.select(
+        pl.int_range(pl.len(), dtype=pl.Int64).alias(index),
+        "step",
+        "sample_id",
+        "segment_idx",
+        pl.col("seq_hash").alias("hash"),
+    )
+
+
+def _rows_by_step(step: np.ndarray) -> dict[int, np.ndarray]:
+    """step -> (k,) its rows, in read order."""
+    order = np.argsort(step, kind="stable")
+    values, starts = np.unique(step[order], return_index=True)
+    return {int(v): rows for v, rows in zip(values, np.split(order, starts[1:]), strict=True)}
+
+
+def _rows_of(by_step: dict[int, np.ndarray], steps: Sequence[int]) -> np.ndarray:
+    """The rows of `steps` in read order: the order a read restricted to those steps returns them in."""
+    parts = [by_step[s] for s in steps if s in by_step]
+    return np.sort(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+
+
+def any_step_pieces(a: Any, b: Any, chunk_rows: int, ignore: Collection[str]) -> PairPlan:
+    """Pieces of consecutive steps of `a`, each with the steps of `b` that hold its matches (module docstring).
+
+    A piece holds at most `chunk_rows` rows of a plus the b steps it reads, unless one step of a with its b
+    steps is larger (then it is a piece of its own: the worst case, an a step matched into every b step, reads
+    all of b with it). Read whole (one piece): runs that fit in one piece, a step column that is not an integer
+    or is null (`reads_whole`), and an ignored code whose rows the reader leaves out (`ROW_DROPPING_CODES`: the keys would pair rows the batch lacks).
+    """
+
+    whole = PairPlan([PairPiece(None)])
+    if reads_whole(a) or reads_whole(b):
+        return whole
+    rows_a, rows_b = step_rows(a), step_rows(b)
+    if sum(rows_a.values()) + sum(rows_b.values()) <= chunk_rows or set(ignore) & set(ROW_DROPPING_CODES):
+        return whole
+    try:
+        keys_a, keys_b = sample_keys(a), sample_keys(b)
+    except InvalidInputError:
+        return whole  # a key column the reader refuses: one read reports it as before
+    step_a, step_b = keys_a["step"].to_numpy(), keys_b["step"].to_numpy()
+    matched = rank_join(_key_frame(keys_a, "ia"), _key_frame(keys_b, "ib"), ["hash"])
+    ia, ib = matched["ia"].to_numpy(), matched["ib"].to_numpy()
+    match_b = np.full(keys_a.height, -1, dtype=np.int64)  # (S_a,) row of b matched to each row of a
+    match_b[ia] = ib
+    counts = AnyStepKeys(
+        keys_a.height,
+        keys_b.height,
+        int(ia.shape[0]),
+        _first(step_a, keys_a["sample_id"], np.flatnonzero(match_b < 0)),
+        _first(step_b, keys_b["sample_id"], np.setdiff1d(np.arange(keys_b.height), ib)),
+        _span(step_a),
+        _span(step_b),
+    )
+    needs: dict[int, set[int]] = {s: set() for s in rows_a}
+    for s_a, s_b in pl.DataFrame({"a": step_a[ia], "b": step_b[ib]}).unique().iter_rows():
+        needs[int(s_a)].add(int(s_b))
+    groups: list[tuple[list[int], set[int]]] = []
+    held = 0  # rows of a and b the last group reads
+    for step in rows_a:  # ascending
+        added = sum(rows_b[t] for t in needs[step] - groups[-1][1]) if groups else 0
+        if groups and held + rows_a[step] + added <= chunk_rows:
+            groups[-1][0].append(step)
+            groups[-1][1].update(needs[step])
+            held += rows_a[step] + added
+            continue
+        groups.append(([step], set(needs[step])))
+        held = rows_a[step] + sum(rows_b[t] for t in needs[step])
+    pieces: list[PairPiece] = []
+    seen: set[int] = set()
+    position_b = np.full(keys_b.height, -1, dtype=np.int64)  # row of b -> its row in the piece's b batch
+    by_step_a, by_step_b = _rows_by_step(step_a), _rows_by_step(step_b)
+    for steps, wanted in groups:
+        fresh, again = tuple(sorted(wanted - seen)), tuple(sorted(wanted & seen))
+        seen |= wanted
+        rows_of_a = _rows_of(by_step_a, steps)
+        rows_of_b = np.concatenate([_rows_of(by_step_b, fresh), _rows_of(by_step_b, again)])
+        position_b[rows_of_b] = np.arange(rows_of_b.shape[0])
+        partner = match_b[rows_of_a]
+        local_a = np.flatnonzero(partner >= 0)
+        local_b = position_b[partner[local_a]]
+        position_b[rows_of_b] = -1
+        pieces.append(
+            PairPiece(
+                tuple(steps),
+                True,
+                bool(wanted),
+                fresh,
+                again,
+                (local_a, local_b),
+                int(rows_of_a.shape[0]),
+                int(rows_of_b.shape[0]),
+            )
+        )
+    lone = {s: n for s, n in rows_b.items() if s not in seen}  # steps of b no sample of a matches
+    for chunk in step_chunks(lone, chunk_rows) if lone else []:
+        pieces.append(PairPiece(chunk, False, True, chunk, (), None, 0, sum(lone[s] for s in chunk)))
+    if len(pieces) <= 1:
+        return whole
+    return PairPlan(pieces, counts)

@@ -15,7 +15,6 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import polars as pl
 import pyarrow.parquet as pq
@@ -451,16 +450,6 @@ def with_recompute(run: Run, lazy: pl.LazyFrame, columns: Sequence[str]) -> pl.L
             .drop("__sid", "__seg")
         )
     return lazy
-
-
-def run_summary(run: Run) -> dict[str, Any]:
-    """Label, files, streams and entropy streams of `run` for result objects and messages."""
-    return {
-        "label": run.label,
-        "files": [run.display_path(p) for p in run.paths],
-        "streams": list(run.streams),
-        "entropy_streams": list(run.entropy_streams),
-    }
 
 
 def sample_keys(run: Run) -> pl.DataFrame:

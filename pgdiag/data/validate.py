@@ -1,4 +1,4 @@
-"""Validation of loaded rollout rows (E102-E103, E201-E213, W214-W217).
+"""Validation of loaded rollout rows (E102-E103, E201-E213, W214-W217): the row and token rules.
 
 Why: bad input must never turn into a wrong number, so every reader validates before it computes. How: the
 reader (`pgdiag.data.runs`) hands over a `RowTable`, the scalar columns as a polars frame plus every list column
@@ -7,425 +7,73 @@ operations over those flat buffers and per-row offsets (cumulative sums, bincoun
 over tokens. Every violation becomes one `Issue` whose one-line message names the file, step, sample, position
 and column of at most `max_examples` locations plus a count of the rest. Rules whose code is in `ignore` are
 skipped. Rows with structural errors (E201, E202, E213 on ids or mask) are reported in `RowIssues.bad_rows` and
-excluded from the token rules, which would otherwise read misaligned values.
+excluded from the token rules, which would otherwise read misaligned values. The issue model lives in
+`data.issues`, the rules judged over a whole run in `data.run_rules`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
 
-from pgdiag.data.flat import METADATA_LISTS, FlatList, LossView, RowTable, loss_view, subset_rows
+from pgdiag.data.flat import METADATA_LISTS, FlatList, RowTable, subset_rows
+from pgdiag.data.issues import (
+    ISSUE_SCHEMA,
+    CheckResult,
+    CheckSettings,
+    Example,
+    First,
+    Issue,
+    MessageParts,
+    as_template,
+    check_result,
+    merge_check_results,
+    merge_piece_issues,
+    raise_first_error,
+)
 from pgdiag.data.kept import kept_issues, position_sizes
+from pgdiag.data.loss_view import LossView, loss_view
+from pgdiag.data.run_rules import (
+    ZERO_FILL_FRACTION,
+    NullShiftPart,
+    PendingRule,
+    ZeroFill,
+    ZeroFillPart,
+    zero_against_other,
+    zero_fill_rows,
+)
 from pgdiag.data.schema import REQUIRED_HINTS
 from pgdiag.data.seqhash import seq_hashes
-from pgdiag.errors import (
-    EXIT_GATE,
-    EXIT_INVALID,
-    EXIT_OK,
-    InvalidInputError,
-    UsageError,
-    catalogued,
-    one_line,
-)
+
+# the issue model and the run-level rules, where the callers of this module have always found them
+__all__ = [
+    "ISSUE_SCHEMA",
+    "LOGPROB_POSITIVE_TOL",
+    "ZERO_FILL_FRACTION",
+    "CheckResult",
+    "CheckSettings",
+    "Issue",
+    "MessageParts",
+    "NullShiftPart",
+    "PendingRule",
+    "RowIssues",
+    "ZeroFill",
+    "ZeroFillPart",
+    "as_template",
+    "check_result",
+    "merge_check_results",
+    "merge_piece_issues",
+    "missing_columns",
+    "raise_first_error",
+    "validate_rows",
+    "zero_against_other",
+    "zero_fill_rows",
+]
 
 LOGPROB_POSITIVE_TOL = 1e-6
-ZERO_FILL_FRACTION = 0.01
-ISSUE_SCHEMA = {
-    "code": pl.String,
-    "severity": pl.String,
-    "count": pl.Int64,
-    "message": pl.String,
-    "step": pl.Int64,
-    "sample_id": pl.String,
-    "pos": pl.Int64,
-}
-
-
-@dataclass(frozen=True)
-class ZeroFill:
-    """Exact zeros of one log-prob stream on its loss positions, by the E206 rule."""
-
-    zero: np.ndarray  # (Z,) token indices holding exactly 0.0
-    all_zero_rows: np.ndarray  # (R,) samples with >= 2 loss values, every one exactly 0.0
-    fraction: float  # Z / M
-
-    @property
-    def fraction_filled(self) -> bool:
-        return self.fraction > ZERO_FILL_FRACTION
-
-
-def zero_fill_rows(values: np.ndarray, offsets: np.ndarray) -> ZeroFill:
-    """The one-stream zero-fill rule (E206: > 1 % exact 0.0, or a sample whose >= 2 loss values are all 0.0)
-    on the (M,) loss-position values of one stream, samples delimited by `offsets` (S + 1,)."""
-    zero = np.flatnonzero(values == 0.0)
-    n_loss = np.diff(offsets)
-    rows = np.searchsorted(offsets, zero, side="right") - 1
-    zero_per_row = np.bincount(rows, minlength=n_loss.shape[0])
-    all_zero_rows = np.flatnonzero((zero_per_row == n_loss) & (n_loss >= 2))
-    fraction = zero.size / values.shape[0] if values.shape[0] else 0.0
-    return ZeroFill(zero, all_zero_rows, fraction)
-
-
-def zero_against_other(values: np.ndarray, other: np.ndarray) -> np.ndarray:
-    """(Z,) token indices where `values` is exactly 0.0 while the other stream of the pair is below −1 (a token
-    it gives p < 0.37 cannot have p = 1 here): the pair form of the E206 zero-fill rule, on (M,) arrays."""
-    zero = np.flatnonzero(values == 0.0)
-    with np.errstate(invalid="ignore"):
-        return zero[other[zero] < -1.0]
-
-
-@dataclass(frozen=True)
-class CheckSettings:
-    """What every command's checks skip and show: codes to ignore and examples per issue."""
-
-    ignore: tuple[str, ...] = ()  # check codes to skip (E306, E207, W4xx, ...)
-    max_examples: int = 5  # example locations listed per issue
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ignore", tuple(self.ignore))
-        if self.max_examples < 0:
-            raise UsageError("E503", f"--max-examples must be >= 0 (got {self.max_examples})")
-
-
-Example = tuple[str | None, str]  # (file or None, "step s, sample x, pos p[, note]") of one example location
-
-
-def as_template(text: str) -> str:
-    """`text` as a `str.format` template that renders to itself."""
-    return text.replace("{", "{{").replace("}", "}}")
-
-
-@dataclass(frozen=True)
-class MessageParts:
-    """What an issue's message is made of, so that the issues of a run read in pieces merge into the message one
-    read gives (`merge_piece_issues`): the text as a template whose fields are the counts it states (`sums`, added
-    over the pieces; `maxima`, the largest), and the first example locations (concatenated over the pieces, the
-    first `max_examples` shown). `located`: the reader's layout, ``[file: ]text (ex; ex); N more`` with the file
-    named once when every shown example is in it; else ``template`` has an ``{examples}`` field (joined by
-    `joiner`) and `more` (``{n}`` = the examples not shown) follows when some are not shown."""
-
-    template: str
-    sums: tuple[tuple[str, int], ...] = ()
-    maxima: tuple[tuple[str, float], ...] = ()
-    examples: tuple[Example, ...] = ()
-    max_examples: int = 5
-    located: bool = True
-    joiner: str = "; "
-    more: str = ""
-    once: bool = False  # a finding about the whole run that every piece repeats: kept once, count not added
-
-    def render(self, count: int) -> str:
-        values: dict[str, object] = {**dict(self.sums), **dict(self.maxima)}
-        shown = self.examples[: max(0, self.max_examples)]
-        if not self.located:
-            message = self.template.format(**values, examples=self.joiner.join(loc for _, loc in shown))
-            return message + (self.more.format(n=count - len(shown)) if count > len(shown) else "")
-        files = [file for file, _ in shown]
-        single_file = len(set(files)) <= 1
-        bits = [loc if single_file else f"file {file}, {loc}" for file, loc in shown]
-        prefix = f"{files[0]}: " if files and single_file and files[0] is not None else ""
-        message = prefix + self.template.format(**values)
-        if bits:
-            message += f" ({'; '.join(bits)})"
-        if count > len(bits) and bits:
-            message += f"; {count - len(bits)} more"
-        return message
-
-    def merge(self, other: MessageParts) -> MessageParts:
-        """`self` then `other` (a later piece): counts added, maxima the larger, examples concatenated."""
-        later = dict(other.sums)
-        highs = dict(other.maxima)
-        return replace(
-            self,
-            sums=tuple((k, v + later.get(k, 0)) for k, v in self.sums),
-            maxima=tuple((k, max(v, highs.get(k, v))) for k, v in self.maxima),
-            examples=(self.examples + other.examples)[: max(0, self.max_examples)],
-        )
-
-
-@dataclass(frozen=True)
-class Issue:
-    """One violated rule: its code, severity, how many locations violate it, and the first location.
-
-    `parts` (when set) rebuilds the message from its counts and examples when pieces merge; `pooled` marks the
-    verdict of one piece on a rule judged over the run (`PendingRule`), replaced when pieces merge."""
-
-    code: str
-    severity: str  # "error" | "warning" | "note"
-    count: int
-    message: str
-    step: int | None = None
-    sample_id: str | None = None
-    pos: int | None = None
-    hint: str | None = None
-    rule: str | None = field(default=None, compare=False)  # the message before its locations (merge key)
-    parts: MessageParts | None = field(default=None, compare=False)
-    pooled: tuple[str, str] | None = field(
-        default=None, compare=False
-    )  # the `PendingRule.key` it is a verdict of
-
-    def __post_init__(self) -> None:
-        if (
-            self.severity != "note"
-        ):  # a note (rows dropped at import) carries the code "note", not a catalogue code
-            catalogued(self.code)  # ValueError for a code outside the catalogue: a bug in pgdiag
-        object.__setattr__(
-            self, "message", one_line(self.message)
-        )  # an id holding a line break stays one line
-
-
-First = tuple[int | None, str | None, int | None]  # (step, sample_id, pos) of an issue's first location
-
-
-@dataclass(frozen=True)
-class ZeroFillPart:
-    """One piece's share of the one-stream zero-fill rule on one column, judged over the run (`merge_piece_issues`):
-    E206 when more than `ZERO_FILL_FRACTION` of the run's loss values are exactly 0.0 (the run's share, not the
-    piece's) or a sample's >= 2 loss values are all 0.0; else W216 for any 0.0 or value in (0, 1e-6]."""
-
-    column: str
-    n_zero: int
-    n_loss: int
-    n_tiny: int
-    n_all_zero_rows: int
-    zero: tuple[Example, ...]  # first exact-0.0 tokens
-    rows: tuple[Example, ...]  # first all-zero samples
-    tiny: tuple[Example, ...]  # first (0, 1e-6] tokens (W216 lists the 0.0 ones first)
-    first_zero: First
-    first_row: First
-    first_tiny: First
-    max_examples: int
-    e206: bool = True  # the codes not ignored
-    w216: bool = True
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return ("zero_fill", self.column)
-
-    def merge(self, other: ZeroFillPart) -> ZeroFillPart:
-        """`self` then `other` (a later piece): counts added, examples concatenated, first locations kept."""
-        k = self.max_examples
-        return replace(
-            self,
-            n_zero=self.n_zero + other.n_zero,
-            n_loss=self.n_loss + other.n_loss,
-            n_tiny=self.n_tiny + other.n_tiny,
-            n_all_zero_rows=self.n_all_zero_rows + other.n_all_zero_rows,
-            zero=(self.zero + other.zero)[:k],
-            rows=(self.rows + other.rows)[:k],
-            tiny=(self.tiny + other.tiny)[:k],
-            first_zero=self.first_zero if self.n_zero else other.first_zero,
-            first_row=self.first_row if self.n_all_zero_rows else other.first_row,
-            first_tiny=self.first_tiny if self.n_tiny else other.first_tiny,
-        )
-
-    def issue(self) -> Issue | None:
-        """The verdict on the rows counted so far (the whole run once every piece is merged)."""
-        fraction = self.n_zero / self.n_loss if self.n_loss else 0.0
-        filled = fraction > ZERO_FILL_FRACTION
-        column = as_template(self.column)
-        if (filled or self.n_all_zero_rows) and self.e206:
-            if self.n_all_zero_rows and not filled:
-                template = f"{column}: {{n}} samples with every loss value exactly 0.0"
-                count, examples, first = self.n_all_zero_rows, self.rows, self.first_row
-                sums: tuple[tuple[str, int], ...] = (("n", count),)
-            else:
-                template = as_template(f"{self.column}: {100 * fraction:.1f} % exact 0.0 on loss positions")
-                count, examples, first, sums = self.n_zero, self.zero, self.first_zero, ()
-            code, severity, hint = "E206", "error", "missing values written as 0? import them as null"
-        elif (self.n_zero or self.n_tiny) and self.w216:
-            template = f"{column}: {{z}} exact 0.0 and {{t}} in (0, 1e-6] (p≈1 tokens or fills)"
-            count, examples = self.n_zero + self.n_tiny, self.zero + self.tiny
-            first = self.first_zero if self.n_zero else self.first_tiny
-            sums = (("z", self.n_zero), ("t", self.n_tiny))
-            code, severity, hint = "W216", "warning", None
-        else:
-            return None
-        parts = MessageParts(template, sums, (), examples, self.max_examples)
-        return Issue(
-            code,
-            severity,
-            count,
-            parts.render(count),
-            *first,
-            hint=hint,
-            rule=template,
-            parts=parts,
-            pooled=self.key,
-        )
-
-
-@dataclass(frozen=True)
-class NullShiftPart:
-    """One piece's share of the null-pattern E302 rule on one stream column, judged over the run: the stream is
-    null on the last loss token and set just before the first one in every sample with loss tokens of the run."""
-
-    column: str
-    n_rows: int  # samples with loss tokens
-    holds: bool  # every one of them shows the pattern
-    examples: tuple[Example, ...]
-    first: First
-    max_examples: int
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return ("null_shift", self.column)
-
-    def merge(self, other: NullShiftPart) -> NullShiftPart:
-        return replace(
-            self,
-            n_rows=self.n_rows + other.n_rows,
-            holds=self.holds and other.holds,
-            examples=(self.examples + other.examples)[: self.max_examples],
-            first=self.first if self.n_rows else other.first,
-        )
-
-    def issue(self) -> Issue | None:
-        if not (self.n_rows and self.holds):
-            return None
-        template = as_template(
-            f"{self.column} looks shifted by -1: set just before each loss span and null on the last loss token"
-        )
-        parts = MessageParts(template, (), (), self.examples, self.max_examples)
-        return Issue(
-            "E302",
-            "error",
-            self.n_rows,
-            parts.render(self.n_rows),
-            *self.first,
-            hint="next-token aligned values? re-import with pgdiag import --shift 1",
-            rule=template,
-            parts=parts,
-            pooled=self.key,
-        )
-
-
-PendingRule = ZeroFillPart | NullShiftPart
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    """Issues of one validation or check, as a tidy frame, with their counts and the resulting exit code."""
-
-    issues: pl.DataFrame  # code, severity, count, message, step, sample_id, pos
-    n_errors: int
-    n_warnings: int
-    exit_code: int  # 0 ok, 3 any error, 1 warnings only under strict
-    hints: tuple[str | None, ...] = ()  # hint of each issue row, in order
-    found: tuple[Issue, ...] = ()  # the issues themselves, in row order (`merge_check_results` reads them)
-    pending: tuple[PendingRule, ...] = ()  # this piece's share of the rules judged over the run
-
-
-def _merge_pending(pending: Sequence[Sequence[PendingRule]]) -> dict[tuple[str, str], PendingRule]:
-    merged: dict[tuple[str, str], PendingRule] = {}
-    for piece in pending:
-        for part in piece:
-            held = merged.get(part.key)
-            merged[part.key] = part if held is None else held.merge(part)  # type: ignore[arg-type]
-    return merged
-
-
-def merge_piece_issues(
-    pieces: Sequence[Sequence[Issue]], pending: Sequence[Sequence[PendingRule]] = ()
-) -> list[Issue]:
-    """The issues of a run read in pieces of consecutive steps, as one list, as one read of the run gives them.
-
-    Rules judged over the run (`pending`: each piece's `ZeroFillPart`/`NullShiftPart`, one list per piece) are
-    judged again on their merged counts, replacing the pieces' own verdicts (`Issue.pooled`). Other issues of the
-    same code, severity and rule (`Issue.rule`: the message template before its counts and locations; issues
-    without one merge by code and severity) are one issue whose count is the sum; with `Issue.parts` its message
-    is rebuilt from the summed counts and the concatenated examples (the first `max_examples` shown, then how
-    many more), which is the message one read gives wherever the examples fall in row order; without parts the
-    first piece's message is kept and then says how many more the later pieces found (" [+N in later steps]").
-    Location and hint are the first piece's. One piece: unchanged."""
-    if len(pieces) == 1:
-        return list(pieces[0])
-    rules = _merge_pending(pending)
-    verdicts = {key: part.issue() for key, part in rules.items()}
-    merged: dict[tuple[str, str, str], tuple[Issue, int, MessageParts | None]] = {}
-    out_keys: list[tuple[str, str, str] | tuple[str, str]] = []
-    for piece in pieces:
-        for issue in piece:
-            if issue.pooled is not None and issue.pooled in rules:
-                if issue.pooled not in out_keys:
-                    out_keys.append(issue.pooled)
-                continue
-            key = (issue.code, issue.severity, issue.rule or "")
-            if key not in merged:
-                merged[key] = (issue, issue.count, issue.parts)
-                out_keys.append(key)
-                continue
-            first, total, parts = merged[key]
-            if parts is not None and parts.once:
-                continue
-            joined = None if parts is None or issue.parts is None else parts.merge(issue.parts)
-            merged[key] = (first, total + issue.count, joined)
-    out_keys += [k for k in rules if k not in out_keys]
-    out = []
-    for key in out_keys:
-        if len(key) == 2:
-            verdict = verdicts.get(key)  # type: ignore[call-overload]
-            if verdict is not None:
-                out.append(verdict)
-            continue
-        first, total, parts = merged[key]  # type: ignore[index]
-        if parts is not None:
-            out.append(replace(first, count=total, message=parts.render(total), parts=parts))
-            continue
-        later = total - first.count
-        message = first.message if later == 0 else f"{first.message} [+{later} in later steps]"
-        out.append(replace(first, count=total, message=message))
-    return out
-
-
-def check_result(
-    issues: Sequence[Issue], *, strict: bool = False, pending: Sequence[PendingRule] = ()
-) -> CheckResult:
-    """Bundle `issues` (errors first, then by code) into a `CheckResult` with its exit code; `pending` is the
-    share of the rules judged over the run when `issues` are those of one piece (`merge_check_results`)."""
-    ordered = sorted(issues, key=lambda issue: (issue.severity != "error", issue.code))
-    frame = pl.DataFrame(
-        {
-            "code": [i.code for i in ordered],
-            "severity": [i.severity for i in ordered],
-            "count": [i.count for i in ordered],
-            "message": [i.message for i in ordered],
-            "step": [i.step for i in ordered],
-            "sample_id": [i.sample_id for i in ordered],
-            "pos": [i.pos for i in ordered],
-        },
-        schema=ISSUE_SCHEMA,
-    )
-    n_errors = sum(1 for i in ordered if i.severity == "error")
-    n_warnings = len(ordered) - n_errors
-    if n_errors:
-        exit_code = EXIT_INVALID
-    elif n_warnings and strict:
-        exit_code = EXIT_GATE
-    else:
-        exit_code = EXIT_OK
-    return CheckResult(
-        frame, n_errors, n_warnings, exit_code, tuple(i.hint for i in ordered), tuple(ordered), tuple(pending)
-    )
-
-
-def raise_first_error(issues: Sequence[Issue]) -> None:
-    """InvalidInputError with the first error of `issues` by code (their order among equal codes); else nothing."""
-    errors = sorted((i for i in issues if i.severity == "error"), key=lambda i: i.code)
-    if errors:
-        raise InvalidInputError(errors[0].code, errors[0].message, errors[0].hint)
-
-
-def merge_check_results(results: Sequence[CheckResult], *, strict: bool = False) -> CheckResult:
-    """The checks of a run read in pieces as one `CheckResult` (`merge_piece_issues`: the rules judged over the
-    run judged on the pieces' merged counts; one issue per code, severity and rule, counts added, examples
-    concatenated, the first piece's location)."""
-    found = merge_piece_issues([r.found for r in results], [r.pending for r in results])
-    return check_result(found, strict=strict)
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,7 @@ def decide(
 
 
 def _bucket_start(index: int) -> int:
-    from pgdiag.explain.causes import POSITION_EDGES
+    from pgdiag.explain.settings import POSITION_EDGES
 
     return POSITION_EDGES[index]
 

@@ -25,11 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from pgdiag.explain.settings import REMOVAL_ORDER
+from pgdiag.explain.settings import POSITION_EDGES, REMOVAL_ORDER
 from pgdiag.explain.table import ExplainPiece
 
 CLAMP = 20.0
-POSITION_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 1 << 62)
 
 
 def k3(delta: np.ndarray) -> np.ndarray:

@@ -11,6 +11,24 @@ from dataclasses import dataclass
 
 from pgdiag.errors import UsageError
 
+POSITION_EDGES = (
+    0,
+    1,
+    2,
+    4,
+    8,
+    16,
+    32,
+    64,
+    128,
+    256,
+    512,
+    1024,
+    2048,
+    4096,
+    1 << 62,
+)  # response-position buckets
+
 # the fixed vocabulary, in removal order (`weights` and `staleness` share a slot: staleness first)
 REMOVAL_ORDER = (
     "logprobs_mode",

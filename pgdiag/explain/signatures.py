@@ -55,7 +55,7 @@ def first_position_rule(
     The leading buckets whose mean k3 is >= 5x the tail's (response positions >= 8, else >= 2) form the region;
     it is a template when the first position's mean |Δ| is >= 0.1 nats, an engine's first-token effect when
     smaller (marin-community/marin#1879: max |Δ| 2e-3 .. 0.16)."""
-    from pgdiag.explain.causes import POSITION_EDGES
+    from pgdiag.explain.settings import POSITION_EDGES
 
     tail_from = 4 if any(b >= 4 for b in by_position) else 2
     tail = [(n, k) for b, (n, k, _) in by_position.items() if b >= tail_from]

@@ -26,7 +26,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from pgdiag.data.flat import FlatList, flat_list
+from pgdiag.data.flat import FlatList
 from pgdiag.errors import InvalidInputError
 from pgdiag.importers.base import bad_layout
 
@@ -50,11 +50,6 @@ def from_rows(rows: Sequence[Sequence[float] | np.ndarray], dtype: np.dtype | ty
     lengths = np.array([a.shape[0] for a in arrays], dtype=np.int64)
     values = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
     return FlatList(offsets_of(lengths), values, None, None)
-
-
-def from_series(series: pl.Series) -> FlatList:
-    """A flat list from a polars list column (zero-copy values)."""
-    return flat_list(series)
 
 
 def from_padded(

@@ -139,11 +139,6 @@ def _checked(
     )
 
 
-def tensor_numpy(file: HookFile, name: str) -> Any:
-    """Tensor `name` of `file` as a numpy array (bool masks stay bool; 0/1 ints stay ints)."""
-    return file.tensors[name].numpy()
-
-
 def int_lengths(file: HookFile, name: str, limit: int) -> Any:
     """Recorded row lengths `name` as int64, each in [0, limit], else E703."""
     import numpy as np

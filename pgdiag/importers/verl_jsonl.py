@@ -28,7 +28,7 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.flat import FlatList
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.importers import alignment
 from pgdiag.importers.base import ImportedStep, ImportOptions, Preset, bad_layout, text_only
 from pgdiag.importers.nemo_rl import check_complete
@@ -62,7 +62,7 @@ def load_tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
     try:
         tokenizer = Tokenizer.from_file(str(file))
     except Exception as exc:  # the tokenizers library raises bare Exceptions on bad files
-        raise UsageError("E112", f"{file}: not a tokenizers tokenizer.json ({exc})") from exc
+        raise UsageError(Code.WRONG_FILE_KIND, f"{file}: not a tokenizers tokenizer.json ({exc})") from exc
     meta = {
         "name": str(path),
         "vocab_size": tokenizer.get_vocab_size(with_added_tokens=False),

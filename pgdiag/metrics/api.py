@@ -17,7 +17,7 @@ import polars as pl
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.load import LoadedBatch, read_token_batch
 from pgdiag.data.runs import Run
-from pgdiag.data.schema import stream_column
+from pgdiag.data.schema import BASE_STREAMS, stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import (
     CheckResult,
@@ -37,9 +37,8 @@ from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import Report, ReportRow, summary_frame
 
 if TYPE_CHECKING:
-    from pgdiag.metrics.engine import NativeStream, StepMetrics, StyleStream
-
-_CANONICAL = ("rollout", "old", "ref", "new")
+    from pgdiag.metrics.engine import NativeStream, StepMetrics
+    from pgdiag.metrics.styles.steps import StyleStream
 
 
 def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
@@ -50,7 +49,7 @@ def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
     stream's entropy when it is a recompute tag that has one.
     """
     streams = set(run.streams)
-    tags = [s for s in run.streams if s not in _CANONICAL]
+    tags = [s for s in run.streams if s not in BASE_STREAMS]
 
     def need(name: str | None, what: str) -> str | None:
         if name is not None and name not in streams:
@@ -181,7 +180,8 @@ def compute_metrics(
     checks = checks or CheckSettings()
     stream = stream or StreamSettings()
     settings = resolve_streams(run, settings)
-    from pgdiag.metrics.engine import NativeStream, StyleStream
+    from pgdiag.metrics.engine import NativeStream
+    from pgdiag.metrics.styles.steps import StyleStream
 
     engine = (
         NativeStream(settings, stream.quantiles, pooled=stream.pooled)
@@ -357,8 +357,8 @@ def metrics_report(
 ) -> Report:
     """The metric set of an already read and validated `batch` of `run` under stream-resolved `settings`
     (`resolve_streams`), read whole (`compare --metrics` feeds its pieces to a stream instead: `stream_report`)."""
-    from pgdiag.metrics.engine import compute_by_step, compute_native
-    from pgdiag.metrics.styles import compute_step_style
+    from pgdiag.metrics.engine import compute_native
+    from pgdiag.metrics.styles.steps import compute_by_step, compute_step_style
 
     if settings.key_style == "pgdiag":
         results = compute_native(batch, settings)

@@ -21,7 +21,8 @@ from pgdiag.metrics.settings import MetricSettings
 
 if TYPE_CHECKING:
     from pgdiag.metrics.docsteps import DocStepFeeder
-    from pgdiag.metrics.engine import NativeStream, StyleStream
+    from pgdiag.metrics.engine import NativeStream
+    from pgdiag.metrics.styles.steps import StyleStream
 
 
 @dataclass(frozen=True)

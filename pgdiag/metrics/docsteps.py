@@ -27,13 +27,8 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.batch import TokenBatch, concat_batches
-from pgdiag.metrics.engine import (
-    NativeStream,
-    StepCut,
-    StyleStream,
-    documents_by_sample_id,
-    straddling_groups,
-)
+from pgdiag.metrics.engine import NativeStream, StepCut, documents_by_sample_id, straddling_groups
+from pgdiag.metrics.styles.steps import StyleStream
 
 
 @dataclass(frozen=True)

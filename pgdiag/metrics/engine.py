@@ -21,7 +21,6 @@ in `settings` are already resolved; a None name means the family is not computed
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -74,8 +73,6 @@ __all__ = [
     "NativeStream",
     "StepCut",
     "StepMetrics",
-    "StyleStream",
-    "compute_by_step",
     "compute_native",
     "compute_step_native",
     "documents_by_sample_id",
@@ -326,7 +323,7 @@ class NativeStream:
             step_index = np.asarray(batch.step, dtype=np.int64)  # (S,) cut steps, ascending
             pooled, split_groups, partial_last = batch, cut.split_groups, cut.partial_last
         else:
-            step_index = _step_index(batch, settings)  # (S,)
+            step_index = step_index_of(batch, settings)  # (S,)
             pooled = _pooled_batch(batch, settings, step_index)
             if step_index.shape[0] > 1 and np.any(np.diff(step_index) < 0):
                 order = np.argsort(step_index, kind="stable")
@@ -356,7 +353,7 @@ class NativeStream:
         for position, ((lo, _), metrics) in enumerate(zip(ranges, reduced, strict=True)):
             label = str(int(step_index[lo]))
             if partial_last and position == len(ranges) - 1:
-                metrics = _mark_partial(metrics, label)
+                metrics = mark_partial(metrics, label)
             rows.append((label, metrics))
         if self.pooled:
             self._pool(tables, pooled.group, run_wide=cut is not None)
@@ -425,55 +422,6 @@ class NativeStream:
 _FAMILIES = ("policy", "loss", "ref", "advantage", "entropy", "mismatch", *KEPT_FAMILIES)
 
 
-class StyleStream:
-    """A framework key style over a run read in chunks of whole steps: each step with the style's own
-    function, the ``all`` row from the step rows alone (`styles.pooled.pool_style_steps`, docs/key-styles.md)."""
-
-    quantiles_exact = True  # a style's all row holds no token quantile of pooled tokens
-
-    def __init__(self, settings: MetricSettings) -> None:
-        self.settings = settings
-        self.steps: list[tuple[str, StepMetrics]] = []  # reported step rows
-        self._with_partials: list[StepMetrics] = []  # the same with the values pooling needs
-
-    def add(self, batch: TokenBatch, cut: StepCut | None = None) -> list[tuple[str, StepMetrics]]:
-        """The per-step rows of one chunk (step order); `cut` when the caller cut the batch's steps over the
-        whole run (`StepCut`: counts the straddling groups and marks the final partial step as
-        `compute_by_step` does)."""
-        from pgdiag.metrics.styles import compute_step_style
-        from pgdiag.metrics.styles.pooled import public_values
-
-        if cut is None:
-            rows = [
-                (label, compute_step_style(step_batch, self.settings, groups_split=0, partials=True))
-                for label, step_batch, _ in split_steps(batch, self.settings)
-            ]
-        else:
-            rows = []
-            bounds = (np.flatnonzero(np.diff(batch.step)) + 1).tolist()
-            ranges = (
-                list(zip([0, *bounds], [*bounds, batch.n_samples], strict=True)) if batch.n_samples else []
-            )
-            for position, (lo, hi) in enumerate(ranges):
-                step_batch = batch.slice(lo, hi)
-                n_split = int(np.count_nonzero(np.isin(np.unique(step_batch.group), cut.split_groups)))
-                metrics = compute_step_style(step_batch, self.settings, groups_split=n_split, partials=True)
-                label = str(int(batch.step[lo]))
-                if cut.partial_last and position == len(ranges) - 1:
-                    metrics = _mark_partial(metrics, label)
-                rows.append((label, metrics))
-        self._with_partials.extend(m for _, m in rows)
-        public = [(label, public_values(m)) for label, m in rows]
-        self.steps.extend(public)
-        return public
-
-    def finish(self) -> tuple[str, StepMetrics]:
-        """The ``all`` row pooled from the step rows (with their partials)."""
-        from pgdiag.metrics.styles.pooled import pool_style_steps
-
-        return "all", pool_style_steps(self._with_partials, self.settings)
-
-
 def compute_native(
     batch: TokenBatch, settings: MetricSettings, quantiles: QuantileSettings | None = None
 ) -> list[tuple[str, StepMetrics]]:
@@ -499,37 +447,6 @@ def compute_step_native(batch: TokenBatch, settings: MetricSettings, *, groups_s
     return reduce_rows(tables, 0, batch.n_samples, settings, resolved, groups_split)
 
 
-def compute_by_step(
-    batch: TokenBatch,
-    settings: MetricSettings,
-    compute_step: Callable[[TokenBatch, MetricSettings, int], StepMetrics],
-) -> list[tuple[str, StepMetrics]]:
-    """Per-step rows plus the ``all`` row for a key style's per-step function.
-
-    `compute_step(step_batch, settings, groups_split)` computes one step; the steps, their statuses and the
-    groups straddling a `--docs-per-step` cut are the same as `compute_native`'s. The ``all`` row is pooled
-    from the step rows alone (`pool_style_steps`, docs/key-styles.md); the steps' ``partial`` values are
-    consumed there and left out of the step rows.
-    """
-    from pgdiag.metrics.styles.pooled import pool_style_steps, public_values
-
-    parts = split_steps(batch, settings)
-    step_index = _step_index(batch, settings)
-    if settings.docs_per_step is None:
-        split_groups = np.zeros(0, dtype=np.int64)  # groups are prompts within a step: none can straddle
-    else:
-        split_groups = straddling_groups(np.asarray(batch.group), step_index)
-    rows: list[tuple[str, StepMetrics]] = []
-    for label, step_batch, status in parts:
-        n_split = int(np.count_nonzero(np.isin(np.unique(step_batch.group), split_groups)))
-        metrics = compute_step(step_batch, settings, n_split)
-        if status == "partial":
-            metrics = _mark_partial(metrics, label)
-        rows.append((label, metrics))
-    pooled_metrics = pool_style_steps([m for _, m in rows], settings)
-    return [(label, public_values(m)) for label, m in rows] + [("all", pooled_metrics)]
-
-
 def split_steps(batch: TokenBatch, settings: MetricSettings) -> list[tuple[str, TokenBatch, str]]:
     """(step label, step batch, status) in step order.
 
@@ -540,7 +457,7 @@ def split_steps(batch: TokenBatch, settings: MetricSettings) -> list[tuple[str, 
     """
     if batch.n_samples == 0:
         return []
-    step_index = _step_index(batch, settings)
+    step_index = step_index_of(batch, settings)
     stepped = batch if settings.docs_per_step is None else batch.with_steps(step_index)
     out: list[tuple[str, TokenBatch, str]] = []
     n_docs_last = 0
@@ -592,7 +509,7 @@ def documents_by_sample_id(sample_id: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(~same)]).astype(np.int64)
 
 
-def _step_index(batch: TokenBatch, settings: MetricSettings) -> np.ndarray:
+def step_index_of(batch: TokenBatch, settings: MetricSettings) -> np.ndarray:
     """(S,) step of every row: the `step` column, or document index // --docs-per-step."""
     if settings.docs_per_step is None:
         return np.asarray(batch.step, dtype=np.int64)
@@ -653,7 +570,7 @@ def _average_loss_over_steps(pooled: StepMetrics, steps: list[StepMetrics]) -> S
     return replace(pooled, values=tuple(values))
 
 
-def _mark_partial(metrics: StepMetrics, label: str) -> StepMetrics:
+def mark_partial(metrics: StepMetrics, label: str) -> StepMetrics:
     """`metrics` of the final step of `--docs-per-step` when it holds fewer than N documents."""
     return replace(
         metrics,

@@ -26,6 +26,7 @@ from pgdiag.errors import UsageError
 from pgdiag.metrics.catalog import MetricSink
 from pgdiag.metrics.reduce import SAMPLE_AXIS, TokenReducer, linear_fit
 from pgdiag.metrics.settings import MetricSettings
+from pgdiag.metrics.styles.trl import DEFAULT_MAX_COMPLETION_LENGTH
 
 NATIVE_MODES = (
     "token_mean",
@@ -70,7 +71,15 @@ AGGREGATION_ALIASES: tuple[AliasRule, ...] = (
     AliasRule("trl", "grpo", "sample_mean", "gspo_seq_mean", "(1/B) Σ_i Σ_t mℓ / max(N_i, 1)", True),
     AliasRule("trl", "sapo", "sample_mean", "gspo_seq_mean", "(1/B) Σ_i Σ_t mℓ / max(N_i, 1)", True),
     AliasRule("trl", "bnpo", "token_mean", "gspo_token_mean", "Σ mℓ / max(N, 1)", True),
-    AliasRule("trl", "dr_grpo", "constant", None, "Σ mℓ / (B·max_completion_length)", True, 512.0),
+    AliasRule(
+        "trl",
+        "dr_grpo",
+        "constant",
+        None,
+        "Σ mℓ / (B·max_completion_length)",
+        True,
+        float(DEFAULT_MAX_COMPLETION_LENGTH),
+    ),
     AliasRule("trl", "dapo", "token_mean", "gspo_token_mean", "Σ mℓ / num_items_in_batch", True),
     AliasRule("trl", "luspo", "seq_mean_token_sum", "gspo_length_prop", "(1/B) Σ_i Σ_t mℓ (masked)", False),
     AliasRule("liger", "grpo", "sample_mean", "gspo_seq_mean", "(1/B) Σ_i Σ_t mℓ / max(N_i, 1)", True),

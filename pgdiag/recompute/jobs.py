@@ -22,6 +22,7 @@ from typing import Any
 from pgdiag.errors import EXIT_INTERNAL, EXIT_INVALID, InvalidInputError, PgdiagError, UsageError
 from pgdiag.recompute.launch import launched_by_torchrun, run_workers, setup_distributed, teardown_distributed
 from pgdiag.recompute.logprobs import ProgressUpdate, RecomputeResult, recompute_rank
+from pgdiag.recompute.settings import RecomputeSettings
 
 Progress = Callable[[ProgressUpdate], None]
 
@@ -32,7 +33,7 @@ class RecomputeJob:
 
     run: Any  # a run path or `Run`
     model: Any  # a checkpoint path (a loaded model only in this process)
-    options: dict[str, Any] = field(default_factory=dict)  # keyword options of `recompute_rank`
+    settings: RecomputeSettings = field(default_factory=RecomputeSettings)
     tp: int | None = None
     dp: int | None = None
     device: str | None = None
@@ -51,6 +52,7 @@ class WorkerOutcome:
 def recompute_logprobs(
     run: Any,
     model: Any,
+    settings: RecomputeSettings | None = None,
     *,
     tp: int | None = None,
     dp: int | None = None,
@@ -59,18 +61,21 @@ def recompute_logprobs(
     progress: Progress | None = None,
     **options: Any,
 ) -> RecomputeResult | None:
-    """Recompute log-probs and entropy of `run` with `model` (see `recompute.logprobs.recompute_rank` for
-    `options`: tag, dtype, head_dtype, temperature, impl, batch_tokens, ...), tensor parallel over `tp` ranks
-    and data parallel over `dp` replicas.
+    """Recompute log-probs and entropy of `run` with `model` under `settings` (`RecomputeSettings`: tag, dtype,
+    head_dtype, temperature, impl, batch_tokens, ...; or its fields as keyword `options`, the notebook form, not
+    both: E514), tensor parallel over `tp` ranks and data parallel over `dp` replicas.
 
     In a plain process with ``tp × dp > 1`` the workers are started here (gloo on CPU, NCCL on CUDA); under
     ``torchrun`` every rank calls this with the same arguments; with your own `tp_group` the recompute runs on
     this rank as given. Returns global rank 0's result, None on the other ranks of a ``torchrun`` job.
     """
+    if settings is not None and options:
+        raise UsageError("E514", "give either a RecomputeSettings or keyword options, not both")
+    settings = settings or RecomputeSettings(**options)
     if tp_group is not None:
         with _entered(progress) as callback:
-            return recompute_rank(run, model, tp_group=tp_group, device=device, progress=callback, **options)
-    job = RecomputeJob(run, model, options, tp, dp, device, progress)
+            return recompute_rank(run, model, settings, tp_group=tp_group, device=device, progress=callback)
+    job = RecomputeJob(run, model, settings, tp, dp, device, progress)
     if launched_by_torchrun():
         try:
             return _run_ranked(job)
@@ -79,7 +84,7 @@ def recompute_logprobs(
     nproc = (tp or 1) * (dp or 1)
     if nproc == 1:
         with _entered(progress) as callback:
-            return recompute_rank(run, model, device=device, progress=callback, **options)
+            return recompute_rank(run, model, settings, device=device, progress=callback)
     if not isinstance(model, str | Path):
         raise UsageError("E505", "local tp/dp workers load the model themselves: pass a checkpoint path")
     outcomes: dict[int, WorkerOutcome] = run_workers(_worker, job, nproc=nproc)
@@ -109,10 +114,10 @@ def _run_ranked(job: RecomputeJob) -> RecomputeResult | None:
         result = recompute_rank(
             job.run,
             job.model,
+            job.settings,
             tp_group=setup.tp_group,
             device=str(setup.device),
             progress=callback,
-            **job.options,
         )
     return result if setup.layout.is_main else None
 

@@ -29,14 +29,14 @@ import platform
 import resource
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from pgdiag.data.schema import BASE_STREAMS, LOGPROBS_SCHEMA, TAG_PATTERN
+from pgdiag.data.schema import LOGPROBS_SCHEMA
 from pgdiag.data.seqhash import input_fingerprint
 from pgdiag.data.writing import check_destination, directory_lock, write_json
 from pgdiag.errors import UsageError
@@ -44,8 +44,6 @@ from pgdiag.kernels import lm_head_logprobs, resolve_impl
 from pgdiag.model.checkpoint import parse_dtype
 from pgdiag.model.moe import resolve_expert_impl
 from pgdiag.recompute.inputs import (
-    DEFAULT_BATCH_TOKENS,
-    DEFAULT_PART_SAMPLES,
     ROUTES_COLUMN,
     Part,
     RecomputeInputs,
@@ -66,54 +64,15 @@ from pgdiag.recompute.output import (
     remove_temp_files,
     write_part,
 )
-from pgdiag.recompute.packing import PackOrder, pack_samples, plan_batches, plan_micro_batches
+from pgdiag.recompute.packing import pack_samples, plan_batches, plan_micro_batches
 from pgdiag.recompute.routing import footer_entry, routing_counts, write_routing_summary
+from pgdiag.recompute.settings import RecomputeSettings, ResolvedRecompute, resume_command
 
 if TYPE_CHECKING:
     from pgdiag.data.runs import Run
     from pgdiag.model import CausalLM, ModelConfig
 
-DTYPES = ("bf16", "fp32", "fp16")  # body dtypes (fp16: the recompute matrix of `pgdiag explain`)
-HEAD_DTYPES = ("bf16", "fp32")
-IMPLS = ("auto", "triton", "torch")
-ROUTING_MODES = ("recompute", "replay")
 _IGNORED = -100
-
-
-@dataclass(frozen=True)
-class RecomputeSettings:
-    """Every choice that changes the numbers of a recompute; a resume must match it exactly (else E502)."""
-
-    dtype: str
-    head_dtype: str
-    temperature: float | None  # None: per-token values from `temperature_tok` / `temperature` columns
-    temperature_source: str  # option, column (temperature_tok or temperature), sampling, default
-    softmax_vocab: int  # rows of the head the softmax runs over (the config's vocab_size unless restricted)
-    impl: str  # resolved: triton or torch
-    batch_tokens: int
-    order: str
-    part_samples: int
-    tp: int
-    dp: int
-    entropy: bool
-    attn: str  # resolved attention backend of the model body
-    micro_batch: int | None  # fixed samples per forward; None = pack into batch_tokens
-    pack: bool = True
-    deterministic: bool = False
-    routing: str = "recompute"  # MoE: "recompute" (the router picks) or "replay" (the recorded experts)
-    experts: str = "none"  # MoE expert compute, resolved: loop or grouped; "none" for a dense model
-    kept_set: str = "off"  # scoring: recorded | reconstruct:<engine> (over K) | off (full vocabulary)
-    kept_source: str = (
-        "none"  # K of the kept mass: recorded | reconstruct:<engine> | none (recompute.kept_rules)
-    )
-
-    def as_dict(self) -> dict[str, Any]:
-        """The settings as recorded in the manifest; the kept-set fields only when used (so that a recompute
-        made before they existed still resumes)."""
-        out = asdict(self)
-        if self.kept_set == "off" and self.kept_source == "none":
-            del out["kept_set"], out["kept_source"]
-        return out
 
 
 @dataclass(frozen=True)
@@ -138,7 +97,7 @@ class RecomputeResult:
     n_tokens: int  # tokens forwarded in this call
     n_loss_tokens: int  # log-probs written in this call
     seconds: float
-    settings: RecomputeSettings
+    settings: ResolvedRecompute
     parts_computed: int
     parts_skipped: int
     peak_memory_bytes: int
@@ -149,144 +108,65 @@ class RecomputeResult:
     truncation_bias: float | None = None  # mean -log kept mass over the loss tokens computed now (K known)
 
 
-def default_tag(dtype: str, head_dtype: str) -> str:
-    """``rc_<dtype>_<head_dtype>``, the tag of a recompute when none is given."""
-    return f"rc_{dtype}_{head_dtype}"
+@dataclass(frozen=True)
+class _Plan:
+    """Everything decided before any weight is read: where, what, with which resolved settings, in which parts."""
+
+    run: Run
+    out_dir: Path
+    tag: str
+    spec: _ModelSpec
+    inputs: RecomputeInputs
+    resolved: ResolvedRecompute
+    parts: list[Part]
+    manifest: dict[str, Any]
+    footer_base: dict[str, Any]
+    warnings: tuple[str, ...]
+    moe: bool
+    kept: KeptPlan  # where the kept sets come from (`recompute.kept_rules`)
 
 
 def recompute_rank(
     run: Run | str | Path,
     model: CausalLM | str | Path,
+    settings: RecomputeSettings | None = None,
     *,
-    tag: str | None = None,
-    dtype: str = "bf16",
-    head_dtype: str = "fp32",
-    temperature: float | Literal["auto"] = "auto",
-    impl: str = "auto",
-    batch_tokens: int = DEFAULT_BATCH_TOKENS,
-    order: PackOrder = "length",
-    micro_batch: int | None = None,
-    softmax_vocab: int | Literal["config", "tokenizer"] = "config",
-    attn: str = "auto",
     tp_group: torch.distributed.ProcessGroup | None = None,
-    out: str | Path | None = None,
-    resume: bool = True,
-    overwrite: bool = False,
-    part_samples: int = DEFAULT_PART_SAMPLES,
-    entropy: bool = True,
     device: str | torch.device | None = None,
     progress: Callable[[ProgressUpdate], None] | None = None,
-    routing: str = "recompute",
-    experts: str = "auto",
-    kept_set: str = "auto",
 ) -> RecomputeResult:
     """Recompute log-probs and entropy of `run` (a `pgdiag.Run` or a path) with `model` (a checkpoint directory or
-    a loaded `pgdiag.model.CausalLM`) and write them as the stream `tag` (default ``rc_<dtype>_<head_dtype>``).
+    a loaded `pgdiag.model.CausalLM`) under `settings` (`RecomputeSettings`: tag, dtypes, temperature, packing,
+    output, MoE routing) and write them as the stream ``settings.stream_tag``.
 
     Raises UsageError E503 (bad option value), E506 (a setting needs what is missing), E508 (CUDA unavailable), E502
     (output exists: complete, without resume, or made with other settings or inputs; pass `overwrite`), E519
     (another process is writing this tag now), E60x/E612 (checkpoint refused, NaN or inf weights or activations);
     InvalidInputError E102/E103/E201-E213 (bad rollouts, by the row rules of `pgdiag check`) and E219 (a
     temperature `--temperature auto` cannot use). Every refusal comes before anything is written.
-    `softmax_vocab` restricts the softmax to the first N head rows (``"tokenizer"``: the run's recorded
-    tokenizer length), to test the padded-vocabulary gotcha; `micro_batch` forwards a fixed number of samples at a
-    time instead of packing into `batch_tokens`; `attn` picks the body's attention backend (docs/models.md).
     Under torch.distributed every rank calls this with the same arguments and its own `tp_group`;
     `pgdiag.recompute_logprobs` (`recompute.jobs`) starts the ranks, or runs this once in a plain process.
-    MoE models: `routing` ``"replay"`` runs the experts recorded in the run's ``routed_experts`` column (their
-    weights recomputed by the router), ``"recompute"`` lets the router choose; either way, when the column exists,
-    the per step and layer fraction of tokens whose router top-k differs from the recorded one is written to
-    ``_routing.parquet`` in the stream (`pgdiag.recompute.routing`). `experts`: "auto", "loop" or "grouped".
-    `kept_set` (docs/recompute.md, "Kept sets"): ``recorded`` / ``reconstruct[:vllm|:sglang]`` score each token
-    over its kept set K (renormalised), ``off`` over the full vocabulary, ``auto`` picks by the stream semantics
-    (`pgdiag.recompute.kept_rules`); with any source of K the stream also holds ``kept_mass`` and
-    ``logprobs_full``.
+    MoE models: when the run has a ``routed_experts`` column, the per step and layer fraction of tokens whose
+    router top-k differs from the recorded one is written to ``_routing.parquet`` in the stream
+    (`pgdiag.recompute.routing`). `settings.kept_set` (docs/recompute.md, "Kept sets"): ``recorded`` /
+    ``reconstruct[:vllm|:sglang]`` score each token over its kept set K (renormalised), ``off`` over the full
+    vocabulary, ``auto`` picks by the stream semantics (`pgdiag.recompute.kept_rules`); with any source of K the
+    stream also holds ``kept_mass`` and ``logprobs_full``.
     """
     start_time = time.perf_counter()
-    _check_options(dtype, head_dtype, impl, batch_tokens, part_samples, temperature)
-    if routing not in ROUTING_MODES:
-        raise UsageError("E503", f"routing {routing!r} is not one of {', '.join(ROUTING_MODES)}")
-    if micro_batch is not None and micro_batch < 1:
-        raise UsageError("E503", f"micro_batch must be >= 1, got {micro_batch}")
-    tag = tag or default_tag(dtype, head_dtype)
-    if not TAG_PATTERN.fullmatch(tag) or tag in BASE_STREAMS:
-        raise UsageError("E503", f"invalid tag {tag!r}", "use [a-z][a-z0-9_]{0,39}, not rollout/old/ref/new")
+    settings = settings or RecomputeSettings()
     layout = current_layout(tp_group)
-    run_obj = _as_run(run)
-    out_dir = _output_dir(run_obj, tag, out)
-    check_destination(out_dir, [], overwrite=overwrite, hint="--out takes a directory")
-
-    # 0. everything that needs no weights first, so a refusal (E208, E502, E503) costs no model load
-    spec = _model_spec(model, device=device, attn=attn, dtype=dtype)
-    vocab_size = _softmax_vocab(softmax_vocab, run_obj, int(spec.config.vocab_size))
-    moe = spec.config.moe
-    if routing == "replay" and moe is None:
-        raise UsageError(
-            "E506", f"--routing replay needs a mixture-of-experts model; {spec.config.architecture} is dense"
-        )
-    shape = RouteShape(len(moe.sparse_layer_indices), moe.top_k, moe.num_experts) if moe else None
-    plan = resolve_kept_set(run_obj, kept_set)
-    inputs = read_inputs(
-        run_obj,
-        vocab_size,
-        routes=shape,
-        temperatures=temperature == "auto",
-        kept=plan.needs_recorded,
-        sampling=plan.reconstructs is not None,
+    prepared = _prepare(run, model, settings, layout, device)
+    out_dir, manifest, parts, footer_base, tag = (
+        prepared.out_dir,
+        prepared.manifest,
+        prepared.parts,
+        prepared.footer_base,
+        prepared.tag,
     )
-    if routing == "replay" and inputs.routed_experts is None:
-        raise UsageError(
-            "E506",
-            f"--routing replay: the run has no '{ROUTES_COLUMN}' column",
-            "import the rollouts with their recorded routes (slime/miles rollout_routed_experts, prime-rl "
-            "routed_experts), or use --routing recompute",
-        )
-    temp_value, temp_source, warnings = resolve_temperature(run_obj, inputs, temperature)
-    if temp_value is not None:
-        inputs = with_uniform_temperature(inputs)
-    if plan.kept_source != "none":
-        warnings = (*warnings, *inexact_warnings(run_obj, temp_value))
-    settings = RecomputeSettings(
-        dtype=dtype,
-        head_dtype=head_dtype,
-        temperature=temp_value,
-        temperature_source=temp_source,
-        softmax_vocab=vocab_size,
-        impl=resolve_impl(impl, spec.device),
-        batch_tokens=batch_tokens,
-        order=order,
-        part_samples=part_samples,
-        tp=layout.tp_size,
-        dp=layout.dp_size,
-        entropy=entropy,
-        attn=spec.attn,
-        micro_batch=micro_batch,
-        routing=routing,
-        experts=resolve_expert_impl(experts, spec.device, parse_dtype(dtype, "--dtype")) if moe else "none",
-        kept_set=plan.kept_set,
-        kept_source=plan.kept_source,
-    )
-    model_meta = spec.meta()
-    parts = plan_parts(inputs, part_samples)
-    fingerprint = f"{input_fingerprint(inputs.keys(range(len(inputs.step)))):016x}"
-    manifest = {
-        "schema": LOGPROBS_SCHEMA,
-        "tag": tag,
-        "created_by": f"pgdiag {_version()}",
-        "model": model_meta,
-        "settings": settings.as_dict(),
-        "input_fingerprint": fingerprint,
-        "n_samples": len(inputs.step),
-        "parts": [{"path": p.relpath, **p.plan_entry()} for p in parts],
-        "resume_command": resume_command(run_obj, model_meta.get("path"), tag, settings, out),
-        "complete": False,
-    }
-    footer_base = {
-        "model": model_meta,
-        "settings": settings.as_dict(),
-        "env": _environment(spec.device),
-        "input_fingerprint": fingerprint,
-    }
+    spec, inputs, resolved, warnings = prepared.spec, prepared.inputs, prepared.resolved, prepared.warnings
+    moe, plan = prepared.moe, prepared.kept
+    resume, overwrite = settings.resume, settings.overwrite
 
     # 1. decide (every rank, before anyone writes): fresh, resume, or refuse (E502 costs no lock, no load).
     done = inspect_output(out_dir, manifest, parts, footer_base, resume=resume, overwrite=overwrite, tag=tag)
@@ -315,7 +195,12 @@ def recompute_rank(
                     "run again",
                 )  # fmt: skip
             model_obj = (
-                spec.load(dtype=dtype, head_dtype=head_dtype, tp_group=tp_group, experts=settings.experts)
+                spec.load(
+                    dtype=resolved.dtype,
+                    head_dtype=resolved.head_dtype,
+                    tp_group=tp_group,
+                    experts=resolved.experts,
+                )
                 if len(done) < len(parts)
                 else None
             )
@@ -342,7 +227,7 @@ def recompute_rank(
                     inputs,
                     mine,
                     out_dir,
-                    settings,
+                    resolved,
                     footer_base,
                     layout,
                     progress,
@@ -380,7 +265,7 @@ def recompute_rank(
         n_tokens=counts[0],
         n_loss_tokens=counts[1],
         seconds=time.perf_counter() - start_time,
-        settings=settings,
+        settings=resolved,
         parts_computed=counts[2],
         parts_skipped=len(done),
         peak_memory_bytes=_peak_memory(spec.device),
@@ -390,52 +275,106 @@ def recompute_rank(
     )
 
 
-def resume_command(
-    run: Run, model_path: str | None, tag: str, settings: RecomputeSettings, out: str | Path | None
-) -> str:
-    """The `pgdiag logprobs` command that reproduces these settings, so resumes an unfinished `tag` (the hint of
-    warning W504). Options at their defaults are left out; a resolved impl/attention is left to resolve again."""
-    where = run.root if run.root is not None else (run.paths[0] if run.paths else "RUN")
-    words = ["pgdiag logprobs", str(where), "--model", model_path or "CKPT", "--tag", tag]
-    words += ["--dtype", settings.dtype, "--head-dtype", settings.head_dtype]
-    if settings.temperature_source == "option" and settings.temperature is not None:
-        words += ["--temperature", f"{settings.temperature:g}"]
-    if settings.impl == "triton":
-        words += ["--impl", "triton"]
-    optional = (
-        ("--batch-tokens", settings.batch_tokens, DEFAULT_BATCH_TOKENS),
-        ("--order", settings.order, "length"),
-        ("--part-samples", settings.part_samples, DEFAULT_PART_SAMPLES),
-        ("--micro-batch", settings.micro_batch, None),
-    )
-    words += [f"{option} {value}" for option, value, default in optional if value != default]
-    if not settings.entropy:
-        words.append("--no-entropy")
-    if settings.kept_set != "off" or settings.kept_source != "none":
-        words += ["--kept-set", settings.kept_set]
-    if settings.tp > 1 or settings.dp > 1:
-        words += ["--tp", str(settings.tp), "--dp", str(settings.dp)]
-    if out is not None:
-        words += ["--out", str(out)]
-    return " ".join(words)
-
-
-def _check_options(
-    dtype: str, head_dtype: str, impl: str, batch_tokens: int, part_samples: int, temperature: Any
-) -> None:
-    for name, value, choices in (
-        ("dtype", dtype, DTYPES),
-        ("head_dtype", head_dtype, HEAD_DTYPES),
-        ("impl", impl, IMPLS),
-    ):
-        if value not in choices:
-            raise UsageError("E503", f"{name} {value!r} is not one of {', '.join(choices)}")
-    if batch_tokens < 1 or part_samples < 1:
+def _prepare(
+    run: Run | str | Path,
+    model: CausalLM | str | Path,
+    settings: RecomputeSettings,
+    layout: ParallelLayout,
+    device: str | torch.device | None,
+) -> _Plan:
+    """Everything that needs no weights, so a refusal (E208, E502, E503, E506) costs no model load: the output
+    directory, the model's config, the rows, the temperature, the resolved settings, the part plan, the manifest."""
+    tag = settings.stream_tag
+    run_obj = _as_run(run)
+    out_dir = _output_dir(run_obj, tag, settings.out)
+    check_destination(out_dir, [], overwrite=settings.overwrite, hint="--out takes a directory")
+    spec = _model_spec(model, device=device, attn=settings.attn, dtype=settings.dtype)
+    vocab_size = _softmax_vocab(settings.softmax_vocab, run_obj, int(spec.config.vocab_size))
+    moe = spec.config.moe
+    if settings.routing == "replay" and moe is None:
         raise UsageError(
-            "E503", f"batch_tokens ({batch_tokens}) and part_samples ({part_samples}) must be >= 1"
+            "E506", f"--routing replay needs a mixture-of-experts model; {spec.config.architecture} is dense"
         )
-    if temperature != "auto" and not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise UsageError("E503", f"temperature must be 'auto' or a positive number, got {temperature!r}")
+    shape = RouteShape(len(moe.sparse_layer_indices), moe.top_k, moe.num_experts) if moe else None
+    kept = resolve_kept_set(run_obj, settings.kept_set)
+    inputs = read_inputs(
+        run_obj,
+        vocab_size,
+        routes=shape,
+        temperatures=settings.temperature == "auto",
+        kept=kept.needs_recorded,
+        sampling=kept.reconstructs is not None,
+    )
+    if settings.routing == "replay" and inputs.routed_experts is None:
+        raise UsageError(
+            "E506",
+            f"--routing replay: the run has no '{ROUTES_COLUMN}' column",
+            "import the rollouts with their recorded routes (slime/miles rollout_routed_experts, prime-rl "
+            "routed_experts), or use --routing recompute",
+        )
+    temp_value, temp_source, warnings = resolve_temperature(run_obj, inputs, settings.temperature)
+    if temp_value is not None:
+        inputs = with_uniform_temperature(inputs)
+    if kept.kept_source != "none":
+        warnings = (*warnings, *inexact_warnings(run_obj, temp_value))
+    experts = "none"
+    if moe:
+        experts = resolve_expert_impl(settings.experts, spec.device, parse_dtype(settings.dtype, "--dtype"))
+    resolved = ResolvedRecompute(
+        dtype=settings.dtype,
+        head_dtype=settings.head_dtype,
+        temperature=temp_value,
+        temperature_source=temp_source,
+        softmax_vocab=vocab_size,
+        impl=resolve_impl(settings.impl, spec.device),
+        batch_tokens=settings.batch_tokens,
+        order=settings.order,
+        part_samples=settings.part_samples,
+        tp=layout.tp_size,
+        dp=layout.dp_size,
+        entropy=settings.entropy,
+        attn=spec.attn,
+        micro_batch=settings.micro_batch,
+        routing=settings.routing,
+        experts=experts,
+        kept_set=kept.kept_set,
+        kept_source=kept.kept_source,
+    )
+    model_meta = spec.meta()
+    parts = plan_parts(inputs, settings.part_samples)
+    fingerprint = f"{input_fingerprint(inputs.keys(range(len(inputs.step)))):016x}"
+    manifest = {
+        "schema": LOGPROBS_SCHEMA,
+        "tag": tag,
+        "created_by": f"pgdiag {_version()}",
+        "model": model_meta,
+        "settings": resolved.as_dict(),
+        "input_fingerprint": fingerprint,
+        "n_samples": len(inputs.step),
+        "parts": [{"path": p.relpath, **p.plan_entry()} for p in parts],
+        "resume_command": resume_command(run_obj, model_meta.get("path"), tag, resolved, settings.out),
+        "complete": False,
+    }
+    footer_base = {
+        "model": model_meta,
+        "settings": resolved.as_dict(),
+        "env": _environment(spec.device),
+        "input_fingerprint": fingerprint,
+    }
+    return _Plan(
+        run_obj,
+        out_dir,
+        tag,
+        spec,
+        inputs,
+        resolved,
+        parts,
+        manifest,
+        footer_base,
+        tuple(warnings),
+        moe is not None,
+        kept,
+    )
 
 
 def _version() -> str:
@@ -576,7 +515,7 @@ def _compute_parts(
     inputs: RecomputeInputs,
     parts: list[Part],
     out_dir: Path,
-    settings: RecomputeSettings,
+    settings: ResolvedRecompute,
     footer_base: dict[str, Any],
     layout: ParallelLayout,
     progress: Callable[[ProgressUpdate], None] | None,

@@ -14,7 +14,7 @@ from pgdiag.report.report import Report
 
 def explain_tables(report: Report) -> str:
     """HTML of the explain tables (module docstring)."""
-    from pgdiag.report.html import _e, _num, _table
+    from pgdiag.report.html_cells import _e, _num, _table
 
     if report.meta.get("layers") and not report.meta.get("explain"):
         return _layers_table(report.meta["layers"])
@@ -91,7 +91,7 @@ def explain_tables(report: Report) -> str:
 
 def _layers_table(layers: dict[str, Any]) -> str:
     """The per-block errors of `explain --layers` and the first divergent layer."""
-    from pgdiag.report.html import _e, _num, _table
+    from pgdiag.report.html_cells import _e, _num, _table
 
     first = layers.get("first_divergent")
     rows = [

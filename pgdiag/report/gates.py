@@ -160,8 +160,9 @@ def evaluate_gates(
     profile: str | None = None,
     default_family: str | None = None,
     known_metrics: Iterable[str] = (),
+    profile_kinds: tuple[str, ...] = ("fail", "warn"),
 ) -> GateResult:
-    """Evaluate gates on the ``breakdown = all`` rows of `report`.
+    """Evaluate gates on the ``breakdown = all`` rows of `report` (of `profile`, the gates of `profile_kinds`).
 
     `known_metrics` adds names that are valid but may be absent from this report (they evaluate as missing);
     anything else unknown is a UsageError with a suggestion.
@@ -184,6 +185,8 @@ def evaluate_gates(
             raise UsageError("E110", f"unknown profile {profile!r}", f"choose one of {', '.join(PROFILES)}")
         taken = {(g.name, g.scope, g.kind) for g in explicit}
         for kind, expr in PROFILES[profile]:
+            if kind not in profile_kinds:
+                continue
             gate = parse_gate(expr, kind=kind)
             gate = Gate(gate.expr, kind, gate.scope, gate.name, gate.op, gate.threshold, profile)
             if (gate.name, gate.scope, gate.kind) in taken:
@@ -237,14 +240,29 @@ class GateSettings:
                 "E110", f"unknown profile {self.profile!r}", f"choose one of {', '.join(PROFILES)}"
             )
 
+    @property
+    def given(self) -> bool:
+        """Whether the user gave any gate or profile."""
+        return bool(self.fail_on or self.warn_on or self.profile)
+
 
 def gate_policy(
-    *, fail_on: Sequence[str] = (), default_family: str | None = None, known_metrics: Sequence[str] = ()
+    *,
+    fail_on: Sequence[str] = (),
+    default_family: str | None = None,
+    known_metrics: Sequence[str] = (),
+    default_profile: str | None = None,
 ) -> dict[str, object]:
     """The gates a command always applies, kept in `Report.meta["gate_policy"]` so `outcome` (and a saved
-    report loaded later) applies them too: default fail gates, the family of a bare stat name, and metric names
-    that are valid although this report may lack them."""
-    return {"fail_on": list(fail_on), "default_family": default_family, "known_metrics": list(known_metrics)}
+    report loaded later) applies them too: default fail gates, the family of a bare stat name, metric names
+    that are valid although this report may lack them, and the profile whose fail gates apply when the user
+    gives no gate (compare: ``recommended``)."""
+    return {
+        "fail_on": list(fail_on),
+        "default_family": default_family,
+        "known_metrics": list(known_metrics),
+        "default_profile": default_profile,
+    }
 
 
 @dataclass(frozen=True)
@@ -259,18 +277,21 @@ class Outcome:
 def outcome(report: Report, settings: GateSettings | None = None) -> Outcome:
     """Gates of `settings` plus the report's own default gates, and the status and exit-code rule of the CLI.
 
+    Without any gate or profile, the fail gates of the report's default profile apply (compare: ``recommended``).
     Exit 1 when a fail gate triggers (or a gate on a metric that could not be computed, `missing`) or, under
     `strict`, when the checks found a warning; `exit_zero` turns that 1 into 0 and leaves the status "fail".
     """
     settings = settings or GateSettings()
     policy = report.meta.get("gate_policy") or gate_policy()
+    fallback = None if settings.given else policy.get("default_profile")
     gates = evaluate_gates(
         report,
         fail_on=[*settings.fail_on, *policy["fail_on"]],
         warn_on=settings.warn_on,
-        profile=settings.profile,
+        profile=fallback or settings.profile,
         default_family=policy["default_family"],
         known_metrics=policy["known_metrics"],
+        profile_kinds=("fail",) if fallback else ("fail", "warn"),
     )
     exit_code = gates.exit_code
     if settings.strict and report.checks.filter(pl.col("severity") == "warning").height:

@@ -290,6 +290,7 @@ _NESTED_SHAPES: dict[tuple[str, str], tuple[type | tuple[type, ...], type | None
     ("gate_policy", "fail_on"): (list, str),
     ("gate_policy", "known_metrics"): (list, str),
     ("gate_policy", "default_family"): ((str, type(None)), None),
+    ("gate_policy", "default_profile"): ((str, type(None)), None),
     ("change_points", "found"): (list, dict),
 }
 

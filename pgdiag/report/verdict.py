@@ -24,6 +24,7 @@ from typing import Any
 import polars as pl
 
 from pgdiag.data.validate import CheckResult
+from pgdiag.report.findings import Finding
 from pgdiag.report.gates import GateResult
 from pgdiag.report.report import Report
 
@@ -45,19 +46,6 @@ class VerdictThresholds:
         ("mismatch/tmpe", 1.05),
         ("mismatch/frac_out_2x", 1e-3),
     )
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One anomaly or problem: what, where (step, bucket or token) and by how much."""
-
-    kind: str  # ess_low | ratio_max | kl_jump | clip_frac | empty_step | disagree | data_lost | change_point
-    # | error | warning | signal_low | one_sign | length_collapse | chi2_negative | psis_unreliable
-    metric: str | None
-    step: str | None  # step id as in the report ("0", "1", ...), None when pooled or not step-bound
-    value: float | None
-    threshold: float | None
-    message: str
 
 
 @dataclass(frozen=True)
@@ -438,8 +426,13 @@ def drift_verdict(report: Report) -> Verdict:
 
 
 def report_verdict(report: Report, gates: GateResult | None = None) -> Verdict:
-    """The verdict of a saved report of any kind, from its stored values (`gates`: compare's fail gates)."""
+    """The verdict of a saved report of any kind, from its stored values (`gates`: compare's fail gates; None:
+    the report's default gates, as `outcome` applies them)."""
     if report.kind == "compare":
+        if gates is None:
+            from pgdiag.report.gates import outcome
+
+            gates = outcome(report).gates
         return compare_verdict(report, gates)
     if report.kind == "whatif":
         return whatif_verdict(report)

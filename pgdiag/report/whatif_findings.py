@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
+from pgdiag.report.findings import Finding
+
 if TYPE_CHECKING:
     from pgdiag.report.report import Report
-    from pgdiag.report.verdict import Finding
 
 SIGNAL_MIN = 0.8
 ONE_SIGN_MIN_LOSS = 0.05
@@ -29,7 +30,6 @@ def _pct(value: float) -> str:
 
 def whatif_signal_findings(report: Report) -> list[Finding]:
     """Findings of the signal and weight metrics of a whatif report (none when the metrics are absent)."""
-    from pgdiag.report.verdict import Finding
 
     rows = report.summary.filter(pl.col("breakdown") == "threshold")
     values = {(b, m): v for b, m, v in rows.select("bucket", "metric", "value").iter_rows()}
@@ -71,7 +71,6 @@ def whatif_signal_findings(report: Report) -> list[Finding]:
 
 
 def _psis_findings(report: Report) -> list[Finding]:
-    from pgdiag.report.verdict import Finding
 
     steps = report.summary.filter(pl.col("breakdown") == "psis/step")
     per_step: dict[str, dict[str, float | None]] = {}

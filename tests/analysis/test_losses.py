@@ -10,8 +10,7 @@ import math
 
 import pytest
 
-from pgdiag.analysis.losses import parse_losses
-from pgdiag.analysis.settings import WhatifSettings
+from pgdiag.analysis.settings import WhatifSettings, parse_losses
 from pgdiag.analysis.whatif import whatif_batch
 from pgdiag.errors import UsageError
 from pgdiag.report.report import Report, summary_frame

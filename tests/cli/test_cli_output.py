@@ -58,15 +58,15 @@ def test_metrics_fits_80_columns_and_no_name_is_cut(extra: tuple[str, ...]) -> N
 def test_metrics_says_which_steps_did_not_fit() -> None:
     narrow = invoke("metrics", RUN_A, env={**ENV_80, "COLUMNS": "70", "TERMINAL_WIDTH": "70"})
     assert narrow.exit_code == 0, narrow.stderr
-    text = " ".join(narrow.stderr.split())
+    text = " ".join(narrow.stdout.split())  # the table is a result: stdout
     match = re.search(r"(\d) of 4 steps not shown at 70 columns", text)
     assert match, text
     hidden = int(match.group(1))
-    header = next(line for line in narrow.stderr.splitlines() if line.lstrip().startswith("metric "))
+    header = next(line for line in narrow.stdout.splitlines() if line.lstrip().startswith("metric "))
     assert header.count("step ") == 4 - hidden
     assert "--json or --out show them" in text
     wide = invoke("metrics", RUN_A, env={**ENV_80, "COLUMNS": "200", "TERMINAL_WIDTH": "200"})
-    assert "steps not shown" not in wide.stderr
+    assert "steps not shown" not in wide.stdout
 
 
 def test_metrics_verdict_names_each_anomaly_with_its_step(tmp_path: Path) -> None:
@@ -98,7 +98,7 @@ def test_compare_run_with_itself_keeps_labels_as_text_and_agrees() -> None:
     assert not re.search(r"[\U0001F100-\U0001FAFF]", result.stderr)  # no emoji anywhere
     lines = result.stderr.splitlines()
     assert max(len(line) for line in table_lines(lines)) <= 80 and "…" not in result.stderr
-    from pgdiag.cli.compare_cmd import TABLE_STATS
+    from pgdiag.cli.compare_render import TABLE_STATS
 
     start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["metric"])
     end = next(i for i in range(start + 2, len(lines)) if "│" not in lines[i])
@@ -112,7 +112,7 @@ def test_compare_run_with_itself_keeps_labels_as_text_and_agrees() -> None:
 def test_user_strings_are_never_markup_or_emoji() -> None:
     result = invoke("compare", RUN_A, RUN_B, "--label-a", "[bold]x:new:", "--label-b", "y:cool:")
     assert result.exit_code == 0, result.stderr
-    assert "[bold]x:new:" in result.stderr and "y:cool:" in result.stderr
+    assert "[bold]x:new:" in result.stdout and "y:cool:" in result.stdout
     error = invoke("compare", RUN_A, "--stream-a", ":new:")
     assert error.exit_code == 2
     assert error.stderr.startswith("error[E111]") and "':new:'" in error.stderr
@@ -127,7 +127,8 @@ def test_compare_verdict_names_the_worst_statistic_and_where(tmp_path: Path) -> 
     line = verdict["line"]
     # the worst statistic relative to its threshold (recommended profile) is abs_mean here, 0.00567 < 0.02
     assert summary["mismatch/abs_mean"] / 0.02 > summary["mismatch/kl_k3"] / 1e-2
-    assert line.startswith("compare: AGREE (recommended thresholds): worst mismatch/abs_mean 0.00567")
+    # without a gate the recommended profile's 5 fail gates ran (docs/cli.md)
+    assert line.startswith("compare: AGREE (5 gates passed): worst mismatch/abs_mean 0.00567")
     assert "position 1 " in line and "step 1 " in line and "token step 3 sample 3:3 pos 23" in line
     failing = invoke("compare", RUN_A, RUN_B, "--json", "--fail-on", "abs_mean>1e-3")
     assert failing.exit_code == 1
@@ -197,7 +198,9 @@ def test_plot_refuses_existing_figures_unless_overwrite(tmp_path: Path) -> None:
 
 def test_check_verdict_is_clean_or_the_first_problem(tmp_path: Path) -> None:
     clean = invoke("check", RUN_A, "--json")
-    assert clean.exit_code == 0 and clean.stderr.strip().splitlines()[-1] == "check: clean"
+    assert (
+        clean.exit_code == 0 and clean.stderr.strip().splitlines()[-1] == "check: clean"
+    )  # --json: stdout is the JSON alone
     assert _json(clean)["verdict"] == {
         "command": "check",
         "status": "clean",
@@ -242,14 +245,14 @@ def test_sample_tokenizer_matches_the_tiny_models_vocabulary() -> None:
 
 def test_compare_shows_the_worst_tokens_with_their_text() -> None:
     plain = invoke("compare", RUN_A, RUN_B)  # without a tokenizer: ids only, and a pointer to the option
-    assert plain.exit_code == 0 and "--tokenizer PATH shows each token's text" in plain.stderr
+    assert plain.exit_code == 0 and "--tokenizer PATH shows each token's text" in plain.stdout
     result = invoke("compare", RUN_A, RUN_B, "--tokenizer", TINY, env={**ENV_80, "COLUMNS": "120"})
     assert result.exit_code == 0, result.stderr
     vocab = {v: k for k, v in json.loads((TINY / "vocab.json").read_text()).items()}
     import pgdiag
 
     top = pgdiag.compare_runs(RUN_A, RUN_B).report.worst_tokens.row(0, named=True)
-    table = result.stderr[result.stderr.index("worst tokens") :]
+    table = result.stdout[result.stdout.index("worst tokens") :]
     first = next(line for line in table.splitlines() if line.split()[:2] == [str(top["step"]), "│"])
     assert f"'{vocab[top['token_id']]}'" in first  # the token itself, as text
     assert "text (±8 tokens)" in table and "<eos>" in table

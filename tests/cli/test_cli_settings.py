@@ -100,7 +100,7 @@ def test_every_option_is_accounted_for() -> None:
     assert _params("metrics") - metrics_known == set()
     compare_fields = {
         "stream_a", "stream_b", "join", "by", "worst_k", "eps_low", "eps_high", "model", "tokenizer",
-        "side_by_side", "aggregation", "divisor", "key_style", "routing_replay",
+        "side_by_side", "aggregation", "divisor", "key_style", "routing_replay", "exact",
     }  # fmt: skip
     compare_known = compare_fields | check_fields | READ_OPTIONS | GATE_OPTIONS | RENDER_OPTIONS
     compare_known |= {"routing_replay"}  # routing_attribution's, tests/recompute/test_routing_replay.py

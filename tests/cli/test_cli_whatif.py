@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,7 @@ def test_default_grid_runs():
 @pytest.mark.parametrize(
     ("args", "code"),
     [
-        (("--icepop", "0.5"), "E503"),
+        (("--icepop", "0.5"), "E112"),
         (("--token-mis", "2,0.5"), "E503"),
         (("--behavior", "nope"), "E111"),
         (("--target", "rollout"), "E503"),
@@ -107,7 +108,7 @@ def test_html_page_is_written_listed_and_carries_the_verdict(tmp_path: Path, com
     assert result.exit_code == 0, result.output
     obj = json.loads(result.stdout.strip().splitlines()[-1])
     assert obj["files"] == {"html": str(page)}
-    assert f"html written to {page}" in result.stderr
+    assert re.search(rf"html\s+{re.escape(str(page))}", result.stderr)  # the files written: stderr
     library = whatif(read_run(RUN)) if command == "whatif" else drift(read_run(RUN))
     expected = (whatif_verdict if command == "whatif" else drift_verdict)(library)
     assert obj["verdict"] == expected.as_dict()

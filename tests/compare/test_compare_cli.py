@@ -13,6 +13,7 @@ from batch_factory import random_samples, write_run
 from sample_paths import SAMPLE_DATA
 from typer.testing import CliRunner
 
+import pgdiag.report.gates
 from pgdiag.cli.app import build_app
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import load_report
@@ -83,7 +84,7 @@ def test_report_files_plots_and_round_trip(runs, tmp_path) -> None:
     out = tmp_path / "rep"
     result = _invoke("compare", runs["two"], "--out", out, "--json", "--by", "position", "--by", "prob_bucket",
                      "--by", "step")  # fmt: skip
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # no gate given: the recommended profile's fail gates fail
     files = json.loads(result.stdout)["files"]
     for kind in PLOTS:
         path = Path(files["plots"][kind])
@@ -116,7 +117,7 @@ def test_report_files_plots_and_round_trip(runs, tmp_path) -> None:
 
 def test_token_table_redraws_token_plots(runs, tmp_path) -> None:
     tokens = tmp_path / "tokens.parquet"
-    assert _invoke("compare", runs["two"], "--tokens-out", tokens).exit_code == 0
+    assert _invoke("compare", runs["two"], "--tokens-out", tokens, "--exit-zero").exit_code == 0
     table = pl.read_parquet(tokens)
     assert table["dlogp"].to_list() == pytest.approx((table["lp_b"] - table["lp_a"]).to_list())
     result = _invoke("plot", tokens, "--out", tmp_path / "tok", "--json")
@@ -133,6 +134,21 @@ def test_fail_gate_exit_1_and_exit_zero(runs) -> None:
     assert _invoke("compare", runs["two"], "--fail-on", "k3>1e-3", "--exit-zero").exit_code == 0
     assert _invoke("compare", runs["two"], "--warn-on", "mismatch/abs_mean>0.02").exit_code == 0
     assert _invoke("compare", runs["two"], "--strict").exit_code == 1  # W401 under --strict
+
+
+def test_without_gates_disagree_exits_1_unless_exit_zero(runs) -> None:
+    """No gate given: the fail gates of the recommended profile apply (docs/cli.md), so DISAGREE exits 1."""
+    result = _invoke("compare", runs["two"], "--json")
+    assert result.exit_code == 1, result.output
+    obj = json.loads(result.stdout)
+    assert obj["status"] == "fail" and obj["verdict"]["status"] == "DISAGREE"
+    ran = {(g["expr"], g["kind"]) for g in obj["gates"]}
+    fails = {(expr, "fail") for kind, expr in pgdiag.report.gates.PROFILES["recommended"] if kind == "fail"}
+    assert ran == fails  # the fail gates only: no warn gate of the profile
+    assert any(g["status"] == "fail" for g in obj["gates"])
+    assert _invoke("compare", runs["two"], "--exit-zero").exit_code == 0
+    same = _invoke("compare", runs["a"], runs["same"], "--json")
+    assert same.exit_code == 0 and json.loads(same.stdout)["verdict"]["status"] == "AGREE"
 
 
 def test_shifted_run_exits_3_with_location(runs) -> None:
@@ -227,7 +243,9 @@ def test_tokenizer_decodes_worst_token_context(runs, tmp_path) -> None:
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(40)}, unk_token="w0"))
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     out = tmp_path / "rep"
-    result = _invoke("compare", runs["two"], "--tokenizer", tmp_path, "--out", out, "--worst-k", "3")
+    result = _invoke(
+        "compare", runs["two"], "--tokenizer", tmp_path, "--out", out, "--worst-k", "3", "--exit-zero"
+    )
     assert result.exit_code == 0, result.output
     worst = pl.read_parquet(out / "compare.worst_tokens.parquet")
     row = worst.row(0, named=True)

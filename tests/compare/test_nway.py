@@ -123,5 +123,5 @@ def test_cli_two_run_outputs_are_refused_for_three_runs_before_any_write(
     target = tmp_path / ("tokens.parquet" if option == "--tokens-out" else "page.html")
     result = CliRunner().invoke(build_app(), ["compare", *map(str, three_runs), option, str(target)])
     assert result.exit_code == 2
-    assert "error[E503]" in result.stderr and option in result.stderr
+    assert "error[E521]" in result.stderr and option in result.stderr
     assert not target.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["partial", "run_c"]

@@ -473,8 +473,9 @@ def test_nway_in_many_pieces_equals_one_piece(tmp_path) -> None:
 
 
 def test_hash_any_step_plan_reads_whole_when_rows_may_drop_and_refuses_changed_rows(tmp_path) -> None:
-    from pgdiag.compare.pieces import any_step_pieces, checked_matches
+    from pgdiag.compare.pieces import checked_matches
     from pgdiag.data.load import read_token_batch
+    from pgdiag.data.pieces import any_step_pieces
     from pgdiag.data.runs import restrict_steps
 
     run_a, run_b = _any_step_runs(tmp_path, 15)

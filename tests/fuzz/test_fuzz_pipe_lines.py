@@ -67,7 +67,9 @@ def test_verdict_is_the_last_line_of_a_real_pipe(tmp_path: Path) -> None:
         text=True,
         env={k: v for k, v in __import__("os").environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH")},
     )
-    lines = done.stderr.splitlines()
+    lines = done.stderr.splitlines()  # the finding: a diagnostic, on stderr
     assert done.returncode == 3, done.stderr
-    assert [line[:12] for line in lines] == ["error[E207] ", "check: error"], done.stderr
-    assert lines[-1].endswith("x0)") or "x" * 300 in lines[-1], lines[-1]
+    assert [line[:12] for line in lines] == ["error[E207] "], done.stderr
+    verdict = done.stdout.splitlines()  # the verdict: a result, on stdout, one line
+    assert [line[:12] for line in verdict] == ["check: error"], done.stdout
+    assert verdict[-1].endswith("x0)") or "x" * 300 in verdict[-1], verdict[-1]

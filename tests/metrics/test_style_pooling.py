@@ -27,10 +27,11 @@ import pgdiag
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.load import read_token_batch
 from pgdiag.metrics.api import metric_streams, resolve_streams
-from pgdiag.metrics.engine import StepMetrics, compute_by_step
+from pgdiag.metrics.engine import StepMetrics
 from pgdiag.metrics.settings import MetricSettings
-from pgdiag.metrics.styles import STYLE_NAMES, compute_step_style
+from pgdiag.metrics.styles import STYLE_NAMES
 from pgdiag.metrics.styles.pooled import POOL_RULES, PoolRule, pool_rules
+from pgdiag.metrics.styles.steps import compute_by_step, compute_step_style
 
 SAMPLE_DATA = SAMPLE_DATA
 WHOLE_GROUP_KEYS = {"count/groups", "count/groups_singleton", "count/groups_split", "frac_reward_zero_std"}

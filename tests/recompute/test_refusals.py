@@ -60,7 +60,7 @@ def test_triton_on_cpu_is_refused_before_anything_is_written(
     assert result.stderr.startswith("error[E508] impl 'triton' needs a CUDA device, got cpu")
     assert not (run_copy / "logprobs").exists()
     check = invoke("check", run_copy)
-    assert check.exit_code == 0 and check.stderr.strip().endswith("check: clean")
+    assert check.exit_code == 0 and check.stdout.strip().endswith("check: clean")  # the verdict: stdout
 
 
 def test_triton_not_installed_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

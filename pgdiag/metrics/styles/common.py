@@ -19,13 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pgdiag.data.batch import TokenBatch
 from pgdiag.errors import UsageError
-from pgdiag.metrics.settings import MetricSettings
 from pgdiag.metrics.values import MetricValue
+
+if TYPE_CHECKING:
+    from pgdiag.metrics.settings import MetricSettings
 
 # Style-only and style-sensitive settings: (attribute, CLI flag, value meaning "not given").
 _FLAG_DEFAULTS: tuple[tuple[str, str, object], ...] = (

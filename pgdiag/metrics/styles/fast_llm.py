@@ -21,10 +21,10 @@ documents with a loss token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pgdiag.metrics.settings import MetricSettings
 from pgdiag.metrics.styles.common import (
     StyleInputs,
     StyleOutput,
@@ -37,6 +37,9 @@ from pgdiag.metrics.styles.common import (
     total,
     value,
 )
+
+if TYPE_CHECKING:
+    from pgdiag.metrics.settings import MetricSettings
 
 ALLOWED_FLAGS = frozenset({"level", "loss_name"})
 LM_HEAD_LOSS = "lm_head_loss"  # Fast-LLM LM_HEAD_LOSS_NAME: the head's total loss

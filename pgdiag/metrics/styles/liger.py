@@ -16,10 +16,11 @@ T′ = `--pad-width`, default the longest response (seq_len − prompt_len) of t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from pgdiag.errors import UsageError
-from pgdiag.metrics.settings import MetricSettings
 from pgdiag.metrics.styles.common import (
     StyleInputs,
     StyleOutput,
@@ -35,6 +36,9 @@ from pgdiag.metrics.styles.common import (
     value,
 )
 from pgdiag.metrics.styles.trl import LOSS_TYPES, aggregate_loss_type
+
+if TYPE_CHECKING:
+    from pgdiag.metrics.settings import MetricSettings
 
 ALLOWED_FLAGS = frozenset({"divisor", "level", "beta", "pad_width"})
 DEFAULT_BETA = 0.04

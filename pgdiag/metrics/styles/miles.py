@@ -22,10 +22,11 @@ rollout is assumed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from pgdiag.errors import UsageError
-from pgdiag.metrics.settings import MetricSettings
 from pgdiag.metrics.styles.common import (
     StyleInputs,
     StyleOutput,
@@ -39,6 +40,9 @@ from pgdiag.metrics.styles.common import (
     value,
 )
 from pgdiag.metrics.values import MetricValue
+
+if TYPE_CHECKING:
+    from pgdiag.metrics.settings import MetricSettings
 
 ALLOWED_FLAGS = frozenset({"dual_clip", "divisor", "tis", "mismatch_metrics"})
 _LOSS_AGGREGATIONS = {

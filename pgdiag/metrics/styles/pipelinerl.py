@@ -18,11 +18,11 @@ clamp; k̂ = e^c − c − 1 with c = clamp(lp_ref − lp_new, ±10), only when 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pgdiag.errors import UsageError
-from pgdiag.metrics.settings import MetricSettings
 from pgdiag.metrics.styles.common import (
     StyleInputs,
     StyleOutput,
@@ -37,6 +37,9 @@ from pgdiag.metrics.styles.common import (
     value,
 )
 from pgdiag.metrics.values import MetricValue
+
+if TYPE_CHECKING:
+    from pgdiag.metrics.settings import MetricSettings
 
 ALLOWED_FLAGS = frozenset({"batch_size", "group_normalize", "kl_coef"})
 _POLICY_LOSSES = {"token_mean": "ppo", "ppo": "ppo", "seq_mean_token_sum": "ppo"}

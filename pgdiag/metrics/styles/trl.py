@@ -18,10 +18,11 @@ ratio; `--no-kl-bias-correction` turns it off).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from pgdiag.errors import UsageError
-from pgdiag.metrics.settings import MetricSettings
 from pgdiag.metrics.styles.common import (
     StyleInputs,
     StyleOutput,
@@ -36,6 +37,9 @@ from pgdiag.metrics.styles.common import (
     value,
 )
 from pgdiag.metrics.values import MetricValue
+
+if TYPE_CHECKING:
+    from pgdiag.metrics.settings import MetricSettings
 
 ALLOWED_FLAGS = frozenset({"divisor", "level", "beta", "vllm_is", "kl_bias_correction"})
 LOSS_TYPES = {

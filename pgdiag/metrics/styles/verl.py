@@ -18,11 +18,11 @@ selects `loss_mode = gspo` (s_i = exp(min(δ̄_i, 10)) broadcast, per-token A, n
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pgdiag.errors import UsageError
-from pgdiag.metrics.settings import MetricSettings
 from pgdiag.metrics.styles.common import (
     StyleInputs,
     StyleOutput,
@@ -37,6 +37,9 @@ from pgdiag.metrics.styles.common import (
     value,
 )
 from pgdiag.metrics.values import MetricValue
+
+if TYPE_CHECKING:
+    from pgdiag.metrics.settings import MetricSettings
 
 ALLOWED_FLAGS = frozenset(
     {"dual_clip", "divisor", "empty_seqs", "level", "rollout_is", "rollout_is_threshold"}

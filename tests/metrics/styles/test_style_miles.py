@@ -13,7 +13,7 @@ import pytest
 from style_batches import make_batch, settings_for, values_of, worked_example
 
 from pgdiag.errors import UsageError
-from pgdiag.metrics.styles import compute_step_style
+from pgdiag.metrics.styles.steps import compute_step_style
 
 E = math.exp
 
