@@ -184,6 +184,17 @@ def environment_error(command: str, error: BaseException) -> PgdiagError | None:
     return None
 
 
+def _failed(command: str, error: PgdiagError) -> dict[str, Any]:
+    """The ``error[CODE]`` line and ``hint:`` on stderr, and the result object of a command that failed with it."""
+    print_error(make_console(), error)
+    return result_object(
+        command,
+        status="error",
+        exit_code=error.exit_code,
+        error={"code": error.code, "message": error.message, "hint": error.hint},
+    )
+
+
 def execute(command: str, body: Callable[[Screen], dict[str, Any]], *, json_out: bool, quiet: bool) -> None:
     """Run a command body and exit with its code.
 
@@ -196,13 +207,7 @@ def execute(command: str, body: Callable[[Screen], dict[str, Any]], *, json_out:
     try:
         result = body(screen)
     except PgdiagError as error:
-        print_error(make_console(), error)
-        result = result_object(
-            command,
-            status="error",
-            exit_code=error.exit_code,
-            error={"code": error.code, "message": error.message, "hint": error.hint},
-        )
+        result = _failed(command, error)
     except KeyboardInterrupt:
         make_console().print("interrupted", markup=False)
         raise typer.Exit(EXIT_INTERRUPTED) from None
@@ -210,13 +215,7 @@ def execute(command: str, body: Callable[[Screen], dict[str, Any]], *, json_out:
         expected = environment_error(command, error)
         if expected is None:
             raise
-        print_error(make_console(), expected)
-        result = result_object(
-            command,
-            status="error",
-            exit_code=expected.exit_code,
-            error={"code": expected.code, "message": expected.message, "hint": expected.hint},
-        )
+        result = _failed(command, expected)
     except Exception as error:  # an internal error: a bug
         err_console = make_console()
         if os.environ.get("PGDIAG_TRACEBACK") == "1":

@@ -38,7 +38,7 @@ from pgdiag.cli.options import (
     RunInputs,
     flat_command,
 )
-from pgdiag.cli.outputs import OutputSettings, write_outputs
+from pgdiag.cli.outputs import OutputSettings, finish
 from pgdiag.compare.settings import CompareSettings
 from pgdiag.errors import Code, UsageError
 
@@ -249,16 +249,15 @@ def compare(
             result["routing"] = _routing(screen, sources[0], report, routing_replay, output.quiet)
         if comparison.tokens_file is not None:  # written piece by piece as the runs were read
             result["files"]["tokens"] = str(comparison.tokens_file)
-        result = write_outputs(
+        return finish(
+            screen,
             report.with_meta(verdict=verdict.as_dict()),
             output,
             result,
-            verdict=verdict,
+            verdict,
             figures=lambda marks: _figures(comparison),
             write_report=lambda out, res: _write_report(comparison, out, res, decision, verdict, output),
         )
-        _render_end(screen, result, verdict)
-        return result
 
     execute("compare", body, json_out=output.json_out, quiet=output.quiet)
 
@@ -315,13 +314,6 @@ def _render(
     if "exact" in report.meta:
         render_exact(screen.results, report.meta["exact"])
     render_gates(screen.results, decision.gates)
-
-
-def _render_end(screen: Screen, result: dict[str, Any], verdict: Any) -> None:
-    from pgdiag.cli.render import render_verdict, render_written
-
-    render_written(screen.notes, result["files"])
-    render_verdict(screen.results, verdict)
 
 
 def _result(report: Any, decision: Any, verdict: Any, *, two_runs: bool) -> dict[str, Any]:
@@ -431,6 +423,4 @@ def _compare_many(
         verdict=verdict.as_dict(),
         matrix=nway.matrix.to_dicts(),
     )
-    result = write_outputs(report.with_meta(verdict=verdict.as_dict()), output, result, verdict=verdict)
-    _render_end(screen, result, verdict)
-    return result
+    return finish(screen, report.with_meta(verdict=verdict.as_dict()), output, result, verdict)

@@ -27,7 +27,7 @@ from pgdiag.cli.options import (
     flat_command,
     listed,
 )
-from pgdiag.cli.outputs import OutputSettings, write_outputs
+from pgdiag.cli.outputs import OutputSettings, finish
 
 HELP = """Every metric of `metrics` per step over a whole run, and where the headline series jump.
 
@@ -74,7 +74,7 @@ def drift(
 
     def body(screen: Screen) -> dict[str, Any]:
         from pgdiag.analysis.drift import drift as compute_drift
-        from pgdiag.cli.render import render_checks, render_verdict, render_written
+        from pgdiag.cli.render import render_checks
         from pgdiag.report.plots import plot_drift
         from pgdiag.report.verdict import drift_verdict
 
@@ -101,9 +101,7 @@ def drift(
             settings=report.meta["settings"],
             verdict=verdict.as_dict(),
         )
-        result = write_outputs(report, output, result, verdict=verdict, draw=plot_drift)
-        render_written(screen.notes, result["files"])
-        render_verdict(screen.results, verdict)
+        result = finish(screen, report, output, result, verdict, draw=plot_drift)
         return result
 
     execute("drift", body, json_out=output.json_out, quiet=output.quiet)

@@ -17,7 +17,7 @@ import typer
 
 from pgdiag.cli.common import Screen, execute, result_object
 from pgdiag.cli.options import MODEL, PERFORMANCE, STREAMS, Fields, RunArg, flat_command
-from pgdiag.cli.outputs import OutputSettings, write_outputs
+from pgdiag.cli.outputs import OutputSettings, finish
 
 HELP = """Attribute the mismatch of two streams to causes: logprobs_mode, temperature, sampling_truncation,
 tokenization, staleness, weights, routing, batch_variance, precision, unexplained.
@@ -67,7 +67,6 @@ def explain(
 
     def body(screen: Screen) -> dict[str, Any]:
         from pgdiag.cli.explain_render import render_explain
-        from pgdiag.cli.render import render_verdict, render_written
         from pgdiag.explain.settings import ExplainSettings
 
         output.refuse_existing("explain")
@@ -98,10 +97,7 @@ def explain(
             explain=result.to_json(),
             verdict=verdict.as_dict(),
         )
-        outcome = write_outputs(report.with_meta(verdict=verdict.as_dict()), output, outcome, verdict=verdict)
-        render_written(screen.notes, outcome["files"])
-        render_verdict(screen.results, verdict)
-        return outcome
+        return finish(screen, report.with_meta(verdict=verdict.as_dict()), output, outcome, verdict)
 
     execute("explain", body, json_out=output.json_out, quiet=output.quiet)
 
@@ -111,7 +107,6 @@ def _layers(
 ) -> dict[str, Any]:
     """`--layers A B`: the per-layer divergence of two configurations."""
     from pgdiag.cli.explain_render import render_layers
-    from pgdiag.cli.render import render_verdict, render_written
     from pgdiag.explain.layers import compare_layers
     from pgdiag.explain.report import layers_report, layers_verdict
 
@@ -123,7 +118,4 @@ def _layers(
         "explain", inputs={"runs": [str(run)]}, layers=found.to_json(), verdict=verdict.as_dict()
     )
     report = layers_report(found).with_meta(verdict=verdict.as_dict())
-    outcome = write_outputs(report, output, outcome, verdict=verdict)
-    render_written(screen.notes, outcome["files"])
-    render_verdict(screen.results, verdict)
-    return outcome
+    return finish(screen, report, output, outcome, verdict)

@@ -24,7 +24,7 @@ from pgdiag.cli.options import (
     RunInputs,
     flat_command,
 )
-from pgdiag.cli.outputs import OutputSettings, write_outputs
+from pgdiag.cli.outputs import OutputSettings, finish
 
 HELP = """Compute the policy-gradient metric set and the pg loss under every aggregation mode.
 
@@ -105,8 +105,6 @@ def metrics(
             render_checks,
             render_gates,
             render_metrics,
-            render_verdict,
-            render_written,
         )
         from pgdiag.metrics.api import compute_metrics
         from pgdiag.report.gates import outcome
@@ -131,9 +129,7 @@ def metrics(
                 verdict=verdict,
             )
             render_gates(screen.results, decision.gates)
-        result = write_outputs(report, output, _result(report, decision, verdict), verdict=verdict)
-        render_written(screen.notes, result["files"])
-        render_verdict(screen.results, verdict)
+        result = finish(screen, report, output, _result(report, decision, verdict), verdict)
         return result
 
     execute("metrics", body, json_out=output.json_out, quiet=output.quiet)

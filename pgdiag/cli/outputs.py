@@ -129,3 +129,16 @@ def write_outputs(
             written = write_report(output.out, result)
         result["files"] = {**written, **files}
     return result
+
+
+def finish(
+    screen: Any, report: Any, output: OutputSettings, result: dict[str, Any], verdict: Any, **how: Any
+) -> dict[str, Any]:
+    """The end of every reporting command: `write_outputs(report, output, result, verdict=verdict, **how)`, then
+    the files written (stderr) and the verdict, the last line (stdout, or stderr under `--json`)."""
+    from pgdiag.cli.render import render_verdict, render_written
+
+    result = write_outputs(report, output, result, verdict=verdict, **how)
+    render_written(screen.notes, result["files"])
+    render_verdict(screen.results, verdict)
+    return result

@@ -26,7 +26,7 @@ from pgdiag.cli.options import (
     flat_command,
     listed,
 )
-from pgdiag.cli.outputs import OutputSettings, write_outputs
+from pgdiag.cli.outputs import OutputSettings, finish
 
 HELP = """Replay off-policy corrections on a saved batch: how much data each rule drops, and where.
 
@@ -173,7 +173,7 @@ def whatif(
         from pgdiag.analysis.settings import WhatifSettings
         from pgdiag.analysis.whatif import whatif as replay
         from pgdiag.analysis.whatif import worst_buckets
-        from pgdiag.cli.render import render_checks, render_verdict, render_written
+        from pgdiag.cli.render import render_checks
         from pgdiag.report.plots import plot_whatif
         from pgdiag.report.verdict import whatif_verdict
 
@@ -201,9 +201,7 @@ def whatif(
             settings=report.meta["settings"],
             verdict=verdict.as_dict(),
         )
-        result = write_outputs(report, output, result, verdict=verdict, draw=plot_whatif)
-        render_written(screen.notes, result["files"])
-        render_verdict(screen.results, verdict)
+        result = finish(screen, report, output, result, verdict, draw=plot_whatif)
         return result
 
     execute("whatif", body, json_out=output.json_out, quiet=output.quiet)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from pgdiag.report.html_cells import _e, _num, _table
 from pgdiag.report.report import Report
 
 
 def explain_tables(report: Report) -> str:
     """HTML of the explain tables (module docstring)."""
-    from pgdiag.report.html_cells import _e, _num, _table
-
     if report.meta.get("layers") and not report.meta.get("explain"):
         return _layers_table(report.meta["layers"])
     block: dict[str, Any] = report.meta.get("explain") or {}
@@ -91,8 +90,6 @@ def explain_tables(report: Report) -> str:
 
 def _layers_table(layers: dict[str, Any]) -> str:
     """The per-block errors of `explain --layers` and the first divergent layer."""
-    from pgdiag.report.html_cells import _e, _num, _table
-
     first = layers.get("first_divergent")
     rows = [
         (

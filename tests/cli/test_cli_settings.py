@@ -148,7 +148,7 @@ COMPARE_ARGS = (
     "--attach", "extra", "--stream-a", "old", "--stream-b", "new", "--join", "hash", "--ignore", "E306",
     "--max-examples", "2", "--eps-low", "0.05", "--eps-high", "0.07", "--by", "step", "--by", "position",
     "--metrics", "--aggregation", "constant", "--divisor", "9", "--key-style", "verl", "--model", "ckpt",
-    "--tokenizer", str(TOKENIZER), "--worst-k", "4",
+    "--tokenizer", str(TOKENIZER), "--worst-k", "4", "--exact",
 )  # fmt: skip
 
 
@@ -166,7 +166,9 @@ def test_compare_options_arrive_in_compare_settings(monkeypatch: pytest.MonkeyPa
         label_a="LA", label_b="LB",
         metrics=MetricSettings(aggregation="constant", divisor=9.0, key_style="verl", clip=clip),
         checks=CheckSettings(ignore=("E306",), max_examples=2), model=Path("ckpt"), tokenizer=TOKENIZER,
+        exact=True,
     ))  # fmt: skip
+    assert seen["args"][2].checks.ignore == ("E306", "E207")  # --exact compares NaN and inf
     assert seen["args"][2].metrics.clip == clip  # the side-by-side metrics use the same band
 
 
