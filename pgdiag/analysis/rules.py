@@ -48,6 +48,7 @@ NAMED_RULES: dict[str, tuple[str, tuple[int, int], bool]] = {
     "m2po": (BEHAVIOUR_PROXIMAL, (1, 1), False),
     "token_veto": (BEHAVIOUR_PROXIMAL, (1, 1), True),
     "rollout_is": (BEHAVIOUR_PROXIMAL, (2, 2), False),
+    "ref_kl": (BEHAVIOUR_PROXIMAL, (0, 0), False),
     "roll": (BEHAVIOUR_PROXIMAL, (2, 2), False),
     "areal_rs": (BEHAVIOUR_PROXIMAL, (1, 2), False),
     "cispo": (PROXIMAL_THETA, (2, 2), False),
@@ -101,6 +102,9 @@ class Replay:
     advantages: np.ndarray | None  # (M,) float64
     reward: np.ndarray | None = None  # (S,) float64
     sample_of_token: np.ndarray | None = None  # (M,) int64, computed from offsets when None
+    ref: np.ndarray | None = (
+        None  # (M,) log π_ref (prime-rl's ref_kl takes log π_ref − log π_θ as its advantage)
+    )
 
     @property
     def log_ratio(self) -> np.ndarray:
@@ -432,6 +436,18 @@ def _proximal_theta(name: str, nums: tuple[float, ...], r: Replay) -> RuleEffect
     return _trust_region(name, nums, r)
 
 
+def _ref_kl(r: Replay) -> RuleEffect:
+    """prime-rl 559b447 `ref_kl_loss_fn`: drop where p − μ < −0.2; ℓ = −sg(log π_ref − log π)·ρ·keep + 1e-3·(log ρ)²,
+    ρ = π/μ not detached: g = −(log π_ref − log π)·ρ·keep + 2e-3·Δ (the scalar advantage is not read)."""
+    if r.ref is None:
+        raise UsageError("E111", "ref_kl needs a `ref` stream")
+    d = r.log_ratio
+    keep = ~(np.exp(r.cur) - np.exp(r.base) < -0.2)
+    raw = np.exp(d)
+    ref_adv = r.ref - r.cur
+    return RuleEffect(np.where(keep, raw, 0.0), keep, ~keep, raw, -ref_adv * raw * keep + 2e-3 * d)
+
+
 def apply_named_rule(name: str, args: tuple[str, ...], r: Replay) -> RuleEffect:
     """The effect of rule `name` with its `args` (strings as given after `NAME:`) on the replayed batch `r`."""
     if "+" in name:  # a verl chain: token_k1:0.5,2+seq_max_k2:1 arrives split by the caller
@@ -456,4 +472,6 @@ def apply_named_rule(name: str, args: tuple[str, ...], r: Replay) -> RuleEffect:
         return _mask_effect(r.per_token(r.seq_min(rho)) >= nums[0])
     if name == "roll":
         return _roll(words, nums, r)
+    if name == "ref_kl":
+        return _ref_kl(r)
     return _proximal_theta(name, nums, r)

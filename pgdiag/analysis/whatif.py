@@ -20,8 +20,7 @@ tokens is. Fractions of sequences count non-empty sequences only (verl's `seq_va
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -35,15 +34,16 @@ from pgdiag.analysis.rules import (
     segment_sums,
     verl_chain,
 )
-from pgdiag.analysis.settings import POSITION_EDGES, RULE_KINDS, CorrectionRule, WhatifSettings, parse_losses
+from pgdiag.analysis.settings import RULE_KINDS, CorrectionRule, WhatifSettings, parse_losses
 from pgdiag.analysis.signal import batch_weights, psis_rows, rule_signal, zero_advantage_groups
 from pgdiag.analysis.staleness import staleness_rows
+from pgdiag.analysis.where import Localiser
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.load import read_token_batch
 from pgdiag.data.runs import Run
 from pgdiag.data.schema import BASE_STREAMS
 from pgdiag.data.validate import CheckSettings
-from pgdiag.data.versions import TokenLag, lag_buckets, token_lag
+from pgdiag.data.versions import TokenLag, token_lag
 from pgdiag.errors import UsageError
 from pgdiag.metrics.loss import GSPO_MODES, NATIVE_MODES, sample_weights
 from pgdiag.report.report import Report, ReportRow, summary_frame
@@ -144,69 +144,8 @@ def _losses(
     return out
 
 
-def _position_bucket(resp_pos: np.ndarray) -> tuple[np.ndarray, list[tuple[str, float, float]]]:
-    edges = np.asarray([*POSITION_EDGES, np.inf])
-    index = np.clip(np.searchsorted(edges, resp_pos, side="right") - 1, 0, len(POSITION_EDGES) - 1)
-    labels = [
-        (
-            f"[{POSITION_EDGES[i]},{'inf' if i + 1 == len(POSITION_EDGES) else POSITION_EDGES[i + 1]})",
-            float(edges[i]),
-            float(edges[i + 1]),
-        )
-        for i in range(len(POSITION_EDGES))
-    ]
-    return index, labels
-
-
 def _fraction(flags: np.ndarray) -> float | None:
     return float(np.mean(flags)) if flags.shape[0] else None
-
-
-@dataclass(frozen=True)
-class Localiser:
-    """The buckets of every `threshold/<breakdown>` table, coded once per batch: per breakdown a bucket code per
-    token (M,), and per bucket its label, bounds and token count."""
-
-    tables: tuple[tuple[str, np.ndarray, tuple[tuple[str, float | None, float | None, int], ...]], ...]
-
-    @staticmethod
-    def of(batch: TokenBatch, lag: TokenLag | None = None) -> Localiser:
-        tok_sample = _sample_of_token(batch.offsets)
-        tables = []
-        steps, step_code = np.unique(batch.step, return_inverse=True)
-        tables.append(("step", step_code[tok_sample], [(str(int(v)), float(v), float(v)) for v in steps]))
-        if batch.env is not None:
-            envs = sorted(set(batch.env.tolist()), key=str)
-            index = {env: i for i, env in enumerate(envs)}
-            env_code = np.asarray([index[e] for e in batch.env.tolist()], dtype=np.int64)
-            tables.append(("env", env_code[tok_sample], [(str(e), None, None) for e in envs]))
-        resp_pos = batch.pos.astype(np.int64) - batch.prompt_len[tok_sample].astype(np.int64)
-        index, labels = _position_bucket(resp_pos)
-        tables.append(("position", index, labels))
-        if lag is not None:
-            code = np.zeros(batch.n_tokens, dtype=np.int64)  # lag_buckets covers every token
-            lag_labels = []
-            for i, (label, tok) in enumerate(lag_buckets(lag.lag)):
-                code[tok] = i
-                value = float(label) if label.isdigit() else None
-                lag_labels.append((label, value, value))
-            tables.append(("lag", code, lag_labels))
-        coded = []
-        for name, code, labels in tables:
-            counts = np.bincount(code, minlength=len(labels))
-            buckets = tuple((lab, lo, hi, int(n)) for (lab, lo, hi), n in zip(labels, counts, strict=True))
-            coded.append((name, code, buckets))
-        return Localiser(tuple(coded))
-
-    def affected(
-        self, flags: np.ndarray
-    ) -> Iterator[tuple[str, str, float | None, float | None, float | None, int]]:
-        """(breakdown, bucket, lo, hi, token fraction affected, tokens) of the non-empty buckets."""
-        for name, code, buckets in self.tables:
-            hits = np.bincount(code, weights=flags, minlength=len(buckets))
-            for (label, lo, hi, n), hit in zip(buckets, hits, strict=True):
-                if n:
-                    yield name, label, lo, hi, float(hit) / n, n
 
 
 _COUNTS = ("whatif/nonfinite_log_ratio", "whatif/log_ratio_beyond_", "whatif/zero_advantage_groups")
@@ -241,6 +180,7 @@ def _replay(batch: TokenBatch, base: str, cur: str) -> Replay:
         advantages=batch.advantages,
         reward=batch.reward,
         sample_of_token=batch.token_sample(),
+        ref=batch.streams.get("ref"),
     )
 
 
@@ -259,6 +199,8 @@ def rule_effect(rule: CorrectionRule, replay: Replay) -> RuleEffect:
 
 def not_applicable(rule: CorrectionRule, streams: Sequence[str], new: str | None) -> str | None:
     """Why `rule` cannot be replayed on this batch (None: it can)."""
+    if rule.kind == "ref_kl" and "ref" not in streams:
+        return "needs a `ref` stream: prime-rl's ref_kl takes log π_ref − log π_θ as its advantage"
     if rule.pair == PROXIMAL_THETA and new is None:
         return (
             "acts on proximal→θ, which is exactly 1 at new = old: record a `new` stream after an update "
@@ -459,6 +401,8 @@ def whatif(
     behavior, target = resolve_whatif_streams(run, settings)
     new = "new" if "new" in run.streams and "new" not in (behavior, target) else None
     streams = [behavior, target] + ([new] if new else [])
+    if any(r.kind == "ref_kl" for r in settings.grid()) and "ref" in run.streams and "ref" not in streams:
+        streams.append("ref")  # prime-rl's ref_kl reads it as its advantage
     loaded = read_token_batch(
         run, streams=streams, env=True, ignore=checks.ignore, max_examples=checks.max_examples
     )

@@ -225,3 +225,22 @@ def test_areal_unified_rejection_levels_and_actions():
     np.testing.assert_allclose(clamp.weight, [1.5, 0.5, 1.0])
     # sequence max of k2 = ½(ln 2)² = 0.2402 > 0.2: the whole sequence out of bounds
     assert not apply_named_rule("areal_rs", ("sequence", "mask", "kl_k2", "max", "0.2"), r).keep.any()
+
+
+def test_prime_rl_ref_kl_one_sided_mask_and_reference_advantage():
+    # μ = 0.5; p = 0.3 (p − μ = −0.2, exactly on the bound: kept, `<` drops) and p = 0.25 (dropped)
+    lm = math.log(0.5)
+    base, cur, ref = [lm, lm], [math.log(0.3), math.log(0.25)], [math.log(0.4), math.log(0.4)]
+    r = replay([base], [cur], [7.0])  # the scalar advantage is not read
+    r = Replay(r.base, r.cur, r.offsets, r.step, r.pos, r.advantages, ref=np.asarray(ref))
+    effect = apply_named_rule("ref_kl", (), r)
+    assert effect.keep.tolist() == [True, False]
+    rho, d = 0.3 / 0.5, math.log(0.3 / 0.5)
+    assert effect.grad[0] == pytest.approx(-(math.log(0.4) - math.log(0.3)) * rho + 2e-3 * d)
+    assert effect.grad[1] == pytest.approx(2e-3 * math.log(0.25 / 0.5))  # only the KL term is left
+    batch = make_batch(rollout=[[-1.0]], old=[[-1.2]], advantages=[1.0], groups=["g"])
+    rows = whatif_batch(
+        batch, WhatifSettings(rules=(parse_rule("ref_kl"),)), behavior="rollout", target="old"
+    )
+    report = Report(kind="whatif", summary=summary_frame(rows))
+    assert report.value("whatif/tokens_kept", breakdown="threshold", bucket="ref_kl") is None  # no ref: n/a
