@@ -38,8 +38,7 @@ ALLOWED: dict[str, set[str]] = {
     "recompute": {"model", "kernels", "data"},
     "compare": {"checks", "metrics", "report", "data", "model"},  # model: `compare/tau.py` needs logits
     "explain": {"recompute", "model", "kernels", "compare", "checks", "metrics", "report", "data"},
-    "hooks": {"data", "importers"},
-    "capture": {"data", "importers", "hooks"},
+    "capture": {"data", "importers"},  # the in-trainer hooks and the Fast-LLM stream capture
     "cli": {"*"},
     "__init__": {"*"},
     "__main__": {"cli"},

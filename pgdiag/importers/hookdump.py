@@ -1,4 +1,4 @@
-"""Reading ``pgdiag.hookdump/v1`` files (written by `pgdiag.hooks`), shared by the verl, trl and openrlhf presets.
+"""Reading ``pgdiag.hookdump/v1`` files (written by `pgdiag.capture`), shared by the verl, trl and openrlhf presets.
 
 SRC is one ``step_<S>[.rank<R>].pt`` file or a folder of them. Files load with ``weights_only=True`` and no
 allow-list entry (tensors, str, numbers, lists and dicts only), so a pickle naming any global is E701. The files
@@ -64,7 +64,7 @@ def hook_file_groups(src: Path) -> dict[int, list[tuple[int | None, Path]]]:
         rank = None if match.group(2) is None else int(match.group(2))
         groups.setdefault(int(match.group(1)), []).append((rank, path))
     if not groups:
-        raise bad_layout(src, "files", "hook files step_<S>.pt or step_<S>.rank<R>.pt (pgdiag.hooks)")
+        raise bad_layout(src, "files", "hook files step_<S>.pt or step_<S>.rank<R>.pt (pgdiag.capture)")
     return groups
 
 

@@ -1,4 +1,4 @@
-"""Preset ``openrlhf``: files written by `pgdiag.hooks.openrlhf` (OpenRLHF 0.11 `PPOTrainer`).
+"""Preset ``openrlhf``: files written by `pgdiag.capture.openrlhf` (OpenRLHF 0.11 `PPOTrainer`).
 
 OpenRLHF stores **next-token columns**: column c of `action_mask`, `rollout_log_probs`, `action_log_probs`,
 `base_action_log_probs` and `advantages` scores token c + 1 of `sequences` (A = T_pad - 1). Per row: T =

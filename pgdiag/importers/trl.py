@@ -1,4 +1,4 @@
-"""Preset ``trl``: files written by `pgdiag.hooks.trl` (TRL `GRPOTrainer`, checked against TRL 1.16.0).
+"""Preset ``trl``: files written by `pgdiag.capture.trl` (TRL `GRPOTrainer`, checked against TRL 1.16.0).
 
 Per row: ids = the last `prompt_lengths` tokens of left-padded `prompt_ids` + the first `completion_lengths`
 tokens of right-padded `completion_ids`; loss_mask = `completion_mask` × `tool_mask` on the completion;
@@ -65,7 +65,7 @@ def read(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
         raise UsageError(
             "E702",
             f"{table}: TRL's completion table holds text (prompt, completion), no token ids or log-probs",
-            "record the run with the pgdiag.hooks.trl hook and import its dump folder (docs/import.md, 'TRL')",
+            "record the run with the pgdiag.capture.trl hook and import its dump folder (docs/import.md, 'TRL')",
         )
     for hook_step in read_hook_steps(src, "trl", REQUIRED, allow_unsafe=options.allow_unsafe_pickle):
         files = hook_step.files

@@ -1,4 +1,4 @@
-"""Preset ``verl``: files written by `pgdiag.hooks.verl`, or RolloutSkip's ``gen_batch.dp`` (verl 0.9.1).
+"""Preset ``verl``: files written by `pgdiag.capture.verl`, or RolloutSkip's ``gen_batch.dp`` (verl 0.9.1).
 
 Hook files: prompt = the `prompt_lengths` last tokens of left-padded `prompts`, response = the first
 `response_lengths` columns of `responses`; `response_mask` → loss_mask; `rollout_log_probs` → rollout,

@@ -211,7 +211,7 @@ def test_trls_own_completion_table_is_e702_from_its_output_dir(tmp_path: Path) -
     ):
         result = run_cli(["import", "--preset", "trl", src, tmp_path / "out"])
         assert error_code(result) == "E702", result.output
-        assert "TRL's completion table holds text" in result.output and "pgdiag.hooks.trl" in result.output
+        assert "TRL's completion table holds text" in result.output and "pgdiag.capture.trl" in result.output
         assert files_under(tmp_path / "out") == set()
 
 

@@ -92,12 +92,12 @@ def write_verl_hook_files(
     out: Path, steps: tuple[int, ...] = (3,), *, bypass: bool = False
 ) -> dict[int, Any]:
     """Run the verl hook over one batch per step; return the batches."""
-    import pgdiag.hooks.verl
+    import pgdiag.capture.verl
 
     made = {}
     for step in steps:
         trainer = verl_trainer(step, bypass=bypass)
-        pgdiag.hooks.verl.install(trainer, out)
+        pgdiag.capture.verl.install(trainer, out)
         made[step] = verl_batch(bypass=bypass, seed=step)
         assert trainer._update_actor(made[step]) == {"updated": True}
     return made
@@ -193,7 +193,7 @@ def openrlhf_experiences(seed: int = 0, *, micro_batch: int = 3, old_equals_roll
 
 
 def write_openrlhf_hook_files(out: Path, steps: tuple[int, ...] = (0,), **kwargs: Any) -> dict[int, list]:
-    import pgdiag.hooks.openrlhf
+    import pgdiag.capture.openrlhf
 
     made = {}
     for step in steps:
@@ -208,7 +208,7 @@ def write_openrlhf_hook_files(out: Path, steps: tuple[int, ...] = (0,), **kwargs
             t.experience_maker.make_experience_batch(samples),
             global_step + 1,
         )
-        pgdiag.hooks.openrlhf.install(trainer, out)
+        pgdiag.capture.openrlhf.install(trainer, out)
         result, next_step = trainer.train_step(["raw samples"], step)
         assert result is experiences and next_step == step + 1
         made[step] = experiences
@@ -270,8 +270,8 @@ def trl_output(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def write_trl_hook_file(out: Path, step: int = 0, *, edit: Any = None) -> dict[str, torch.Tensor]:
-    """Run pgdiag.hooks.trl over `trl_output` at `state.global_step = step`; `edit(output)` changes it first."""
-    import pgdiag.hooks.trl
+    """Run pgdiag.capture.trl over `trl_output` at `state.global_step = step`; `edit(output)` changes it first."""
+    import pgdiag.capture.trl
 
     output = trl_output(step)
     if edit is not None:
@@ -297,7 +297,7 @@ def write_trl_hook_file(out: Path, step: int = 0, *, edit: Any = None) -> dict[s
         trainer._calculate_rewards(inputs, inputs, None, None),
         output,
     )[-1]
-    pgdiag.hooks.trl.install(trainer, out)
+    pgdiag.capture.trl.install(trainer, out)
     trainer._generate_and_score_completions(["p"] * 4)
     return output
 

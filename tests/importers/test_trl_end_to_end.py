@@ -1,4 +1,4 @@
-"""The real thing, end to end on the CPU: TRL GRPOTrainer → pgdiag.hooks.trl → import → check → metrics.
+"""The real thing, end to end on the CPU: TRL GRPOTrainer → pgdiag.capture.trl → import → check → metrics.
 
 A tiny random Qwen3 trains for two optimizer steps on one generation batch (`num_iterations` 2, so TRL
 computes old log-probs; β 0.1, so it logs KL). TRL's step 1 evaluates the policy θ0 it sampled with, step 2
@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("trl")
 
 import pgdiag
-from tests.hooks.trl_run import run_grpo, save_tiny_qwen3
+from tests.capture.trl_run import run_grpo, save_tiny_qwen3
 
 F32 = {"rel": 2e-6, "abs": 1e-6}  # float32 rounding of TRL's logged values
 

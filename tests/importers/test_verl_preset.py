@@ -122,7 +122,7 @@ def test_hostile_hook_file_is_e701(tmp_path):
 
 
 def test_v1_hook_reads_the_transfer_queue_and_drops_padding_rows(tmp_path, monkeypatch):
-    import pgdiag.hooks.verl
+    import pgdiag.capture.verl
 
     prompts = [torch.tensor(p) for p in VERL_PROMPTS]
     responses = [torch.tensor(r) for r in VERL_RESPONSES]
@@ -161,7 +161,7 @@ def test_v1_hook_reads_the_transfer_queue_and_drops_padding_rows(tmp_path, monke
             return "metrics done"
 
     trainer = Trainer()
-    pgdiag.hooks.verl.install(trainer, tmp_path / "dump")
+    pgdiag.capture.verl.install(trainer, tmp_path / "dump")
     batch = SimpleNamespace(keys=keys, tags=tags, partition_id="train")
     assert trainer._compute_metrics(batch, {}, {}, global_steps=7, epoch=0) == "metrics done"
     assert seen["args"][3] == 7 and seen["args"][0] is batch

@@ -1,7 +1,7 @@
 """What every hook shares: the guard that keeps a hook's errors out of training, CPU copies, atomic files.
 
 A hook records by calling `HookGuard.record(fn, *args)`: `fn` runs only while the hook is enabled; any
-exception it raises is logged once (with its traceback) on the ``pgdiag.hooks`` logger and disables the hook
+exception it raises is logged once (with its traceback) on the ``pgdiag.capture`` logger and disables the hook
 for the rest of the run. The training call itself is never inside the guard, so its own errors propagate
 unchanged. Files are written by `write_hookdump`: ``torch.save`` to a temporary name in `out_dir`, flush,
 fsync, ``os.replace``, so a reader never sees half a file. Nothing here draws from any random generator
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 HOOKDUMP_FORMAT = "pgdiag.hookdump/v1"
-LOGGER_NAME = "pgdiag.hooks"
+LOGGER_NAME = "pgdiag.capture"
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 Add to the training script, after building the trainer and before ``trainer.train()``::
 
-    import pgdiag.hooks.trl
-    pgdiag.hooks.trl.install(trainer, "dumps/trl")
+    import pgdiag.capture.trl
+    pgdiag.capture.trl.install(trainer, "dumps/trl")
 
 It wraps three methods of that trainer object (checked against TRL 1.16.0, `trl/trainer/grpo_trainer.py`):
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from pgdiag.hooks.dump import HookGuard, cpu_copy, framework_version, plain, write_hookdump
+from pgdiag.capture.dump import HookGuard, cpu_copy, framework_version, plain, write_hookdump
 
 _STREAMS = ("sampling_per_token_logps", "old_per_token_logps", "ref_per_token_logps")
 

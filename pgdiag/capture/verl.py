@@ -3,8 +3,8 @@
 Install in the process that runs ``fit()`` (the ``TaskRunnerV1`` Ray actor for the v1 trainer, e.g. from a
 subclass registered with ``register_trainer`` and chosen by ``trainer.v1.trainer_mode``)::
 
-    import pgdiag.hooks.verl
-    pgdiag.hooks.verl.install(trainer, "dumps/verl")
+    import pgdiag.capture.verl
+    pgdiag.capture.verl.install(trainer, "dumps/verl")
 
 Checked against verl 0.9.1 (`verl/trainer/ppo/v1/trainer_base.py`, `verl/trainer/ppo/ray_trainer.py`):
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pgdiag.hooks.dump import HookGuard, cpu_copy, framework_version, plain, write_hookdump
+from pgdiag.capture.dump import HookGuard, cpu_copy, framework_version, plain, write_hookdump
 
 _RESPONSE_FIELDS = ("response_mask", "rollout_log_probs", "old_log_probs", "ref_log_prob", "advantages")
 _ID_LISTS = ("uid", "request_id", "data_source")

@@ -1,4 +1,4 @@
-"""`pgdiag.hooks.trl` on a real TRL GRPOTrainer run (CPU): training is bit-for-bit the same with the hook."""
+"""`pgdiag.capture.trl` on a real TRL GRPOTrainer run (CPU): training is bit-for-bit the same with the hook."""
 
 from __future__ import annotations
 
@@ -54,9 +54,9 @@ def test_hooked_training_equals_unhooked_training(model_dir, plain_run, tmp_path
 def test_a_broken_hook_leaves_training_untouched(model_dir, plain_run, tmp_path, caplog):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("a file where the dump folder should go")  # every write fails
-    with caplog.at_level(logging.ERROR, logger="pgdiag.hooks"):
+    with caplog.at_level(logging.ERROR, logger="pgdiag.capture"):
         trainer = run_grpo(model_dir, tmp_path / "out", hook_dir=blocker, save_strategy="no", max_steps=4)
-    assert len([r for r in caplog.records if r.name == "pgdiag.hooks"]) == 1  # two generations, one message
+    assert len([r for r in caplog.records if r.name == "pgdiag.capture"]) == 1  # two generations, one message
     logged, _ = plain_run
     assert _logged(trainer)[:2] == logged[:2]
     assert blocker.read_text().startswith("a file")

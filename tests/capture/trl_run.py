@@ -3,7 +3,7 @@
 `save_tiny_qwen3(path)` writes the model and tokenizer (no download). `run_grpo(model_dir, work_dir, ...)` trains
 for `max_steps` optimizer steps (default 2) with `num_iterations` 2 (so TRL computes old log-probs), β = 0.1
 (so it logs KL), two toy reward functions, and returns the trainer, whose `state.log_history` holds what TRL
-logged. `hook_dir` installs `pgdiag.hooks.trl` before training. Seeds are fixed: two runs with the same
+logged. `hook_dir` installs `pgdiag.capture.trl` before training. Seeds are fixed: two runs with the same
 arguments train identically.
 """
 
@@ -104,8 +104,8 @@ def run_grpo(model_dir: Path, work_dir: Path, *, hook_dir: Path | None = None, *
         processing_class=AutoTokenizer.from_pretrained(model_dir),
     )
     if hook_dir is not None:
-        import pgdiag.hooks.trl
+        import pgdiag.capture.trl
 
-        pgdiag.hooks.trl.install(trainer, hook_dir)
+        pgdiag.capture.trl.install(trainer, hook_dir)
     trainer.train()
     return trainer

@@ -5,8 +5,8 @@ OpenRLHF writes no rollout dump. `PPOTrainer` is a Ray actor, so install inside 
     class DumpingPPOTrainer(PPOTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            import pgdiag.hooks.openrlhf
-            pgdiag.hooks.openrlhf.install(self, "dumps/openrlhf")
+            import pgdiag.capture.openrlhf
+            pgdiag.capture.openrlhf.install(self, "dumps/openrlhf")
 
 It wraps two methods of that object (checked against OpenRLHF 0.11, `openrlhf/trainer/ppo_trainer.py`):
 `train_step(rollout_samples, global_step)` (for the step) and `experience_maker.make_experience_batch(...)`,
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pgdiag.hooks.dump import HookGuard, cpu_copy, framework_version, plain, write_hookdump
+from pgdiag.capture.dump import HookGuard, cpu_copy, framework_version, plain, write_hookdump
 
 _TOKEN_FIELDS = ("sequences", "attention_mask")  # (B, T)
 _ACTION_FIELDS = (

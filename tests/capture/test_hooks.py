@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from pgdiag.hooks.dump import HOOKDUMP_FORMAT
+from pgdiag.capture.dump import HOOKDUMP_FORMAT
 
 
 def test_hook_modules_import_no_heavy_package():
     code = (
         "import sys\n"
-        "import pgdiag.hooks.trl, pgdiag.hooks.verl, pgdiag.hooks.openrlhf\n"
+        "import pgdiag.capture.trl, pgdiag.capture.verl, pgdiag.capture.openrlhf\n"
         "heavy = {'polars', 'pyarrow', 'rich', 'triton', 'typer', 'matplotlib', 'trl', 'transformers',\n"
         "         'verl', 'openrlhf', 'transfer_queue', 'tensordict', 'ray'}\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & heavy))\n"
@@ -81,10 +81,10 @@ def _rng_states() -> tuple[Any, ...]:
 
 
 def test_trl_hook_is_inert_and_writes_a_weights_only_file(tmp_path: Path):
-    import pgdiag.hooks.trl
+    import pgdiag.capture.trl
 
     trainer, output = _fake_trl_trainer()
-    pgdiag.hooks.trl.install(trainer, tmp_path)
+    pgdiag.capture.trl.install(trainer, tmp_path)
     inputs = [{"prompt": "p"}, {"prompt": "q"}]
     inputs_before = copy.deepcopy(inputs)
     output_before = {k: v.clone() for k, v in output.items()}
@@ -111,10 +111,10 @@ def test_trl_hook_is_inert_and_writes_a_weights_only_file(tmp_path: Path):
 
 
 def test_trl_hook_records_nothing_in_eval_mode_or_off_schedule(tmp_path: Path):
-    import pgdiag.hooks.trl
+    import pgdiag.capture.trl
 
     trainer, _ = _fake_trl_trainer()
-    pgdiag.hooks.trl.install(trainer, tmp_path, every=3)
+    pgdiag.capture.trl.install(trainer, tmp_path, every=3)
     trainer._generate_and_score_completions([{}])  # step 4: not a multiple of 3
     trainer.state.global_step = 6
     trainer.model.training = False
@@ -126,22 +126,22 @@ def test_trl_hook_records_nothing_in_eval_mode_or_off_schedule(tmp_path: Path):
 
 
 def test_a_failing_hook_disables_itself_logs_once_and_never_reaches_training(tmp_path: Path, caplog):
-    import pgdiag.hooks.trl
+    import pgdiag.capture.trl
 
     trainer, output = _fake_trl_trainer()
     del trainer.reward_weights  # the hook needs it: every recording now raises inside the hook
-    pgdiag.hooks.trl.install(trainer, tmp_path)
-    with caplog.at_level(logging.ERROR, logger="pgdiag.hooks"):
+    pgdiag.capture.trl.install(trainer, tmp_path)
+    with caplog.at_level(logging.ERROR, logger="pgdiag.capture"):
         for _ in range(3):
             assert trainer._generate_and_score_completions([{}]) is output
-    errors = [r for r in caplog.records if r.name == "pgdiag.hooks"]
+    errors = [r for r in caplog.records if r.name == "pgdiag.capture"]
     assert len(errors) == 1 and "disabled" in errors[0].getMessage()
     assert trainer._pgdiag_hook.guard.enabled is False
     assert list(tmp_path.iterdir()) == []
 
 
 def test_training_errors_pass_through_the_hook_unchanged(tmp_path: Path):
-    import pgdiag.hooks.trl
+    import pgdiag.capture.trl
 
     trainer, _ = _fake_trl_trainer()
 
@@ -149,31 +149,31 @@ def test_training_errors_pass_through_the_hook_unchanged(tmp_path: Path):
         raise KeyError("from the trainer")
 
     trainer._generate_and_score_completions = broken
-    pgdiag.hooks.trl.install(trainer, tmp_path)
+    pgdiag.capture.trl.install(trainer, tmp_path)
     with pytest.raises(KeyError, match="from the trainer"):
         trainer._generate_and_score_completions([{}])
     assert trainer._pgdiag_hook.guard.enabled is True
 
 
 def test_install_twice_and_bad_every_are_refused(tmp_path: Path):
-    import pgdiag.hooks.trl
+    import pgdiag.capture.trl
 
     trainer, _ = _fake_trl_trainer()
     with pytest.raises(ValueError, match="every"):
-        pgdiag.hooks.trl.install(trainer, tmp_path, every=0)
-    pgdiag.hooks.trl.install(trainer, tmp_path)
+        pgdiag.capture.trl.install(trainer, tmp_path, every=0)
+    pgdiag.capture.trl.install(trainer, tmp_path)
     with pytest.raises(ValueError, match="already installed"):
-        pgdiag.hooks.trl.install(trainer, tmp_path)
+        pgdiag.capture.trl.install(trainer, tmp_path)
 
 
 def test_verl_and_openrlhf_hooks_are_inert(tmp_path: Path):
     pytest.importorskip("tensordict")
-    import pgdiag.hooks.openrlhf
-    import pgdiag.hooks.verl
+    import pgdiag.capture.openrlhf
+    import pgdiag.capture.verl
     from tests.importers.hook_fixtures import openrlhf_experiences, verl_batch, verl_trainer
 
     trainer = verl_trainer(2)
-    pgdiag.hooks.verl.install(trainer, tmp_path / "verl", every=2)
+    pgdiag.capture.verl.install(trainer, tmp_path / "verl", every=2)
     batch = verl_batch()
     before = {k: v.clone() for k, v in batch.batch.items()}
     rng = _rng_states()
@@ -192,7 +192,7 @@ def test_verl_and_openrlhf_hooks_are_inert(tmp_path: Path):
         strategy=SimpleNamespace(args=SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=2))),
     )
     orl.train_step = lambda samples, step: (orl.experience_maker.make_experience_batch(samples), step + 1)
-    pgdiag.hooks.openrlhf.install(orl, tmp_path / "orl")
+    pgdiag.capture.openrlhf.install(orl, tmp_path / "orl")
     rng = _rng_states()
     result, next_step = orl.train_step(["x"], 9)
     after = _rng_states()
