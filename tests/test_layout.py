@@ -1,8 +1,8 @@
 """The layout rules as code: which stage of pgdiag/ may import which, and what the top of pgdiag/ holds.
 
 Every ``import``/``from ... import`` in pgdiag/ (also those inside functions) is parsed. Arrows point down only:
-`cli` -> every stage; `compare` -> checks, metrics, report, data (and model, for the exact temperature fit from
-logits); `explain` -> recompute, model, kernels, compare, checks, metrics, report, data; `recompute` -> model, kernels, data; `metrics`, `checks`, `importers` -> report, data; `model`, `kernels`
+`cli` -> every stage; `compare` -> checks, metrics, report, data (and recompute, whose `loss_logits` gives the exact
+temperature fit its logits); `explain` -> recompute, model, kernels, compare, checks, metrics, report, data; `recompute` -> model, kernels, data; `metrics`, `checks`, `importers` -> report, data; `model`, `kernels`
 -> errors only (never polars); `data` -> errors only (never torch). Only `cli/` imports typer and rich; only
 `report/plots.py`, `report/explain_plots.py` and `report/html.py` import matplotlib. ``import pgdiag`` (the version) is allowed everywhere.
 
@@ -36,7 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "importers": {"report", "data"},
     "analysis": {"report", "data", "metrics", "checks"},
     "recompute": {"model", "kernels", "data"},
-    "compare": {"checks", "metrics", "report", "data", "model"},  # model: `compare/tau.py` needs logits
+    "compare": {"checks", "metrics", "report", "data", "recompute"},  # recompute: logits for `compare/tau.py`
     "explain": {"recompute", "model", "kernels", "compare", "checks", "metrics", "report", "data"},
     "capture": {"data", "importers"},  # the in-trainer hooks and the Fast-LLM stream capture
     "cli": {"*"},

@@ -2,16 +2,16 @@
 
 What: `TauSamples` collects, piece by piece as `compare` reads the runs, the first `max_tokens` matched loss
 tokens in matched order (positions, lp_a) with side b's `input_ids` of their samples; `exact_tau(samples,
-model_path)` then recomputes side b's logits at those positions with
-pgdiag's own model (`pgdiag.model.load_model`, fp32 body and head so the fit is not blurred by bf16 rounding)
-and fits τ* = argmin Σ (z[y]/τ − logsumexp(z/τ) − lp_a)² with `pgdiag.metrics.mismatch.fit_temperature`.
+model_path)` then has `pgdiag.recompute.loss_logits` recompute side b's logits at those positions with pgdiag's
+own model (fp32 body and head so the fit is not blurred by bf16 rounding) and fits
+τ* = argmin Σ (z[y]/τ − logsumexp(z/τ) − lp_a)² with `pgdiag.metrics.mismatch.fit_temperature`.
 Why: the logprob-only hint (the OLS slope) is biased by the per-position normaliser; with logits the fit is exact:
 a sampling side at T = 0.7 gives τ* = 0.7 up to the numerics of the recompute.
 How: samples are taken in matched order until `max_tokens` loss tokens are collected (the fit holds (M, V)
 float64 logits, so the budget bounds memory at M·V·8 bytes; the last sample taken may be cut); only those
-samples' `input_ids` are read, so a run read step by step gives the fit of the run read whole. Each sample runs
-one teacher-forced forward pass (position p's logits come from the hidden state at p − 1), logits are gathered
-only at loss positions.
+samples' `input_ids` are read, so a run read step by step gives the fit of the run read whole. The recompute runs
+one teacher-forced forward pass per sample (position p's logits come from the hidden state at p − 1) and gathers
+logits only at loss positions.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import numpy as np
 
 from pgdiag.compare.align import AlignedPair
 from pgdiag.metrics.mismatch import TemperatureFit, fit_temperature
+from pgdiag.recompute.loss_logits import loss_logits
 
 TAU_FIT_TOKENS = 8192
 
@@ -64,25 +65,7 @@ class TauSamples:
 
 
 def exact_tau(samples: TauSamples, model_path: str | Path) -> TemperatureFit:
-    """τ* of the collected `samples` with side b's logits from `model_path`."""
-    import torch
-
-    from pgdiag.model import load_model
-
-    model = load_model(model_path, dtype="fp32", head_dtype="fp32", device="cpu")
-    weight = model.lm_head_weight.float()  # (V_local, H); TP = 1 here, so V_local = V
-    targets, rows = [], []
-    for sample_ids, sample_pos in zip(samples.input_ids, samples.pos, strict=True):
-        ids = torch.as_tensor(sample_ids)  # (T,)
-        positions = torch.arange(ids.shape[0], dtype=torch.int64)
-        cu = torch.tensor([0, ids.shape[0]], dtype=torch.int32)
-        hidden = model.hidden_states(ids, positions, cu).float()  # (T, H)
-        pos = torch.as_tensor(sample_pos)  # (m,) loss positions, all >= 1
-        with torch.no_grad():
-            logits = hidden[pos - 1] @ weight.T  # (m, V) fp32: position p is predicted from p - 1
-        token = ids[pos]  # (m,)
-        rows.append(logits.double().numpy())
-        targets.append(logits.double().gather(1, token[:, None]).squeeze(1).numpy())
-    if not rows:
-        return fit_temperature(np.zeros(0), np.zeros((0, 1)), np.zeros(0))
-    return fit_temperature(np.concatenate(targets), np.concatenate(rows), np.concatenate(samples.lp_a))
+    """τ* of the collected `samples` with side b's logits from `model_path` (`pgdiag.recompute.loss_logits`)."""
+    b = loss_logits(model_path, samples.input_ids, samples.pos)
+    lp_a = np.concatenate(samples.lp_a) if samples.lp_a else np.zeros(0)  # (M,)
+    return fit_temperature(b.target, b.logits, lp_a)
