@@ -30,3 +30,4 @@ def _clean_copy() -> Path:
 
 
 SAMPLE_DATA = _clean_copy()
+SAMPLE_CWD = SAMPLE_DATA.parent  # a working directory whose `sample_data/` is the copy (for relative paths)

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from sample_paths import SAMPLE_CWD
 
 from pgdiag.cli.app import build_app
 
@@ -19,7 +20,7 @@ def _blocks(text: str, language: str) -> list[str]:
 
 def test_readme_python_block_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (block,) = _blocks((ROOT / "README.md").read_text(), "python")
-    monkeypatch.chdir(ROOT)
+    monkeypatch.chdir(SAMPLE_CWD)  # its sample_data/ is the clean copy
     namespace: dict = {}
     exec(compile(block.replace("/tmp/parity-api", str(tmp_path / "parity")), "README.md", "exec"), namespace)
     report = namespace["report"]
@@ -70,7 +71,7 @@ def test_readme_comments_are_true(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
     (block,) = _blocks((ROOT / "README.md").read_text(), "python")
     assert '# one row per pair and step (+ each pair\'s "all")' in block
-    monkeypatch.chdir(ROOT)
+    monkeypatch.chdir(SAMPLE_CWD)  # its sample_data/ is the clean copy
     namespace: dict = {}
     exec(compile(block.replace("/tmp/parity-api", str(tmp_path / "parity")), "README.md", "exec"), namespace)
     report, parity = namespace["report"], namespace["parity"]
@@ -137,7 +138,7 @@ def test_drift_doc_examples_run_verbatim_on_the_shipped_long_run(tmp_path: Path)
     for line in lines:
         command, _, jq_filter = line.replace("/tmp/", f"{tmp_path}/").partition(" | jq ")
         argv = [sys.executable, "-m", "pgdiag", *command.split()[1:]]
-        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+        done = subprocess.run(argv, cwd=SAMPLE_CWD, capture_output=True, text=True, env=env, timeout=300)
         assert done.returncode == 0, (line, done.stderr)
         if jq_filter:
             assert jq_filter == ".change_points"

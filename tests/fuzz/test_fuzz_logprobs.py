@@ -104,10 +104,14 @@ def test_logprobs_on_damaged_bytes(tmp_path: Path, fuzz_examples: int) -> None:
     case()
 
 
-def temperature_is_usable(rows: list[dict]) -> bool:
-    """The `--temperature auto` rule of docs/recompute.md, written out plainly (the oracle)."""
+def expected_temperature_code(rows: list[dict]) -> str | None:
+    """The oracle, written out plainly: a NaN or infinite row `temperature` is the reader's E207
+    (docs/schema.md); a per-token list of another length, or a temperature that is not finite and positive
+    where it is used, is the `--temperature auto` rule's E219 (docs/recompute.md)."""
+    if any(r.get("temperature") is not None and not math.isfinite(r["temperature"]) for r in rows):
+        return "E207"
     if all(r.get("temperature_tok") is None and r.get("temperature") is None for r in rows):
-        return True  # no temperature in the columns: the footer's, else 1.0
+        return None  # no temperature in the columns: the footer's, else 1.0
 
     def positive(value: float | None) -> bool:
         return value is not None and math.isfinite(value) and value > 0
@@ -116,12 +120,12 @@ def temperature_is_usable(rows: list[dict]) -> bool:
         listed = row.get("temperature_tok")
         if listed is None:
             if not positive(row.get("temperature")):
-                return False
+                return "E219"
         elif len(listed) != len(row["input_ids"]) or not all(
             positive(t) for t, loss in zip(listed, row["loss_mask"], strict=True) if loss
         ):
-            return False
-    return True
+            return "E219"
+    return None
 
 
 def test_logprobs_on_any_per_token_temperatures(tmp_path: Path, fuzz_examples: int) -> None:
@@ -138,8 +142,7 @@ def test_logprobs_on_any_per_token_temperatures(tmp_path: Path, fuzz_examples: i
                 row["temperature_tok"] = None
             row["temperature"] = data.draw(TEMPERATURES)
         code = logprobs(write_run(tmp_path / "run", rows, sampling={"temperature": 0.7}))
-        assert (code is None) == temperature_is_usable(rows), (code, rows)
-        assert code in (None, "E219"), code
+        assert code == expected_temperature_code(rows), (code, rows)
 
     case()
 

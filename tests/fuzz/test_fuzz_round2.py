@@ -12,6 +12,7 @@ from clean_error import error_code, run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rollout_factory import valid_rows, write_rollouts_file
+from sample_paths import SAMPLE_DATA
 
 import pgdiag
 from pgdiag.cli import run
@@ -19,7 +20,7 @@ from pgdiag.data.runs import FILE_COLUMN
 from pgdiag.errors import PgdiagError
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLE_RUN = str(ROOT / "sample_data" / "run_a")
+SAMPLE_RUN = str(SAMPLE_DATA / "run_a")
 
 
 def fuzz_settings(examples: int):

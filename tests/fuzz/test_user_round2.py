@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 from clean_error import error_code, files_under, run_cli
 from rollout_factory import valid_rows, write_rollouts_file
+from sample_paths import SAMPLE_DATA
 
 import pgdiag
 from pgdiag.errors import PgdiagError, UsageError
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLE_RUN, SAMPLE_RUN_B = ROOT / "sample_data" / "run_a", ROOT / "sample_data" / "run_b"
+SAMPLE_RUN, SAMPLE_RUN_B = SAMPLE_DATA / "run_a", SAMPLE_DATA / "run_b"
 
 
 def test_error_messages_and_hints_of_the_api_are_one_line() -> None:

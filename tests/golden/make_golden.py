@@ -25,7 +25,7 @@ from typing import Any
 import polars as pl
 
 REPO = Path(__file__).resolve().parents[2]
-SAMPLE_DATA = REPO / "sample_data"
+SAMPLE_DATA = REPO / "sample_data"  # only its tracked rollouts and footers are copied (below)
 GOLDEN = Path(__file__).resolve().parent / "outputs"
 RUNS = ("run_a", "run_b", "synthetic_a", "synthetic_b")
 KEY_STYLES = ("fast-llm", "verl", "trl", "liger", "miles", "pipelinerl")

@@ -20,13 +20,14 @@ from pathlib import Path
 import polars as pl
 import psutil
 import pytest
+from sample_paths import SAMPLE_DATA
 
 import pgdiag
 from pgdiag.data.schema import RECOMPUTE_FOOTER_KEY, read_footer
 from pgdiag.recompute.launch import free_port, replica_parts
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "sample_data" / "tiny-qwen"
+TINY = SAMPLE_DATA / "tiny-qwen"
 OPTIONS = ["--dtype", "fp32", "--batch-tokens", "256", "--device", "cpu"]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
@@ -35,9 +36,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("P
 def run_copy(tmp_path: Path) -> Path:
     """Step 0 of the sample run: 32 samples."""
     run = tmp_path / "run_a"
-    shutil.copytree(
-        ROOT / "sample_data" / "run_a", run, ignore=shutil.ignore_patterns("logprobs", "step=[123]")
-    )
+    shutil.copytree(SAMPLE_DATA / "run_a", run, ignore=shutil.ignore_patterns("logprobs", "step=[123]"))
     return run
 
 
