@@ -301,8 +301,8 @@ def _sample_level_clip(
 
     With ρ_hi = Σ_t r·1[r > 1 + ε_h], ρ_lo = Σ_t r·1[r < 1 − ε_l] and ρ_C = Σ_t r·1[r > C] (dual clip C > 1;
     for A < 0, max(r, clip(r)) > C is r > C):
-      A_i > 0: binding = high; Σ|g| = A_i (Σr − ρ_hi); Σ|g|·O = A_i ρ_lo; Σℓ = −A_i (Σr − ρ_hi + (1 + ε_h) n_hi)
-      A_i < 0: binding = low, dual = r > C; Σ|g| = |A_i| (Σr − ρ_lo − ρ_C); Σ|g|·O = |A_i| Σ_t r·1[hi ∧ r ≤ C];
+      A_i > 0: binding = high; Σ|g| = A_i Σ_t r·1[¬hi]; Σ|g|·O = A_i ρ_lo; Σℓ = −A_i (Σr − ρ_hi + (1 + ε_h) n_hi)
+      A_i < 0: binding = low, dual = r > C; Σ|g| = |A_i| Σ_t r·1[¬lo ∧ r ≤ C]; Σ|g|·O = |A_i| Σ_t r·1[hi ∧ r ≤ C];
                Σℓ = |A_i| (Σr − ρ_lo + (1 − ε_l) n_lo − (ρ_C − C n_C))
     (no overflow: the differences of finite sums are exact up to rounding).
     """
@@ -313,10 +313,14 @@ def _sample_level_clip(
     r_high = reducer.sample_sums(np.multiply(r, band_high, out=scratch))  # ρ_hi (S,)
     r_low = reducer.sample_sums(np.multiply(r, band_low, out=scratch))  # ρ_lo (S,)
     zeros = np.zeros_like(adv)
+    token_adv = reducer.broadcast(adv)  # (N,) A_i on each of its tokens
+    # gradient passes: A > 0 out of the high band, or A < 0 out of the low band and under the dual clip
+    passing = ((token_adv > 0) & ~band_high) | ((token_adv < 0) & ~band_low)  # (N,) bool
     if settings.clip.dual_clip is None:
         n_over, r_over, r_high_live = zeros, zeros, r_high
     else:
         over = r > settings.clip.dual_clip  # (N,) bool
+        passing &= ~over | (token_adv > 0)
         n_over = reducer.sample_sums(over, scratch)
         r_over = reducer.sample_sums(np.multiply(r, over, out=scratch))
         # out-of-band-high tokens that the dual clip leaves alive: r in (1 + ε_h, C]
@@ -324,7 +328,8 @@ def _sample_level_clip(
     n_clip_high = np.where(positive, n_band_high, 0.0)
     n_clip_low = np.where(negative, n_band_low, 0.0)
     n_dual = np.where(negative, n_over, 0.0)
-    grad_pass = abs_adv * np.where(positive, sum_r - r_high, np.where(negative, sum_r - r_low - r_over, 0.0))
+    # a masked sum, not Σr − ρ: a sample whose every token is stopped passes exactly 0, never a rounding residue
+    grad_pass = abs_adv * reducer.sample_sums(np.multiply(r, passing, out=scratch))
     grad_pass_band = abs_adv * np.where(positive, r_low, np.where(negative, r_high_live, 0.0))
     dual_cut = r_over - (settings.clip.dual_clip or 0.0) * n_over
     loss_pos = -adv * (sum_r - r_high + high_edge * n_band_high)

@@ -11,7 +11,7 @@ from decimal import Decimal, getcontext
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from metrics_batch_factory import make_batch
 
@@ -118,6 +118,9 @@ def close(got, want, tol=1e-11):
     st.booleans(),
     st.sampled_from([None, 1.1, 3.0]),
 )
+# every token stopped (dual clip, then the low clip) in a sample of one advantage: Σr − ρ left 1e-15 of
+# "passing gradient", so band_nonbinding_grad_share read 0.0 where no gradient passes at all (0 / 0)
+@example([([-1.0] * 5, [1.0, 1.0, 0.5, -1.0, -1.0], [-1.5] * 5, "a")], "token", False, 1.1)
 def test_engine_matches_slow_reference(samples, mode, constant_advantages, dual_clip):
     batch = build(samples, constant_advantages)
     config = MetricSettings.from_options(
