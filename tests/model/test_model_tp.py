@@ -51,6 +51,20 @@ def worker(rank: int, world: int, port: int, paths: list[str], out: str) -> None
         dist.destroy_process_group()
 
 
+def spawn_tp(world: int, paths: list[str], out: str, attempts: int = 3) -> None:
+    """`worker` on `world` gloo ranks. A rank that gloo aborts at teardown ("terminate called without an active
+    exception", SIGABRT, seen about once in twenty runs on the 2-core CI machine after every rank has saved its
+    logits and passed the barrier) is run again, on a fresh port, at most `attempts` times in all; any other
+    failure, and every assertion on the saved logits, stays as it is."""
+    for attempt in range(attempts):
+        try:
+            mp.spawn(worker, args=(world, free_port(), paths, out), nprocs=world, join=True)
+            return
+        except mp.ProcessExitedException as error:
+            if "SIGABRT" not in str(error) or attempt == attempts - 1:
+                raise
+
+
 def gathered_logprobs(shards: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
     """Concatenate vocab shards in rank order (checking they tile the vocabulary) -> (N, V) fp64 log-softmax."""
     expected_start = 0
@@ -69,7 +83,7 @@ def test_tp2_and_tp3_equal_tp1(tmp_path: Path) -> None:
     reference = [gathered_logprobs([local_logits(Path(p), None)]) for p in paths]
     for world in (2, 3):
         out = tmp_path / f"tp{world}.pt"
-        mp.spawn(worker, args=(world, free_port(), paths, str(out)), nprocs=world, join=True)
+        spawn_tp(world, paths, str(out))
         per_rank = [torch.load(f"{out}.{r}") for r in range(world)]
         assert [per_rank[r][0][1].shape[1] for r in range(world)] == (
             [126, 125] if world == 2 else [84, 84, 83]

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hf_tiny import save_hf_model
 from moe_tiny import MOE_CASES
-from test_model_tp import LENGTHS, SIZES, free_port, gathered_logprobs, local_logits, worker
+from test_model_tp import LENGTHS, SIZES, gathered_logprobs, local_logits, spawn_tp
 
 from pgdiag.errors import UsageError
 from pgdiag.model import read_model_config, tp_layout
@@ -37,7 +36,7 @@ def test_moe_tp2_and_tp3_equal_tp1(tmp_path: Path) -> None:
     reference = [gathered_logprobs([local_logits(Path(p), None)]) for p in paths]
     for world in (2, 3):
         out = tmp_path / f"tp{world}.pt"
-        mp.spawn(worker, args=(world, free_port(), paths, str(out)), nprocs=world, join=True)
+        spawn_tp(world, paths, str(out))
         per_rank = [torch.load(f"{out}.{r}") for r in range(world)]
         for i, ref in enumerate(reference):
             got = gathered_logprobs([per_rank[r][i] for r in range(world)])
