@@ -27,27 +27,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_recompute as recompute_shapes
 import numpy as np
 import torch
 
-QWEN3_8B = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "vocab_size": 151936,
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 40960,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "torch_dtype": "bfloat16",
-}
-TINY = {**QWEN3_8B, "vocab_size": 1031, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+# the shapes of bench_recompute.py, written as bf16 checkpoints here
+QWEN3_8B = {**recompute_shapes.QWEN3_8B, "torch_dtype": "bfloat16"}
+TINY = {**recompute_shapes.TINY, "torch_dtype": "bfloat16"}
 
 
 def write_checkpoint(directory: Path, config: dict, device: torch.device, seed: int = 0) -> Path:
