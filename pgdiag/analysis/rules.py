@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 
 SAFETY_BOUND = 20.0  # verl / AReaL / SkyRL |log ratio| clamp before exp
 BEHAVIOUR_PROXIMAL = "behaviour→proximal"
@@ -147,26 +147,32 @@ class Replay:
 def parse_rule_args(name: str, args: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[float, ...]]:
     """(words, numbers) of a `NAME:ARGS` rule, checked against the rule's signature (E503 otherwise)."""
     if name not in NAMED_RULES:
-        raise UsageError("E503", f"unknown whatif rule {name!r}", "docs/whatif.md lists the rules")
+        raise UsageError(
+            Code.BAD_OPTION_VALUE, f"unknown whatif rule {name!r}", "docs/whatif.md lists the rules"
+        )
     words_allowed = _WORD_OPTIONS.get(name, ())
     words = args[: len(words_allowed)]
     for word, allowed in zip(words, words_allowed, strict=False):
         if word not in allowed:
-            raise UsageError("E503", f"--rule {name}: {word!r} is not one of {', '.join(allowed)}")
+            raise UsageError(
+                Code.BAD_OPTION_VALUE, f"--rule {name}: {word!r} is not one of {', '.join(allowed)}"
+            )
     if len(words) < len(words_allowed):
-        raise UsageError("E503", f"--rule {name}: needs {len(words_allowed)} leading words")
+        raise UsageError(Code.BAD_OPTION_VALUE, f"--rule {name}: needs {len(words_allowed)} leading words")
     rest = args[len(words_allowed) :]
     if name == "m2po" and len(rest) == 2:  # scope=step | scope=mb:N
         rest = rest[:1]
     lo_n, hi_n = NAMED_RULES[name][1]
     if not lo_n <= len(rest) <= hi_n:
-        raise UsageError("E503", f"--rule {name}: takes {lo_n}..{hi_n} numbers, got {len(rest)}")
+        raise UsageError(
+            Code.BAD_OPTION_VALUE, f"--rule {name}: takes {lo_n}..{hi_n} numbers, got {len(rest)}"
+        )
     try:
         numbers = tuple(float(a) for a in rest)
     except ValueError:
-        raise UsageError("E503", f"--rule {name}:{','.join(args)}: not a number") from None
+        raise UsageError(Code.BAD_OPTION_VALUE, f"--rule {name}:{','.join(args)}: not a number") from None
     if not all(math.isfinite(x) for x in numbers):
-        raise UsageError("E503", f"--rule {name}: bounds must be finite")
+        raise UsageError(Code.BAD_OPTION_VALUE, f"--rule {name}: bounds must be finite")
     return words, numbers
 
 
@@ -177,7 +183,7 @@ def m2po_scope(args: tuple[str, ...]) -> tuple[str, int]:
         return "step", 1
     if scope.startswith("mb:") and scope[3:].isdigit() and int(scope[3:]) > 0:
         return "mb", int(scope[3:])
-    raise UsageError("E503", f"--rule m2po: scope must be step or mb:N, got {scope!r}")
+    raise UsageError(Code.BAD_OPTION_VALUE, f"--rule m2po: scope must be step or mb:N, got {scope!r}")
 
 
 def _mask_effect(
@@ -440,7 +446,7 @@ def _ref_kl(r: Replay) -> RuleEffect:
     """prime-rl 559b447 `ref_kl_loss_fn`: drop where p − μ < −0.2; ℓ = −sg(log π_ref − log π)·ρ·keep + 1e-3·(log ρ)²,
     ρ = π/μ not detached: g = −(log π_ref − log π)·ρ·keep + 2e-3·Δ (the scalar advantage is not read)."""
     if r.ref is None:
-        raise UsageError("E111", "ref_kl needs a `ref` stream")
+        raise UsageError(Code.STREAM_NOT_FOUND, "ref_kl needs a `ref` stream")
     d = r.log_ratio
     keep = ~(np.exp(r.cur) - np.exp(r.base) < -0.2)
     raw = np.exp(d)
@@ -451,7 +457,7 @@ def _ref_kl(r: Replay) -> RuleEffect:
 def apply_named_rule(name: str, args: tuple[str, ...], r: Replay) -> RuleEffect:
     """The effect of rule `name` with its `args` (strings as given after `NAME:`) on the replayed batch `r`."""
     if "+" in name:  # a verl chain: token_k1:0.5,2+seq_max_k2:1 arrives split by the caller
-        raise UsageError("E503", f"--rule {name}: chain verl options as OPT:ARGS+OPT:ARGS")
+        raise UsageError(Code.BAD_OPTION_VALUE, f"--rule {name}: chain verl options as OPT:ARGS+OPT:ARGS")
     words, nums = parse_rule_args(name, args)
     if name in VERL_RS_OPTIONS:
         return _verl_rs(name, nums, r)

@@ -57,7 +57,9 @@ class CorrectionRule:
             for part in self.args:
                 name, _, text = part.partition(":")
                 if name not in VERL_RS_OPTIONS:
-                    raise UsageError("E503", f"--rule {part}: only verl rejection options chain with '+'")
+                    raise UsageError(
+                        Code.BAD_OPTION_VALUE, f"--rule {part}: only verl rejection options chain with '+'"
+                    )
                 parse_rule_args(name, tuple(text.split(",")) if text else ())
             return
         if self.kind in NAMED_RULES:
@@ -65,18 +67,22 @@ class CorrectionRule:
             return
         if self.kind not in RULE_KINDS:
             known = ", ".join((*RULE_KINDS, *NAMED_RULES))
-            raise UsageError("E503", f"unknown correction rule {self.kind!r}", f"one of {known}")
+            raise UsageError(
+                Code.BAD_OPTION_VALUE, f"unknown correction rule {self.kind!r}", f"one of {known}"
+            )
         bounded = self.kind in BOUNDED_KINDS
         if bounded != (self.lo is not None) or self.hi is None:
             need = "LO,HI" if bounded else "one cap C"
-            raise UsageError("E503", f"--{self.kind.replace('_', '-')} takes {need}")
+            raise UsageError(Code.BAD_OPTION_VALUE, f"--{self.kind.replace('_', '-')} takes {need}")
         if not (math.isfinite(self.hi) and self.hi > 0):
             raise UsageError(
-                "E503", f"--{self.kind.replace('_', '-')}: bound must be a positive number, got {self.hi}"
+                Code.BAD_OPTION_VALUE,
+                f"--{self.kind.replace('_', '-')}: bound must be a positive number, got {self.hi}",
             )
         if self.lo is not None and not (math.isfinite(self.lo) and 0 < self.lo <= self.hi):
             raise UsageError(
-                "E503", f"--{self.kind.replace('_', '-')}: need 0 < LO <= HI, got {self.lo},{self.hi}"
+                Code.BAD_OPTION_VALUE,
+                f"--{self.kind.replace('_', '-')}: need 0 < LO <= HI, got {self.lo},{self.hi}",
             )
 
     @property
@@ -121,13 +127,14 @@ def parse_rule(spec: str) -> CorrectionRule:
         try:
             numbers = [float(a) for a in args]
         except ValueError:
-            raise UsageError("E503", f"--rule {spec}: not a number") from None
+            raise UsageError(Code.BAD_OPTION_VALUE, f"--rule {spec}: not a number") from None
         if name in BOUNDED_KINDS and len(numbers) == 2:
             return CorrectionRule(name, numbers[1], numbers[0])
         if name not in BOUNDED_KINDS and len(numbers) == 1:
             return CorrectionRule(name, numbers[0])
         raise UsageError(
-            "E503", f"--rule {spec}: {name} takes {'LO,HI' if name in BOUNDED_KINDS else 'one cap C'}"
+            Code.BAD_OPTION_VALUE,
+            f"--rule {spec}: {name} takes {'LO,HI' if name in BOUNDED_KINDS else 'one cap C'}",
         )
     return CorrectionRule(name, args=args)
 
@@ -173,7 +180,9 @@ def parse_losses(text: str) -> tuple[LossForm, LossForm]:
     for form, mode in found:
         if mode not in LOSS_MODES:
             raise UsageError(
-                "E503", f"--losses: unknown aggregation {mode!r}", f"one of {', '.join(LOSS_MODES)}"
+                Code.BAD_OPTION_VALUE,
+                f"--losses: unknown aggregation {mode!r}",
+                f"one of {', '.join(LOSS_MODES)}",
             )
         rule = None if form == "vanilla" else parse_rule(form)
         forms.append(LossForm(rule, mode, f"{form}@{mode}"))
@@ -197,7 +206,7 @@ class WhatifSettings:
 
     def __post_init__(self) -> None:
         if self.divisor is not None and not self.divisor > 0:
-            raise UsageError("E503", f"--divisor must be > 0, got {self.divisor}")
+            raise UsageError(Code.BAD_OPTION_VALUE, f"--divisor must be > 0, got {self.divisor}")
         if self.losses is not None:
             parse_losses(self.losses)
 
@@ -234,6 +243,6 @@ class ChangePointSettings:
 
     def __post_init__(self) -> None:
         if not self.threshold > 0:
-            raise UsageError("E503", f"--cp-threshold must be > 0, got {self.threshold}")
+            raise UsageError(Code.BAD_OPTION_VALUE, f"--cp-threshold must be > 0, got {self.threshold}")
         if self.min_segment < 1:
-            raise UsageError("E503", f"--min-segment must be >= 1, got {self.min_segment}")
+            raise UsageError(Code.BAD_OPTION_VALUE, f"--min-segment must be >= 1, got {self.min_segment}")

@@ -44,7 +44,7 @@ from pgdiag.data.runs import Run
 from pgdiag.data.schema import BASE_STREAMS
 from pgdiag.data.validate import CheckSettings
 from pgdiag.data.versions import TokenLag, token_lag
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.loss import GSPO_MODES, NATIVE_MODES, sample_weights
 from pgdiag.report.report import Report, ReportRow, summary_frame
 
@@ -350,14 +350,16 @@ def resolve_whatif_streams(run: Run, settings: WhatifSettings) -> tuple[str, str
     listed = ", ".join(present) or "none"
     if settings.behavior not in present:
         raise UsageError(
-            "E111",
+            Code.STREAM_NOT_FOUND,
             f"{run.label}: no behaviour stream {settings.behavior!r} for whatif",
             f"streams present: {listed}",
         )
     target = settings.target
     if target is not None and target not in present:
         raise UsageError(
-            "E111", f"{run.label}: no stream {target!r} for --target", f"streams present: {listed}"
+            Code.STREAM_NOT_FOUND,
+            f"{run.label}: no stream {target!r} for --target",
+            f"streams present: {listed}",
         )
     if target is None:
         tags = [s for s in present if s not in BASE_STREAMS]
@@ -367,12 +369,12 @@ def resolve_whatif_streams(run: Run, settings: WhatifSettings) -> tuple[str, str
             target = tags[0]
         else:
             raise UsageError(
-                "E111",
+                Code.STREAM_NOT_FOUND,
                 f"{run.label}: cannot tell which stream is the target (streams: {listed})",
                 "name one with --target",
             )
     if target == settings.behavior:
-        raise UsageError("E503", f"--behavior and --target are the same stream {target!r}")
+        raise UsageError(Code.BAD_OPTION_VALUE, f"--behavior and --target are the same stream {target!r}")
     return settings.behavior, target
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 
 STREAM = "fast_llm_streaming"
 _BYTE_FIELDS = ("tokens", "old_log_probabilities", "model_version")
@@ -45,9 +45,9 @@ class CaptureSettings:
 
     def check(self) -> None:
         if self.docs_per_step is not None and self.docs_per_step < 1:
-            raise UsageError("E503", f"--docs-per-step {self.docs_per_step}: expected >= 1")
+            raise UsageError(Code.BAD_OPTION_VALUE, f"--docs-per-step {self.docs_per_step}: expected >= 1")
         if self.first_step < 0:
-            raise UsageError("E503", f"--first-step {self.first_step}: steps are >= 0")
+            raise UsageError(Code.BAD_OPTION_VALUE, f"--first-step {self.first_step}: steps are >= 0")
 
 
 @dataclass
@@ -144,18 +144,22 @@ def capture(
         import redis
     except ImportError as exc:
         raise UsageError(
-            "E509", "the Fast-LLM capture needs the redis package", "pip install 'pgdiag[redis]'"
+            Code.MISSING_PACKAGE,
+            "the Fast-LLM capture needs the redis package",
+            "pip install 'pgdiag[redis]'",
         ) from exc
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     existing = sorted(p.name for p in out.glob("capture_*.jsonl*"))
     if existing:
-        raise UsageError("E502", f"{out}: holds capture files already ({existing[0]})", "use an empty folder")
+        raise UsageError(
+            Code.OUTPUT_EXISTS, f"{out}: holds capture files already ({existing[0]})", "use an empty folder"
+        )
     client = redis.Redis.from_url(redis_url)
     try:
         client.ping()
     except redis.exceptions.RedisError as exc:
-        raise UsageError("E501", f"{redis_url}: cannot reach Redis ({exc})") from exc
+        raise UsageError(Code.INPUT_NOT_FOUND, f"{redis_url}: cannot reach Redis ({exc})") from exc
     result = CaptureResult()
     files = _StepFiles(out, settings, result, progress)
     last_id = "0-0"

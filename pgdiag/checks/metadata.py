@@ -12,6 +12,7 @@ from typing import Any
 from pgdiag.data.runs import Run
 from pgdiag.data.schema import stream_column
 from pgdiag.data.validate import Issue
+from pgdiag.errors import Code
 
 
 def metadata_checks(
@@ -32,7 +33,12 @@ def metadata_checks(
     )
     if (meta.get("source") or {}).get("retokenized") is True:
         issues.append(
-            Issue("W405", "warning", 1, "ids were re-tokenized from text; expect drift against engine ids")
+            Issue(
+                Code.RETOKENIZED,
+                "warning",
+                1,
+                "ids were re-tokenized from text; expect drift against engine ids",
+            )
         )
     dtypes: dict[str, str] = {}
     for stream in streams:
@@ -40,7 +46,9 @@ def metadata_checks(
         if stream in recompute_settings:
             settings = recompute_settings[stream]
             if settings.get("temperature_source") == "default":
-                issues.append(Issue("W409", "warning", 1, f"{stream}: recompute fell back to T = 1"))
+                issues.append(
+                    Issue(Code.UNKNOWN_SEMANTICS, "warning", 1, f"{stream}: recompute fell back to T = 1")
+                )
             sampled_t, recompute_t = sampling.get("temperature"), settings.get("temperature")
             if (
                 isinstance(sampled_t, int | float)
@@ -49,7 +57,7 @@ def metadata_checks(
             ):
                 issues.append(
                     Issue(
-                        "W402",
+                        Code.TEMPERATURE_METADATA,
                         "warning",
                         1,
                         f"rollout sampled at T={sampled_t:g} but {stream} used T={recompute_t:g}",
@@ -65,7 +73,7 @@ def metadata_checks(
         if unknown:
             issues.append(
                 Issue(
-                    "W409",
+                    Code.UNKNOWN_SEMANTICS,
                     "warning",
                     1,
                     f"{stream_column(stream)}: {' and '.join(unknown)} unknown",
@@ -76,7 +84,7 @@ def metadata_checks(
         if mode == "processed" and truncated:
             issues.append(
                 Issue(
-                    "W403",
+                    Code.PROCESSED_LOGPROBS,
                     "warning",
                     1,
                     f"{stream_column(stream)}: processed log-probs with top-p/top-k/min-p truncation",
@@ -92,13 +100,16 @@ def metadata_checks(
         text = ", ".join(f"{stream_column(s)} tempered={t}" for s, t in known.items())
         issues.append(
             Issue(
-                "W402", "warning", 1, f"sampled at T={sampled_t:g} but streams disagree on tempering: {text}"
+                Code.TEMPERATURE_METADATA,
+                "warning",
+                1,
+                f"sampled at T={sampled_t:g} but streams disagree on tempering: {text}",
             )
         )
     if (meta.get("source") or {}).get("framework") == "trl" and "old" not in streams:
         issues.append(
             Issue(
-                "W408",
+                Code.NO_OLD_STREAM,
                 "warning",
                 1,
                 "old_logprobs absent: with one iteration only sampling log-probs describe the behaviour policy",
@@ -106,7 +117,7 @@ def metadata_checks(
         )
     if len(set(dtypes.values())) > 1:
         text = " vs ".join(f"{s} head {d}" for s, d in dtypes.items())
-        issues.append(Issue("W411", "warning", 1, f"precision mismatch: {text}"))
+        issues.append(Issue(Code.PRECISION_MISMATCH, "warning", 1, f"precision mismatch: {text}"))
     return issues
 
 

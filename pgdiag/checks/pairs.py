@@ -21,6 +21,7 @@ import numpy as np
 
 from pgdiag.data.token_issues import TokenLocations, locate_parts
 from pgdiag.data.validate import LOGPROB_POSITIVE_TOL, Issue
+from pgdiag.errors import Code
 
 STAT_SAMPLE_TOKENS = 262_144  # medians and fits of the shift test on up to about this many tokens
 MIN_STAT_TOKENS = 200  # medians, fits and sign shares need this many tokens (E302, W401, W403)
@@ -164,7 +165,7 @@ def shift_verdict(sample: ShiftSample, *, name_a: str, name_b: str) -> Issue | N
     first = {"step": int(sample.step[0]), "sample_id": str(sample.sample_id[0]), "pos": int(sample.pos[0])}
     text = f"step {sample.step[0]}, sample {sample.sample_id[0]}, pos {sample.pos[0]}"
     return Issue(
-        "E302",
+        Code.SHIFTED,
         "error",
         int(sample.d0.size),
         f"{name_b} looks shifted by {shift} vs {name_a} (median |Δ| {m_k:.3g} at {shift}, {m0:.3g} at 0; "
@@ -194,14 +195,14 @@ def shift_issue(
 def value_issues(sides: list[tuple[np.ndarray, str]], where: TokenLocations) -> list[Issue]:
     """E207 (NaN or null, -inf, +inf) then E205 (above `LOGPROB_POSITIVE_TOL`), per side, on the paired tokens."""
     issues = []
-    for code in ("E207", "E205"):
+    for code in (Code.NON_FINITE, Code.POSITIVE_LOGPROB):
         for values, name in sides:
             with np.errstate(invalid="ignore"):
-                bad = ~np.isfinite(values) if code == "E207" else values > LOGPROB_POSITIVE_TOL
+                bad = ~np.isfinite(values) if code == Code.NON_FINITE else values > LOGPROB_POSITIVE_TOL
             if not bad.any():
                 continue
             text, first = locate(where, np.flatnonzero(bad))
-            if code == "E207":
+            if code == Code.NON_FINITE:
                 n_nan, n_neg = int(np.isnan(values).sum()), int((values == -np.inf).sum())
                 what = f"{n_nan} NaN or null, {n_neg} -inf, {int((values == np.inf).sum())} +inf on matched loss positions"
             else:
@@ -221,6 +222,6 @@ def value_issues(sides: list[tuple[np.ndarray, str]], where: TokenLocations) -> 
 
 
 _HINTS = {
-    "E207": "drop the non-finite tokens with --ignore E207 (they are counted)",
-    "E205": "log-probs must be <= 0; a sign flip or a loss (negative log-prob) was stored?",
+    Code.NON_FINITE: "drop the non-finite tokens with --ignore E207 (they are counted)",
+    Code.POSITIVE_LOGPROB: "log-probs must be <= 0; a sign flip or a loss (negative log-prob) was stored?",
 }

@@ -43,7 +43,7 @@ from pgdiag.data.validate import (
     missing_columns,
     validate_rows,
 )
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, UsageError
 
 
 def _pair_piece(
@@ -110,7 +110,7 @@ def check_frame(
     ignored = set(ignore)
     issues = missing_columns(frame.columns, [c for c in REQUIRED_COLUMNS if c != "seq_hash"])
     issues += [
-        Issue("E103", "error", 1, f"{source}: {problem}")
+        Issue(Code.LOSSY_CAST, "error", 1, f"{source}: {problem}")
         for c in frame.columns
         if (problem := cast_problem(c, frame.schema[c])) is not None
     ]
@@ -132,8 +132,10 @@ def check_frame(
         if column == "input_ids" and raw.values.size and raw.values.dtype.itemsize > 4:
             low, high = int(raw.values.min()), int(raw.values.max())
             if low < np.iinfo(np.int32).min or high > np.iinfo(np.int32).max:
-                problem = Issue("E103", "error", 1, f"{source}: input_ids: value {high} does not fit int32")
-                return check_result([problem] if "E103" not in ignored else [], strict=strict)
+                problem = Issue(
+                    Code.LOSSY_CAST, "error", 1, f"{source}: input_ids: value {high} does not fit int32"
+                )
+                return check_result([problem] if Code.LOSSY_CAST not in ignored else [], strict=strict)
         numpy_type = (
             np.int32 if column == "input_ids" else (np.bool_ if column == "loss_mask" else np.float32)
         )
@@ -240,7 +242,9 @@ class RunChecks:
             if len(pieces) > 1:  # E302 on the sample pooled over the pieces (`ShiftSample`), not per piece
                 names = {"name_a": stream_column(a), "name_b": stream_column(b)}
                 rule = shift_rule(**names)
-                pieces = [[i for i in piece if not (i.code == "E302" and i.rule == rule)] for piece in pieces]
+                pieces = [
+                    [i for i in piece if not (i.code == Code.SHIFTED and i.rule == rule)] for piece in pieces
+                ]
                 shift = shift_verdict(self.shift[(a, b)], **names)
                 issues += [] if shift is None else [shift]
             issues += merge_piece_issues(pieces)
@@ -248,7 +252,7 @@ class RunChecks:
         if self.old_equals_new:
             issues.append(
                 Issue(
-                    "W408",
+                    Code.NO_OLD_STREAM,
                     "warning",
                     self.n_tokens,
                     "old_logprobs identical to new_logprobs: one iteration only?",
@@ -260,7 +264,7 @@ class RunChecks:
         ):  # docs/schema.md: at least one stream column (a text-only import has none yet)
             issues.append(
                 Issue(
-                    "E102",
+                    Code.MISSING_COLUMN,
                     "error",
                     1,
                     f"{self.run.display_path(self.run.paths[0])}: no log-prob stream (no *_logprobs column, "
@@ -274,7 +278,9 @@ class RunChecks:
 def _stream_names(run: Run, streams: Sequence[str] | None) -> list[str]:
     pair_streams = list(streams) if streams is not None else list(run.streams)
     if streams is not None and len(pair_streams) != 2:
-        raise UsageError("E112", f"--streams needs two names, got {pair_streams}", "pass --streams A,B")
+        raise UsageError(
+            Code.UNPARSABLE_OPTION, f"--streams needs two names, got {pair_streams}", "pass --streams A,B"
+        )
     return pair_streams
 
 
@@ -286,7 +292,7 @@ def _as_run(value: object, name: str) -> Run:
     if isinstance(value, (str, PathLike)):
         return read_run(value)
     raise UsageError(
-        "E513",
+        Code.BAD_TENSORS,
         f"check_run: {name} is a {type(value).__name__}, not a run",
         "pass a pgdiag.read_run(PATH) result or the run's path",
     )

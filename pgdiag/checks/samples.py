@@ -15,6 +15,7 @@ import polars as pl
 
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.validate import Issue
+from pgdiag.errors import Code
 
 MASK_ERROR_FRACTION = 0.01  # E303 above, W303 below
 
@@ -25,7 +26,11 @@ def mask_issue(n_only_a: int, n_a: int, n_only_b: int, n_b: int, detail: str) ->
     if n_only_a + n_only_b == 0:
         return None
     fraction = max(n_only_a / max(n_a, 1), n_only_b / max(n_b, 1))
-    code, severity = ("E303", "error") if fraction > MASK_ERROR_FRACTION else ("W303", "warning")
+    code, severity = (
+        (Code.MASKS_DIFFER, "error")
+        if fraction > MASK_ERROR_FRACTION
+        else (Code.MASKS_DIFFER_SLIGHTLY, "warning")
+    )
     return Issue(
         code,
         severity,
@@ -164,13 +169,13 @@ def cross_run_findings(parts: CrossRunParts) -> list[Issue]:
             f"0 of {parts.n_a} samples matched by (step, sample_id); steps {_span_text(parts.steps_a)} vs "
             f"{_span_text(parts.steps_b)}?"
         )
-        return [Issue("E304", "error", parts.n_a, message)]
+        return [Issue(Code.NOTHING_MATCHED, "error", parts.n_a, message)]
     issues: list[Issue] = []
     if parts.n_differ:
         shown = "; ".join(f"step {s}, sample {i}" for s, i in parts.differ_examples[: parts.max_examples])
         issues.append(
             Issue(
-                "E301",
+                Code.TOKENS_DIFFER,
                 "error",
                 parts.n_differ,
                 f"{parts.n_differ} matched samples differ in tokens ({shown})",

@@ -20,6 +20,7 @@ import numpy as np
 from pgdiag.checks.pairs import MIN_STAT_TOKENS
 from pgdiag.data.token_issues import TokenLocations, locate_parts
 from pgdiag.data.validate import Issue
+from pgdiag.errors import Code
 
 SLOPE_TOLERANCE = 0.05  # W401: |slope − 1| above this ...
 SLOPE_MIN_PEARSON = 0.9  # ... with pearson r above this
@@ -220,7 +221,7 @@ def signature_issues(
     ):
         issues.append(
             Issue(
-                "W401",
+                Code.ONE_SIDED_TEMPERATURE,
                 "warning",
                 n,
                 f"{name}: slope {slope:.3g}: one side looks tempered (implied T ≈ {1 / slope:.3g}: {name_a} ≈ "
@@ -231,7 +232,7 @@ def signature_issues(
     elif enough and ratio is not None and ratio > FIRST_TOKEN_RATIO and sign_share > FIRST_TOKEN_SIGN_SHARE:
         issues.append(
             Issue(
-                "W401",
+                Code.ONE_SIDED_TEMPERATURE,
                 "warning",
                 n_seqs,
                 f"{name}: first-token Δ has one sign in {100 * sign_share:.3g} % of sequences and {ratio:.3g}× the "
@@ -242,7 +243,10 @@ def signature_issues(
     if ratio is not None and ratio > FIRST_TOKEN_RATIO and n_seqs >= FIRST_TOKEN_MIN_SEQS:
         issues.append(
             Issue(
-                "W406", "warning", n_seqs, f"{name}: first response token carries {ratio:.3g}× the mean |Δ|"
+                Code.FIRST_TOKEN_DOMINATES,
+                "warning",
+                n_seqs,
+                f"{name}: first response token carries {ratio:.3g}× the mean |Δ|",
             )
         )
     if sampling_side_is_engine and enough:
@@ -251,7 +255,7 @@ def signature_issues(
         if n_ge / n > PROCESSED_SHARE and mean_delta < PROCESSED_MEAN_DELTA:
             issues.append(
                 Issue(
-                    "W403",
+                    Code.PROCESSED_LOGPROBS,
                     "warning",
                     n_ge,
                     f"{name}: {name_a} ≥ {name_b} on {100 * n_ge / n:.3g} % of tokens (mean Δ {mean_delta:.3g}, "
@@ -268,7 +272,7 @@ def signature_issues(
         if before.size and step_mean[k] > STALE_FACTOR * np.median(before) and step_mean[k] > STALE_MIN:
             issues.append(
                 Issue(
-                    "W407",
+                    Code.STALE_WEIGHTS,
                     "warning",
                     1,
                     f"{name}: step {steps[k]}: mean |Δ| {step_mean[k]:.3g} vs {np.median(before):.3g} before "
@@ -280,7 +284,7 @@ def signature_issues(
         text = "; ".join(stats.extreme_examples)
         issues.append(
             Issue(
-                "W410",
+                Code.EXTREME_TOKENS,
                 "warning",
                 stats.n_extreme,
                 f"{name}: {stats.n_extreme} tokens with |Δ| > 20 (counted, not clamped; {text})",

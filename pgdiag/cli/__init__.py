@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from pgdiag.errors import Code
+
 
 def run(args: list[str] | None = None) -> int:
     """Run the `pgdiag` program on `args` (default ``sys.argv[1:]``) and return its exit code.
@@ -27,7 +29,7 @@ def run(args: list[str] | None = None) -> int:
         bad_value = isinstance(error, click_errors.BadParameter) and not isinstance(
             error, click_errors.MissingParameter
         )
-        code_name = "E503" if bad_value else "E515"
+        code_name = Code.BAD_OPTION_VALUE if bad_value else Code.BAD_COMMAND_LINE
         console = make_console()
         console.print(f"error[{code_name}] {one_line(error.format_message())}", markup=False, soft_wrap=True)
         console.print("hint: pgdiag COMMAND --help lists the options", markup=False, soft_wrap=True)

@@ -40,7 +40,7 @@ from pgdiag.data.pieces import rank_join
 from pgdiag.data.schema import stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import Issue
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, UsageError
 
 JOIN_MODES = ("auto", "id", "hash", "hash-any-step")
 
@@ -159,10 +159,10 @@ class Deferred:
         """E304 (raised) when nothing matched, then E306 (raised unless ignored, else dropped)."""
         if self.n_matched == 0:
             raise InvalidInputError(
-                "E304",
+                Code.NOTHING_MATCHED,
                 f"{self.pair_name}: 0 of {self.n_a} samples matched by {_JOIN_KEYS[self.join]}; steps "
                 f"{_span_text(self.steps)} vs {_span_text(self.steps_b)}",
-                _HINTS["E304"],
+                _HINTS[Code.NOTHING_MATCHED],
             )
         issues: list[Issue] = []
         if self.only_a or self.only_b:
@@ -170,7 +170,7 @@ class Deferred:
             assert first is not None
             _raise_or_record(
                 Issue(
-                    "E306",
+                    Code.UNMATCHED_SAMPLES,
                     "error",
                     self.only_a + self.only_b,
                     f"{self.pair_name}: {self.only_a} of {self.n_a} samples of {self.label_a} have no match in "
@@ -186,7 +186,7 @@ class Deferred:
 
     def shift_issues(self, ignore: Collection[str]) -> list[Issue]:
         """E302 (raised unless ignored) on the matched tokens' sample pooled over the pieces (`ShiftSample`)."""
-        if self.shift is None or "E302" in ignore:
+        if self.shift is None or Code.SHIFTED in ignore:
             return []
         name_a, name_b = self.shift_names
         found = shift_verdict(self.shift, name_a=name_a, name_b=name_b)
@@ -299,7 +299,9 @@ def match_samples(
     `hashes()` gives the per-sample hashes of a and b; it is called only when a hash join runs.
     """
     if join not in JOIN_MODES:
-        raise UsageError("E503", f"unknown --join {join!r}", f"choose one of {', '.join(JOIN_MODES)}")
+        raise UsageError(
+            Code.BAD_OPTION_VALUE, f"unknown --join {join!r}", f"choose one of {', '.join(JOIN_MODES)}"
+        )
     resolved = join
     if join in ("auto", "id"):
         on = ["step", "sample_id", "segment_idx"]
@@ -326,9 +328,9 @@ def _raise_or_record(issue: Issue, ignore: Collection[str], issues: list[Issue])
 
 
 _HINTS = {
-    "E301": "compare runs built from the same token ids (retokenized text or template drift?)",
-    "E304": "check --steps and --join (hash joins match sequences whose sample ids differ)",
-    "E306": "compare matched samples only with --ignore E306",
+    Code.TOKENS_DIFFER: "compare runs built from the same token ids (retokenized text or template drift?)",
+    Code.NOTHING_MATCHED: "check --steps and --join (hash joins match sequences whose sample ids differ)",
+    Code.UNMATCHED_SAMPLES: "compare matched samples only with --ignore E306",
 }
 
 
@@ -362,7 +364,9 @@ def align_batches(
     for batch, stream, side in ((a, stream_a, "a"), (b, stream_b, "b")):
         if stream not in batch.streams:
             listed = ", ".join(batch.streams) or "none"
-            raise UsageError("E111", f"{batch.label}: no stream {stream!r} (side {side}); streams: {listed}")
+            raise UsageError(
+                Code.STREAM_NOT_FOUND, f"{batch.label}: no stream {stream!r} (side {side}); streams: {listed}"
+            )
     pair_name = f"{a.label}:{stream_a} vs {b.label}:{stream_b}"
     seq_hash_a, seq_hash_b = a.seq_hash, b.seq_hash  # (S,) as read; None for batches built in memory
     use_seq_hash = seq_hash_a is not None and seq_hash_b is not None
@@ -406,10 +410,10 @@ def align_batches(
         )
     elif ia.shape[0] == 0:
         raise InvalidInputError(
-            "E304",
+            Code.NOTHING_MATCHED,
             f"{pair_name}: 0 of {a.n_samples} samples matched by {_JOIN_KEYS[resolved]}; steps "
             f"{_step_range(a.step)} vs {_step_range(b.step)}",
-            _HINTS["E304"],
+            _HINTS[Code.NOTHING_MATCHED],
         )
     if held is None and (only_a.size or only_b.size):
         first = (
@@ -420,7 +424,7 @@ def align_batches(
         loc = (a, int(only_a[0])) if only_a.size else (b, int(only_b[0]))
         _raise_or_record(
             Issue(
-                "E306",
+                Code.UNMATCHED_SAMPLES,
                 "error",
                 int(only_a.size + only_b.size),
                 f"{pair_name}: {only_a.size} of {a.n_samples} samples of {a.label} have no match in {b.label} "
@@ -506,7 +510,7 @@ def align_batches(
             )
         _raise_or_record(
             Issue(
-                "E301",
+                Code.TOKENS_DIFFER,
                 "error",
                 int(differs.sum()),
                 f"{pair_name}: {int(differs.sum())} matched samples differ in tokens ({detail})",
@@ -550,7 +554,7 @@ def align_batches(
     for issue in values + zero_fill:
         _raise_or_record(replace(issue, message=f"{pair_name}: {issue.message}"), ignore, issues)
     keep = None  # E207 ignored: the non-finite tokens are dropped and counted
-    if any(i.code == "E207" for i in values):
+    if any(i.code == Code.NON_FINITE for i in values):
         keep = np.isfinite(lp_a) & np.isfinite(lp_b)
 
     entropy_src = b.entropy.get(stream_b)

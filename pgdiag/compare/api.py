@@ -33,7 +33,7 @@ from pgdiag.data.batch import TokenBatch
 from pgdiag.data.pieces import PairPiece
 from pgdiag.data.schema import BASE_STREAMS
 from pgdiag.data.validate import CheckSettings
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.api import metric_streams
 from pgdiag.metrics.settings import MetricSettings
 
@@ -62,7 +62,9 @@ def resolve_streams(
         stream_a = "rollout" if one_run and "rollout" in streams_a else auto_stream(streams_a)
     if stream_a is None:
         raise UsageError(
-            "E111", f"cannot choose --stream-a among {list(streams_a)}", "name one with --stream-a"
+            Code.STREAM_NOT_FOUND,
+            f"cannot choose --stream-a among {list(streams_a)}",
+            "name one with --stream-a",
         )
     if stream_b is None and one_run:  # engine vs trainer: old, else the recomputed policy
         stream_b = (
@@ -72,7 +74,7 @@ def resolve_streams(
         stream_b = stream_a
     if stream_b is None or (one_run and stream_b == stream_a):
         raise UsageError(
-            "E111",
+            Code.STREAM_NOT_FOUND,
             f"one run needs two different streams; present: {', '.join(streams_a)}",
             "name them with --stream-a and --stream-b",
         )
@@ -197,7 +199,7 @@ def compare_runs(
     if settings is None:
         settings = CompareSettings.from_options(**options)
     elif options:
-        raise UsageError("E514", "give either a CompareSettings or keyword options, not both")
+        raise UsageError(Code.SETTINGS_TWICE, "give either a CompareSettings or keyword options, not both")
     if tokens_out is None:
         return _compare_runs(a, b, settings, decode=decode, keep_tokens=keep_tokens, writer=None)
     from pgdiag.compare.tokens import TokenTableWriter
@@ -257,7 +259,9 @@ def _sources(a: Any, b: Any, settings: CompareSettings) -> PairSources:
     sa, sb = resolve_streams(streams_a, streams_b, settings.stream_a, settings.stream_b)
     if streams_b is not None and sb not in streams_b:
         raise UsageError(
-            "E111", f"run b has no stream {sb!r}; streams: {', '.join(streams_b)}", "name it with --stream-b"
+            Code.STREAM_NOT_FOUND,
+            f"run b has no stream {sb!r}; streams: {', '.join(streams_b)}",
+            "name it with --stream-b",
         )
     metrics_a = metrics_b = None
     if settings.metrics is not None:

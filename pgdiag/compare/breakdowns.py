@@ -18,7 +18,7 @@ from itertools import pairwise
 import numpy as np
 
 from pgdiag.compare.align import AlignedPair
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, UsageError
 
 BREAKDOWNS = ("position", "prob_bucket", "entropy_bucket", "length", "step", "env")
 PROB_EDGES = (0.0, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0)
@@ -89,7 +89,9 @@ def _numeric(
         # small non-negative integers (positions, lengths): one table lookup instead of a binary search
         if values.size and values.min() < 0:
             raise InvalidInputError(
-                "E203", f"{name}: a loss position lies before prompt_len (value {values.min()})", None
+                Code.LOSS_WITHOUT_CONTEXT,
+                f"{name}: a loss position lies before prompt_len (value {values.min()})",
+                None,
             )
         lookup = np.searchsorted(edge_array, np.arange(finite_top + 1), side="right") - 1  # (top + 1,)
         codes = lookup[np.minimum(values, int(finite_top))]
@@ -128,7 +130,8 @@ def assign(pair: AlignedPair, name: str) -> Buckets:
     if name == "entropy_bucket":
         if pair.entropy is None:
             raise UsageError(
-                "E111", f"{pair.pair}: --by entropy_bucket needs an entropy stream (run logprobs)"
+                Code.STREAM_NOT_FOUND,
+                f"{pair.pair}: --by entropy_bucket needs an entropy stream (run logprobs)",
             )
         return _numeric(name, pair.entropy, ENTROPY_EDGES, integer=False, top_closed=False)
     sample = pair.token_sample()
@@ -141,6 +144,8 @@ def assign(pair: AlignedPair, name: str) -> Buckets:
         return _categorical(name, pair.step, sample, numeric=True)
     if name == "env":
         if pair.env is None:
-            raise UsageError("E506", f"{pair.pair}: --by env needs an env column")
+            raise UsageError(Code.MISSING_SETTING, f"{pair.pair}: --by env needs an env column")
         return _categorical(name, np.asarray([str(e) for e in pair.env], dtype=object), sample, numeric=False)
-    raise UsageError("E503", f"unknown breakdown {name!r}", f"choose from {', '.join(BREAKDOWNS)}")
+    raise UsageError(
+        Code.BAD_OPTION_VALUE, f"unknown breakdown {name!r}", f"choose from {', '.join(BREAKDOWNS)}"
+    )

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pgdiag.errors import InvalidInputError
+from pgdiag.errors import Code, InvalidInputError
 from pgdiag.report.report import ReportRow
 
 ULP_BUCKETS = 33  # 0, then floor(log2(d)) + 1 for d in [1, 2^32)
@@ -53,7 +53,7 @@ def check_float32_storage(run: Any, stream: str) -> None:
         value = kind.value_type if pa.types.is_list(kind) or pa.types.is_large_list(kind) else kind
         if value != pa.float32():
             raise InvalidInputError(
-                "E103",
+                Code.LOSSY_CAST,
                 f"{path}: column {column} is stored as {kind}; --exact compares float32 bits",
                 "store both streams as float32 (the schema's type) and compare again",
             )
@@ -157,7 +157,7 @@ class ExactAgreement:
                 t = int(np.flatnonzero(lossy)[0])
                 row = int(pair.token_row[t])
                 raise InvalidInputError(
-                    "E103",
+                    Code.LOSSY_CAST,
                     f"{side}: --exact needs float32 log-probs, but step {int(pair.step[row])}, sample "
                     f"{pair.sample_id[row]}, pos {int(pair.pos[t])} holds {values[t]!r}, which float32 "
                     "cannot represent",

@@ -77,7 +77,7 @@ def _common_of(keys: Sequence[np.ndarray]) -> list[np.ndarray]:
 
 def _no_common_sample() -> InvalidInputError:
     return InvalidInputError(
-        "E304",
+        Code.NOTHING_MATCHED,
         "the runs share no sample: nothing to compare",
         "check the runs' steps (--steps) and the sample join (--join)",
     )
@@ -88,7 +88,9 @@ def _common_rows(batches: Sequence[TokenBatch], join: str) -> list[np.ndarray]:
     keys = []
     for batch in batches:
         if join in ("hash", "hash-any-step") and batch.seq_hash is None:
-            raise UsageError("E512", f"{batch.label}: --join {join} needs runs read from disk (seq_hash)")
+            raise UsageError(
+                Code.NEEDS_RUN_ON_DISK, f"{batch.label}: --join {join} needs runs read from disk (seq_hash)"
+            )
         keys.append(_sample_key(batch.step, batch.sample_id, batch.seq_hash, join))
     rows = _common_of(keys)
     if rows[0].size == 0:
@@ -110,7 +112,9 @@ def compare_many(
     if len(runs) < 2:
         raise UsageError(Code.OPTIONS_CONFLICT, f"N-way compare needs at least two runs (got {len(runs)})")
     if not 0 <= baseline < len(runs):
-        raise UsageError("E503", f"--baseline {baseline}: choose a run from 0 to {len(runs) - 1}")
+        raise UsageError(
+            Code.BAD_OPTION_VALUE, f"--baseline {baseline}: choose a run from 0 to {len(runs) - 1}"
+        )
     if settings.metrics is not None or settings.model is not None:
         raise UsageError(
             Code.OPTIONS_CONFLICT, "--metrics and --model compare two runs; give two RUNs or drop them"
@@ -144,7 +148,8 @@ def compare_many(
 def _check_stream(source: Any, stream: str) -> None:
     if not isinstance(source, TokenBatch) and stream not in source.streams:
         raise UsageError(
-            "E111", f"{source.label}: no stream {stream!r}; streams: {', '.join(source.streams)}"
+            Code.STREAM_NOT_FOUND,
+            f"{source.label}: no stream {stream!r}; streams: {', '.join(source.streams)}",
         )
 
 

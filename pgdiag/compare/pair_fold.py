@@ -29,7 +29,7 @@ from pgdiag.compare.side_by_side import SideMetrics, side_by_side_rows
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.pieces import AnyStepKeys, PairPiece
 from pgdiag.data.validate import CheckResult, Issue, merge_check_results, raise_first_error
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, UsageError
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import ReportRow
 
@@ -95,7 +95,8 @@ def _input_ids_of(pair: AlignedPair, side_b: Side) -> Callable[[np.ndarray], lis
     those rows only; the exact τ fit needs side b read from disk."""
     if side_b.run is None or side_b.sample_row is None:
         raise UsageError(
-            "E512", "--model needs runs read from disk (the fit recomputes logits from input_ids)"
+            Code.NEEDS_RUN_ON_DISK,
+            "--model needs runs read from disk (the fit recomputes logits from input_ids)",
         )
     run, sample_row = side_b.run, np.asarray(side_b.sample_row, dtype=np.int64)
 
@@ -110,7 +111,9 @@ def _input_ids_of(pair: AlignedPair, side_b: Side) -> Callable[[np.ndarray], lis
                 .collect()
             )
         except pl.exceptions.PolarsError as exc:
-            raise InvalidInputError("E103", f"{run.label}: cannot read column input_ids ({exc})") from exc
+            raise InvalidInputError(
+                Code.LOSSY_CAST, f"{run.label}: cannot read column input_ids ({exc})"
+            ) from exc
         by_row = dict(zip(frame["_pgdiag_row"].to_list(), frame["input_ids"], strict=True))
         return [by_row[int(r)].to_numpy() for r in source_rows]
 
@@ -122,7 +125,7 @@ def _tau_warning(name: str, label_a: str, label_b: str, n_tokens: int, tau: floa
         return []
     return [
         Issue(
-            "W401",
+            Code.ONE_SIDED_TEMPERATURE,
             "warning",
             n_tokens,
             f"{name}: best-fit temperature {tau:.4g} from {label_b}'s logits: {label_a} looks "
@@ -335,7 +338,9 @@ class PairFold:
         exact_result = None
         if self.exact is not None:
             found = [*(self.pair.issues if self.pair is not None else ()), *deferred_issues]
-            exact_result = self.exact.finish(sum(i.count for i in found if i.code in ("W303", "E303")))
+            exact_result = self.exact.finish(
+                sum(i.count for i in found if i.code in (Code.MASKS_DIFFER_SLIGHTLY, Code.MASKS_DIFFER))
+            )
             rows += exact_rows(exact_result, self.name)
         side_meta: dict[str, Any] = {}
         if self.shown:
@@ -344,7 +349,9 @@ class PairFold:
         hints = diagnosis.issues
         if tau is not None:  # the exact fit supersedes the slope hint's temperature warning
             slope = f"{self.name}: slope"
-            hints = tuple(i for i in hints if not (i.code == "W401" and i.message.startswith(slope)))
+            hints = tuple(
+                i for i in hints if not (i.code == Code.ONE_SIDED_TEMPERATURE and i.message.startswith(slope))
+            )
         pair_issues = self.pair.issues if self.pair is not None else tuple(deferred_issues)
         issues = [i for i in (*pair_issues, *hints, *issues_tau, *self._metadata()) if i.code not in ignore]
         reader_checks = [reader_a.issues] if self.checks_a else []

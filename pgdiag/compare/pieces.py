@@ -19,7 +19,7 @@ import numpy as np
 from pgdiag.compare.align import Deferred
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.pieces import AnyStepKeys, PairPiece, PairPlan, any_step_pieces, plan_step_pieces
-from pgdiag.errors import InvalidInputError
+from pgdiag.errors import Code, InvalidInputError
 
 
 def plan_pieces(
@@ -51,7 +51,7 @@ def checked_matches(piece: PairPiece, a: TokenBatch, b: TokenBatch) -> tuple[np.
         same = bool(np.array_equal(a.seq_hash[rows_a], b.seq_hash[rows_b]))
     if not same:
         raise InvalidInputError(
-            "E103",
+            Code.LOSSY_CAST,
             f"{a.label}, {b.label}: the rows of steps {_steps_text(piece.steps)} differ from the keys read before "
             "them (a run changed while it was read?)",
             "run the comparison again on runs nobody writes to",

@@ -20,7 +20,7 @@ import polars as pl
 
 from pgdiag.compare.api import compare_runs
 from pgdiag.data.schema import ROUTING_FILE
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 
 ATTRIBUTION_COLUMNS = (
     "step",
@@ -68,7 +68,9 @@ def _disagree(run: Any, tag: str) -> dict[str, float]:
     path = Path(run.root) / "logprobs" / tag / ROUTING_FILE
     if not path.is_file():
         if not (Path(run.root) / "logprobs" / tag).is_dir():
-            raise UsageError("E111", f"{run.root}: no recompute stream {tag!r} under logprobs/")
+            raise UsageError(
+                Code.STREAM_NOT_FOUND, f"{run.root}: no recompute stream {tag!r} under logprobs/"
+            )
         return {}
     table = pl.read_parquet(path)
     per_step = table.group_by("step").agg(pl.col("disagree").sum() / pl.col("tokens").sum()).sort("step")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pgdiag.data.validate import CheckSettings
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.settings import ClipBand, MetricSettings, from_flat_options
 
 JOINS = ("auto", "id", "hash", "hash-any-step")
@@ -46,20 +46,22 @@ class CompareSettings:
 
     def __post_init__(self) -> None:
         if self.join not in JOINS:
-            raise UsageError("E503", f"--join {self.join!r}: choose {'|'.join(JOINS)}")
+            raise UsageError(Code.BAD_OPTION_VALUE, f"--join {self.join!r}: choose {'|'.join(JOINS)}")
         if self.by is not None:
             object.__setattr__(self, "by", tuple(self.by))
             unknown = [b for b in self.by if b not in BREAKDOWNS]
             if unknown:
-                raise UsageError("E503", f"--by {unknown[0]!r}: choose {'|'.join(BREAKDOWNS)}")
+                raise UsageError(Code.BAD_OPTION_VALUE, f"--by {unknown[0]!r}: choose {'|'.join(BREAKDOWNS)}")
         if self.chunk_rows < 1:
-            raise UsageError("E503", f"chunk_rows must be >= 1 (got {self.chunk_rows})")
+            raise UsageError(Code.BAD_OPTION_VALUE, f"chunk_rows must be >= 1 (got {self.chunk_rows})")
         if self.worst_k < 0:
-            raise UsageError("E503", f"--worst-k must be >= 0 (got {self.worst_k})")
+            raise UsageError(Code.BAD_OPTION_VALUE, f"--worst-k must be >= 0 (got {self.worst_k})")
         if (
-            self.exact and "E207" not in self.checks.ignore
+            self.exact and Code.NON_FINITE not in self.checks.ignore
         ):  # --exact compares NaN and inf, never refuses them
-            object.__setattr__(self, "checks", replace(self.checks, ignore=(*self.checks.ignore, "E207")))
+            object.__setattr__(
+                self, "checks", replace(self.checks, ignore=(*self.checks.ignore, Code.NON_FINITE))
+            )
         if self.metrics is not None and self.metrics.clip != self.clip:
             object.__setattr__(self, "metrics", replace(self.metrics, clip=self.clip))
 

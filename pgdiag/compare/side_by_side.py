@@ -20,7 +20,7 @@ from typing import Any
 import polars as pl
 
 from pgdiag.data.batch import TokenBatch
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.api import resolve_streams, stream_report
 from pgdiag.metrics.pooled import QuantileSettings
 from pgdiag.metrics.settings import MetricSettings
@@ -76,7 +76,9 @@ def side_settings(run: Any, stream: str, settings: MetricSettings) -> MetricSett
     """`settings` with the compared stream as `new` and `old` the other canonical behaviour stream (unless set),
     every stream resolved against `run` (`metrics.api.resolve_streams`)."""
     if run is None:
-        raise UsageError("E512", "side-by-side metrics need runs read from disk, not in-memory batches")
+        raise UsageError(
+            Code.NEEDS_RUN_ON_DISK, "side-by-side metrics need runs read from disk, not in-memory batches"
+        )
     new = settings.new if settings.new is not None else (stream if stream != "rollout" else None)
     old = settings.old
     if old is None and new is not None:

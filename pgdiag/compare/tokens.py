@@ -18,7 +18,7 @@ import polars as pl
 import pyarrow as pa
 
 from pgdiag.compare.align import AlignedPair
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 
 TOKEN_TABLE_SCHEMA_ID = "pgdiag.compare-tokens/v1"
 
@@ -64,9 +64,9 @@ def check_token_path(path: str | Path, *, overwrite: bool) -> Path:
     `overwrite`)."""
     path = Path(path)
     if path.suffix != ".parquet":
-        raise UsageError("E503", f"--tokens-out {path}: give a .parquet file name")
+        raise UsageError(Code.BAD_OPTION_VALUE, f"--tokens-out {path}: give a .parquet file name")
     if path.exists() and not overwrite:
-        raise UsageError("E502", f"{path} exists", "pass --overwrite to replace it")
+        raise UsageError(Code.OUTPUT_EXISTS, f"{path} exists", "pass --overwrite to replace it")
     return path
 
 

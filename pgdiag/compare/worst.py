@@ -18,7 +18,7 @@ import numpy as np
 import polars as pl
 
 from pgdiag.compare.align import AlignedPair
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 
 CONTEXT_TOKENS = 8
 
@@ -29,14 +29,16 @@ def token_decoder(tokenizer: Path) -> Callable[[Sequence[int]], str]:
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise UsageError("E509", "--tokenizer needs the optional 'tokenizers' package") from None
+        raise UsageError(
+            Code.MISSING_PACKAGE, "--tokenizer needs the optional 'tokenizers' package"
+        ) from None
     if not path.exists():
-        raise UsageError("E501", f"{path}: no such tokenizer file")
+        raise UsageError(Code.INPUT_NOT_FOUND, f"{path}: no such tokenizer file")
     try:
         loaded = Tokenizer.from_file(str(path))
     except Exception as exc:  # the tokenizers library raises bare Exceptions on bad files (was exit 101)
         raise UsageError(
-            "E112",
+            Code.UNPARSABLE_OPTION,
             f"{path}: not a tokenizers tokenizer.json ({exc})",
             "--tokenizer takes a Hugging Face tokenizer.json or the folder holding one",
         ) from None

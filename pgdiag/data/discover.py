@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from pgdiag.data.paths import check_input_path, readable_file
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 
 _STEP_DIR = re.compile(r"^step=(-?\d+)$")
 
@@ -46,7 +46,7 @@ def parquet_under(directory: Path) -> list[Path]:
 
     def refuse(error: OSError) -> None:
         raise UsageError(
-            "E516",
+            Code.UNREADABLE_PATH,
             f"{error.filename or directory}: cannot be read ({error.strerror or error})",
             "fix its permissions or link, or move it out of the run",
         )
@@ -90,7 +90,9 @@ def resolve_paths(path: str | Path) -> tuple[tuple[Path, ...], Path | None]:
         files = []
     if not files:
         raise UsageError(
-            "E501", f"nothing matched {text}", "give a run directory, a Parquet file, or a quoted glob"
+            Code.INPUT_NOT_FOUND,
+            f"nothing matched {text}",
+            "give a run directory, a Parquet file, or a quoted glob",
         )
     return tuple(sorted(files, key=natural_key)), root
 
@@ -122,7 +124,9 @@ def recompute_dirs(
         directory = Path(directory)
         if not directory.is_dir():
             raise UsageError(
-                "E501", f"--attach {directory}: not a directory", "give a logprobs/<tag> directory"
+                Code.INPUT_NOT_FOUND,
+                f"--attach {directory}: not a directory",
+                "give a logprobs/<tag> directory",
             )
         tag = directory.name
         manifest = directory / "_manifest.json"

@@ -20,6 +20,7 @@ from pgdiag.errors import (
     EXIT_GATE,
     EXIT_INVALID,
     EXIT_OK,
+    Code,
     InvalidInputError,
     UsageError,
     catalogued,
@@ -50,7 +51,7 @@ class CheckSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "ignore", tuple(self.ignore))
         if self.max_examples < 0:
-            raise UsageError("E503", f"--max-examples must be >= 0 (got {self.max_examples})")
+            raise UsageError(Code.BAD_OPTION_VALUE, f"--max-examples must be >= 0 (got {self.max_examples})")
 
 
 Example = tuple[str | None, str]  # (file or None, "step s, sample x, pos p[, note]") of one example location

@@ -24,6 +24,7 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.flat import FlatList, flat_list
+from pgdiag.errors import Code
 
 KEPT_IDS = "sampling_kept_ids"
 KEPT_OFFSETS = "sampling_kept_offsets"
@@ -287,7 +288,7 @@ def kept_issues(
     seq_lengths = input_ids.lengths
     sound = offsets_sound(kept, seq_lengths)
     width = _bitmask_width(kept)
-    if on("E220"):
+    if on(Code.KEPT_OFFSETS_BROKEN):
         bad = np.flatnonzero(~sound)
         notes = [
             f"{kept.offsets.lengths[r]} offsets for {seq_lengths[r]} tokens, ids {kept.ids.lengths[r]}"
@@ -296,7 +297,7 @@ def kept_issues(
         if bad.size:
             found.append(
                 issue(
-                    "E220",
+                    Code.KEPT_OFFSETS_BROKEN,
                     "error",
                     f"{KEPT_OFFSETS}: not T + 1 offsets from 0 to len({KEPT_IDS}) never decreasing",
                     bad,
@@ -309,18 +310,24 @@ def kept_issues(
             rows = np.flatnonzero(width < 0)
             found.append(
                 issue(
-                    "E220",
+                    Code.KEPT_OFFSETS_BROKEN,
                     "error",
                     f"{KEPT_BITMASK}: length not a multiple of its {KEPT_BITMASK_POSITIONS}",
                     rows,
                     rows.size,
                 )
             )
-    if kept.logprobs is not None and on("E201"):
+    if kept.logprobs is not None and on(Code.LENGTH_MISMATCH):
         wrong = np.flatnonzero(kept.logprobs.lengths != kept.ids.lengths)
         if wrong.size:
             found.append(
-                issue("E201", "error", f"{KEPT_LOGPROBS}: length differs from {KEPT_IDS}", wrong, wrong.size)
+                issue(
+                    Code.LENGTH_MISMATCH,
+                    "error",
+                    f"{KEPT_LOGPROBS}: length differs from {KEPT_IDS}",
+                    wrong,
+                    wrong.size,
+                )
             )
     rows = np.flatnonzero(sound)
     if not rows.size:
@@ -333,7 +340,7 @@ def kept_issues(
     sizes = position_sizes(sub, sub_ids.offsets) if width is not None else n_ids  # ids or bitmask
     element_token = np.repeat(np.arange(n_ids.size, dtype=np.int64), n_ids)  # (E,) flat token position
     element_pos = element_token - sub_ids.offsets[element_row]
-    if on("E222"):
+    if on(Code.KEPT_OUT_OF_VOCAB):
         bad = ids < 0
         if vocab_size is not None:
             bad |= ids >= vocab_size
@@ -344,7 +351,7 @@ def kept_issues(
             limit = f" or >= vocab_size {vocab_size}" if vocab_size is not None else ""
             found.append(
                 issue(
-                    "E222",
+                    Code.KEPT_OUT_OF_VOCAB,
                     "error",
                     f"{KEPT_IDS}: kept token id < 0{limit}",
                     rows[element_row[where]],
@@ -353,7 +360,7 @@ def kept_issues(
                     notes=[f"id {ids[e]}" for e in where[:max_examples]],
                 )
             )
-    if on("E223") and ids.size:
+    if on(Code.KEPT_DUPLICATE) and ids.size:
         order = np.lexsort((ids, element_token))
         same = (ids[order][1:] == ids[order][:-1]) & (element_token[order][1:] == element_token[order][:-1])
         where = np.unique(element_token[order][1:][same])
@@ -361,7 +368,7 @@ def kept_issues(
             owner = np.searchsorted(sub_ids.offsets, where, side="right") - 1
             found.append(
                 issue(
-                    "E223",
+                    Code.KEPT_DUPLICATE,
                     "error",
                     f"{KEPT_IDS}: a token id twice in one kept set",
                     rows[owner],
@@ -369,7 +376,7 @@ def kept_issues(
                     pos=where - sub_ids.offsets[owner],
                 )
             )
-    if on("E221"):
+    if on(Code.SAMPLED_OUTSIDE_KEPT):
         token_values = sub_ids.values.astype(np.int64, copy=False)
         hit = ids == token_values[element_token]
         found_in_set = np.bincount(element_token[hit], minlength=sizes.size) > 0
@@ -380,7 +387,7 @@ def kept_issues(
             owner = np.searchsorted(sub_ids.offsets, outside, side="right") - 1
             found.append(
                 issue(
-                    "E221",
+                    Code.SAMPLED_OUTSIDE_KEPT,
                     "error",
                     "input_ids: the sampled token is not in its kept set",
                     rows[owner],

@@ -41,7 +41,7 @@ from pgdiag.data.validate import (
     raise_first_error,
     validate_rows,
 )
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, UsageError
 
 _F32_MAX = float(np.finfo(np.float32).max)
 
@@ -69,7 +69,7 @@ def _typed_issues(run: Run, schema: pl.Schema, columns: Sequence[str]) -> list[I
     for column in columns:
         problem = cast_problem(column, schema[column]) if column in schema else None
         if problem is not None:
-            issues.append(Issue("E103", "error", 1, f"{run.display_path(run.paths[0])}: {problem}"))
+            issues.append(Issue(Code.LOSSY_CAST, "error", 1, f"{run.display_path(run.paths[0])}: {problem}"))
     return issues
 
 
@@ -80,12 +80,12 @@ def _range_issue(column: str, values: np.ndarray, kind: str) -> Issue | None:
         lo, hi = int(values.min()), int(values.max())
         if lo < np.iinfo(np.int32).min or hi > np.iinfo(np.int32).max:
             worst = lo if lo < np.iinfo(np.int32).min else hi
-            return Issue("E103", "error", 1, f"{column}: value {worst} does not fit int32")
+            return Issue(Code.LOSSY_CAST, "error", 1, f"{column}: value {worst} does not fit int32")
     elif kind == "float32" and values.dtype == np.float64:
         finite = values[np.isfinite(values)]
         if finite.size and float(np.abs(finite).max()) > _F32_MAX:
             return Issue(
-                "E103",
+                Code.LOSSY_CAST,
                 "error",
                 1,
                 f"{column}: list<double> with {float(np.abs(finite).max()):.3g} does not fit float32",
@@ -125,12 +125,14 @@ def load_rows(
     for stream in streams:
         if stream not in run.streams:
             raise UsageError(
-                "E111", f"{run.label}: no stream {stream!r}", f"streams: {', '.join(run.streams) or 'none'}"
+                Code.STREAM_NOT_FOUND,
+                f"{run.label}: no stream {stream!r}",
+                f"streams: {', '.join(run.streams) or 'none'}",
             )
     for tag in entropy:
         if tag not in run.entropy_streams:
             raise UsageError(
-                "E111",
+                Code.STREAM_NOT_FOUND,
                 f"{run.label}: no entropy for {tag!r}",
                 f"entropy: {', '.join(run.entropy_streams) or 'none'}",
             )
@@ -150,7 +152,7 @@ def load_rows(
         )
     issues = _typed_issues(run, schema, file_cols)
     if issues:
-        raise InvalidInputError("E103", issues[0].message, "re-import with pgdiag import")
+        raise InvalidInputError(Code.LOSSY_CAST, issues[0].message, "re-import with pgdiag import")
     file_cols = list(dict.fromkeys(file_cols))
     check_piece_memory(
         run.label,
@@ -162,7 +164,7 @@ def load_rows(
     for tag in kept_of:
         if tag not in run.kept_tags:
             raise UsageError(
-                "E111",
+                Code.STREAM_NOT_FOUND,
                 f"{run.label}: recompute {tag!r} holds no kept sets",
                 f"kept-set recomputes: {', '.join(run.kept_tags) or 'none'} (pgdiag logprobs --kept-set)",
             )
@@ -191,7 +193,7 @@ def load_rows(
         ).collect()
     except pl.exceptions.PolarsError as exc:
         raise InvalidInputError(
-            "E103",
+            Code.LOSSY_CAST,
             f"{run.label}: cannot read the rollouts or join the recompute parts ({exc})",
             "re-import with pgdiag import, or rerun pgdiag logprobs --overwrite",
         ) from exc
@@ -215,7 +217,7 @@ def load_rows(
         if column == "input_ids":
             problem = _range_issue(column, raw.values, "int32") if raw.values.dtype.itemsize > 4 else None
             if problem is not None:
-                raise InvalidInputError("E103", problem.message, "re-import with pgdiag import")
+                raise InvalidInputError(Code.LOSSY_CAST, problem.message, "re-import with pgdiag import")
             flat[column] = FlatList(
                 raw.offsets, raw.values.astype(np.int32, copy=False), raw.valid, raw.row_valid
             )
@@ -224,7 +226,7 @@ def load_rows(
         else:
             problem = _range_issue(column, raw.values, "float32")
             if problem is not None:
-                raise InvalidInputError("E103", problem.message, "re-import with pgdiag import")
+                raise InvalidInputError(Code.LOSSY_CAST, problem.message, "re-import with pgdiag import")
             flat[column] = FlatList(
                 raw.offsets, raw.values.astype(np.float32, copy=False), raw.valid, raw.row_valid
             )
@@ -252,7 +254,7 @@ def _recompute_issues(run: Run, frame: pl.DataFrame, hash_columns: Sequence[str]
             )
             issues.append(
                 Issue(
-                    "E305",
+                    Code.STALE_RECOMPUTE,
                     "error",
                     n_stale,
                     parts.render(0),

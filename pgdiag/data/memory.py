@@ -22,7 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 
 _STEP_DIR = re.compile(r"^step=(-?\d+)$")
 
@@ -136,7 +136,7 @@ def check_piece_memory(
         files = f"{next(iter(per_file))}" if len(per_file) == 1 else f"{what} ({len(per_file)} files)"
         where = "the whole run" if steps is None else _steps_text(steps)
         raise UsageError(
-            "E518",
+            Code.OUT_OF_MEMORY,
             f"{files}, {where}: reading it needs at least {_size(needed)} (its uncompressed columns) but only "
             f"{_size(available)} of memory is available",
             "a step too large for this machine: read fewer steps with --steps, or use a machine with more memory",

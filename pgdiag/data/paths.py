@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 
 _REASONS = {
     errno.ENAMETOOLONG: "the path is too long (a name over 255 bytes or the whole path over 4,096)",
@@ -55,17 +55,21 @@ def check_input_path(path: str | Path) -> os.stat_result | None:
         if error.errno == errno.ENOENT:
             if os.path.lexists(path):
                 raise UsageError(
-                    "E516",
+                    Code.UNREADABLE_PATH,
                     f"{path}: cannot be read (a link that leads nowhere)",
                     "fix the link or give its target",
                 ) from None
             return None
-        raise UsageError("E516", f"{path}: cannot be read ({_reason(error)})", _hint(error)) from None
+        raise UsageError(
+            Code.UNREADABLE_PATH, f"{path}: cannot be read ({_reason(error)})", _hint(error)
+        ) from None
     except ValueError:  # a NUL byte in the path
-        raise UsageError("E516", f"{path!r}: cannot be read (the path holds a NUL byte)") from None
+        raise UsageError(
+            Code.UNREADABLE_PATH, f"{path!r}: cannot be read (the path holds a NUL byte)"
+        ) from None
     if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
         raise UsageError(
-            "E516",
+            Code.UNREADABLE_PATH,
             f"{path}: cannot be read ({_kind(info.st_mode)}, not a file or folder)",
             "give a Parquet file or a run folder; copy a stream to a file first",
         )
@@ -85,14 +89,18 @@ def readable_file(path: str | Path) -> Path:
     path = Path(path)
     info = check_input_path(path)
     if info is None:
-        raise UsageError("E501", f"{path}: no such file or directory")
+        raise UsageError(Code.INPUT_NOT_FOUND, f"{path}: no such file or directory")
     if not stat.S_ISREG(info.st_mode):
-        raise UsageError("E516", f"{path}: cannot be read (a folder, not a file)", "give a file")
+        raise UsageError(
+            Code.UNREADABLE_PATH, f"{path}: cannot be read (a folder, not a file)", "give a file"
+        )
     try:
         with open(path, "rb"):
             pass
     except OSError as error:
-        raise UsageError("E516", f"{path}: cannot be read ({_reason(error)})", _hint(error)) from None
+        raise UsageError(
+            Code.UNREADABLE_PATH, f"{path}: cannot be read ({_reason(error)})", _hint(error)
+        ) from None
     return path
 
 
@@ -110,13 +118,15 @@ def check_output_path(path: str | Path) -> None:
             continue  # a file in the way: check_destination names it (E502)
         except OSError as error:
             raise UsageError(
-                "E517", f"{candidate}: cannot be written ({_reason(error)})", _hint(error)
+                Code.UNWRITABLE_PATH, f"{candidate}: cannot be written ({_reason(error)})", _hint(error)
             ) from None
         except ValueError:
-            raise UsageError("E517", f"{path!r}: cannot be written (the path holds a NUL byte)") from None
+            raise UsageError(
+                Code.UNWRITABLE_PATH, f"{path!r}: cannot be written (the path holds a NUL byte)"
+            ) from None
         if stat.S_ISDIR(info.st_mode) and not os.access(candidate, os.W_OK | os.X_OK):
             raise UsageError(
-                "E517",
+                Code.UNWRITABLE_PATH,
                 f"{candidate}: cannot be written (permission denied or a read-only file system)",
                 "choose another --out, or fix the folder's permissions",
             )

@@ -27,7 +27,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from pgdiag.data.runs import Run, sample_keys
-from pgdiag.errors import InvalidInputError
+from pgdiag.errors import Code, InvalidInputError
 
 # a piece may grow to TIE_FACTOR x chunk_rows rows to keep the steps of one Parquet row group together
 TIE_FACTOR = 4
@@ -64,7 +64,8 @@ def step_rows(run: Run) -> dict[int, int]:
         )
     except pl.exceptions.PolarsError as exc:
         raise InvalidInputError(
-            "E103", f"{run.display_path(run.paths[0])}, column step: cannot be read as integers ({exc})"
+            Code.LOSSY_CAST,
+            f"{run.display_path(run.paths[0])}, column step: cannot be read as integers ({exc})",
         ) from exc
     return {
         int(s): int(n)
@@ -174,7 +175,7 @@ def plan_step_pieces(runs: Sequence[Run], chunk_rows: int | Callable[[dict[int, 
 
 # ---- two runs paired across steps (`compare --join hash-any-step`) ----------------------------------------
 
-ROW_DROPPING_CODES = ("E201", "E202", "E213")
+ROW_DROPPING_CODES = (Code.LENGTH_MISMATCH, Code.BAD_PROMPT_LEN, Code.NULL_REQUIRED)
 
 
 @dataclass(frozen=True)

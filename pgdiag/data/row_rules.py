@@ -11,6 +11,7 @@ import polars as pl
 from pgdiag.data.issues import Issue, MessageParts
 from pgdiag.data.rule_context import RuleContext, null_mask, row_of
 from pgdiag.data.seqhash import seq_hashes
+from pgdiag.errors import Code
 
 
 def structure_rules(ctx: RuleContext) -> None:
@@ -24,9 +25,9 @@ def structure_rules(ctx: RuleContext) -> None:
         nulls = null_mask(ctx.frame, column)
         if nulls.any():
             ctx.bad |= nulls
-            if ctx.on("E213"):
+            if ctx.on(Code.NULL_REQUIRED):
                 rows = np.flatnonzero(nulls)
-                ctx.add(ctx.loc.issue("E213", "error", f"{column} is null", rows, rows.size))
+                ctx.add(ctx.loc.issue(Code.NULL_REQUIRED, "error", f"{column} is null", rows, rows.size))
     for column, flat in (("input_ids", ids), ("loss_mask", mask)):
         null_rows = np.zeros(ctx.table.n_rows, dtype=bool)
         if flat.row_valid is not None:
@@ -36,9 +37,9 @@ def structure_rules(ctx: RuleContext) -> None:
             null_rows[row_of(flat.offsets, bad_elems)] = True
         if null_rows.any():
             ctx.bad |= null_rows
-            if ctx.on("E213"):
+            if ctx.on(Code.NULL_REQUIRED):
                 rows = np.flatnonzero(null_rows)
-                ctx.add(ctx.loc.issue("E213", "error", f"{column} has nulls", rows, rows.size))
+                ctx.add(ctx.loc.issue(Code.NULL_REQUIRED, "error", f"{column} has nulls", rows, rows.size))
     lengths = ids.lengths
     for column, flat in ctx.table.lists.items():
         if column == "input_ids":
@@ -48,7 +49,7 @@ def structure_rules(ctx: RuleContext) -> None:
             wrong |= ~flat.row_valid
         if wrong.any():
             ctx.bad |= wrong
-            if ctx.on("E201"):
+            if ctx.on(Code.LENGTH_MISMATCH):
                 rows = np.flatnonzero(wrong)
                 notes = [
                     "null list"
@@ -58,7 +59,7 @@ def structure_rules(ctx: RuleContext) -> None:
                 ]
                 ctx.add(
                     ctx.loc.issue(
-                        "E201",
+                        Code.LENGTH_MISMATCH,
                         "error",
                         f"{column}: list length differs from input_ids",
                         rows,
@@ -71,11 +72,18 @@ def structure_rules(ctx: RuleContext) -> None:
         outside = ~null_mask(ctx.frame, "prompt_len") & ((prompt_len < 1) | (prompt_len > lengths))
         if outside.any():
             ctx.bad |= outside
-            if ctx.on("E202"):
+            if ctx.on(Code.BAD_PROMPT_LEN):
                 rows = np.flatnonzero(outside)
                 notes = [f"prompt_len {prompt_len[r]}, T {lengths[r]}" for r in rows[: ctx.loc.max_examples]]
                 ctx.add(
-                    ctx.loc.issue("E202", "error", "prompt_len outside [1, T]", rows, rows.size, notes=notes)
+                    ctx.loc.issue(
+                        Code.BAD_PROMPT_LEN,
+                        "error",
+                        "prompt_len outside [1, T]",
+                        rows,
+                        rows.size,
+                        notes=notes,
+                    )
                 )
 
 
@@ -84,7 +92,7 @@ def scalar_rules(ctx: RuleContext) -> None:
     temperature."""
     frame = ctx.frame
     keys = [c for c in ("run", "step", "sample_id") if c in frame.columns]
-    if ctx.on("E210") and len(keys) == 3:
+    if ctx.on(Code.DUPLICATE_SAMPLE) and len(keys) == 3:
         key_frame = frame.select(
             *keys, pl.col("segment_idx").fill_null(0) if "segment_idx" in frame.columns else pl.lit(0)
         )
@@ -93,17 +101,21 @@ def scalar_rules(ctx: RuleContext) -> None:
             rows = np.flatnonzero(dup)
             ctx.add(
                 ctx.loc.issue(
-                    "E210", "error", "duplicate (run, step, sample_id, segment_idx)", rows, rows.size
+                    Code.DUPLICATE_SAMPLE,
+                    "error",
+                    "duplicate (run, step, sample_id, segment_idx)",
+                    rows,
+                    rows.size,
                 )
             )
-    if ctx.on("E211") and "group_id" in frame.columns:
+    if ctx.on(Code.MISSING_GROUP) and "group_id" in frame.columns:
         group = frame["group_id"].cast(pl.String)
         missing = (group.is_null() | (group.str.len_chars() == 0)).to_numpy()
         if missing.any():
             rows = np.flatnonzero(missing)
             ctx.add(
                 ctx.loc.issue(
-                    "E211",
+                    Code.MISSING_GROUP,
                     "error",
                     "{n} samples without group_id",
                     rows,
@@ -112,7 +124,7 @@ def scalar_rules(ctx: RuleContext) -> None:
                     sums=(("n", int(rows.size)),),
                 )
             )
-    if ctx.on("W217") and {"group_id", "step"} <= set(frame.columns):
+    if ctx.on(Code.UNEQUAL_GROUPS) and {"group_id", "step"} <= set(frame.columns):
         sizes = (
             frame.group_by("step", "group_id")
             .len()
@@ -133,7 +145,7 @@ def scalar_rules(ctx: RuleContext) -> None:
             )
             ctx.add(
                 Issue(
-                    "W217",
+                    Code.UNEQUAL_GROUPS,
                     "warning",
                     uneven.height,
                     parts.render(uneven.height),
@@ -144,17 +156,17 @@ def scalar_rules(ctx: RuleContext) -> None:
                 )
             )
     for column in ("reward", "advantage", "temperature"):
-        if ctx.on("E207") and column in frame.columns:
+        if ctx.on(Code.NON_FINITE) and column in frame.columns:
             values = frame[column].cast(pl.Float64).to_numpy()
             nonfinite = np.isnan(values) & ~null_mask(frame, column) | np.isinf(values)
             if nonfinite.any():
                 rows = np.flatnonzero(nonfinite)
-                ctx.add(ctx.loc.issue("E207", "error", f"{column}: NaN or inf", rows, rows.size))
+                ctx.add(ctx.loc.issue(Code.NON_FINITE, "error", f"{column}: NaN or inf", rows, rows.size))
 
 
 def seq_hash_rule(ctx: RuleContext) -> None:
     """E212: the stored seq_hash differs from the hash of input_ids (structurally sound rows only)."""
-    if not ctx.on("E212") or "seq_hash" not in ctx.frame.columns:
+    if not ctx.on(Code.SEQ_HASH_MISMATCH) or "seq_hash" not in ctx.frame.columns:
         return
     ids = ctx.table.lists["input_ids"]
     computed = seq_hashes(ids.values.astype(np.int32, copy=False), ids.offsets)
@@ -164,7 +176,7 @@ def seq_hash_rule(ctx: RuleContext) -> None:
         rows = np.flatnonzero(wrong)
         ctx.add(
             ctx.loc.issue(
-                "E212",
+                Code.SEQ_HASH_MISMATCH,
                 "error",
                 "seq_hash differs from the hash of input_ids",
                 rows,

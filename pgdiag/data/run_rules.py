@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pgdiag.data.issues import Example, First, Issue, MessageParts, as_template
+from pgdiag.errors import Code
 
 ZERO_FILL_FRACTION = 0.01
 
@@ -102,13 +103,17 @@ class ZeroFillPart:
             else:
                 template = as_template(f"{self.column}: {100 * fraction:.1f} % exact 0.0 on loss positions")
                 count, examples, first, sums = self.n_zero, self.zero, self.first_zero, ()
-            code, severity, hint = "E206", "error", "missing values written as 0? import them as null"
+            code, severity, hint = (
+                Code.ZERO_FILLED,
+                "error",
+                "missing values written as 0? import them as null",
+            )
         elif (self.n_zero or self.n_tiny) and self.w216:
             template = f"{column}: {{z}} exact 0.0 and {{t}} in (0, 1e-6] (p≈1 tokens or fills)"
             count, examples = self.n_zero + self.n_tiny, self.zero + self.tiny
             first = self.first_zero if self.n_zero else self.first_tiny
             sums = (("z", self.n_zero), ("t", self.n_tiny))
-            code, severity, hint = "W216", "warning", None
+            code, severity, hint = Code.ISOLATED_ZEROS, "warning", None
         else:
             return None
         parts = MessageParts(template, sums, (), examples, self.max_examples)
@@ -158,7 +163,7 @@ class NullShiftPart:
         )
         parts = MessageParts(template, (), (), self.examples, self.max_examples)
         return Issue(
-            "E302",
+            Code.SHIFTED,
             "error",
             self.n_rows,
             parts.render(self.n_rows),

@@ -1,4 +1,4 @@
-"""Opening a run: `read_run`, `parse_steps`, `restrict_steps`, and the `Run` they return.
+"""Opening a run: `read_run`, `restrict_steps`, and the `Run` they return (``--steps`` is `pgdiag.data.steps`).
 
 Why: every command starts from a RUN argument (a run directory, a directory of Parquet files, one file or a
 quoted glob). How: `read_run` resolves the files (`pgdiag.data.discover`), checks their footers (E101/E104),
@@ -42,45 +42,13 @@ from pgdiag.data.schema import (
     safe_coercions,
     stream_column,
 )
+from pgdiag.data.steps import check_steps_present, parse_steps, step_condition
 from pgdiag.data.validate import Issue, MessageParts, as_template
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, UsageError
 
 FILE_COLUMN = "__file"
 RECOMPUTE_KEYS = ("step", "sample_id", "segment_idx")
 _HIVE_DIR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=[^/]*$")
-
-
-@dataclass(frozen=True)
-class StepSpec:
-    """A parsed ``--steps`` value: inclusive ranges plus the ``last`` keyword."""
-
-    ranges: tuple[tuple[int, int], ...] = ()
-    last: bool = False
-
-
-def parse_steps(spec: str | Sequence[int]) -> StepSpec:
-    """Parse ``N``, ``A-B`` (inclusive), comma lists and ``last`` (``"0-3,7,last"``); bad specs: UsageError E112."""
-    if not isinstance(spec, str):
-        return StepSpec(tuple((int(s), int(s)) for s in spec))
-    ranges: list[tuple[int, int]] = []
-    last = False
-    for part in (p.strip() for p in spec.split(",")):
-        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if part == "last":
-            last = True
-        elif match:
-            lo = int(match.group(1))
-            hi = int(match.group(2)) if match.group(2) is not None else lo
-            if hi < lo:
-                raise UsageError(
-                    "E112", f"--steps {spec!r}: range {part} is empty", "write ranges as A-B with A <= B"
-                )
-            ranges.append((lo, hi))
-        else:
-            raise UsageError(
-                "E112", f"--steps {spec!r}: cannot parse {part!r}", "use N, A-B, comma lists or last"
-            )
-    return StepSpec(tuple(ranges), last)
 
 
 @dataclass(frozen=True)
@@ -118,7 +86,7 @@ class Run:
             return lazy.select(list(columns)).collect()
         except pl.exceptions.PolarsError as exc:
             raise InvalidInputError(
-                "E103", f"{self.label}: cannot read columns {list(columns)} ({exc})"
+                Code.LOSSY_CAST, f"{self.label}: cannot read columns {list(columns)} ({exc})"
             ) from exc
 
     def display_path(self, path: str | Path) -> str:
@@ -198,7 +166,9 @@ def _finish_hint(run: Run, tag: str) -> str:
 
 def incomplete_error(run: Run, tag: str) -> UsageError:
     return UsageError(
-        "E504", f"{run.incomplete[tag]}: recompute {tag!r} is incomplete", _finish_hint(run, tag)
+        Code.INCOMPLETE_RECOMPUTE,
+        f"{run.incomplete[tag]}: recompute {tag!r} is incomplete",
+        _finish_hint(run, tag),
     )
 
 
@@ -211,7 +181,17 @@ def incomplete_issues(run: Run) -> list[Issue]:
             "its stream is not read"
         )
         parts = MessageParts(as_template(text), located=False, once=True)  # every piece of the run says it
-        issues.append(Issue("W504", "warning", 1, text, hint=_finish_hint(run, tag), rule=text, parts=parts))
+        issues.append(
+            Issue(
+                Code.UNFINISHED_RECOMPUTE,
+                "warning",
+                1,
+                text,
+                hint=_finish_hint(run, tag),
+                rule=text,
+                parts=parts,
+            )
+        )
     return issues
 
 
@@ -238,7 +218,9 @@ def read_run(
         base = _scan(paths, hive, None, widened=widened)
         schema = base.collect_schema()
     except pl.exceptions.PolarsError as exc:
-        raise InvalidInputError("E101", f"{path}: cannot read the Parquet schema ({exc})") from exc
+        raise InvalidInputError(
+            Code.NOT_ROLLOUTS_FILE, f"{path}: cannot read the Parquet schema ({exc})"
+        ) from exc
     _check_step_range(paths, hive)
     conditions: list[pl.Expr] = []
     if run is not None:
@@ -254,14 +236,18 @@ def read_run(
             )
         if run is not None and run not in labels:
             raise UsageError(
-                "E501", f"--run {run}: no rows with that run label in {path}", f"labels: {labels}"
+                Code.INPUT_NOT_FOUND,
+                f"--run {run}: no rows with that run label in {path}",
+                f"labels: {labels}",
             )
         if run is None and len(labels) > 1:
-            raise UsageError("E505", f"{path} holds several runs {labels}", "pick one with --run NAME")
+            raise UsageError(
+                Code.AMBIGUOUS_INPUT, f"{path} holds several runs {labels}", "pick one with --run NAME"
+            )
     if steps is not None:
         spec = parse_steps(steps)
-        _check_steps_present(spec, base, steps)
-        conditions.append(_step_condition(spec, base))
+        check_steps_present(spec, base, steps)
+        conditions.append(step_condition(spec, base))
     row_filter = pl.all_horizontal(conditions) if conditions else None
     default_label = run or (labels[0] if labels else (root.name if root is not None else Path(paths[0]).stem))
     recompute, incomplete = recompute_dirs(root, attach)
@@ -301,7 +287,7 @@ def _check_step_range(paths: Sequence[Path], hive: bool) -> None:
     too_big = raw.select("step", FILE_COLUMN).filter(pl.col("step") > INT64_MAX).head(1).collect()
     if too_big.height:
         raise InvalidInputError(
-            "E103",
+            Code.LOSSY_CAST,
             f"{too_big[FILE_COLUMN][0]}, column step: uint64 value {too_big['step'][0]} does not fit int64",
             "steps are int64 (docs/schema.md); re-import with pgdiag import",
         )
@@ -339,65 +325,28 @@ def restrict_steps(run: Run, steps: Sequence[int]) -> Run:
     )
 
 
-def step_list(steps: Sequence[int]) -> str:
-    """Steps in short form, consecutive ones as ranges: ``0-3, 7, 9-10``."""
-    parts: list[str] = []
-    for step in sorted(steps):
-        if parts and step == int(parts[-1].rpartition("-")[2]) + 1:
-            parts[-1] = f"{parts[-1].partition('-')[0]}-{step}"
-        else:
-            parts.append(str(step))
-    return ", ".join(parts)
-
-
-def _check_steps_present(spec: StepSpec, base: pl.LazyFrame, given: str | Sequence[int]) -> None:
-    """E503 listing the steps present when a ``--steps`` value (a step, or a whole range) matches no step."""
-    if not spec.ranges:
-        return
-    try:
-        present = base.select(pl.col("step").cast(pl.Int64).unique()).collect()["step"].drop_nulls().to_list()
-    except pl.exceptions.PolarsError:
-        return  # a step column that is not integers: the reader refuses it (E103) where it reads the steps
-    absent = [(lo, hi) for lo, hi in spec.ranges if not any(lo <= step <= hi for step in present)]
-    if absent:
-        shown = ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in absent)
-        text = given if isinstance(given, str) else ",".join(str(s) for s in given)
-        raise UsageError(
-            "E503",
-            f"--steps {text}: {shown} matches no step of the run",
-            f"steps present: {step_list(present)}" if present else "the run holds no step",
-        )
-
-
-def _step_condition(spec: StepSpec, base: pl.LazyFrame) -> pl.Expr:
-    ranges = list(spec.ranges)
-    if spec.last:
-        last = base.select(pl.col("step").max()).collect().item()
-        if last is not None:
-            ranges.append((int(last), int(last)))
-    if not ranges:
-        return pl.lit(False)
-    return pl.any_horizontal([pl.col("step").is_between(lo, hi) for lo, hi in ranges])
-
-
 def _recompute_frame(
     run: Run, tag: str, want_logprobs: bool, want_entropy: bool, want_kept: bool = False
 ) -> pl.LazyFrame:
     directory = run.recompute.get(tag)
     if directory is None:
         raise UsageError(
-            "E111", f"stream {tag!r} not found in {run.label}", f"streams: {', '.join(run.streams)}"
+            Code.STREAM_NOT_FOUND,
+            f"stream {tag!r} not found in {run.label}",
+            f"streams: {', '.join(run.streams)}",
         )
     manifest = directory / "_manifest.json"
     if manifest_object(manifest).get("complete") is not True:
         raise UsageError(
-            "E504",
+            Code.INCOMPLETE_RECOMPUTE,
             f"{directory}: recompute dataset is incomplete (no _manifest.json with complete: true)",
             "rerun pgdiag logprobs to finish it",
         )
     parts = sorted(parquet_under(directory), key=natural_key)
     if not parts:
-        raise UsageError("E504", f"{directory}: no recompute parts", "rerun pgdiag logprobs")
+        raise UsageError(
+            Code.INCOMPLETE_RECOMPUTE, f"{directory}: no recompute parts", "rerun pgdiag logprobs"
+        )
     for part in parts:
         check_logprobs_footer(read_footer(part), part)
     lazy = pl.scan_parquet(
@@ -469,7 +418,8 @@ def sample_keys(run: Run) -> pl.DataFrame:
         ).collect()
     except pl.exceptions.PolarsError as exc:
         raise InvalidInputError(
-            "E103", f"{run.display_path(run.paths[0])}: cannot read step, sample_id and seq_hash ({exc})"
+            Code.LOSSY_CAST,
+            f"{run.display_path(run.paths[0])}: cannot read step, sample_id and seq_hash ({exc})",
         ) from exc
 
 

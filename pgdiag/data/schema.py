@@ -20,7 +20,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pgdiag.errors import InvalidInputError
+from pgdiag.errors import Code, InvalidInputError
 
 ROLLOUTS_SCHEMA = "pgdiag.rollouts/v1"
 LOGPROBS_SCHEMA = "pgdiag.logprobs/v1"
@@ -244,7 +244,7 @@ def csv_error(path: Path) -> InvalidInputError | None:
         if b"\0" in head or head.startswith(b"PAR1") or not ("," in text or "\t" in text):
             return None
     return InvalidInputError(
-        "E101",
+        Code.NOT_ROLLOUTS_FILE,
         f"{path}: a CSV file, not Parquet; pgdiag reads Parquet rollouts (docs/schema.md)",
         "load it (e.g. polars.read_csv) and write it with pgdiag.write_run(df, OUT) (docs/import.md, "
         "'Your own format')",
@@ -258,7 +258,9 @@ def read_footer(path: Path) -> dict[str, Any]:
         schema = pq.read_schema(path)
     except (OSError, pa.ArrowException) as exc:
         raise csv_error(path) or InvalidInputError(
-            "E101", f"{path}: not a readable Parquet file ({exc})", "convert it with pgdiag import"
+            Code.NOT_ROLLOUTS_FILE,
+            f"{path}: not a readable Parquet file ({exc})",
+            "convert it with pgdiag import",
         ) from exc
     return decode_footer(schema.metadata)
 
@@ -268,14 +270,16 @@ def check_rollouts_footer(meta: Mapping[str, Any], path: Path) -> None:
     schema = meta.get("schema")
     if schema != ROLLOUTS_SCHEMA:
         raise InvalidInputError(
-            "E101",
+            Code.NOT_ROLLOUTS_FILE,
             f"{path}: not a pgdiag rollouts file (schema={schema!r})",
             "convert it with pgdiag import",
         )
     alignment = meta.get("alignment")
     if alignment != "token":
         raise InvalidInputError(
-            "E104", f"{path}: alignment {alignment!r} is not supported", "re-import with pgdiag import"
+            Code.ALIGNMENT_UNSUPPORTED,
+            f"{path}: alignment {alignment!r} is not supported",
+            "re-import with pgdiag import",
         )
     check_footer_shape(meta, path)
 
@@ -291,14 +295,14 @@ def check_footer_shape(meta: Mapping[str, Any], path: Path) -> None:
     for key in _FOOTER_OBJECTS:
         if key in meta and not isinstance(meta[key], dict):
             raise InvalidInputError(
-                "E105",
+                Code.BAD_FOOTER_SHAPE,
                 f"{path}: footer pgdiag.{key} is a {type(meta[key]).__name__}, not a JSON object",
                 "re-import the run with pgdiag import",
             )
     for name, entry in meta.get("streams", {}).items():
         if not isinstance(entry, dict):
             raise InvalidInputError(
-                "E105",
+                Code.BAD_FOOTER_SHAPE,
                 f"{path}: footer pgdiag.streams.{name} is a {type(entry).__name__}, not a JSON object",
                 "re-import the run with pgdiag import",
             )
@@ -309,7 +313,7 @@ def check_logprobs_footer(meta: Mapping[str, Any], path: Path) -> None:
     schema = meta.get("schema", LOGPROBS_SCHEMA)
     if schema != LOGPROBS_SCHEMA:
         raise InvalidInputError(
-            "E101",
+            Code.NOT_ROLLOUTS_FILE,
             f"{path}: not a pgdiag recompute part (schema={schema!r})",
             "rerun pgdiag logprobs --overwrite",
         )

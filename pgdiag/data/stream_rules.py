@@ -13,6 +13,7 @@ from pgdiag.data.kept import position_sizes
 from pgdiag.data.loss_view import LossView
 from pgdiag.data.rule_context import RuleContext, row_of
 from pgdiag.data.run_rules import NullShiftPart, ZeroFillPart, zero_fill_rows
+from pgdiag.errors import Code
 
 LOGPROB_POSITIVE_TOL = 1e-6
 
@@ -26,7 +27,7 @@ def stream_column_rules(ctx: RuleContext, column: str, flat: FlatList, view: Los
     valid_at_loss = view.valid[column]
     n_loss_total = view.index.size
     n_null_loss = 0 if valid_at_loss is None else int(n_loss_total - np.count_nonzero(valid_at_loss))
-    if n_null_loss and ctx.on("E204"):
+    if n_null_loss and ctx.on(Code.NULL_ON_LOSS):
         where = np.flatnonzero(~valid_at_loss)
         flat_at = view.index[where]
         rows = view.rows_of(where)
@@ -37,7 +38,7 @@ def stream_column_rules(ctx: RuleContext, column: str, flat: FlatList, view: Los
         ]
         ctx.add(
             ctx.loc.issue(
-                "E204",
+                Code.NULL_ON_LOSS,
                 "error",
                 f"{column} null on a loss position",
                 rows,
@@ -47,18 +48,18 @@ def stream_column_rules(ctx: RuleContext, column: str, flat: FlatList, view: Los
                 hint="appended EOS or unsampled token? drop it from loss_mask",
             )
         )
-    if ctx.on("E302") and column in ctx.table.stream_columns:
+    if ctx.on(Code.SHIFTED) and column in ctx.table.stream_columns:
         _null_pattern_shift(ctx, column, flat, view, offsets, n_null_loss)
     n_valid = flat.values.shape[0] if flat.valid is None else int(np.count_nonzero(flat.valid))
     n_outside = n_valid - (n_loss_total - n_null_loss)
-    if n_outside > 0 and ctx.on("W214"):
+    if n_outside > 0 and ctx.on(Code.VALUE_OFF_LOSS):
         loss = ctx.table.lists["loss_mask"].values
         outside = ~loss if flat.valid is None else (flat.valid & ~loss)
         flat_at = np.flatnonzero(outside)[: ctx.loc.max_examples]
         rows = row_of(offsets, flat_at)
         ctx.add(
             ctx.loc.issue(
-                "W214",
+                Code.VALUE_OFF_LOSS,
                 "warning",
                 f"{as_template(column)} set on {{n:,}} non-loss positions (ignored)",
                 rows,
@@ -67,7 +68,7 @@ def stream_column_rules(ctx: RuleContext, column: str, flat: FlatList, view: Los
                 sums=(("n", n_outside),),
             )
         )
-    if ctx.on("E207"):
+    if ctx.on(Code.NON_FINITE):
         # loss positions (null ones are NaN in `at_loss`, so test them as valid only), then any
         # non-null value outside the mask (rare: W214)
         bad = ~np.isfinite(at_loss)
@@ -88,7 +89,7 @@ def stream_column_rules(ctx: RuleContext, column: str, flat: FlatList, view: Los
             n_neg = int(bad_values.size - n_nan - n_pos)
             ctx.add(
                 ctx.loc.issue(
-                    "E207",
+                    Code.NON_FINITE,
                     "error",
                     f"{as_template(column)}: {{nan}} NaN, {{pos}} +inf, {{neg}} -inf",
                     rows,
@@ -140,12 +141,12 @@ def _logprob_values(
     """E205 (positive log-probs) and this table's share of the zero-fill rules E206, W216 (`ZeroFillPart`)."""
     positive = at_loss > LOGPROB_POSITIVE_TOL
     n_positive = int(np.count_nonzero(positive))
-    if n_positive and ctx.on("E205"):
+    if n_positive and ctx.on(Code.POSITIVE_LOGPROB):
         where = np.flatnonzero(positive)
         rows = view.rows_of(where)
         ctx.add(
             ctx.loc.issue(
-                "E205",
+                Code.POSITIVE_LOGPROB,
                 "error",
                 f"{as_template(column)}: {{n}} positive values (max {{max:.3g}})",
                 rows,
@@ -155,7 +156,7 @@ def _logprob_values(
                 maxima=(("max", float(at_loss[where].max())),),
             )
         )
-    if not (ctx.on("E206") or ctx.on("W216")):
+    if not (ctx.on(Code.ZERO_FILLED) or ctx.on(Code.ISOLATED_ZEROS)):
         return
     at_loss = _without_singletons(ctx, column, at_loss, view)
     filled = zero_fill_rows(at_loss, view.row_start)
@@ -178,8 +179,8 @@ def _logprob_values(
         first_row=ctx.loc.first(all_zero_rows),
         first_tiny=ctx.loc.first(tiny_rows, tiny_pos),
         max_examples=ctx.loc.max_examples,
-        e206=ctx.on("E206"),
-        w216=ctx.on("W216"),
+        e206=ctx.on(Code.ZERO_FILLED),
+        w216=ctx.on(Code.ISOLATED_ZEROS),
     )
     ctx.pending.append(part)
     verdict = part.issue()

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from pgdiag.data.validate import Issue, MessageParts, as_template, zero_against_other, zero_fill_rows
+from pgdiag.errors import Code
 
 
 class TokenLocations(Protocol):
@@ -98,7 +99,7 @@ def zero_fill_issues(
         )
         issues.append(
             Issue(
-                "E206",
+                Code.ZERO_FILLED,
                 "error",
                 int(tokens.size),
                 parts.render(0),

@@ -14,6 +14,7 @@ from pgdiag.data.kept import kept_issues
 from pgdiag.data.loss_view import LossView
 from pgdiag.data.rule_context import RuleContext, row_of
 from pgdiag.data.stream_rules import stream_column_rules
+from pgdiag.errors import Code
 
 
 def token_rules(ctx: RuleContext, view: LossView) -> None:
@@ -27,7 +28,7 @@ def token_rules(ctx: RuleContext, view: LossView) -> None:
     prompt_len = ctx.frame["prompt_len"].fill_null(1).to_numpy().astype(np.int64)
     prompt_end = offsets[:-1] + np.clip(prompt_len, 0, ids.lengths)
     early = (np.searchsorted(view.index, prompt_end) - row_start[:-1] > 0) & good
-    if early.any() and ctx.on("E203"):
+    if early.any() and ctx.on(Code.LOSS_WITHOUT_CONTEXT):
         rows = np.flatnonzero(early)
         first_loss = (
             view.index[row_start[rows[: ctx.loc.max_examples]]] - offsets[rows[: ctx.loc.max_examples]]
@@ -35,7 +36,7 @@ def token_rules(ctx: RuleContext, view: LossView) -> None:
         notes = [f"prompt_len {prompt_len[r]}" for r in rows[: ctx.loc.max_examples]]
         ctx.add(
             ctx.loc.issue(
-                "E203",
+                Code.LOSS_WITHOUT_CONTEXT,
                 "error",
                 "loss_mask true at position 0 or before prompt_len",
                 rows,
@@ -46,11 +47,11 @@ def token_rules(ctx: RuleContext, view: LossView) -> None:
             )
         )
     empty = (n_loss == 0) & good
-    if empty.any() and ctx.on("W215"):
+    if empty.any() and ctx.on(Code.EMPTY_LOSS_MASK):
         rows = np.flatnonzero(empty)
         ctx.add(
             ctx.loc.issue(
-                "W215",
+                Code.EMPTY_LOSS_MASK,
                 "warning",
                 "loss_mask: {n} samples with no loss tokens",
                 rows,
@@ -59,7 +60,7 @@ def token_rules(ctx: RuleContext, view: LossView) -> None:
                 sums=(("n", int(rows.size)),),
             )
         )
-    if ctx.on("E209") and "step" in ctx.frame.columns:
+    if ctx.on(Code.NO_LOSS_TOKENS) and "step" in ctx.frame.columns:
         steps = ctx.frame["step"].to_numpy()
         per_step = (
             pl.DataFrame({"step": steps[good], "n": n_loss[good]}).group_by("step").agg(pl.col("n").sum())
@@ -75,7 +76,7 @@ def token_rules(ctx: RuleContext, view: LossView) -> None:
             )
             ctx.add(
                 Issue(
-                    "E209",
+                    Code.NO_LOSS_TOKENS,
                     "error",
                     len(dry),
                     parts.render(0),
@@ -84,8 +85,14 @@ def token_rules(ctx: RuleContext, view: LossView) -> None:
                     parts=parts,
                 )
             )
-    if ctx.on("E209") and view.index.size == 0 and not any(i.code == "E209" for i in ctx.issues):
-        ctx.add(Issue("E209", "error", 1, f"the selection ({n_rows} samples) has no loss tokens"))
+    if (
+        ctx.on(Code.NO_LOSS_TOKENS)
+        and view.index.size == 0
+        and not any(i.code == Code.NO_LOSS_TOKENS for i in ctx.issues)
+    ):
+        ctx.add(
+            Issue(Code.NO_LOSS_TOKENS, "error", 1, f"the selection ({n_rows} samples) has no loss tokens")
+        )
     _token_ids(ctx, ids, good)
     if ctx.table.kept is not None:
         for found in kept_issues(
@@ -109,13 +116,13 @@ def _finite_metadata(ctx: RuleContext, column: str, flat: FlatList) -> None:
     bad = ~np.isfinite(flat.values)
     if flat.valid is not None:
         bad &= flat.valid
-    if ctx.on("E207") and bad.any():
+    if ctx.on(Code.NON_FINITE) and bad.any():
         bad_index = np.flatnonzero(bad)
         rows = row_of(ctx.table.lists["input_ids"].offsets, bad_index)
         offsets = ctx.table.lists["input_ids"].offsets
         ctx.add(
             ctx.loc.issue(
-                "E207",
+                Code.NON_FINITE,
                 "error",
                 f"{column}: NaN or inf",
                 rows,
@@ -127,7 +134,7 @@ def _finite_metadata(ctx: RuleContext, column: str, flat: FlatList) -> None:
 
 def _token_ids(ctx: RuleContext, ids: FlatList, good: np.ndarray) -> None:
     """E208: a token id < 0 or >= vocab_size (sound rows only)."""
-    if not ctx.on("E208"):
+    if not ctx.on(Code.TOKEN_OUT_OF_VOCAB):
         return
     values = ids.values
     bad = values < 0
@@ -144,7 +151,7 @@ def _token_ids(ctx: RuleContext, ids: FlatList, good: np.ndarray) -> None:
         limit = f" or >= vocab_size {ctx.vocab_size}" if ctx.vocab_size is not None else ""
         ctx.add(
             ctx.loc.issue(
-                "E208",
+                Code.TOKEN_OUT_OF_VOCAB,
                 "error",
                 f"input_ids: token id < 0{limit}",
                 rows,

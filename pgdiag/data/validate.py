@@ -48,6 +48,7 @@ from pgdiag.data.run_rules import (
 from pgdiag.data.schema import REQUIRED_HINTS
 from pgdiag.data.stream_rules import LOGPROB_POSITIVE_TOL
 from pgdiag.data.token_rules import token_rules
+from pgdiag.errors import Code
 
 # the issue model and the run-level rules, where the callers of this module have always found them
 __all__ = [
@@ -94,7 +95,7 @@ def missing_columns(columns: Collection[str], required: Sequence[str]) -> list[I
     for column in required:
         if column not in columns:
             hint = REQUIRED_HINTS.get(column, "re-import with pgdiag import")
-            issues.append(Issue("E102", "error", 1, f"missing column {column}", hint=hint))
+            issues.append(Issue(Code.MISSING_COLUMN, "error", 1, f"missing column {column}", hint=hint))
     return issues
 
 

@@ -33,7 +33,7 @@ from pgdiag.data.schema import (
     encode_footer,
 )
 from pgdiag.data.seqhash import seq_hashes
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, UsageError
 
 ZSTD_LEVEL = 3
 ROW_GROUP_TARGET_BYTES = 128 * 1024 * 1024
@@ -70,7 +70,7 @@ def directory_lock(directory: Path, *, wait: bool = True) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise UsageError(
-                "E519",
+                Code.OUTPUT_BUSY,
                 f"{directory}: another process is writing this output now",
                 "wait for it to finish (or stop it), then run again; or choose another output",
             ) from None
@@ -129,16 +129,16 @@ def check_destination(
         if ancestor.exists():
             if not ancestor.is_dir():
                 raise UsageError(
-                    "E502",
+                    Code.OUTPUT_EXISTS,
                     f"{ancestor} is a file, not a directory",
                     hint,
                 )
             break
     for file in map(Path, files):
         if file.is_dir():
-            raise UsageError("E502", f"{file} is a directory, not a file", "choose another --out")
+            raise UsageError(Code.OUTPUT_EXISTS, f"{file} is a directory, not a file", "choose another --out")
         if file.exists() and not overwrite:
-            raise UsageError("E502", f"{file} exists", "pass --overwrite to replace it")
+            raise UsageError(Code.OUTPUT_EXISTS, f"{file} exists", "pass --overwrite to replace it")
 
 
 def sequence_row_group_rows(n_rows: int, n_bytes: int) -> int:
@@ -202,12 +202,14 @@ def _cast_column(name: str, column: pa.ChunkedArray, target: pa.DataType) -> pa.
         values = pc.list_flatten(column)
         finite_max = pc.max(pc.abs(pc.if_else(pc.is_finite(values), values, 0.0))).as_py()
         if finite_max is not None and finite_max > _F32_MAX:
-            raise InvalidInputError("E103", f"{name}: {source} with {finite_max:.3g} does not fit float32")
+            raise InvalidInputError(
+                Code.LOSSY_CAST, f"{name}: {source} with {finite_max:.3g} does not fit float32"
+            )
     try:
         return column.cast(target, safe=True)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
         raise InvalidInputError(
-            "E103", f"{name}: {source} cannot be cast losslessly to {target} ({exc})"
+            Code.LOSSY_CAST, f"{name}: {source} cannot be cast losslessly to {target} ({exc})"
         ) from exc
 
 
@@ -279,7 +281,7 @@ def _fixed_size_as_lists(df: pl.DataFrame) -> pl.DataFrame:
 def _prepare_output(out: Path, *, overwrite: bool) -> None:
     if out.exists():
         if not overwrite:
-            raise UsageError("E502", f"{out} exists", "pass --overwrite to replace it")
+            raise UsageError(Code.OUTPUT_EXISTS, f"{out} exists", "pass --overwrite to replace it")
         if out.is_dir():
             shutil.rmtree(out)
         else:
@@ -314,7 +316,9 @@ def write_rollouts(
         if c not in df.columns
     ]
     if missing:
-        raise InvalidInputError("E102", f"{out}: missing column {missing[0]}", "re-import with pgdiag import")
+        raise InvalidInputError(
+            Code.MISSING_COLUMN, f"{out}: missing column {missing[0]}", "re-import with pgdiag import"
+        )
     df = _fixed_size_as_lists(df)
     _prepare_output(out, overwrite=overwrite)
     if "run" not in df.columns:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.explain.attribution import CauseShare, shares, verdict_line
 from pgdiag.explain.settings import ExplainSettings
 
@@ -154,12 +154,16 @@ def _prepare(
     if out is None:
         if source.root is None:
             raise UsageError(
-                "E506", "RUN is not a run directory, so explain's output has no home", "pass --out DIR"
+                Code.MISSING_SETTING,
+                "RUN is not a run directory, so explain's output has no home",
+                "pass --out DIR",
             )
         out = Path(source.root) / "explain"
     token_dir = Path(out) / "tokens"
     if token_dir.exists() and not overwrite:
-        raise UsageError("E502", f"{token_dir} exists", "pass --overwrite to replace it, or another --out")
+        raise UsageError(
+            Code.OUTPUT_EXISTS, f"{token_dir} exists", "pass --overwrite to replace it, or another --out"
+        )
     model_config = read_model_config(model)
     device = settings.device or _default_device()
     memory = settings.memory_bytes or matrix.device_memory(device)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.explain.settings import ExplainSettings
 
 DIVERGENCE_FACTOR = 3.0  # bf16 or fp16 alone: max/median local error 1.04 on the tests' model
@@ -69,7 +69,9 @@ def _config(spec: str, default_model: str | Path) -> tuple[str, str, Path]:
     if found is None:
         names = ", ".join(c.name for c in CONFIGS if c.routing == "recompute")
         raise UsageError(
-            "E503", f"--layers {spec!r}: not a configuration", f"choose from {names}, optionally @CKPT"
+            Code.BAD_OPTION_VALUE,
+            f"--layers {spec!r}: not a configuration",
+            f"choose from {names}, optionally @CKPT",
         )
     return found.dtype, found.head_dtype, Path(other) if other else Path(default_model)
 

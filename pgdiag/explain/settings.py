@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 
 POSITION_EDGES = (
     0,
@@ -95,8 +95,10 @@ class ExplainSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "pair", tuple(self.pair))
         if len(self.pair) != 2 or self.pair[0] == self.pair[1]:
-            raise UsageError("E503", f"--pair takes two different streams A,B, got {','.join(self.pair)}")
+            raise UsageError(
+                Code.BAD_OPTION_VALUE, f"--pair takes two different streams A,B, got {','.join(self.pair)}"
+            )
         if self.tokens < 1:
-            raise UsageError("E503", f"--tokens must be >= 1, got {self.tokens}")
+            raise UsageError(Code.BAD_OPTION_VALUE, f"--tokens must be >= 1, got {self.tokens}")
         if self.tp < 1:
-            raise UsageError("E503", f"--tp must be >= 1, got {self.tp}")
+            raise UsageError(Code.BAD_OPTION_VALUE, f"--tp must be >= 1, got {self.tp}")

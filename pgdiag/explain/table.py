@@ -19,7 +19,7 @@ import polars as pl
 from pgdiag.data.load import read_token_batch
 from pgdiag.data.pieces import plan_step_pieces
 from pgdiag.data.runs import Run, restrict_steps
-from pgdiag.errors import InvalidInputError
+from pgdiag.errors import Code, InvalidInputError
 from pgdiag.explain.grid import GridValues
 
 _KEYS = ["step", "sample_id", "segment_idx", "pos"]
@@ -104,7 +104,7 @@ def token_pieces(
     for step_piece in plan_step_pieces([run], max_rows).pieces:  # the one piece planner every command uses
         part = run if step_piece.steps is None else restrict_steps(run, step_piece.steps)
         batch = read_token_batch(
-            part, streams=[*pair, *configs], advantages=False, reward=False, ignore=("E206",)
+            part, streams=[*pair, *configs], advantages=False, reward=False, ignore=(Code.ZERO_FILLED,)
         ).batch  # exact zeros are a signature here (explain.signatures.zeros_rule), not a refusal
         sample = batch.token_sample()  # (M,)
         frame = pl.DataFrame(
@@ -119,7 +119,7 @@ def token_pieces(
         if joined["grid_row"].null_count():
             first = joined.filter(pl.col("grid_row").is_null()).row(0, named=True)
             raise InvalidInputError(
-                "E305",
+                Code.STALE_RECOMPUTE,
                 f"{run.label}: step {first['step']}, sample {first['sample_id']}, pos {first['pos']} has no "
                 "sampling-grid value (the token run changed while explain ran)",
             )

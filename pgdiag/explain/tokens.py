@@ -20,7 +20,7 @@ import polars as pl
 from pgdiag.data.runs import Run
 from pgdiag.data.schema import BASE_STREAMS, stream_column
 from pgdiag.data.writing import source_meta, write_rollouts
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, UsageError
 
 KEYS = ("step", "sample_id", "segment_idx")
 
@@ -43,7 +43,7 @@ def select_samples(run: Run, budget: int, seed: int = 0) -> TokenSelection:
     keys = [k for k in KEYS if k in columns]
     frame = run.lazy.select(*keys, pl.col("loss_mask").list.sum().alias("n_loss")).collect()
     if frame.height == 0:
-        raise InvalidInputError("E209", f"{run.label}: the selection has no samples")
+        raise InvalidInputError(Code.NO_LOSS_TOKENS, f"{run.label}: the selection has no samples")
     steps = sorted(int(s) for s in frame["step"].unique().to_list())
     share = max(1, budget // len(steps))
     rng = np.random.default_rng(seed)
@@ -90,14 +90,14 @@ def check_pair(run: Run, pair: tuple[str, str]) -> None:
     for stream in pair:
         if stream not in BASE_STREAMS:
             raise UsageError(
-                "E503",
+                Code.BAD_OPTION_VALUE,
                 f"--pair {','.join(pair)}: explain compares stored streams ({', '.join(BASE_STREAMS)}), "
                 f"not {stream!r}",
                 "compare a recompute tag with `pgdiag compare --stream-a/--stream-b`",
             )
         if stream not in run.streams:
             raise UsageError(
-                "E111",
+                Code.STREAM_NOT_FOUND,
                 f"{run.label}: no stream {stream!r}; streams: {', '.join(run.streams) or 'none'}",
                 "name two stored streams with --pair A,B",
             )

@@ -27,7 +27,7 @@ import polars as pl
 import pyarrow as pa
 
 from pgdiag.data.flat import FlatList
-from pgdiag.errors import InvalidInputError
+from pgdiag.errors import Code, InvalidInputError
 from pgdiag.importers.base import bad_layout
 
 
@@ -209,7 +209,9 @@ def _refuse_wrap(name: str, values: np.ndarray, target: np.dtype) -> None:
     lo, hi = int(values.min()), int(values.max())
     if lo < info.min or hi > info.max:
         worst = lo if lo < info.min else hi
-        raise InvalidInputError("E103", f"{name}: value {worst} does not fit {target}", "ids must fit int32")
+        raise InvalidInputError(
+            Code.LOSSY_CAST, f"{name}: value {worst} does not fit {target}", "ids must fit int32"
+        )
 
 
 def to_series(name: str, flat: FlatList, dtype: pl.DataType) -> pl.Series:

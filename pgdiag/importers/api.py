@@ -11,7 +11,7 @@ from typing import Any
 
 import polars as pl
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.importers.base import ImportedStep, ImportOptions, load_preset
 from pgdiag.importers.canonical import canonical_step, split_steps
 from pgdiag.importers.writer import ImportResult, StepSummary, write_steps
@@ -37,15 +37,17 @@ def import_run(
     E703 (torn or unknown layout), any validation error; on any of them nothing is written.
     """
     if options is not None and option_values:
-        raise UsageError("E514", "pass import options either as options= or as keywords, not both")
+        raise UsageError(
+            Code.SETTINGS_TWICE, "pass import options either as options= or as keywords, not both"
+        )
     try:
         options = options or ImportOptions(**option_values)
     except TypeError as exc:
-        raise UsageError("E503", f"unknown import option ({exc})") from None
+        raise UsageError(Code.BAD_OPTION_VALUE, f"unknown import option ({exc})") from None
     options.check()
     src = Path(src)
     if not src.exists():
-        raise UsageError("E501", f"{src}: no such file or directory")
+        raise UsageError(Code.INPUT_NOT_FOUND, f"{src}: no such file or directory")
     reader = load_preset(preset)
     return write_steps(
         reader.read(src, options),

@@ -38,7 +38,7 @@ from typing import Any
 
 import polars as pl
 
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, UsageError
 
 GROUP_BY_CHOICES = ("auto", "field", "prompt")  # plus "contiguous:N"
 TEMPERED_CHOICES = ("yes", "no", "unknown")
@@ -92,18 +92,21 @@ class ImportOptions:
             prefix, _, size = self.group_by.partition(":")
             if prefix != "contiguous" or not size.isdigit() or int(size) < 1:
                 raise UsageError(
-                    "E112",
+                    Code.UNPARSABLE_OPTION,
                     f"--group-by {self.group_by!r}: expected auto, field, prompt or contiguous:N",
                     "e.g. --group-by contiguous:8 for 8 samples per prompt in row order",
                 )
         if self.tempered is not None and self.tempered not in TEMPERED_CHOICES:
-            raise UsageError("E503", f"--tempered {self.tempered!r}: expected yes, no or unknown")
+            raise UsageError(
+                Code.BAD_OPTION_VALUE, f"--tempered {self.tempered!r}: expected yes, no or unknown"
+            )
         if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
             raise UsageError(
-                "E503", f"--logprobs-mode {self.logprobs_mode!r}: expected raw, processed or unknown"
+                Code.BAD_OPTION_VALUE,
+                f"--logprobs-mode {self.logprobs_mode!r}: expected raw, processed or unknown",
             )
         if self.step is not None and self.step < 0:
-            raise UsageError("E503", f"--step {self.step}: steps are >= 0")
+            raise UsageError(Code.BAD_OPTION_VALUE, f"--step {self.step}: steps are >= 0")
         ranges = (  # sampling values a sampler can have (vLLM: top_k -1 or 0 means no top-k)
             ("temperature", self.temperature, "> 0", lambda v: v > 0),
             ("top-p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1),
@@ -112,9 +115,11 @@ class ImportOptions:
         )
         for flag, value, rule, holds in ranges:
             if value is not None and not (math.isfinite(value) and holds(value)):
-                raise UsageError("E503", f"--{flag} must be {rule}, got {value}")
+                raise UsageError(Code.BAD_OPTION_VALUE, f"--{flag} must be {rule}, got {value}")
         if self.retokenize and self.tokenizer is None:
-            raise UsageError("E506", "--retokenize needs --tokenizer PATH (a tokenizer.json or its folder)")
+            raise UsageError(
+                Code.MISSING_SETTING, "--retokenize needs --tokenizer PATH (a tokenizer.json or its folder)"
+            )
 
     def sampling_fallback(self) -> dict[str, Any]:
         """The sampling values given on the command line, unset ones left out."""
@@ -214,7 +219,9 @@ def load_preset(name: str) -> Preset:
     """The `Preset` registered as `name` (its module imported now); UsageError E503 for an unknown name."""
     entry = PRESET_MODULES.get(name)
     if entry is None:
-        raise UsageError("E503", f"unknown preset {name!r}", f"presets: {', '.join(preset_names())}")
+        raise UsageError(
+            Code.BAD_OPTION_VALUE, f"unknown preset {name!r}", f"presets: {', '.join(preset_names())}"
+        )
     module = importlib.import_module(entry[0])
     return module.PRESET
 
@@ -222,7 +229,7 @@ def load_preset(name: str) -> Preset:
 def unsafe_global(file: Path | str, name: str, allowed: str = "") -> UsageError:
     """E701: the pickle in `file` needs global `name`, which is outside the preset's allow-list (exit 2)."""
     return UsageError(
-        "E701",
+        Code.UNSAFE_PICKLE_GLOBAL,
         f"{file}: refusing to load global {name}: not in the allow-list{f' ({allowed})' if allowed else ''}",
         "loading it would run code from the file; if you trust it, pass --allow-unsafe-pickle "
         "(the framework must be importable)",
@@ -232,7 +239,7 @@ def unsafe_global(file: Path | str, name: str, allowed: str = "") -> UsageError:
 def text_only(file: Path | str, field_name: str) -> UsageError:
     """E702: `file` holds text (`field_name`) but no token ids (exit 2)."""
     return UsageError(
-        "E702",
+        Code.TEXT_ONLY_SOURCE,
         f"{file}: {field_name} is text only; token ids are needed",
         "pass --retokenize --tokenizer PATH (ids are then re-tokenized, special tokens lost: W405 later)",
     )
@@ -243,7 +250,7 @@ def bad_layout(
 ) -> InvalidInputError:
     """E703: `file`'s `field_name` does not hold what the preset expects (exit 3)."""
     where = f"{file}" if row is None else f"{file}, row {row}"
-    return InvalidInputError("E703", f"{where}: {field_name}: expected {expected}")
+    return InvalidInputError(Code.BAD_DUMP_LAYOUT, f"{where}: {field_name}: expected {expected}")
 
 
 def parse_shift(text: str) -> tuple[str | None, int]:
@@ -252,9 +259,11 @@ def parse_shift(text: str) -> tuple[str | None, int]:
     try:
         k = int(amount)
     except ValueError:
-        raise UsageError("E112", f"--shift {text!r}: expected K or COL=K with an integer K") from None
+        raise UsageError(
+            Code.UNPARSABLE_OPTION, f"--shift {text!r}: expected K or COL=K with an integer K"
+        ) from None
     if sep and not column:
-        raise UsageError("E112", f"--shift {text!r}: expected K or COL=K")
+        raise UsageError(Code.UNPARSABLE_OPTION, f"--shift {text!r}: expected K or COL=K")
     return (column or None, k)
 
 
@@ -262,5 +271,7 @@ def parse_map(text: str) -> tuple[str, str]:
     """``"SRC=DST"`` -> (SRC, DST); UsageError E112 otherwise."""
     source, sep, target = text.partition("=")
     if not sep or not source or not target:
-        raise UsageError("E112", f"--map {text!r}: expected SRC=DST, e.g. --map tokens=input_ids")
+        raise UsageError(
+            Code.UNPARSABLE_OPTION, f"--map {text!r}: expected SRC=DST, e.g. --map tokens=input_ids"
+        )
     return (source, target)

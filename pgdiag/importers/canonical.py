@@ -29,7 +29,7 @@ from pgdiag.data.schema import (
     decode_footer,
     stream_column,
 )
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, UsageError
 from pgdiag.importers import alignment
 from pgdiag.importers.base import ImportedStep, ImportOptions, ImportWarning, Preset, bad_layout
 from pgdiag.importers.writer import apply_shifts
@@ -41,7 +41,7 @@ def _source_files(src: Path) -> list[Path]:
     if src.is_file():
         return [src]
     if not src.is_dir():
-        raise UsageError("E501", f"{src}: no such file or directory")
+        raise UsageError(Code.INPUT_NOT_FOUND, f"{src}: no such file or directory")
     base = src / "rollouts" if (src / "rollouts").is_dir() else src
     files = [
         p
@@ -53,11 +53,13 @@ def _source_files(src: Path) -> list[Path]:
     if not files:
         tables = sorted(p for p in base.rglob("*") if p.suffix.lower() in (".csv", ".tsv") and p.is_file())
         raise (tables and csv_error(tables[0])) or UsageError(
-            "E501", f"{src}: no .parquet or .jsonl file found"
+            Code.INPUT_NOT_FOUND, f"{src}: no .parquet or .jsonl file found"
         )
     kinds = {p.suffix for p in files}
     if len(kinds) > 1:
-        raise UsageError("E505", f"{src}: holds both .parquet and .jsonl files; point SRC at one kind")
+        raise UsageError(
+            Code.AMBIGUOUS_INPUT, f"{src}: holds both .parquet and .jsonl files; point SRC at one kind"
+        )
     return files
 
 
@@ -65,7 +67,9 @@ def _renamed(df: pl.DataFrame, maps: tuple[tuple[str, str], ...], source: str) -
     for old, _new in maps:
         if old not in df.columns:
             raise UsageError(
-                "E506", f"{source}: --map {old}=...: no column {old}", f"columns: {', '.join(df.columns)}"
+                Code.MISSING_SETTING,
+                f"{source}: --map {old}=...: no column {old}",
+                f"columns: {', '.join(df.columns)}",
             )
     return df.rename(dict(maps)) if maps else df
 
@@ -97,7 +101,7 @@ def _place_response_aligned(df: pl.DataFrame, shifted: set[str], source: str) ->
                 f" or {seq_lens[row] - prompt_len[row]}" if prompt_len is not None else ""
             )
             raise InvalidInputError(
-                "E201",
+                Code.LENGTH_MISMATCH,
                 f"{source}: {column}: length {lengths[row]} != input_ids {seq_lens[row]} (row {row}; expected {expected})",
                 "give prompt_len for response-aligned lists, or --shift COL=K for next-token lists",
             )
@@ -122,7 +126,7 @@ def unread_float_lists(df: pl.DataFrame, streams: Mapping[str, str]) -> list[Imp
         close = difflib.get_close_matches(column, targets, n=1, cutoff=0.5)
         found.append(
             ImportWarning(
-                "W704",
+                Code.UNREAD_FLOAT_LIST,
                 f"{column}: per-token floats of no canonical name, kept but read as no stream; if they are "
                 f"log-probs, pass --map {column}={close[0] if close else 'old_logprobs'} (docs/schema.md)",
             )
@@ -145,7 +149,7 @@ def canonical_step(
     for column in ("input_ids", "loss_mask"):
         if column not in df.columns:
             raise InvalidInputError(
-                "E102", f"{source}: missing column {column}", f"map it with --map SRC={column}"
+                Code.MISSING_COLUMN, f"{source}: missing column {column}", f"map it with --map SRC={column}"
             )
     shifted = {c for c, _ in options.shifts if c is not None}
     if any(c is None for c, _ in options.shifts):
@@ -173,12 +177,16 @@ def split_steps(df: pl.DataFrame, options: ImportOptions, source: str) -> Iterat
     mapped_from = next((old for old, new in options.maps if new == "step"), "step")
     if mapped_from not in df.columns:
         if options.step is None:
-            raise InvalidInputError("E102", f"{source}: missing column {step_column}", "pass --step N")
+            raise InvalidInputError(
+                Code.MISSING_COLUMN, f"{source}: missing column {step_column}", "pass --step N"
+            )
         yield options.step, df
         return
     steps = df[mapped_from]
     if steps.null_count():
-        raise InvalidInputError("E213", f"{source}: {mapped_from} is null on {steps.null_count()} rows")
+        raise InvalidInputError(
+            Code.NULL_REQUIRED, f"{source}: {mapped_from} is null on {steps.null_count()} rows"
+        )
     for value in sorted(steps.unique().to_list()):
         yield int(value), df.filter(pl.col(mapped_from) == value)
 

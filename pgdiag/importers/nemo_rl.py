@@ -30,7 +30,7 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.flat import FlatList, flat_list
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.importers import alignment
 from pgdiag.importers.base import DegenerateStream, ImportedStep, ImportOptions, Preset, bad_layout
 from pgdiag.importers.ids import first_loss_positions
@@ -51,7 +51,7 @@ _ROW_FIELDS = {
 }
 _REQUIRED = ("token_ids", "token_loss_mask", "generation_logprobs", "input_lengths", "sample_loss_mask")
 W701 = DegenerateStream(
-    "W701",
+    Code.STREAM_ALL_ZEROS,
     "old_logprobs",
     None,
     "prev_logprobs is exactly 0.0 on every loss position (grpo force_on_policy_ratio=true logs zeros)",
@@ -71,7 +71,7 @@ def step_files(src: Path) -> list[tuple[int, Path]]:
         if match is not None and not path.name.startswith("."):
             found.append((int(match.group(1)), path))
     if not found:
-        raise UsageError("E501", f"{src}: no train_data_step<N>.jsonl file found")
+        raise UsageError(Code.INPUT_NOT_FOUND, f"{src}: no train_data_step<N>.jsonl file found")
     steps = [n for n, _ in found]
     if len(set(steps)) != len(steps):
         dup = next(n for n in steps if steps.count(n) > 1)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from pgdiag.errors import Code
 from pgdiag.importers.alignment import from_rows, response_aligned, to_series
 from pgdiag.importers.base import DegenerateStream, ImportedStep, ImportOptions, Preset, bad_layout
 from pgdiag.importers.jsonl_lines import read_lines
@@ -33,7 +34,7 @@ from pgdiag.importers.jsonl_lines import read_lines
 MASKED = -100
 _SAMPLING = {"logprobs_mode": "processed", "engine": "vllm"}
 _W702 = DegenerateStream(
-    "W702",
+    Code.STREAM_COPIED,
     "ref_logprobs",
     "rollout_logprobs",
     "ref_logprobs is bit-identical to old_logprobs on every loss position (no reference model): ref dropped",

@@ -33,6 +33,7 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.flat import FlatList
+from pgdiag.errors import Code
 from pgdiag.importers.alignment import from_rows, offsets_of, response_aligned, to_series
 from pgdiag.importers.base import ImportedStep, ImportOptions, ImportWarning, Preset, bad_layout
 from pgdiag.importers.pt_reader import load_pt_lists
@@ -457,7 +458,7 @@ def _read(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
             if "old_logprobs" in streams and n_steps > 1:
                 warnings.append(
                     ImportWarning(
-                        "W703",
+                        Code.TRAIN_FORWARD_LOGPROBS,
                         f"step {step}: {n_steps} optimizer steps per rollout; log_probs may be snapshots of the "
                         "training forward after an update (--use-rollout-logprobs), not the old policy (old kept)",
                     )

@@ -19,7 +19,7 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.flat import FlatList
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.importers import alignment
 from pgdiag.importers.base import ImportedStep, ImportOptions, Preset, bad_layout
 from pgdiag.importers.hookdump import HookFile, int_lengths, read_hook_steps
@@ -63,7 +63,7 @@ def read(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
     table = completions_table(src)
     if table is not None:
         raise UsageError(
-            "E702",
+            Code.TEXT_ONLY_SOURCE,
             f"{table}: TRL's completion table holds text (prompt, completion), no token ids or log-probs",
             "record the run with the pgdiag.capture.trl hook and import its dump folder (docs/import.md, 'TRL')",
         )

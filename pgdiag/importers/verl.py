@@ -29,6 +29,7 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.flat import FlatList
+from pgdiag.errors import Code
 from pgdiag.importers import alignment
 from pgdiag.importers.base import (
     DegenerateStream,
@@ -50,7 +51,7 @@ STREAMS = {
 GEN_BATCH = "gen_batch.dp"
 TENSORDICT_REBUILD = "tensordict._reductions._rebuild_tensordict_files_consolidated"
 _BYPASS = DegenerateStream(
-    "W702",
+    Code.STREAM_COPIED,
     "old_logprobs",
     "rollout_logprobs",
     "old_log_probs is a copy of rollout_log_probs on every loss position "

@@ -44,7 +44,7 @@ def step_files(src: Path) -> list[tuple[int, Path]]:
         return [(int(match.group(1)) if match else -1, src)]
     found = [(int(m.group(1)), p) for p in src.glob("*.jsonl") if (m := FILE_PATTERN.fullmatch(p.name))]
     if not found:
-        raise UsageError("E501", f"{src}: no <global_steps>.jsonl file found")
+        raise UsageError(Code.INPUT_NOT_FOUND, f"{src}: no <global_steps>.jsonl file found")
     return sorted(found)
 
 
@@ -54,11 +54,13 @@ def load_tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
         from tokenizers import Tokenizer
     except ImportError as exc:  # pragma: no cover - transformers brings it
         raise UsageError(
-            "E509", "--retokenize needs the tokenizers package", "pip install tokenizers"
+            Code.MISSING_PACKAGE, "--retokenize needs the tokenizers package", "pip install tokenizers"
         ) from exc
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
-        raise UsageError("E501", f"{file}: no tokenizer.json found", "pass --tokenizer PATH/tokenizer.json")
+        raise UsageError(
+            Code.INPUT_NOT_FOUND, f"{file}: no tokenizer.json found", "pass --tokenizer PATH/tokenizer.json"
+        )
     try:
         tokenizer = Tokenizer.from_file(str(file))
     except Exception as exc:  # the tokenizers library raises bare Exceptions on bad files

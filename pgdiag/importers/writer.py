@@ -49,7 +49,7 @@ from pgdiag.data.writing import (
     write_json,
     write_parquet,
 )
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, UsageError
 from pgdiag.importers import alignment, ids
 from pgdiag.importers.base import DegenerateStream, ImportedStep, ImportOptions
 
@@ -104,7 +104,9 @@ def run_label(label: str | None, out: Path) -> str:
     """The run label: `label`, else OUT's name (without ``.parquet``); UsageError E503 when not a valid label."""
     name = label if label is not None else out.name.removesuffix(".parquet")
     if not LABEL_PATTERN.fullmatch(name):
-        raise UsageError("E503", f"run label {name!r} is not [A-Za-z0-9_.-]{{1,64}}", "pass --label NAME")
+        raise UsageError(
+            Code.BAD_OPTION_VALUE, f"run label {name!r} is not [A-Za-z0-9_.-]{{1,64}}", "pass --label NAME"
+        )
     return name
 
 
@@ -130,7 +132,9 @@ def apply_shifts(df: pl.DataFrame, shifts: Iterable[tuple[str | None, int]], sou
         for target in targets:
             if target not in df.columns:
                 raise UsageError(
-                    "E506", f"--shift {target}={k}: no column {target}", f"columns: {', '.join(columns)}"
+                    Code.MISSING_SETTING,
+                    f"--shift {target}={k}: no column {target}",
+                    f"columns: {', '.join(columns)}",
                 )
             dtype = df.schema[target]
             moved = alignment.shift(flat_list(df[target]), seq_lens, k, source=source, field=target)
@@ -144,7 +148,7 @@ def _group_ids(df: pl.DataFrame, group_by: str, step: int, prompt_len: np.ndarra
     if group_by == "field":
         if "group_id" not in df.columns:
             raise UsageError(
-                "E506",
+                Code.MISSING_SETTING,
                 f"{source}: --group-by field, but the source has no group ids",
                 "pass --group-by prompt or --group-by contiguous:N",
             )
@@ -162,11 +166,11 @@ def finalize_rows(imported: ImportedStep, options: ImportOptions, *, label: str 
     for column in ("input_ids", "loss_mask"):
         if column not in df.columns:
             raise InvalidInputError(
-                "E102", f"{source}: missing column {column}", "map it with --map SRC=" + column
+                Code.MISSING_COLUMN, f"{source}: missing column {column}", "map it with --map SRC=" + column
             )
     if imported.requires_stream and not _stream_columns(df.columns):
         raise InvalidInputError(
-            "E102",
+            Code.MISSING_COLUMN,
             f"{source}: no log-prob stream (rollout_logprobs, old_logprobs, ref_logprobs or new_logprobs)",
             "map one with --map SRC=rollout_logprobs",
         )
@@ -174,7 +178,7 @@ def finalize_rows(imported: ImportedStep, options: ImportOptions, *, label: str 
         wrong = df["step"].cast(pl.Int64, strict=False) != imported.step
         if wrong.any():
             raise InvalidInputError(
-                "E703", f"{source}: step: expected {imported.step} on every row of the step"
+                Code.BAD_DUMP_LAYOUT, f"{source}: step: expected {imported.step} on every row of the step"
             )
     else:
         df = df.with_columns(pl.lit(imported.step, dtype=pl.Int64).alias("step"))
@@ -187,7 +191,7 @@ def finalize_rows(imported: ImportedStep, options: ImportOptions, *, label: str 
     if mask.lengths.shape != ids_flat.lengths.shape or (mask.lengths != ids_flat.lengths).any():
         row = int(np.flatnonzero(mask.lengths != ids_flat.lengths)[0])
         raise InvalidInputError(
-            "E201",
+            Code.LENGTH_MISMATCH,
             f"{source}: loss_mask: length {mask.lengths[row]} != input_ids {ids_flat.lengths[row]} (row {row})",
         )
     mask_values = mask.values if mask.valid is None else mask.values & mask.valid
@@ -428,7 +432,7 @@ def _write_step(
         )
     # a seq_hash the writer derived (finalize_rows) is the hash of these very ids: E212 cannot fire, skip the rehash
     derived_hash = "seq_hash" not in imported.rows.columns
-    found = validate_rows(rows, ignore=(*ignore, "E212") if derived_hash else ignore)
+    found = validate_rows(rows, ignore=(*ignore, Code.SEQ_HASH_MISMATCH) if derived_hash else ignore)
     error = _first_error(found.issues)
     if error is not None:
         raise error
@@ -436,7 +440,9 @@ def _write_step(
     footer = _footer(imported, options, preset, streams)
     footer["import"] = {**footer.get("import", {}), "ignored_codes": sorted(ignore)}
     if imported.step in {s.step for s in totals.steps}:
-        raise InvalidInputError("E703", f"{source}: step {imported.step} appears twice in the source")
+        raise InvalidInputError(
+            Code.BAD_DUMP_LAYOUT, f"{source}: step {imported.step} appears twice in the source"
+        )
     path = tmp / _PARTS / f"step={imported.step}" / "part-00000.parquet"
     n_bytes = int(table.nbytes)
     parts.submit(
@@ -497,7 +503,7 @@ def _drop_degenerate(totals: _Totals) -> list[str]:
         rule = state.rule
         if state.steps_failing:
             raise InvalidInputError(
-                "E206",
+                Code.ZERO_FILLED,
                 f"{rule.column}: {'exact 0.0' if rule.same_as is None else 'identical to ' + rule.same_as} on every "
                 f"loss position of step {state.steps_holding[0]} but not of step {state.steps_failing[0]}; "
                 "missing values written as 0?",
@@ -584,7 +590,7 @@ def write_steps(
     """
     out = Path(out)
     if out.exists() and not overwrite:
-        raise UsageError("E502", f"{out} exists", "pass --overwrite to replace it")
+        raise UsageError(Code.OUTPUT_EXISTS, f"{out} exists", "pass --overwrite to replace it")
     label = run_label(options.label, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
@@ -608,7 +614,9 @@ def write_steps(
                 progress(summary)
         parts.wait()
         if not totals.steps:
-            raise InvalidInputError("E703", f"nothing to import: no step found ({preset} preset)")
+            raise InvalidInputError(
+                Code.BAD_DUMP_LAYOUT, f"nothing to import: no step found ({preset} preset)"
+            )
         dropped = _drop_degenerate(totals)
         if len(totals.files) == 1:
             single = tmp / _PARTS / "part-00000.parquet"

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, UsageError
 from pgdiag.kernels.kept_set import KeptSet, finish_kept, kept_kl, kept_partials
 from pgdiag.kernels.vocab_parallel import PARTIAL_ROWS, finish_partials, gather_partials, merge_partials
 
@@ -73,7 +73,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     is off.
     """
     if impl not in IMPLS:
-        raise UsageError("E503", f"impl {impl!r} is not one of {', '.join(IMPLS)}")
+        raise UsageError(Code.BAD_OPTION_VALUE, f"impl {impl!r} is not one of {', '.join(IMPLS)}")
     if impl == "auto":
         return (
             "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
@@ -83,13 +83,13 @@ def resolve_impl(impl: str, device: torch.device) -> str:
             import triton
         except ImportError:
             raise UsageError(
-                "E509",
+                Code.MISSING_PACKAGE,
                 "impl 'triton' needs the triton package, which is not installed",
                 "use --impl torch, or install it: pip install 'pgdiag[gpu]' (CUDA builds of torch bring it)",
             ) from None
         if device.type != "cuda" and not triton.knobs.runtime.interpret:
             raise UsageError(
-                "E508",
+                Code.DEVICE_UNAVAILABLE,
                 f"impl 'triton' needs a CUDA device, got {device.type}",
                 "use --impl torch (the default off CUDA), or TRITON_INTERPRET=1 for the slow Triton interpreter",
             )
@@ -129,7 +129,7 @@ def lm_head_logprobs(
     if bool(out_of_range.any()):
         row = int(out_of_range.nonzero()[0, 0])
         raise InvalidInputError(
-            "E208",
+            Code.TOKEN_OUT_OF_VOCAB,
             f"token id {int(targets[row])} < 0 at token {row} (ignore_index is {ignore_index})",
             "mask such tokens with ignore_index or fix the token ids",
         )
@@ -178,7 +178,7 @@ def lm_head_logprobs(
     if bool(missing.any()):
         row = int(missing.nonzero()[0, 0])
         raise InvalidInputError(
-            "E208",
+            Code.TOKEN_OUT_OF_VOCAB,
             f"token id {int(targets[row])} at token {row} is not in the vocabulary (no head row holds it)",
             "token ids must be < the head's vocab size; was the rollout tokenized for another model?",
         )
@@ -191,7 +191,7 @@ def lm_head_logprobs(
     if bool(outside.any()):
         row = int(outside.nonzero()[0, 0])
         raise InvalidInputError(
-            "E221",
+            Code.SAMPLED_OUTSIDE_KEPT,
             f"token {row}: target {int(targets[row])} is not in its kept set",
             "the kept set of a position holds the token sampled there",
         )
@@ -213,7 +213,7 @@ def _check_kept(kept: KeptSet, targets: torch.Tensor) -> None:
     offsets = kept.offsets
     if offsets.dim() != 1 or offsets.shape[0] != targets.shape[0] + 1 or kept.ids.dim() != 1:
         raise UsageError(
-            "E513",
+            Code.BAD_TENSORS,
             f"lm_head_logprobs: kept offsets {tuple(offsets.shape)} for {targets.shape[0]} tokens "
             f"(expected ({targets.shape[0] + 1},)), ids {tuple(kept.ids.shape)}",
         )
@@ -222,7 +222,7 @@ def _check_kept(kept: KeptSet, targets: torch.Tensor) -> None:
         or int(offsets[-1]) != kept.ids.shape[0]
         or bool((offsets[1:] < offsets[:-1]).any())
     ):
-        raise UsageError("E513", "lm_head_logprobs: kept offsets must rise from 0 to len(ids)")
+        raise UsageError(Code.BAD_TENSORS, "lm_head_logprobs: kept offsets must rise from 0 to len(ids)")
 
 
 def _check_arguments(
@@ -231,11 +231,13 @@ def _check_arguments(
     """Raise UsageError E503 for an option value out of range, E513 for tensors that do not fit together."""
     if not (temperature > 0.0 and temperature < float("inf")):
         raise UsageError(
-            "E503", f"lm_head_logprobs: temperature must be a positive finite number, got {temperature}"
+            Code.BAD_OPTION_VALUE,
+            f"lm_head_logprobs: temperature must be a positive finite number, got {temperature}",
         )
     if head_dtype not in HEAD_DTYPES:
         raise UsageError(
-            "E503", f"lm_head_logprobs: head_dtype {head_dtype!r} is not one of {', '.join(HEAD_DTYPES)}"
+            Code.BAD_OPTION_VALUE,
+            f"lm_head_logprobs: head_dtype {head_dtype!r} is not one of {', '.join(HEAD_DTYPES)}",
         )
     problems = []
     if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
@@ -253,4 +255,4 @@ def _check_arguments(
     if hidden.device != weight.device or hidden.device != targets.device:
         problems.append(f"tensors on different devices: {hidden.device}, {weight.device}, {targets.device}")
     if problems:
-        raise UsageError("E513", "lm_head_logprobs: " + "; ".join(problems))
+        raise UsageError(Code.BAD_TENSORS, "lm_head_logprobs: " + "; ".join(problems))

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.kernels.lm_head_logprobs_ref import head_operands
 
 BLOCK_E = 32
@@ -69,7 +69,10 @@ def kept_logits_triton(
 ) -> torch.Tensor:
     """(E,) fp32 kept logits, the contract of `kept_set.kept_logits`."""
     if hidden.device.type != "cuda" and not triton.knobs.runtime.interpret:
-        raise UsageError("E508", f"impl='triton' needs CUDA tensors (got {hidden.device}); use impl='torch'")
+        raise UsageError(
+            Code.DEVICE_UNAVAILABLE,
+            f"impl='triton' needs CUDA tensors (got {hidden.device}); use impl='torch'",
+        )
     n_elements = int(element_token.shape[0])
     out = torch.full((n_elements,), float("-inf"), dtype=torch.float32, device=hidden.device)
     if n_elements == 0 or weight.shape[0] == 0:

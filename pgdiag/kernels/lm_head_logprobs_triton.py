@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.kernels.lm_head_logprobs_ref import head_operands
 from pgdiag.kernels.triton_shared import (
     MASKED_LOGIT,
@@ -192,7 +192,10 @@ def lm_head_partials(
     mode = head_mode_for(head_dtype, weight.dtype, hidden.dtype)
     tiles = tiles or default_tiles(mode, hidden.shape[1])
     if hidden.device.type != "cuda" and not triton.knobs.runtime.interpret:
-        raise UsageError("E508", f"impl='triton' needs CUDA tensors (got {hidden.device}); use impl='torch'")
+        raise UsageError(
+            Code.DEVICE_UNAVAILABLE,
+            f"impl='triton' needs CUDA tensors (got {hidden.device}); use impl='torch'",
+        )
     n_tokens, vocab_local = hidden.shape[0], weight.shape[0]
     if vocab_local == 0 or n_tokens == 0:
         return empty_partials(n_tokens, hidden.device)

@@ -28,7 +28,7 @@ from pgdiag.data.validate import (
     merge_piece_issues,
     raise_first_error,
 )
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.chunks import ChunkPlan, plan_chunks
 from pgdiag.metrics.kept import truncation_warning
 from pgdiag.metrics.pooled import QuantileSettings
@@ -54,7 +54,7 @@ def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
     def need(name: str | None, what: str) -> str | None:
         if name is not None and name not in streams:
             raise UsageError(
-                "E111",
+                Code.STREAM_NOT_FOUND,
                 f"{run.label}: no stream {name!r} for {what}",
                 f"streams present: {', '.join(run.streams) or 'none'}",
             )
@@ -69,7 +69,7 @@ def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
         else:
             listed = ", ".join(run.streams) or "none"
             raise UsageError(
-                "E111",
+                Code.STREAM_NOT_FOUND,
                 f"{run.label}: cannot tell which stream is the new policy (streams: {listed})",
                 "run `pgdiag logprobs RUN --model CKPT` first, or name one with --new",
             )
@@ -78,7 +78,9 @@ def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
     )
     if old is None:
         raise UsageError(
-            "E111", f"{run.label}: no old or rollout stream for the policy ratio", "name one with --old"
+            Code.STREAM_NOT_FOUND,
+            f"{run.label}: no old or rollout stream for the policy ratio",
+            "name one with --old",
         )
     stream_a = need(settings.stream_a, "--stream-a") or ("rollout" if "rollout" in streams else None)
     stream_b = need(settings.stream_b, "--stream-b") or ("old" if "old" in streams else new)
@@ -88,7 +90,7 @@ def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
     entropy = settings.entropy
     if entropy is not None and entropy not in run.entropy_streams:
         raise UsageError(
-            "E111",
+            Code.STREAM_NOT_FOUND,
             f"{run.label}: no entropy for stream {entropy!r}",
             f"streams with entropy: {', '.join(run.entropy_streams) or 'none'}",
         )
@@ -137,7 +139,9 @@ class StreamSettings:
 
     def __post_init__(self) -> None:
         if self.max_rows is not None and self.max_rows < 1:
-            raise UsageError("E503", f"a chunk needs at least one row, got max_rows={self.max_rows}")
+            raise UsageError(
+                Code.BAD_OPTION_VALUE, f"a chunk needs at least one row, got max_rows={self.max_rows}"
+            )
 
     def budget(self, rows_per_step: dict[int, int]) -> int:
         """The row budget of one chunk for a run with `rows_per_step`."""
@@ -176,7 +180,7 @@ def compute_metrics(
     if settings is None:
         settings = MetricSettings.from_options(**options)
     elif options:
-        raise UsageError("E514", "give either a MetricSettings or keyword options, not both")
+        raise UsageError(Code.SETTINGS_TWICE, "give either a MetricSettings or keyword options, not both")
     checks = checks or CheckSettings()
     stream = stream or StreamSettings()
     settings = resolve_streams(run, settings)
@@ -303,7 +307,7 @@ def _read(
         kept_of=[settings.kept] if settings.kept else [],
     )
     found: list[Issue] = []
-    if "E206" not in checks.ignore:
+    if Code.ZERO_FILLED not in checks.ignore:
         pairs = [(settings.old, settings.new), (settings.stream_a, settings.stream_b)]
         for a, b in dict.fromkeys(p for p in pairs if p[0] is not None and p[1] is not None and p[0] != p[1]):
             found += _zero_fill(loaded.batch, a, b, checks.max_examples)
@@ -424,7 +428,11 @@ def _report(
     }
     if checks is None:
         return Report(kind="metrics", summary=summary_frame(rows), meta=meta)
-    warning = None if "W413" in ignored else truncation_warning(run, settings.kept, _all_value(results))
+    warning = (
+        None
+        if Code.HIDDEN_KEPT_MASS in ignored
+        else truncation_warning(run, settings.kept, _all_value(results))
+    )
     if warning is not None:
         checks = pl.concat([checks, check_result([warning]).issues], how="vertical_relaxed")
     return Report(kind="metrics", summary=summary_frame(rows), meta=meta, checks=checks)

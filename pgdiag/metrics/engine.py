@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pgdiag.data.batch import TokenBatch
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.advantage import (
     AdvantageTables,
     EntropyTables,
@@ -480,7 +480,9 @@ def _stream(batch: TokenBatch, name: str | None, role: str) -> np.ndarray | None
     if name not in batch.streams:
         present = ", ".join(sorted(batch.streams)) or "none"
         raise UsageError(
-            "E111", f"{batch.label}: stream {name!r} (--{role}) is not in the batch", f"streams: {present}"
+            Code.STREAM_NOT_FOUND,
+            f"{batch.label}: stream {name!r} (--{role}) is not in the batch",
+            f"streams: {present}",
         )
     return batch.streams[name]
 
@@ -490,7 +492,9 @@ def _entropy(batch: TokenBatch, tag: str) -> np.ndarray:
     if tag not in batch.entropy:
         present = ", ".join(sorted(batch.entropy)) or "none"
         raise UsageError(
-            "E111", f"{batch.label}: no entropy for recompute tag {tag!r}", f"tags with entropy: {present}"
+            Code.STREAM_NOT_FOUND,
+            f"{batch.label}: no entropy for recompute tag {tag!r}",
+            f"tags with entropy: {present}",
         )
     return batch.entropy[tag]
 

@@ -29,6 +29,7 @@ import numpy as np
 from pgdiag.data.kept import KEPT_IDS, KEPT_OFFSETS
 from pgdiag.data.semantics import footer_semantics, truncation_on
 from pgdiag.data.validate import Issue
+from pgdiag.errors import Code
 from pgdiag.metrics.catalog import MetricSink
 from pgdiag.metrics.pooled import QuantileSummary, extremum_of, quantiles_of
 from pgdiag.metrics.reduce import SAMPLE_AXIS, TOKEN_AXIS, TokenReducer, take_rows
@@ -180,4 +181,4 @@ def truncation_warning(run: Run, kept_tag: str | None, bias: float | None) -> Is
         f"{run.label}: sampling truncated by top-p/top-k/min-p but no kept set recorded: the kept mass biases "
         f"the ratios against the behaviour policy by {size}{shows}"
     )
-    return Issue("W413", "warning", 1, text, hint=hint)
+    return Issue(Code.HIDDEN_KEPT_MASS, "warning", 1, text, hint=hint)

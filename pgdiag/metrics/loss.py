@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.catalog import MetricSink
 from pgdiag.metrics.reduce import SAMPLE_AXIS, TokenReducer, linear_fit
 from pgdiag.metrics.settings import MetricSettings
@@ -131,7 +131,7 @@ def resolve_aggregation(name: str | None, settings: MetricSettings) -> ResolvedA
         mode = rule.token_mode if settings.level == "token" else rule.sequence_mode
         if mode is None:
             raise UsageError(
-                "E507",
+                Code.NOT_IN_KEY_STYLE,
                 f"--aggregation {name}: {rule.framework} {rule.name} has no native loss mode at --level "
                 f"{settings.level}",
                 "liger:luspo at token level exists only under --key-style liger; verl token-sum, "
@@ -142,7 +142,7 @@ def resolve_aggregation(name: str | None, settings: MetricSettings) -> ResolvedA
         divisor = rule.default_divisor
     if mode == "constant" and divisor is None:
         raise UsageError(
-            "E506",
+            Code.MISSING_SETTING,
             f"--aggregation {name} resolves to `constant`, which needs --divisor L (loss = Σ m'ℓ / (L·S))",
             "pass --divisor, e.g. the max_completion_length or loss_scale_factor of the run",
         )
@@ -150,7 +150,9 @@ def resolve_aggregation(name: str | None, settings: MetricSettings) -> ResolvedA
     if rule is not None and rule.batch_size_samples and settings.style.batch_size is not None:
         if settings.style.batch_size < 1:
             raise UsageError(
-                "E503", f"--batch-size must be at least 1, got {settings.style.batch_size}", None
+                Code.BAD_OPTION_VALUE,
+                f"--batch-size must be at least 1, got {settings.style.batch_size}",
+                None,
             )
         sample_count = settings.style.batch_size
     return ResolvedAggregation(
@@ -178,11 +180,13 @@ def _find_alias(name: str) -> AliasRule:
         if matches:
             options = ", ".join(f"{rule.framework}:{rule.name}" for rule in matches)
             raise UsageError(
-                "E503", f"--aggregation {name} needs a framework prefix", f"use one of {options}"
+                Code.BAD_OPTION_VALUE,
+                f"--aggregation {name} needs a framework prefix",
+                f"use one of {options}",
             )
     known = ", ".join(NATIVE_MODES)
     raise UsageError(
-        "E503",
+        Code.BAD_OPTION_VALUE,
         f"unknown --aggregation {name!r}",
         f"native modes: {known}; or an alias of docs/metrics.md such as verl:seq-mean-token-mean or dr_grpo",
     )

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pgdiag.errors import InvalidInputError
+from pgdiag.errors import Code, InvalidInputError
 from pgdiag.metrics import terms
 from pgdiag.metrics.catalog import MetricSink
 from pgdiag.metrics.pooled import QuantileSummary, extremum_of, quantiles_of
@@ -331,7 +331,7 @@ def fit_temperature(target_logits: np.ndarray, logits: np.ndarray, lp_a: np.ndar
         return TemperatureFit(None, None, 0)
     if not (np.all(np.isfinite(logits)) and np.all(np.isfinite(target_logits)) and np.all(np.isfinite(lp_a))):
         raise InvalidInputError(
-            "E207", "fit_temperature: logits and log-probs must be finite on the fitted tokens", None
+            Code.NON_FINITE, "fit_temperature: logits and log-probs must be finite on the fitted tokens", None
         )
 
     def sq_error(log_tau: float) -> float:

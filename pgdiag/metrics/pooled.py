@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.reduce import TokenReducer, extremum, quantiles, type7_quantiles
 
 __all__ = [
@@ -50,10 +50,13 @@ class QuantileSettings:
 
     def __post_init__(self) -> None:
         if self.exact_limit < 0:
-            raise UsageError("E503", f"quantile exact limit must be >= 0, got {self.exact_limit}")
+            raise UsageError(
+                Code.BAD_OPTION_VALUE, f"quantile exact limit must be >= 0, got {self.exact_limit}"
+            )
         if not 0.0 < self.relative_error < 0.5:
             raise UsageError(
-                "E503", f"quantile relative error must be in (0, 0.5), got {self.relative_error}"
+                Code.BAD_OPTION_VALUE,
+                f"quantile relative error must be in (0, 0.5), got {self.relative_error}",
             )
 
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 
 KEY_STYLES = ("pgdiag", "fast-llm", "verl", "trl", "liger", "miles", "pipelinerl")
 METRIC_REDUCTIONS = ("token", "sample", "document")
@@ -28,7 +28,7 @@ def from_flat_options(cls: type, nested: dict[str, type], options: dict[str, Any
     own = {f.name for f in fields(cls)} - set(nested)
     unknown = set(options) - own - set().union(*parts.values())
     if unknown:
-        raise UsageError("E503", f"unknown {what} option(s): {', '.join(sorted(unknown))}")
+        raise UsageError(Code.BAD_OPTION_VALUE, f"unknown {what} option(s): {', '.join(sorted(unknown))}")
     built = {
         name: nested[name](**{k: v for k, v in options.items() if k in names})
         for name, names in parts.items()
@@ -47,11 +47,11 @@ class ClipBand:
     def __post_init__(self) -> None:
         if not (0.0 <= self.eps_low < 1.0 and self.eps_high >= 0.0):
             raise UsageError(
-                "E503",
+                Code.BAD_OPTION_VALUE,
                 f"clip band needs 0 <= --eps-low < 1 and --eps-high >= 0, got {self.eps_low}, {self.eps_high}",
             )
         if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise UsageError("E503", f"--dual-clip C must be > 1, got {self.dual_clip}")
+            raise UsageError(Code.BAD_OPTION_VALUE, f"--dual-clip C must be > 1, got {self.dual_clip}")
 
     @property
     def low_edge(self) -> float:
@@ -121,17 +121,26 @@ class MetricSettings:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 flag = "--" + name.replace("_", "-")
-                raise UsageError("E503", f"{flag} {getattr(self, name)!r}: choose {'|'.join(allowed)}")
+                raise UsageError(
+                    Code.BAD_OPTION_VALUE, f"{flag} {getattr(self, name)!r}: choose {'|'.join(allowed)}"
+                )
         for name in ("divisor", "grad_divisor"):
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
-                raise UsageError("E503", f"--{name.replace('_', '-')} must be a positive number, got {value}")
+                raise UsageError(
+                    Code.BAD_OPTION_VALUE,
+                    f"--{name.replace('_', '-')} must be a positive number, got {value}",
+                )
         for name in ("zero_std_atol", "identity_tol"):  # tolerances: 0 (exact) or more; NaN is no tolerance
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
-                raise UsageError("E503", f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
+                raise UsageError(
+                    Code.BAD_OPTION_VALUE, f"--{name.replace('_', '-')} must be a number >= 0, got {value}"
+                )
         if self.docs_per_step is not None and self.docs_per_step < 1:
-            raise UsageError("E503", f"--docs-per-step must be at least 1, got {self.docs_per_step}")
+            raise UsageError(
+                Code.BAD_OPTION_VALUE, f"--docs-per-step must be at least 1, got {self.docs_per_step}"
+            )
         if self.key_style != "pgdiag":
             from pgdiag.metrics.styles import check_style_settings
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen")
 
@@ -71,14 +71,15 @@ def resolve_attention_backend(requested: str, device: torch.device, dtype: torch
     body is 16-bit (FlashAttention has no fp32 kernel), else ``sdpa``."""
     if requested not in ATTENTION_BACKENDS:
         raise UsageError(
-            "E503", f"unknown attention backend {requested!r}; choose one of {ATTENTION_BACKENDS}"
+            Code.BAD_OPTION_VALUE,
+            f"unknown attention backend {requested!r}; choose one of {ATTENTION_BACKENDS}",
         )
     varlen_ok = device.type == "cuda" and varlen_available() and dtype in (torch.bfloat16, torch.float16)
     if requested == "auto":
         return "varlen" if varlen_ok else "sdpa"
     if requested == "varlen" and not varlen_ok:
         raise UsageError(
-            "E508",
+            Code.DEVICE_UNAVAILABLE,
             f"attention backend 'varlen' needs CUDA, torch.nn.attention.varlen and a 16-bit body (got {dtype})",
             "use --attn sdpa or auto",
         )

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.model.attention import resolve_attention_backend
 from pgdiag.model.config import ModelConfig, read_model_config
 from pgdiag.model.moe import resolve_expert_impl
@@ -106,7 +106,7 @@ class TensorSource:
             return self._handles[file].get_slice(name)
         except (SafetensorError, OSError) as error:
             raise UsageError(
-                "E610", f"{file}: not a readable safetensors file ({one_line_text(error)})"
+                Code.DAMAGED_SAFETENSORS, f"{file}: not a readable safetensors file ({one_line_text(error)})"
             ) from None
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -153,7 +153,10 @@ def open_tensor_source(path: Path) -> TensorSource:
         files = {name: path / shard for name, shard in weight_map.items()}
         for shard in sorted(set(files.values())):
             if not shard.is_file():
-                raise UsageError("E604", f"{index}: shard {shard.name} listed in weight_map is missing")
+                raise UsageError(
+                    Code.CHECKPOINT_FILE_MISSING,
+                    f"{index}: shard {shard.name} listed in weight_map is missing",
+                )
         return TensorSource(files=files)
     if single.is_file():
         try:
@@ -161,17 +164,20 @@ def open_tensor_source(path: Path) -> TensorSource:
                 return TensorSource(files=dict.fromkeys(f.keys(), single))
         except (SafetensorError, OSError) as error:
             raise UsageError(
-                "E610", f"{single}: not a readable safetensors file ({one_line_text(error)})"
+                Code.DAMAGED_SAFETENSORS,
+                f"{single}: not a readable safetensors file ({one_line_text(error)})",
             ) from None
     pickles = sorted(p.name for p in path.glob("*") if p.suffix in (".bin", ".pt", ".pth") and p.is_file())
     if pickles:
         raise UsageError(
-            "E609",
+            Code.PICKLE_CHECKPOINT,
             f"{path}: {pickles[0]} is a pickle checkpoint; pgdiag loads weights only from safetensors",
             'convert it once, where you trust the file: python -c "import torch; from safetensors.torch '
             f"import save_file; save_file(torch.load('{pickles[0]}', weights_only=True), 'model.safetensors')\"",
         )
-    raise UsageError("E604", f"{path}: no model.safetensors or model.safetensors.index.json")
+    raise UsageError(
+        Code.CHECKPOINT_FILE_MISSING, f"{path}: no model.safetensors or model.safetensors.index.json"
+    )
 
 
 def one_line_text(error: BaseException) -> str:
@@ -183,9 +189,13 @@ def _read_index(index: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError):
-        raise UsageError("E604", f"{index}: not a valid index (needs a 'weight_map' object)") from None
+        raise UsageError(
+            Code.CHECKPOINT_FILE_MISSING, f"{index}: not a valid index (needs a 'weight_map' object)"
+        ) from None
     if not isinstance(weight_map, dict):
-        raise UsageError("E604", f"{index}: 'weight_map' must map tensor names to shard files")
+        raise UsageError(
+            Code.CHECKPOINT_FILE_MISSING, f"{index}: 'weight_map' must map tensor names to shard files"
+        )
     return weight_map
 
 
@@ -322,18 +332,24 @@ def check_tensor_names(config: ModelConfig, source: TensorSource, where: str) ->
     prefixed = [n for n in names if n.startswith(_WRAPPER_PREFIXES) or "._fsdp_wrapped_module." in n]
     if prefixed:
         raise UsageError(
-            "E603", f"{where}: tensor names carry a wrapper prefix ('{prefixed[0]}')", _CONVERTER_HINT
+            Code.TENSORS_MISMATCH,
+            f"{where}: tensor names carry a wrapper prefix ('{prefixed[0]}')",
+            _CONVERTER_HINT,
         )
     expected = expected_shapes(config)
     present = set(names)
     if not config.tie_word_embeddings and "lm_head.weight" not in present:
         raise UsageError(
-            "E603", f"{where}: tie_word_embeddings is false but 'lm_head.weight' is missing", _CONVERTER_HINT
+            Code.TENSORS_MISMATCH,
+            f"{where}: tie_word_embeddings is false but 'lm_head.weight' is missing",
+            _CONVERTER_HINT,
         )
     missing = [n for n in expected if n not in present]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise UsageError("E603", f"{where}: tensor '{missing[0]}' is missing{more}", _CONVERTER_HINT)
+        raise UsageError(
+            Code.TENSORS_MISMATCH, f"{where}: tensor '{missing[0]}' is missing{more}", _CONVERTER_HINT
+        )
     allowed_extra = {"lm_head.weight"} if config.tie_word_embeddings else set()
     unexpected = [
         n for n in names if n not in expected and n not in allowed_extra and not n.endswith(_IGNORED_SUFFIXES)
@@ -341,14 +357,14 @@ def check_tensor_names(config: ModelConfig, source: TensorSource, where: str) ->
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise UsageError(
-            "E603",
+            Code.TENSORS_MISMATCH,
             f"{where}: unexpected tensor '{unexpected[0]}'{more} for {config.architecture}",
             _CONVERTER_HINT,
         )
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         if name in present and source.shape(name)[0] != config.vocab_size:
             raise UsageError(
-                "E608",
+                Code.EMBEDDING_ROWS,
                 f"{where}: '{name}' has {source.shape(name)[0]} rows but vocab_size is {config.vocab_size}",
             )
     for name in expected:
@@ -356,7 +372,7 @@ def check_tensor_names(config: ModelConfig, source: TensorSource, where: str) ->
         wanted = ("U8",) if name.endswith(_MXFP4_SUFFIXES) else _FLOAT_STORAGE
         if stored not in wanted:
             raise UsageError(
-                "E611",
+                Code.NON_FLOAT_WEIGHTS,
                 f"{where}: tensor '{name}' is stored as {stored}; pgdiag reads {' or '.join(wanted)} weights",
                 "a quantized or integer checkpoint cannot be recomputed: give the bf16/fp16/fp32 checkpoint "
                 "it was made from",
@@ -364,14 +380,14 @@ def check_tensor_names(config: ModelConfig, source: TensorSource, where: str) ->
     for name, shape in expected.items():
         if source.shape(name) != shape:
             raise UsageError(
-                "E603",
+                Code.TENSORS_MISMATCH,
                 f"{where}: tensor '{name}' has shape {list(source.shape(name))}, config implies {list(shape)}",
             )
 
 
 def parse_dtype(name: str, option: str) -> torch.dtype:
     if name not in DTYPES:
-        raise UsageError("E607", f"{option} {name!r} is not one of {sorted(DTYPES)}")
+        raise UsageError(Code.UNKNOWN_DTYPE, f"{option} {name!r} is not one of {sorted(DTYPES)}")
     return DTYPES[name]
 
 
@@ -481,7 +497,7 @@ def _assign(model: CausalLM, name: str, value: Tensor) -> None:
     current = getattr(module, attr)
     if tuple(current.shape) != tuple(value.shape):
         raise UsageError(
-            "E603",
+            Code.TENSORS_MISMATCH,
             f"tensor '{name}' slice has shape {list(value.shape)}, model expects {list(current.shape)}",
         )
     setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
@@ -496,11 +512,11 @@ def _warnings(
             source.read("lm_head.weight", part), source.read("model.embed_tokens.weight", part)
         ):
             yield (
-                "W606",
+                Code.TIED_HEAD_DIFFERS,
                 f"{where}: tied embeddings but 'lm_head.weight' differs from the embedding; the embedding is used",
             )
     if rounded:
         yield (
-            "W607",
+            Code.FP32_ROUNDED,
             f"{where}: {rounded} fp32 tensors rounded to {dtype} for the body (--dtype fp32 keeps them)",
         )

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
@@ -175,15 +175,19 @@ def read_model_config(path: str | Path) -> ModelConfig:
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise UsageError(
-            "E604", f"{file}: config.json not found", "point --model at a HF checkpoint directory"
+            Code.CHECKPOINT_FILE_MISSING,
+            f"{file}: config.json not found",
+            "point --model at a HF checkpoint directory",
         )
     data = file.read_bytes()
     try:
         raw = json.loads(data)
     except json.JSONDecodeError as exc:
-        raise UsageError("E606", f"{file}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        raise UsageError(
+            Code.BAD_MODEL_CONFIG, f"{file}: not valid JSON ({exc.msg} at line {exc.lineno})"
+        ) from None
     if not isinstance(raw, dict):
-        raise UsageError("E606", f"{file}: expected a JSON object")
+        raise UsageError(Code.BAD_MODEL_CONFIG, f"{file}: expected a JSON object")
     return _parse(raw, str(file), hashlib.sha256(data).hexdigest())
 
 
@@ -192,13 +196,18 @@ def _field(raw: dict[str, Any], name: str, kind: type, source: str, default: Any
     value = raw.get(name)
     if value is None:
         if default is None:
-            raise UsageError("E606", f"{source}: field '{name}' is missing and has no default for this model")
+            raise UsageError(
+                Code.BAD_MODEL_CONFIG,
+                f"{source}: field '{name}' is missing and has no default for this model",
+            )
         return default
     ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
     if not ok:
-        raise UsageError("E606", f"{source}: field '{name}' must be {kind.__name__}, got {value!r}")
+        raise UsageError(
+            Code.BAD_MODEL_CONFIG, f"{source}: field '{name}' must be {kind.__name__}, got {value!r}"
+        )
     return value
 
 
@@ -206,12 +215,13 @@ def _parse(raw: dict[str, Any], source: str, sha256: str) -> ModelConfig:
     archs = raw.get("architectures")
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
         raise UsageError(
-            "E606", f"{source}: field 'architectures' is missing; cannot tell which model this is"
+            Code.BAD_MODEL_CONFIG,
+            f"{source}: field 'architectures' is missing; cannot tell which model this is",
         )
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UsageError(
-            "E601",
+            Code.UNSUPPORTED_ARCHITECTURE,
             f"unsupported architecture '{arch}'; supported: Llama, Mistral, Qwen2, Qwen3 (dense), "
             "Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss. pgdiag never runs checkpoint code.",
         )
@@ -229,20 +239,23 @@ def _parse(raw: dict[str, Any], source: str, sha256: str) -> ModelConfig:
         ("num_hidden_layers", layers),
     ):
         if value <= 0:
-            raise UsageError("E606", f"{source}: field '{name}' must be positive, got {value}")
+            raise UsageError(Code.BAD_MODEL_CONFIG, f"{source}: field '{name}' must be positive, got {value}")
     head_dim_default = hidden // heads if hidden % heads == 0 else None
     head_dim = _field(raw, "head_dim", int, source, head_dim_default)
     if head_dim <= 0 or req("vocab_size") <= 0:
-        raise UsageError("E606", f"{source}: head_dim and vocab_size must be positive")
+        raise UsageError(Code.BAD_MODEL_CONFIG, f"{source}: head_dim and vocab_size must be positive")
     act = _field(raw, "hidden_act", str, source, "silu")
     if act != "silu":
-        raise UsageError("E606", f"{source}: hidden_act '{act}' is not supported (only 'silu')")
+        raise UsageError(
+            Code.BAD_MODEL_CONFIG, f"{source}: hidden_act '{act}' is not supported (only 'silu')"
+        )
     if kv_heads <= 0 or heads % kv_heads != 0:
         raise UsageError(
-            "E606", f"{source}: num_attention_heads {heads} is not a multiple of kv heads {kv_heads}"
+            Code.BAD_MODEL_CONFIG,
+            f"{source}: num_attention_heads {heads} is not a multiple of kv heads {kv_heads}",
         )
     if head_dim % 2 != 0:
-        raise UsageError("E606", f"{source}: head_dim {head_dim} must be even for RoPE")
+        raise UsageError(Code.BAD_MODEL_CONFIG, f"{source}: head_dim {head_dim} must be even for RoPE")
 
     attention_bias = _field(raw, "attention_bias", bool, source, False)
     is_qwen2 = arch == "Qwen2ForCausalLM"
@@ -291,17 +304,20 @@ def _parse_moe(raw: dict[str, Any], arch: str, layers: int, source: str) -> MoeC
     # transformers 5 writes Qwen3-MoE's count as num_local_experts; released checkpoints say num_experts
     experts = raw.get("num_experts") if qwen and "num_experts" in raw else req("num_local_experts")
     if not isinstance(experts, int) or isinstance(experts, bool):
-        raise UsageError("E606", f"{source}: field 'num_experts' must be int, got {experts!r}")
+        raise UsageError(Code.BAD_MODEL_CONFIG, f"{source}: field 'num_experts' must be int, got {experts!r}")
     top_k = req("num_experts_per_tok")
     if experts <= 0 or not 0 < top_k <= experts:
-        raise UsageError("E606", f"{source}: num_experts_per_tok {top_k} must be in 1..{experts} experts")
+        raise UsageError(
+            Code.BAD_MODEL_CONFIG, f"{source}: num_experts_per_tok {top_k} must be in 1..{experts} experts"
+        )
     sparse = (True,) * layers
     if qwen:
         only_dense = raw.get("mlp_only_layers") or []
         step = _field(raw, "decoder_sparse_step", int, source, 1)
         if not isinstance(only_dense, list) or not all(isinstance(i, int) for i in only_dense) or step < 1:
             raise UsageError(
-                "E606", f"{source}: 'mlp_only_layers' must list layer indices, decoder_sparse_step >= 1"
+                Code.BAD_MODEL_CONFIG,
+                f"{source}: 'mlp_only_layers' must list layer indices, decoder_sparse_step >= 1",
             )
         sparse = tuple(i not in only_dense and (i + 1) % step == 0 for i in range(layers))
     gpt_oss = arch == "GptOssForCausalLM"
@@ -309,7 +325,8 @@ def _parse_moe(raw: dict[str, Any], arch: str, layers: int, source: str) -> MoeC
     mxfp4 = isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
     if quant is not None and not (gpt_oss and mxfp4):
         raise UsageError(
-            "E606", f"{source}: quantization_config {quant!r} is not supported (only gpt-oss MXFP4)"
+            Code.BAD_MODEL_CONFIG,
+            f"{source}: quantization_config {quant!r} is not supported (only gpt-oss MXFP4)",
         )
     return MoeConfig(
         num_experts=experts,
@@ -350,17 +367,23 @@ def _parse_sliding_windows(
     layer_types = raw.get("layer_types")
     if layer_types is not None:
         if not isinstance(layer_types, list) or len(layer_types) != layers:
-            raise UsageError("E606", f"{source}: 'layer_types' must list one type per layer ({layers})")
+            raise UsageError(
+                Code.BAD_MODEL_CONFIG, f"{source}: 'layer_types' must list one type per layer ({layers})"
+            )
         unknown = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
         if unknown:
-            raise UsageError("E606", f"{source}: unsupported layer type {unknown[0]!r} in 'layer_types'")
+            raise UsageError(
+                Code.BAD_MODEL_CONFIG, f"{source}: unsupported layer type {unknown[0]!r} in 'layer_types'"
+            )
         if "sliding_attention" in layer_types:
             window = _field(raw, "sliding_window", int, source)
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     if window is None:
         return (None,) * layers
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        raise UsageError("E606", f"{source}: field 'sliding_window' must be a positive int, got {window!r}")
+        raise UsageError(
+            Code.BAD_MODEL_CONFIG, f"{source}: field 'sliding_window' must be a positive int, got {window!r}"
+        )
     first = _field(raw, "max_window_layers", int, source, layers)
     return tuple(window if i >= first else None for i in range(layers))
 
@@ -370,29 +393,39 @@ def _rope_from_dict(d: dict[str, Any], theta: Any, source: str, max_pos: int) ->
     rope_type = d.get("rope_type", d.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise UsageError(
-            "E602", f"{source}: RoPE type {rope_type!r} is not supported; supported: {ROPE_TYPES}"
+            Code.UNSUPPORTED_ROPE,
+            f"{source}: RoPE type {rope_type!r} is not supported; supported: {ROPE_TYPES}",
         )
     partial = d.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
-        raise UsageError("E602", f"{source}: partial_rotary_factor {partial} is not supported (only 1.0)")
+        raise UsageError(
+            Code.UNSUPPORTED_ROPE, f"{source}: partial_rotary_factor {partial} is not supported (only 1.0)"
+        )
     if not isinstance(theta, int | float) or isinstance(theta, bool) or theta <= 0:
-        raise UsageError("E606", f"{source}: field 'rope_theta' is missing or not a positive number")
+        raise UsageError(
+            Code.BAD_MODEL_CONFIG, f"{source}: field 'rope_theta' is missing or not a positive number"
+        )
 
     def num(name: str, default: float | None) -> float | None:
         value = d.get(name, default)
         if value is None:
             if default is None and rope_type in ("linear", "llama3", "yarn") and name == "factor":
-                raise UsageError("E606", f"{source}: RoPE type '{rope_type}' needs field 'factor'")
+                raise UsageError(
+                    Code.BAD_MODEL_CONFIG, f"{source}: RoPE type '{rope_type}' needs field 'factor'"
+                )
             return None
         if not isinstance(value, int | float) or isinstance(value, bool):
-            raise UsageError("E606", f"{source}: RoPE field '{name}' must be a number, got {value!r}")
+            raise UsageError(
+                Code.BAD_MODEL_CONFIG, f"{source}: RoPE field '{name}' must be a number, got {value!r}"
+            )
         return float(value)
 
     factor = num("factor", None if rope_type != "default" else 1.0)
     original = d.get("original_max_position_embeddings", max_pos)
     if rope_type in ("llama3", "yarn") and not (isinstance(original, int) and original > 0):
         raise UsageError(
-            "E606", f"{source}: RoPE type '{rope_type}' needs 'original_max_position_embeddings'"
+            Code.BAD_MODEL_CONFIG,
+            f"{source}: RoPE type '{rope_type}' needs 'original_max_position_embeddings'",
         )
     return RopeConfig(
         rope_type=rope_type,
@@ -414,23 +447,31 @@ def _parse_rope(raw: dict[str, Any], source: str, max_pos: int) -> RopeConfig:
     """Both layouts: v4 top-level `rope_theta` + `rope_scaling`, v5 `rope_parameters`; E602 if they disagree."""
     if raw.get("partial_rotary_factor", 1.0) != 1.0:
         raise UsageError(
-            "E602", f"{source}: partial_rotary_factor {raw['partial_rotary_factor']} is not supported"
+            Code.UNSUPPORTED_ROPE,
+            f"{source}: partial_rotary_factor {raw['partial_rotary_factor']} is not supported",
         )
     v4_scaling = raw.get("rope_scaling") or {}
     v4_theta = raw.get("rope_theta")
     v5 = raw.get("rope_parameters")
     if not isinstance(v4_scaling, dict) or (v5 is not None and not isinstance(v5, dict)):
-        raise UsageError("E602", f"{source}: 'rope_scaling' / 'rope_parameters' must be JSON objects")
+        raise UsageError(
+            Code.UNSUPPORTED_ROPE, f"{source}: 'rope_scaling' / 'rope_parameters' must be JSON objects"
+        )
     if v5 and any(isinstance(v, dict) for v in v5.values()):
-        raise UsageError("E602", f"{source}: per-layer nested 'rope_parameters' are not supported")
+        raise UsageError(
+            Code.UNSUPPORTED_ROPE, f"{source}: per-layer nested 'rope_parameters' are not supported"
+        )
     v4 = _rope_from_dict(v4_scaling, v4_theta, source, max_pos) if v4_theta is not None else None
     if not v5:
         if v4 is None:
             raise UsageError(
-                "E606", f"{source}: field 'rope_theta' is missing (neither v4 nor v5 RoPE layout)"
+                Code.BAD_MODEL_CONFIG,
+                f"{source}: field 'rope_theta' is missing (neither v4 nor v5 RoPE layout)",
             )
         return v4
     parsed = _rope_from_dict(v5, v5.get("rope_theta", v4_theta), source, max_pos)
     if v4 is not None and v4 != parsed and (v4_scaling or not math.isclose(v4.theta, parsed.theta)):
-        raise UsageError("E602", f"{source}: 'rope_theta'/'rope_scaling' and 'rope_parameters' disagree")
+        raise UsageError(
+            Code.UNSUPPORTED_ROPE, f"{source}: 'rope_theta'/'rope_scaling' and 'rope_parameters' disagree"
+        )
     return parsed

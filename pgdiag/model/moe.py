@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.model.config import ModelConfig, MoeConfig
 from pgdiag.model.tp import TPLayout, all_reduce_sum
 
@@ -51,14 +51,17 @@ def resolve_expert_impl(requested: str, device: torch.device, dtype: torch.dtype
     """``auto`` -> ``grouped`` on CUDA with a bf16 body when this torch has a grouped matmul, else ``loop``.
     ``grouped`` is refused (E503) where it cannot run: no grouped matmul in this torch, or CUDA without bf16."""
     if requested not in EXPERT_IMPLS:
-        raise UsageError("E503", f"unknown expert implementation {requested!r}; choose one of {EXPERT_IMPLS}")
+        raise UsageError(
+            Code.BAD_OPTION_VALUE,
+            f"unknown expert implementation {requested!r}; choose one of {EXPERT_IMPLS}",
+        )
     available = _grouped_mm_fn() is not None
     cuda_ok = device.type != "cuda" or dtype == torch.bfloat16
     if requested == "auto":
         return "grouped" if available and device.type == "cuda" and dtype == torch.bfloat16 else "loop"
     if requested == "grouped" and not (available and cuda_ok):
         raise UsageError(
-            "E508",
+            Code.DEVICE_UNAVAILABLE,
             f"expert implementation 'grouped' needs torch's grouped matmul (and a bf16 body on CUDA); got {dtype}",
             "load the model with experts='loop' or 'auto'",
         )

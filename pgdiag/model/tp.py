@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import Tensor
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.model.config import ModelConfig
 
 COLWISE = "colwise"  # split dim 0 (output features) evenly
@@ -92,7 +92,7 @@ class TensorSlice:
 def tp_layout(config: ModelConfig, tp_size: int, rank: int) -> TPLayout:
     """Per-rank sizes; E605 when heads, kv heads, intermediate sizes or the experts do not divide by `tp_size`."""
     if tp_size < 1 or not 0 <= rank < tp_size:
-        raise UsageError("E605", f"bad tensor-parallel rank {rank} of {tp_size}")
+        raise UsageError(Code.BAD_TP_SIZE, f"bad tensor-parallel rank {rank} of {tp_size}")
     moe = config.moe
     sizes = [
         ("num_attention_heads", config.num_attention_heads),
@@ -106,7 +106,7 @@ def tp_layout(config: ModelConfig, tp_size: int, rank: int) -> TPLayout:
     for name, value in sizes:
         if value % tp_size:
             raise UsageError(
-                "E605",
+                Code.BAD_TP_SIZE,
                 f"--tp {tp_size} does not divide {name} = {value}",
                 "heads, kv heads, intermediate sizes and the expert count must divide by the TP size "
                 "(each rank owns whole experts); the vocab may split unevenly",

@@ -28,7 +28,7 @@ from pgdiag.data.load import load_rows
 from pgdiag.data.runs import FILE_COLUMN, Run
 from pgdiag.data.seqhash import input_fingerprint
 from pgdiag.data.validate import validate_rows
-from pgdiag.errors import InvalidInputError
+from pgdiag.errors import Code, InvalidInputError
 from pgdiag.recompute.kept_rules import SAMPLING_COLUMNS, sample_sampling
 
 # Defaults of `recompute_logprobs`, kept in this torch-free module so the CLI can show them without importing torch.
@@ -103,8 +103,8 @@ ROUTES_COLUMN = "routed_experts"
 
 
 # A step without loss tokens is recomputed as all-null lists, not refused as `check` and `metrics` refuse it.
-_NOT_RECOMPUTE_ERRORS = ("E209",)
-_HINTS = {"E208": "the rollouts were made with another tokenizer or model; check --model"}
+_NOT_RECOMPUTE_ERRORS = (Code.NO_LOSS_TOKENS,)
+_HINTS = {Code.TOKEN_OUT_OF_VOCAB: "the rollouts were made with another tokenizer or model; check --model"}
 
 
 def read_inputs(
@@ -190,7 +190,7 @@ def _routes(frame: pl.DataFrame, offsets: np.ndarray, shape: RouteShape) -> np.n
     if bad.size:
         r = int(bad[0])
         raise InvalidInputError(
-            "E201",
+            Code.LENGTH_MISMATCH,
             f"{_where(frame, r)}: {ROUTES_COLUMN} length {flat.lengths[r]} != input_ids "
             f"{lengths[r]} x {shape.layers} MoE layers x top-{shape.top_k}",
             "the routes were recorded for another model, or not for every token (pad with -1)",
@@ -201,7 +201,7 @@ def _routes(frame: pl.DataFrame, offsets: np.ndarray, shape: RouteShape) -> np.n
         first = int(out_of_range[0])
         r = int(np.searchsorted(flat.offsets, first, side="right") - 1)
         raise InvalidInputError(
-            "E218",
+            Code.EXPERT_OUT_OF_RANGE,
             f"{_where(frame, r)}, {ROUTES_COLUMN} element {first - flat.offsets[r]}: expert "
             f"{values[first]} outside [-1, {shape.num_experts})",
             "the routes were recorded for another model; check --model",
@@ -239,7 +239,7 @@ def _token_temperatures(frame: pl.DataFrame, offsets: np.ndarray, loss_mask: np.
     neither = np.flatnonzero(~list_has & ~row_has)
     if neither.size:
         raise InvalidInputError(
-            "E219",
+            Code.BAD_TEMPERATURE,
             f"{_where(frame, int(neither[0]))}: no temperature_tok list and no temperature, while other samples "
             f"have one ({neither.size} such samples)",
             "fill the missing temperatures, or pass --temperature T to use one for every token",
@@ -252,7 +252,7 @@ def _token_temperatures(frame: pl.DataFrame, offsets: np.ndarray, loss_mask: np.
         if wrong.size:
             r = int(wrong[0])
             raise InvalidInputError(
-                "E219",
+                Code.BAD_TEMPERATURE,
                 f"{_where(frame, r)}: temperature_tok has {listed.lengths[r]} values for {lengths[r]} tokens "
                 f"({wrong.size} such samples)",
                 "temperature_tok holds one temperature per token of input_ids; or pass --temperature T",
@@ -267,7 +267,7 @@ def _token_temperatures(frame: pl.DataFrame, offsets: np.ndarray, loss_mask: np.
         r = int(np.searchsorted(offsets, first, side="right") - 1)
         value = "null" if null[first] else f"{temperature[first]:g}"
         raise InvalidInputError(
-            "E219",
+            Code.BAD_TEMPERATURE,
             f"{_where(frame, r)}, {column[first]} pos {first - offsets[r]}: temperature {value} on a loss "
             f"position is not a number > 0 ({bad.size} such tokens)",
             "fix the temperatures, or pass --temperature T to use one for every token",
@@ -296,7 +296,7 @@ def resolve_temperature(
         if not (math.isfinite(value) and value > 0):
             where = run.paths[0] if run.paths else inputs.source
             raise InvalidInputError(
-                "E219",
+                Code.BAD_TEMPERATURE,
                 f"{where}: pgdiag.sampling.temperature {value!r} is not a number > 0",
                 "pass --temperature T, the temperature the engine sampled at",
             )

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pgdiag.errors import EXIT_INTERNAL, EXIT_INVALID, InvalidInputError, PgdiagError, UsageError
+from pgdiag.errors import EXIT_INTERNAL, EXIT_INVALID, Code, InvalidInputError, PgdiagError, UsageError
 from pgdiag.recompute.launch import launched_by_torchrun, run_workers, setup_distributed, teardown_distributed
 from pgdiag.recompute.logprobs import ProgressUpdate, RecomputeResult, recompute_rank
 from pgdiag.recompute.settings import RecomputeSettings
@@ -70,7 +70,7 @@ def recompute_logprobs(
     this rank as given. Returns global rank 0's result, None on the other ranks of a ``torchrun`` job.
     """
     if settings is not None and options:
-        raise UsageError("E514", "give either a RecomputeSettings or keyword options, not both")
+        raise UsageError(Code.SETTINGS_TWICE, "give either a RecomputeSettings or keyword options, not both")
     settings = settings or RecomputeSettings(**options)
     if tp_group is not None:
         with _entered(progress) as callback:
@@ -86,7 +86,9 @@ def recompute_logprobs(
         with _entered(progress) as callback:
             return recompute_rank(run, model, settings, device=device, progress=callback)
     if not isinstance(model, str | Path):
-        raise UsageError("E505", "local tp/dp workers load the model themselves: pass a checkpoint path")
+        raise UsageError(
+            Code.AMBIGUOUS_INPUT, "local tp/dp workers load the model themselves: pass a checkpoint path"
+        )
     outcomes: dict[int, WorkerOutcome] = run_workers(_worker, job, nproc=nproc)
     worst = max(outcomes.values(), key=lambda o: o.exit_code)
     if worst.error is not None:

@@ -32,7 +32,7 @@ from pgdiag.data.semantics import (
     reconstruct_engine,
     truncation_on,
 )
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 
 if TYPE_CHECKING:
     from pgdiag.data.runs import Run
@@ -127,14 +127,16 @@ def resolve_kept_set(run: Run, requested: str) -> KeptPlan:
     UsageError E503 for an unknown mode, E506 for ``recorded`` on a run without K and for ``reconstruct`` on a
     run whose metadata names no top-k / top-p / min-p."""
     if requested != "auto" and requested not in KEPT_SET_MODES:
-        raise UsageError("E503", f"--kept-set {requested!r} is not one of auto, {', '.join(KEPT_SET_MODES)}")
+        raise UsageError(
+            Code.BAD_OPTION_VALUE, f"--kept-set {requested!r} is not one of auto, {', '.join(KEPT_SET_MODES)}"
+        )
     semantics = footer_semantics(run.meta or {}, "rollout")
     has_kept = run_records_kept(run)
     mode = default_kept_set(semantics, has_kept_columns=has_kept) if requested == "auto" else requested
     truncated = _truncated(run)
     if mode == "recorded" and not has_kept:
         raise UsageError(
-            "E506",
+            Code.MISSING_SETTING,
             f"--kept-set recorded: {run.label} records no kept sets ({KEPT_IDS}, {KEPT_OFFSETS})",
             "import them (docs/import.md), or use --kept-set reconstruct",
         )
@@ -142,7 +144,7 @@ def resolve_kept_set(run: Run, requested: str) -> KeptPlan:
         mode = f"reconstruct:{reconstruct_engine(mode, semantics)}"
         if not truncated:
             raise UsageError(
-                "E506",
+                Code.MISSING_SETTING,
                 f"--kept-set {mode}: {run.label} names no top_k, top_p or min_p (columns or pgdiag.sampling)",
                 "import the sampling settings (pgdiag import --top-p ...), or use --kept-set off",
             )

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 
 T = TypeVar("T")
 
@@ -75,15 +75,22 @@ def current_layout(tp_group: dist.ProcessGroup | None) -> ParallelLayout:
     """The layout implied by the default process group and `tp_group` (TP-contiguous ranks)."""
     if not (dist.is_available() and dist.is_initialized()):
         if tp_group is not None:
-            raise UsageError("E510", "a tp_group was given but torch.distributed is not initialised")
+            raise UsageError(
+                Code.BAD_PARALLEL_LAUNCH, "a tp_group was given but torch.distributed is not initialised"
+            )
         return single_process_layout()
     rank, world = dist.get_rank(), dist.get_world_size()
     tp = 1 if tp_group is None else dist.get_world_size(tp_group)
     if world % tp:
-        raise UsageError("E510", f"TP group size {tp} does not divide the world size {world}")
+        raise UsageError(
+            Code.BAD_PARALLEL_LAUNCH, f"TP group size {tp} does not divide the world size {world}"
+        )
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
     if tp_rank != rank % tp:
-        raise UsageError("E510", "TP groups must be contiguous ranks (replica d = ranks d*tp .. d*tp+tp-1)")
+        raise UsageError(
+            Code.BAD_PARALLEL_LAUNCH,
+            "TP groups must be contiguous ranks (replica d = ranks d*tp .. d*tp+tp-1)",
+        )
     return ParallelLayout(
         rank=rank, world_size=world, tp_rank=tp_rank, tp_size=tp, dp_rank=rank // tp, dp_size=world // tp
     )
@@ -109,7 +116,7 @@ def resolve_degrees(world_size: int, tp: int | None, dp: int | None) -> tuple[in
         dp = world_size // tp if tp > 0 else 0
     if tp < 1 or dp < 1 or tp * dp != world_size:
         raise UsageError(
-            "E510",
+            Code.BAD_PARALLEL_LAUNCH,
             f"--tp {tp} x --dp {dp} does not equal the world size {world_size}",
             hint="tp must divide the number of processes; dp = world / tp",
         )
@@ -123,11 +130,13 @@ def setup_distributed(*, tp: int | None, dp: int | None, device: str | None) -> 
     Every rank must call this with the same arguments (``new_group`` is collective).
     """
     if not launched_by_torchrun():
-        raise UsageError("E510", "no RANK/WORLD_SIZE in the environment; start with torchrun or --tp N")
+        raise UsageError(
+            Code.BAD_PARALLEL_LAUNCH, "no RANK/WORLD_SIZE in the environment; start with torchrun or --tp N"
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
     if use_cuda and not torch.cuda.is_available():
-        raise UsageError("E508", "--device cuda but CUDA is not available")
+        raise UsageError(Code.DEVICE_UNAVAILABLE, "--device cuda but CUDA is not available")
     if use_cuda:
         torch.cuda.set_device(local_rank)
     backend = "nccl" if use_cuda else "gloo"
@@ -179,7 +188,7 @@ def run_workers(entry: Callable[[T], Any], job: T, *, nproc: int) -> dict[int, A
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if nproc < 1:
-        raise UsageError("E510", f"need at least one worker, got {nproc}")
+        raise UsageError(Code.BAD_PARALLEL_LAUNCH, f"need at least one worker, got {nproc}")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -201,7 +210,7 @@ def run_workers(entry: Callable[[T], Any], job: T, *, nproc: int) -> dict[int, A
         worst = max(codes, key=abs)
         how = f"signal {signal.Signals(-worst).name}" if worst < 0 and -worst in _SIGNALS else f"exit {worst}"
         raise UsageError(
-            "E520",
+            Code.WORKER_DIED,
             f"{len(codes)} of {nproc} workers died ({how}); the others were stopped",
             "the parts already written are kept: run the same command again to resume",
         ) from None

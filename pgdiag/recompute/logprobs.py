@@ -39,7 +39,7 @@ import torch
 from pgdiag.data.schema import LOGPROBS_SCHEMA
 from pgdiag.data.seqhash import input_fingerprint
 from pgdiag.data.writing import check_destination, directory_lock, write_json
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.kernels import lm_head_logprobs, resolve_impl
 from pgdiag.model.checkpoint import parse_dtype
 from pgdiag.model.moe import resolve_expert_impl
@@ -191,7 +191,7 @@ def recompute_rank(
                 != done
             ):
                 raise UsageError(
-                    "E519", f"{out_dir}: another process changed this output while the recompute started",
+                    Code.OUTPUT_BUSY, f"{out_dir}: another process changed this output while the recompute started",
                     "run again",
                 )  # fmt: skip
             model_obj = (
@@ -293,7 +293,8 @@ def _prepare(
     moe = spec.config.moe
     if settings.routing == "replay" and moe is None:
         raise UsageError(
-            "E506", f"--routing replay needs a mixture-of-experts model; {spec.config.architecture} is dense"
+            Code.MISSING_SETTING,
+            f"--routing replay needs a mixture-of-experts model; {spec.config.architecture} is dense",
         )
     shape = RouteShape(len(moe.sparse_layer_indices), moe.top_k, moe.num_experts) if moe else None
     kept = resolve_kept_set(run_obj, settings.kept_set)
@@ -307,7 +308,7 @@ def _prepare(
     )
     if settings.routing == "replay" and inputs.routed_experts is None:
         raise UsageError(
-            "E506",
+            Code.MISSING_SETTING,
             f"--routing replay: the run has no '{ROUTES_COLUMN}' column",
             "import the rollouts with their recorded routes (slime/miles rollout_routed_experts, prime-rl "
             "routed_experts), or use --routing recompute",
@@ -394,7 +395,9 @@ def _output_dir(run: Run, tag: str, out: str | Path | None) -> Path:
         return Path(out)
     if run.root is None:
         raise UsageError(
-            "E506", "RUN is not a run directory, so the recompute output has no home", "pass --out DIR"
+            Code.MISSING_SETTING,
+            "RUN is not a run directory, so the recompute output has no home",
+            "pass --out DIR",
         )
     return Path(run.root) / "logprobs" / tag
 
@@ -448,7 +451,9 @@ def _model_spec(
 
     where = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if where.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("E508", f"device {where} requested but CUDA is not available", "use --device cpu")
+        raise UsageError(
+            Code.DEVICE_UNAVAILABLE, f"device {where} requested but CUDA is not available", "use --device cpu"
+        )
     config = read_model_config(model)
     backend = resolve_attention_backend(attn, where, parse_dtype(dtype, "--dtype"))
     return _ModelSpec(Path(model), config, where, backend)
@@ -471,7 +476,9 @@ def _check_finite_weights(model: CausalLM, spec: _ModelSpec, layout: ParallelLay
     where = str(spec.source) if isinstance(spec.source, Path) else "the model"
     hint = "the checkpoint is damaged (a diverged run or a faulty conversion?): recompute with another checkpoint"
     if bad is None:
-        raise UsageError("E612", f"{where}: a weight of another tensor-parallel rank holds NaN or inf", hint)
+        raise UsageError(
+            Code.NON_FINITE_MODEL, f"{where}: a weight of another tensor-parallel rank holds NaN or inf", hint
+        )
     name, count = bad
     if isinstance(spec.source, Path):
         from pgdiag.model.checkpoint import open_tensor_source
@@ -480,7 +487,9 @@ def _check_finite_weights(model: CausalLM, spec: _ModelSpec, layout: ParallelLay
             where = str(source.file_of(name) or spec.source)
     dtype = str(dict(model.named_parameters())[name].dtype).removeprefix("torch.")
     raise UsageError(
-        "E612", f"{where}: tensor '{name}' holds {count} NaN or inf values (loaded as {dtype})", hint
+        Code.NON_FINITE_MODEL,
+        f"{where}: tensor '{name}' holds {count} NaN or inf values (loaded as {dtype})",
+        hint,
     )
 
 
@@ -493,12 +502,15 @@ def _softmax_vocab(option: int | str, run: Run, config_vocab: int) -> int:
         length = tokenizer.get("tokenizer_len") if isinstance(tokenizer, dict) else None
         if not isinstance(length, int):
             raise UsageError(
-                "E506", "--softmax-vocab tokenizer: the run records no tokenizer length", "pass a number"
+                Code.MISSING_SETTING,
+                "--softmax-vocab tokenizer: the run records no tokenizer length",
+                "pass a number",
             )
         option = length
     if not isinstance(option, int) or not 1 <= option <= config_vocab:
         raise UsageError(
-            "E503", f"softmax_vocab must be 'config', 'tokenizer' or 1..{config_vocab}, got {option!r}"
+            Code.BAD_OPTION_VALUE,
+            f"softmax_vocab must be 'config', 'tokenizer' or 1..{config_vocab}, got {option!r}",
         )
     return option
 
@@ -646,7 +658,7 @@ def _raise_overflow(
     forward overflowed)."""
     row = int(target_sample[int((~torch.isfinite(hidden).all(dim=1)).nonzero()[0, 0])])
     raise UsageError(
-        "E612",
+        Code.NON_FINITE_MODEL,
         f"{inputs.source}: step {int(inputs.step[row])}, sample {inputs.sample_id[row]}: the model's hidden states "
         f"hold NaN or inf (the forward overflows in {dtype})",
         "recompute with --dtype fp32"
@@ -692,7 +704,9 @@ def _writer_lock(
         if _any_rank(busy is not None, layout, device):
             if layout.is_main:
                 _remove_empty(created)
-            raise busy or UsageError("E519", f"{out_dir}: another process is writing this output now")
+            raise busy or UsageError(
+                Code.OUTPUT_BUSY, f"{out_dir}: another process is writing this output now"
+            )
         yield
 
 

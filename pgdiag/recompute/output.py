@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from pgdiag.data.schema import LOGPROBS_SCHEMA, RECOMPUTE_FOOTER_KEY, ROUTING_FILE, read_footer
 from pgdiag.data.writing import write_parquet
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, UsageError
 
 if TYPE_CHECKING:
     from pgdiag.recompute.inputs import Part, RecomputeInputs
@@ -51,29 +51,37 @@ def inspect_output(
     if not manifest_path.is_file():
         if out_dir.is_dir() and any(out_dir.iterdir()):
             raise UsageError(
-                "E502", f"{out_dir} exists and is not a pgdiag recompute output", "pass --overwrite"
+                Code.OUTPUT_EXISTS,
+                f"{out_dir} exists and is not a pgdiag recompute output",
+                "pass --overwrite",
             )
         return set()
     try:
         old = json.loads(manifest_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError("E502", f"{manifest_path} is unreadable ({exc})", "pass --overwrite") from exc
+        raise UsageError(
+            Code.OUTPUT_EXISTS, f"{manifest_path} is unreadable ({exc})", "pass --overwrite"
+        ) from exc
     if not isinstance(old, dict):
-        raise UsageError("E502", f"{manifest_path} is not a JSON object", "pass --overwrite")
+        raise UsageError(Code.OUTPUT_EXISTS, f"{manifest_path} is not a JSON object", "pass --overwrite")
     for key in _COMPARED:
         if old.get(key) != manifest[key]:
             raise UsageError(
-                "E502",
+                Code.OUTPUT_EXISTS,
                 f"{out_dir} holds tag {tag} made with other {key} ({_first_difference(old.get(key), manifest[key])})",
                 "pass --overwrite to replace it, or choose another --tag",
             )
     if old.get("complete") is True:
         raise UsageError(
-            "E502", f"{out_dir} is complete", "pass --overwrite to recompute, or choose another --tag"
+            Code.OUTPUT_EXISTS,
+            f"{out_dir} is complete",
+            "pass --overwrite to recompute, or choose another --tag",
         )
     if not resume:
         raise UsageError(
-            "E502", f"{out_dir} exists (incomplete)", "--no-resume recomputes everything: add --overwrite"
+            Code.OUTPUT_EXISTS,
+            f"{out_dir} exists (incomplete)",
+            "--no-resume recomputes everything: add --overwrite",
         )
     done = set()
     for part in parts:
@@ -162,7 +170,7 @@ def write_part(
     valid = inputs.loss_mask[base : int(inputs.offsets[part.stop])]  # (T_part,)
     if not np.isfinite(logprobs[valid]).all() or not np.isfinite(entropy[valid]).all():
         raise UsageError(
-            "E612",
+            Code.NON_FINITE_MODEL,
             f"{out_dir}: non-finite log-probs in step {part.step} part {part.index} (the LM head overflows)",
             "recompute with --head-dtype fp32",
         )

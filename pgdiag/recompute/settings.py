@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pgdiag.data.schema import BASE_STREAMS, TAG_PATTERN
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.recompute.inputs import DEFAULT_BATCH_TOKENS, DEFAULT_PART_SAMPLES
 
 if TYPE_CHECKING:
@@ -71,22 +71,27 @@ class RecomputeSettings:
             ("experts", EXPERTS),
         ):
             if getattr(self, name) not in choices:
-                raise UsageError("E503", f"{name} {getattr(self, name)!r} is not one of {', '.join(choices)}")
+                raise UsageError(
+                    Code.BAD_OPTION_VALUE,
+                    f"{name} {getattr(self, name)!r} is not one of {', '.join(choices)}",
+                )
         if self.batch_tokens < 1 or self.part_samples < 1:
             raise UsageError(
-                "E503",
+                Code.BAD_OPTION_VALUE,
                 f"batch_tokens ({self.batch_tokens}) and part_samples ({self.part_samples}) must be >= 1",
             )
         if self.micro_batch is not None and self.micro_batch < 1:
-            raise UsageError("E503", f"micro_batch must be >= 1, got {self.micro_batch}")
+            raise UsageError(Code.BAD_OPTION_VALUE, f"micro_batch must be >= 1, got {self.micro_batch}")
         temperature = self.temperature
         if temperature != "auto" and not (
             isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature > 0
         ):
-            raise UsageError("E503", f"temperature must be 'auto' or a positive number, got {temperature!r}")
+            raise UsageError(
+                Code.BAD_OPTION_VALUE, f"temperature must be 'auto' or a positive number, got {temperature!r}"
+            )
         if not TAG_PATTERN.fullmatch(self.stream_tag) or self.stream_tag in BASE_STREAMS:
             raise UsageError(
-                "E503",
+                Code.BAD_OPTION_VALUE,
                 f"invalid tag {self.stream_tag!r}",
                 "use [a-z][a-z0-9_]{0,39}, not rollout/old/ref/new",
             )

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -33,7 +33,9 @@ def plot_shares(report: Any) -> Figure:
         & pl.col("breakdown").is_in(["all", "position"])
     )
     if rows.height == 0:
-        raise UsageError("E511", "the explain plot needs an explain report (explain/<cause> rows)")
+        raise UsageError(
+            Code.WRONG_PLOT_INPUT, "the explain plot needs an explain report (explain/<cause> rows)"
+        )
     buckets = rows["bucket"].unique(maintain_order=True).to_list()
     causes = [m.removeprefix("explain/") for m in rows["metric"].unique(maintain_order=True).to_list()]
     fig, ax = _figure()
@@ -60,7 +62,7 @@ def plot_layers(report: Any) -> Figure:
     """Cumulative and local error per layer, log scale, the first divergent layer marked."""
     layers = (getattr(report, "meta", {}) or {}).get("layers")
     if not layers:
-        raise UsageError("E511", "the layers plot needs explain --layers")
+        raise UsageError(Code.WRONG_PLOT_INPUT, "the layers plot needs explain --layers")
     fig, ax = _figure()
     index = [row["layer"] for row in layers["rows"]]
     for key, label in (("cumulative", "cumulative error"), ("local", "local error (A's input)")):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import polars as pl
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.report.report import Report
 
 
@@ -36,7 +36,9 @@ def export_tensorboard(report: Report, logdir: str | Path) -> Path:
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
     except ImportError:
         raise UsageError(
-            "E509", "--to-tensorboard needs the tensorboard package", "pip install 'pgdiag[tensorboard]'"
+            Code.MISSING_PACKAGE,
+            "--to-tensorboard needs the tensorboard package",
+            "pip install 'pgdiag[tensorboard]'",
         ) from None
     logdir = Path(logdir)
     logdir.mkdir(parents=True, exist_ok=True)
@@ -62,7 +64,7 @@ def export_wandb(report: Report, project: str, directory: str | Path) -> Path:
         import wandb
     except ImportError:
         raise UsageError(
-            "E509", "--to-wandb needs the wandb package", "pip install 'pgdiag[wandb]'"
+            Code.MISSING_PACKAGE, "--to-wandb needs the wandb package", "pip install 'pgdiag[wandb]'"
         ) from None
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from pgdiag.errors import EXIT_GATE, EXIT_OK, UsageError
+from pgdiag.errors import EXIT_GATE, EXIT_OK, Code, UsageError
 from pgdiag.report.report import Report
 
 _OPS: dict[str, Callable[[float, float], bool]] = {
@@ -108,16 +108,16 @@ def parse_gate(expr: str, *, kind: str = "fail") -> Gate:
     match = _GATE_RE.match(text)
     if not match:
         raise UsageError(
-            "E110",
+            Code.BAD_GATE,
             f"cannot parse gate {expr!r}",
             "write [scope.][family/]stat OP number, e.g. 'mismatch/kl_k3>1e-3' (quote it in the shell)",
         )
     try:
         threshold = float(match["num"])
     except ValueError:
-        raise UsageError("E110", f"gate {expr!r}: {match['num']!r} is not a number") from None
+        raise UsageError(Code.BAD_GATE, f"gate {expr!r}: {match['num']!r} is not a number") from None
     if math.isnan(threshold):
-        raise UsageError("E110", f"gate {expr!r}: the threshold cannot be NaN")
+        raise UsageError(Code.BAD_GATE, f"gate {expr!r}: the threshold cannot be NaN")
     name = match["name"]
     family, _, stat = name.rpartition("/")
     stat = _STAT_ALIASES.get(stat, stat)
@@ -135,7 +135,7 @@ def _resolve(gate: Gate, known: Sequence[str], default_family: str | None) -> li
         return [f"{default_family}/{gate_name}"]
     if len(hits) > 1:
         raise UsageError(
-            "E110",
+            Code.BAD_GATE,
             f"gate {gate.expr!r}: {gate_name!r} is in several families ({', '.join(sorted(hits))})",
             "qualify it, e.g. " + sorted(hits)[0],
         )
@@ -178,11 +178,13 @@ def evaluate_gates(
         if keys is None:
             close = difflib.get_close_matches(gate.name, known, n=1) or _closest_by_stat(gate.name, known)
             hint = f"did you mean {close[0]!r}?" if close else "see `pgdiag metrics --help` for metric names"
-            raise UsageError("E110", f"gate {gate.expr!r}: unknown metric {gate.name!r}", hint)
+            raise UsageError(Code.BAD_GATE, f"gate {gate.expr!r}: unknown metric {gate.name!r}", hint)
         gates.append((gate, keys))
     if profile is not None:
         if profile not in PROFILES:
-            raise UsageError("E110", f"unknown profile {profile!r}", f"choose one of {', '.join(PROFILES)}")
+            raise UsageError(
+                Code.BAD_GATE, f"unknown profile {profile!r}", f"choose one of {', '.join(PROFILES)}"
+            )
         taken = {(g.name, g.scope, g.kind) for g in explicit}
         for kind, expr in PROFILES[profile]:
             if kind not in profile_kinds:
@@ -237,7 +239,7 @@ class GateSettings:
             parse_gate(expr)
         if self.profile is not None and self.profile not in PROFILES:
             raise UsageError(
-                "E110", f"unknown profile {self.profile!r}", f"choose one of {', '.join(PROFILES)}"
+                Code.BAD_GATE, f"unknown profile {self.profile!r}", f"choose one of {', '.join(PROFILES)}"
             )
 
     @property

@@ -21,7 +21,7 @@ from typing import Any
 
 import polars as pl
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.report.format import PARITY_HEADLINE_STATS
 from pgdiag.report.html_cells import _e, _num, _table
 from pgdiag.report.plots import SMALL_BUCKET, Mark, PlotSet, figure_bytes
@@ -554,9 +554,11 @@ def check_html_path(path: str | Path, *, overwrite: bool = False) -> Path:
     """Refuse an `--html` destination before any work: a directory, or an existing file without `overwrite`."""
     path = Path(path)
     if path.is_dir():
-        raise UsageError("E502", f"{path} is a directory", "give a file name for the page, e.g. report.html")
+        raise UsageError(
+            Code.OUTPUT_EXISTS, f"{path} is a directory", "give a file name for the page, e.g. report.html"
+        )
     if path.exists() and not overwrite:
-        raise UsageError("E502", f"{path} exists", "pass --overwrite to replace it")
+        raise UsageError(Code.OUTPUT_EXISTS, f"{path} exists", "pass --overwrite to replace it")
     return path
 
 

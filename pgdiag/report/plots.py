@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, UsageError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -167,11 +167,13 @@ def check_pixels(fig: Figure, dpi: float, name: str = "the figure") -> None:
         min(np.sqrt(MAX_FIGURE_PIXELS / (width_in * height_in)), MAX_FIGURE_SIDE / max(width_in, height_in))
     )
     if not (np.isfinite(dpi) and dpi > 0):
-        raise UsageError("E503", f"--dpi {dpi}: not a positive number", f"give a dpi from 10 to {largest}")
+        raise UsageError(
+            Code.BAD_OPTION_VALUE, f"--dpi {dpi}: not a positive number", f"give a dpi from 10 to {largest}"
+        )
     width, height = width_in * dpi, height_in * dpi
     if width * height > MAX_FIGURE_PIXELS or max(width, height) > MAX_FIGURE_SIDE:
         raise UsageError(
-            "E503",
+            Code.BAD_OPTION_VALUE,
             f"--dpi {dpi:g}: {name} would be {width:,.0f} x {height:,.0f} pixels, over the limit of "
             f"{MAX_FIGURE_PIXELS:,} pixels ({MAX_FIGURE_SIDE:,} a side)",
             f"give --dpi {largest} or less (or --format svg/pdf at a smaller dpi)",
@@ -202,7 +204,9 @@ def save_figure(fig: Figure, path: str | Path, *, dpi: int = 120) -> Path:
     fmt = path.suffix.lstrip(".")
     if fmt not in PLOT_FORMATS:
         raise UsageError(
-            "E503", f"plot format {fmt!r} not supported", f"choose one of {', '.join(PLOT_FORMATS)}"
+            Code.BAD_OPTION_VALUE,
+            f"plot format {fmt!r} not supported",
+            f"choose one of {', '.join(PLOT_FORMATS)}",
         )
     check_pixels(fig, dpi, path.name)
     FigureCanvasAgg(fig)
@@ -233,14 +237,17 @@ def _token_arrays(source: Any) -> tuple[np.ndarray, np.ndarray, str]:
     if isinstance(source, pl.DataFrame):
         if not {"lp_a", "lp_b"} <= set(source.columns):
             raise UsageError(
-                "E511", "token plots need a table with lp_a and lp_b columns (write it with --tokens-out)"
+                Code.WRONG_PLOT_INPUT,
+                "token plots need a table with lp_a and lp_b columns (write it with --tokens-out)",
             )
         pair = str(source["pair"][0]) if "pair" in source.columns and source.height else ""
         return _finite_tokens("lp_a", source["lp_a"]), _finite_tokens("lp_b", source["lp_b"]), pair
     if hasattr(source, "lp_a") and hasattr(source, "lp_b"):
         lp_a, lp_b = _finite_tokens("lp_a", source.lp_a), _finite_tokens("lp_b", source.lp_b)
         return lp_a, lp_b, str(getattr(source, "pair", ""))
-    raise UsageError("E511", f"cannot draw a token plot from {type(source).__name__}; give token data")
+    raise UsageError(
+        Code.WRONG_PLOT_INPUT, f"cannot draw a token plot from {type(source).__name__}; give token data"
+    )
 
 
 def _finite_tokens(name: str, values: Any) -> np.ndarray:
@@ -255,12 +262,13 @@ def _finite_tokens(name: str, values: Any) -> np.ndarray:
             else np.asarray(values, dtype=np.float64)
         )
     except (pl.exceptions.PolarsError, TypeError, ValueError):
-        raise InvalidInputError("E103", f"token data, column {name}: not numbers") from None
+        raise InvalidInputError(Code.LOSSY_CAST, f"token data, column {name}: not numbers") from None
     bad = ~np.isfinite(array)
     if bad.any():
         row = int(np.argmax(bad))
         raise InvalidInputError(
-            "E207", f"token data, row {row}, column {name}: {array[row]} ({int(bad.sum())} null, NaN or ±inf)"
+            Code.NON_FINITE,
+            f"token data, row {row}, column {name}: {array[row]} ({int(bad.sum())} null, NaN or ±inf)",
         )
     return array
 
@@ -269,12 +277,14 @@ def _rows(report: Any, breakdown: str, metric: str, hint: str) -> pl.DataFrame:
     """The token-scope rows of `breakdown` and `metric` in `report`; E511 (with `hint`) when there are none."""
     summary = getattr(report, "summary", None)
     if summary is None:
-        raise UsageError("E511", f"the {breakdown} plot needs a report (got {type(report).__name__})")
+        raise UsageError(
+            Code.WRONG_PLOT_INPUT, f"the {breakdown} plot needs a report (got {type(report).__name__})"
+        )
     rows = summary.filter(
         (pl.col("breakdown") == breakdown) & (pl.col("metric") == metric) & (pl.col("scope") == "token")
     )
     if rows.height == 0:
-        raise UsageError("E511", f"the report has no {breakdown} rows of {metric}", hint)
+        raise UsageError(Code.WRONG_PLOT_INPUT, f"the report has no {breakdown} rows of {metric}", hint)
     return rows
 
 
@@ -541,7 +551,9 @@ def plot_by_step(report: Any, *, ax: Axes | None = None, metric: str = "mismatch
     rows = _step_rows(report.summary, metric)
     if rows.height == 0:
         raise UsageError(
-            "E511", f"the report has no per-step rows of {metric}", "rerun pgdiag compare with --by step"
+            Code.WRONG_PLOT_INPUT,
+            f"the report has no per-step rows of {metric}",
+            "rerun pgdiag compare with --by step",
         )
     counts: dict[int, int] = {}
     for index, pair in enumerate(rows["pair"].unique(maintain_order=True).to_list()):
@@ -565,11 +577,15 @@ def plot_by_step(report: Any, *, ax: Axes | None = None, metric: str = "mismatch
 def plot_trend(report: Any, kind: str, *, ax: Axes | None = None, marks: Sequence[Mark] = ()) -> Figure:
     """One `TREND_PANELS` plot of a metrics report: its metrics per step, `marks` ringed in red and labelled."""
     if kind not in TREND_PANELS:
-        raise UsageError("E503", f"unknown trend plot {kind!r}", f"choose from {', '.join(TREND_PANELS)}")
+        raise UsageError(
+            Code.BAD_OPTION_VALUE, f"unknown trend plot {kind!r}", f"choose from {', '.join(TREND_PANELS)}"
+        )
     panel = TREND_PANELS[kind]
     metrics = trend_metrics(report, kind)
     if not metrics:
-        raise UsageError("E511", f"the report has no per-step rows for {kind}", _trend_hint(kind))
+        raise UsageError(
+            Code.WRONG_PLOT_INPUT, f"the report has no per-step rows for {kind}", _trend_hint(kind)
+        )
     if panel.prefix and ax is None:
         return _trend_grid(report, kind, metrics, marks)
     fig, ax = _axes(ax)
@@ -670,7 +686,9 @@ def _trend_hint(kind: str) -> str:
 def plot_worst_trace(source: Any, *, ax: Axes | None = None) -> Figure:
     """Both log-prob streams along the worst sequence (a `worst_trace` frame), with Δ on a twin axis."""
     if not isinstance(source, pl.DataFrame) or not {"resp_pos", "lp_a", "lp_b"} <= set(source.columns):
-        raise UsageError("E511", "the worst-trace plot needs a trace table (resp_pos, lp_a, lp_b)")
+        raise UsageError(
+            Code.WRONG_PLOT_INPUT, "the worst-trace plot needs a trace table (resp_pos, lp_a, lp_b)"
+        )
     fig, ax = _axes(ax)
     pair = str(source["pair"][0]) if "pair" in source.columns and source.height else ""
     name_a, name_b = stream_names(pair)
@@ -714,7 +732,7 @@ def build_figures(
     """
     wanted_all = "all" in kinds
     if report is None and tokens is None:
-        raise UsageError("E511", "nothing to plot: give a report or token data")
+        raise UsageError(Code.WRONG_PLOT_INPUT, "nothing to plot: give a report or token data")
     if wanted_all:
         if report is None:
             candidates: tuple[str, ...] = TOKEN_KINDS
@@ -736,7 +754,7 @@ def build_figures(
         reason = _missing(kind, report, tokens, trace, wanted_all)
         if reason is not None:
             if not wanted_all:
-                raise UsageError("E511", f"plot {kind}: {reason}")
+                raise UsageError(Code.WRONG_PLOT_INPUT, f"plot {kind}: {reason}")
             skipped[kind] = reason
             continue
         figures[kind] = _draw(kind, report, tokens, trace, marks)
@@ -746,7 +764,9 @@ def build_figures(
 def _missing(kind: str, report: Any, tokens: Any, trace: pl.DataFrame | None, wanted_all: bool) -> str | None:
     """Why `kind` cannot (or, under "all", should not) be drawn from these sources; None when it can."""
     if kind not in ALL_KINDS:
-        raise UsageError("E503", f"unknown plot kind {kind!r}", f"choose from {', '.join(ALL_KINDS)}, all")
+        raise UsageError(
+            Code.BAD_OPTION_VALUE, f"unknown plot kind {kind!r}", f"choose from {', '.join(ALL_KINDS)}, all"
+        )
     if kind in ("dlogp-vs-logprob", "hexbin"):
         if tokens is None:
             return "needs token data: write it with compare --tokens-out and plot that table"
@@ -834,7 +854,7 @@ def plot_whatif(report: Any, *, ax: Axes | None = None) -> Figure:
     wide = summary.pivot(on="metric", index="bucket", values="value", aggregate_function="first")
     needed = {"whatif/tokens_kept", "whatif/ess_token_after"}
     if not needed <= set(wide.columns):
-        raise UsageError("E511", "the whatif plot needs a whatif report (threshold rows)")
+        raise UsageError(Code.WRONG_PLOT_INPUT, "the whatif plot needs a whatif report (threshold rows)")
     fig, ax = _axes(ax)
     rules = wide.filter(pl.col("bucket") != "none")
     families: dict[str, list[tuple[float, float, str]]] = {}
@@ -891,7 +911,9 @@ def plot_drift(report: Any, *, metrics: Sequence[str] = ()) -> Figure:
         report.summary.filter(pl.col("breakdown") == "step")["metric"].unique(maintain_order=True).to_list()
     )
     if not step_metrics:
-        raise UsageError("E511", "the drift plot needs per-step rows (a drift or metrics report)")
+        raise UsageError(
+            Code.WRONG_PLOT_INPUT, "the drift plot needs per-step rows (a drift or metrics report)"
+        )
     chosen = list(metrics) or list(dict.fromkeys(cp["metric"] for cp in found)) or step_metrics[:4]
     columns = min(2, len(chosen))
     grid_rows = (len(chosen) + columns - 1) // columns

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pgdiag.data.schema import decode_footer
-from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, UsageError
 
 REPORT_SCHEMA_ID = "pgdiag.report/v1"
 
@@ -297,7 +297,7 @@ _NESTED_SHAPES: dict[tuple[str, str], tuple[type | tuple[type, ...], type | None
 
 def _shape_error(path: Path, entry: str, expected: str, value: Any) -> InvalidInputError:
     return InvalidInputError(
-        "E105",
+        Code.BAD_FOOTER_SHAPE,
         f"{path}: footer {entry} is a {type(value).__name__}, not {expected}",
         "rewrite the report with pgdiag metrics/compare --out --overwrite",
     )
@@ -323,7 +323,7 @@ def _checked_footer(
     kind = header.get("kind", "metrics")
     if kind not in REPORT_KINDS:
         raise InvalidInputError(
-            "E101",
+            Code.NOT_ROLLOUTS_FILE,
             f"{path}: not a pgdiag report of a known kind (kind={kind!r})",
             f"kinds: {', '.join(REPORT_KINDS)}",
         )
@@ -352,7 +352,7 @@ def _checks_frame(rows: list[dict[str, Any]], path: Path) -> pl.DataFrame:
         )
     except (pl.exceptions.PolarsError, TypeError, ValueError, OverflowError) as exc:
         raise InvalidInputError(
-            "E105",
+            Code.BAD_FOOTER_SHAPE,
             f"{path}: footer pgdiag.checks rows do not hold the documented fields ({exc})",
             "rewrite the report with pgdiag metrics/compare --out --overwrite",
         ) from None
@@ -364,7 +364,7 @@ def _summary_frame(table: pa.Table, path: Path) -> pl.DataFrame:
     for name in REPORT_SCHEMA:
         if name not in table.column_names:
             raise InvalidInputError(
-                "E102",
+                Code.MISSING_COLUMN,
                 f"{path}: required column {name} is missing",
                 "rewrite the report with pgdiag metrics/compare --out --overwrite",
             )
@@ -377,7 +377,7 @@ def _summary_frame(table: pa.Table, path: Path) -> pl.DataFrame:
             frame = frame.with_columns(pl.col(name).cast(dtype, strict=True))
         except pl.exceptions.PolarsError:
             raise InvalidInputError(
-                "E103",
+                Code.LOSSY_CAST,
                 f"{path}, column {name}: type {frame.schema[name]} cannot be cast losslessly to {dtype}",
                 "rewrite the report with pgdiag metrics/compare --out --overwrite",
             ) from None
@@ -404,7 +404,7 @@ def read_table_file(path: str | Path, *, finite: Iterable[str] = ()) -> pl.DataF
         frame = pl.read_parquet(path, glob=False)
     except (OSError, pl.exceptions.PolarsError, pa.ArrowException) as exc:
         raise InvalidInputError(
-            "E101", f"{path}: not a readable Parquet file ({one_line_text(exc)})"
+            Code.NOT_ROLLOUTS_FILE, f"{path}: not a readable Parquet file ({one_line_text(exc)})"
         ) from None
     for name in finite:
         if name not in frame.columns:
@@ -415,14 +415,14 @@ def read_table_file(path: str | Path, *, finite: Iterable[str] = ()) -> pl.DataF
             values = frame[name].cast(pl.Float64, strict=True)
         except pl.exceptions.PolarsError:
             raise InvalidInputError(
-                "E103",
+                Code.LOSSY_CAST,
                 f"{path}, column {name}: type {frame.schema[name]} cannot be cast losslessly to Float64",
             ) from None
         bad = ~values.is_finite().fill_null(False)
         if bool(bad.any()):
             row = int(bad.arg_max() or 0)
             raise InvalidInputError(
-                "E207",
+                Code.NON_FINITE,
                 f"{path}, row {row}, column {name}: {values[row]} ({int(bad.sum())} null, NaN or ±inf values)",
                 "rewrite it with pgdiag compare --tokens-out --overwrite",
             )
@@ -446,22 +446,26 @@ def load_report(path: str | Path) -> Report:
 
     path = Path(path)
     if check_input_path(path) is None:
-        raise UsageError("E501", f"{path}: no such report")
+        raise UsageError(Code.INPUT_NOT_FOUND, f"{path}: no such report")
     if path.is_dir():
         candidates = sorted(p for p in path.glob("*.parquet") if ".worst_" not in p.name)
         if len(candidates) != 1:
-            raise UsageError("E501", f"{path}: expected one report .parquet, found {len(candidates)}")
+            raise UsageError(
+                Code.INPUT_NOT_FOUND, f"{path}: expected one report .parquet, found {len(candidates)}"
+            )
         path = candidates[0]
     readable_file(path)
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as exc:
         raise InvalidInputError(
-            "E101", f"{path}: not a readable Parquet file ({one_line_text(exc)})"
+            Code.NOT_ROLLOUTS_FILE, f"{path}: not a readable Parquet file ({one_line_text(exc)})"
         ) from None
     footer = decode_footer(table.schema.metadata)
     if footer.get("schema") != REPORT_SCHEMA_ID:
-        raise InvalidInputError("E101", f"{path}: not a pgdiag report (schema={footer.get('schema')!r})")
+        raise InvalidInputError(
+            Code.NOT_ROLLOUTS_FILE, f"{path}: not a pgdiag report (schema={footer.get('schema')!r})"
+        )
     kind, meta, checks_rows = _checked_footer(footer, path)
     summary = _summary_frame(table, path)
     checks = _checks_frame(checks_rows, path)

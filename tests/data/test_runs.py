@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from rollout_factory import valid_rows, write_logprobs_part, write_rollouts_file
 
 from pgdiag.data.load import read_token_batch
-from pgdiag.data.runs import StepSpec, parse_steps, read_run
+from pgdiag.data.runs import read_run
 from pgdiag.data.seqhash import seq_hash
+from pgdiag.data.steps import StepSpec, parse_steps
 from pgdiag.errors import InvalidInputError, UsageError
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.styles.common import StyleInputs, StyleOutput
 from pgdiag.metrics.styles.fast_llm import check_fast_llm_settings, compute_fast_llm
 from pgdiag.metrics.styles.liger import check_liger_settings, compute_liger
@@ -52,7 +52,7 @@ def check_style_settings(settings: MetricSettings) -> None:
     """Raise `UsageError` for a style flag `settings.key_style`'s framework does not have (docs/key-styles.md)."""
     if settings.key_style not in STYLES:
         raise UsageError(
-            "E503",
+            Code.BAD_OPTION_VALUE,
             f"--key-style {settings.key_style!r} is not a framework style",
             f"choose {'|'.join(STYLE_NAMES)}; the native keys need no --key-style",
         )

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pgdiag.data.batch import TokenBatch
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.values import MetricValue
 
 if TYPE_CHECKING:
@@ -123,7 +123,9 @@ def read_inputs(batch: TokenBatch, settings: MetricSettings) -> StyleInputs:
             return None
         if name not in batch.streams:
             present = ", ".join(batch.streams) or "none"
-            raise UsageError("E111", f"{batch.label}: no stream {name!r} for {what}", f"streams: {present}")
+            raise UsageError(
+                Code.STREAM_NOT_FOUND, f"{batch.label}: no stream {name!r} for {what}", f"streams: {present}"
+            )
         return np.asarray(batch.streams[name], dtype=np.float64)
 
     entropy = None
@@ -131,7 +133,9 @@ def read_inputs(batch: TokenBatch, settings: MetricSettings) -> StyleInputs:
         if settings.entropy not in batch.entropy:
             present = ", ".join(batch.entropy) or "none"
             raise UsageError(
-                "E111", f"{batch.label}: no entropy for {settings.entropy!r}", f"entropy of: {present}"
+                Code.STREAM_NOT_FOUND,
+                f"{batch.label}: no entropy for {settings.entropy!r}",
+                f"entropy of: {present}",
             )
         entropy = np.asarray(batch.entropy[settings.entropy], dtype=np.float64)
     lp_a = stream(settings.stream_a, "--stream-a")
@@ -235,7 +239,7 @@ def check_flags(style: str, settings: MetricSettings, allowed: frozenset[str]) -
             continue
         if given[attr] != unset:
             raise UsageError(
-                "E507",
+                Code.NOT_IN_KEY_STYLE,
                 f"{flag} is not a setting of --key-style {style} (got {given[attr]!r})",
                 "see docs/key-styles.md for the flags each style accepts",
             )
@@ -251,7 +255,7 @@ def resolve_alias(style: str, aggregation: str | None, table: Mapping[str, str],
         return table[name]
     accepted = ", ".join(sorted(table))
     raise UsageError(
-        "E507",
+        Code.NOT_IN_KEY_STYLE,
         f"--aggregation {aggregation!r} is not a loss aggregation of --key-style {style}",
         f"accepted: {accepted}",
     )

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.styles.common import (
     StyleInputs,
     StyleOutput,
@@ -50,11 +50,11 @@ def check_liger_settings(settings: MetricSettings) -> None:
     loss_type = resolve_alias("liger", settings.aggregation, LOSS_TYPES, "dapo")
     if loss_type == "dr_grpo" and settings.divisor is None:
         raise UsageError(
-            "E506",
+            Code.MISSING_SETTING,
             "liger dr_grpo needs --divisor (max_completion_length); Liger has no default for it",
         )
     if settings.style.pad_width is not None and settings.style.pad_width < 1:
-        raise UsageError("E503", f"--pad-width must be >= 1 (got {settings.style.pad_width})")
+        raise UsageError(Code.BAD_OPTION_VALUE, f"--pad-width must be >= 1 (got {settings.style.pad_width})")
 
 
 def compute_liger(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:

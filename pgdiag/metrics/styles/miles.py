@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.styles.common import (
     StyleInputs,
     StyleOutput,
@@ -72,7 +72,8 @@ def check_miles_settings(settings: MetricSettings) -> None:
     check_flags("miles", settings, ALLOWED_FLAGS)
     if loss_aggregation(settings) == "constant" and settings.divisor is None:
         raise UsageError(
-            "E506", "miles --loss-aggregation constant needs --divisor (loss-aggregation-divisor)"
+            Code.MISSING_SETTING,
+            "miles --loss-aggregation constant needs --divisor (loss-aggregation-divisor)",
         )
 
 
@@ -91,7 +92,9 @@ def compute_miles(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
         notices.append("miles: documents with several rows (multi-sample rollouts) are not reproduced in v1")
     if tis_branch(settings) and not inputs.has_pair:
         flag = "--tis" if settings.style.tis else "--mismatch-metrics"
-        raise UsageError("E506", f"miles {flag} needs a rollout stream (--stream-a) for the TIS weights")
+        raise UsageError(
+            Code.MISSING_SETTING, f"miles {flag} needs a rollout stream (--stream-a) for the TIS weights"
+        )
 
     def sm(x: np.ndarray) -> float:
         return sample_mean_guard(inputs, x)

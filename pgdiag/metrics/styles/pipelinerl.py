@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.styles.common import (
     StyleInputs,
     StyleOutput,
@@ -52,7 +52,9 @@ def check_pipelinerl_settings(settings: MetricSettings) -> None:
     check_flags("pipelinerl", settings, ALLOWED_FLAGS)
     resolve_alias("pipelinerl", settings.aggregation, _POLICY_LOSSES, "ppo")
     if settings.style.batch_size is not None and settings.style.batch_size < 1:
-        raise UsageError("E503", f"--batch-size must be >= 1 (got {settings.style.batch_size})")
+        raise UsageError(
+            Code.BAD_OPTION_VALUE, f"--batch-size must be >= 1 (got {settings.style.batch_size})"
+        )
 
 
 def compute_pipelinerl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.styles.common import (
     StyleInputs,
     StyleOutput,
@@ -74,7 +74,7 @@ def compute_trl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     beta = DEFAULT_BETA if settings.style.beta is None else settings.style.beta
     if beta != 0.0 and inputs.lp_ref is None:
         raise UsageError(
-            "E506",
+            Code.MISSING_SETTING,
             f"--key-style trl --beta {beta}: the KL term needs a reference stream",
             "pass --ref STREAM, or leave --beta at TRL's default 0",
         )

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pgdiag.errors import UsageError
+from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.styles.common import (
     StyleInputs,
     StyleOutput,
@@ -71,19 +71,20 @@ def check_verl_settings(settings: MetricSettings) -> None:
     mode = resolve_alias("verl", settings.aggregation, _LOSS_AGG_MODES, "token-mean")
     if mode == "seq-mean-token-sum-norm" and settings.divisor is None:
         raise UsageError(
-            "E506",
+            Code.MISSING_SETTING,
             "verl seq-mean-token-sum-norm needs --divisor (loss_scale_factor)",
             "verl's own default is the padded response width of the micro-batch, which the run does not record",
         )
     if settings.style.rollout_is is not None and settings.style.rollout_is != "token":
         raise UsageError(
-            "E507",
+            Code.NOT_IN_KEY_STYLE,
             f"--rollout-is {settings.style.rollout_is!r}: only token-level rollout IS metrics are reproduced",
             "sequence-level rollout IS and rejection sampling are out of scope for v1",
         )
     if settings.style.rollout_is_threshold is not None and not settings.style.rollout_is_threshold > 0:
         raise UsageError(
-            "E503", f"--rollout-is-threshold must be > 0 (got {settings.style.rollout_is_threshold})"
+            Code.BAD_OPTION_VALUE,
+            f"--rollout-is-threshold must be > 0 (got {settings.style.rollout_is_threshold})",
         )
 
 
