@@ -48,7 +48,7 @@ def check_finite_weights(model: CausalLM, spec: ModelSpec, layout: ParallelLayou
         )
     name, count = bad
     if isinstance(spec.source, Path):
-        from pgdiag.model.checkpoint import open_tensor_source
+        from pgdiag.model.tensor_source import open_tensor_source
 
         with open_tensor_source(spec.source) as source:
             where = str(source.file_of(name) or spec.source)
