@@ -62,24 +62,38 @@ CONFIGS = (
 def parameter_count(config: Any) -> int:
     """Parameters of a decoder from its `ModelConfig` (embedding, head, attention, MLP or experts, norms; biases
     left out)."""
-    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    fixed, blocks = parameter_split(config)
+    return fixed + sum(blocks)
+
+
+def parameter_split(config: Any) -> tuple[int, list[int]]:
+    """(parameters outside the blocks: embedding, head, final norm; [parameters of each block])."""
+    h, vocab = config.hidden_size, config.vocab_size
     attention = h * (config.q_size + 2 * config.kv_size) + config.q_size * h
+    norms = 2 * h + (2 * config.head_dim if config.qk_norm else 0)
     moe = config.moe
     dense_mlp = 3 * h * config.intermediate_size
     if moe is None:
-        mlp = [dense_mlp] * layers
+        mlp = [dense_mlp] * config.num_hidden_layers
     else:
         expert = 3 * h * moe.expert_intermediate_size * moe.num_experts + h * moe.num_experts
         shared = 3 * h * moe.shared_expert_intermediate_size
         mlp = [expert + shared if sparse else dense_mlp for sparse in moe.sparse_layers]
     head = 0 if config.tie_word_embeddings else vocab * h
-    norms = layers * (2 * h + (2 * config.head_dim if config.qk_norm else 0)) + h
-    return vocab * h + head + layers * attention + sum(mlp) + norms
+    return vocab * h + head + h, [attention + norms + m for m in mlp]
 
 
 def weight_bytes(config: Any, dtype: str, tp: int) -> int:
     """Bytes of one rank's weights in `dtype` (what the fit check compares with the device's memory)."""
     return parameter_count(config) * _BYTES[dtype] // max(tp, 1)
+
+
+def prefix_bytes(config: Any, dtype: str, head_dtype: str, blocks: int) -> int:
+    """Bytes of a model cut to its first `blocks` blocks (the embedding and the blocks in `dtype`, the head in
+    `head_dtype`, read separately even when tied): what `explain --layers` weighs against the memory."""
+    _, per_block = parameter_split(config)
+    table = config.vocab_size * config.hidden_size
+    return (table + sum(per_block[:blocks])) * _BYTES[dtype] + table * _BYTES[head_dtype]
 
 
 def device_memory(device: str) -> int:
