@@ -47,6 +47,7 @@ class ExplainResult:
     fits: dict[str, Any]
     token_run: Path
     seconds: dict[str, float] = field(default_factory=dict)
+    n_forwarded: int = 0  # prompt + response tokens of the budget's samples (what each forward processes)
 
     def to_json(self) -> dict[str, Any]:
         """The ``explain`` block of the `--json` object (docs/explain.md, "JSON")."""
@@ -72,6 +73,7 @@ class ExplainResult:
             "fits": self.fits,
             "token_run": str(self.token_run),
             "seconds": self.seconds,
+            "n_forwarded": self.n_forwarded,
         }
 
 
@@ -245,6 +247,7 @@ def _attribute(
             for side, f in fits.items()
         },
         token_run=plan.token_dir,
+        n_forwarded=plan.cost.forwarded,
     )
 
 

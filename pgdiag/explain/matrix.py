@@ -177,7 +177,8 @@ class CostModel:
 
 # H100/H200 dense bf16 peak 989 TFLOP/s at 40 %; fp32 at 1/15 of the peak, at 50 %
 CUDA_COST = CostModel(0.4 * 989e12, 0.5 * 989e12 / 15, 8e9, 2.0, 6.0, 1e10)
-CPU_COST = CostModel(2e10, 5e10, 1e9, 0.5, 0.0, 2e8)
+# the CPU's start-up and grid rate from benchmarks/bench_explain.py --tiny on a 2-core machine (27 s measured)
+CPU_COST = CostModel(2e10, 5e10, 1e9, 2.5, 0.0, 2e6)
 
 
 @dataclass(frozen=True)
