@@ -65,10 +65,10 @@ def apply_rule(rule: CorrectionRule, log_ratio: np.ndarray, offsets: np.ndarray)
         ratio = np.exp(safe)
         inside = (ratio >= rule.lo) & (ratio <= rule.hi)
         return RuleEffect(np.where(inside, ratio, 0.0), all_kept, ~inside, ratio)
-    if rule.kind == "token_mis":
+    if rule.kind == "token_mis":  # verl's token_k1, decided in float32 as verl does (rules._verl_rs)
         assert rule.lo is not None
-        k1 = -safe
-        inside = (k1 >= math.log(rule.lo)) & (k1 <= math.log(rule.hi))
+        k1 = -safe.astype(np.float32)
+        inside = (k1 >= np.float32(math.log(rule.lo))) & (k1 <= np.float32(math.log(rule.hi)))
         return RuleEffect(ones, inside, ~inside)
     counts = np.diff(offsets)
     if rule.kind == "seq_tis":
