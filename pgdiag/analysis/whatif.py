@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pgdiag.analysis.replay import apply_rule, kish_ess, not_applicable
+from pgdiag.analysis.replay import apply_rule, kish_ess, not_applicable, rule_effect
 from pgdiag.analysis.settings import WhatifSettings
 from pgdiag.analysis.whatif_fold import WhatifFold
 from pgdiag.data.batch import TokenBatch
@@ -22,7 +22,15 @@ from pgdiag.data.versions import TokenLag, token_lag
 from pgdiag.errors import Code, UsageError
 from pgdiag.report.report import Report, ReportRow, summary_frame
 
-__all__ = ["apply_rule", "kish_ess", "resolve_whatif_streams", "whatif", "whatif_batch", "worst_buckets"]
+__all__ = [
+    "apply_rule",
+    "kish_ess",
+    "resolve_whatif_streams",
+    "rule_effect",
+    "whatif",
+    "whatif_batch",
+    "worst_buckets",
+]
 MIN_PIECE_ROWS = 4096  # a piece holds at least this many rows, or the largest step (as `metrics` reads)
 
 
