@@ -65,3 +65,5 @@ def render_layers(console: Console, found: Any) -> None:
     console.print(table)
     where = "none" if found.first_divergent is None else f"layer {found.first_divergent}"
     console.print(f"first divergent layer (local error): {where}", markup=False)
+    for what, why in found.skipped.items():
+        console.print(f"skipped {what}: {why}", markup=False)

@@ -29,7 +29,8 @@ on the run's samples the dump holds. There is no model for the dump's side, so o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ class LayerComparison:
     n_tokens: int
     rows: list[LayerRow]
     first_divergent: int | None
+    skipped: dict[str, str] = field(default_factory=dict)  # {"blocks": why}: the layer-subset fallback
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,6 +68,7 @@ class LayerComparison:
             "rows": [r.__dict__ for r in self.rows],
             "first_divergent": self.first_divergent,
             "rule": f"first block whose local error > {DIVERGENCE_FACTOR:g}x the median local error",
+            "skipped": self.skipped,
         }
 
 
@@ -111,18 +114,24 @@ def compare_layers(
     """Cumulative and local error per block of configurations `config_a` and `config_b` (module docstring);
     `config_b` may be an imported layer dump, ``slime:DIR`` (`explain.slime_layers`)."""
     from pgdiag.data.runs import read_run
-    from pgdiag.model import load_model, read_model_config
+    from pgdiag.explain.matrix import device_memory
+    from pgdiag.model import read_model_config
 
     settings = settings or ExplainSettings()
     source = read_run(run) if isinstance(run, (str, Path)) else run
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dump = _dump_dir(config_b)
     specs = [_config(spec, model) for spec in ((config_a,) if dump else (config_a, config_b))]
-    config = read_model_config(specs[0][2])
-    ids, masks = _budget_samples(source, config, settings.tokens)
-    models = [load_model(ckpt, dtype=dt, head_dtype=hd, device=device) for dt, hd, ckpt in specs]
+    full = read_model_config(specs[0][2])
+    ids, masks = _budget_samples(source, full, settings.tokens)
+    memory = settings.memory_bytes or device_memory(str(device))
+    blocks, skipped = fitting_blocks(full, [(dt, hd) for dt, hd, _ in specs], memory)
+    models = [load_blocks(ckpt, dt, hd, blocks, device) for dt, hd, ckpt in specs]
+    config = models[0].config  # cut to `blocks` blocks when the whole models do not fit
     if dump is not None:
-        sums, flips, n_tokens, layers = _dump_sums(models[0], dump, ids, masks, settings.batch_tokens, device)
+        sums, flips, n_tokens, layers = _dump_sums(
+            models[0], dump, ids, masks, settings.batch_tokens, device, full.num_hidden_layers
+        )
     else:
         sums, flips, n_tokens = _model_sums(models, config, ids, masks, settings.batch_tokens, device)
         layers = list(range(-1, config.num_hidden_layers))
@@ -145,7 +154,7 @@ def compare_layers(
     blocks = [(r.layer, r.local) for r in found if r.layer >= 0 and r.local is not None]
     median = float(np.median([v for _, v in blocks])) if blocks else 0.0
     first = next((i for i, v in blocks if v > DIVERGENCE_FACTOR * median and v > 0), None)
-    result = LayerComparison(config_a, config_b, n_tokens, found, first)
+    result = LayerComparison(config_a, config_b, n_tokens, found, first, skipped)
     if plot is not None:
         from pgdiag.explain.report import layers_report
         from pgdiag.report.explain_plots import plot_layers
@@ -153,6 +162,67 @@ def compare_layers(
 
         save_figure(plot_layers(layers_report(result)), plot)
     return result
+
+
+def fitting_blocks(config: Any, dtypes: list[tuple[str, str]], memory: int) -> tuple[int, dict[str, str]]:
+    """(how many leading blocks to compare, {"blocks": what was skipped and why} or {}): every block when the
+    models of `dtypes` ((body, head) each) fit in 80 % of `memory` together, else the longest prefix that fits
+    (exact: a block's output depends only on the blocks before it). E508 when not even one block fits."""
+    from pgdiag.explain.matrix import prefix_bytes
+
+    n = config.num_hidden_layers
+    budget = 0.8 * memory
+
+    def need(blocks: int) -> int:
+        return sum(prefix_bytes(config, body, head, blocks) for body, head in dtypes)
+
+    if need(n) <= budget:
+        return n, {}
+    blocks = max((k for k in range(n) if need(k) <= budget), default=0)
+    if blocks == 0:
+        raise UsageError(
+            Code.DEVICE_UNAVAILABLE,
+            f"--layers: not even one block of the configurations fits ({need(1) / 2**30:.2f} GiB needed, 80 % "
+            f"of {memory / 2**30:.2f} GiB available)",
+            "run on a device with more memory, or compare lower-precision configurations",
+        )
+    why = (
+        f"blocks {blocks}-{n - 1} not compared: the {n}-block models need {need(n) / 2**30:.3g} GiB, more than "
+        f"80 % of {memory / 2**30:.3g} GiB; blocks 0-{blocks - 1} fit ({need(blocks) / 2**30:.3g} GiB) and are "
+        "exact (a block's output depends only on the blocks before it)"
+    )
+    return blocks, {"blocks": why}
+
+
+_BLOCK_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def load_blocks(checkpoint: Path, dtype: str, head_dtype: str, blocks: int, device: Any) -> Any:
+    """pgdiag's model of `checkpoint`, cut to its first `blocks` blocks when that is fewer than it has (the
+    tensors of later blocks are never read; the final norm and head stay, unused by the layer comparison)."""
+    from pgdiag.model import TensorSource, load_from_source, load_model, read_model_config
+    from pgdiag.model.checkpoint import open_tensor_source
+
+    full = read_model_config(checkpoint)
+    if blocks >= full.num_hidden_layers:
+        return load_model(checkpoint, dtype=dtype, head_dtype=head_dtype, device=device)
+    cut = replace(
+        full,
+        num_hidden_layers=blocks,
+        sliding_windows=full.sliding_windows[:blocks],
+        moe=None if full.moe is None else replace(full.moe, sparse_layers=full.moe.sparse_layers[:blocks]),
+    )
+    with open_tensor_source(Path(checkpoint)) as source:
+        files = {}
+        for name in source.names():
+            match = _BLOCK_NAME.match(name)
+            if match is None or int(match.group(1)) < blocks:
+                files[name] = source.file_of(name)
+        with TensorSource(files=files) as prefix:
+            return load_from_source(
+                cut, prefix, where=f"{checkpoint} (blocks 0-{blocks - 1})", dtype=dtype, head_dtype=head_dtype,
+                device=device,
+            )  # fmt: skip
 
 
 def _dump_dir(spec: str) -> Path | None:
@@ -229,6 +299,7 @@ def _dump_sums(
     masks: list[np.ndarray],
     batch_tokens: int,
     device: Any,
+    full_blocks: int,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, int, list[int]]:
     """Squared errors per dumped block between configuration A (`model`) and a slime layer dump, on the run's
     samples the dump holds: cumulative = dump(i) against A's own out(i); local = dump(i) against A's block i
@@ -240,13 +311,14 @@ def _dump_sums(
     found = match_samples(directory, ids, hidden_size)
     order = sorted(found)
     layers = sorted(found[order[0]].hidden)
-    n_layers = model.config.num_hidden_layers
-    if layers[-1] >= n_layers:
+    if layers[-1] >= full_blocks:
         raise UsageError(
             Code.BAD_OPTION_VALUE,
-            f"{directory}: the dump has layer {layers[-1]}, the checkpoint {n_layers} blocks",
+            f"{directory}: the dump has layer {layers[-1]}, the checkpoint {full_blocks} blocks",
             "pass the checkpoint the dumped model was trained from",
         )
+    n_layers = model.config.num_hidden_layers  # fewer than full_blocks under the layer-subset fallback
+    layers = [i for i in layers if i < n_layers]
     sums = {key: np.zeros(n_layers + 1) for key in ("cum", "loc", "ref")}
     sums["loc"][:] = np.nan
     for i in layers:
