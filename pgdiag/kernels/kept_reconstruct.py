@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from pgdiag.kernels.kept_set import KeptSet
-from pgdiag.kernels.kept_threshold import Levels, keep_mask_threshold, levels_torch
+from pgdiag.kernels.kept_threshold import Levels, kept_coordinates, levels_torch
 from pgdiag.kernels.lm_head_logprobs_ref import _fp32_logits, head_operands
 
 LOGITS_BUDGET_BYTES = 1 << 29
-TEMPORARIES_TRITON = 3  # fp32 logits, two bool masks and their conjunction (window), in 4-byte units
+TEMPORARIES_TRITON = 2  # fp32 logits, two bool masks and their conjunction (window), in 4-byte units
 TEMPORARIES_TORCH = 7  # and levels_torch's bucket index (8 B), exp (4 B) and its fp64 copy (8 B)
 ENGINES = ("vllm", "sglang")
 
@@ -151,15 +151,14 @@ def reconstruct_kept(
             z.div_(temperature)
         if world > 1:
             z = _gather_vocab(z, tp_group)  # (C, V) in rank order = vocab order
-        keep = keep_mask_threshold(
+        rows, cols = kept_coordinates(
             z,
             top_k[start:stop].long(),
             top_p[start:stop].float(),
             min_p[start:stop].float(),
             engine=engine,
             levels=levels,
-        )
-        rows, cols = keep.nonzero(as_tuple=True)  # row-major: ids ascending within a token
+        )  # row-major: ids ascending within a token
         ids.append(cols.long() + (vocab_start if world == 1 else 0))
         sizes[start:stop] = torch.bincount(rows, minlength=stop - start)
     offsets = torch.zeros(n_tokens + 1, dtype=torch.int64, device=hidden.device)

@@ -144,7 +144,9 @@ def take_window(
 ) -> Window:
     """The tokens lo <= z < hi of every row, ordered by (row, z descending, id: descending when
     `ties_high_id_first`, as a stable ascending sort read backwards, else ascending)."""
-    inside = (z >= bracket.lo[:, None]) & (z < bracket.hi[:, None])
+    inside = z >= bracket.lo[:, None]
+    if not bool((bracket.hi > row_max).all()):  # else every token is below hi
+        inside &= z < bracket.hi[:, None]
     rows, cols = inside.nonzero(as_tuple=True)  # (row, id) ascending
     if ties_high_id_first:
         rows, cols = rows.flip(0), cols.flip(0)
@@ -227,21 +229,28 @@ def mass_prefix(
     return bracket, window, inside
 
 
-def _finite_min(z: torch.Tensor) -> torch.Tensor:
-    low = z.amin(dim=1)
+def _row_range(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """((C,) max, (C,) smallest finite logit) of each row, one pass (a second only when a row has -inf)."""
+    low, row_max = torch.aminmax(z, dim=1)
     if bool(torch.isinf(low).any()):
         low = torch.where(torch.isfinite(z), z, float("inf")).amin(dim=1)
-    return low
+    return row_max, low
 
 
-def _mask_from(z: torch.Tensor, hi: torch.Tensor, window: Window, keep_window: torch.Tensor) -> torch.Tensor:
-    """(C, V) bool: z >= hi, plus the window tokens `keep_window` (W,)."""
-    keep = z >= hi[:, None]
-    keep[window.rows[keep_window], window.cols[keep_window]] = True
-    return keep
+def _coordinates(
+    z: torch.Tensor, hi: torch.Tensor | None, window: Window, keep_window: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """((E,) rows, (E,) ids) row-major of the tokens z >= hi (none when `hi` is None) and the window tokens
+    `keep_window` (W,)."""
+    rows, cols = window.rows[keep_window], window.cols[keep_window]
+    if hi is not None:
+        above_rows, above_cols = (z >= hi[:, None]).nonzero(as_tuple=True)
+        rows, cols = torch.cat([above_rows, rows]), torch.cat([above_cols, cols])
+    order = torch.sort(rows * z.shape[1] + cols).indices
+    return rows[order], cols[order]
 
 
-def keep_mask_threshold(
+def kept_coordinates(
     z: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
@@ -249,11 +258,12 @@ def keep_mask_threshold(
     *,
     engine: str,
     levels: Levels = levels_torch,
-) -> torch.Tensor:
-    """(C, V) bool kept by `engine` ("vllm" or "sglang") on tempered fp32 logits z (C, V); top_k (C,) int64
-    (<= 0 or >= V: off), top_p (C,) fp32 (>= 1: off), min_p (C,) fp32 (<= 0: off). Rows need a finite max."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """((E,) row, (E,) token id) of the tokens `engine` ("vllm" or "sglang") keeps, row-major, from tempered
+    fp32 logits z (C, V); top_k (C,) int64 (<= 0 or >= V: off), top_p (C,) fp32 (>= 1: off), min_p (C,) fp32
+    (<= 0: off). Rows need a finite max."""
     vocab = z.shape[1]
-    row_max, low = z.amax(dim=1), _finite_min(z)  # (C,)
+    row_max, low = _row_range(z)  # (C,)
     log_min_p = torch.log(torch.where(min_p > 0, min_p, 1.0).float())
     k_on = (top_k > 0) & (top_k < vocab)
     p_on = top_p < 1
@@ -267,12 +277,15 @@ def keep_mask_threshold(
             at_or_above = window.values >= kth[window.rows]
             n_floor = bracket.n_hi + torch.bincount(window.rows[at_or_above], minlength=z.shape[0])
         if not bool(p_on.any()):
-            return z >= floor[:, None]
+            return (z >= floor[:, None]).nonzero(as_tuple=True)
         p = torch.where(p_on, top_p.float(), 1.0)
         bracket, window, inside = mass_prefix(
             z, row_max, floor, n_floor, p, levels, strict=True, high_id=True
         )
-        return _mask_from(z, torch.where(p_on, bracket.hi, floor), window, inside & p_on[window.rows])
+        inside &= p_on[window.rows]
+        if bool(p_on.all()) and bool((bracket.n_hi == 0).all()):  # every kept token is in the window
+            return _coordinates(z, None, window, inside)
+        return _coordinates(z, torch.where(p_on, bracket.hi, floor), window, inside)
     # SGLang: the shortest of the k, min-p, nonzero-probability and top-p prefixes, cut in its sort order
     floor = torch.maximum(row_max - SUBNORMAL_NATS, low)
     floor = torch.where(min_p > 0, torch.maximum(floor, row_max + log_min_p), floor)
@@ -284,4 +297,21 @@ def keep_mask_threshold(
         length = torch.where(p_on, torch.minimum(length, n_prefix), length)
     _, used, window, bracket = kth_value(z, row_max, low, length.clamp(min=1), levels, high_id=False)
     keep_window = (bracket.n_hi[window.rows] + window.rank) < used[window.rows]
-    return _mask_from(z, bracket.hi, window, keep_window)
+    hi = None if bool((bracket.n_hi == 0).all()) else bracket.hi
+    return _coordinates(z, hi, window, keep_window)
+
+
+def keep_mask_threshold(
+    z: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    *,
+    engine: str,
+    levels: Levels = levels_torch,
+) -> torch.Tensor:
+    """(C, V) bool mask of `kept_coordinates` (the contract of the sort references)."""
+    rows, cols = kept_coordinates(z, top_k, top_p, min_p, engine=engine, levels=levels)
+    keep = torch.zeros_like(z, dtype=torch.bool)
+    keep[rows, cols] = True
+    return keep
