@@ -257,7 +257,7 @@ def run_matrix(
     configs: list[Config],
     *,
     prefix: str,
-    temperature: float,
+    temperature: float | str,  # "auto": each token at its recorded temperature
     tp: int,
     device: str | None,
     batch_tokens: int,

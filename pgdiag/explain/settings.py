@@ -77,6 +77,15 @@ FIX = {
 
 DEFAULT_TOKENS = 200_000
 
+# the sampling grid's point "each token at its own recorded temperature" (``temperature_tok``/``temperature``
+# columns that differ between tokens), after the fixed temperatures; no real temperature is negative
+PER_TOKEN = -1.0
+
+
+def temperature_label(value: float) -> float | str:
+    """A grid temperature as JSON and the verdict show it: the number, or ``"per_token"``."""
+    return "per_token" if value == PER_TOKEN else value
+
 
 @dataclass(frozen=True)
 class ExplainSettings:
