@@ -48,6 +48,9 @@ class ExplainResult:
     token_run: Path
     seconds: dict[str, float] = field(default_factory=dict)
     n_forwarded: int = 0  # prompt + response tokens of the budget's samples (what each forward processes)
+    reused: list[str] = field(
+        default_factory=list
+    )  # tags complete from an earlier call (resume), not recomputed
 
     def to_json(self) -> dict[str, Any]:
         """The ``explain`` block of the `--json` object (docs/explain.md, "JSON")."""
@@ -74,6 +77,7 @@ class ExplainResult:
             "token_run": str(self.token_run),
             "seconds": self.seconds,
             "n_forwarded": self.n_forwarded,
+            "reused": self.reused,
         }
 
 
@@ -115,16 +119,15 @@ def explain_run(
         SamplingFit(grid.temperatures.index(1.0)), token_pieces(token_run, settings.pair, (), grid, keys)
     )
     t_a = grid.temperatures[fits["a"].temperature_index]  # PER_TOKEN: the matrix reads each token's own
-    seconds.update(
-        matrix.run_matrix(
-            plan.token_dir, model, plan.configs, prefix=settings.tag_prefix,
-            temperature="auto" if t_a == PER_TOKEN else t_a, tp=settings.tp,
-            device=settings.device, batch_tokens=settings.batch_tokens, progress=progress,
-        )
+    recomputed, reused = matrix.run_matrix(
+        plan.token_dir, model, plan.configs, prefix=settings.tag_prefix,
+        temperature="auto" if t_a == PER_TOKEN else t_a, tp=settings.tp, device=settings.device,
+        batch_tokens=settings.batch_tokens, resume=settings.resume, progress=progress,
     )  # fmt: skip
+    seconds.update(recomputed)
     result = _attribute(read_run(plan.token_dir), settings, plan, fits, grid, keys)
     seconds["total"] = time.perf_counter() - started
-    return replace(result, seconds=seconds)
+    return replace(result, seconds=seconds, reused=reused)
 
 
 @dataclass
@@ -151,7 +154,7 @@ def _prepare(
     """Check the pair and the output, plan the matrix, announce its cost, write the budget's token run."""
     from pgdiag.explain import matrix
     from pgdiag.explain.grid import temperatures
-    from pgdiag.explain.tokens import check_pair, select_samples, write_token_run
+    from pgdiag.explain.tokens import check_pair, same_selection, select_samples, write_token_run
     from pgdiag.model import read_model_config
     from pgdiag.recompute.kept_rules import run_records_kept
 
@@ -165,9 +168,11 @@ def _prepare(
             )
         out = Path(source.root) / "explain"
     token_dir = Path(out) / "tokens"
-    if token_dir.exists() and not overwrite:
+    if token_dir.exists() and not overwrite and not settings.resume:
         raise UsageError(
-            Code.OUTPUT_EXISTS, f"{token_dir} exists", "pass --overwrite to replace it, or another --out"
+            Code.OUTPUT_EXISTS,
+            f"{token_dir} exists",
+            "pass --overwrite to replace it, --resume to continue it, or another --out",
         )
     model_config = read_model_config(model)
     device = settings.device or _default_device()
@@ -189,9 +194,13 @@ def _prepare(
     )  # fmt: skip
     if on_cost is not None:
         on_cost(cost.line())
-    if token_dir.exists():
-        shutil.rmtree(token_dir)
-    write_token_run(source, selection, token_dir)
+    resumed = token_dir.exists() and not overwrite
+    if resumed:  # same run, budget and seed: the same samples, else E502
+        same_selection(source, selection, token_dir, settings.pair)
+    else:
+        if token_dir.exists():
+            shutil.rmtree(token_dir)
+        write_token_run(source, selection, token_dir)
     return _Plan(token_dir, model_config, device, memory, configs, skipped, cost)
 
 

@@ -100,6 +100,7 @@ class ExplainSettings:
     configs: tuple[str, ...] | None = None  # None: every configuration that applies (matrix.CONFIGS)
     memory_bytes: int | None = None  # device memory the fit check assumes (None: the device's own)
     tag_prefix: str = "ex"
+    resume: bool = True  # an existing token run of the same samples is continued; complete tags are reused
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pair", tuple(self.pair))
