@@ -96,12 +96,8 @@ def lag_buckets(lag: np.ndarray) -> list[tuple[str, np.ndarray]]:
     the buckets that hold tokens."""
     out: list[tuple[str, np.ndarray]] = []
     known = np.isfinite(lag)
-    for label, mask in (
-        ("<0", known & (lag < 0)),
-        *((str(k), known & (lag == k)) for k in range(4)),
-        ("4+", known & (lag >= 4)),
-        ("unknown", ~known),
-    ):
+    masks = (known & (lag < 0), *(known & (lag == k) for k in range(4)), known & (lag >= 4), ~known)
+    for label, mask in zip(LAG_LABELS, masks, strict=True):
         if mask.any():
             out.append((label, mask))
     return out

@@ -16,6 +16,7 @@ import polars as pl
 
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.load import LoadedBatch, read_token_batch
+from pgdiag.data.reader import PieceReader
 from pgdiag.data.runs import Run
 from pgdiag.data.schema import BASE_STREAMS, stream_column
 from pgdiag.data.token_issues import zero_fill_issues
@@ -24,12 +25,10 @@ from pgdiag.data.validate import (
     CheckSettings,
     Issue,
     check_result,
-    merge_check_results,
-    merge_piece_issues,
     raise_first_error,
 )
 from pgdiag.errors import Code, UsageError
-from pgdiag.metrics.chunks import ChunkPlan, plan_chunks
+from pgdiag.metrics.chunks import plan_chunks
 from pgdiag.metrics.kept import truncation_warning
 from pgdiag.metrics.pooled import QuantileSettings
 from pgdiag.metrics.settings import MetricSettings
@@ -37,6 +36,7 @@ from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import Report, ReportRow, summary_frame
 
 if TYPE_CHECKING:
+    from pgdiag.metrics.docsteps import DocStepFeeder
     from pgdiag.metrics.engine import NativeStream, StepMetrics
     from pgdiag.metrics.styles.steps import StyleStream
 
@@ -195,108 +195,93 @@ def compute_metrics(
     plan = plan_chunks(run, settings, stream.budget, engine)
     if plan is None:  # a run no chunking reads exactly: the reader says what is wrong
         return _whole_run_report(run, settings, checks)
-    fold = MetricsFold(run, settings, checks, stream, engine, plan)
-    for chunk, n_rows in plan.chunks or [(run, None)]:  # a run without rows is read once, as a whole
-        loaded = _read(chunk, settings, checks, piece=len(plan.chunks) > 1, pair_checks=fold.pair_checks)
-        if n_rows is not None and loaded.batch.n_samples != n_rows:  # rows left out: cut the rows kept
+    chunks = plan.chunks or [(run, None)]  # a run without rows is read once, as a whole
+    reader = (
+        PieceReader(  # the reader's checks merged, its first error (then the pair rule's) raised at the end
+            [chunk for chunk, _ in chunks],
+            lambda chunk, many: _read(chunk, settings, checks, piece=many),
+            after=lambda loaded: _pair_rule(loaded.batch, settings, checks),
+        )
+    )
+    fold = MetricsFold(engine, plan.feeder, pooled=stream.pooled)
+    for piece in reader:
+        n_rows = chunks[piece.index][1]
+        if n_rows is not None and piece.batch.n_samples != n_rows:  # rows left out: cut the rows kept
             return _whole_run_report(run, settings, checks)
-        reduced = fold.add(loaded)
-        del loaded  # the chunk's token arrays go before the next chunk is read
-        if reduced and progress is not None:
+        fold.add(piece.batch)
+        if progress is not None:
             progress(len(engine.steps), plan.n_steps)
-    return fold.finish()
+    found = reader.finish()
+    return _pieces_report(run, settings, checks, stream, fold, found, len(plan.chunks))
+
+
+def _pieces_report(
+    run: Run,
+    settings: MetricSettings,
+    checks: CheckSettings,
+    stream: StreamSettings,
+    fold: MetricsFold,
+    found: CheckResult,
+    n_chunks: int,
+) -> Report:
+    """The report of a run read in pieces: every step, `all`, the merged checks and how the quantiles pooled."""
+    engine = fold.engine
+    notice = _quantile_notice(engine.quantiles_exact, stream.quantiles)
+    return _report(
+        fold.finish(),
+        settings,
+        run=run,
+        n_samples=fold.n_samples,
+        n_tokens=fold.n_tokens,
+        checks=found.issues,
+        ignored=checks.ignore,
+        extra_meta={
+            "pooled_quantiles": {
+                "exact": engine.quantiles_exact,
+                "exact_limit": stream.quantiles.exact_limit,
+                "relative_error": None if engine.quantiles_exact else stream.quantiles.relative_error,
+            },
+            "chunks": n_chunks,
+        },
+        extra_notices=[] if notice is None else [notice],
+    )
 
 
 class MetricsFold:
-    """The metric engine over a run's chunks (`pgdiag.data.fold.Fold`): `add(LoadedBatch)` per chunk in order,
-    `finish()` the `Report`. After a chunk with an error the later ones are validated only (not reduced), and
-    the run's first error is raised once, in `finish`, as one read of the run raises it."""
+    """The metric engine over a run's pieces (`pgdiag.data.fold.Fold`): `add(batch)` per piece in order (through
+    the `--docs-per-step` feeder when there is one), `finish()` every step's metrics and, when pooled, `all`. The
+    reader (`pgdiag.data.reader.PieceReader`) hands on only the pieces before the first error and raises it."""
 
     def __init__(
-        self,
-        run: Run,
-        settings: MetricSettings,
-        checks: CheckSettings,
-        stream: StreamSettings,
-        engine: NativeStream | StyleStream,
-        plan: ChunkPlan,
+        self, engine: NativeStream | StyleStream, feeder: DocStepFeeder | None, *, pooled: bool
     ) -> None:
-        self.run, self.settings, self.checks, self.stream, self.engine, self.plan = (
-            run,
-            settings,
-            checks,
-            stream,
-            engine,
-            plan,
-        )
-        self.chunk_checks: list[CheckResult] = []
-        self.pair_checks: list[list[Issue]] = []  # the pair zero-fill rule's, per chunk (appended by `_read`)
-        self.failed = False
+        self.engine, self.feeder, self.pooled = engine, feeder, pooled
         self.n_samples = self.n_tokens = 0
 
-    def add(self, loaded: LoadedBatch) -> bool:
-        """Fold one chunk in; False when it was only validated (an error came before)."""
-        self.chunk_checks.append(loaded.checks)
-        self.failed = self.failed or any(
-            i.severity == "error" and i.pooled is None for i in (*loaded.checks.found, *self.pair_checks[-1])
-        )
-        if self.failed:
-            return False
-        (self.engine if self.plan.feeder is None else self.plan.feeder).add(loaded.batch)
-        self.n_samples += loaded.batch.n_samples
-        self.n_tokens += loaded.batch.n_tokens
-        return True
+    def add(self, batch: TokenBatch) -> None:
+        (self.engine if self.feeder is None else self.feeder).add(batch)
+        self.n_samples += batch.n_samples
+        self.n_tokens += batch.n_tokens
 
-    def finish(self) -> Report:
-        """The run's report: its first error raised (reader, then the pair rule), else every step and `all`."""
-        merged_checks = merge_check_results(self.chunk_checks)
-        raise_first_error(merged_checks.found)  # as one read: the reader's first error, then the pair rule's
-        raise_first_error(merge_piece_issues(self.pair_checks))
-        if self.plan.feeder is not None:
-            self.plan.feeder.finish()
-        engine, stream = self.engine, self.stream
-        results = [*engine.steps, engine.finish()] if stream.pooled else list(engine.steps)
-        notice = _quantile_notice(engine.quantiles_exact, stream.quantiles)
-        return _report(
-            results,
-            self.settings,
-            run=self.run,
-            n_samples=self.n_samples,
-            n_tokens=self.n_tokens,
-            checks=merged_checks.issues,
-            ignored=self.checks.ignore,
-            extra_meta={
-                "pooled_quantiles": {
-                    "exact": engine.quantiles_exact,
-                    "exact_limit": stream.quantiles.exact_limit,
-                    "relative_error": None if engine.quantiles_exact else stream.quantiles.relative_error,
-                },
-                "chunks": len(self.plan.chunks),
-            },
-            extra_notices=[] if notice is None else [notice],
-        )
+    def finish(self) -> list[tuple[str, StepMetrics]]:
+        if self.feeder is not None:
+            self.feeder.finish()
+        return [*self.engine.steps, self.engine.finish()] if self.pooled else list(self.engine.steps)
 
 
 def _whole_run_report(run: Run, settings: MetricSettings, checks: CheckSettings) -> Report:
     """The report of `run` read at once, for a run that no chunking reads exactly (null steps, a step column
-    that is not an integer, rows left out under `--docs-per-step`)."""
+    that is not an integer, rows left out under `--docs-per-step`): the reader's first error, then the pair
+    rule's, raise."""
     loaded = _read(run, settings, checks)
+    raise_first_error(_pair_rule(loaded.batch, settings, checks))
     return metrics_report(loaded.batch, settings, run=run, checks=loaded.checks.issues, ignored=checks.ignore)
 
 
-def _read(
-    run: Run,
-    settings: MetricSettings,
-    checks: CheckSettings,
-    *,
-    piece: bool = False,
-    pair_checks: list[list[Issue]] | None = None,
-) -> LoadedBatch:
-    """One read of `run` (a chunk, or the whole run): the reader's validation, then the pair zero-fill rule.
-
-    `piece` (a chunk of a run read in chunks): nothing raises; the reader's issues are in the checks and the pair
-    rule's are appended to `pair_checks` (one list per chunk), for `compute_metrics` to merge and raise."""
-    loaded = read_token_batch(
+def _read(run: Run, settings: MetricSettings, checks: CheckSettings, *, piece: bool = False) -> LoadedBatch:
+    """One read of `run` (a piece, or the whole run) with the reader's validation; `piece` (one of several):
+    nothing raises, the issues are in the checks for `PieceReader` to merge and raise."""
+    return read_token_batch(
         run,
         streams=metric_streams(settings),
         entropy=[settings.entropy] if settings.entropy else [],
@@ -306,16 +291,16 @@ def _read(
         raise_errors=not piece,
         kept_of=[settings.kept] if settings.kept else [],
     )
+
+
+def _pair_rule(batch: TokenBatch, settings: MetricSettings, checks: CheckSettings) -> list[Issue]:
+    """The pair zero-fill rule (E206) on the metric pairs of a read batch, after the reader's one-stream rules."""
     found: list[Issue] = []
     if Code.ZERO_FILLED not in checks.ignore:
         pairs = [(settings.old, settings.new), (settings.stream_a, settings.stream_b)]
         for a, b in dict.fromkeys(p for p in pairs if p[0] is not None and p[1] is not None and p[0] != p[1]):
-            found += _zero_fill(loaded.batch, a, b, checks.max_examples)
-    if not piece:
-        raise_first_error(found)
-    if pair_checks is not None:
-        pair_checks.append(found)
-    return loaded
+            found += _zero_fill(batch, a, b, checks.max_examples)
+    return found
 
 
 def _zero_fill(batch: TokenBatch, a: str, b: str, max_examples: int) -> list[Issue]:
