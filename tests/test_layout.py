@@ -124,8 +124,6 @@ TABLES = {"metrics/catalog.py", "errors.py", "report/plots.py"}  # tables of ent
 TO_SPLIT = {
     "compare/align.py": 733,
     "importers/writer.py": 644,
-    "metrics/engine.py": 676,
-    "metrics/styles/pooled.py": 556,
     "model/checkpoint.py": 522,
     "recompute/logprobs.py": 842,
     "report/html.py": 607,
