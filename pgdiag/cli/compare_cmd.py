@@ -59,6 +59,7 @@ class Breakdown(StrEnum):
     length = "length"
     step = "step"
     env = "env"
+    lag = "lag"
 
 
 _JOIN = Join(_DEFAULTS.join)
@@ -112,7 +113,8 @@ class CompareOptions:
         list[Breakdown] | None,
         typer.Option(
             "--by",
-            help="Breakdown (repeatable; default: every one the data supports).",
+            help="Breakdown (repeatable; default: every one the data supports but lag, which reads "
+            "policy_version: docs/compare.md).",
             rich_help_panel=METRICS,
         ),
     ] = None

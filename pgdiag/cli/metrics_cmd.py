@@ -101,11 +101,7 @@ def metrics(
     """The `metrics` command (help: `HELP`)."""
 
     def body(screen: Screen) -> dict[str, Any]:
-        from pgdiag.cli.render import (
-            render_checks,
-            render_gates,
-            render_metrics,
-        )
+        from pgdiag.cli.render import render_checks, render_gates, render_lag, render_metrics
         from pgdiag.metrics.api import compute_metrics
         from pgdiag.report.gates import outcome
         from pgdiag.report.verdict import metrics_verdict
@@ -128,6 +124,7 @@ def metrics(
                 verbose=output.verbose,
                 verdict=verdict,
             )
+            render_lag(screen.results, report)
             render_gates(screen.results, decision.gates)
         result = finish(screen, report, output, _result(report, decision, verdict), verdict)
         return result
@@ -155,6 +152,7 @@ def _result(report: Any, decision: Any, verdict: Any) -> dict[str, Any]:
         checks=report.checks.to_dicts(),
         summary=json_view["summary"],
         per_step=json_view["breakdowns"].get("step", {}),
+        **({"lag": json_view["breakdowns"]["lag"]} if "lag" in json_view["breakdowns"] else {}),
         settings=report.meta["settings"],
         step_status={str(s["step"]): s["status"] for s in report.meta["steps"]},
         verdict=verdict.as_dict(),

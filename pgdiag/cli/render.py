@@ -292,3 +292,29 @@ def render_exact(console: Console, exact: Mapping[str, Any]) -> None:
             )
         histogram = ", ".join(f"{k}: {v}" for k, v in result["ulp_histogram"].items())
         console.print(f"  ULP distance histogram: {histogram}")
+
+
+LAG_COLUMNS = (
+    "count/tokens",
+    "policy/logratio_abs_mean",
+    "policy/kl_k3",
+    "mismatch/abs_mean",
+    "mismatch/kl_k3",
+)
+
+
+def render_lag(console: Console, report: Report) -> None:
+    """`metrics --by lag`: one row per lag bucket (tokens, the policy and mismatch pairs' mean |d| and k3)."""
+    rows = report.summary.filter(pl.col("breakdown") == "lag")
+    if rows.height == 0:
+        return
+    values = {(b, m): v for b, m, v in rows.select("bucket", "metric", "value").iter_rows()}
+    shown = [c for c in LAG_COLUMNS if any(m == c for _, m in values)]
+    table = Table(title=Text("by lag (proximal − sampling version)", style="bold"), title_justify="left")
+    table.add_column("lag", justify="left")
+    for name in shown:
+        table.add_column(name, justify="right")
+    for bucket in rows["bucket"].unique(maintain_order=True).to_list():
+        cells = [format_value(values.get((bucket, m)), "count" if m == "count/tokens" else "") for m in shown]
+        table.add_row(bucket, *cells)
+    console.print(table)

@@ -29,6 +29,7 @@ from pgdiag.compare.side_by_side import SideMetrics, side_by_side_rows
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.pieces import AnyStepKeys, PairPiece
 from pgdiag.data.validate import CheckResult, Issue, merge_check_results, raise_first_error
+from pgdiag.data.versions import token_lag_at
 from pgdiag.errors import Code, InvalidInputError, UsageError
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import ReportRow
@@ -235,12 +236,25 @@ class PairFold:
         if self.exact is not None:  # the exact tally sees every token; the parity tables the finite ones
             self.exact.add(piece_pair)
             piece_pair = finite_only(piece_pair)
+        lag = self._lag(side_a, piece_pair)
         side_a = _aligned(side_a)  # the batches go before the tables allocate theirs (peak memory)
         side_b = side_a if self.sources.one_run else _aligned(side_b)
         self._hold(piece_pair.deferred)
         if piece_pair.n_samples == 0:  # nothing matched in these steps: counted in E306 (deferred) only
             return
-        self._pool(piece_pair, side_b)
+        self._pool(piece_pair, side_b, lag)
+
+    def _lag(self, side_a: Side, pair: AlignedPair) -> np.ndarray | None:
+        """(M,) the lag of each matched token, read from side a's run (`--by lag` only; NaN without versions)."""
+        if self.settings.by is None or "lag" not in self.settings.by:
+            return None
+        batch = side_a.batch
+        assert batch is not None
+        found = None
+        if side_a.run is not None:
+            rows = pair.rows_a[pair.token_row]  # (M,) batch a's row of each matched token
+            found = token_lag_at(side_a.run, batch.step, batch.sample_id, batch.segment_idx, rows, pair.pos)
+        return np.full(pair.n_tokens, np.nan) if found is None else found.lag
 
     def _first_piece(self, side_a: Side | None, side_b: Side | None) -> None:
         """Labels, the hash-any-step counts and the side metric sets, fixed by the first piece."""
@@ -300,7 +314,7 @@ class PairFold:
             keep_nonfinite=self.exact is not None,
         )
 
-    def _pool(self, piece_pair: AlignedPair, side_b: Side) -> None:
+    def _pool(self, piece_pair: AlignedPair, side_b: Side, lag: np.ndarray | None) -> None:
         settings = self.settings
         if self.pooled is None:
             chosen = bd.available(piece_pair) if settings.by is None else tuple(settings.by)
@@ -312,7 +326,7 @@ class PairFold:
                 decode=self.decode,
                 pieces=self.n_pieces,
             )
-        self.pooled.add(piece_pair, np.asarray(DLOGP_EDGES))
+        self.pooled.add(piece_pair, np.asarray(DLOGP_EDGES), lag)
         if self.writer is not None:
             self.writer.add(piece_pair)
         if self.tau_samples is not None and not self.tau_samples.full:

@@ -28,9 +28,11 @@ from pgdiag.data.validate import (
     merge_piece_issues,
     raise_first_error,
 )
+from pgdiag.data.versions import token_lag
 from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.chunks import ChunkPlan, plan_chunks
 from pgdiag.metrics.kept import truncation_warning
+from pgdiag.metrics.lag import LagBreakdown, lag_breakdown
 from pgdiag.metrics.pooled import QuantileSettings
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.gates import gate_policy
@@ -200,7 +202,7 @@ def compute_metrics(
         loaded = _read(chunk, settings, checks, piece=len(plan.chunks) > 1, pair_checks=fold.pair_checks)
         if n_rows is not None and loaded.batch.n_samples != n_rows:  # rows left out: cut the rows kept
             return _whole_run_report(run, settings, checks)
-        reduced = fold.add(loaded)
+        reduced = fold.add(loaded, source=chunk)
         del loaded  # the chunk's token arrays go before the next chunk is read
         if reduced and progress is not None:
             progress(len(engine.steps), plan.n_steps)
@@ -233,9 +235,11 @@ class MetricsFold:
         self.pair_checks: list[list[Issue]] = []  # the pair zero-fill rule's, per chunk (appended by `_read`)
         self.failed = False
         self.n_samples = self.n_tokens = 0
+        self.lag = lag_breakdown(settings)
 
-    def add(self, loaded: LoadedBatch) -> bool:
-        """Fold one chunk in; False when it was only validated (an error came before)."""
+    def add(self, loaded: LoadedBatch, source: Run | None = None) -> bool:
+        """Fold one chunk in (`source`: the run restricted to the chunk, which `--by lag` reads its versions
+        from); False when it was only validated (an error came before)."""
         self.chunk_checks.append(loaded.checks)
         self.failed = self.failed or any(
             i.severity == "error" and i.pooled is None for i in (*loaded.checks.found, *self.pair_checks[-1])
@@ -243,6 +247,8 @@ class MetricsFold:
         if self.failed:
             return False
         (self.engine if self.plan.feeder is None else self.plan.feeder).add(loaded.batch)
+        if self.lag is not None:
+            self.lag.add(loaded.batch, token_lag(source or self.run, loaded.batch))
         self.n_samples += loaded.batch.n_samples
         self.n_tokens += loaded.batch.n_tokens
         return True
@@ -274,6 +280,7 @@ class MetricsFold:
                 "chunks": len(self.plan.chunks),
             },
             extra_notices=[] if notice is None else [notice],
+            lag=self.lag,
         )
 
 
@@ -364,6 +371,9 @@ def metrics_report(
     from pgdiag.metrics.engine import compute_native
     from pgdiag.metrics.styles.steps import compute_by_step, compute_step_style
 
+    lag = lag_breakdown(settings)
+    if lag is not None:
+        lag.add(batch, token_lag(run, batch))
     if settings.key_style == "pgdiag":
         results = compute_native(batch, settings)
     else:
@@ -380,6 +390,7 @@ def metrics_report(
         n_tokens=batch.n_tokens,
         checks=checks,
         ignored=ignored,
+        lag=lag,
     )
 
 
@@ -394,8 +405,9 @@ def _report(
     ignored: Sequence[str],
     extra_meta: dict[str, Any] | None = None,
     extra_notices: Sequence[str] = (),
+    lag: LagBreakdown | None = None,
 ) -> Report:
-    """The metrics `Report` of per-step and ``all`` results."""
+    """The metrics `Report` of per-step and ``all`` results (and the `lag` breakdown's rows, when asked)."""
     policy_pair, mismatch_pair = _pair_names(run.label, settings)
     rows: list[ReportRow] = []
     steps_meta: list[dict[str, Any]] = []
@@ -407,6 +419,9 @@ def _report(
         for v in step.values:
             pair = mismatch_pair if (v.key.startswith("mismatch/") and mismatch_pair) else policy_pair
             rows.append(ReportRow(pair, "token", breakdown, bucket, v.key, v.value, v.unit, v.reduction, v.n))
+    if lag is not None:
+        rows += lag.rows(policy_pair, mismatch_pair)
+        extra_notices = [*extra_notices, *lag.notices]
     notices.extend(n for n in extra_notices if n not in notices)
     meta = {
         "command": "metrics",
