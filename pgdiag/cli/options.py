@@ -293,6 +293,26 @@ class GateOptions:
         )
 
 
+LossesOpt = Annotated[
+    str | None,
+    _option(
+        "--losses",
+        "Gradient parity of two loss definitions FORM@MODE,FORM@MODE on the behaviour vs proximal streams "
+        "(vanilla@token_mean,cispo:0.2,0.28@seq_mean_token_sum; docs/whatif.md).",
+        METRICS,
+    ),
+]
+
+
+def loss_folds(run: Any, losses: str | None, divisor: float | None) -> list[Any]:
+    """`--losses A,B`: the loss-parity fold of `run` that `metrics` and `compare` feed (none without the option)."""
+    if losses is None:
+        return []
+    from pgdiag.analysis.loss_fold import LossParitySettings, loss_parity_fold
+
+    return [loss_parity_fold(run, LossParitySettings(losses, divisor=divisor))]
+
+
 @dataclass(frozen=True)
 class MetricOptions:
     """Every option of `MetricSettings` (and its `ClipBand` and `StyleOptions`), by its flat name."""

@@ -31,6 +31,7 @@ from pgdiag.data.pieces import AnyStepKeys, PairPiece
 from pgdiag.data.validate import CheckResult, Issue, merge_check_results, raise_first_error
 from pgdiag.data.versions import token_lag_at
 from pgdiag.errors import Code, InvalidInputError, UsageError
+from pgdiag.metrics.accumulators import RowFold
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import ReportRow
 
@@ -144,6 +145,12 @@ class PairSources:
     b: Any
     streams: tuple[str, str]
     metrics: tuple[MetricSettings | None, MetricSettings | None] = (None, None)
+    accumulators: tuple[RowFold, ...] = ()  # fed side a's batch of every piece (`--losses`); their rows join
+
+    @property
+    def extra_streams(self) -> list[str]:
+        """Side a's streams the accumulators read besides the compared ones."""
+        return [s for accumulator in self.accumulators for s in accumulator.streams]
 
     @property
     def one_run(self) -> bool:
@@ -220,6 +227,10 @@ class PairFold:
         piece = read.piece
         side_a, side_b = read.take()
         self._first_piece(side_a, side_b)
+        if side_a is not None and side_a.batch is not None and self.sources.accumulators:
+            batch = replace(side_a.batch, label=self.labels[0] if self.labels else side_a.batch.label)
+            for accumulator in self.sources.accumulators:
+                accumulator.add(batch)
         if side_a is not None and side_a.checks is not None:
             self.checks_a.append(side_a.checks)
         if not self.sources.one_run and side_b is not None and side_b.checks is not None:
@@ -360,6 +371,7 @@ class PairFold:
         if self.shown:
             side_rows, side_meta = side_by_side_rows(self.shown)
             rows += side_rows
+        rows += [row for accumulator in self.sources.accumulators for row in accumulator.finish()]
         hints = diagnosis.issues
         if tau is not None:  # the exact fit supersedes the slope hint's temperature warning
             slope = f"{self.name}: slope"

@@ -9,7 +9,7 @@ or a framework key style on every step and on the pooled ``all`` row.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import polars as pl
@@ -17,7 +17,7 @@ import polars as pl
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.load import LoadedBatch, read_token_batch
 from pgdiag.data.runs import Run
-from pgdiag.data.schema import BASE_STREAMS, stream_column
+from pgdiag.data.schema import stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import (
     CheckResult,
@@ -30,10 +30,12 @@ from pgdiag.data.validate import (
 )
 from pgdiag.data.versions import token_lag
 from pgdiag.errors import Code, UsageError
+from pgdiag.metrics.accumulators import RowFold
 from pgdiag.metrics.chunks import ChunkPlan, plan_chunks
 from pgdiag.metrics.kept import truncation_warning
 from pgdiag.metrics.lag import LagBreakdown, lag_breakdown
 from pgdiag.metrics.pooled import QuantileSettings
+from pgdiag.metrics.resolve import metric_streams, pair_names, resolve_streams
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import Report, ReportRow, summary_frame
@@ -41,75 +43,6 @@ from pgdiag.report.report import Report, ReportRow, summary_frame
 if TYPE_CHECKING:
     from pgdiag.metrics.engine import NativeStream, StepMetrics
     from pgdiag.metrics.styles.steps import StyleStream
-
-
-def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
-    """Settings with every stream name resolved against the run's streams (docs/cli.md).
-
-    new: ``new``, else the single recompute tag, else exit 2 listing the streams; old: ``old``, else ``rollout``;
-    mismatch pair: a = ``rollout``, b = ``old`` else ``new``; ref: ``ref`` when present; entropy: the new
-    stream's entropy when it is a recompute tag that has one.
-    """
-    streams = set(run.streams)
-    tags = [s for s in run.streams if s not in BASE_STREAMS]
-
-    def need(name: str | None, what: str) -> str | None:
-        if name is not None and name not in streams:
-            raise UsageError(
-                Code.STREAM_NOT_FOUND,
-                f"{run.label}: no stream {name!r} for {what}",
-                f"streams present: {', '.join(run.streams) or 'none'}",
-            )
-        return name
-
-    new = need(settings.new, "--new")
-    if new is None:
-        if "new" in streams:
-            new = "new"
-        elif len(tags) == 1:
-            new = tags[0]
-        else:
-            listed = ", ".join(run.streams) or "none"
-            raise UsageError(
-                Code.STREAM_NOT_FOUND,
-                f"{run.label}: cannot tell which stream is the new policy (streams: {listed})",
-                "run `pgdiag logprobs RUN --model CKPT` first, or name one with --new",
-            )
-    old = need(settings.old, "--old") or (
-        "old" if "old" in streams else ("rollout" if "rollout" in streams else None)
-    )
-    if old is None:
-        raise UsageError(
-            Code.STREAM_NOT_FOUND,
-            f"{run.label}: no old or rollout stream for the policy ratio",
-            "name one with --old",
-        )
-    stream_a = need(settings.stream_a, "--stream-a") or ("rollout" if "rollout" in streams else None)
-    stream_b = need(settings.stream_b, "--stream-b") or ("old" if "old" in streams else new)
-    if stream_a is None or stream_a == stream_b:
-        stream_a = stream_b = None
-    ref = need(settings.ref, "--ref") or ("ref" if "ref" in streams else None)
-    entropy = settings.entropy
-    if entropy is not None and entropy not in run.entropy_streams:
-        raise UsageError(
-            Code.STREAM_NOT_FOUND,
-            f"{run.label}: no entropy for stream {entropy!r}",
-            f"streams with entropy: {', '.join(run.entropy_streams) or 'none'}",
-        )
-    if entropy is None and new in run.entropy_streams:
-        entropy = new
-    kept = next((s for s in (stream_b, stream_a, new) if s is not None and s in run.kept_tags), None)
-    return replace(
-        settings, new=new, old=old, stream_a=stream_a, stream_b=stream_b, ref=ref, entropy=entropy, kept=kept
-    )
-
-
-def _pair_names(label: str, settings: MetricSettings) -> tuple[str, str | None]:
-    policy = f"{label}:{settings.old} vs {label}:{settings.new}"
-    mismatch = (
-        None if settings.stream_a is None else f"{label}:{settings.stream_a} vs {label}:{settings.stream_b}"
-    )
-    return policy, mismatch
 
 
 def default_gates(settings: MetricSettings) -> dict[str, Any]:
@@ -159,6 +92,7 @@ def compute_metrics(
     checks: CheckSettings | None = None,
     stream: StreamSettings | None = None,
     progress: Callable[[int, int], None] | None = None,
+    accumulators: Sequence[RowFold] = (),
     **options: Any,
 ) -> Report:
     """The full metric set of `run`, per step and pooled (``all``), as a `Report`.
@@ -177,7 +111,8 @@ def compute_metrics(
     rows out (ignored structural errors: its documents are counted over the rows kept). `progress(steps_done,
     n_steps)` is called after each chunk. The chunks' checks merge into the run's (`merge_check_results`); an
     error is raised after the last chunk (the chunks after it are validated only), as one read of the run
-    raises it.
+    raises it. `accumulators` (`metrics.accumulators.RowFold`, e.g. `--losses`) get every chunk's batch, with
+    their streams read too, and their rows join the report.
     """
     if settings is None:
         settings = MetricSettings.from_options(**options)
@@ -196,12 +131,12 @@ def compute_metrics(
     )
     plan = plan_chunks(run, settings, stream.budget, engine)
     if plan is None:  # a run no chunking reads exactly: the reader says what is wrong
-        return _whole_run_report(run, settings, checks)
-    fold = MetricsFold(run, settings, checks, stream, engine, plan)
+        return _whole_run_report(run, settings, checks, accumulators)
+    fold = MetricsFold(run, settings, checks, stream, engine, plan, accumulators)
     for chunk, n_rows in plan.chunks or [(run, None)]:  # a run without rows is read once, as a whole
-        loaded = _read(chunk, settings, checks, piece=len(plan.chunks) > 1, pair_checks=fold.pair_checks)
+        loaded = _read(chunk, settings, checks, len(plan.chunks) > 1, fold.pair_checks, accumulators)
         if n_rows is not None and loaded.batch.n_samples != n_rows:  # rows left out: cut the rows kept
-            return _whole_run_report(run, settings, checks)
+            return _whole_run_report(run, settings, checks, accumulators)
         reduced = fold.add(loaded, source=chunk)
         del loaded  # the chunk's token arrays go before the next chunk is read
         if reduced and progress is not None:
@@ -222,6 +157,7 @@ class MetricsFold:
         stream: StreamSettings,
         engine: NativeStream | StyleStream,
         plan: ChunkPlan,
+        accumulators: Sequence[RowFold] = (),
     ) -> None:
         self.run, self.settings, self.checks, self.stream, self.engine, self.plan = (
             run,
@@ -236,6 +172,7 @@ class MetricsFold:
         self.failed = False
         self.n_samples = self.n_tokens = 0
         self.lag = lag_breakdown(settings)
+        self.accumulators = accumulators
 
     def add(self, loaded: LoadedBatch, source: Run | None = None) -> bool:
         """Fold one chunk in (`source`: the run restricted to the chunk, which `--by lag` reads its versions
@@ -249,6 +186,8 @@ class MetricsFold:
         (self.engine if self.plan.feeder is None else self.plan.feeder).add(loaded.batch)
         if self.lag is not None:
             self.lag.add(loaded.batch, token_lag(source or self.run, loaded.batch))
+        for accumulator in self.accumulators:
+            accumulator.add(loaded.batch)
         self.n_samples += loaded.batch.n_samples
         self.n_tokens += loaded.batch.n_tokens
         return True
@@ -281,23 +220,29 @@ class MetricsFold:
             },
             extra_notices=[] if notice is None else [notice],
             lag=self.lag,
+            extra_rows=[row for accumulator in self.accumulators for row in accumulator.finish()],
         )
 
 
-def _whole_run_report(run: Run, settings: MetricSettings, checks: CheckSettings) -> Report:
+def _whole_run_report(
+    run: Run, settings: MetricSettings, checks: CheckSettings, accumulators: Sequence[RowFold]
+) -> Report:
     """The report of `run` read at once, for a run that no chunking reads exactly (null steps, a step column
     that is not an integer, rows left out under `--docs-per-step`)."""
-    loaded = _read(run, settings, checks)
-    return metrics_report(loaded.batch, settings, run=run, checks=loaded.checks.issues, ignored=checks.ignore)
+    loaded = _read(run, settings, checks, accumulators=accumulators)
+    batch, issues = loaded.batch, loaded.checks.issues
+    return metrics_report(
+        batch, settings, run=run, checks=issues, ignored=checks.ignore, accumulators=accumulators
+    )
 
 
 def _read(
     run: Run,
     settings: MetricSettings,
     checks: CheckSettings,
-    *,
     piece: bool = False,
     pair_checks: list[list[Issue]] | None = None,
+    accumulators: Sequence[RowFold] = (),
 ) -> LoadedBatch:
     """One read of `run` (a chunk, or the whole run): the reader's validation, then the pair zero-fill rule.
 
@@ -305,7 +250,9 @@ def _read(
     rule's are appended to `pair_checks` (one list per chunk), for `compute_metrics` to merge and raise."""
     loaded = read_token_batch(
         run,
-        streams=metric_streams(settings),
+        streams=list(
+            dict.fromkeys([*metric_streams(settings), *(s for a in accumulators for s in a.streams)])
+        ),
         entropy=[settings.entropy] if settings.entropy else [],
         ignore=checks.ignore,
         max_examples=checks.max_examples,
@@ -352,12 +299,6 @@ def _quantile_notice(exact: bool, quantiles: QuantileSettings) -> str | None:
     )
 
 
-def metric_streams(settings: MetricSettings) -> list[str]:
-    """The streams resolved `settings` read (new, old, the mismatch pair, ref), each once."""
-    names = [settings.new, settings.old, settings.stream_a, settings.stream_b, settings.ref]
-    return [s for s in dict.fromkeys(names) if s]
-
-
 def metrics_report(
     batch: TokenBatch,
     settings: MetricSettings,
@@ -365,6 +306,7 @@ def metrics_report(
     run: Run,
     checks: pl.DataFrame | None = None,
     ignored: Sequence[str] = (),
+    accumulators: Sequence[RowFold] = (),
 ) -> Report:
     """The metric set of an already read and validated `batch` of `run` under stream-resolved `settings`
     (`resolve_streams`), read whole (`compare --metrics` feeds its pieces to a stream instead: `stream_report`)."""
@@ -391,7 +333,15 @@ def metrics_report(
         checks=checks,
         ignored=ignored,
         lag=lag,
+        extra_rows=_fed_rows(accumulators, batch),
     )
+
+
+def _fed_rows(accumulators: Sequence[RowFold], batch: TokenBatch) -> list[ReportRow]:
+    """The rows of `accumulators` fed `batch`, a whole run read at once."""
+    for accumulator in accumulators:
+        accumulator.add(batch)
+    return [row for accumulator in accumulators for row in accumulator.finish()]
 
 
 def _report(
@@ -406,9 +356,10 @@ def _report(
     extra_meta: dict[str, Any] | None = None,
     extra_notices: Sequence[str] = (),
     lag: LagBreakdown | None = None,
+    extra_rows: Sequence[ReportRow] = (),
 ) -> Report:
     """The metrics `Report` of per-step and ``all`` results (and the `lag` breakdown's rows, when asked)."""
-    policy_pair, mismatch_pair = _pair_names(run.label, settings)
+    policy_pair, mismatch_pair = pair_names(run.label, settings)
     rows: list[ReportRow] = []
     steps_meta: list[dict[str, Any]] = []
     notices: list[str] = []
@@ -419,6 +370,7 @@ def _report(
         for v in step.values:
             pair = mismatch_pair if (v.key.startswith("mismatch/") and mismatch_pair) else policy_pair
             rows.append(ReportRow(pair, "token", breakdown, bucket, v.key, v.value, v.unit, v.reduction, v.n))
+    rows += extra_rows
     if lag is not None:
         rows += lag.rows(policy_pair, mismatch_pair)
         extra_notices = [*extra_notices, *lag.notices]
