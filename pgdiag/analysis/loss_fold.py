@@ -75,12 +75,12 @@ class LossParityFold:
 
 def loss_parity_fold(run: Run, settings: LossParitySettings) -> LossParityFold:
     """The fold of `settings` for `run`: streams resolved as `whatif` resolves them (E111 when missing), `new` the
-    run's ``new`` stream when it is neither of them; E111 when the run has no advantages."""
+    run's ``new`` stream when it is neither of them; E506 when the run has no advantages."""
     if (
         "advantages" not in run.lazy.collect_schema().names()
         and "advantage" not in run.lazy.collect_schema().names()
     ):
-        raise UsageError(Code.STREAM_NOT_FOUND, f"{run.label}: --losses needs advantages (the run has none)")
+        raise UsageError(Code.MISSING_SETTING, f"{run.label}: --losses needs advantages (the run has none)")
     behavior, target = resolve_whatif_streams(
         run, WhatifSettings(behavior=settings.behavior, target=settings.target)
     )

@@ -107,3 +107,29 @@ def test_a_run_without_advantages_is_refused(tmp_path):
     run = read_run(write_rollouts_file(tmp_path / "plain.parquet", plain))
     with pytest.raises(UsageError, match="needs advantages"):
         loss_parity_fold(run, LossParitySettings(AGG))
+
+
+def cli(*args):
+    from typer.testing import CliRunner
+
+    from pgdiag.cli.app import build_app
+
+    return CliRunner().invoke(build_app(), [str(a) for a in args])
+
+
+def test_the_commands_print_and_write_the_same_numbers(run, tmp_path):
+    import json
+
+    metrics = cli("metrics", run.paths[0], "--losses", AGG, "--by", "lag", "--json")
+    assert metrics.exit_code == 0, metrics.output
+    label = "vanilla@token_mean vs vanilla@sample_mean"
+    got = json.loads(metrics.stdout)
+    assert got["losses"][label]["losses/rel_l2"] == pytest.approx(math.sqrt(1 / 8))
+    assert list(got["lag"]) == ["unknown"] and got["lag"]["unknown"]["count/tokens"] == 5.0  # no versions
+    compared = cli("compare", run.paths[0], "--losses", AGG, "--json")
+    assert compared.exit_code in (0, 1), compared.output
+    assert json.loads(compared.stdout)["losses"][label]["losses/rel_l2"] == pytest.approx(math.sqrt(1 / 8))
+    shown = cli("metrics", run.paths[0], "--losses", AGG)
+    assert "loss parity" in shown.stdout and "rel_l2_aggregation" in shown.stdout
+    refused = cli("compare", run.paths[0], run.paths[0], run.paths[0], "--losses", AGG)
+    assert refused.exit_code == 2 and "E521" in refused.output
