@@ -1,8 +1,8 @@
 """whatif's verl rules against verl's own functions (verl 0.9.1, `verl/trainer/ppo/rollout_corr_helper.py`).
 
-The fixture verl_fixture/verl_rollout_corr.json holds the masks of `compute_rollout_rejection_mask` and the weights
+The fixture own_code/verl_rollout_corr.json holds the masks of `compute_rollout_rejection_mask` and the weights
 of `compute_rollout_correction_weights`, computed by verl itself on a float32 batch with values planted on the
-thresholds; verl_fixture/make_verl_rollout_corr.py regenerates it. The masks must agree token for token (verl
+thresholds; own_code/make_verl_rollout_corr.py regenerates it. The masks must agree token for token (verl
 decides a threshold in float32: a token planted on log 0.5 in float32 is kept by verl and was rejected by a float64
 comparison), the weights to float32 precision.
 """
@@ -19,7 +19,7 @@ from pgdiag.analysis.rules import Replay
 from pgdiag.analysis.settings import parse_rule
 from pgdiag.analysis.whatif import rule_effect
 
-FIXTURE = json.loads((Path(__file__).parent / "verl_fixture" / "verl_rollout_corr.json").read_text())
+FIXTURE = json.loads((Path(__file__).parent / "own_code" / "verl_rollout_corr.json").read_text())
 LOG_RATIO = np.asarray(FIXTURE["log_ratio"], dtype=np.float32)  # (B, T)
 MASK = np.asarray(FIXTURE["mask"], dtype=bool)  # (B, T)
 

@@ -10,7 +10,7 @@ top-level ``tests`` package), so the fixture is stored and this script regenerat
     pip download --no-deps verl==0.9.1 && unzip verl-0.9.1-py3-none-any.whl -d /tmp/verl
     pip install --no-deps -t /tmp/verlsite ray msgpack jsonschema jsonschema-specifications attrs referencing \
         rpds-py omegaconf codetiming orjson
-    PYTHONPATH=/tmp/verl:/tmp/verlsite python tests/analysis/verl_fixture/make_verl_rollout_corr.py
+    PYTHONPATH=/tmp/verl:/tmp/verlsite python tests/analysis/own_code/make_verl_rollout_corr.py
 
 The batch is float32, as verl holds log-probs, and plants values exactly on the thresholds in float32.
 """
