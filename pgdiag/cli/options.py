@@ -297,8 +297,7 @@ LossesOpt = Annotated[
     str | None,
     _option(
         "--losses",
-        "Gradient parity of two loss definitions FORM@MODE,FORM@MODE on the behaviour vs proximal streams "
-        "(vanilla@token_mean,cispo:0.2,0.28@seq_mean_token_sum; docs/whatif.md).",
+        "Gradient parity of two losses FORM@MODE,FORM@MODE (docs/whatif.md).",
         METRICS,
     ),
 ]
@@ -428,7 +427,7 @@ class MetricOptions:
         list[MetricBreakdown] | None,
         _option(
             "--by",
-            "Breakdown beside step and all (repeatable): lag (policy_version staleness, docs/metrics.md).",
+            "Breakdown beside step and all: lag (docs/metrics.md).",
             METRICS,
         ),
     ] = None
