@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pgdiag.analysis.losses import loss_parity_rows, worst_step_rows
+from pgdiag.analysis.replay import replay_of, rule_effect
 from pgdiag.analysis.settings import LossForm, WhatifSettings, parse_losses
-from pgdiag.analysis.whatif import _replay, resolve_whatif_streams, rule_effect
+from pgdiag.analysis.whatif import resolve_whatif_streams
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.runs import Run
 from pgdiag.errors import Code, UsageError
@@ -51,6 +52,7 @@ class LossParityFold:
     ) -> None:
         self.forms, self.behavior, self.target, self.new, self.divisor = forms, behavior, target, new, divisor
         self.step_rows: list[ReportRow] = []
+        self.failed = False  # a step's aggregation weights were not computable: no rows, as one read gives
 
     @property
     def streams(self) -> tuple[str, ...]:
@@ -61,16 +63,17 @@ class LossParityFold:
         """The per-step parity of one piece of whole steps (nothing without advantages)."""
         if batch.advantages is None or batch.n_samples == 0:
             return
-        replays = {False: _replay(batch, self.behavior, self.target)}
+        replays = {False: replay_of(batch, self.behavior, self.target)}
         if self.new is not None:
-            replays[True] = _replay(batch, self.target, self.new)
+            replays[True] = replay_of(batch, self.target, self.new)
         pair = f"{batch.label}:{self.behavior} vs {batch.label}:{self.target}"
         rows = loss_parity_rows(batch, self.forms, replays, rule_effect, self.divisor, pair)
+        self.failed = self.failed or not rows
         self.step_rows += [r for r in rows if r.breakdown == "losses/step"]
 
     def finish(self) -> list[ReportRow]:
-        """Every step's rows and the maxima over the steps."""
-        return self.step_rows + worst_step_rows(self.step_rows)
+        """Every step's rows and the maxima over the steps (none when a step's weights were not computable)."""
+        return [] if self.failed else self.step_rows + worst_step_rows(self.step_rows)
 
 
 def loss_parity_fold(run: Run, settings: LossParitySettings) -> LossParityFold:

@@ -80,6 +80,21 @@ class StyleOptions:
     group_normalize: bool = False  # pipelinerl
     kl_coef: float | None = None  # pipelinerl (0.1)
 
+    def __post_init__(self) -> None:
+        """A coefficient, bound or threshold no framework would run with is E503 before any data is read: a
+        negative KL coefficient or beta (a reward for moving away from the reference), a TIS threshold <= 0."""
+        for name, flag, positive in (
+            ("kl_coef", "--kl-coef", False),
+            ("beta", "--beta", False),
+            ("rollout_is_threshold", "--rollout-is-threshold", True),
+        ):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not math.isfinite(value) or value < 0 or (positive and value == 0):
+                bound = "> 0" if positive else ">= 0"
+                raise UsageError(Code.BAD_OPTION_VALUE, f"{flag} must be a number {bound}, got {value}")
+
 
 @dataclass(frozen=True)
 class MetricSettings:

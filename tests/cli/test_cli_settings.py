@@ -143,7 +143,11 @@ def test_metrics_defaults_are_the_dataclass_defaults(monkeypatch: pytest.MonkeyP
     _capture_reads(monkeypatch)
     _invoke("metrics", "RUN")
     assert seen["args"][1] == MetricSettings()
-    assert seen["kwargs"] == {"checks": CheckSettings(), "progress": None, "accumulators": []}  # no bar off a tty
+    assert seen["kwargs"] == {
+        "checks": CheckSettings(),
+        "progress": None,
+        "accumulators": [],
+    }  # no bar off a tty
 
 
 COMPARE_ARGS = (
@@ -213,3 +217,20 @@ def test_gate_options_arrive_in_gate_settings(monkeypatch: pytest.MonkeyPatch, c
     assert seen["args"] == (report, expected)
     _invoke(command, "RUN")
     assert seen["args"] == (report, GateSettings())
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--kl-coef", "-1"), ("--beta", "-0.04"), ("--rollout-is-threshold", "0"), ("--kl-coef", "nan")],
+)
+def test_style_coefficients_no_framework_runs_with_are_e503(flag: str, value: str) -> None:
+    """A negative KL coefficient (a reward for leaving the reference) or a TIS threshold <= 0 is refused by
+    StyleOptions before any data is read: exit 2, E503 naming the flag."""
+    result = CliRunner().invoke(
+        build_app(), ["metrics", str(SAMPLE_DATA / "run_a"), "--key-style", "pipelinerl", flag, value]
+    )
+    assert result.exit_code == 2
+    assert "E503" in result.output and f"{flag} must be a number" in result.output
+    with pytest.raises(UsageError, match=flag):
+        StyleOptions(**{flag[2:].replace("-", "_"): float(value)})
+    assert StyleOptions(kl_coef=0.0, beta=0.0, rollout_is_threshold=2.0).kl_coef == 0.0
