@@ -16,6 +16,7 @@ import polars as pl
 
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.load import LoadedBatch, read_token_batch
+from pgdiag.data.reader import PieceReader
 from pgdiag.data.runs import Run
 from pgdiag.data.schema import stream_column
 from pgdiag.data.token_issues import zero_fill_issues
@@ -24,14 +25,12 @@ from pgdiag.data.validate import (
     CheckSettings,
     Issue,
     check_result,
-    merge_check_results,
-    merge_piece_issues,
     raise_first_error,
 )
 from pgdiag.data.versions import token_lag
 from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.accumulators import RowFold
-from pgdiag.metrics.chunks import ChunkPlan, plan_chunks
+from pgdiag.metrics.chunks import plan_chunks
 from pgdiag.metrics.kept import truncation_warning
 from pgdiag.metrics.lag import LagBreakdown, lag_breakdown
 from pgdiag.metrics.pooled import QuantileSettings
@@ -41,6 +40,7 @@ from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import Report, ReportRow, summary_frame
 
 if TYPE_CHECKING:
+    from pgdiag.metrics.docsteps import DocStepFeeder
     from pgdiag.metrics.engine import NativeStream, StepMetrics
     from pgdiag.metrics.styles.steps import StyleStream
 
@@ -112,7 +112,7 @@ def compute_metrics(
     n_steps)` is called after each chunk. The chunks' checks merge into the run's (`merge_check_results`); an
     error is raised after the last chunk (the chunks after it are validated only), as one read of the run
     raises it. `accumulators` (`metrics.accumulators.RowFold`, e.g. `--losses`) get every chunk's batch, with
-    their streams read too, and their rows join the report.
+    their streams read too, and their rows join the report; `settings.by` adds the `lag` breakdown.
     """
     if settings is None:
         settings = MetricSettings.from_options(**options)
@@ -132,105 +132,106 @@ def compute_metrics(
     plan = plan_chunks(run, settings, stream.budget, engine)
     if plan is None:  # a run no chunking reads exactly: the reader says what is wrong
         return _whole_run_report(run, settings, checks, accumulators)
-    fold = MetricsFold(run, settings, checks, stream, engine, plan, accumulators)
-    for chunk, n_rows in plan.chunks or [(run, None)]:  # a run without rows is read once, as a whole
-        loaded = _read(chunk, settings, checks, len(plan.chunks) > 1, fold.pair_checks, accumulators)
-        if n_rows is not None and loaded.batch.n_samples != n_rows:  # rows left out: cut the rows kept
+    chunks = plan.chunks or [(run, None)]  # a run without rows is read once, as a whole
+    reader = (
+        PieceReader(  # the reader's checks merged, its first error (then the pair rule's) raised at the end
+            [chunk for chunk, _ in chunks],
+            lambda chunk, many: _read(chunk, settings, checks, piece=many, accumulators=accumulators),
+            after=lambda loaded: _pair_rule(loaded.batch, settings, checks),
+        )
+    )
+    fold = MetricsFold(
+        engine, plan.feeder, pooled=stream.pooled, lag=lag_breakdown(settings), rows=accumulators
+    )
+    for piece in reader:
+        n_rows = chunks[piece.index][1]
+        if n_rows is not None and piece.batch.n_samples != n_rows:  # rows left out: cut the rows kept
             return _whole_run_report(run, settings, checks, accumulators)
-        reduced = fold.add(loaded, source=chunk)
-        del loaded  # the chunk's token arrays go before the next chunk is read
-        if reduced and progress is not None:
+        fold.add(piece.batch, piece.run)
+        if progress is not None:
             progress(len(engine.steps), plan.n_steps)
-    return fold.finish()
+    found = reader.finish()
+    return _pieces_report(run, settings, checks, stream, fold, found, len(plan.chunks))
+
+
+def _pieces_report(
+    run: Run,
+    settings: MetricSettings,
+    checks: CheckSettings,
+    stream: StreamSettings,
+    fold: MetricsFold,
+    found: CheckResult,
+    n_chunks: int,
+) -> Report:
+    """The report of a run read in pieces: every step, `all`, the merged checks and how the quantiles pooled."""
+    engine = fold.engine
+    notice = _quantile_notice(engine.quantiles_exact, stream.quantiles)
+    return _report(
+        fold.finish(),
+        settings,
+        run=run,
+        n_samples=fold.n_samples,
+        n_tokens=fold.n_tokens,
+        checks=found.issues,
+        ignored=checks.ignore,
+        extra_meta={
+            "pooled_quantiles": {
+                "exact": engine.quantiles_exact,
+                "exact_limit": stream.quantiles.exact_limit,
+                "relative_error": None if engine.quantiles_exact else stream.quantiles.relative_error,
+            },
+            "chunks": n_chunks,
+        },
+        extra_notices=[] if notice is None else [notice],
+        lag=fold.lag,
+        extra_rows=[row for accumulator in fold.rows for row in accumulator.finish()],
+    )
 
 
 class MetricsFold:
-    """The metric engine over a run's chunks (`pgdiag.data.fold.Fold`): `add(LoadedBatch)` per chunk in order,
-    `finish()` the `Report`. After a chunk with an error the later ones are validated only (not reduced), and
-    the run's first error is raised once, in `finish`, as one read of the run raises it."""
+    """The metric engine over a run's pieces (`pgdiag.data.fold.Fold`): `add(batch)` per piece in order (through
+    the `--docs-per-step` feeder when there is one), `finish()` every step's metrics and, when pooled, `all`. The
+    reader (`pgdiag.data.reader.PieceReader`) hands on only the pieces before the first error and raises it.
+    `lag` (`--by lag`) and `rows` (`RowFold`s: `--losses`) are fed every piece too; the caller reports them."""
 
     def __init__(
         self,
-        run: Run,
-        settings: MetricSettings,
-        checks: CheckSettings,
-        stream: StreamSettings,
         engine: NativeStream | StyleStream,
-        plan: ChunkPlan,
-        accumulators: Sequence[RowFold] = (),
+        feeder: DocStepFeeder | None,
+        *,
+        pooled: bool,
+        lag: LagBreakdown | None = None,
+        rows: Sequence[RowFold] = (),
     ) -> None:
-        self.run, self.settings, self.checks, self.stream, self.engine, self.plan = (
-            run,
-            settings,
-            checks,
-            stream,
-            engine,
-            plan,
-        )
-        self.chunk_checks: list[CheckResult] = []
-        self.pair_checks: list[list[Issue]] = []  # the pair zero-fill rule's, per chunk (appended by `_read`)
-        self.failed = False
+        self.engine, self.feeder, self.pooled, self.lag, self.rows = engine, feeder, pooled, lag, rows
         self.n_samples = self.n_tokens = 0
-        self.lag = lag_breakdown(settings)
-        self.accumulators = accumulators
 
-    def add(self, loaded: LoadedBatch, source: Run | None = None) -> bool:
-        """Fold one chunk in (`source`: the run restricted to the chunk, which `--by lag` reads its versions
-        from); False when it was only validated (an error came before)."""
-        self.chunk_checks.append(loaded.checks)
-        self.failed = self.failed or any(
-            i.severity == "error" and i.pooled is None for i in (*loaded.checks.found, *self.pair_checks[-1])
-        )
-        if self.failed:
-            return False
-        (self.engine if self.plan.feeder is None else self.plan.feeder).add(loaded.batch)
+    def add(self, batch: TokenBatch, source: Run | None = None) -> None:
+        """Fold one piece in; `source` is the run restricted to it, which `--by lag` reads the versions from."""
+        (self.engine if self.feeder is None else self.feeder).add(batch)
         if self.lag is not None:
-            self.lag.add(loaded.batch, token_lag(source or self.run, loaded.batch))
-        for accumulator in self.accumulators:
-            accumulator.add(loaded.batch)
-        self.n_samples += loaded.batch.n_samples
-        self.n_tokens += loaded.batch.n_tokens
-        return True
+            assert source is not None
+            self.lag.add(batch, token_lag(source, batch))
+        for accumulator in self.rows:
+            accumulator.add(batch)
+        self.n_samples += batch.n_samples
+        self.n_tokens += batch.n_tokens
 
-    def finish(self) -> Report:
-        """The run's report: its first error raised (reader, then the pair rule), else every step and `all`."""
-        merged_checks = merge_check_results(self.chunk_checks)
-        raise_first_error(merged_checks.found)  # as one read: the reader's first error, then the pair rule's
-        raise_first_error(merge_piece_issues(self.pair_checks))
-        if self.plan.feeder is not None:
-            self.plan.feeder.finish()
-        engine, stream = self.engine, self.stream
-        results = [*engine.steps, engine.finish()] if stream.pooled else list(engine.steps)
-        notice = _quantile_notice(engine.quantiles_exact, stream.quantiles)
-        return _report(
-            results,
-            self.settings,
-            run=self.run,
-            n_samples=self.n_samples,
-            n_tokens=self.n_tokens,
-            checks=merged_checks.issues,
-            ignored=self.checks.ignore,
-            extra_meta={
-                "pooled_quantiles": {
-                    "exact": engine.quantiles_exact,
-                    "exact_limit": stream.quantiles.exact_limit,
-                    "relative_error": None if engine.quantiles_exact else stream.quantiles.relative_error,
-                },
-                "chunks": len(self.plan.chunks),
-            },
-            extra_notices=[] if notice is None else [notice],
-            lag=self.lag,
-            extra_rows=[row for accumulator in self.accumulators for row in accumulator.finish()],
-        )
+    def finish(self) -> list[tuple[str, StepMetrics]]:
+        if self.feeder is not None:
+            self.feeder.finish()
+        return [*self.engine.steps, self.engine.finish()] if self.pooled else list(self.engine.steps)
 
 
 def _whole_run_report(
     run: Run, settings: MetricSettings, checks: CheckSettings, accumulators: Sequence[RowFold]
 ) -> Report:
     """The report of `run` read at once, for a run that no chunking reads exactly (null steps, a step column
-    that is not an integer, rows left out under `--docs-per-step`)."""
+    that is not an integer, rows left out under `--docs-per-step`): the reader's first error, then the pair
+    rule's, raise."""
     loaded = _read(run, settings, checks, accumulators=accumulators)
     batch, issues = loaded.batch, loaded.checks.issues
+    raise_first_error(_pair_rule(batch, settings, checks))
     return metrics_report(
         batch, settings, run=run, checks=issues, ignored=checks.ignore, accumulators=accumulators
     )
@@ -240,15 +241,13 @@ def _read(
     run: Run,
     settings: MetricSettings,
     checks: CheckSettings,
+    *,
     piece: bool = False,
-    pair_checks: list[list[Issue]] | None = None,
     accumulators: Sequence[RowFold] = (),
 ) -> LoadedBatch:
-    """One read of `run` (a chunk, or the whole run): the reader's validation, then the pair zero-fill rule.
-
-    `piece` (a chunk of a run read in chunks): nothing raises; the reader's issues are in the checks and the pair
-    rule's are appended to `pair_checks` (one list per chunk), for `compute_metrics` to merge and raise."""
-    loaded = read_token_batch(
+    """One read of `run` (a piece, or the whole run) with the reader's validation, the accumulators' streams too;
+    `piece` (one of several): nothing raises, the issues are in the checks for `PieceReader` to merge and raise."""
+    return read_token_batch(
         run,
         streams=list(
             dict.fromkeys([*metric_streams(settings), *(s for a in accumulators for s in a.streams)])
@@ -260,16 +259,16 @@ def _read(
         raise_errors=not piece,
         kept_of=[settings.kept] if settings.kept else [],
     )
+
+
+def _pair_rule(batch: TokenBatch, settings: MetricSettings, checks: CheckSettings) -> list[Issue]:
+    """The pair zero-fill rule (E206) on the metric pairs of a read batch, after the reader's one-stream rules."""
     found: list[Issue] = []
     if Code.ZERO_FILLED not in checks.ignore:
         pairs = [(settings.old, settings.new), (settings.stream_a, settings.stream_b)]
         for a, b in dict.fromkeys(p for p in pairs if p[0] is not None and p[1] is not None and p[0] != p[1]):
-            found += _zero_fill(loaded.batch, a, b, checks.max_examples)
-    if not piece:
-        raise_first_error(found)
-    if pair_checks is not None:
-        pair_checks.append(found)
-    return loaded
+            found += _zero_fill(batch, a, b, checks.max_examples)
+    return found
 
 
 def _zero_fill(batch: TokenBatch, a: str, b: str, max_examples: int) -> list[Issue]:
@@ -358,7 +357,7 @@ def _report(
     lag: LagBreakdown | None = None,
     extra_rows: Sequence[ReportRow] = (),
 ) -> Report:
-    """The metrics `Report` of per-step and ``all`` results (and the `lag` breakdown's rows, when asked)."""
+    """The metrics `Report` of per-step and ``all`` results (and the `lag` and accumulators' rows)."""
     policy_pair, mismatch_pair = pair_names(run.label, settings)
     rows: list[ReportRow] = []
     steps_meta: list[dict[str, Any]] = []
