@@ -50,7 +50,7 @@ LayersOpt = Annotated[
     tuple[str, str] | None,
     typer.Option(
         "--layers",
-        help="Per-layer divergence of two configurations (e.g. ref bf16); B may be slime:DIR, a slime layer dump.",
+        help="Per-layer divergence of two configurations (e.g. ref bf16); B may be a layer dump: slime:DIR (Megatron) or sglang:DIR.",
         rich_help_panel=MODEL,
     ),
 ]
