@@ -66,6 +66,10 @@ class EmptySeqs(StrEnum):
     skip = "skip"
 
 
+class MetricBreakdown(StrEnum):
+    lag = "lag"
+
+
 # the defaults of the enum options: MetricSettings' own
 _KEY_STYLE = KeyStyle(_METRIC_DEFAULTS.key_style)
 _LEVEL = Level(_METRIC_DEFAULTS.level)
@@ -300,6 +304,25 @@ class GateOptions:
         return same_named(GateSettings, self, fail_on=listed(self.fail_on), warn_on=listed(self.warn_on))
 
 
+LossesOpt = Annotated[
+    str | None,
+    _option(
+        "--losses",
+        "Gradient parity of two losses FORM@MODE,FORM@MODE (docs/whatif.md).",
+        METRICS,
+    ),
+]
+
+
+def loss_folds(run: Any, losses: str | None, divisor: float | None) -> list[Any]:
+    """`--losses A,B`: the loss-parity fold of `run` that `metrics` and `compare` feed (none without the option)."""
+    if losses is None:
+        return []
+    from pgdiag.analysis.loss_fold import LossParitySettings, loss_parity_fold
+
+    return [loss_parity_fold(run, LossParitySettings(losses, divisor=divisor))]
+
+
 @dataclass(frozen=True)
 class MetricOptions:
     """Every option of `MetricSettings` (and its `ClipBand` and `StyleOptions`), by its flat name."""
@@ -411,6 +434,14 @@ class MetricOptions:
         bool, _option("--group-normalize", "pipelinerl: group_normalization.", METRICS)
     ] = False
     kl_coef: Annotated[float | None, _option("--kl-coef", "pipelinerl: kl_coef (0.1).", METRICS)] = None
+    by: Annotated[
+        list[MetricBreakdown] | None,
+        _option(
+            "--by",
+            "Breakdown beside step and all: lag (docs/metrics.md).",
+            METRICS,
+        ),
+    ] = None
 
     def settings(self) -> MetricSettings:
         """The `MetricSettings` of these options (validated: E503/E506/E507 before any data is read)."""
@@ -418,4 +449,5 @@ class MetricOptions:
         flat["vllm_is"] = not flat.pop("no_vllm_is")
         flat["kl_bias_correction"] = not flat.pop("no_kl_bias_correction")
         flat = {k: v.value if isinstance(v, StrEnum) else v for k, v in flat.items()}
+        flat["by"] = tuple(b.value if isinstance(b, StrEnum) else b for b in flat["by"] or ())
         return MetricSettings.from_options(**flat)
