@@ -60,4 +60,40 @@ profile() {
   say "profile done"
 }
 
+cli() {  # cli NAME TIMEOUT CMD... : the commands at once, watched; one JSON line appended to $OUT/cli.jsonl
+  local name=$1 limit=$2; shift 2
+  local args=()
+  for c in "$@"; do args+=(--cmd "$c"); done
+  say "cli $name"
+  timeout $((limit + 15)) python3 $C cli --name "$name" --timeout "$limit" --logs /tmp/bench/logs "${args[@]}" \
+    --out "$OUT/cli.jsonl" | cut -c1-300
+}
+
+tp() {  # two GPUs: 8B TP 2 with and without the overlapped all-reduces against one GPU a replica; then the CLI
+  environment
+  { env | grep -i -E '^PYTHON|^PIP'; python3 -c 'import sys, torch; print("dont_write_bytecode", sys.flags.dont_write_bytecode, sys.pycache_prefix); print(torch.__file__)'
+    ls /opt/torch/.venv/lib/python3.12/site-packages/torch/__pycache__ 2>&1 | head -3; touch /opt/torch/.venv/lib/python3.12/site-packages/torch/.w 2>&1 && echo writable; } >>"$OUT/env.txt" 2>&1
+  say "8B layouts"
+  timeout 240 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_multigpu.py --model qwen3-8b \
+    --layouts 1x2,2x1:c1,2x1:c4 --rollouts 128 --repeats 3 --out "$OUT/tp8b.json" 2>&1 | grep '^{' | cut -c1-400
+  say "8B checkpoint and runs"
+  python3 $C write-ckpt --model qwen3-8b --dir /tmp/bench/c8 --workers 2 --out "$OUT/cli.jsonl" | cut -c1-300
+  python3 $C make-run --vocab 151936 --rollouts 768 --steps 8 --dir /tmp/bench/big --out "$OUT/cli.jsonl"
+  python3 $C make-run --vocab 151936 --rollouts 128 --steps 4 --seed 1 --dir /tmp/bench/small --out "$OUT/cli.jsonl"
+  local one="python3 -m pgdiag logprobs --model /tmp/bench/c8 --json -q"
+  cli cold 120 "CUDA_VISIBLE_DEVICES=0 $one /tmp/bench/small --tag c0" "CUDA_VISIBLE_DEVICES=1 $one /tmp/bench/small --tag c1"
+  cli warm_small 100 "CUDA_VISIBLE_DEVICES=0 $one /tmp/bench/small --tag w0" "CUDA_VISIBLE_DEVICES=1 $one /tmp/bench/small --tag w1"
+  cli warm_big 120 "CUDA_VISIBLE_DEVICES=0 $one /tmp/bench/big --tag b0" "CUDA_VISIBLE_DEVICES=1 $one /tmp/bench/big --tag b1"
+  cli dp_big 100 "$one /tmp/bench/big --tag db --dp 2"
+  cli dp_small 80 "$one /tmp/bench/small --tag ds --dp 2"
+  export PYTHONPYCACHEPREFIX=/tmp/pyc
+  cli pyc_fill 100 "CUDA_VISIBLE_DEVICES=0 $one /tmp/bench/small --tag p0"
+  cli pyc_warm 100 "CUDA_VISIBLE_DEVICES=0 $one /tmp/bench/small --tag p1" "CUDA_VISIBLE_DEVICES=1 $one /tmp/bench/big --tag p2"
+  unset PYTHONPYCACHEPREFIX
+  python3 $C same --run /tmp/bench/big --tags b0 b1 db p2 --out "$OUT/cli.jsonl" | cut -c1-300
+  python3 $C same --run /tmp/bench/small --tags w0 c0 c1 w1 ds p0 p1 --out "$OUT/cli.jsonl" | cut -c1-300
+  tail -n 3 /tmp/bench/logs/*.log >"$OUT/clilogs.txt" 2>&1
+  say "tp done"
+}
+
 "$@" 2>&1 | tee -a "$OUT/log.txt"

@@ -30,6 +30,7 @@ from bench_multigpu import MODELS, SyntheticSource, model_flops_any, run_pass
 from bench_recompute import PEAK_MEASURED, make_rollouts, pack
 
 from pgdiag.model import ModelConfig, load_from_source
+from pgdiag.model.moe import MoeBlock, combine_rows
 
 GROUPS = (  # (group, substrings of a kernel name), first match wins
     ("nccl", ("nccl",)),
@@ -59,6 +60,12 @@ def main() -> None:
     parser.add_argument("--head-dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel over the torchrun world")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--combine",
+        default="default",
+        choices=["default", "compiled"],
+        help="MoE combine: the model's (the Triton kernel on CUDA) or combine_rows under torch.compile (before)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -78,6 +85,12 @@ def main() -> None:
     model = load_from_source(cfg, SyntheticSource(cfg, device), where="synthetic", dtype="bf16",
                              head_dtype=args.head_dtype, device=device, tp_group=group,
                              fuse_pointwise=device.type == "cuda", attention="auto")  # fmt: skip
+    if args.combine == "compiled":  # the combine as it was before issue 26: combine_rows under torch.compile
+        compiled = torch.compile(combine_rows, dynamic=True, fullgraph=True,
+                                 options={"emulate_precision_casts": True})  # fmt: skip
+        for module in model.modules():
+            if isinstance(module, MoeBlock):
+                module.combine = compiled
 
     def one_pass() -> None:
         run_pass(model, batches, args.head_dtype, group, cfg.moe is not None)
@@ -112,7 +125,7 @@ def main() -> None:
     busy = sum(by_group.values()) / 1e6
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[: args.top]
     result = {
-        "model": args.model, "tp": args.tp, "device": str(torch.cuda.get_device_name(device)) if device.type == "cuda"
+        "model": args.model, "tp": args.tp, "combine": args.combine, "device": str(torch.cuda.get_device_name(device)) if device.type == "cuda"
         else "cpu", "tokens": n_tokens, "batches": len(batches), "pass_s": seconds,
         "tokens_per_s": n_tokens / seconds, "mfu": flops / seconds / (PEAK_MEASURED * args.tp),
         "profiled_pass_s": prof_wall, "gpu_busy_s": busy,
