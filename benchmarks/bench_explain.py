@@ -162,7 +162,7 @@ def main() -> None:
         overwrite=True, on_cost=cost.append,
     )  # fmt: skip
     total_s = time.perf_counter() - t0
-    forwarded = tokens if result.n_tokens >= loss_tokens else None  # the budget took every sample
+    forwarded = result.n_forwarded  # prompt + response tokens of the samples the budget took
     rows = []
     for name, seconds in result.seconds.items():
         if name in ("select", "total"):
@@ -171,7 +171,7 @@ def main() -> None:
             {
                 "configuration": name,
                 "seconds": round(seconds, 3),
-                "tokens_per_s": round(forwarded / seconds) if forwarded and seconds > 0 else None,
+                "tokens_per_s": round(forwarded / seconds) if seconds > 0 else None,
                 "loss_tokens_per_s": round(result.n_tokens / seconds) if seconds > 0 else None,
             }
         )
@@ -186,8 +186,10 @@ def main() -> None:
         "commit": commit,
         "torch": torch.__version__,
         "model": "tiny" if args.tiny else "Qwen3-8B-shaped (random bf16 weights)",
-        "tokens": tokens,
-        "loss_tokens": result.n_tokens,
+        "tokens": tokens,  # in the run
+        "tokens_forwarded": forwarded,  # of the samples the budget took
+        "loss_tokens_in_run": loss_tokens,
+        "loss_tokens": result.n_tokens,  # matched loss tokens explain attributed
         "setup_s": round(setup_s, 1),
         "explain_s": round(total_s, 1),
         "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)

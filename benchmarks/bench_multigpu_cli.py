@@ -43,7 +43,7 @@ def _shards(model: str, layers: int | None) -> tuple[dict, list[tuple[str, list[
     from bench_multigpu import MODELS
 
     from pgdiag.model import ModelConfig
-    from pgdiag.model.checkpoint import expected_shapes
+    from pgdiag.model.expected_tensors import expected_shapes
 
     raw = dict(MODELS[model])
     if layers is not None:
@@ -332,7 +332,7 @@ def same(args: argparse.Namespace) -> dict:
 def share(args: argparse.Namespace) -> dict:
     """Bytes each TP rank must read of a checkpoint: its slices of sharded tensors, replicated ones whole."""
     from pgdiag.model import read_model_config
-    from pgdiag.model.checkpoint import open_tensor_source
+    from pgdiag.model.tensor_source import open_tensor_source
     from pgdiag.model.tp import shard_slice, tp_layout
 
     config = read_model_config(args.dir)

@@ -32,7 +32,7 @@ from bench_recompute import PEAK_MEASURED, QWEN3_8B, TINY, make_rollouts, model_
 
 from pgdiag.kernels import lm_head_logprobs
 from pgdiag.model import ModelConfig, TensorSource, load_from_source
-from pgdiag.model.checkpoint import expected_shapes
+from pgdiag.model.expected_tensors import expected_shapes
 from pgdiag.model.tp import TensorSlice
 
 

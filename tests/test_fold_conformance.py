@@ -2,11 +2,11 @@
 from the run read whole, through one harness.
 
 The stages: check (one run, two runs), metrics (native and two framework key styles), compare (two runs, one
-run's streams, N-way) and drift, each run on sample_data's runs (4 steps of 32 samples, one `step=N/` file per
+run's streams, N-way), drift and whatif (the default grid, with the run's `new` stream), each run on sample_data's runs (4 steps of 32 samples, one `step=N/` file per
 step) once with a row budget of 1 (every step its own piece: the planner never joins steps of separate files)
 and once with a budget larger than the run (one piece). Their result objects as JSON must agree: strings,
 integers, keys and lengths exactly, floats within the golden tolerance (tests/golden/test_golden.py: sums
-pooled in another order move by rounding). `whatif` reads its run whole and is not a fold.
+pooled in another order move by rounding).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import pytest
 from sample_paths import SAMPLE_DATA
 
 from pgdiag.analysis.drift import drift
+from pgdiag.analysis.settings import WhatifSettings, parse_rule
+from pgdiag.analysis.whatif import whatif
 from pgdiag.checks.run import RunChecks, check_run
 from pgdiag.compare.api import compare_runs
 from pgdiag.compare.nway import compare_many
@@ -77,6 +79,13 @@ def _drift(rows: int) -> Any:
     return _report_json(report)
 
 
+def _whatif(rows: int, settings: WhatifSettings | None = None) -> Any:
+    report = whatif(read_run(RUN_A), settings, max_rows=rows)
+    assert report.meta["pieces"] == (4 if rows == ONE_STEP else 1)  # really read in pieces
+    assert settings is None or report.summary["breakdown"].is_in(["losses", "losses/step"]).sum() == 4 * 5
+    return _report_json(report) | {"settings": report.meta["settings"], "inputs": report.meta["inputs"]}
+
+
 STAGES: dict[str, Callable[[int], Any]] = {
     "check": lambda rows: _check(rows, two=False),
     "check-two-runs": lambda rows: _check(rows, two=True),
@@ -87,6 +96,17 @@ STAGES: dict[str, Callable[[int], Any]] = {
     "compare-one-run": lambda rows: _compare(rows, "one"),
     "compare-nway": lambda rows: _compare(rows, "nway"),
     "drift": _drift,
+    "whatif": _whatif,
+    "whatif-losses-m2po-mb": lambda rows: _whatif(
+        rows,
+        WhatifSettings(
+            rules=tuple(
+                parse_rule(r)
+                for r in ("m2po:0.04,scope=mb:2", "seq_tis_bn:2", "token_tis_bn:2", "cispo:0.2,0.28")
+            ),
+            losses="cispo:0.2,0.28@token_mean,vanilla@prompt_mean",
+        ),
+    ),
 }
 
 

@@ -194,20 +194,24 @@ def _mask_effect(
 
 
 def _verl_rs(name: str, nums: tuple[float, ...], r: Replay) -> RuleEffect:
-    """verl 1dda039 `compute_rollout_rejection_mask`: Δ clamped to ±20; k1 = −Δ in [log lo, log hi]; k2, k3 <= C."""
-    d = np.clip(r.log_ratio, -SAFETY_BOUND, SAFETY_BOUND)
-    stat = {"k1": -d, "k2": 0.5 * d * d, "k3": np.exp(d) - 1.0 - d}[name[-2:]]
+    """verl 1dda039 `compute_rollout_rejection_mask`: Δ clamped to ±20; k1 = −Δ in [log lo, log hi]; k2, k3 <= C.
+
+    verl holds Δ in float32 and compares it with the threshold rounded to float32 (a Python float against a
+    float32 tensor), so a token on the threshold is decided in float32 here too (tests/analysis/
+    test_whatif_verl_own.py plants one); sequence statistics are summed in float64 and rounded once."""
+    d = np.clip(r.log_ratio.astype(np.float32), -SAFETY_BOUND, SAFETY_BOUND)  # (M,) float32
+    stat = {"k1": -d, "k2": np.float32(0.5) * d * d, "k3": np.exp(d) - np.float32(1.0) - d}[name[-2:]]
     if name.startswith("seq_sum"):
-        stat = r.per_token(r.seq_sum(stat))
+        stat = r.per_token(r.seq_sum(stat)).astype(np.float32)
     elif name.startswith("seq_mean"):
         counts = np.diff(r.offsets)
-        stat = r.per_token(r.seq_sum(stat) / (counts + 1e-8))  # verl masked_mean
+        stat = r.per_token(r.seq_sum(stat) / (counts + 1e-8)).astype(np.float32)  # verl masked_mean
     elif name.startswith("seq_max"):
-        stat = r.per_token(r.seq_max(stat))
+        stat = r.per_token(r.seq_max(stat)).astype(np.float32)
     if name.endswith("k1"):
-        keep = (stat >= math.log(nums[0])) & (stat <= math.log(nums[1]))
+        keep = (stat >= np.float32(math.log(nums[0]))) & (stat <= np.float32(math.log(nums[1])))
     else:
-        keep = stat <= nums[0]
+        keep = stat <= np.float32(nums[0])
     return _mask_effect(keep)
 
 

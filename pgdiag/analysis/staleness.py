@@ -14,12 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.versions import TokenLag, lag_buckets
+from pgdiag.data.versions import LAG_LABELS, TokenLag, lag_buckets
 from pgdiag.report.report import ReportRow
-
-
-def _mean(x: np.ndarray) -> float | None:
-    return float(np.mean(x)) if x.shape[0] else None
 
 
 def _k3(d: np.ndarray) -> np.ndarray:
@@ -39,27 +35,52 @@ def loglinear_error(batch: TokenBatch, lag: TokenLag, behavior: str, target: str
     return np.where(np.isfinite(v_mu), np.abs(approx - batch.streams[target]), np.nan)
 
 
-def staleness_rows(
-    batch: TokenBatch, lag: TokenLag, *, behavior: str, target: str, new: str | None, pair: str, later: str
-) -> list[ReportRow]:
-    """Rows of breakdown `lag` (bucket = the lag) for the uncorrected batch."""
+LAG_SUMS = 6  # tokens, Σ|Δ| and Σ k3 of behaviour→proximal, the same of proximal→θ, Σ loglinear error
+
+
+def staleness_sums(
+    batch: TokenBatch, lag: TokenLag, *, behavior: str, target: str, new: str | None
+) -> dict[str, np.ndarray]:
+    """Per lag bucket of one piece, the (6,) sums `staleness_rows` divides (`LAG_SUMS`); sums of pieces add."""
     d_bp = batch.streams[target] - batch.streams[behavior]
     d_pt = batch.streams[new] - batch.streams[target] if new is not None else None
     error = loglinear_error(batch, lag, behavior, target, new) if new is not None else None
-    rows: list[ReportRow] = []
+    out: dict[str, np.ndarray] = {}
     for label, tok in lag_buckets(lag.lag):
-        n = int(tok.sum())
+        sums = np.zeros(LAG_SUMS)
+        sums[0] = float(tok.sum())
+        sums[1], sums[2] = float(np.sum(np.abs(d_bp[tok]))), float(np.sum(_k3(d_bp[tok])))
+        if d_pt is not None:
+            sums[3], sums[4] = float(np.sum(np.abs(d_pt[tok]))), float(np.sum(_k3(d_pt[tok])))
+        if error is not None and label != "unknown":
+            sums[5] = float(np.sum(error[tok]))
+        out[label] = sums
+    return out
+
+
+def staleness_rows(
+    sums: dict[str, np.ndarray], n_tokens: int, *, new: str | None, pair: str, later: str
+) -> list[ReportRow]:
+    """Rows of breakdown `lag` (bucket = the lag) for the uncorrected batch, from the `staleness_sums` of every
+    piece added up, in the order of `lag_buckets`."""
+    rows: list[ReportRow] = []
+    for label in [b for b in LAG_LABELS if b in sums]:
+        total = sums[label]
+        n = int(total[0])
         lo = hi = float(label) if label.isdigit() else None
 
         def add(on: str, metric: str, value: float | None, unit: str = "nats") -> None:
             rows.append(ReportRow(on, "token", "lag", label, metric, value, unit, "token-mean", n, lo, hi))  # noqa: B023
 
-        add(pair, "whatif/lag_tokens", float(n) / batch.n_tokens if batch.n_tokens else None, "fraction")
-        add(pair, "whatif/lag_abs_log_ratio", _mean(np.abs(d_bp[tok])))
-        add(pair, "whatif/lag_kl_k3", _mean(_k3(d_bp[tok])))
-        if d_pt is not None:
-            add(later, "whatif/lag_abs_log_ratio", _mean(np.abs(d_pt[tok])))
-            add(later, "whatif/lag_kl_k3", _mean(_k3(d_pt[tok])))
-        if error is not None and label != "unknown":
-            add(pair, "whatif/lag_loglinear_abs_error", _mean(error[tok]))
+        def mean(i: int) -> float | None:
+            return float(total[i]) / n if n else None  # noqa: B023
+
+        add(pair, "whatif/lag_tokens", float(n) / n_tokens if n_tokens else None, "fraction")
+        add(pair, "whatif/lag_abs_log_ratio", mean(1))
+        add(pair, "whatif/lag_kl_k3", mean(2))
+        if new is not None:
+            add(later, "whatif/lag_abs_log_ratio", mean(3))
+            add(later, "whatif/lag_kl_k3", mean(4))
+            if label != "unknown":
+                add(pair, "whatif/lag_loglinear_abs_error", mean(5))
     return rows

@@ -67,12 +67,11 @@ class Localiser:
             coded.append((name, code, buckets))
         return Localiser(tuple(coded))
 
-    def affected(
-        self, flags: np.ndarray
-    ) -> Iterator[tuple[str, str, float | None, float | None, float | None, int]]:
-        """(breakdown, bucket, lo, hi, token fraction affected, tokens) of the non-empty buckets."""
+    def hits(self, flags: np.ndarray) -> Iterator[tuple[str, str, float | None, float | None, float, int]]:
+        """(breakdown, bucket, lo, hi, tokens flagged, tokens) of the non-empty buckets; a run read in pieces adds
+        both counts over its pieces (`whatif_fold.WhatifFold`)."""
         for name, code, buckets in self.tables:
             hits = np.bincount(code, weights=flags, minlength=len(buckets))
             for (label, lo, hi, n), hit in zip(buckets, hits, strict=True):
                 if n:
-                    yield name, label, lo, hi, float(hit) / n, n
+                    yield name, label, lo, hi, float(hit), n

@@ -41,7 +41,9 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="cuda or cpu.", 
 LayersOpt = Annotated[
     tuple[str, str] | None,
     typer.Option(
-        "--layers", help="Per-layer divergence of two configurations (e.g. ref bf16).", rich_help_panel=MODEL
+        "--layers",
+        help="Per-layer divergence of two configurations (e.g. ref bf16); B may be slime:DIR, a slime layer dump.",
+        rich_help_panel=MODEL,
     ),
 ]
 

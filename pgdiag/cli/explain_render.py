@@ -60,7 +60,10 @@ def render_layers(console: Console, found: Any) -> None:
         table.add_column(header, justify="right")
     for row in found.rows:
         flips = "" if row.route_flips is None else f"{100 * row.route_flips:.2f} %"
-        table.add_row(str(row.layer), f"{row.cumulative:.3g}", f"{row.local:.3g}", flips)
+        local = "n/a" if row.local is None else f"{row.local:.3g}"
+        table.add_row(str(row.layer), f"{row.cumulative:.3g}", local, flips)
     console.print(table)
     where = "none" if found.first_divergent is None else f"layer {found.first_divergent}"
     console.print(f"first divergent layer (local error): {where}", markup=False)
+    for what, why in found.skipped.items():
+        console.print(f"skipped {what}: {why}", markup=False)

@@ -31,7 +31,8 @@ from pgdiag.recompute.inputs import DEFAULT_BATCH_TOKENS, DEFAULT_PART_SAMPLES
 from pgdiag.recompute.settings import RecomputeSettings
 
 if TYPE_CHECKING:
-    from pgdiag.recompute.logprobs import ProgressUpdate, RecomputeResult
+    from pgdiag.recompute.forward import ProgressUpdate
+    from pgdiag.recompute.logprobs import RecomputeResult
 
 _PLAIN_PROGRESS_EVERY_S = 30.0
 

@@ -15,34 +15,45 @@ order (each error raises `InvalidInputError`, exit 3, unless its code is in `ign
     E303/W303 loss masks differ (`checks.samples.mask_issue`) · E302 off-by-one shift · E207 NaN/inf (or
     null) · E205 positive log-probs · E206 zero-filled log-probs (`checks.pairs`, as `pgdiag check` runs them)
 
+Apart: which samples pair up (`pgdiag.compare.matching`), the token index arithmetic
+(`pgdiag.compare.token_index`), and how the issues are raised, or held back over the pieces of a run read step by
+step (`pgdiag.compare.alignment_issues`).
+
 Without a `seq_hash` per sample (a batch built in memory) the hash is a content hash of the loss tokens,
 their positions and the sequence length, computed vectorised; it plays the same role within one comparison.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 import numpy as np
-import polars as pl
 
-from pgdiag.checks.pairs import (
-    Locations,
-    ShiftSample,
-    shift_issue,
-    shift_verdict,
-    value_issues,
-)
+from pgdiag.checks.pairs import Locations, ShiftSample, shift_issue, value_issues
 from pgdiag.checks.samples import mask_issue
+from pgdiag.compare.alignment_issues import (
+    ALIGN_HINTS,
+    Deferred,
+    first_unmatched,
+    raise_or_record,
+    span_text,
+    step_span,
+    where_text,
+)
+from pgdiag.compare.matching import JOIN_KEYS, content_hash, match_samples
+from pgdiag.compare.token_index import (
+    first_mask_difference,
+    gather,
+    intersect_positions,
+    token_indices,
+    token_take,
+)
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.pieces import rank_join
 from pgdiag.data.schema import stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import Issue
 from pgdiag.errors import Code, InvalidInputError, UsageError
-
-JOIN_MODES = ("auto", "id", "hash", "hash-any-step")
 
 
 @dataclass(frozen=True)
@@ -96,247 +107,6 @@ class AlignedPair:
     def token_sample(self) -> np.ndarray:
         """(M,) int32 index of the matched sample owning each token."""
         return self.token_row
-
-
-@dataclass(frozen=True)
-class Deferred:
-    """The counts behind E304, E306 and E303/W303 of one piece of a run read step by step (`align_batches`
-    with ``deferred=True``); `merge` pools consecutive pieces and `issues` raises or lists them as a run read
-    whole would (first locations in step order)."""
-
-    pair_name: str
-    label_a: str
-    label_b: str
-    join: str
-    n_a: int  # samples of side a
-    n_b: int
-    n_matched: int
-    only_a: int  # samples of a with no match in b
-    only_b: int
-    first_only: tuple[str, int, str] | None  # (text, step, sample_id) of the first unmatched sample
-    first_only_b: tuple[str, int, str] | None  # the first unmatched sample of b (used when a has none)
-    steps: tuple[int, int] | None  # (min, max) step of side a
-    steps_b: tuple[int, int] | None
-    mask_only_a: int = 0  # matched loss positions on side a only
-    mask_a: int = 0  # matched loss positions of side a
-    mask_only_b: int = 0
-    mask_b: int = 0
-    mask_first: tuple[str, int, str, int] | None = (
-        None  # (text, step, sample_id, pos) of the first difference
-    )
-    shift: ShiftSample | None = None  # E302's sample of the matched tokens, pooled over the pieces
-    shift_names: tuple[str, str] = ("", "")  # (name_a, name_b) of the E302 message
-
-    def merge(self, other: Deferred) -> Deferred:
-        def span(x: tuple[int, int] | None, y: tuple[int, int] | None) -> tuple[int, int] | None:
-            return x if y is None else y if x is None else (min(x[0], y[0]), max(x[1], y[1]))
-
-        return replace(
-            self,
-            n_a=self.n_a + other.n_a,
-            n_b=self.n_b + other.n_b,
-            n_matched=self.n_matched + other.n_matched,
-            only_a=self.only_a + other.only_a,
-            only_b=self.only_b + other.only_b,
-            first_only=self.first_only or other.first_only,
-            first_only_b=self.first_only_b or other.first_only_b,
-            steps=span(self.steps, other.steps),
-            steps_b=span(self.steps_b, other.steps_b),
-            mask_only_a=self.mask_only_a + other.mask_only_a,
-            mask_a=self.mask_a + other.mask_a,
-            mask_only_b=self.mask_only_b + other.mask_only_b,
-            mask_b=self.mask_b + other.mask_b,
-            mask_first=self.mask_first or other.mask_first,
-            shift=self.shift
-            if other.shift is None
-            else other.shift
-            if self.shift is None
-            else self.shift.merge(other.shift),
-            shift_names=self.shift_names if self.shift is not None else other.shift_names,
-        )
-
-    def unmatched_issues(self, ignore: Collection[str]) -> list[Issue]:
-        """E304 (raised) when nothing matched, then E306 (raised unless ignored, else dropped)."""
-        if self.n_matched == 0:
-            raise InvalidInputError(
-                Code.NOTHING_MATCHED,
-                f"{self.pair_name}: 0 of {self.n_a} samples matched by {_JOIN_KEYS[self.join]}; steps "
-                f"{_span_text(self.steps)} vs {_span_text(self.steps_b)}",
-                _HINTS[Code.NOTHING_MATCHED],
-            )
-        issues: list[Issue] = []
-        if self.only_a or self.only_b:
-            first = self.first_only if self.only_a else self.first_only_b
-            assert first is not None
-            _raise_or_record(
-                Issue(
-                    Code.UNMATCHED_SAMPLES,
-                    "error",
-                    self.only_a + self.only_b,
-                    f"{self.pair_name}: {self.only_a} of {self.n_a} samples of {self.label_a} have no match in "
-                    f"{self.label_b} and {self.only_b} of {self.n_b} of {self.label_b} none in {self.label_a} "
-                    f"(first: {first[0]}; join {_JOIN_KEYS[self.join]})",
-                    first[1],
-                    first[2],
-                ),
-                ignore,
-                issues,
-            )
-        return issues
-
-    def shift_issues(self, ignore: Collection[str]) -> list[Issue]:
-        """E302 (raised unless ignored) on the matched tokens' sample pooled over the pieces (`ShiftSample`)."""
-        if self.shift is None or Code.SHIFTED in ignore:
-            return []
-        name_a, name_b = self.shift_names
-        found = shift_verdict(self.shift, name_a=name_a, name_b=name_b)
-        issues: list[Issue] = []
-        if found is not None:
-            _raise_or_record(replace(found, message=f"{self.pair_name}: {found.message}"), ignore, issues)
-        return issues
-
-    def mask_issues(self, ignore: Collection[str]) -> list[Issue]:
-        """E303 (raised unless ignored) or W303 over the pooled loss positions of the matched samples."""
-        if self.mask_first is None:
-            return []
-        text, step, sample_id, pos = self.mask_first
-        found = mask_issue(
-            self.mask_only_a,
-            self.mask_a,
-            self.mask_only_b,
-            self.mask_b,
-            f"{self.mask_only_a} only in {self.label_a}, {self.mask_only_b} only in {self.label_b}; first: "
-            f"{text}; metrics use the intersection",
-        )
-        issues: list[Issue] = []
-        if found is not None:
-            found = replace(
-                found, message=f"{self.pair_name}: {found.message}", step=step, sample_id=sample_id, pos=pos
-            )
-            _raise_or_record(found, ignore, issues)
-        return issues
-
-
-def _span_text(span: tuple[int, int] | None) -> str:
-    if span is None:
-        return "none"
-    return str(span[0]) if span[0] == span[1] else f"{span[0]}-{span[1]}"
-
-
-def _span(step: np.ndarray) -> tuple[int, int] | None:
-    return None if step.size == 0 else (int(step.min()), int(step.max()))
-
-
-def token_take(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-    """Token indices of samples `rows` (in that order) and the offsets of the gathered layout.
-
-    The indices are None when `rows` is every sample in order (the common case: no gather, no copy).
-    """
-    rows = np.asarray(rows, dtype=np.int64)
-    if rows.shape[0] == offsets.shape[0] - 1 and np.array_equal(rows, np.arange(rows.shape[0])):
-        return None, np.asarray(offsets, dtype=np.int64)
-    starts = offsets[rows]
-    counts = offsets[rows + 1] - starts
-    new_offsets = np.zeros(rows.shape[0] + 1, dtype=np.int64)
-    np.cumsum(counts, out=new_offsets[1:])
-    take = np.repeat(starts - new_offsets[:-1], counts) + np.arange(new_offsets[-1], dtype=np.int64)
-    return take, new_offsets
-
-
-def _gather(values: np.ndarray, take: np.ndarray | None) -> np.ndarray:
-    """values[take], or `values` itself when take is None (identity)."""
-    return values if take is None else values[take]
-
-
-def _indices(take: np.ndarray | None, n: int) -> np.ndarray:
-    return np.arange(n, dtype=np.int64) if take is None else take
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser on uint64 (wrapping arithmetic)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def content_hash(batch: TokenBatch) -> np.ndarray:
-    """(S,) uint64 hash of each sample's loss tokens, their positions and its length (order-independent sum)."""
-    with np.errstate(over="ignore"):
-        tok = batch.token_id.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        per_token = _mix64(tok ^ _mix64(batch.pos.astype(np.uint64) + np.uint64(1)))  # (M,)
-        out = _mix64(batch.seq_len.astype(np.uint64) + np.uint64(0x632BE59BD9B4E019))  # (S,)
-        counts = batch.n_loss
-        nonempty = counts > 0
-        if batch.n_tokens:
-            sums = np.add.reduceat(per_token, batch.offsets[:-1][nonempty])
-            out[nonempty] = out[nonempty] + sums
-    return out
-
-
-def _key_frame(batch: TokenBatch, hashes: np.ndarray, index_name: str) -> pl.DataFrame:
-    return pl.DataFrame(
-        {
-            index_name: np.arange(batch.n_samples, dtype=np.int64),
-            "step": batch.step.astype(np.int64),
-            "sample_id": pl.Series(batch.sample_id.tolist(), dtype=pl.String),
-            "segment_idx": batch.segment_idx.astype(np.int32),
-            "hash": hashes.astype(np.uint64),
-        }
-    )
-
-
-def match_samples(
-    a: TokenBatch,
-    b: TokenBatch,
-    *,
-    join: str,
-    hashes: Callable[[], tuple[np.ndarray, np.ndarray]],
-) -> tuple[np.ndarray, np.ndarray, str]:
-    """(rows of a, rows of b, resolved join) of the matched samples, in side a's row order.
-
-    `hashes()` gives the per-sample hashes of a and b; it is called only when a hash join runs.
-    """
-    if join not in JOIN_MODES:
-        raise UsageError(
-            Code.BAD_OPTION_VALUE, f"unknown --join {join!r}", f"choose one of {', '.join(JOIN_MODES)}"
-        )
-    resolved = join
-    if join in ("auto", "id"):
-        on = ["step", "sample_id", "segment_idx"]
-        no_hash = np.zeros(0, dtype=np.uint64)
-        fa = _key_frame(a, np.zeros(a.n_samples, dtype=np.uint64) if a.n_samples else no_hash, "ia")
-        fb = _key_frame(b, np.zeros(b.n_samples, dtype=np.uint64) if b.n_samples else no_hash, "ib")
-        matched = fa.join(fb.drop("hash"), on=on, how="inner")
-        resolved = "hash" if join == "auto" and 2 * matched.height < a.n_samples else "id"
-    if resolved in ("hash", "hash-any-step"):
-        hash_a, hash_b = hashes()
-        fa, fb = _key_frame(a, hash_a, "ia"), _key_frame(b, hash_b, "ib")
-        matched = rank_join(fa, fb, ["step", "hash"] if resolved == "hash" else ["hash"])
-    matched = matched.sort("ia")
-    return matched["ia"].to_numpy(), matched["ib"].to_numpy(), resolved
-
-
-def _raise_or_record(issue: Issue, ignore: Collection[str], issues: list[Issue]) -> None:
-    if issue.code in ignore:
-        return
-    if issue.severity == "error":
-        hint = issue.hint or _HINTS.get(issue.code)
-        raise InvalidInputError(issue.code, issue.message, hint)
-    issues.append(issue)
-
-
-_HINTS = {
-    Code.TOKENS_DIFFER: "compare runs built from the same token ids (retokenized text or template drift?)",
-    Code.NOTHING_MATCHED: "check --steps and --join (hash joins match sequences whose sample ids differ)",
-    Code.UNMATCHED_SAMPLES: "compare matched samples only with --ignore E306",
-}
-
-
-def _where(step: np.ndarray, sample_id: np.ndarray, row: int, pos: int | None = None) -> str:
-    text = f"step {int(step[row])}, sample {sample_id[row]}"
-    return text if pos is None else f"{text}, pos {pos}"
 
 
 def align_batches(
@@ -403,33 +173,33 @@ def align_batches(
             int(ia.shape[0]),
             int(only_a.size),
             int(only_b.size),
-            _first_unmatched(a, only_a),
-            _first_unmatched(b, only_b),
-            _span(a.step),
-            _span(b.step),
+            first_unmatched(a, only_a),
+            first_unmatched(b, only_b),
+            step_span(a.step),
+            step_span(b.step),
         )
     elif ia.shape[0] == 0:
         raise InvalidInputError(
             Code.NOTHING_MATCHED,
-            f"{pair_name}: 0 of {a.n_samples} samples matched by {_JOIN_KEYS[resolved]}; steps "
-            f"{_step_range(a.step)} vs {_step_range(b.step)}",
-            _HINTS[Code.NOTHING_MATCHED],
+            f"{pair_name}: 0 of {a.n_samples} samples matched by {JOIN_KEYS[resolved]}; steps "
+            f"{span_text(step_span(a.step))} vs {span_text(step_span(b.step))}",
+            ALIGN_HINTS[Code.NOTHING_MATCHED],
         )
     if held is None and (only_a.size or only_b.size):
         first = (
-            f"first: {_where(a.step, a.sample_id, int(only_a[0]))} of {a.label}"
+            f"first: {where_text(a.step, a.sample_id, int(only_a[0]))} of {a.label}"
             if only_a.size
-            else f"first: {_where(b.step, b.sample_id, int(only_b[0]))} of {b.label}"
+            else f"first: {where_text(b.step, b.sample_id, int(only_b[0]))} of {b.label}"
         )
         loc = (a, int(only_a[0])) if only_a.size else (b, int(only_b[0]))
-        _raise_or_record(
+        raise_or_record(
             Issue(
                 Code.UNMATCHED_SAMPLES,
                 "error",
                 int(only_a.size + only_b.size),
                 f"{pair_name}: {only_a.size} of {a.n_samples} samples of {a.label} have no match in {b.label} "
                 f"and {only_b.size} of {b.n_samples} of {b.label} none in {a.label} ({first}; join "
-                f"{_JOIN_KEYS[resolved]})",
+                f"{JOIN_KEYS[resolved]})",
                 int(loc[0].step[loc[1]]),
                 str(loc[0].sample_id[loc[1]]),
             ),
@@ -446,7 +216,7 @@ def align_batches(
     else:
         differs = a.seq_len[ia] != b.seq_len[ib]
     same_layout = np.array_equal(off_a, off_b) and np.array_equal(
-        _gather(a.pos, take_a), _gather(b.pos, take_b)
+        gather(a.pos, take_a), gather(b.pos, take_b)
     )
     mask = None
     if same_layout:
@@ -454,11 +224,11 @@ def align_batches(
         if held is not None:
             held = replace(held, mask_a=int(off_a[-1]), mask_b=int(off_b[-1]))
     else:
-        take_a, take_b = _indices(take_a, a.n_tokens), _indices(take_b, b.n_tokens)
-        idx_a, idx_b, offsets = _intersect_positions(a, b, take_a, off_a, take_b, off_b)
+        take_a, take_b = token_indices(take_a, a.n_tokens), token_indices(take_b, b.n_tokens)
+        idx_a, idx_b, offsets = intersect_positions(a, b, take_a, off_a, take_b, off_b)
         n_a, n_b, n_both = take_a.shape[0], take_b.shape[0], idx_a.shape[0]
         row, pos = (
-            _first_mask_difference(a, b, take_a, off_a, take_b, off_b) if n_a + n_b > 2 * n_both else (0, 0)
+            first_mask_difference(a, b, take_a, off_a, take_b, off_b) if n_a + n_b > 2 * n_both else (0, 0)
         )
         mask = mask_issue(
             n_a - n_both,
@@ -466,7 +236,7 @@ def align_batches(
             n_b - n_both,
             n_b,
             f"{n_a - n_both} only in {a.label}, {n_b - n_both} only in {b.label}; first: "
-            f"{_where(step, sample_id, row, pos)}; metrics use the intersection",
+            f"{where_text(step, sample_id, row, pos)}; metrics use the intersection",
         )
         if held is not None and n_a + n_b > 2 * n_both:
             held = replace(
@@ -475,7 +245,7 @@ def align_batches(
                 mask_a=n_a,
                 mask_only_b=n_b - n_both,
                 mask_b=n_b,
-                mask_first=(_where(step, sample_id, row, pos), int(step[row]), str(sample_id[row]), pos),
+                mask_first=(where_text(step, sample_id, row, pos), int(step[row]), str(sample_id[row]), pos),
             )
             mask = None
         elif held is not None:
@@ -488,8 +258,8 @@ def align_batches(
                 sample_id=str(sample_id[row]),
                 pos=pos,
             )
-    token_id = _gather(a.token_id, idx_a)
-    tok_diff = token_id != _gather(b.token_id, idx_b)
+    token_id = gather(a.token_id, idx_a)
+    tok_diff = token_id != gather(b.token_id, idx_b)
     token_row = np.repeat(np.arange(ia.shape[0], dtype=np.int32), np.diff(offsets))  # S < 2^31
     differs = differs.copy()
     differs[token_row[tok_diff]] = True
@@ -501,14 +271,12 @@ def align_batches(
             ta = t if idx_a is None else int(idx_a[t])
             tb = t if idx_b is None else int(idx_b[t])
             detail = (
-                f"first at {_where(step, sample_id, first_row, int(a.pos[ta]))}: "
+                f"first at {where_text(step, sample_id, first_row, int(a.pos[ta]))}: "
                 f"{int(a.token_id[ta])} vs {int(b.token_id[tb])}"
             )
         else:
-            detail = (
-                f"first: {_where(step, sample_id, first_row)}, outside the loss positions (prompt or length)"
-            )
-        _raise_or_record(
+            detail = f"first: {where_text(step, sample_id, first_row)}, outside the loss positions (prompt or length)"
+        raise_or_record(
             Issue(
                 Code.TOKENS_DIFFER,
                 "error",
@@ -521,11 +289,11 @@ def align_batches(
             issues,
         )
     if mask is not None:  # tokens first (E301), then masks, the order `pgdiag check` reports them in
-        _raise_or_record(mask, ignore, issues)
+        raise_or_record(mask, ignore, issues)
 
-    lp_a = _gather(np.asarray(a.streams[stream_a], dtype=np.float64), idx_a)
-    lp_b = _gather(np.asarray(b.streams[stream_b], dtype=np.float64), idx_b)
-    pos = _gather(a.pos, idx_a)
+    lp_a = gather(np.asarray(a.streams[stream_a], dtype=np.float64), idx_a)
+    lp_b = gather(np.asarray(b.streams[stream_b], dtype=np.float64), idx_b)
+    pos = gather(a.pos, idx_a)
     prompt_len = a.prompt_len[ia]
     where = Locations(offsets, pos, step, sample_id)
     name_a, name_b = f"{a.label} {stream_column(stream_a)}", f"{b.label} {stream_column(stream_b)}"
@@ -538,7 +306,7 @@ def align_batches(
     else:
         shift = shift_issue(lp_a, lp_b, where, name_a=name_a, name_b=name_b)
     for issue in [shift] if shift is not None else []:
-        _raise_or_record(replace(issue, message=f"{pair_name}: {issue.message}"), ignore, issues)
+        raise_or_record(replace(issue, message=f"{pair_name}: {issue.message}"), ignore, issues)
     values = value_issues([(lp_a, name_a), (lp_b, name_b)], where)
     legit_a, legit_b = a.one_token_sets(stream_a), b.one_token_sets(stream_b)
     zero_fill = zero_fill_issues(
@@ -548,19 +316,19 @@ def align_batches(
         name_a=name_a,
         name_b=name_b,
         single_stream=held is None,
-        legit_a=None if legit_a is None else _gather(legit_a, idx_a),
-        legit_b=None if legit_b is None else _gather(legit_b, idx_b),
+        legit_a=None if legit_a is None else gather(legit_a, idx_a),
+        legit_b=None if legit_b is None else gather(legit_b, idx_b),
     )
     for issue in values + zero_fill:
-        _raise_or_record(replace(issue, message=f"{pair_name}: {issue.message}"), ignore, issues)
+        raise_or_record(replace(issue, message=f"{pair_name}: {issue.message}"), ignore, issues)
     keep = None  # E207 ignored: the non-finite tokens are dropped and counted
     if any(i.code == Code.NON_FINITE for i in values):
         keep = np.isfinite(lp_a) & np.isfinite(lp_b)
 
     entropy_src = b.entropy.get(stream_b)
-    entropy = None if entropy_src is None else _gather(np.asarray(entropy_src, dtype=np.float64), idx_b)
+    entropy = None if entropy_src is None else gather(np.asarray(entropy_src, dtype=np.float64), idx_b)
     if entropy is None and a.entropy.get(stream_a) is not None:
-        entropy = _gather(np.asarray(a.entropy[stream_a], dtype=np.float64), idx_a)
+        entropy = gather(np.asarray(a.entropy[stream_a], dtype=np.float64), idx_a)
     resp_pos = pos - prompt_len.astype(pos.dtype)[token_row]  # (M,) int32
     with np.errstate(invalid="ignore"):  # inf − inf kept for --exact: NaN in Δ, never read by its counts
         delta = lp_b - lp_a
@@ -615,108 +383,3 @@ def finite_only(pair: AlignedPair) -> AlignedPair:
         entropy=None if pair.entropy is None else pair.entropy[keep],
         n_invalid=pair.n_invalid + int((~keep).sum()),
     )
-
-
-def _first_unmatched(batch: TokenBatch, rows: np.ndarray) -> tuple[str, int, str] | None:
-    """(text, step, sample_id) of the first of `rows`, for E306."""
-    if rows.size == 0:
-        return None
-    r = int(rows[0])
-    return (
-        f"{_where(batch.step, batch.sample_id, r)} of {batch.label}",
-        int(batch.step[r]),
-        str(batch.sample_id[r]),
-    )
-
-
-def unmatched_side(batch: TokenBatch, *, side: str, pair_name: str, label_other: str, join: str) -> Deferred:
-    """The `Deferred` counts of a piece where only one run has samples (`side` "a" or "b"): all unmatched."""
-    rows = np.arange(batch.n_samples)
-    first = _first_unmatched(batch, rows)
-    empty = None  # no steps on the other side
-    if side == "a":
-        return Deferred(
-            pair_name,
-            batch.label,
-            label_other,
-            join,
-            batch.n_samples,
-            0,
-            0,
-            batch.n_samples,
-            0,
-            first,
-            None,
-            _span(batch.step),
-            empty,
-        )
-    return Deferred(
-        pair_name,
-        label_other,
-        batch.label,
-        join,
-        0,
-        batch.n_samples,
-        0,
-        0,
-        batch.n_samples,
-        None,
-        first,
-        empty,
-        _span(batch.step),
-    )
-
-
-_JOIN_KEYS = {
-    "id": "(step, sample_id, segment_idx)",
-    "hash": "(step, seq_hash)",
-    "hash-any-step": "(seq_hash)",
-    "auto": "(step, sample_id)",
-}
-
-
-def _step_range(step: np.ndarray) -> str:
-    if step.size == 0:
-        return "none"
-    lo, hi = int(step.min()), int(step.max())
-    return str(lo) if lo == hi else f"{lo}-{hi}"
-
-
-def _intersect_positions(
-    a: TokenBatch,
-    b: TokenBatch,
-    take_a: np.ndarray,
-    off_a: np.ndarray,
-    take_b: np.ndarray,
-    off_b: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Token indices into a and b of the (sample, pos) present on both sides, and their offsets."""
-    n_rows = off_a.shape[0] - 1
-    row_a = np.repeat(np.arange(n_rows, dtype=np.int64), np.diff(off_a))
-    row_b = np.repeat(np.arange(n_rows, dtype=np.int64), np.diff(off_b))
-    key_a = (row_a << 32) | a.pos[take_a].astype(np.int64)
-    key_b = (row_b << 32) | b.pos[take_b].astype(np.int64)
-    _, ja, jb = np.intersect1d(key_a, key_b, assume_unique=True, return_indices=True)  # sorted by (row, pos)
-    counts = np.bincount(row_a[ja], minlength=n_rows)
-    offsets = np.zeros(n_rows + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    return take_a[ja], take_b[jb], offsets
-
-
-def _first_mask_difference(
-    a: TokenBatch,
-    b: TokenBatch,
-    take_a: np.ndarray,
-    off_a: np.ndarray,
-    take_b: np.ndarray,
-    off_b: np.ndarray,
-) -> tuple[int, int]:
-    """(matched row, pos) of the first loss position present on one side only."""
-    n_rows = off_a.shape[0] - 1
-    row_a = np.repeat(np.arange(n_rows, dtype=np.int64), np.diff(off_a))
-    row_b = np.repeat(np.arange(n_rows, dtype=np.int64), np.diff(off_b))
-    key_a = (row_a << 32) | a.pos[take_a].astype(np.int64)
-    key_b = (row_b << 32) | b.pos[take_b].astype(np.int64)
-    only = np.setxor1d(key_a, key_b, assume_unique=True)
-    first = int(only.min())
-    return first >> 32, first & 0xFFFFFFFF

@@ -26,7 +26,8 @@ import numpy as np
 import polars as pl
 
 from pgdiag.compare import breakdowns as bd
-from pgdiag.compare.align import Deferred, align_batches
+from pgdiag.compare.align import align_batches
+from pgdiag.compare.alignment_issues import Deferred
 from pgdiag.compare.api import _as_source, compare_runs, resolve_streams
 from pgdiag.compare.pair_report import DLOGP_EDGES, Comparison, diagnosed_rows, pair_comparison
 from pgdiag.compare.parity import token_table, token_terms

@@ -19,7 +19,8 @@ import numpy as np
 import polars as pl
 
 from pgdiag.compare import breakdowns as bd
-from pgdiag.compare.align import AlignedPair, Deferred, align_batches, finite_only, unmatched_side
+from pgdiag.compare.align import AlignedPair, align_batches, finite_only
+from pgdiag.compare.alignment_issues import Deferred, unmatched_side
 from pgdiag.compare.exact import ExactAgreement, check_float32_storage, exact_rows
 from pgdiag.compare.pair_report import DLOGP_EDGES, Comparison, diagnosed_rows, pair_comparison
 from pgdiag.compare.pieces import checked_matches, keys_deferred

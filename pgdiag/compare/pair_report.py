@@ -16,7 +16,8 @@ import numpy as np
 import polars as pl
 
 from pgdiag.checks.signatures import Signatures, signature_issues
-from pgdiag.compare.align import AlignedPair, Deferred
+from pgdiag.compare.align import AlignedPair
+from pgdiag.compare.alignment_issues import Deferred
 from pgdiag.compare.exact import EXACT_GATES, ExactResult
 from pgdiag.compare.parity import unit_and_reduction
 from pgdiag.compare.pooled import PooledParity

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from pgdiag.compare.align import Deferred
+from pgdiag.compare.alignment_issues import Deferred
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.pieces import AnyStepKeys, PairPiece, PairPlan, any_step_pieces, plan_step_pieces
 from pgdiag.errors import Code, InvalidInputError

@@ -3,7 +3,8 @@ pieces of two runs paired across steps (`any_step_pieces`, `compare --join hash-
 
 What: `plan_step_pieces` cuts the steps of one or more runs into pieces of consecutive whole steps, at most
 `chunk_rows` rows of all the runs together, each piece saying which runs have rows in it; `check`, `metrics`,
-`compare` (two runs, one run's streams, N-way) read their runs piece by piece in that order. A run that cannot
+`compare` (two runs, one run's streams, N-way) read their runs piece by piece in that order; `metrics
+--docs-per-step` reads pieces of whole steps in the run's read order (`plan_read_order_pieces`). A run that cannot
 be filtered by step (`reads_whole`) or that fits one piece is read whole (one `StepPiece(None, ...)`).
 Why: memory then follows a piece, not the run, and every command cuts a run the same way.
 How: the step column alone is read (`step_rows`: rows per step; `reads_whole`: null steps). Parquet decodes whole
@@ -26,7 +27,7 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
-from pgdiag.data.runs import Run, sample_keys
+from pgdiag.data.runs import Run, row_keys, sample_keys
 from pgdiag.errors import Code, InvalidInputError
 
 # a piece may grow to TIE_FACTOR x chunk_rows rows to keep the steps of one Parquet row group together
@@ -171,6 +172,60 @@ def plan_step_pieces(runs: Sequence[Run], chunk_rows: int | Callable[[dict[int, 
     return StepPlan(
         [StepPiece(c, tuple(any(s in rows for s in c) for rows in per_run)) for c in chunks], total
     )
+
+
+# ---- pieces in the run's read order (`metrics --docs-per-step`) -------------------------------------------
+
+
+def read_order_chunks(step: np.ndarray, max_rows: int) -> list[tuple[tuple[int, ...], int, int]]:
+    """Chunks of real steps as (steps, first row, end row) of the read order, given the `step` (R,) of every row in
+    read order: reading the chunks' steps one chunk after the other gives every row once, in read order.
+
+    A step is in one chunk; steps whose rows interleave in the read order share a chunk (a file that mixes
+    steps), and consecutive such spans are grouped up to `max_rows` rows (a larger span is a chunk of its own).
+    """
+    n_rows = int(step.shape[0])
+    if n_rows == 0:
+        return []
+    values, first = np.unique(step, return_index=True)
+    _, from_end = np.unique(step[::-1], return_index=True)
+    last = n_rows - 1 - from_end  # (V,) last row of each step, same order as `values`
+    order = np.argsort(first, kind="stable")
+    values, first, last = values[order], first[order], last[order]
+    reach = np.maximum.accumulate(last)  # (V,) last row of any step seen so far
+    opens = np.concatenate([[True], first[1:] > reach[:-1]])  # a span starts where no earlier step reaches
+    span_lo = first[opens]
+    span_hi = np.append(span_lo[1:], n_rows)
+    span_steps = np.split(values, np.flatnonzero(opens)[1:])
+    chunks: list[tuple[tuple[int, ...], int, int]] = []
+    steps: list[int] = []
+    lo = 0
+    for s_lo, s_hi, s_steps in zip(span_lo.tolist(), span_hi.tolist(), span_steps, strict=True):
+        if steps and s_hi - lo > max_rows:
+            chunks.append((tuple(steps), lo, s_lo))
+            steps, lo = [], s_lo
+        steps.extend(int(v) for v in s_steps)
+    chunks.append((tuple(steps), lo, n_rows))
+    return chunks
+
+
+def plan_read_order_pieces(
+    run: Run, chunk_rows: int | Callable[[dict[int, int]], int]
+) -> tuple[pl.DataFrame, list[tuple[tuple[int, ...], int, int]]] | None:
+    """The row keys of `run` (`data.runs.row_keys`: step, sample_id, group_id in read order) and its pieces in
+    read order (`read_order_chunks`: steps, first row, end row), for `metrics --docs-per-step`, which cuts steps
+    of N documents across the run's steps; `chunk_rows` as in `plan_step_pieces` (a function gets the rows of
+    each step). None when the run is read whole (a step column that cannot be filtered, null steps, or key
+    columns the reader refuses: the whole read says what is wrong)."""
+    if reads_whole(run):
+        return None
+    keys = row_keys(run)  # (R,) rows
+    if keys is None or keys["step"].null_count():
+        return None
+    steps = keys["step"].to_numpy()  # (R,)
+    counts = np.unique(steps, return_counts=True)[1].tolist()
+    budget = chunk_rows(dict(enumerate(counts))) if callable(chunk_rows) else chunk_rows
+    return keys, read_order_chunks(steps, budget)
 
 
 # ---- two runs paired across steps (`compare --join hash-any-step`) ----------------------------------------

@@ -24,6 +24,7 @@ from pgdiag.data.batch import TokenBatch
 from pgdiag.data.runs import Run
 
 LAG_OFFSETS = {"canonical": 0, "verl": 1}
+LAG_LABELS = ("<0", "0", "1", "2", "3", "4+", "unknown")  # the buckets of `lag_buckets`, in order
 
 
 @dataclass(frozen=True)

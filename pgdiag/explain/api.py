@@ -47,6 +47,7 @@ class ExplainResult:
     fits: dict[str, Any]
     token_run: Path
     seconds: dict[str, float] = field(default_factory=dict)
+    n_forwarded: int = 0  # prompt + response tokens of the budget's samples (what each forward processes)
 
     def to_json(self) -> dict[str, Any]:
         """The ``explain`` block of the `--json` object (docs/explain.md, "JSON")."""
@@ -72,6 +73,7 @@ class ExplainResult:
             "fits": self.fits,
             "token_run": str(self.token_run),
             "seconds": self.seconds,
+            "n_forwarded": self.n_forwarded,
         }
 
 
@@ -146,6 +148,7 @@ def _prepare(
 ) -> _Plan:
     """Check the pair and the output, plan the matrix, announce its cost, write the budget's token run."""
     from pgdiag.explain import matrix
+    from pgdiag.explain.grid import temperatures
     from pgdiag.explain.tokens import check_pair, select_samples, write_token_run
     from pgdiag.model import read_model_config
     from pgdiag.recompute.kept_rules import run_records_kept
@@ -176,7 +179,12 @@ def _prepare(
         names=settings.configs,
     )
     selection = select_samples(source, settings.tokens, settings.seed)
-    cost = matrix.estimate_cost(model_config, configs, selection.n_tokens, device)
+    recorded_t = ((source.meta or {}).get("sampling") or {}).get("temperature")
+    cost = matrix.estimate_cost(
+        model_config, configs, selection.n_tokens, device, forwarded=selection.forwarded, tp=settings.tp,
+        grid_dtype=matrix.grid_dtype(model_config, memory),
+        temperatures=len(temperatures([recorded_t] if isinstance(recorded_t, (int, float)) else [])),
+    )  # fmt: skip
     if on_cost is not None:
         on_cost(cost.line())
     if token_dir.exists():
@@ -239,6 +247,7 @@ def _attribute(
             for side, f in fits.items()
         },
         token_run=plan.token_dir,
+        n_forwarded=plan.cost.forwarded,
     )
 
 
@@ -274,12 +283,12 @@ def _grid(
     import torch
 
     from pgdiag.explain import grid as sampling
-    from pgdiag.explain.matrix import weight_bytes
+    from pgdiag.explain.matrix import grid_dtype
     from pgdiag.explain.table import grid_keys
     from pgdiag.model import load_model
     from pgdiag.recompute.inputs import read_inputs
 
-    dtype = "fp32" if weight_bytes(model_config, "fp32", 1) <= 0.8 * memory else "bf16"
+    dtype = grid_dtype(model_config, memory)
     inputs = read_inputs(token_run, int(model_config.vocab_size))
     ids = [inputs.input_ids[inputs.offsets[r] : inputs.offsets[r + 1]] for r in range(len(inputs.step))]
     masks = [inputs.loss_mask[inputs.offsets[r] : inputs.offsets[r + 1]] for r in range(len(inputs.step))]

@@ -62,24 +62,45 @@ CONFIGS = (
 def parameter_count(config: Any) -> int:
     """Parameters of a decoder from its `ModelConfig` (embedding, head, attention, MLP or experts, norms; biases
     left out)."""
-    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    fixed, blocks = parameter_split(config)
+    return fixed + sum(blocks)
+
+
+def parameter_split(config: Any, *, active: bool = False) -> tuple[int, list[int]]:
+    """(parameters outside the blocks: embedding, head, final norm; [parameters of each block]); `active`: an MoE
+    block counts the experts one token runs (top-k of them), not all."""
+    h, vocab = config.hidden_size, config.vocab_size
     attention = h * (config.q_size + 2 * config.kv_size) + config.q_size * h
+    norms = 2 * h + (2 * config.head_dim if config.qk_norm else 0)
     moe = config.moe
     dense_mlp = 3 * h * config.intermediate_size
     if moe is None:
-        mlp = [dense_mlp] * layers
+        mlp = [dense_mlp] * config.num_hidden_layers
     else:
-        expert = 3 * h * moe.expert_intermediate_size * moe.num_experts + h * moe.num_experts
+        ran = moe.top_k if active else moe.num_experts
+        expert = 3 * h * moe.expert_intermediate_size * ran + h * moe.num_experts
         shared = 3 * h * moe.shared_expert_intermediate_size
         mlp = [expert + shared if sparse else dense_mlp for sparse in moe.sparse_layers]
     head = 0 if config.tie_word_embeddings else vocab * h
-    norms = layers * (2 * h + (2 * config.head_dim if config.qk_norm else 0)) + h
-    return vocab * h + head + layers * attention + sum(mlp) + norms
+    return vocab * h + head + h, [attention + norms + m for m in mlp]
 
 
 def weight_bytes(config: Any, dtype: str, tp: int) -> int:
     """Bytes of one rank's weights in `dtype` (what the fit check compares with the device's memory)."""
     return parameter_count(config) * _BYTES[dtype] // max(tp, 1)
+
+
+def grid_dtype(config: Any, memory: int) -> str:
+    """The sampling grid's body dtype: fp32 when its weights fit in 80 % of `memory` on one device, else bf16."""
+    return "fp32" if weight_bytes(config, "fp32", 1) <= 0.8 * memory else "bf16"
+
+
+def prefix_bytes(config: Any, dtype: str, head_dtype: str, blocks: int) -> int:
+    """Bytes of a model cut to its first `blocks` blocks (the embedding and the blocks in `dtype`, the head in
+    `head_dtype`, read separately even when tied): what `explain --layers` weighs against the memory."""
+    _, per_block = parameter_split(config)
+    table = config.vocab_size * config.hidden_size
+    return (table + sum(per_block[:blocks])) * _BYTES[dtype] + table * _BYTES[head_dtype]
 
 
 def device_memory(device: str) -> int:
@@ -142,35 +163,92 @@ def roles(configs: list[Config], prefix: str) -> ConfigRoles:
 
 
 @dataclass(frozen=True)
-class CostEstimate:
-    """What the matrix will cost, printed before it runs: tokens x configurations x seconds per token."""
+class CostModel:
+    """The rates behind explain's cost line (docs/explain.md, "What the matrix costs"). `CUDA_COST` is calibrated
+    on the measured matrix of docs/benchmarks.md (one H200, Qwen3-8B shape, 61,445 tokens forwarded)."""
 
-    tokens: int
-    configurations: int
-    seconds_per_token: float  # per configuration, the mean over the configurations' dtypes
+    flops_16bit: float  # achieved FLOP/s of a bf16/fp16 body (tensor cores)
+    flops_fp32: float  # achieved FLOP/s of an fp32 body (no tensor cores: ~1/15 of the 16-bit peak)
+    load_bytes_per_s: float  # checkpoint read and copy to the device
+    start_s: float  # per configuration: process, allocation, first batch
+    compile_s: float  # once per body dtype: the recompute's torch.compile of its fused pointwise ops
+    grid_elements_per_s: float  # sampling grid: loss tokens x temperatures x vocabulary, softmax and sort
+
+
+# H100/H200 dense bf16 peak 989 TFLOP/s at 40 %; fp32 at 1/15 of the peak, at 50 %
+CUDA_COST = CostModel(0.4 * 989e12, 0.5 * 989e12 / 15, 8e9, 2.0, 6.0, 1e10)
+# the CPU's start-up and grid rate from benchmarks/bench_explain.py --tiny on a 2-core machine (27 s measured)
+CPU_COST = CostModel(2e10, 5e10, 1e9, 2.5, 0.0, 2e6)
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """What the matrix will cost, printed before it runs: tokens x configurations x seconds, each configuration's
+    seconds its start-up, compile and forward (`estimate_cost`)."""
+
+    tokens: int  # loss tokens of the budget
+    forwarded: int  # prompt + response tokens of the budget's samples
+    configurations: int  # the matrix's configurations plus the sampling grid
+    seconds_by_config: dict[str, float]  # name (and "grid") -> estimated seconds
     device: str
 
     @property
     def seconds(self) -> float:
-        return self.tokens * self.configurations * self.seconds_per_token
+        return sum(self.seconds_by_config.values())
+
+    @property
+    def seconds_per_token(self) -> float:
+        """Mean seconds per loss token and configuration."""
+        return self.seconds / max(self.tokens * self.configurations, 1)
 
     def line(self) -> str:
+        parts = ", ".join(f"{name} {s:.3g}" for name, s in self.seconds_by_config.items())
         return (
-            f"recompute matrix: {self.tokens} tokens x {self.configurations} configurations (+ the sampling grid) "
-            f"x {self.seconds_per_token * 1e6:.3g} us/token ≈ {self.seconds:.3g} s on {self.device} (estimated)"
+            f"recompute matrix: {self.tokens} tokens x {self.configurations} configurations (with the sampling "
+            f"grid) x {self.seconds_per_token * 1e6:.3g} us/token ≈ {self.seconds:.3g} s on {self.device} "
+            f"(estimated, {self.forwarded} tokens forwarded, start-up and compile included: {parts} s)"
         )
 
 
-def estimate_cost(model_config: Any, configs: list[Config], tokens: int, device: str) -> CostEstimate:
-    """A rough cost from the forward's FLOPs (2 per parameter per token) at an assumed rate: 40 % of an H100's
-    dense bf16 rate on CUDA (fp32 at an eighth of it), 50 GFLOP/s on a CPU."""
-    flops = 2.0 * parameter_count(model_config)
-    if device.startswith("cuda"):
-        rates = {"bf16": 0.4 * 989e12, "fp16": 0.4 * 989e12, "fp32": 0.4 * 989e12 / 8}
-    else:
-        rates = {"bf16": 2e10, "fp16": 2e10, "fp32": 5e10}
-    per = [flops / rates[c.dtype] for c in configs] or [0.0]
-    return CostEstimate(tokens, len(configs) + 1, sum(per) / len(per), device)
+def estimate_cost(
+    model_config: Any,
+    configs: list[Config],
+    tokens: int,
+    device: str,
+    *,
+    forwarded: int | None = None,
+    tp: int = 1,
+    grid_dtype: str = "fp32",
+    temperatures: int = 27,
+) -> CostEstimate:
+    """Seconds of each configuration and of the sampling grid (docs/explain.md, "What the matrix costs"):
+
+        start_s + bytes / load_bytes_per_s + [compile_s, the first configuration of its body dtype]
+        + (2 · P_blocks · forwarded + 2 · V · H · tokens) / (rate(body dtype) · tp)
+
+    P_blocks the blocks' parameters (MoE: those a token activates), V · H the head; the grid is one forward in
+    `grid_dtype` at one rank (no compile) plus tokens · temperatures · V / grid_elements_per_s. Attention's
+    quadratic FLOPs are left out (2 % at 1,000-token samples of an 8B model)."""
+    rates = CUDA_COST if device.startswith("cuda") else CPU_COST
+    forwarded = tokens if forwarded is None else forwarded
+    _, active = parameter_split(model_config, active=True)
+    head = model_config.vocab_size * model_config.hidden_size
+    flops = 2.0 * sum(active) * forwarded + 2.0 * head * tokens
+
+    def forward(dtype: str, ranks: int) -> float:
+        rate = rates.flops_fp32 if dtype == "fp32" else rates.flops_16bit
+        load = weight_bytes(model_config, dtype, ranks) / rates.load_bytes_per_s
+        return rates.start_s + load + flops / (rate * ranks)
+
+    seconds: dict[str, float] = {}
+    compiled: set[str] = set()
+    for config in configs:
+        compile_s = rates.compile_s if config.dtype not in compiled else 0.0
+        compiled.add(config.dtype)
+        seconds[config.name] = forward(config.dtype, tp) + compile_s
+    vocab_work = tokens * temperatures * model_config.vocab_size / rates.grid_elements_per_s
+    seconds["grid"] = forward(grid_dtype, 1) + vocab_work
+    return CostEstimate(tokens, forwarded, len(configs) + 1, seconds, device)
 
 
 def run_matrix(

@@ -31,6 +31,7 @@ class TokenSelection:
 
     keys: pl.DataFrame  # step, sample_id, segment_idx of the chosen samples
     tokens_per_step: dict[int, tuple[int, int]]  # step -> (loss tokens taken, loss tokens in the run)
+    forwarded: int = 0  # prompt + response tokens of the chosen samples (what each forward processes)
 
     @property
     def n_tokens(self) -> int:
@@ -41,7 +42,9 @@ def select_samples(run: Run, budget: int, seed: int = 0) -> TokenSelection:
     """Whole samples holding about `budget` loss tokens, an equal share per step (module docstring)."""
     columns = run.lazy.collect_schema().names()
     keys = [k for k in KEYS if k in columns]
-    frame = run.lazy.select(*keys, pl.col("loss_mask").list.sum().alias("n_loss")).collect()
+    frame = run.lazy.select(
+        *keys, pl.col("loss_mask").list.sum().alias("n_loss"), pl.col("input_ids").list.len().alias("n_ids")
+    ).collect()
     if frame.height == 0:
         raise InvalidInputError(Code.NO_LOSS_TOKENS, f"{run.label}: the selection has no samples")
     steps = sorted(int(s) for s in frame["step"].unique().to_list())
@@ -58,7 +61,8 @@ def select_samples(run: Run, budget: int, seed: int = 0) -> TokenSelection:
         picked = rows[np.sort(order[:take])]
         chosen.append(picked)
         per_step[step] = (int(picked["n_loss"].fill_null(0).sum()), int(counts.sum()))
-    return TokenSelection(pl.concat(chosen).select(keys), per_step)
+    picked_all = pl.concat(chosen)
+    return TokenSelection(picked_all.select(keys), per_step, int(picked_all["n_ids"].fill_null(0).sum()))
 
 
 def write_token_run(run: Run, selection: TokenSelection, out: Path, *, overwrite: bool = False) -> Path:

@@ -32,7 +32,7 @@ from pgdiag.data.schema import (
 from pgdiag.errors import Code, InvalidInputError, UsageError
 from pgdiag.importers import alignment
 from pgdiag.importers.base import ImportedStep, ImportOptions, ImportWarning, Preset, bad_layout
-from pgdiag.importers.writer import apply_shifts
+from pgdiag.importers.step_rows import apply_shifts
 
 _PASS_THROUGH_FOOTER = ("source", "streams", "sampling", "tokenizer", "model")
 

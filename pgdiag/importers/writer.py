@@ -5,7 +5,7 @@ each: applies ``--shift``, derives what the source lacks (``run``, ``step``, ``p
 ``group_id`` by ``--group-by``, ``seq_hash``), nulls every stream and advantage off ``loss_mask`` ("masks,
 not values"), casts to the canonical types (E103), validates every rule of docs/schema.md (an error stops the
 import), writes ``rollouts/step=<S>/part-00000.parquet`` (on a background thread, while the preset reads the
-next step: `_PartWriter`) and reports a `StepSummary` to `progress`.
+next step: `PartWriter`) and reports a `StepSummary` to `progress`.
 Degenerate streams (W701/W702) are judged over the whole import: a column that is zeros or a copy on every
 step is dropped from every part at the end; one that is so on some steps only fails E206.
 
@@ -20,7 +20,6 @@ import os
 import secrets
 import shutil
 from collections.abc import Callable, Iterable
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,32 +27,19 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pgdiag.data.flat import FlatList, RowTable, flat_list
 from pgdiag.data.kept import KEPT_COLUMNS, kept_from_series
-from pgdiag.data.schema import (
-    LABEL_PATTERN,
-    ROLLOUTS_SCHEMA,
-    RUN_SIDECAR_SCHEMA,
-    decode_footer,
-    stream_column,
-)
+from pgdiag.data.schema import LABEL_PATTERN, RUN_SIDECAR_SCHEMA
 from pgdiag.data.validate import CheckResult, Issue, check_result, validate_rows
-from pgdiag.data.writing import (
-    _with_seq_hash,
-    sequence_row_group_rows,
-    source_meta,
-    stream_meta,
-    to_canonical_table,
-    write_json,
-    write_parquet,
-)
+from pgdiag.data.writing import sequence_row_group_rows, to_canonical_table, write_json, write_parquet
 from pgdiag.errors import Code, InvalidInputError, UsageError
-from pgdiag.importers import alignment, ids
-from pgdiag.importers.base import DegenerateStream, ImportedStep, ImportOptions
+from pgdiag.importers.base import ImportedStep, ImportOptions
+from pgdiag.importers.degenerate import DegenerateState, degenerate_holds, drop_degenerate
+from pgdiag.importers.footer import step_footer
+from pgdiag.importers.part_writer import PartWriter
+from pgdiag.importers.step_rows import MASKED_COLUMNS_SUFFIX, finalize_rows, stream_columns, stream_of
 
-MASKED_COLUMNS_SUFFIX = "_logprobs"  # every stream column, plus "advantages"
 _PARTS = "rollouts"
 
 
@@ -84,22 +70,6 @@ class ImportResult:
     dropped_streams: tuple[str, ...] = field(default_factory=tuple)
 
 
-def _stream_of(column: str) -> str:
-    return column[: -len(MASKED_COLUMNS_SUFFIX)]
-
-
-def _masked_columns(columns: Iterable[str]) -> list[str]:
-    return [
-        c
-        for c in columns
-        if (c.endswith(MASKED_COLUMNS_SUFFIX) or c == "advantages") and c not in KEPT_COLUMNS
-    ]
-
-
-def _stream_columns(columns: Iterable[str]) -> list[str]:
-    return [c for c in columns if c.endswith(MASKED_COLUMNS_SUFFIX) and c not in KEPT_COLUMNS]
-
-
 def run_label(label: str | None, out: Path) -> str:
     """The run label: `label`, else OUT's name (without ``.parquet``); UsageError E503 when not a valid label."""
     name = label if label is not None else out.name.removesuffix(".parquet")
@@ -108,122 +78,6 @@ def run_label(label: str | None, out: Path) -> str:
             Code.BAD_OPTION_VALUE, f"run label {name!r} is not [A-Za-z0-9_.-]{{1,64}}", "pass --label NAME"
         )
     return name
-
-
-def _per_token_columns(df: pl.DataFrame) -> list[str]:
-    """Token-aligned list columns (the kept sets are CSR, not token-aligned: a --shift leaves them)."""
-    return [
-        c
-        for c, t in df.schema.items()
-        if isinstance(t, pl.List) and c != "input_ids" and c not in KEPT_COLUMNS
-    ]
-
-
-def apply_shifts(df: pl.DataFrame, shifts: Iterable[tuple[str | None, int]], source: str) -> pl.DataFrame:
-    """Move per-token columns by ``--shift [COL=]K`` (column None: every per-token column but input_ids)."""
-    shifts = list(shifts)
-    if not shifts:
-        return df
-    seq_lens = flat_list(df["input_ids"]).lengths
-    columns = _per_token_columns(df)
-    replaced = {}
-    for column, k in shifts:
-        targets = columns if column is None else [column]
-        for target in targets:
-            if target not in df.columns:
-                raise UsageError(
-                    Code.MISSING_SETTING,
-                    f"--shift {target}={k}: no column {target}",
-                    f"columns: {', '.join(columns)}",
-                )
-            dtype = df.schema[target]
-            moved = alignment.shift(flat_list(df[target]), seq_lens, k, source=source, field=target)
-            if dtype.inner == pl.Boolean:  # type: ignore[union-attr]
-                moved = FlatList(moved.offsets, moved.values & moved.valid, None, None)
-            replaced[target] = alignment.to_series(target, moved, dtype)
-    return df.with_columns(list(replaced.values()))
-
-
-def _group_ids(df: pl.DataFrame, group_by: str, step: int, prompt_len: np.ndarray, source: str) -> pl.Series:
-    if group_by == "field":
-        if "group_id" not in df.columns:
-            raise UsageError(
-                Code.MISSING_SETTING,
-                f"{source}: --group-by field, but the source has no group ids",
-                "pass --group-by prompt or --group-by contiguous:N",
-            )
-        return df["group_id"].cast(pl.String)
-    if group_by == "prompt":
-        return ids.prompt_group_ids(flat_list(df["input_ids"]), prompt_len)
-    size = int(group_by.partition(":")[2])
-    return ids.contiguous_group_ids(step, df.height, size)
-
-
-def finalize_rows(imported: ImportedStep, options: ImportOptions, *, label: str | None) -> pl.DataFrame:
-    """The step's rows with every derived column, masked, sorted: what gets cast, validated and written."""
-    df = imported.rows
-    source = imported.src_files[0] if imported.src_files else imported.framework
-    for column in ("input_ids", "loss_mask"):
-        if column not in df.columns:
-            raise InvalidInputError(
-                Code.MISSING_COLUMN, f"{source}: missing column {column}", "map it with --map SRC=" + column
-            )
-    if imported.requires_stream and not _stream_columns(df.columns):
-        raise InvalidInputError(
-            Code.MISSING_COLUMN,
-            f"{source}: no log-prob stream (rollout_logprobs, old_logprobs, ref_logprobs or new_logprobs)",
-            "map one with --map SRC=rollout_logprobs",
-        )
-    if "step" in df.columns:
-        wrong = df["step"].cast(pl.Int64, strict=False) != imported.step
-        if wrong.any():
-            raise InvalidInputError(
-                Code.BAD_DUMP_LAYOUT, f"{source}: step: expected {imported.step} on every row of the step"
-            )
-    else:
-        df = df.with_columns(pl.lit(imported.step, dtype=pl.Int64).alias("step"))
-    if label is not None or "run" not in df.columns:
-        df = df.with_columns(pl.lit(label).alias("run"))
-    if not imported.shifts_applied:
-        df = apply_shifts(df, options.shifts, source)
-    ids_flat = flat_list(df["input_ids"])
-    mask = flat_list(df["loss_mask"])
-    if mask.lengths.shape != ids_flat.lengths.shape or (mask.lengths != ids_flat.lengths).any():
-        row = int(np.flatnonzero(mask.lengths != ids_flat.lengths)[0])
-        raise InvalidInputError(
-            Code.LENGTH_MISMATCH,
-            f"{source}: loss_mask: length {mask.lengths[row]} != input_ids {ids_flat.lengths[row]} (row {row})",
-        )
-    mask_values = mask.values if mask.valid is None else mask.values & mask.valid
-    mask = FlatList(mask.offsets, mask_values, None, None)
-    masked = []
-    for column in _masked_columns(df.columns):
-        values = flat_list(df[column])
-        if values.lengths.shape == mask.lengths.shape and (values.lengths == mask.lengths).all():
-            masked.append(
-                alignment.to_series(column, alignment.null_off_mask(values, mask), df.schema[column])
-            )
-    if masked:
-        df = df.with_columns(masked)
-    if "prompt_len" not in df.columns:
-        df = df.with_columns(pl.Series("prompt_len", ids.first_loss_positions(mask), dtype=pl.Int32))
-    if "sample_id" not in df.columns:
-        df = df.with_columns(ids.row_sample_ids(imported.step, df.height))
-    group_by = options.group_by
-    if group_by == "auto":
-        group_by = (
-            "field"
-            if "group_id" in df.columns and imported.default_group_by == "field"
-            else imported.default_group_by
-        )
-        if group_by == "field" and "group_id" not in df.columns:
-            group_by = "prompt"
-    prompt_len = df["prompt_len"].fill_null(0).to_numpy().astype(np.int64)
-    prompt_len = np.clip(prompt_len, 0, ids_flat.lengths)
-    df = df.with_columns(_group_ids(df, group_by, imported.step, prompt_len, source))
-    if "seq_hash" not in df.columns:
-        df = _with_seq_hash(df)
-    return df.sort(["step", "group_id", "sample_id"], maintain_order=True)
 
 
 def _row_table(table: pa.Table, source: str) -> RowTable:
@@ -251,42 +105,6 @@ def _row_table(table: pa.Table, source: str) -> RowTable:
     return RowTable(frame, lists, streams, kept)
 
 
-def _loss_values(table: RowTable, column: str) -> tuple[np.ndarray, np.ndarray]:
-    """(M,) values of `column` at the loss positions and (M,) their validity."""
-    flat = table.lists[column]
-    mask = table.lists["loss_mask"].values
-    valid = np.ones(int(mask.sum()), dtype=bool) if flat.valid is None else flat.valid[mask]
-    return flat.values[mask], valid
-
-
-def degenerate_holds(table: RowTable, rule: DegenerateStream) -> bool:
-    """Whether `rule` holds on every loss position of `table` (False when a column is absent)."""
-    if rule.column not in table.lists:
-        return False
-    values, valid = _loss_values(table, rule.column)
-    if values.size == 0:
-        return False
-    if rule.same_as is None:
-        return bool(valid.all() and (values == 0.0).all())
-    if rule.same_as not in table.lists:
-        return False
-    other, other_valid = _loss_values(table, rule.same_as)
-    return bool(
-        (valid == other_valid).all()
-        and (
-            values[valid].astype(np.float32).view(np.uint32)
-            == other[valid].astype(np.float32).view(np.uint32)
-        ).all()
-    )
-
-
-@dataclass
-class _Degenerate:
-    rule: DegenerateStream
-    steps_holding: list[int] = field(default_factory=list)
-    steps_failing: list[int] = field(default_factory=list)
-
-
 @dataclass
 class _Totals:
     n_samples: int = 0
@@ -305,7 +123,7 @@ class _Totals:
     label: str = ""
     warnings: list[Issue] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    degenerate: dict[tuple[str, str], _Degenerate] = field(default_factory=dict)
+    degenerate: dict[tuple[str, str], DegenerateState] = field(default_factory=dict)
 
 
 def _first_error(issues: list[Issue]) -> InvalidInputError | None:
@@ -315,84 +133,6 @@ def _first_error(issues: list[Issue]) -> InvalidInputError | None:
     first = errors[0]
     more = f" (and {len(errors) - 1} more error codes)" if len(errors) > 1 else ""
     return InvalidInputError(first.code, first.message + more, first.hint)
-
-
-def _footer(
-    imported: ImportedStep, options: ImportOptions, preset: str, streams: list[str]
-) -> dict[str, Any]:
-    sampling = {
-        **options.sampling_fallback(),
-        **{k: v for k, v in imported.sampling.items() if v is not None},
-    }
-    footer: dict[str, Any] = {
-        "schema": ROLLOUTS_SCHEMA,
-        "alignment": "token",
-        "created_by": _created_by(),
-        "source": source_meta(
-            imported.framework,
-            framework_version=imported.framework_version,
-            preset=preset,
-            src_files=imported.src_files,
-            retokenized=imported.retokenized,
-            unsafe_load=imported.unsafe_load,
-        ),
-        "streams": {
-            _stream_of(c): stream_meta(
-                imported.stream_fields.get(c, c),
-                tempered=sampling.get("tempered", "unknown"),
-                logprobs_mode=sampling.get("logprobs_mode", "unknown"),
-                engine=sampling.get("engine"),
-            )
-            for c in streams
-        },
-        "sampling": {k: v for k, v in sampling.items() if k != "tempered"},
-        "import": {
-            "group_by": options.group_by,
-            "shift": [[c, k] for c, k in options.shifts],
-            "ignored_codes": [],
-        },
-    }
-    footer.update(imported.footer)
-    if imported.unsafe_load:
-        footer["source"] = {**footer["source"], "unsafe_load": True}
-    return footer
-
-
-def _created_by() -> str:
-    from pgdiag import __version__
-
-    return f"pgdiag {__version__}"
-
-
-class _PartWriter:
-    """Writes the step parts on one background thread, one part at a time, in order.
-
-    Arrow's Parquet encoder and zstd, and the fsync after them, release the GIL, so step k is compressed and
-    flushed while the preset reads step k + 1 (unpickling and JSON parsing hold the GIL: reading ahead in a
-    thread would gain nothing). `submit` first waits for the part before it, so at most one table is waiting
-    and a failed write is raised at the next `submit` or at `wait`, before anything is renamed onto OUT.
-    """
-
-    def __init__(self) -> None:
-        self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgdiag-import-write")
-        self._pending: futures.Future[Any] | None = None
-
-    def submit(self, write: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        self.wait()
-        self._pending = self._pool.submit(write, *args, **kwargs)
-
-    def wait(self) -> None:
-        """Block until the part submitted last is written; raise its error if it failed."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
-
-    def close(self) -> None:
-        """Wait for the thread to finish (a failed write ignored: an error is already on its way)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            futures.wait([pending])
-        self._pool.shutdown(wait=True)
 
 
 def _write_step(
@@ -405,7 +145,7 @@ def _write_step(
     tmp: Path,
     totals: _Totals,
     ignore: tuple[str, ...],
-    parts: _PartWriter,
+    parts: PartWriter,
 ) -> StepSummary:
     source = imported.src_files[0] if imported.src_files else imported.framework
     df = finalize_rows(
@@ -417,7 +157,7 @@ def _write_step(
     skip_zero_rule: set[str] = set()
     for rule in imported.degenerate:
         key = (rule.code, rule.column)
-        state = totals.degenerate.setdefault(key, _Degenerate(rule))
+        state = totals.degenerate.setdefault(key, DegenerateState(rule))
         if degenerate_holds(rows, rule):
             state.steps_holding.append(imported.step)
             skip_zero_rule.add(rule.column)
@@ -436,8 +176,8 @@ def _write_step(
     error = _first_error(found.issues)
     if error is not None:
         raise error
-    streams = _stream_columns(table.column_names)
-    footer = _footer(imported, options, preset, streams)
+    streams = stream_columns(table.column_names)
+    footer = step_footer(imported, options, preset, streams)
     footer["import"] = {**footer.get("import", {}), "ignored_codes": sorted(ignore)}
     if imported.step in {s.step for s in totals.steps}:
         raise InvalidInputError(
@@ -467,7 +207,7 @@ def _write_step(
         n_tokens=int(rows.lists["input_ids"].offsets[-1]),
         n_loss_tokens=int(np.count_nonzero(mask.values)),
         n_groups=int(pl.Series(table.column("group_id")).n_unique()),
-        streams=tuple(_stream_of(c) for c in streams),
+        streams=tuple(stream_of(c) for c in streams),
         warnings=tuple(warnings),
     )
     totals.n_samples += summary.n_samples
@@ -494,49 +234,6 @@ def _write_step(
     return summary
 
 
-def _drop_degenerate(totals: _Totals) -> list[str]:
-    """Drop every column whose degenerate rule held on all its steps; E206 when it held on some only."""
-    dropped = []
-    for state in totals.degenerate.values():
-        if not state.steps_holding:
-            continue
-        rule = state.rule
-        if state.steps_failing:
-            raise InvalidInputError(
-                Code.ZERO_FILLED,
-                f"{rule.column}: {'exact 0.0' if rule.same_as is None else 'identical to ' + rule.same_as} on every "
-                f"loss position of step {state.steps_holding[0]} but not of step {state.steps_failing[0]}; "
-                "missing values written as 0?",
-            )
-        dropped.append(rule.column)
-        totals.warnings.append(
-            Issue(rule.code, "warning", 1, f"{rule.message}; {_stream_of(rule.column)} dropped")
-        )
-        stream = _stream_of(rule.column)
-        totals.streams.pop(stream, None)
-    if not dropped:
-        return dropped
-    for path in totals.files:
-        table = pq.read_table(path)
-        keep = [c for c in table.column_names if c not in dropped]
-        meta = decode_footer(table.schema.metadata)
-        meta["streams"] = {k: v for k, v in meta["streams"].items() if stream_column(k) not in dropped}
-        meta["streams_dropped"] = {
-            _stream_of(c): state.rule.message
-            for c in dropped
-            for state in totals.degenerate.values()
-            if state.rule.column == c
-        }
-        table = table.select(keep).replace_schema_metadata({})
-        write_parquet(
-            table,
-            path,
-            metadata=meta,
-            row_group_rows=sequence_row_group_rows(table.num_rows, int(table.nbytes)),
-        )
-    return dropped
-
-
 def _sidecar(totals: _Totals, tmp: Path, dropped: list[str]) -> dict[str, Any]:
     steps = sorted(s.step for s in totals.steps)
     source = dict(totals.footer.get("source") or {})
@@ -554,7 +251,7 @@ def _sidecar(totals: _Totals, tmp: Path, dropped: list[str]) -> dict[str, Any]:
         "files": [str(p.relative_to(tmp)) for p in totals.files],
         "streams": totals.streams,
         "stream_notes": {
-            _stream_of(state.rule.column): f"{state.rule.code}: {state.rule.message}; dropped"
+            stream_of(state.rule.column): f"{state.rule.code}: {state.rule.message}; dropped"
             for state in totals.degenerate.values()
             if state.rule.column in dropped
         },
@@ -596,7 +293,7 @@ def write_steps(
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     totals = _Totals(label=label)
-    parts = _PartWriter()
+    parts = PartWriter()
     try:
         for imported in steps:
             summary = _write_step(
@@ -617,7 +314,10 @@ def write_steps(
             raise InvalidInputError(
                 Code.BAD_DUMP_LAYOUT, f"nothing to import: no step found ({preset} preset)"
             )
-        dropped = _drop_degenerate(totals)
+        dropped, said = drop_degenerate(list(totals.degenerate.values()), totals.files)
+        totals.warnings.extend(said)
+        for column in dropped:
+            totals.streams.pop(stream_of(column), None)
         if len(totals.files) == 1:
             single = tmp / _PARTS / "part-00000.parquet"
             os.replace(totals.files[0], single)
@@ -640,5 +340,5 @@ def write_steps(
         steps=tuple(totals.steps),
         issues=check_result([w for w in totals.warnings if w.code not in ignore]),  # hides, never acts
         streams=streams,
-        dropped_streams=tuple(_stream_of(c) for c in dropped),
+        dropped_streams=tuple(stream_of(c) for c in dropped),
     )

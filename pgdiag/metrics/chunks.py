@@ -2,8 +2,9 @@
 
 What: `plan_chunks` gives the chunks of a run (each a `Run` restricted to its steps), how many steps the report
 has and, under `--docs-per-step`, the feeder that cuts steps of N documents across them. Pieces of whole steps
-come from the one piece planner (`pgdiag.data.pieces.plan_step_pieces`); `--docs-per-step` reads the key columns
-first and cuts chunks of real steps in read order (`metrics.docsteps`). None: read the run whole (a step
+come from the one piece planner (`pgdiag.data.pieces.plan_step_pieces`); under `--docs-per-step` the same
+planner reads the key columns first and cuts pieces of real steps in read order (`plan_read_order_pieces`), and
+`metrics.docsteps` cuts the steps of N documents across them. None: read the run whole (a step
 column that is null or not an integer; the whole read reports it).
 """
 
@@ -13,10 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from pgdiag.data.pieces import plan_step_pieces, reads_whole
-from pgdiag.data.runs import Run, restrict_steps, row_keys
+from pgdiag.data.pieces import plan_read_order_pieces, plan_step_pieces
+from pgdiag.data.runs import Run, restrict_steps
 from pgdiag.metrics.settings import MetricSettings
 
 if TYPE_CHECKING:
@@ -43,7 +42,7 @@ def plan_chunks(
 ) -> ChunkPlan | None:
     """The chunks of `run`: pieces of whole steps (`pgdiag.data.pieces`), or under `--docs-per-step` chunks of
     real steps in read order; None when the run must be read whole (null or non-integer steps)."""
-    from pgdiag.metrics.docsteps import DocStepFeeder, plan_doc_steps, read_order_chunks
+    from pgdiag.metrics.docsteps import DocStepFeeder, plan_doc_steps
 
     if settings.docs_per_step is None:  # chunks of consecutive steps, in step order
         pieces = plan_step_pieces([run], budget)
@@ -54,13 +53,10 @@ def plan_chunks(
             for p in (pieces.pieces if pieces.rows_per_step else [])
         ]
         return ChunkPlan(chunks, len(pieces.rows_per_step))
-    if reads_whole(run):
+    planned = plan_read_order_pieces(run, budget)
+    if planned is None:  # the whole read says what is wrong (E213, E102, ...)
         return None
-    keys = row_keys(run)  # (R,) rows: step, sample_id, group_id
-    if keys is None or keys["step"].null_count():  # the whole read says what is wrong (E213, E102, ...)
-        return None
-    steps = keys["step"].to_numpy()  # (R,)
-    rows = budget(dict(enumerate(np.unique(steps, return_counts=True)[1].tolist())))
+    keys, pieces = planned  # keys: (R,) rows: step, sample_id, group_id
     cut = plan_doc_steps(keys, settings.docs_per_step)
-    chunks = [(restrict_steps(run, c), hi - lo) for c, lo, hi in read_order_chunks(steps, rows)]
+    chunks = [(restrict_steps(run, c), hi - lo) for c, lo, hi in pieces]
     return ChunkPlan(chunks, cut.n_steps, DocStepFeeder(cut, engine))

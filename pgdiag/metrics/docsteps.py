@@ -13,7 +13,8 @@ read (`read_order_chunks`); a document may run on across a real step (two consec
 sharing a sample_id), so a cut step is whole only once its last row is read: `DocStepFeeder` holds the rows of
 the cut step a chunk ends in until the next chunk completes it. Memory is one chunk plus one cut step.
 
-How: ``plan = plan_doc_steps(keys, N)``; for ``steps, lo, hi`` in ``read_order_chunks(keys step, budget)`` read
+How: ``plan = plan_doc_steps(keys, N)``; for ``steps, lo, hi`` of the planner's read-order pieces
+(`pgdiag.data.pieces.plan_read_order_pieces`, the one piece planner) read
 the rows of ``steps`` (rows lo..hi of the read order) and ``feeder.add(batch)``; then ``feeder.finish()``. The
 engine (`NativeStream` or `StyleStream`) sees batches of whole cut steps with a `StepCut`, so every step row
 is the one a whole read gives.
@@ -60,38 +61,6 @@ def plan_doc_steps(keys: pl.DataFrame, docs_per_step: int) -> DocStepPlan:
     step = documents // docs_per_step
     partial = bool(documents.shape[0]) and (int(documents[-1]) + 1) % docs_per_step != 0
     return DocStepPlan(step, group, group_names, straddling_groups(group, step), partial)
-
-
-def read_order_chunks(step: np.ndarray, max_rows: int) -> list[tuple[tuple[int, ...], int, int]]:
-    """Chunks of real steps as (steps, first row, end row) of the read order, given the `step` (R,) of every row in
-    read order: reading the chunks' steps one chunk after the other gives every row once, in read order.
-
-    A step is in one chunk; steps whose rows interleave in the read order share a chunk (a file that mixes
-    steps), and consecutive such spans are grouped up to `max_rows` rows (a larger span is a chunk of its own).
-    """
-    n_rows = int(step.shape[0])
-    if n_rows == 0:
-        return []
-    values, first = np.unique(step, return_index=True)
-    _, from_end = np.unique(step[::-1], return_index=True)
-    last = n_rows - 1 - from_end  # (V,) last row of each step, same order as `values`
-    order = np.argsort(first, kind="stable")
-    values, first, last = values[order], first[order], last[order]
-    reach = np.maximum.accumulate(last)  # (V,) last row of any step seen so far
-    opens = np.concatenate([[True], first[1:] > reach[:-1]])  # a span starts where no earlier step reaches
-    span_lo = first[opens]
-    span_hi = np.append(span_lo[1:], n_rows)
-    span_steps = np.split(values, np.flatnonzero(opens)[1:])
-    chunks: list[tuple[tuple[int, ...], int, int]] = []
-    steps: list[int] = []
-    lo = 0
-    for s_lo, s_hi, s_steps in zip(span_lo.tolist(), span_hi.tolist(), span_steps, strict=True):
-        if steps and s_hi - lo > max_rows:
-            chunks.append((tuple(steps), lo, s_lo))
-            steps, lo = [], s_lo
-        steps.extend(int(v) for v in s_steps)
-    chunks.append((tuple(steps), lo, n_rows))
-    return chunks
 
 
 class DocStepFeeder:

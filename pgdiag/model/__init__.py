@@ -8,8 +8,9 @@ from the checkpoint ever runs) into a `CausalLM` holding this tensor-parallel ra
 See docs/models.md.
 """
 
-from pgdiag.model.checkpoint import TensorSource, load_from_source, load_model
+from pgdiag.model.checkpoint import load_from_source, load_model
 from pgdiag.model.config import ModelConfig, RopeConfig, read_model_config
+from pgdiag.model.tensor_source import TensorSource
 from pgdiag.model.tp import SHARD_PLAN, TPLayout, tp_layout
 from pgdiag.model.transformer import CausalLM
 

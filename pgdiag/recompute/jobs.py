@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from pgdiag.errors import EXIT_INTERNAL, EXIT_INVALID, Code, InvalidInputError, PgdiagError, UsageError
+from pgdiag.recompute.forward import ProgressUpdate
 from pgdiag.recompute.launch import launched_by_torchrun, run_workers, setup_distributed, teardown_distributed
-from pgdiag.recompute.logprobs import ProgressUpdate, RecomputeResult, recompute_rank
+from pgdiag.recompute.logprobs import RecomputeResult, recompute_rank
 from pgdiag.recompute.settings import RecomputeSettings
 
 Progress = Callable[[ProgressUpdate], None]

@@ -101,10 +101,11 @@ def _layers_table(layers: dict[str, Any]) -> str:
         for row in layers.get("rows") or []
     ]
     where = "none (the error is spread evenly)" if first is None else f"layer {first}"
+    skipped = "".join(f" Skipped {_e(k)}: {_e(v)}." for k, v in (layers.get("skipped") or {}).items())
     return (
         f'<p class="note">{_e(layers.get("config_a"))} vs {_e(layers.get("config_b"))} on '
         f"{_e(layers.get('n_tokens'))} tokens. Cumulative error: each configuration fed by its own previous "
         "block; local error: the second configuration's block fed the first's input. First divergent layer "
-        f"({_e(layers.get('rule'))}): {_e(where)}.</p>"
+        f"({_e(layers.get('rule'))}): {_e(where)}.{skipped}</p>"
         + _table(("layer", "cumulative", "local", "route flips"), rows)
     )

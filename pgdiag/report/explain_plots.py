@@ -66,7 +66,8 @@ def plot_layers(report: Any) -> Figure:
     fig, ax = _figure()
     index = [row["layer"] for row in layers["rows"]]
     for key, label in (("cumulative", "cumulative error"), ("local", "local error (A's input)")):
-        ax.plot(index, [max(row[key], 1e-30) for row in layers["rows"]], marker="o", label=label)
+        values = [float("nan") if row[key] is None else max(row[key], 1e-30) for row in layers["rows"]]
+        ax.plot(index, values, marker="o", label=label)  # NaN: a dump without the block's input
     first = layers.get("first_divergent")
     if first is not None:
         ax.axvline(first, color="red", linestyle="--", label=f"first divergent layer {first}")

@@ -90,3 +90,25 @@ def test_verl_preset_removes_its_off_by_one(tmp_path):
     assert lag_value(report, "whatif/lag_tokens", "<0") == pytest.approx(0.4)
     assert lag_value(report, "whatif/lag_tokens", "0") == pytest.approx(0.2)
     assert lag_value(report, "whatif/lag_tokens", "1") == pytest.approx(0.4)
+
+
+def test_lag_rows_of_pieces_are_those_of_one_read(tmp_path):
+    """Two steps (the planted step 3, and a step 4 sampled one version later), read in pieces of one step and
+    whole: the lag buckets, the three-policy split and the where-tables add up to the same rows."""
+    later = [
+        r | {"step": 4, "sample_id": f"{r['sample_id']}b", "policy_version": r["policy_version"] + 1}
+        for r in planted_rows()
+    ]
+    path = write_rollouts_file(tmp_path / "run.parquet", planted_rows() + later, raw_types=TYPES)
+    settings = WhatifSettings(rules=(CorrectionRule("token_tis", 1.5), CorrectionRule("seq_tis", 1.2)))
+    whole = whatif(read_run(path), settings)
+    pieces = whatif(read_run(path), settings, max_rows=1)
+    assert (whole.meta["pieces"], pieces.meta["pieces"]) == (1, 2)
+    assert whole.meta["settings"] == pieces.meta["settings"]
+    assert whole.summary["bucket"].to_list() == pieces.summary["bucket"].to_list()
+    assert whole.summary["n"].to_list() == pieces.summary["n"].to_list()
+    for a, b in zip(whole.summary["value"].to_list(), pieces.summary["value"].to_list(), strict=True):
+        assert (a is None and b is None) or a == pytest.approx(b, rel=1e-12, abs=1e-15)
+    # step 4 (proximal 4): s0 at lag 0, s1 at 2, s2's per-token versions (2, 1) at lags 2 and 3; of 10 tokens
+    shares = [lag_value(pieces, "whatif/lag_tokens", b) for b in ("0", "1", "2", "3")]
+    assert shares == pytest.approx([0.4, 0.1, 0.4, 0.1])

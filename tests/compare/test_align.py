@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from batch_factory import make_batch, random_samples
 
-from pgdiag.compare.align import align_batches, content_hash
+from pgdiag.compare.align import align_batches
 from pgdiag.compare.api import compare_runs
+from pgdiag.compare.matching import content_hash
 from pgdiag.errors import EXIT_INVALID, InvalidInputError
 
 

@@ -71,3 +71,34 @@ def test_cli_layers_json_and_page(setup, tmp_path: Path) -> None:
     text = page.read_text()
     assert "First divergent layer" in text and "<img " in text
     assert (tmp_path / "out" / "explain.parquet").exists()
+
+
+def test_layer_subset_fallback_when_both_configurations_do_not_fit(setup) -> None:
+    """Memory for ref + bf16 of blocks 0-3 but not of all 6 (the memory a settings field, the model's bytes
+    computed by hand): blocks 4-5 are skipped and named, blocks 0-3 equal the full comparison's exactly."""
+    from pgdiag.explain.layers import fitting_blocks
+    from pgdiag.model import read_model_config
+
+    checkpoint, planted, run = setup
+    config = read_model_config(checkpoint)
+    # tiny Qwen3: hidden 32, 4 heads x 16 (q 64), 2 kv heads x 16 (kv 32), intermediate 64, vocab 64, q/k norm
+    table = 64 * 32  # embedding rows, and the head read separately
+    block = 32 * (64 + 2 * 32) + 64 * 32 + 2 * 32 + 2 * 16 + 3 * 32 * 64  # attention, norms, MLP = 16480
+    ref_and_bf16 = [
+        (table + k * block) * 4 + table * 4 + (table + k * block) * 2 + table * 4 for k in range(7)
+    ]
+    assert fitting_blocks(config, [("fp32", "fp32"), ("bf16", "fp32")], int(ref_and_bf16[6] / 0.8)) == (6, {})
+    memory = int(ref_and_bf16[4] / 0.8) + 1  # 4 blocks fit, 5 do not
+    blocks, skipped = fitting_blocks(config, [("fp32", "fp32"), ("bf16", "fp32")], memory)
+    assert blocks == 4 and skipped["blocks"].startswith("blocks 4-5 not compared")
+
+    settings = ExplainSettings(tokens=1000, memory_bytes=memory)
+    cut = compare_layers(run, checkpoint, "ref", f"bf16@{planted}", settings)
+    full = compare_layers(run, checkpoint, "ref", f"bf16@{planted}", ExplainSettings(tokens=1000))
+    assert [r.layer for r in cut.rows] == [-1, 0, 1, 2, 3]
+    assert cut.rows == full.rows[:5]  # a block's output depends only on the blocks before it
+    assert cut.first_divergent == 3
+    assert cut.to_json()["skipped"] == skipped and full.skipped == {}
+    with pytest.raises(UsageError) as error:
+        compare_layers(run, checkpoint, "ref", "bf16", ExplainSettings(tokens=100, memory_bytes=20_000))
+    assert error.value.code == "E508"

@@ -162,11 +162,12 @@ def test_logprobs_second_writer_is_refused_while_the_first_holds_the_tag(tmp_pat
     # lock; a second writer is refused with E519 and touches nothing; even --overwrite cannot take the tag.
     import threading
 
-    import pgdiag.recompute.logprobs as logprobs
+    import pgdiag.recompute.forward as forward
+    import pgdiag.recompute.model_spec as model_spec
     from pgdiag.recompute.jobs import recompute_logprobs
 
     run = one_step_run(tmp_path)
-    real_write_part = logprobs.write_part
+    real_write_part = forward.write_part
     started, release = threading.Event(), threading.Event()
 
     def slow_write_part(*args, **kwargs):
@@ -175,7 +176,7 @@ def test_logprobs_second_writer_is_refused_while_the_first_holds_the_tag(tmp_pat
             release.wait(timeout=300)
         return real_write_part(*args, **kwargs)
 
-    monkeypatch.setattr(logprobs, "write_part", slow_write_part)
+    monkeypatch.setattr(forward, "write_part", slow_write_part)
     options = {"tag": "rc", "dtype": "fp32", "part_samples": 4, "device": "cpu"}
     outcomes: dict[str, str] = {}
 
@@ -194,13 +195,13 @@ def test_logprobs_second_writer_is_refused_while_the_first_holds_the_tag(tmp_pat
     shutil.copytree(TINY, unloadable)
     (unloadable / "model.safetensors").write_bytes(b"not safetensors")
     loads: list[str] = []
-    real_load = logprobs._ModelSpec.load
+    real_load = model_spec.ModelSpec.load
 
     def counted_load(self, **kwargs):
         loads.append(threading.current_thread().name)
         return real_load(self, **kwargs)
 
-    monkeypatch.setattr(logprobs._ModelSpec, "load", counted_load)
+    monkeypatch.setattr(model_spec.ModelSpec, "load", counted_load)
     for name, extra in (
         ("second", {}),
         ("overwrite", {"overwrite": True}),

@@ -20,6 +20,7 @@ from polars.testing import assert_frame_equal
 from rollout_factory import rollouts_frame, valid_rows, write_logprobs_part, write_rollouts_file
 
 from pgdiag.data.load import read_token_batch
+from pgdiag.data.pieces import read_order_chunks
 from pgdiag.data.runs import read_run, row_keys
 from pgdiag.data.seqhash import seq_hash
 from pgdiag.data.validate import CheckSettings
@@ -31,7 +32,7 @@ from pgdiag.metrics.api import (
     metrics_report,
     resolve_streams,
 )
-from pgdiag.metrics.docsteps import plan_doc_steps, read_order_chunks
+from pgdiag.metrics.docsteps import plan_doc_steps
 from pgdiag.metrics.settings import MetricSettings
 
 # file k holds these steps; a list of two steps is interleaved row by row in blocks of three

@@ -16,7 +16,7 @@ from test_model_parity import LENGTHS, hf_logprobs, our_logprobs
 
 from pgdiag.errors import UsageError
 from pgdiag.model import load_model, read_model_config
-from pgdiag.model.checkpoint import dequantize_mxfp4
+from pgdiag.model.hf_experts import dequantize_mxfp4
 from pgdiag.model.moe import different_sets, expert_outputs, resolve_expert_impl, route, silu_glu
 
 

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 
 from pgdiag.cli import logprobs_cmd
 from pgdiag.errors import InvalidInputError, UsageError
+from pgdiag.recompute.forward import ProgressUpdate
 from pgdiag.recompute.jobs import recompute_logprobs
-from pgdiag.recompute.logprobs import ProgressUpdate
 
 VOCAB = 97  # odd, so a TP split is uneven
 TEMPERATURE = 0.7

@@ -20,8 +20,8 @@ from sample_paths import SAMPLE_DATA
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
+from pgdiag.recompute.forward import ProgressUpdate
 from pgdiag.recompute.jobs import recompute_logprobs
-from pgdiag.recompute.logprobs import ProgressUpdate
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = SAMPLE_DATA / "tiny-qwen"
