@@ -86,10 +86,10 @@ tp() {  # two GPUs: 8B TP 2 with and without the overlapped all-reduces against 
   cli warm_big 120 "CUDA_VISIBLE_DEVICES=0 $one /tmp/bench/big --tag b0" "CUDA_VISIBLE_DEVICES=1 $one /tmp/bench/big --tag b1"
   cli dp_big 100 "$one /tmp/bench/big --tag db --dp 2"
   cli dp_small 80 "$one /tmp/bench/small --tag ds --dp 2"
-  export PYTHONPYCACHEPREFIX=/tmp/pyc
+  export PYTHONPYCACHEPREFIX=/tmp/pyc; unset PYTHONDONTWRITEBYTECODE  # the image sets it and ships torch without bytecode
   cli pyc_fill 100 "CUDA_VISIBLE_DEVICES=0 $one /tmp/bench/small --tag p0"
   cli pyc_warm 100 "CUDA_VISIBLE_DEVICES=0 $one /tmp/bench/small --tag p1" "CUDA_VISIBLE_DEVICES=1 $one /tmp/bench/big --tag p2"
-  unset PYTHONPYCACHEPREFIX
+  unset PYTHONPYCACHEPREFIX; export PYTHONDONTWRITEBYTECODE=1
   python3 $C same --run /tmp/bench/big --tags b0 b1 db p2 --out "$OUT/cli.jsonl" | cut -c1-300
   python3 $C same --run /tmp/bench/small --tags w0 c0 c1 w1 ds p0 p1 --out "$OUT/cli.jsonl" | cut -c1-300
   tail -n 3 /tmp/bench/logs/*.log >"$OUT/clilogs.txt" 2>&1
