@@ -96,4 +96,31 @@ tp() {  # two GPUs: 8B TP 2 with and without the overlapped all-reduces against 
   say "tp done"
 }
 
+final() {  # one GPU: MoE combine before/after, the head, the CLI's start-up as the image runs it, GPU tests
+  environment
+  say "MoE, combine compiled (before) and Triton (now)"
+  timeout 150 python3 benchmarks/profile_recompute.py --model qwen3-30b-a3b --rollouts 64 --top 8 --combine compiled \
+    --out "$OUT/moe_before.json" 2>&1 | grep -v -i warn
+  timeout 150 python3 benchmarks/profile_recompute.py --model qwen3-30b-a3b --rollouts 64 --top 8 \
+    --out "$OUT/moe_after.json" 2>&1 | grep -v -i warn
+  say "LM head"
+  timeout 120 python3 benchmarks/bench_lm_head.py --tokens 16384 --shapes 4096x151936 \
+    --only pgdiag_triton_bf16_tau1.0 pgdiag_triton_fp32head_tau1.0 pgdiag_triton_fp32head_bf16hidden_tau1.0 \
+    --json "$OUT/lm_head.json" 2>&1 | grep '^|'
+  say "CLI start-up (the image's PYTHONDONTWRITEBYTECODE=1 as it is)"
+  python3 $C write-ckpt --model qwen3-8b --dir /tmp/bench/c8 --workers 1 --out "$OUT/cli.jsonl" | cut -c1-200
+  python3 $C make-run --vocab 151936 --rollouts 768 --steps 8 --dir /tmp/bench/big --out "$OUT/cli.jsonl"
+  python3 $C make-run --vocab 151936 --rollouts 128 --steps 4 --seed 1 --dir /tmp/bench/small --out "$OUT/cli.jsonl"
+  local one="python3 -m pgdiag logprobs --model /tmp/bench/c8 --json -q"
+  cli first 120 "$one /tmp/bench/small --tag f0"
+  cli warm_small 100 "$one /tmp/bench/small --tag w0"
+  cli warm_big 120 "$one /tmp/bench/big --tag b0"
+  cli warm_small2 100 "$one /tmp/bench/small --tag w1"
+  python3 $C same --run /tmp/bench/small --tags w0 f0 w1 --out "$OUT/cli.jsonl" | cut -c1-200
+  say "GPU tests"
+  timeout 200 python3 -m pytest -q -m gpu --continue-on-collection-errors -p no:cacheprovider tests/kernels \
+    tests/model tests/recompute 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+  say "final done"
+}
+
 "$@" 2>&1 | tee -a "$OUT/log.txt"
