@@ -210,30 +210,6 @@ def sweep_fp32_head(x: Inputs, n_check: int = 256) -> list[dict]:
         ),
         ("bf16x3 64 x 256", x.hidden_fp32, x.weight, replace(x3, block_n=64, block_v=256)),
         (
-            "bf16x3 one W load per step, chains of 1, groups of 8, 3 stages",
-            x.hidden_fp32,
-            x.weight,
-            replace(x3, share_w=True, fresh_steps=1, fresh_per_group=8, num_stages=3),
-        ),
-        (
-            "bf16x3 one W load per step, chains of 2, groups of 4, 3 stages",
-            x.hidden_fp32,
-            x.weight,
-            replace(x3, share_w=True, num_stages=3),
-        ),
-        (
-            "bf16x3 one W load per step, chains of 2, groups of 4, 2 stages",
-            x.hidden_fp32,
-            x.weight,
-            replace(x3, share_w=True, num_stages=2),
-        ),
-        (
-            "bf16x3 one W load per step, K 32, chains of 4, groups of 4, 4 stages",
-            x.hidden_fp32,
-            x.weight,
-            replace(x3, share_w=True, block_k=32, fresh_steps=4, num_stages=4),
-        ),
-        (
             "bf16x3 K 32, chains of 4, groups of 4, 6 stages",
             x.hidden_fp32,
             x.weight,

@@ -136,7 +136,6 @@ def _fp32_head_partials_kernel(
     FRESH_STEPS: tl.constexpr,  # K steps the tensor cores sum into one fresh accumulator
     FRESH_PER_GROUP: tl.constexpr,  # fresh sums per group sum (1: no group sum)
     TF32X3: tl.constexpr,
-    SHARE_W: tl.constexpr,  # 3 pieces: one W load per K step for the three MMAs (lo, mid, hi)
 ):
     token_block, split = program_tile(n_tokens, n_splits, group_blocks, BLOCK_N)
     row_start = token_block * BLOCK_N
@@ -162,33 +161,9 @@ def _fp32_head_partials_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)  # (BLOCK_N, BLOCK_V): the tile's sum over K
         group_sum = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)  # the last < FRESH_PER_GROUP fresh sums
         fresh = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)  # tensor-core sum of one chain: fresh every chain
-        if SHARE_W:  # one chain = FRESH_STEPS K steps, each lo, mid, hi on one W tile
-            for i in range(0, n_chains * FRESH_STEPS):
-                chain = i // FRESH_STEPS
-                k_start = i * BLOCK_K
-                h_lo, w = load_tiles(hidden, weight, 2 * piece_rows + row_start, 2 * piece_rows + safe_n,
-                                     v_start, safe_v, k_start, offs_k, hidden_size, stride_hidden, stride_weight,
-                                     USE_TMA, EVEN_K)  # fmt: skip
-                h_mid, _ = load_tiles(hidden, weight, piece_rows + row_start, piece_rows + safe_n, v_start,
-                                      safe_v, k_start, offs_k, hidden_size, stride_hidden, stride_weight,
-                                      USE_TMA, EVEN_K)  # fmt: skip
-                h_hi, _ = load_tiles(hidden, weight, row_start, safe_n, v_start, safe_v, k_start, offs_k,
-                                     hidden_size, stride_hidden, stride_weight, USE_TMA, EVEN_K)  # fmt: skip
-                fresh = tl.dot(h_lo, w, fresh)
-                fresh = tl.dot(h_mid, w, fresh)
-                fresh = tl.dot(h_hi, w, fresh)
-                if i % FRESH_STEPS == FRESH_STEPS - 1:
-                    if FRESH_PER_GROUP == 1:
-                        acc += fresh
-                    else:
-                        group_sum += fresh
-                        if chain % FRESH_PER_GROUP == FRESH_PER_GROUP - 1:
-                            acc += group_sum
-                            group_sum = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-                    fresh = fresh * 0.0
         # one chain = FRESH_STEPS K steps x all pieces, smallest piece first; the loop is flat so that
         # Triton pipelines the loads across chains and keeps one MMA in flight
-        for i in range(0, 0 if SHARE_W else n_chains * per_chain):
+        for i in range(0, n_chains * per_chain):
             chain = i // per_chain
             piece = (i % per_chain) // FRESH_STEPS  # 0: lo (or the only piece)
             step = chain * FRESH_STEPS + i % FRESH_STEPS
@@ -345,7 +320,6 @@ def _launch(
         FRESH_STEPS=tiles.fresh_steps,
         FRESH_PER_GROUP=tiles.fresh_per_group,
         TF32X3=tf32x3,
-        SHARE_W=tiles.share_w and n_pieces == 3,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

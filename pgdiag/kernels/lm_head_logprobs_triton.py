@@ -72,10 +72,10 @@ def default_tiles(head_mode: str, hidden_size: int) -> TritonTiles:
     groups of 12 token blocks (22 splits): 1.10 / 1.11-1.12x at T = 16k / 64k, d = 8192 (256 x 128: 1.14 / 1.18-1.25x).
     fp32 modes: 128 x 128 tiles (three fp32 accumulators must fit in the registers), K step 64, 8 K steps per
     middle sum; tf32x3 takes K steps of 32 (its fp32 tiles are twice as wide in bytes). Their split count made
-    no difference beyond 1-2 % in the sweep, so they keep the wave-filling plan. The one-piece modes (bf16x1,
-    fp16x1: a 16-bit hidden state, the default recompute's head) sum chains of 4 K steps in groups of 2: 1.27x
-    the bf16 head instead of 1.44x with chains of 2 (H200, issue 26), max error 4.5e-6 on sampled targets and
-    1.15e-5 on uniform ones (chains of 2: 2.5e-6 / 5.8e-6).
+    no difference beyond 1-2 % in the sweep, so they keep the wave-filling plan. Chains of 4 K steps for the
+    one-piece modes (bf16x1: the default recompute's head) ran 1.27-1.36x the bf16 head instead of 1.44x (H200,
+    issue 26) but reached 1.8e-5 nats on uniform targets at tau 0.7 (the GPU test's bound is 1.5e-5), so every
+    fp32 mode keeps chains of 2.
     """
     if head_mode == "bf16":
         if hidden_size > 4096:
@@ -84,10 +84,6 @@ def default_tiles(head_mode: str, hidden_size: int) -> TritonTiles:
     if head_mode == "tf32x3":
         return TritonTiles(
             block_n=128, block_v=128, block_k=32, num_stages=3, fresh_steps=1, fresh_per_group=8
-        )
-    if head_mode in ("bf16x1", "fp16x1"):
-        return TritonTiles(
-            block_n=128, block_v=128, block_k=64, num_stages=4, fresh_steps=4, fresh_per_group=2
         )
     return TritonTiles(block_n=128, block_v=128, block_k=64, num_stages=4, fresh_steps=2, fresh_per_group=4)
 

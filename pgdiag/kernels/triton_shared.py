@@ -45,7 +45,6 @@ class TritonTiles:
     use_tma: bool = True  # load tiles through host-side TMA descriptors where the strides allow it
     fresh_steps: int = 1
     fresh_per_group: int = 8
-    share_w: bool = False  # fp32 head, 3 pieces: one W tile load per K step for the three MMAs
 
 
 @dataclass(frozen=True)
