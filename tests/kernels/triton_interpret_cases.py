@@ -136,8 +136,8 @@ def test_moe_combine_kernel_equals_the_ordered_sum(
     """The Triton combine (tokens and columns not multiples of the blocks) rounds each weighted row to the rows'
     dtype and sums the k in fp32 in order: bit for bit that sum written in torch, and within one rounding of
     `combine_rows` (the reference, whose fp32 sum torch may order differently)."""
-    from pgdiag.kernels.moe_combine_triton import combine_rows_triton
     from pgdiag.model.moe import combine_rows
+    from pgdiag.model.moe_combine_triton import combine_rows_triton
 
     gen = torch.Generator().manual_seed(n_tokens * 31 + k)
     rows = (torch.randn(n_tokens * k + 2, hidden, generator=gen) * 3).to(dtype)  # (M, H)
