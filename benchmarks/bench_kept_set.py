@@ -5,10 +5,12 @@ What: on bf16 inputs (T tokens, d = 4096, V = 151936 by default) it times, with 
 * ``plain``: `lm_head_logprobs` without K (the Triton head, bf16 and fp32 heads);
 * ``kept|K|=N``: the same call with K of N ids per token (N in 1, 16, 64, 2048), Triton gather-dot; the target
   is ``ratio = kept / plain <= 1.15`` for N <= 64 (issue 23);
-* ``bitmask``: K stored as packed bitmasks (|K| = 8192 per token), expanded to ids on the host
-  (`pgdiag.data.kept.bitmask_ids`) and scored; the expansion and the head are timed separately;
-* ``reconstruct``: `reconstruct_kept` (vLLM order, top-k 50 + top-p 0.9) beside the plain head; the goal
-  (not a gate) is ``(plain + reconstruct) / plain <= 2``. Method: chunked fp32 logits, one torch.sort a row.
+* ``bitmask``: K stored as packed bitmasks (|K| = 8192 per token), expanded to ids (the former loop a mask on
+  the host, all at once on the host, on the device) and scored; the expansions and the head timed separately;
+* ``reconstruct``: `reconstruct_kept` (vLLM order: top-k 50 + top-p 0.9, top-p 0.95 alone, min-p + top-p;
+  SGLang's; the fp32 head; the torch counting pass) beside the plain head; the goal (not a gate) is
+  ``(plain + reconstruct) / plain <= 2``. Method: threshold bisection on chunked fp32 logits
+  (`pgdiag.kernels.kept_threshold`), no sort of the vocabulary.
 
 Every row gives median ms, the ratio to the plain head measured just before it, and peak memory beyond the
 inputs. Run (CUDA only):
@@ -25,6 +27,7 @@ import argparse
 import json
 import platform
 import subprocess
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -33,10 +36,10 @@ import torch
 import triton
 import triton.testing
 
-from pgdiag.data.kept import bitmask_ids, pack_bitmask
+from pgdiag.data.kept import bitmask_ids, bitmask_sets, pack_bitmask
 from pgdiag.kernels import lm_head_logprobs
 from pgdiag.kernels.kept_reconstruct import reconstruct_kept
-from pgdiag.kernels.kept_set import KeptSet
+from pgdiag.kernels.kept_set import KeptSet, expand_bitmasks
 
 
 def make_inputs(n_tokens: int, hidden_size: int, vocab: int, seed: int = 0):
@@ -79,6 +82,89 @@ def commit() -> str:
         return "unknown"
 
 
+def bitmask_rows(hidden, weight, targets, vocab: int, size: int) -> list[dict]:
+    """A packed bitmask per token (host side, as read from Parquet), expanded and scored. The expansion is timed
+    three ways: the former loop a mask (`bitmask_ids`), all masks at once on the host (`bitmask_sets`), and on
+    the device (`expand_bitmasks`, what the recompute does: the packed bytes are copied, 1 bit a token)."""
+    n_mask = min(targets.shape[0], 2048)
+    gen = np.random.default_rng(0)
+    masks = []
+    for t in targets[:n_mask].cpu().numpy().tolist():
+        ids = gen.choice(vocab, size, replace=False)
+        ids[0] = t
+        masks.append(pack_bitmask(ids, vocab))
+    bits = np.stack(masks)
+    start = time.perf_counter()
+    looped = [bitmask_ids(m) for m in masks]
+    loop_ms = (time.perf_counter() - start) * 1e3
+    start = time.perf_counter()
+    host_ids, _ = bitmask_sets(bits)
+    host_ms = (time.perf_counter() - start) * 1e3
+    assert np.array_equal(host_ids, np.concatenate(looped))
+
+    def on_device() -> tuple[torch.Tensor, torch.Tensor]:
+        return expand_bitmasks(torch.from_numpy(bits).cuda())
+
+    device_ms, _ = timed(on_device)
+    ids, offsets = on_device()
+    assert torch.equal(ids.cpu(), torch.from_numpy(host_ids))
+    kept = KeptSet(ids, offsets)
+    sub_h, sub_t = hidden[:n_mask], targets[:n_mask]
+    base_ms, _ = timed(lambda: lm_head_logprobs(sub_h, weight, sub_t, head_dtype="bf16", impl="triton"))
+    ms, mem = timed(
+        lambda: lm_head_logprobs(sub_h, weight, sub_t, head_dtype="bf16", impl="triton", kept=kept)
+    )
+    return [
+        {"tokens": n_mask, "head": "bf16", "case": f"bitmask|K|={size}", "ms": ms, "plain_ms": base_ms,
+         "ratio": ms / base_ms, "expand_loop_ms": loop_ms, "expand_host_ms": host_ms,
+         "expand_device_ms": device_ms, "peak_extra_bytes": mem}
+    ]  # fmt: skip
+
+
+RECONSTRUCT_CASES = [  # (label, engine, top_k, top_p, min_p, head, levels impl)
+    ("reconstruct:vllm k50 p0.9", "vllm", 50, 0.9, 0.0, "bf16", "auto"),
+    ("reconstruct:vllm k50 p0.9", "vllm", 50, 0.9, 0.0, "fp32", "auto"),
+    ("reconstruct:vllm k50 p0.9 torch-levels", "vllm", 50, 0.9, 0.0, "bf16", "torch"),
+    ("reconstruct:vllm p0.95", "vllm", 0, 0.95, 0.0, "bf16", "auto"),
+    ("reconstruct:vllm min_p0.05 p0.9", "vllm", 0, 0.9, 0.05, "bf16", "auto"),
+    ("reconstruct:sglang k50 p0.9", "sglang", 50, 0.9, 0.0, "bf16", "auto"),
+]
+
+
+def reconstruct_rows(hidden, weight, targets) -> list[dict]:
+    """`reconstruct_kept` (threshold bisection) beside the plain head of the same head dtype; the goal (not a
+    gate) is ``(plain + reconstruct) / plain <= 2``. A case that fails is recorded with its error."""
+    n_tokens = targets.shape[0]
+    out = []
+    for label, engine, k, p, m, head, impl in RECONSTRUCT_CASES:
+        top_k = torch.full((n_tokens,), k, device="cuda", dtype=torch.int64)
+        top_p = torch.full((n_tokens,), p, device="cuda")
+        min_p = torch.full((n_tokens,), m, device="cuda")
+        row = {"tokens": n_tokens, "head": head, "case": label}
+        try:
+            base_ms, _ = timed(lambda head=head: lm_head_logprobs(hidden, weight, targets, head_dtype=head))
+            ms, mem = timed(
+                lambda head=head, engine=engine, impl=impl: reconstruct_kept(
+                    hidden, weight, temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p, engine=engine,
+                    head_dtype=head, impl=impl,
+                )
+            )  # fmt: skip
+            kept = reconstruct_kept(
+                hidden, weight, temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p, engine=engine,
+                head_dtype=head, impl=impl,
+            )  # fmt: skip
+            sizes = kept.sizes().float()
+            row.update(
+                {"ms": ms, "plain_ms": base_ms, "ratio": (base_ms + ms) / base_ms, "peak_extra_bytes": mem,
+                 "mean_kept": float(sizes.mean()), "max_kept": float(sizes.max())}
+            )  # fmt: skip
+        except Exception as error:  # one failing case must not lose the others' numbers
+            row["error"] = f"{type(error).__name__}: {error}"[:500]
+        out.append(row)
+        print(row, flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16384])
@@ -109,57 +195,8 @@ def main() -> None:
                      "ratio": ms / base_ms, "peak_extra_bytes": mem}
                 )  # fmt: skip
                 print(rows[-1], flush=True)
-        # bitmask rows: a packed bitmask per token (host side, as read from Parquet), expanded and scored
-        n_mask = min(n_tokens, 2048)
-        gen = np.random.default_rng(0)
-        host_targets = targets[:n_mask].cpu().numpy()
-        masks = []
-        for t in host_targets.tolist():
-            ids = gen.choice(args.vocab, args.bitmask_size, replace=False)
-            ids[0] = t
-            masks.append(pack_bitmask(ids, args.vocab))
-        import time
-
-        start = time.perf_counter()
-        expanded = [bitmask_ids(m) for m in masks]
-        expand_ms = (time.perf_counter() - start) * 1e3
-        sizes = torch.tensor([e.size for e in expanded])
-        offsets = torch.zeros(n_mask + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(sizes, 0)
-        kept = KeptSet(torch.from_numpy(np.concatenate(expanded)).cuda(), offsets.cuda())
-        sub_h, sub_t = hidden[:n_mask], targets[:n_mask]
-        base_ms, _ = timed(lambda: lm_head_logprobs(sub_h, weight, sub_t, head_dtype="bf16", impl="triton"))
-        ms, mem = timed(
-            lambda: lm_head_logprobs(sub_h, weight, sub_t, head_dtype="bf16", impl="triton", kept=kept)
-        )
-        rows.append(
-            {"tokens": n_mask, "head": "bf16", "case": f"bitmask|K|={args.bitmask_size}", "ms": ms,
-             "plain_ms": base_ms, "ratio": ms / base_ms, "host_expand_ms": expand_ms, "peak_extra_bytes": mem}
-        )  # fmt: skip
-        print(rows[-1], flush=True)
-        # reconstruct (vLLM order) beside the plain head
-        top_k = torch.full((n_tokens,), 50, device="cuda", dtype=torch.int64)
-        top_p = torch.full((n_tokens,), 0.9, device="cuda")
-        min_p = torch.zeros(n_tokens, device="cuda")
-        for head in ("bf16", "fp32"):
-            base_ms, _ = timed(lambda head=head: lm_head_logprobs(hidden, weight, targets, head_dtype=head))
-            ms, mem = timed(
-                lambda head=head: reconstruct_kept(
-                    hidden,
-                    weight,
-                    temperature=1.0,
-                    top_k=top_k,
-                    top_p=top_p,
-                    min_p=min_p,
-                    engine="vllm",
-                    head_dtype=head,
-                )
-            )
-            rows.append(
-                {"tokens": n_tokens, "head": head, "case": "reconstruct:vllm", "ms": ms, "plain_ms": base_ms,
-                 "ratio": (base_ms + ms) / base_ms, "peak_extra_bytes": mem}
-            )  # fmt: skip
-            print(rows[-1], flush=True)
+        rows.extend(bitmask_rows(hidden, weight, targets, args.vocab, args.bitmask_size))
+        rows.extend(reconstruct_rows(hidden, weight, targets))
     result = {
         "benchmark": "bench_kept_set",
         "device": torch.cuda.get_device_name(),

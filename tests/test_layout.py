@@ -23,6 +23,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parents[1] / "pgdiag"
 
 # stage -> the pgdiag stages it may import (besides itself); `errors` is importable by everyone
@@ -121,11 +123,7 @@ MODULE_LINES = 500
 TABLES = {"metrics/catalog.py", "errors.py", "report/plots.py"}  # tables of entries, one job each
 # Modules over MODULE_LINES that issue 21 still has to split, at their size when the rule came: each may only
 # shrink, and leaves this list once it is under the limit.
-TO_SPLIT = {
-    "metrics/engine.py": 676,
-    "metrics/styles/pooled.py": 556,
-    "report/html.py": 607,
-}
+TO_SPLIT: dict[str, int] = {}
 
 
 def long_api_functions(root: Path) -> list[str]:
@@ -164,17 +162,20 @@ def test_no_module_is_over_500_lines() -> None:
     assert [rel for rel in TO_SPLIT if len((PKG / rel).read_text().splitlines()) <= MODULE_LINES] == []
 
 
-def test_the_size_rules_catch_long_functions_and_modules(tmp_path: Path) -> None:
+def test_the_size_rules_catch_long_functions_and_modules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "metrics").mkdir()
     body = "\n".join(f"    x{i} = {i}" for i in range(80))
     (tmp_path / "metrics" / "api.py").write_text(f"def short():\n    pass\n\n\ndef long():\n{body}\n")
     (tmp_path / "metrics" / "big.py").write_text("x = 1\n" * 501)
     (tmp_path / "errors.py").write_text("x = 1\n" * 600)
     (tmp_path / "report").mkdir()
-    grown = TO_SPLIT["report/html.py"] + 1  # a module of the list that grew
-    (tmp_path / "report" / "html.py").write_text("x = 1\n" * grown)
+    monkeypatch.setitem(TO_SPLIT, "report/html.py", 600)  # a module of the list (whatever it holds today)
+    (tmp_path / "report" / "html.py").write_text("x = 1\n" * 601)  # that grew
+    (tmp_path / "report" / "plots.py").write_text("x = 1\n" * 550)  # a table
     assert long_api_functions(tmp_path) == ["metrics/api.py:long 81 lines"]
-    assert long_modules(tmp_path) == ["metrics/big.py 501 lines", f"report/html.py {grown} lines"]
+    assert long_modules(tmp_path) == ["metrics/big.py 501 lines", "report/html.py 601 lines"]
 
 
 COMMAND_BODY_LINES = 80  # parse, settings, one library call, outcome, render

@@ -1,13 +1,14 @@
 """What a correction rule leaves of the gradient, and honest weights (docs/whatif.md, "Signal" and "Weights").
 
-Per rule (`signal_sums` over each piece, `signal_metrics` at the end): the share of Σ|A| still in the loss, split by the sign of A, and the ratio Σ|g_t| / Σ|A_t|
-of the rule's per-token gradient coefficients (`RuleEffect.grad`, or −A·w on kept tokens) to vanilla policy
-gradient's; the raw weights (before truncation or masking) beside the applied ones.
+Per rule (`signal_sums` over each piece, `signal_metrics` at the end): the share of Σ|A| still in the loss,
+split by the sign of A, and the ratio Σ|g_t| / Σ|A_t| of the rule's per-token gradient coefficients
+(`RuleEffect.grad`, or −A·w on kept tokens) to vanilla policy gradient's; the raw weights (before truncation or
+masking) beside the applied ones.
 
-Per batch (`BatchWeights`, over the pieces): nonfinite log ratios, tokens beyond each framework's log-ratio clamp, exp(ΣΔ) beside
-exp(mean Δ) per sequence, the `length_collapse` flag, verl's chi2 with its normalised form, and PSIS k̂ per step
-(`step_psis`): of the sequence weights exp(ΣΔ) (the estimate), and as labelled heuristics of the geometric-mean
-sequence weights and of the token weights (neither is a set of i.i.d. importance weights).
+Per batch (`BatchWeights`, over the pieces): nonfinite log ratios, tokens beyond each framework's log-ratio clamp,
+exp(ΣΔ) beside exp(mean Δ) per sequence, the `length_collapse` flag, verl's chi2 with its normalised form, and
+PSIS k̂ per step (`step_psis`): of the sequence weights exp(ΣΔ) (the estimate), and as labelled heuristics of the
+geometric-mean sequence weights and of the token weights (neither is a set of i.i.d. importance weights).
 """
 
 from __future__ import annotations

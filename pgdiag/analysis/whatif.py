@@ -146,7 +146,7 @@ def whatif(
         pair=pair,
         later=f"{run.label}:{target} vs {run.label}:{new}",
     )
-    reader = PieceReader(run, budget, read)
+    reader = PieceReader.planned(run, budget, read)
     lags: list[TokenLag] = []
     for piece in reader:
         lag = token_lag(piece.run, piece.batch)

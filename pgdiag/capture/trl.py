@@ -15,6 +15,11 @@ It wraps three methods of that trainer object (checked against TRL 1.16.0, `trl/
   sampling/old/ref per-token log-probs when present, advantages) with the two above, in training mode only,
   into ``step_<global_step>.pt`` (``.rank<R>`` with several processes). Rows are in generation order:
   `_prepare_inputs` shuffles and splits the output only afterwards.
+* colocate mode (``use_vllm``, ``vllm_mode="colocate"``): also the engine's ``trainer.vllm_generation.llm.generate``,
+  whose `CompletionOutput`s carry the kept sets when vLLM runs with ``return_sampling_mask=True`` (vLLM PR
+  #49577, `pgdiag.capture.kept`); they are matched to this process's rows by token ids (a TP rank keeps one
+  slice) and recorded as the lists ``sampling_kept_ids`` / ``sampling_kept_counts`` (/ ``_logprobs``). Server
+  mode: TRL's ``/generate/`` reply carries no kept sets (TRL 1.16 `vllm_client.py`), so none are recorded.
 
 Light and inert: the standard library and torch only; the originals are called with the same arguments and
 their results returned unchanged; values are copied to the CPU; an error disables the hook (logged once).
@@ -29,6 +34,7 @@ from typing import Any
 import torch
 
 from pgdiag.capture.dump import HookGuard, cpu_copy, framework_version, plain, write_hookdump
+from pgdiag.capture.kept import completion_sets, kept_lists, match_rows
 
 _STREAMS = ("sampling_per_token_logps", "old_per_token_logps", "ref_per_token_logps")
 
@@ -42,10 +48,14 @@ class _TrlRecorder:
         self.every = every
         self.guard = HookGuard("trl")
         self.pending: dict[str, Any] = {}
+        self.pending_lists: dict[str, list[Any]] = {}
+        self.engine_outputs: list[tuple[list[int], Any]] = []  # (token ids, CompletionOutput) of this step
         self.recording = False
 
     def begin(self) -> None:
         self.pending = {}
+        self.pending_lists = {}
+        self.engine_outputs = []
         step = int(self.trainer.state.global_step)
         self.recording = bool(self.trainer.model.training) and step % self.every == 0
 
@@ -62,6 +72,18 @@ class _TrlRecorder:
         self.pending["truncated"] = torch.tensor(
             [len(ids) == 0 or int(ids[-1]) not in stop_ids for ids in completion_ids], dtype=torch.bool
         )
+        matched = match_rows(self.engine_outputs, completion_ids) if self.engine_outputs else None
+        if matched is not None:  # the colocated engine returned kept sets (vLLM sampling_mask)
+            sets = [completion_sets(out, ids) for out, ids in zip(matched, completion_ids, strict=True)]
+            self.pending_lists = kept_lists(sets)
+        self.engine_outputs = []
+
+    def after_engine(self, request_outputs: Any) -> None:
+        if not self.recording:
+            return
+        for request in request_outputs:
+            for out in getattr(request, "outputs", None) or []:
+                self.engine_outputs.append(([int(t) for t in out.token_ids], out))
 
     def after_rewards(self, prompts: list[Any], rewards_per_func: torch.Tensor) -> None:
         if not self.recording:
@@ -119,10 +141,11 @@ class _TrlRecorder:
             rank=int(trainer.accelerator.process_index),
             world_size=world_size,
             tensors=tensors,
-            lists={},
+            lists=self.pending_lists,
             meta=meta,
         )
         self.pending = {}
+        self.pending_lists = {}
 
 
 def install(trainer: Any, out_dir: str | Path, *, every: int = 1) -> None:
@@ -153,6 +176,16 @@ def install(trainer: Any, out_dir: str | Path, *, every: int = 1) -> None:
         guard.record(recorder.after_score, result)
         return result
 
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)  # colocate mode only
+    if llm is not None:
+        engine_generate = llm.generate
+
+        def _engine_generate(*args: Any, **kwargs: Any) -> Any:
+            outputs = engine_generate(*args, **kwargs)
+            guard.record(recorder.after_engine, outputs)
+            return outputs
+
+        llm.generate = _engine_generate
     trainer._generate = _generate
     trainer._calculate_rewards = _calculate_rewards
     trainer._generate_and_score_completions = _generate_and_score_completions

@@ -38,11 +38,19 @@ TpOpt = Annotated[
     int, typer.Option("--tp", help="Tensor-parallel degree of the matrix.", rich_help_panel=PERFORMANCE)
 ]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="cuda or cpu.", rich_help_panel=PERFORMANCE)]
+ResumeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--resume/--no-resume",
+        help="Continue an interrupted explain: same samples, complete configurations reused.",
+        rich_help_panel=PERFORMANCE,
+    ),
+]
 LayersOpt = Annotated[
     tuple[str, str] | None,
     typer.Option(
         "--layers",
-        help="Per-layer divergence of two configurations (e.g. ref bf16); B may be slime:DIR, a slime layer dump.",
+        help="Per-layer divergence of two configurations (e.g. ref bf16); B may be a layer dump: slime:DIR (Megatron) or sglang:DIR.",
         rich_help_panel=MODEL,
     ),
 ]
@@ -63,6 +71,7 @@ def explain(
     tp: TpOpt = 1,
     device: DeviceOpt = None,
     layers: LayersOpt = None,
+    resume: ResumeOpt = True,
     output: Annotated[OutputSettings, Fields("json_out", "out", "html", "overwrite", "quiet")],
 ) -> None:
     """The `explain` command (help: `HELP`)."""
@@ -73,8 +82,9 @@ def explain(
 
         output.refuse_existing("explain")
         settings = ExplainSettings(
-            pair=tuple(p.strip() for p in pair.split(",")), tokens=tokens, seed=seed, tp=tp, device=device
-        )
+            pair=tuple(p.strip() for p in pair.split(",")), tokens=tokens, seed=seed, tp=tp, device=device,
+            resume=resume,
+        )  # fmt: skip
         if layers is not None:
             return _layers(screen, run, model, layers, settings, output)
         from pgdiag.explain.api import explain_run

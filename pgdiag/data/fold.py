@@ -2,7 +2,7 @@
 
 What: a `Fold` takes the pieces of a run one at a time (`add(piece)`: a piece is what the reader gives for one
 planned `StepPiece`: a `TokenBatch`, an aligned pair, ...) and returns the stage's result once (`finish()`).
-Why: a run is read once, in pieces of whole steps, and every stage (check, metrics, compare, drift) reduces the
+Why: a run is read once, in pieces of whole steps, and every stage (check, metrics, compare, drift, whatif) reduces the
 same pieces, so a new metric, breakdown or cause is a new accumulator added to a fold, never a new loop over
 the run.
 How (the contract; docs/reliability.md, "Folds"):
@@ -16,7 +16,8 @@ How (the contract; docs/reliability.md, "Folds"):
   1e-12); a pooled quantile is exact from per-step buffers up to its documented limit, then carries its sketch's
   documented relative error.
 * Errors: a fold never raises on bad data in `add`; the reader's checks of each piece are merged
-  (`pgdiag.data.validate.merge_check_results`) and the run's first error is raised once, after the last piece.
+  (`pgdiag.data.validate.merge_check_results`) and the run's first error is raised once, after the last piece:
+  `pgdiag.data.reader.PieceReader` does both for the stages that read one run (metrics, drift, whatif).
 """
 
 from __future__ import annotations

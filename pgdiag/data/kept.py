@@ -166,12 +166,14 @@ def position_sizes(kept: KeptColumns, seq_offsets: np.ndarray) -> np.ndarray:
     sizes = id_sizes(kept, seq_offsets)
     width = _bitmask_width(kept)
     if width is not None and kept.bitmask_positions is not None and kept.bitmask is not None:
-        for row in np.flatnonzero((width > 0) & sound):  # rows that use the bitmask form (rare)
-            for k, pos in enumerate(_row(kept.bitmask_positions, row).tolist()):
-                if 0 <= pos < seq_lengths[row]:
-                    sizes[seq_offsets[row] + pos] = int(
-                        np.unpackbits(_bitmask(kept, row, k, width[row])).sum()
-                    )
+        width = np.where(sound, width, 0)
+        b_rows, b_pos, b_start = _bitmask_entries(kept, width)
+        inside = (b_pos >= 0) & (b_pos < seq_lengths[b_rows])
+        for each in np.unique(width[b_rows[inside]]).tolist():  # one width a run, as a rule
+            sel = inside & (width[b_rows] == each)
+            sizes[seq_offsets[b_rows[sel]] + b_pos[sel]] = bitmask_sizes(
+                _gather_bitmasks(kept, b_start[sel], each)
+            )
     return sizes
 
 
@@ -180,16 +182,6 @@ def _ramp(lengths: np.ndarray) -> np.ndarray:
     total = int(lengths.sum())
     starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
     return np.arange(total, dtype=np.int64) - starts
-
-
-def _row(flat: FlatList, row: int) -> np.ndarray:
-    return flat.values[flat.offsets[row] : flat.offsets[row + 1]]
-
-
-def _bitmask(kept: KeptColumns, row: int, k: int, width: int) -> np.ndarray:
-    assert kept.bitmask is not None
-    start = int(kept.bitmask.offsets[row]) + k * int(width)
-    return kept.bitmask.values[start : start + int(width)].astype(np.uint8, copy=False)
 
 
 def bitmask_ids(bits: np.ndarray) -> np.ndarray:
@@ -206,6 +198,78 @@ def pack_bitmask(token_ids: Sequence[int] | np.ndarray, vocab_size: int) -> np.n
     return np.packbits(bits, bitorder="little")
 
 
+UNPACK_CHUNK_BYTES = 64 << 20  # the (rows, 8 B) unpacked bits of one expansion chunk
+
+
+def bitmask_sets(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The ids of Q packed little-endian bitmasks at once: bits (Q, B) uint8 -> ((E,) int64 ids, ascending
+    within a row; (Q + 1,) int64 CSR offsets). Equal to `bitmask_ids` row by row, without a Python loop per
+    bitmask: rows are unpacked together (chunks of `UNPACK_CHUNK_BYTES` of unpacked bits) and their set bits
+    found by one `nonzero` a chunk."""
+    bits = np.ascontiguousarray(bits, dtype=np.uint8)
+    n_rows, width = bits.shape
+    step = max(1, UNPACK_CHUNK_BYTES // max(8 * width, 1))
+    ids: list[np.ndarray] = []
+    sizes = np.zeros(n_rows, dtype=np.int64)
+    for start in range(0, n_rows, step):
+        stop = min(start + step, n_rows)
+        unpacked = np.unpackbits(bits[start:stop].reshape(-1), bitorder="little").view(bool)  # (rows * 8 B,)
+        where = np.flatnonzero(unpacked)  # row-major: ids ascending within a row
+        rows = where // (8 * width)
+        ids.append(where - rows * (8 * width))
+        sizes[start:stop] = np.bincount(rows, minlength=stop - start)
+    offsets = np.zeros(n_rows + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    return (np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)), offsets
+
+
+def bitmask_sizes(bits: np.ndarray) -> np.ndarray:
+    """(Q,) int64 number of set bits of each of Q packed bitmasks (Q, B), by a 256-entry popcount table."""
+    table = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).sum(axis=1).astype(np.uint8)
+    return table[np.asarray(bits, dtype=np.uint8)].sum(axis=1, dtype=np.int64)
+
+
+def _bitmask_entries(kept: KeptColumns, width: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every position stored as a bitmask: ((P,) row, (P,) position, (P,) start of its bytes in
+    ``kept.bitmask.values``), rows ascending and positions ascending within a row (rows with width > 0)."""
+    assert kept.bitmask_positions is not None and kept.bitmask is not None
+    positions = kept.bitmask_positions
+    n_pos = np.where(width > 0, positions.lengths, 0)
+    rows = np.repeat(np.arange(n_pos.size, dtype=np.int64), n_pos)
+    k = _ramp(n_pos)
+    take = positions.offsets[:-1][rows] + k
+    pos = positions.values[take].astype(np.int64)
+    start = kept.bitmask.offsets[:-1][rows] + k * width[rows]
+    return rows, pos, start
+
+
+def _gather_bitmasks(kept: KeptColumns, start: np.ndarray, width: int) -> np.ndarray:
+    """(P, width) uint8: the bitmasks whose bytes start at `start` (P,)."""
+    assert kept.bitmask is not None
+    index = start[:, None] + np.arange(width, dtype=np.int64)[None, :]
+    return kept.bitmask.values[index].astype(np.uint8, copy=False)
+
+
+def _match_bitmask(
+    kept: KeptColumns, width: np.ndarray, rows: np.ndarray, pos: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """For queries (Q,) at (row, pos): ((Q,) bool stored as a bitmask, (Q,) start of its bytes or -1)."""
+    b_rows, b_pos, b_start = _bitmask_entries(kept, width)
+    found = np.zeros(rows.size, dtype=bool)
+    start = np.full(rows.size, -1, dtype=np.int64)
+    if not b_rows.size or not rows.size:
+        return found, start
+    span = int(max(b_pos.max(initial=0), pos.max(initial=0))) + 2
+    b_key = b_rows * span + (b_pos + 1)
+    order = np.argsort(b_key, kind="stable")
+    b_key, b_start = b_key[order], b_start[order]
+    key = rows * span + (pos + 1)
+    at = np.minimum(np.searchsorted(b_key, key), b_key.size - 1)
+    found = (b_key[at] == key) & (pos >= 0)
+    start = np.where(found, b_start[at], -1)
+    return found, start
+
+
 @dataclass(frozen=True)
 class PositionSets:
     """The kept sets of Q token positions in CSR form, with the engine's log-probs of each kept id when the run
@@ -214,13 +278,19 @@ class PositionSets:
     ids: np.ndarray  # (E,) int64
     offsets: np.ndarray  # (Q + 1,) int64
     logprobs: np.ndarray | None  # (E,) float32, or None without sampling_kept_logprobs
+    bitmask_queries: np.ndarray | None = None  # (Q_b,) int64 queries left packed (their CSR sets are empty)
+    bitmasks: np.ndarray | None = None  # (Q_b, B) uint8 their packed bitmasks
 
 
-def position_sets(kept: KeptColumns, seq_offsets: np.ndarray, tokens: np.ndarray) -> PositionSets:
+def position_sets(
+    kept: KeptColumns, seq_offsets: np.ndarray, tokens: np.ndarray, *, expand_bitmasks: bool = True
+) -> PositionSets:
     """The kept sets of the flat token positions `tokens` (Q,) (`PositionSets`).
 
-    Bitmask positions are expanded to ids here (memory: bounded by the piece the caller read). Rows must have
-    sound offsets (validated by the reader)."""
+    Bitmask positions are expanded to ids here (`bitmask_sets`, all at once; memory: bounded by the piece the
+    caller read), or with `expand_bitmasks` False handed back packed (`PositionSets.bitmasks`, their sets
+    empty in the CSR) for the caller to expand on its device (`kernels.kept_set.with_bitmasks`). Rows must
+    have sound offsets (validated by the reader)."""
     tokens = np.asarray(tokens, dtype=np.int64)
     rows = np.searchsorted(seq_offsets, tokens, side="right") - 1
     pos = tokens - seq_offsets[rows]
@@ -234,27 +304,33 @@ def position_sets(kept: KeptColumns, seq_offsets: np.ndarray, tokens: np.ndarray
     hi = np.where(recorded, hi + kept.ids.offsets[rows], lo)
     sizes = hi - lo
     width = _bitmask_width(kept)
-    extra: dict[int, np.ndarray] = {}
+    packed_queries = np.zeros(0, dtype=np.int64)
+    groups: list[tuple[np.ndarray, np.ndarray]] = []  # (queries, (Q_b, B) bitmasks) a width
     if width is not None and kept.bitmask_positions is not None:
-        for q in np.flatnonzero(sizes == 0).tolist():
-            row = int(rows[q])
-            if width[row] <= 0:
-                continue
-            where = np.flatnonzero(_row(kept.bitmask_positions, row) == pos[q])
-            if where.size:
-                extra[q] = bitmask_ids(_bitmask(kept, row, int(where[0]), int(width[row])))
-                sizes[q] = extra[q].size
+        found, start = _match_bitmask(kept, np.maximum(width, 0), rows, pos)
+        found &= sizes == 0
+        for each in np.unique(width[rows[found]]).tolist():
+            queries = np.flatnonzero(found & (width[rows] == each))
+            groups.append((queries, _gather_bitmasks(kept, start[queries], each)))
+    if not expand_bitmasks and len(groups) == 1:
+        packed_queries, packed = groups[0]
+        groups = []
+    expanded: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for queries, bits in groups:
+        ids, set_offsets = bitmask_sets(bits)
+        sizes[queries] = np.diff(set_offsets)
+        expanded.append((queries, ids, np.diff(set_offsets)))
     offsets = np.zeros(tokens.size + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
     ids_values = kept.ids.values.astype(np.int64, copy=False)
     gather = np.repeat(lo - offsets[:-1], sizes) + np.arange(offsets[-1], dtype=np.int64)
     out = np.empty(int(offsets[-1]), dtype=np.int64)
     plain = np.ones(tokens.size, dtype=bool)
-    plain[list(extra)] = False
+    for queries, ids, counts in expanded:
+        plain[queries] = False
+        out[np.repeat(offsets[queries], counts) + _ramp(counts)] = ids
     plain_elements = np.repeat(plain, sizes)
     out[plain_elements] = ids_values[gather[plain_elements]]
-    for q, values in extra.items():
-        out[offsets[q] : offsets[q + 1]] = values
     logprobs = None
     if kept.logprobs is not None:
         logprobs = np.full(out.shape[0], np.nan, dtype=np.float32)
@@ -264,6 +340,8 @@ def position_sets(kept: KeptColumns, seq_offsets: np.ndarray, tokens: np.ndarray
             logprobs[plain_elements] = np.where(
                 kept.logprobs.valid[gather[plain_elements]], logprobs[plain_elements], np.nan
             )
+    if packed_queries.size:
+        return PositionSets(out, offsets, logprobs, packed_queries, packed)
     return PositionSets(out, offsets, logprobs)
 
 
@@ -404,16 +482,14 @@ def _outside_bitmask(
     sub: KeptColumns, sub_ids: FlatList, width: np.ndarray, outside: np.ndarray
 ) -> np.ndarray:
     """`outside` without the positions stored as bitmasks whose bit of the sampled token is set."""
-    keep = []
-    for token in outside.tolist():
-        row = int(np.searchsorted(sub_ids.offsets, token, side="right") - 1)
-        pos = token - int(sub_ids.offsets[row])
-        if width[row] > 0 and sub.bitmask_positions is not None:
-            where = np.flatnonzero(_row(sub.bitmask_positions, row) == pos)
-            if where.size:
-                bits = _bitmask(sub, row, int(where[0]), int(width[row]))
-                sampled = int(sub_ids.values[token])
-                if 0 <= sampled < 8 * bits.size and (bits[sampled // 8] >> (sampled % 8)) & 1:
-                    continue
-        keep.append(token)
-    return np.asarray(keep, dtype=np.int64)
+    assert sub.bitmask is not None
+    if not outside.size:
+        return outside
+    rows = np.searchsorted(sub_ids.offsets, outside, side="right") - 1
+    pos = outside - sub_ids.offsets[rows]
+    found, start = _match_bitmask(sub, np.maximum(width, 0), rows, pos)
+    sampled = sub_ids.values[outside].astype(np.int64)
+    inside = found & (sampled >= 0) & (sampled < 8 * np.maximum(width[rows], 0))
+    byte = sub.bitmask.values[np.where(inside, start + sampled // 8, 0)].astype(np.int64)
+    covered = inside & (((byte >> (sampled % 8)) & 1) == 1)
+    return outside[~covered]

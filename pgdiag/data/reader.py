@@ -1,8 +1,9 @@
 """The one reading loop: a run read in the pieces of whole steps the planner cuts (`pgdiag.data.pieces`), each with
 the reader's checks, their messages merged and the run's first error raised once, after the last piece.
 
-What: `PieceReader(run, chunk_rows, read)` is iterated for the pieces a stage folds (`PieceRead`: the piece's run
-and batch); `finish()` then merges the pieces' checks (`merge_check_results`: counts added, examples
+What: `PieceReader.planned(run, chunk_rows, read)` (or `PieceReader(pieces, read)` for pieces planned otherwise,
+`metrics --docs-per-step`) is iterated for the pieces a stage folds (`PieceRead`: the piece's run and batch);
+`finish()` then merges the pieces' checks (`merge_check_results`: counts added, examples
 concatenated, the rules judged over the run judged on the merged counts) and raises the first error, as one read
 of the run raises it. After a piece with an error the later pieces are read and validated only (not handed on),
 so the message of the error is the run's. A run that fits one piece, or whose step column cannot be filtered,
@@ -13,11 +14,11 @@ adds pieces; merging and raising are written once, here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.issues import CheckResult, merge_check_results, raise_first_error
+from pgdiag.data.issues import CheckResult, Issue, merge_check_results, merge_piece_issues, raise_first_error
 from pgdiag.data.load import LoadedBatch
 from pgdiag.data.pieces import plan_step_pieces
 from pgdiag.data.runs import Run, restrict_steps
@@ -25,44 +26,69 @@ from pgdiag.data.runs import Run, restrict_steps
 # read(run of the piece, piece): one read with the reader's checks; `piece` True when the run is read in several
 # pieces (nothing raises then: `read_token_batch(..., piece=True, raise_errors=False)`)
 ReadPiece = Callable[[Run, bool], LoadedBatch]
+# rules a stage applies to a read piece after the reader's (metrics' E206 pair rule): their issues
+AfterRule = Callable[[LoadedBatch], list[Issue]]
 
 
 @dataclass(frozen=True)
 class PieceRead:
-    """One piece as a stage folds it: the run restricted to the piece's steps (the run itself when read whole),
-    and its batch."""
+    """One piece as a stage folds it: its place in the plan, the run restricted to the piece's steps (the run
+    itself when read whole), and its batch."""
 
+    index: int
     run: Run
     batch: TokenBatch
 
 
 class PieceReader:
-    """The pieces of `run` (at most `chunk_rows` rows each, or a function of the rows per step giving it), read
-    by `read` (module docstring). Iterate once, then call `finish()`."""
+    """The `pieces` of a run (each a `Run` restricted to whole steps, in order), read by `read` and checked by
+    `after` (module docstring). Iterate once, then call `finish()`; `planned` plans the pieces first."""
 
-    def __init__(self, run: Run, chunk_rows: int | Callable[[dict[int, int]], int], read: ReadPiece) -> None:
-        self.run, self.chunk_rows, self.read = run, chunk_rows, read
+    def __init__(self, pieces: Sequence[Run], read: ReadPiece, *, after: AfterRule | None = None) -> None:
+        self.pieces, self.read, self.after = list(pieces), read, after
         self.checks: list[CheckResult] = []
+        self.after_issues: list[list[Issue]] = []
         self.failed = False
-        self.n_pieces = 0
+
+    @classmethod
+    def planned(
+        cls,
+        run: Run,
+        chunk_rows: int | Callable[[dict[int, int]], int],
+        read: ReadPiece,
+        *,
+        after: AfterRule | None = None,
+    ) -> PieceReader:
+        """The reader of `run` in the pieces of whole steps `plan_step_pieces` cuts (at most `chunk_rows` rows
+        each, or a function of the rows per step giving it; the run itself when it fits one or cannot be cut)."""
+        plan = plan_step_pieces([run], chunk_rows)
+        return cls(
+            [run if p.steps is None else restrict_steps(run, p.steps) for p in plan.pieces], read, after=after
+        )
+
+    @property
+    def n_pieces(self) -> int:
+        return len(self.pieces)
 
     def __iter__(self) -> Iterator[PieceRead]:
-        plan = plan_step_pieces([self.run], self.chunk_rows)
-        many = len(plan.pieces) > 1
-        self.n_pieces = len(plan.pieces)
-        for piece in plan.pieces:
-            run = self.run if piece.steps is None else restrict_steps(self.run, piece.steps)
+        many = len(self.pieces) > 1
+        for index, run in enumerate(self.pieces):
             loaded = self.read(run, many)
+            found = self.after(loaded) if self.after is not None else []
             self.checks.append(loaded.checks)
+            self.after_issues.append(found)
             self.failed = self.failed or any(
-                i.severity == "error" and i.pooled is None for i in loaded.checks.found
+                i.severity == "error" and i.pooled is None for i in (*loaded.checks.found, *found)
             )
             if not self.failed:
-                yield PieceRead(run, loaded.batch)
+                yield PieceRead(index, run, loaded.batch)
             del loaded  # the piece's token arrays go before the next piece is read
 
     def finish(self) -> CheckResult:
-        """The run's checks, merged over its pieces; the first error raised (InvalidInputError), as one read."""
+        """The run's checks, merged over its pieces; the first error raised (InvalidInputError) as one read raises
+        it: the reader's first, then the `after` rules' (whose issues are not in the result: the stage reports
+        them its own way)."""
         merged = merge_check_results(self.checks)
         raise_first_error(merged.found)
+        raise_first_error(merge_piece_issues(self.after_issues))
         return merged

@@ -244,10 +244,11 @@ def read_run(
             raise UsageError(
                 Code.AMBIGUOUS_INPUT, f"{path} holds several runs {labels}", "pick one with --run NAME"
             )
-    if steps is not None:
+    if steps is not None:  # the steps present and `last` are those of the run picked by --run
         spec = parse_steps(steps)
-        check_steps_present(spec, base, steps)
-        conditions.append(step_condition(spec, base))
+        scoped = base.filter(conditions[0]) if run is not None else base
+        check_steps_present(spec, scoped, steps)
+        conditions.append(step_condition(spec, scoped))
     row_filter = pl.all_horizontal(conditions) if conditions else None
     default_label = run or (labels[0] if labels else (root.name if root is not None else Path(paths[0]).stem))
     recompute, incomplete = recompute_dirs(root, attach)

@@ -48,6 +48,9 @@ class ExplainResult:
     token_run: Path
     seconds: dict[str, float] = field(default_factory=dict)
     n_forwarded: int = 0  # prompt + response tokens of the budget's samples (what each forward processes)
+    reused: list[str] = field(
+        default_factory=list
+    )  # tags complete from an earlier call (resume), not recomputed
 
     def to_json(self) -> dict[str, Any]:
         """The ``explain`` block of the `--json` object (docs/explain.md, "JSON")."""
@@ -74,6 +77,7 @@ class ExplainResult:
             "token_run": str(self.token_run),
             "seconds": self.seconds,
             "n_forwarded": self.n_forwarded,
+            "reused": self.reused,
         }
 
 
@@ -98,6 +102,7 @@ def explain_run(
     from pgdiag.data.runs import read_run
     from pgdiag.explain import matrix
     from pgdiag.explain.causes import SamplingFit
+    from pgdiag.explain.settings import PER_TOKEN
     from pgdiag.explain.table import token_pieces
 
     settings = settings or ExplainSettings()
@@ -113,16 +118,16 @@ def explain_run(
     fits, _ = fold(
         SamplingFit(grid.temperatures.index(1.0)), token_pieces(token_run, settings.pair, (), grid, keys)
     )
-    t_a = grid.temperatures[fits["a"].temperature_index]
-    seconds.update(
-        matrix.run_matrix(
-            plan.token_dir, model, plan.configs, prefix=settings.tag_prefix, temperature=t_a, tp=settings.tp,
-            device=settings.device, batch_tokens=settings.batch_tokens, progress=progress,
-        )
+    t_a = grid.temperatures[fits["a"].temperature_index]  # PER_TOKEN: the matrix reads each token's own
+    recomputed, reused = matrix.run_matrix(
+        plan.token_dir, model, plan.configs, prefix=settings.tag_prefix,
+        temperature="auto" if t_a == PER_TOKEN else t_a, tp=settings.tp, device=settings.device,
+        batch_tokens=settings.batch_tokens, resume=settings.resume, progress=progress,
     )  # fmt: skip
+    seconds.update(recomputed)
     result = _attribute(read_run(plan.token_dir), settings, plan, fits, grid, keys)
     seconds["total"] = time.perf_counter() - started
-    return replace(result, seconds=seconds)
+    return replace(result, seconds=seconds, reused=reused)
 
 
 @dataclass
@@ -149,7 +154,7 @@ def _prepare(
     """Check the pair and the output, plan the matrix, announce its cost, write the budget's token run."""
     from pgdiag.explain import matrix
     from pgdiag.explain.grid import temperatures
-    from pgdiag.explain.tokens import check_pair, select_samples, write_token_run
+    from pgdiag.explain.tokens import check_pair, same_selection, select_samples, write_token_run
     from pgdiag.model import read_model_config
     from pgdiag.recompute.kept_rules import run_records_kept
 
@@ -163,9 +168,11 @@ def _prepare(
             )
         out = Path(source.root) / "explain"
     token_dir = Path(out) / "tokens"
-    if token_dir.exists() and not overwrite:
+    if token_dir.exists() and not overwrite and not settings.resume:
         raise UsageError(
-            Code.OUTPUT_EXISTS, f"{token_dir} exists", "pass --overwrite to replace it, or another --out"
+            Code.OUTPUT_EXISTS,
+            f"{token_dir} exists",
+            "pass --overwrite to replace it, --resume to continue it, or another --out",
         )
     model_config = read_model_config(model)
     device = settings.device or _default_device()
@@ -187,9 +194,13 @@ def _prepare(
     )  # fmt: skip
     if on_cost is not None:
         on_cost(cost.line())
-    if token_dir.exists():
-        shutil.rmtree(token_dir)
-    write_token_run(source, selection, token_dir)
+    resumed = token_dir.exists() and not overwrite
+    if resumed:  # same run, budget and seed: the same samples, else E502
+        same_selection(source, selection, token_dir, settings.pair)
+    else:
+        if token_dir.exists():
+            shutil.rmtree(token_dir)
+        write_token_run(source, selection, token_dir)
     return _Plan(token_dir, model_config, device, memory, configs, skipped, cost)
 
 
@@ -201,6 +212,7 @@ def _attribute(
     from pgdiag.explain import matrix
     from pgdiag.explain.attribution import decide
     from pgdiag.explain.causes import Chain, Evidence
+    from pgdiag.explain.settings import temperature_label
     from pgdiag.explain.table import token_pieces
 
     tags = tuple(c.tag(settings.tag_prefix) for c in plan.configs)
@@ -239,7 +251,7 @@ def _attribute(
         cost=plan.cost.line(),
         fits={
             side: {
-                "temperature": grid.temperatures[f.temperature_index],
+                "temperature": temperature_label(grid.temperatures[f.temperature_index]),
                 "kept_set": grid.variants[f.variant_index].label,
                 "k3": f.k3,
                 "k3_at_t1_full": f.k3_full_at_t1,
@@ -280,6 +292,7 @@ def _grid(
     token_run: Any, model: str | Path, model_config: Any, device: str, memory: int, settings: ExplainSettings
 ) -> tuple[Any, Any, str]:
     """(GridValues, grid keys, body dtype): the sampling grid on one device, fp32 when it fits, else bf16."""
+    import numpy as np
     import torch
 
     from pgdiag.explain import grid as sampling
@@ -296,17 +309,23 @@ def _grid(
     recorded_t = (
         [sampling_meta["temperature"]] if isinstance(sampling_meta.get("temperature"), (int, float)) else []
     )
+    per_token = None
+    if inputs.temperature is not None:  # the run's temperature / temperature_tok columns (recompute's rule)
+        distinct = np.unique(inputs.temperature[inputs.loss_mask])
+        if distinct.size == 1:
+            recorded_t.append(float(distinct[0]))
+        elif distinct.size > 1:
+            per_token = [
+                inputs.temperature[inputs.offsets[r] : inputs.offsets[r + 1]] for r in range(len(ids))
+            ]
     top_p = [sampling_meta["top_p"]] if isinstance(sampling_meta.get("top_p"), (int, float)) else []
     top_k = sampling_meta.get("top_k") if isinstance(sampling_meta.get("top_k"), int) else None
     lm = load_model(model, dtype=dtype, head_dtype="fp32", device=torch.device(device))
+    temps = sampling.temperatures(recorded_t)
     values = sampling.sampling_grid(
-        lm,
-        ids,
-        masks,
-        sampling.temperatures(recorded_t),
-        sampling.variants(top_k, top_p),
-        batch_tokens=settings.batch_tokens,
-    )
+        lm, ids, masks, temps if per_token is None else (*temps, sampling.PER_TOKEN),
+        sampling.variants(top_k, top_p), batch_tokens=settings.batch_tokens, token_temperatures=per_token,
+    )  # fmt: skip
     del lm
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()  # the matrix loads its own models next

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pgdiag.explain.causes import Chain, Decisions, Evidence, SideFit
-from pgdiag.explain.settings import CONSISTENT_WITH, FIX, REMOVAL_ORDER, WHAT
+from pgdiag.explain.settings import CONSISTENT_WITH, FIX, REMOVAL_ORDER, WHAT, temperature_label
 from pgdiag.explain.signatures import (
     MATERIAL,
     WEIGHTS_FLOOR_FACTOR,
@@ -137,7 +137,7 @@ def decide(
     signatures = [sig_zeros, sig_temperature, sig_template, sig_first, sig_stale, *sig_weights, sig_jitter]
     details = {
         "logprobs_mode": {"declared": list(declared_modes), "exact_zero_fraction_a": sig_zeros.value},
-        "temperature": {"fitted_a": t_a, "fitted_b": t_b},
+        "temperature": {"fitted_a": temperature_label(t_a), "fitted_b": temperature_label(t_b)},
         "sampling_truncation": {
             "kept_set": f"recorded ({evidence.kept_pair[0]})"
             if evidence.kept_pair and fits["a"].variant_index != 0

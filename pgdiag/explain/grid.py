@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pgdiag.explain.settings import PER_TOKEN
+
 TEMPERATURES = tuple(round(0.3 + 0.05 * i, 2) for i in range(27))  # 0.30 ... 1.60
 TOP_PS = (0.98, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5)
 
@@ -76,14 +78,19 @@ def grid_logprobs(
     targets: torch.Tensor,
     temps: Sequence[float],
     cands: Sequence[Variant],
+    token_temps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(lp (K, n_T, n_K) fp32, entropy (K,) at T = 1, certain (K,) bool) for logits (K, V) fp32 and targets (K,)."""
+    """(lp (K, n_T, n_K) fp32, entropy (K,) at T = 1, certain (K,) bool) for logits (K, V) fp32 and targets (K,);
+    the `PER_TOKEN` point divides each row by its own temperature, `token_temps` (K,)."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (K, V)
     rank = (order == targets[:, None]).to(torch.int64).argmax(dim=-1)  # (K,) rank of each target
     out = torch.empty(logits.shape[0], len(temps), len(cands), dtype=torch.float32, device=logits.device)
     entropy = certain = None
     for i, temperature in enumerate(temps):
-        scaled = sorted_logits / temperature  # (K, V)
+        if temperature == PER_TOKEN:
+            scaled = sorted_logits / token_temps[:, None]  # (K, V) each token at its recorded temperature
+        else:
+            scaled = sorted_logits / temperature  # (K, V)
         logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)  # (K, V) full-vocabulary log-probs
         lp_full = logp.gather(1, rank[:, None])[:, 0]  # (K,)
         mass = logp.exp()  # (K, V)
@@ -120,11 +127,14 @@ def sampling_grid(
     *,
     batch_tokens: int = 32_768,
     chunk: int = 256,
+    token_temperatures: Sequence[np.ndarray] | None = None,
 ) -> GridValues:
     """`GridValues` of every loss position (t >= 1) of the samples, in sample order then position order.
 
     `model` is a loaded `pgdiag.model.CausalLM` (one process: its head holds the whole vocabulary);
     `input_ids[i]`, `loss_mask[i]` (T_i,) of sample i. Logits are formed in fp32 `chunk` tokens at a time.
+    `token_temperatures[i]` (T_i,): sample i's recorded temperature of each token (the temperature the token at
+    that position was sampled at, as the recompute reads it), needed when `temps` holds `PER_TOKEN`.
     """
     from pgdiag.recompute.packing import pack_samples, plan_batches
 
@@ -155,10 +165,21 @@ def sampling_grid(
             sample_first = starts[packed.target_sample]
             within = np.arange(packed.n_targets) - np.searchsorted(packed.target_sample, packed.target_sample)
             where = sample_first + within  # (K,)
+            recorded = None
+            if token_temperatures is not None:
+                recorded = torch.tensor(
+                    [
+                        token_temperatures[s][p]
+                        for s, p in zip(packed.target_sample, packed.target_pos, strict=True)
+                    ],
+                    dtype=torch.float32,
+                    device=device,
+                )  # (K,)
             for lo in range(0, packed.n_targets, chunk):
                 hi = min(lo + chunk, packed.n_targets)
                 logits = hidden[lo:hi] @ head.T  # (k, V) fp32
-                values, ent, cert = grid_logprobs(logits, targets[lo:hi], temps, cands)
+                part = None if recorded is None else recorded[lo:hi]
+                values, ent, cert = grid_logprobs(logits, targets[lo:hi], temps, cands, part)
                 lp[where[lo:hi]] = values.cpu().numpy()
                 entropy[where[lo:hi]] = ent.cpu().numpy()
                 certain[where[lo:hi]] = cert.cpu().numpy()

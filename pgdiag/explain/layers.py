@@ -17,8 +17,9 @@ A configuration is a matrix name (`explain.matrix.CONFIGS`: ref, bf16, bf16_head
 another checkpoint: ``ref@/path/ckpt`` compares two checkpoints layer by layer at one precision. Up to
 `settings.tokens` loss tokens' samples are read (whole samples, in stored order).
 
-Side B may be an imported layer dump, ``slime:DIR`` (slime's layer-wise alignment dump, `explain.slime_layers`),
-on the run's samples the dump holds. There is no model for the dump's side, so only what needs none is given:
+Side B may be an imported layer dump of slime's layer-wise alignment: ``slime:DIR`` (the Megatron trainer,
+`explain.slime_layers`) or ``sglang:DIR`` (the SGLang engine's tensor dump, `explain.sglang_layers`: only the
+positions the engine ran), on the run's samples the dump holds. There is no model for the dump's side, so only what needs none is given:
 
 * cumulative error: ‖dump(i) − out_A(i)‖ / ‖out_A(i)‖, for every dumped block;
 * local error: A's block i run by pgdiag on the dump's input to block i (the dump's output of block i − 1; for
@@ -83,7 +84,7 @@ def _config(spec: str, default_model: str | Path) -> tuple[str, str, Path]:
         raise UsageError(
             Code.BAD_OPTION_VALUE,
             f"--layers {spec!r}: not a configuration",
-            f"choose from {names}, optionally @CKPT; side B may be a layer dump, slime:DIR",
+            f"choose from {names}, optionally @CKPT; side B may be a layer dump, slime:DIR or sglang:DIR",
         )
     return found.dtype, found.head_dtype, Path(other) if other else Path(default_model)
 
@@ -112,7 +113,7 @@ def compare_layers(
     plot: Path | None = None,
 ) -> LayerComparison:
     """Cumulative and local error per block of configurations `config_a` and `config_b` (module docstring);
-    `config_b` may be an imported layer dump, ``slime:DIR`` (`explain.slime_layers`)."""
+    `config_b` may be an imported layer dump, ``slime:DIR`` or ``sglang:DIR`` (module docstring)."""
     from pgdiag.data.runs import read_run
     from pgdiag.explain.matrix import device_memory
     from pgdiag.model import read_model_config
@@ -225,11 +226,12 @@ def load_blocks(checkpoint: Path, dtype: str, head_dtype: str, blocks: int, devi
             )  # fmt: skip
 
 
-def _dump_dir(spec: str) -> Path | None:
-    """The directory of a ``slime:DIR`` side, else None."""
-    from pgdiag.explain.slime_layers import PREFIX
-
-    return Path(spec[len(PREFIX) :]) if spec.startswith(PREFIX) else None
+def _dump_dir(spec: str) -> tuple[str, Path] | None:
+    """(format, directory) of a ``slime:DIR`` or ``sglang:DIR`` side, else None."""
+    for kind in ("slime", "sglang"):
+        if spec.startswith(f"{kind}:"):
+            return kind, Path(spec[len(kind) + 1 :])
+    return None
 
 
 def _budget_samples(source: Any, config: Any, tokens: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -294,7 +296,7 @@ def _model_sums(
 
 def _dump_sums(
     model: Any,
-    directory: Path,
+    dump: tuple[str, Path],
     ids: list[np.ndarray],
     masks: list[np.ndarray],
     batch_tokens: int,
@@ -304,11 +306,14 @@ def _dump_sums(
     """Squared errors per dumped block between configuration A (`model`) and a slime layer dump, on the run's
     samples the dump holds: cumulative = dump(i) against A's own out(i); local = dump(i) against A's block i
     fed the dump's input to it (dump(i − 1); A's embeddings for block 0), NaN where layer i − 1 is not dumped.
-    Returns (sums, no route flips, tokens compared, the dumped layers)."""
-    from pgdiag.explain.slime_layers import match_samples
+    Only the positions the dump holds count (an SGLang dump: the positions the engine ran); a position it does
+    not hold feeds A's own row. Returns (sums, no route flips, tokens compared, the dumped layers)."""
+    from pgdiag.explain import sglang_layers, slime_layers
 
+    kind, directory = dump
     hidden_size = int(model.config.hidden_size)
-    found = match_samples(directory, ids, hidden_size)
+    reader = slime_layers if kind == "slime" else sglang_layers
+    found = reader.match_samples(directory, ids, hidden_size)
     order = sorted(found)
     layers = sorted(found[order[0]].hidden)
     if layers[-1] >= full_blocks:
@@ -330,15 +335,26 @@ def _dump_sums(
             [ids[k] for k in order], [masks[k] for k in order], batch_tokens, device
         ):
             samples = [found[order[k]] for k in packed.sample_index.tolist()]
-            dumped = {i: torch.cat([s.hidden[i] for s in samples]).to(device).float() for i in layers}
-            rec_a, rec_fed = _Recorder(), _Recorder(feed=dumped)
+            held = np.concatenate(
+                [s.observed if s.observed is not None else np.ones(len(s.ids), dtype=bool) for s in samples]
+            )
+            mask = torch.from_numpy(held).to(device)[:, None]  # (N, 1) rows the dump holds
+            rec_a = _Recorder()
             model.forward_packed(*args, layer_hook=rec_a)
+            dumped = {
+                i: torch.where(
+                    mask, torch.cat([s.hidden[i] for s in samples]).to(device).float(), rec_a.outputs[i]
+                )
+                for i in layers
+            }  # (N, H): the dump's rows, A's own where the dump has none
+            rec_fed = _Recorder(feed=dumped)
             model.forward_packed(*args, layer_hook=rec_fed)
+            rows = mask[:, 0]
             for i in layers:
-                target = rec_a.outputs[i]
+                target = rec_a.outputs[i][rows]
                 sums["ref"][i + 1] += float((target**2).sum())
-                sums["cum"][i + 1] += float(((dumped[i] - target) ** 2).sum())
+                sums["cum"][i + 1] += float(((dumped[i][rows] - target) ** 2).sum())
                 if not np.isnan(sums["loc"][i + 1]):
-                    sums["loc"][i + 1] += float(((dumped[i] - rec_fed.outputs[i]) ** 2).sum())
-            n_tokens += packed.n_tokens
+                    sums["loc"][i + 1] += float(((dumped[i][rows] - rec_fed.outputs[i][rows]) ** 2).sum())
+            n_tokens += int(held.sum())
     return sums, np.zeros(0), n_tokens, layers

@@ -257,35 +257,62 @@ def run_matrix(
     configs: list[Config],
     *,
     prefix: str,
-    temperature: float,
+    temperature: float | str,  # "auto": each token at its recorded temperature
     tp: int,
     device: str | None,
     batch_tokens: int,
+    resume: bool = True,
     progress: Callable[[str], None] | None = None,
-) -> dict[str, float]:
-    """Recompute every configuration on the token run (resumable: a rerun skips finished tags); returns
-    {tag: seconds}."""
+) -> tuple[dict[str, float], list[str]]:
+    """Recompute every configuration on the token run; returns ({tag: seconds}, [tags reused]).
+
+    `resume`: a tag already complete with the same model, settings and input (its manifest) is reused, not
+    recomputed; an interrupted tag continues from its finished parts (`pgdiag logprobs` resume); a tag made
+    with other settings is E502. Without `resume` an existing tag is E502 (the caller cleared the token run)."""
     from pgdiag.recompute.jobs import recompute_logprobs
+    from pgdiag.recompute.settings import RecomputeSettings
 
     seconds: dict[str, float] = {}
+    reused: list[str] = []
     for config in configs:
-        if progress is not None:
-            progress(f"recompute {config.tag(prefix)}: body {config.dtype}, head {config.head_dtype}")
-        result = recompute_logprobs(
-            str(token_run),
-            str(model),
-            tp=tp,
-            device=device,
-            tag=config.tag(prefix),
-            dtype=config.dtype,
-            head_dtype=config.head_dtype,
-            temperature=temperature,
-            micro_batch=config.micro_batch,
-            routing=config.routing,
-            batch_tokens=batch_tokens,
-            entropy=False,
-            impl="auto",
+        tag = config.tag(prefix)
+        settings = RecomputeSettings(
+            tag=tag, dtype=config.dtype, head_dtype=config.head_dtype, temperature=temperature,
+            micro_batch=config.micro_batch, routing=config.routing, batch_tokens=batch_tokens, entropy=False,
+            impl="auto", resume=resume,
             kept_set=config.kept_set,  # the common frame is the full vocabulary, but for ex_kept (module docstring)
-        )
-        seconds[config.tag(prefix)] = result.seconds if result is not None else 0.0
-    return seconds
+        )  # fmt: skip
+        if resume and finished_tag(token_run, model, settings, tp, device):
+            reused.append(tag)
+            seconds[tag] = 0.0
+            if progress is not None:
+                progress(f"recompute {tag}: complete with the same settings, reused")
+            continue
+        if progress is not None:
+            progress(f"recompute {tag}: body {config.dtype}, head {config.head_dtype}")
+        result = recompute_logprobs(str(token_run), str(model), settings, tp=tp, device=device)
+        seconds[tag] = result.seconds if result is not None else 0.0
+    return seconds, reused
+
+
+def finished_tag(token_run: Path, model: str | Path, settings: Any, tp: int, device: str | None) -> bool:
+    """Whether the tag of `settings` is complete in `token_run` with the model, settings and input fingerprint
+    this recompute would record (the fields `pgdiag logprobs` compares before resuming)."""
+    import json
+
+    from pgdiag.recompute.launch import ParallelLayout
+    from pgdiag.recompute.output import MANIFEST_NAME
+    from pgdiag.recompute.plan import plan_recompute
+
+    layout = ParallelLayout(rank=0, world_size=tp, tp_rank=0, tp_size=tp, dp_rank=0, dp_size=1)
+    plan = plan_recompute(str(token_run), str(model), settings, layout, device)
+    path = plan.out_dir / MANIFEST_NAME
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(old, dict)
+        and old.get("complete") is True
+        and all(old.get(k) == plan.manifest[k] for k in ("model", "settings", "input_fingerprint"))
+    )

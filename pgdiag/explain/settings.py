@@ -77,6 +77,15 @@ FIX = {
 
 DEFAULT_TOKENS = 200_000
 
+# the sampling grid's point "each token at its own recorded temperature" (``temperature_tok``/``temperature``
+# columns that differ between tokens), after the fixed temperatures; no real temperature is negative
+PER_TOKEN = -1.0
+
+
+def temperature_label(value: float) -> float | str:
+    """A grid temperature as JSON and the verdict show it: the number, or ``"per_token"``."""
+    return "per_token" if value == PER_TOKEN else value
+
 
 @dataclass(frozen=True)
 class ExplainSettings:
@@ -91,6 +100,7 @@ class ExplainSettings:
     configs: tuple[str, ...] | None = None  # None: every configuration that applies (matrix.CONFIGS)
     memory_bytes: int | None = None  # device memory the fit check assumes (None: the device's own)
     tag_prefix: str = "ex"
+    resume: bool = True  # an existing token run of the same samples is continued; complete tags are reused
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pair", tuple(self.pair))

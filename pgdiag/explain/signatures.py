@@ -128,7 +128,7 @@ def temperature_rule(t_a: float, t_b: float, gain: float, k3_0: float) -> Signat
         "temperature",
         "the sides' fitted temperatures differ and rescaling lowers k3 by > 1 % of k3_0 (Δ proportional to "
         "the log-prob)",
-        t_a / t_b if t_b else None,
+        t_a / t_b if t_a > 0 and t_b > 0 else None,  # None: a side fits its recorded per-token temperatures
         1.0,
         bool(t_a != t_b and gain > MATERIAL * k3_0),
         "thinking-machines-lab/tinker-feedback#148; pgdiag W401",

@@ -48,6 +48,9 @@ class DumpSequence:
     ids: np.ndarray  # (n,) int64
     hidden: dict[int, torch.Tensor]  # layer id -> (n, H) in the dump's dtype
     source: str  # file and segment, for messages
+    observed: np.ndarray | None = (
+        None  # (n,) bool: positions the dump holds (None: all; SGLang: those it ran)
+    )
 
 
 def dump_files(directory: Path, store_prefix: str = "actor") -> list[Path]:

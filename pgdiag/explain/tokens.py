@@ -89,6 +89,37 @@ def write_token_run(run: Run, selection: TokenSelection, out: Path, *, overwrite
     )
 
 
+def same_selection(run: Run, selection: TokenSelection, out: Path, pair: tuple[str, str]) -> None:
+    """E502 unless the token run at `out` holds exactly the chosen samples of `run`: the same keys, token ids,
+    loss masks and the pair's log-probs (a resume must not mix samples of two selections or two versions of a
+    run)."""
+    from pgdiag.data.runs import read_run
+
+    keys = [k for k in KEYS if k in selection.keys.columns]
+    columns = [*keys, "input_ids", "loss_mask", *(stream_column(s) for s in pair)]
+
+    def rows(lazy: pl.LazyFrame) -> pl.DataFrame:
+        frame = lazy.select([c for c in columns if c in lazy.collect_schema().names()]).collect()
+        lists = [c for c in frame.columns if c.endswith("_logprobs")]
+        return frame.with_columns(pl.col(lists).cast(pl.List(pl.Float64))).sort(keys)
+
+    wanted = rows(run.lazy.join(selection.keys.lazy(), on=keys, how="semi"))
+    try:
+        held = rows(read_run(out).lazy)
+    except (InvalidInputError, UsageError) as error:
+        raise UsageError(
+            Code.OUTPUT_EXISTS,
+            f"{out} is not a readable token run ({error})",
+            "pass --overwrite to replace it",
+        ) from None
+    if held.columns != wanted.columns or not held.equals(wanted):
+        raise UsageError(
+            Code.OUTPUT_EXISTS,
+            f"{out} holds other samples than this run, --tokens and --seed choose (another budget, seed or run)",
+            "pass --overwrite to replace it, or the --tokens and --seed of the interrupted call",
+        )
+
+
 def check_pair(run: Run, pair: tuple[str, str]) -> None:
     """E111 when a stream of `pair` is not a stored stream of `run` (explain compares stored streams)."""
     for stream in pair:

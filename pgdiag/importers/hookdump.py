@@ -149,3 +149,36 @@ def int_lengths(file: HookFile, name: str, limit: int) -> Any:
         r = int(bad[0])
         raise bad_layout(file.path, f"tensors.{name}", f"a length in 0..{limit}, got {lengths[r]}", row=r)
     return lengths
+
+
+def hook_kept_sets(
+    file: HookFile, prompt_lens: Any, completion_lens: Any
+) -> tuple[list[list[int]], list[list[int]], list[list[float]] | None] | None:
+    """The kept sets a hook recorded (`pgdiag.capture.kept`: lists ``sampling_kept_ids`` and
+    ``sampling_kept_counts``, one count per generated token, optional ``sampling_kept_logprobs``) as
+    ``sampling_kept_ids`` / ``sampling_kept_offsets`` rows over the whole sequence (prompt positions empty; a row
+    without sets: both empty), and the kept log-probs; None when the file records none. Counts of another
+    length than the completion, or ids / log-probs of another total, are E703 naming the row."""
+    ids_rows, count_rows = file.lists.get("sampling_kept_ids"), file.lists.get("sampling_kept_counts")
+    if ids_rows is None or count_rows is None:
+        return None
+    logprob_rows = file.lists.get("sampling_kept_logprobs")
+    out_ids: list[list[int]] = []
+    out_offsets: list[list[int]] = []
+    for r, (ids, counts) in enumerate(zip(ids_rows, count_rows, strict=True)):
+        if not counts and not ids:
+            out_ids.append([])
+            out_offsets.append([])
+            continue
+        if len(counts) != int(completion_lens[r]) or sum(int(c) for c in counts) != len(ids):
+            expected = f"{int(completion_lens[r])} counts summing to len(sampling_kept_ids) ({len(ids)})"
+            raise bad_layout(file.path, "lists.sampling_kept_counts", expected, row=r)
+        if logprob_rows is not None and len(logprob_rows[r]) != len(ids):
+            raise bad_layout(file.path, "lists.sampling_kept_logprobs", f"{len(ids)} values", row=r)
+        offsets = [0] * (int(prompt_lens[r]) + 1)
+        for count in counts:
+            offsets.append(offsets[-1] + int(count))
+        out_ids.append([int(t) for t in ids])
+        out_offsets.append(offsets)
+    logprobs = None if logprob_rows is None else [[float(v) for v in row] for row in logprob_rows]
+    return out_ids, out_offsets, logprobs

@@ -22,7 +22,7 @@ from pgdiag.data.flat import FlatList
 from pgdiag.errors import Code, UsageError
 from pgdiag.importers import alignment
 from pgdiag.importers.base import ImportedStep, ImportOptions, Preset, bad_layout
-from pgdiag.importers.hookdump import HookFile, int_lengths, read_hook_steps
+from pgdiag.importers.hookdump import HookFile, hook_kept_sets, int_lengths, read_hook_steps
 
 REQUIRED = (
     "prompt_ids",
@@ -158,6 +158,16 @@ def _rows(file: HookFile) -> pl.DataFrame:
         columns["reward_components"] = _components(file)
     truncated = t["truncated"].numpy().astype(bool)
     columns["finish_reason"] = pl.Series("finish_reason", np.where(truncated, "length", "stop"))
+    kept = hook_kept_sets(file, prompt_lens, completion_lens)
+    if kept is not None:  # the engine's kept sets (docs/schema.md, "Kept sets")
+        columns["sampling_kept_ids"] = pl.Series("sampling_kept_ids", kept[0], dtype=pl.List(pl.Int32))
+        columns["sampling_kept_offsets"] = pl.Series(
+            "sampling_kept_offsets", kept[1], dtype=pl.List(pl.Int32)
+        )
+        if kept[2] is not None:
+            columns["sampling_kept_logprobs"] = pl.Series(
+                "sampling_kept_logprobs", kept[2], dtype=pl.List(pl.Float32)
+            )
     return pl.DataFrame(list(columns.values()))
 
 

@@ -13,11 +13,14 @@ token, from fp32 logits z = (hidden @ W.T) / T. For runs that recorded no K. Two
            masks on the full tempered distribution sorted descending: rank < k (ties broken by the sort, not
            kept), mass strictly before the token <= p, and p_j >= min_p * max p.
 
+Ties: the references sort stably (`stable=True`, as CUDA's radix sort that vLLM's and SGLang's calls get on a
+GPU): among equal logits vLLM's ascending sort drops the lower id first; SGLang's descending sort keeps it first.
+
 Method: chunks of tokens whose fp32 logits (C, V) fit `LOGITS_BUDGET_BYTES`; under TP every rank's (C,
-V_local) shard is all-gathered chunk by chunk (every rank gets the same K). vLLM order: min-p and top-k are
-elementwise thresholds (`torch.topk` finds the k-th largest), and top-p is decided on the top m tokens (m
-doubled from 64 until they hold mass >= p: `keep_mask_vllm_topk`), so no row of V floats is sorted; SGLang's
-masks sort the row (`keep_mask_sglang`). `keep_mask_vllm` is the literal sort-based reference.
+V_local) shard is all-gathered chunk by chunk (every rank gets the same K). The sets come from a threshold
+bisection on the chunk's fp32 logits (`kept_threshold.keep_mask_threshold`: counts and masses at 16 thresholds
+a pass, Triton on CUDA; the few tokens at the boundary decided one by one), never a sort of the vocabulary.
+`keep_mask_vllm` and `keep_mask_sglang` are the literal sort-based references, kept beside it for the tests.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ import torch
 import torch.distributed as dist
 
 from pgdiag.kernels.kept_set import KeptSet
+from pgdiag.kernels.kept_threshold import Levels, kept_coordinates, levels_torch
 from pgdiag.kernels.lm_head_logprobs_ref import _fp32_logits, head_operands
 
 LOGITS_BUDGET_BYTES = 1 << 29
-TEMPORARIES = 6  # logits, sorted logits, indices (8 B), probs, cumsum, mask
+TEMPORARIES_TRITON = 2  # fp32 logits, two bool masks and their conjunction (window), in 4-byte units
+TEMPORARIES_TORCH = 7  # and levels_torch's bucket index (8 B), exp (4 B) and its fp64 copy (8 B)
 ENGINES = ("vllm", "sglang")
 
 
@@ -51,7 +56,7 @@ def keep_mask_vllm(
         z.masked_fill_((z < kth) & k_on[:, None], float("-inf"))
     p_on = top_p < 1
     if bool(p_on.any()):
-        ordered, order = z.sort(dim=1, descending=False)
+        ordered, order = z.sort(dim=1, descending=False, stable=True)
         cumulative = torch.softmax(ordered, dim=1).cumsum(dim=1)
         drop = cumulative <= (1 - top_p)[:, None]
         drop[:, -1] = False
@@ -61,63 +66,13 @@ def keep_mask_vllm(
     return torch.isfinite(z)
 
 
-FAST_MAX_CANDIDATES = 8192  # top-p decided on at most this many top tokens a row, else the full sort
-
-
-def keep_mask_vllm_topk(
-    z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-) -> torch.Tensor:
-    """`keep_mask_vllm` without sorting the vocabulary: min-p and top-k are elementwise thresholds (the k-th
-    largest from `torch.topk`), and top-p is decided on the m largest remaining logits, m doubled from 64 until
-    they hold mass >= p in every row that uses top-p (all kept tokens are then among them). Token j is kept iff
-    the renormalised mass of the tokens above it is < p, the largest always (vLLM's test: the ascending cumulative
-    probability > 1 - p, with the tail below the candidates taken as 1 - their mass: a token whose cumulative
-    mass is within float rounding of 1 - p may flip, and tied logits may be ordered otherwise). Falls
-    back to `keep_mask_vllm` when m would exceed `FAST_MAX_CANDIDATES`."""
-    z = z.clone()
-    vocab = z.shape[1]
-    if bool((min_p > 0).any()):
-        probs = torch.softmax(z, dim=1)
-        threshold = probs.amax(dim=1, keepdim=True) * min_p[:, None]
-        z.masked_fill_((probs < threshold) & (min_p[:, None] > 0), float("-inf"))
-    k_on = (top_k > 0) & (top_k < vocab)
-    if bool(k_on.any()):
-        k = torch.where(k_on, top_k, 1).clamp(max=vocab)
-        kth = torch.topk(z, int(k.max()), dim=1).values.gather(1, (k - 1)[:, None])  # (C, 1)
-        z.masked_fill_((z < kth) & k_on[:, None], float("-inf"))
-    keep = torch.isfinite(z)
-    p_on = top_p < 1
-    if not bool(p_on.any()):
-        return keep
-    lse = torch.logsumexp(z, dim=1, keepdim=True)  # (C, 1) over the remaining tokens
-    m = min(64, vocab)
-    while True:
-        values, index = torch.topk(z, m, dim=1)  # (C, m) descending
-        probs = torch.exp(values - lse)
-        mass = probs.sum(dim=1)
-        done = ~p_on | (mass >= top_p) | (keep.sum(dim=1) <= m)
-        if bool(done.all()):
-            break
-        if m >= min(vocab, FAST_MAX_CANDIDATES):
-            return keep_mask_vllm(z, torch.zeros_like(top_k), top_p, torch.zeros_like(min_p))
-        m = min(2 * m, vocab)
-    # vLLM's test on the ascending cumulative probability, the tail below the m candidates summed first
-    tail = (1.0 - mass).clamp(min=0.0)[:, None]  # (C, 1) mass of the tokens below the candidates
-    ascending = tail + probs.flip(1).cumsum(dim=1).flip(1)  # (C, m) mass of the token and all below it
-    drop = (ascending <= (1 - top_p)[:, None]) & p_on[:, None]
-    drop[:, 0] = False
-    out = keep & ~p_on[:, None]  # rows without top-p keep what min-p and top-k left
-    kept_top = torch.zeros_like(keep).scatter_(1, index, ~drop & torch.isfinite(values))
-    return torch.where(p_on[:, None], kept_top, out)
-
-
 def keep_mask_sglang(
     z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
     """(C, V) bool kept by SGLang's independent masks on the tempered full softmax of `z` (C, V)."""
     vocab = z.shape[1]
     probs = torch.softmax(z, dim=1)
-    ordered, order = probs.sort(dim=1, descending=True)
+    ordered, order = probs.sort(dim=1, descending=True, stable=True)
     before = ordered.cumsum(dim=1) - ordered  # mass strictly before each sorted token
     keep = torch.ones_like(ordered, dtype=torch.bool)
     k_on = (top_k > 0) & (top_k < vocab)
@@ -128,6 +83,33 @@ def keep_mask_sglang(
     keep &= ~((ordered < threshold) & (min_p > 0)[:, None])
     keep &= ordered > 0
     return torch.zeros_like(keep).scatter_(1, order, keep)
+
+
+def _levels_for(impl: str, device: torch.device) -> Levels:
+    """The counting pass of the threshold bisection: the Triton kernel on CUDA ("auto"), else plain torch."""
+    if impl == "triton" or (impl == "auto" and device.type == "cuda"):
+        from pgdiag.kernels.kept_threshold_triton import levels_triton
+
+        return levels_triton
+    return levels_torch
+
+
+def reconstruct_logits(hidden_op: torch.Tensor, weight_op: torch.Tensor) -> torch.Tensor:
+    """(C, V_local) fp32 logits of the head operands. On CUDA, an fp32 hidden against a 16-bit W is split into
+    three pieces of W's dtype, h = hi + mid + lo (3 x 8 bits hold fp32's 24), and summed over three cuBLAS
+    GEMMs with fp32 accumulation: every product exact, as the fp32 head's "bf16x3" mode (`fp32_head_triton`),
+    on the tensor cores instead of an fp32 GEMM; elsewhere `_fp32_logits`."""
+    low = weight_op.dtype
+    if hidden_op.is_cuda and hidden_op.dtype == torch.float32 and low in (torch.bfloat16, torch.float16):
+        hi = hidden_op.to(low)
+        rest = hidden_op - hi.float()
+        mid = rest.to(low)
+        lo = (rest - mid.float()).to(low)
+        out = torch.mm(lo, weight_op.T, out_dtype=torch.float32)
+        out += torch.mm(mid, weight_op.T, out_dtype=torch.float32)
+        out += torch.mm(hi, weight_op.T, out_dtype=torch.float32)
+        return out
+    return _fp32_logits(hidden_op, weight_op)
 
 
 def reconstruct_kept(
@@ -142,30 +124,41 @@ def reconstruct_kept(
     head_dtype: str = "fp32",
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
+    impl: str = "auto",
 ) -> KeptSet:
     """The kept sets of N tokens under `engine`'s truncation (module docstring), as global ids.
 
     hidden (N, d); weight (V_local, d) this rank's head rows (the whole head without `tp_group`); top_k (N,)
     int64, top_p (N,) fp32, min_p (N,) fp32 per token (the off values: top_k <= 0, top_p >= 1, min_p <= 0).
+    `impl`: the threshold bisection's counting pass, "auto" (Triton on CUDA), "triton" or "torch".
     """
-    mask_of = keep_mask_vllm_topk if engine == "vllm" else keep_mask_sglang
+    levels = _levels_for(impl, hidden.device)
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     n_tokens = hidden.shape[0]
     vocab_local = weight.shape[0]
     vocab_total = vocab_local * world  # an upper bound for the chunk size when shards are uneven
     hidden_op, weight_op = head_operands(hidden, weight, head_dtype)
-    if head_dtype == "fp32":
+    if head_dtype == "fp32" and not hidden.is_cuda:
         weight_op = weight_op.float()
-    chunk = max(1, LOGITS_BUDGET_BYTES // (TEMPORARIES * 4 * max(vocab_total, 1)))
+    per_logit = 4 * (TEMPORARIES_TRITON if levels is not levels_torch else TEMPORARIES_TORCH)
+    chunk = max(1, LOGITS_BUDGET_BYTES // (per_logit * max(vocab_total, 1)))
     ids: list[torch.Tensor] = []
     sizes = torch.zeros(n_tokens, dtype=torch.int64, device=hidden.device)
     for start in range(0, n_tokens, chunk):
         stop = min(start + chunk, n_tokens)
-        z = _fp32_logits(hidden_op[start:stop], weight_op) / temperature  # (C, V_local)
+        z = reconstruct_logits(hidden_op[start:stop], weight_op)  # (C, V_local)
+        if temperature != 1.0:
+            z.div_(temperature)
         if world > 1:
             z = _gather_vocab(z, tp_group)  # (C, V) in rank order = vocab order
-        keep = mask_of(z, top_k[start:stop].long(), top_p[start:stop].float(), min_p[start:stop].float())
-        rows, cols = keep.nonzero(as_tuple=True)  # row-major: ids ascending within a token
+        rows, cols = kept_coordinates(
+            z,
+            top_k[start:stop].long(),
+            top_p[start:stop].float(),
+            min_p[start:stop].float(),
+            engine=engine,
+            levels=levels,
+        )  # row-major: ids ascending within a token
         ids.append(cols.long() + (vocab_start if world == 1 else 0))
         sizes[start:stop] = torch.bincount(rows, minlength=stop - start)
     offsets = torch.zeros(n_tokens + 1, dtype=torch.int64, device=hidden.device)

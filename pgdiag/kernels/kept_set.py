@@ -80,6 +80,56 @@ class KeptSet:
         return p, plogp
 
 
+BITMASK_CHUNK_BYTES = 256 << 20  # unpacked bits (one byte each) of one bitmask expansion chunk
+
+
+def expand_bitmasks(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q packed little-endian bitmasks (Q, B) uint8 -> ((E,) int64 ids ascending within a row, (Q + 1,) int64
+    offsets), on the bitmasks' device: bytes shifted into (rows, B, 8) bits, one `nonzero` a chunk of rows
+    (`BITMASK_CHUNK_BYTES` of bits). The torch twin of `pgdiag.data.kept.bitmask_sets`."""
+    n_rows, width = bits.shape
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    step = max(1, BITMASK_CHUNK_BYTES // max(8 * width, 1))
+    ids: list[torch.Tensor] = []
+    sizes = torch.zeros(n_rows, dtype=torch.int64, device=bits.device)
+    for start in range(0, n_rows, step):
+        stop = min(start + step, n_rows)
+        unpacked = ((bits[start:stop, :, None] >> shifts) & 1).bool().reshape(stop - start, 8 * width)
+        rows, cols = unpacked.nonzero(as_tuple=True)  # row-major: ids ascending within a row
+        ids.append(cols)
+        sizes[start:stop] = torch.bincount(rows, minlength=stop - start)
+    offsets = torch.zeros(n_rows + 1, dtype=torch.int64, device=bits.device)
+    torch.cumsum(sizes, 0, out=offsets[1:])
+    flat = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=bits.device)
+    return flat, offsets
+
+
+def with_bitmasks(kept: KeptSet, queries: torch.Tensor, bits: torch.Tensor) -> KeptSet:
+    """`kept` with the empty sets of tokens `queries` (Q_b,) int64 replaced by the packed bitmasks `bits`
+    (Q_b, B) uint8, expanded on their device (`expand_bitmasks`); their engine log-probs are NaN."""
+    device = kept.ids.device
+    extra_ids, extra_offsets = expand_bitmasks(bits.to(device))
+    extra_sizes = extra_offsets[1:] - extra_offsets[:-1]  # (Q_b,)
+    sizes = kept.sizes().clone()
+    sizes[queries.to(device)] = extra_sizes
+    offsets = torch.zeros_like(kept.offsets)
+    torch.cumsum(sizes, 0, out=offsets[1:])
+    out = torch.empty(int(offsets[-1]), dtype=torch.int64, device=device)
+    plain_token = kept.element_token()  # (E1,) their rank inside a set is unchanged
+    plain_rank = torch.arange(kept.ids.shape[0], device=device) - kept.offsets[plain_token]
+    out[offsets[plain_token] + plain_rank] = kept.ids
+    extra_token = torch.repeat_interleave(queries.to(device), extra_sizes)
+    extra_rank = torch.arange(extra_ids.shape[0], device=device) - torch.repeat_interleave(
+        extra_offsets[:-1], extra_sizes
+    )
+    out[offsets[extra_token] + extra_rank] = extra_ids
+    logprobs = None
+    if kept.logprobs is not None:
+        logprobs = torch.full((out.shape[0],), float("nan"), dtype=kept.logprobs.dtype, device=device)
+        logprobs[offsets[plain_token] + plain_rank] = kept.logprobs
+    return KeptSet(out, offsets, logprobs)
+
+
 def kept_logits(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -229,9 +279,11 @@ def kept_kl(scores: KeptScores, plogp: torch.Tensor, pz: torch.Tensor) -> torch.
 __all__ = [
     "KeptScores",
     "KeptSet",
+    "expand_bitmasks",
     "finish_kept",
     "kept_kl",
     "kept_logits",
     "kept_partials",
     "segment_partials",
+    "with_bitmasks",
 ]

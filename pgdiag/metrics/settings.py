@@ -19,6 +19,7 @@ KEY_STYLES = ("pgdiag", "fast-llm", "verl", "trl", "liger", "miles", "pipelinerl
 METRIC_REDUCTIONS = ("token", "sample", "document")
 LEVELS = ("token", "sequence")
 EMPTY_SEQS = ("count", "skip")
+METRIC_BREAKDOWNS = ("lag",)  # `metrics --by`: breakdowns beside step and all
 
 
 def from_flat_options(cls: type, nested: dict[str, type], options: dict[str, Any], what: str) -> Any:
@@ -79,6 +80,21 @@ class StyleOptions:
     group_normalize: bool = False  # pipelinerl
     kl_coef: float | None = None  # pipelinerl (0.1)
 
+    def __post_init__(self) -> None:
+        """A coefficient, bound or threshold no framework would run with is E503 before any data is read: a
+        negative KL coefficient or beta (a reward for moving away from the reference), a TIS threshold <= 0."""
+        for name, flag, positive in (
+            ("kl_coef", "--kl-coef", False),
+            ("beta", "--beta", False),
+            ("rollout_is_threshold", "--rollout-is-threshold", True),
+        ):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not math.isfinite(value) or value < 0 or (positive and value == 0):
+                bound = "> 0" if positive else ">= 0"
+                raise UsageError(Code.BAD_OPTION_VALUE, f"{flag} must be a number {bound}, got {value}")
+
 
 @dataclass(frozen=True)
 class MetricSettings:
@@ -109,6 +125,7 @@ class MetricSettings:
     identity: bool = False
     identity_tol: float = 0.0
     style: StyleOptions = field(default_factory=StyleOptions)
+    by: tuple[str, ...] = ()  # breakdowns beside step and all (`METRIC_BREAKDOWNS`: lag)
 
     def __post_init__(self) -> None:
         """Reject values no computation can honour (UsageError E503, E506, E507; exit 2) before any data is read."""
@@ -137,6 +154,12 @@ class MetricSettings:
                 raise UsageError(
                     Code.BAD_OPTION_VALUE, f"--{name.replace('_', '-')} must be a number >= 0, got {value}"
                 )
+        object.__setattr__(self, "by", tuple(self.by))
+        unknown = [b for b in self.by if b not in METRIC_BREAKDOWNS]
+        if unknown:
+            raise UsageError(
+                Code.BAD_OPTION_VALUE, f"--by {unknown[0]!r}: choose {'|'.join(METRIC_BREAKDOWNS)}"
+            )
         if self.docs_per_step is not None and self.docs_per_step < 1:
             raise UsageError(
                 Code.BAD_OPTION_VALUE, f"--docs-per-step must be at least 1, got {self.docs_per_step}"

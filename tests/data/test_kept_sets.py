@@ -175,3 +175,84 @@ def test_bitmask_form(tmp_path: Path) -> None:
         _write(tmp_path / "bad", bad)
     assert raised.value.code == "E221" and "sample b, pos 2" in raised.value.message
     assert math.isfinite(0.0)
+
+
+def test_bitmask_sets_equal_the_per_mask_loop() -> None:
+    """The vectorised expansion against `bitmask_ids` mask by mask (the former loop), edge masks included."""
+    from pgdiag.data.kept import bitmask_sets, bitmask_sizes
+
+    rng = np.random.default_rng(4)
+    vocab = 1003  # not a multiple of 8: the last byte is partial
+    masks = [pack_bitmask(rng.choice(vocab, size, replace=False), vocab) for size in (1, 7, 500, 1003, 64)]
+    masks += [pack_bitmask([], vocab), pack_bitmask([0, 1002], vocab)]
+    bits = np.stack(masks)
+    ids, offsets = bitmask_sets(bits)
+    loop = [bitmask_ids(m) for m in masks]
+    assert offsets.tolist() == [0, *np.cumsum([x.size for x in loop]).tolist()]
+    assert ids.tolist() == np.concatenate(loop).tolist()
+    assert bitmask_sizes(bits).tolist() == [1, 7, 500, 1003, 64, 0, 2]
+    assert ids[offsets[6] : offsets[7]].tolist() == [0, 1002]
+
+
+def _columns(ids, offsets, positions, bitmasks) -> object:
+    series = {
+        "sampling_kept_ids": pl.Series(ids, dtype=pl.List(pl.Int32)),
+        "sampling_kept_offsets": pl.Series(offsets, dtype=pl.List(pl.Int32)),
+        KEPT_BITMASK_POSITIONS: pl.Series(positions, dtype=pl.List(pl.Int32)),
+        KEPT_BITMASK: pl.Series(bitmasks, dtype=pl.List(pl.UInt8)),
+    }
+    return kept_from_series({k: pl.Series(k, v) for k, v in series.items()})
+
+
+def test_position_sets_with_bitmasks_equal_a_loop_by_position() -> None:
+    """Three rows (T = 3, 4, 2), ids and bitmasks mixed, queries out of order and repeated: the sets equal a
+    loop over the positions by hand; packed (`expand_bitmasks=False`) they expand to the same on torch."""
+    import torch
+
+    from pgdiag.kernels.kept_set import KeptSet, with_bitmasks
+
+    vocab = 30
+    sets = {  # (row, pos) -> kept ids; bitmask positions marked by their row
+        (0, 0): [3],
+        (0, 1): [1, 2, 29],
+        (0, 2): [],
+        (1, 0): [],
+        (1, 1): [5, 6],
+        (1, 2): [0, 8, 9, 10, 11, 12],
+        (1, 3): [7],
+        (2, 0): [4, 20],
+        (2, 1): [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 25],
+    }
+    as_bitmask = {(0, 1), (1, 2), (2, 1)}
+    lengths = [3, 4, 2]
+    ids, offsets, positions, bitmasks = [], [], [], []
+    for row, length in enumerate(lengths):
+        row_ids, row_offsets, row_pos, row_bits = [], [0], [], []
+        for pos in range(length):
+            if (row, pos) in as_bitmask:
+                row_pos.append(pos)
+                row_bits.extend(pack_bitmask(sets[row, pos], vocab).tolist())
+            else:
+                row_ids.extend(sets[row, pos])
+            row_offsets.append(len(row_ids))
+        ids.append(row_ids)
+        offsets.append(row_offsets)
+        positions.append(row_pos)
+        bitmasks.append(row_bits)
+    kept = _columns(ids, offsets, positions, bitmasks)
+    seq_offsets = np.array([0, 3, 7, 9])
+    queries = np.array([8, 1, 5, 0, 2, 5, 7, 3, 6])
+    flat_to = {int(seq_offsets[r]) + p: (r, p) for r in range(3) for p in range(lengths[r])}
+    want = [sorted(sets[flat_to[int(q)]]) for q in queries]
+    got = position_sets(kept, seq_offsets, queries)
+    assert [got.ids[got.offsets[i] : got.offsets[i + 1]].tolist() for i in range(queries.size)] == want
+    assert position_sizes(kept, seq_offsets).tolist() == [len(sets[flat_to[t]]) for t in range(9)]
+    packed = position_sets(kept, seq_offsets, queries, expand_bitmasks=False)
+    assert packed.bitmask_queries is not None and packed.bitmask_queries.tolist() == [0, 1, 2, 5]
+    kept_set = with_bitmasks(
+        KeptSet(torch.from_numpy(packed.ids), torch.from_numpy(packed.offsets)),
+        torch.from_numpy(packed.bitmask_queries),
+        torch.from_numpy(packed.bitmasks),
+    )
+    assert torch.equal(kept_set.ids, torch.from_numpy(got.ids))
+    assert torch.equal(kept_set.offsets, torch.from_numpy(got.offsets))

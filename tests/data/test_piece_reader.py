@@ -49,7 +49,7 @@ def _error(call) -> InvalidInputError:
 def test_the_first_error_is_raised_after_the_last_piece_with_the_whole_runs_message(tmp_path):
     run = read_run(write_rollouts_file(tmp_path / "run.parquet", _rows(bad_steps=(0, 2))))
     whole = _error(lambda: _read(run, False))
-    reader = PieceReader(run, 1, _read)
+    reader = PieceReader.planned(run, 1, _read)
     handed = [p.batch.n_samples for p in reader]  # step 0 has the error: no piece is handed on
     # one file of one row group: steps (0, 1) are one piece, step 2 another (`pieces.TIE_FACTOR`)
     assert handed == [] and len(reader.checks) == reader.n_pieces == 2  # every piece read and validated
@@ -61,8 +61,8 @@ def test_the_first_error_is_raised_after_the_last_piece_with_the_whole_runs_mess
 
 def test_a_run_without_errors_is_handed_on_piece_by_piece(tmp_path):
     run = read_run(write_rollouts_file(tmp_path / "run.parquet", _rows(bad_steps=())))
-    reader = PieceReader(run, 1, _read)
+    reader = PieceReader.planned(run, 1, _read)
     assert [sorted(set(p.batch.step.tolist())) for p in reader] == [[0, 1], [2]]
     assert reader.finish().n_errors == 0
-    whole = PieceReader(run, 10**9, _read)
+    whole = PieceReader.planned(run, 10**9, _read)
     assert [p.batch.n_samples for p in whole] == [6] and whole.n_pieces == 1

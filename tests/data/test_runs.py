@@ -113,6 +113,18 @@ def test_run_labels_filter_and_override(tmp_path: Path, rollout_rows: list[dict[
         read_run(path, run="c")
 
 
+def test_steps_of_one_run_among_several(tmp_path: Path, rollout_rows: list[dict[str, Any]]) -> None:
+    """With --run, the steps present (E503's hint) and `last` are those of that run, not of the file."""
+    late = [{**r, "run": "a", "step": r["step"] + 5} for r in rollout_rows]  # run a: steps 5, 6
+    path = write_rollouts_file(tmp_path / "m.parquet", late + [{**r, "run": "b"} for r in rollout_rows])
+    with pytest.raises(UsageError) as absent:
+        read_run(path, run="b", steps="5")
+    assert absent.value.code == "E503" and absent.value.hint == "steps present: 0-1"
+    last_b = read_run(path, run="b", steps="last")
+    assert last_b.collect(["step"])["step"].unique().to_list() == [1]
+    assert read_run(path, run="a", steps="last").collect(["step"])["step"].unique().to_list() == [6]
+
+
 def test_projection_ignores_unneeded_missing_columns(
     tmp_path: Path, rollout_rows: list[dict[str, Any]]
 ) -> None:

@@ -85,3 +85,103 @@ def write_slime_layer_dump(
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(record, folder / f"actor_Pass{p:05d}.pt")
     return directory
+
+
+def sglang_layer_parts(
+    model: torch.nn.Module, ids: list[int]
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """{layer id: (delta, residual)} of transformers' Qwen3 on one sequence, split as SGLang's decoder layers
+    return it: delta = the MLP's output, residual = the stream after attention (their sum is the block's
+    output; SGLang adds them in the next layer's norm)."""
+    parts: dict[int, dict[str, torch.Tensor]] = {}
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+
+        def residual_hook(module, args, i=i) -> None:
+            parts.setdefault(i, {})["residual"] = args[0][0].detach().clone()
+
+        def delta_hook(module, args, output, i=i) -> None:
+            parts.setdefault(i, {})["delta"] = output[0].detach().clone()
+
+        handles.append(layer.post_attention_layernorm.register_forward_pre_hook(residual_hook))
+        handles.append(layer.mlp.register_forward_hook(delta_hook))
+    with torch.inference_mode():
+        model(torch.tensor([ids], dtype=torch.int64))
+    for handle in handles:
+        handle.remove()
+    return {i: (p["delta"], p["residual"]) for i, p in parts.items()}
+
+
+def write_sglang_layer_dump(
+    directory: Path,
+    checkpoint: Path,
+    samples: list[list[int]],
+    prompt_lens: list[int],
+    *,
+    chunk: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """The samples as SGLang would have run them, dumped by its tensor dumper with slime's patch (module
+    docstring of pgdiag/explain/sglang_layers.py): one prefill pass of every prompt (plus a HEALTH_CHECK_
+    request, skipped by readers), then one decode pass per response position, one token per running request;
+    odd requests never feed their last token. `chunk` > 1: records saved `chunk` to a ``Chunk*.pt`` list."""
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").float().eval()
+    parts = [sglang_layer_parts(model, ids) for ids in samples]
+    n_layers = len(parts[0])
+    folder = directory / "TP0_PP0_Rank0_pid4242"
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def record(entries: list[tuple[str, int, list[int]]], prefill: bool) -> dict:
+        """entries: (request id, sample index or -1 for the health check, positions)."""
+        ids, positions, layer_rows = [], [], {i: ([], []) for i in range(n_layers)}
+        for _, k, where in entries:
+            for p in where:
+                ids.append(samples[k][p] if k >= 0 else 7)
+                positions.append(p)
+                for i in range(n_layers):
+                    delta, residual = parts[max(k, 0)][i]
+                    layer_rows[i][0].append(delta[p])
+                    layer_rows[i][1].append(residual[p])
+        out = {
+            f"model.layers.{i}": [torch.stack(d).to(dtype), torch.stack(r).to(dtype)]
+            for i, (d, r) in layer_rows.items()
+        }
+        out["model.layers.0.mlp.down_proj"] = out["model.layers.0"][0]  # a sub-module: not a layer output
+        prefix = "model.forward_batch_info."
+        out[prefix + "input_ids"] = torch.tensor(ids, dtype=torch.int64)
+        out[prefix + "positions"] = torch.tensor(positions, dtype=torch.int64)
+        out[prefix + "seq_lens"] = torch.tensor([max(w) + 1 for _, _, w in entries], dtype=torch.int64)
+        out[prefix + "rids"] = [rid for rid, _, _ in entries]
+        out[prefix + "forward_mode"] = "ForwardMode.EXTEND" if prefill else "ForwardMode.DECODE"
+        if prefill:
+            out[prefix + "extend_seq_lens"] = torch.tensor([len(w) for _, _, w in entries], dtype=torch.int64)
+        return out
+
+    records = [
+        record(
+            [(f"req-{k}", k, list(range(n))) for k, n in enumerate(prompt_lens)]
+            + [("HEALTH_CHECK_0", -1, [0, 1])],
+            prefill=True,
+        )
+    ]
+    step = 0
+    while True:
+        running = []
+        for k, (ids, n) in enumerate(zip(samples, prompt_lens, strict=True)):
+            p = n + step
+            last = len(ids) - 1 if k % 2 == 0 else len(ids) - 2
+            if p <= last:
+                running.append((f"req-{k}", k, [p]))
+        if not running:
+            break
+        records.append(record(running, prefill=False))
+        step += 1
+    if chunk <= 1:
+        for index, value in enumerate(records):
+            torch.save(value, folder / f"Pass{index:05d}.pt")
+    else:
+        for index in range(0, len(records), chunk):
+            torch.save(records[index : index + chunk], folder / f"Chunk{index // chunk:05d}.pt")
+    return directory

@@ -10,16 +10,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from explain_factory import make_checkpoint, perturbed_checkpoint, sample_rows, score, write_plant
-from slime_layer_dumps import write_slime_layer_dump
+from slime_layer_dumps import write_sglang_layer_dump, write_slime_layer_dump
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.explain.layers import compare_layers
 from pgdiag.explain.settings import ExplainSettings
+from pgdiag.explain.sglang_layers import match_samples as sglang_match
 from pgdiag.explain.slime_layers import match_samples, read_pass
 
 
@@ -33,6 +35,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | list]:
     samples = [r["input_ids"] for r in rows]
     return {
         "checkpoint": checkpoint,
+        "planted": planted,
         "run": write_plant(root / "run", rows, lp, lp),
         "samples": samples,
         "planted_dump": write_slime_layer_dump(root / "planted_dump", planted, samples, tp=2),
@@ -126,3 +129,55 @@ def test_cli_with_a_dump(setup, tmp_path: Path) -> None:
     assert [r["layer"] for r in payload["layers"]["rows"]] == [0, 1, 3, 4]
     assert payload["layers"]["rows"][2]["local"] is None
     assert "<img " in (tmp_path / "page.html").read_text()
+
+
+@pytest.fixture(scope="module")
+def sglang(setup, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sglang_layers")
+    rows = sample_rows(setup["checkpoint"], steps=2, per_step=3)
+    assert [r["input_ids"] for r in rows] == setup["samples"]  # the same seed: the same samples
+    prompts = [r["prompt_len"] for r in rows]
+    return {
+        "planted": write_sglang_layer_dump(
+            root / "planted", setup["planted"], setup["samples"], prompts, chunk=3
+        ),
+        "clean": write_sglang_layer_dump(root / "clean", setup["checkpoint"], setup["samples"], prompts),
+    }
+
+
+def test_sglang_requests_are_matched_and_read_at_the_positions_the_engine_ran(setup, sglang) -> None:
+    samples = [np.asarray(s) for s in setup["samples"]]
+    found = sglang_match(sglang["clean"], samples, 32)
+    assert sorted(found) == list(range(len(samples)))  # HEALTH_CHECK_ skipped, every request matched
+    for k, sequence in found.items():
+        held = sequence.observed
+        assert held[:-1].all() and held[-1] == (k % 2 == 0)  # odd requests never fed their last token
+        assert sorted(sequence.hidden) == list(range(6))
+
+
+def test_a_perturbation_in_one_layer_of_an_sglang_dump_is_found_there(setup, sglang) -> None:
+    found = compare_layers(
+        setup["run"], setup["checkpoint"], "ref", f"sglang:{sglang['planted']}", ExplainSettings(tokens=1000)
+    )
+    assert found.first_divergent == 3
+    assert found.n_tokens == sum(len(s) for s in setup["samples"]) - len(setup["samples"]) // 2
+    local = {r.layer: r.local for r in found.rows}
+    assert local[3] > 0.01 and all(0.0 < local[i] < 0.004 for i in (0, 1, 2, 4, 5))
+    clean = compare_layers(
+        setup["run"], setup["checkpoint"], "ref", f"sglang:{sglang['clean']}", ExplainSettings(tokens=1000)
+    )
+    assert clean.first_divergent is None and max(r.local for r in clean.rows) < 0.004
+
+
+def test_a_foreign_sglang_file_is_named(setup, tmp_path: Path) -> None:
+    folder = tmp_path / "dump" / "TP0_PP0_Rank0_pid1"
+    folder.mkdir(parents=True)
+    torch.save({"model.layers.0": torch.zeros(3, 32)}, folder / "Pass00000.pt")  # no forward_batch_info
+    with pytest.raises(InvalidInputError) as error:
+        sglang_match(tmp_path / "dump", [np.arange(3)], 32)
+    assert (
+        error.value.code == "E703" and "Pass00000.pt" in str(error.value) and "input_ids" in str(error.value)
+    )
+    with pytest.raises(UsageError) as error:
+        sglang_match(tmp_path / "nothing", [np.arange(3)], 32)
+    assert error.value.code == "E501"

@@ -226,3 +226,38 @@ def test_tensor_parallel_gives_the_same_attribution(checkpoint: Path, tmp_path: 
     for c1, c2 in zip(one.causes, two.causes, strict=True):
         assert c1.cause == c2.cause
         assert c1.share == pytest.approx(c2.share, abs=1e-3)
+
+
+def test_per_token_temperatures_are_fitted_token_by_token(checkpoint: Path, tmp_path: Path) -> None:
+    """The run records a temperature per token (`temperature_tok`: 0.6 at even positions, 1.3 at odd ones); the
+    rollout is scored at each token's own temperature, `old` at T = 1. No single temperature fits side a, the
+    grid's per-token point does (k3 0 against it), and the matrix runs at the recorded temperatures."""
+    rows = sample_rows(checkpoint)
+    cold, hot = score(checkpoint, rows, temperature=0.6), score(checkpoint, rows, temperature=1.3)
+    rollout = [
+        [c if t % 2 == 0 else h for t, (c, h) in enumerate(zip(a, b, strict=True))]
+        for a, b in zip(cold, hot, strict=True)
+    ]
+    for row in rows:
+        row["temperature_tok"] = [0.6 if t % 2 == 0 else 1.3 for t in range(len(row["input_ids"]))]
+    run = write_plant(tmp_path / "run", rows, rollout, score(checkpoint, rows))
+    result = _explain(run, checkpoint)
+    _top(result, "temperature")
+    assert result.causes[0].share > 0.95
+    assert result.fits["a"]["temperature"] == "per_token" and result.fits["a"]["k3"] < 1e-9
+    assert result.fits["b"]["temperature"] == 1.0
+    temperature = next(c for c in result.causes if c.cause == "temperature")
+    assert temperature.evidence["fitted_a"] == "per_token"
+    # the matrix ran at the recorded temperatures: ex_ref (fp32, like the plant) equals the rollout per token
+    import polars as pl
+
+    parts = sorted((result.token_run / "logprobs" / "ex_ref").rglob("part-*.parquet"))
+    ref = pl.concat([pl.read_parquet(p, columns=["sample_id", "logprobs"]) for p in parts])
+    planted = {r["sample_id"]: lp for r, lp in zip(rows, rollout, strict=True)}
+    compared = 0
+    for sample_id, values in zip(ref["sample_id"], ref["logprobs"], strict=True):
+        for want, got in zip(planted[sample_id], values, strict=True):
+            if want is not None:
+                assert got == pytest.approx(want, abs=1e-4)
+                compared += 1
+    assert compared == sum(v is not None for lp in rollout for v in lp)

@@ -17,18 +17,22 @@ from kept_cases import kept_case, kept_reference
 from lm_head_cases import IGNORE
 
 from pgdiag.errors import InvalidInputError
-from pgdiag.kernels import lm_head_logprobs
+from pgdiag.kernels import kept_threshold, lm_head_logprobs
 from pgdiag.kernels.kept_reconstruct import (
     keep_mask_sglang,
     keep_mask_vllm,
-    keep_mask_vllm_topk,
     reconstruct_kept,
 )
 from pgdiag.kernels.kept_set import KeptSet
+from pgdiag.kernels.kept_threshold import keep_mask_threshold
 from pgdiag.kernels.vocab_parallel import vocab_shard_range
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPERATURE = 0.7
+
+
+def _ids(mask: torch.Tensor) -> list[list[int]]:
+    return [row.nonzero()[:, 0].tolist() for row in mask]
 
 
 @pytest.mark.parametrize("temperature", [1.0, TEMPERATURE])
@@ -183,39 +187,57 @@ def test_triton_gather_dot_under_the_interpreter() -> None:
     assert " passed" in run.stdout and "failed" not in run.stdout
 
 
-def _ids(mask: torch.Tensor) -> list[list[int]]:
-    return [row.nonzero()[:, 0].tolist() for row in mask]
+def _threshold(engine: str):
+    def mask(z, top_k, top_p, min_p):
+        return keep_mask_threshold(z, top_k, top_p, min_p, engine=engine)
+
+    return mask
 
 
-def test_vllm_keeps_ties_at_the_kth_logit_and_sglang_does_not() -> None:
+VLLM = [keep_mask_vllm, _threshold("vllm")]
+SGLANG = [keep_mask_sglang, _threshold("sglang")]
+PAIRS = list(zip(VLLM, SGLANG, strict=True))
+
+
+@pytest.mark.parametrize(("vllm", "sglang"), PAIRS, ids=["sort_reference", "threshold"])
+def test_vllm_keeps_ties_at_the_kth_logit_and_sglang_does_not(vllm, sglang) -> None:
     z = torch.tensor([[3.0, 2.0, 2.0, 2.0, 0.0, -1.0]])
     one = torch.ones(1)
     k2 = torch.tensor([2])
     # top-k 2: the 2nd largest logit is 2.0, held by three tokens; vLLM keeps every token >= it
-    assert _ids(keep_mask_vllm(z, k2, one, torch.zeros(1))) == [[0, 1, 2, 3]]
-    # SGLang keeps rank < 2 after its sort: the max and one of the tied tokens
-    kept = _ids(keep_mask_sglang(z, k2, one, torch.zeros(1)))[0]
-    assert len(kept) == 2 and kept[0] == 0 and kept[1] in (1, 2, 3)
+    assert _ids(vllm(z, k2, one, torch.zeros(1))) == [[0, 1, 2, 3]]
+    # SGLang keeps rank < 2 after its (stable, descending) sort: the max and the lowest id of the tie
+    assert _ids(sglang(z, k2, one, torch.zeros(1))) == [[0, 1]]
 
 
-def test_min_p_then_top_p_in_vllm_order_by_hand() -> None:
+@pytest.mark.parametrize(("vllm", "sglang"), PAIRS, ids=["sort_reference", "threshold"])
+def test_ties_at_the_top_p_boundary_follow_each_engines_sort(vllm, sglang) -> None:
+    # probabilities 0.4, 0.2, 0.2, 0.2 and top-p 0.5. vLLM sorts ascending (stable: ids 1, 2, 3, 0), cumulative
+    # 0.2, 0.4, 0.6, 1.0, drops <= 0.5: ids 1 and 2 -> K = {0, 3}. SGLang sorts descending (ids 0, 1, 2, 3),
+    # mass before 0, 0.4, 0.6, 0.8, keeps <= 0.5 -> K = {0, 1}
+    z = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2]]))
+    args = (torch.tensor([0]), torch.tensor([0.5]), torch.tensor([0.0]))
+    assert _ids(vllm(z, *args)) == [[0, 3]]
+    assert _ids(sglang(z, *args)) == [[0, 1]]
+
+
+@pytest.mark.parametrize(("vllm", "sglang"), PAIRS, ids=["sort_reference", "threshold"])
+def test_min_p_then_top_p_in_vllm_order_by_hand(vllm, sglang) -> None:
     # probabilities 0.5, 0.25, 0.15, 0.06, 0.04 (z = log p): min-p 0.1 drops p < 0.05 (token 4);
     # top-p 0.8 on the renormalised rest (0.5208, 0.2604, 0.1563, 0.0625): ascending cumulative 0.0625, 0.2188,
     # 0.4792, 1.0 -> drop those <= 0.2: token 3 only -> K = {0, 1, 2}
     p = torch.tensor([[0.5, 0.25, 0.15, 0.06, 0.04]])
     z = torch.log(p)
-    kept = keep_mask_vllm(z, torch.tensor([0]), torch.tensor([0.8]), torch.tensor([0.1]))
+    kept = vllm(z, torch.tensor([0]), torch.tensor([0.8]), torch.tensor([0.1]))
     assert _ids(kept) == [[0, 1, 2]]
     # SGLang, independent masks on the full distribution: before-mass 0, 0.5, 0.75, 0.9, 0.96 <= 0.8 keeps 0-2;
     # min-p 0.1 x 0.5 = 0.05 drops token 4: the same K here
-    assert _ids(keep_mask_sglang(z, torch.tensor([0]), torch.tensor([0.8]), torch.tensor([0.1]))) == [
-        [0, 1, 2]
-    ]
+    assert _ids(sglang(z, torch.tensor([0]), torch.tensor([0.8]), torch.tensor([0.1]))) == [[0, 1, 2]]
     # top-p 0.76 tells the orders apart: vLLM drops the renormalised ascending cumulative <= 0.24 (tokens 3 and 2:
     # 0.0625, 0.2188) -> {0, 1}; SGLang's before-mass of token 2 on the full distribution is 0.75 <= 0.76 -> {0, 1, 2}
     args = (torch.tensor([0]), torch.tensor([0.76]), torch.tensor([0.1]))
-    assert _ids(keep_mask_vllm(z, *args)) == [[0, 1]]
-    assert _ids(keep_mask_sglang(z, *args)) == [[0, 1, 2]]
+    assert _ids(vllm(z, *args)) == [[0, 1]]
+    assert _ids(sglang(z, *args)) == [[0, 1, 2]]
 
 
 def test_vllm_order_matches_transformers_warpers() -> None:
@@ -233,29 +255,90 @@ def test_vllm_order_matches_transformers_warpers() -> None:
             scores = TopPLogitsWarper(p)(None, scores)
         expected = torch.isfinite(scores)
         n = z.shape[0]
-        got = keep_mask_vllm(z, torch.full((n,), k), torch.full((n,), p), torch.full((n,), m))
-        assert torch.equal(got, expected), (k, p, m)
+        args = (torch.full((n,), k), torch.full((n,), p), torch.full((n,), m))
+        assert torch.equal(keep_mask_vllm(z, *args), expected), (k, p, m)
+        assert torch.equal(keep_mask_threshold(z, *args, engine="vllm"), expected), (k, p, m)
 
 
-@pytest.mark.parametrize(
-    ("k", "p", "m"),
-    [(20, 0.9, 0.0), (0, 0.7, 0.05), (0, 0.99, 0.0), (0, 1.0, 0.1), (5, 0.5, 0.0), (0, 0.95, 0.0)],
-)
-@pytest.mark.parametrize("tie", [False, True])
-def test_topk_path_agrees_with_the_sort_reference(k: int, p: float, m: float, tie: bool) -> None:
-    """The reconstruct path (no vocabulary sort) against the literal vLLM sort: the same kept-set size on >= 99 %
-    of rows (a boundary within fp32 rounding of 1 - p may flip), the same set without ties on >= 99 % of rows;
-    with three tied maxima only their order differs."""
+SETTINGS = [
+    (20, 0.9, 0.0),
+    (0, 0.7, 0.05),
+    (0, 0.99, 0.0),
+    (0, 1.0, 0.1),
+    (5, 0.5, 0.0),
+    (0, 0.95, 0.0),
+    (2000, 0.999, 0.0),
+    (10, 0.95, 0.02),
+    (0, 1.0, 0.0),
+]
+
+
+def _boundary_gap(
+    z: torch.Tensor, kept: torch.Tensor, other: torch.Tensor, top_p: float, engine: str
+) -> float:
+    """fp64 distance of the one token where two kept sets of a row differ from the top-p boundary."""
+    token = int((kept != other).nonzero()[0, 0])
+    keep = kept | other
+    probs = torch.softmax(torch.where(keep, z.double(), float("-inf")) if engine == "vllm" else z.double(), 0)
+    above = float(probs[z > z[token]].sum())
+    return abs(above - top_p)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("window", [1024, 6])
+def test_threshold_bisection_equals_the_sort_reference(
+    engine: str, window: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bisection (no vocabulary sort) gives the literal sort's sets: every row equal except a token within
+    fp32 rounding of the top-p boundary (the reference sums fp32 probabilities, the bisection fp64 masses).
+    `window` 6 forces many bisection passes; on odd rows, ties (three tied maxima, ten tied logits further
+    down, fifty tied at the top-k boundary) exercise the tie order."""
+    monkeypatch.setattr(kept_threshold, "WINDOW_MAX", window)
     gen = torch.Generator().manual_seed(11)
-    z = torch.randn(256, 3000, generator=gen) * 2.5
-    if tie:
-        z[:, :3] = 9.0
+    z = torch.randn(64, 2000, generator=gen) * 2.5
+    z[1::2, :3] = 9.0
+    z[1::2, 10:20] = 5.0
+    z[1::2, 100:150] = 4.0
+    reference = keep_mask_vllm if engine == "vllm" else keep_mask_sglang
     n = z.shape[0]
-    args = (torch.full((n,), k), torch.full((n,), p), torch.full((n,), m))
-    fast, literal = keep_mask_vllm_topk(z, *args), keep_mask_vllm(z, *args)
-    assert (fast.sum(1) == literal.sum(1)).float().mean() >= 0.99
-    if not tie:
-        assert (fast == literal).all(1).float().mean() >= 0.99
+    for k, p, m in [*SETTINGS, (60, 1.0, 0.0), (30, 0.97, 0.0)]:
+        args = (torch.full((n,), k), torch.full((n,), p), torch.full((n,), m))
+        got, want = keep_mask_threshold(z, *args, engine=engine), reference(z, *args)
+        differ = (got != want).any(dim=1).nonzero()[:, 0].tolist()
+        assert len(differ) <= 2, (k, p, m, differ)
+        for row in differ:
+            assert int((got[row] != want[row]).sum()) == 1
+            assert _boundary_gap(z[row], got[row], want[row], p, engine) < 2e-6, (k, p, m, row)
+
+
+def test_per_row_settings_mix() -> None:
+    """Rows with different settings in one call (top-k on some rows only, top-p on others, min-p alone)."""
+    gen = torch.Generator().manual_seed(5)
+    z = torch.randn(60, 500, generator=gen) * 2
+    z[::7, 40:45] = z[::7].amax(1, keepdim=True) - 1.0  # ties below the max
+    top_k = torch.tensor([0, 5, 50, 499, 500, 1] * 10)
+    top_p = torch.tensor([1.0, 0.9, 0.5, 1.0, 0.3] * 12)
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.2] * 15)
+    for engine, reference in (("vllm", keep_mask_vllm), ("sglang", keep_mask_sglang)):
+        got = keep_mask_threshold(z, top_k, top_p, min_p, engine=engine)
+        assert torch.equal(got, reference(z, top_k, top_p, min_p)), engine
+
+
+def test_reconstruct_equals_the_reference_on_its_logits() -> None:
+    kc = kept_case(48, 32, 300, seed=6)
+    n = kc.case.targets.shape[0]
+    top_k = torch.full((n,), 40, dtype=torch.int64)
+    top_p = torch.full((n,), 0.8)
+    min_p = torch.full((n,), 0.01)
+    z = (kc.case.hidden.float() @ kc.case.weight.float().T) / TEMPERATURE
+    for engine, reference in (("vllm", keep_mask_vllm), ("sglang", keep_mask_sglang)):
+        rebuilt = reconstruct_kept(
+            kc.case.hidden, kc.case.weight, temperature=TEMPERATURE, top_k=top_k, top_p=top_p, min_p=min_p,
+            engine=engine,
+        )  # fmt: skip
+        rows, cols = reference(z, top_k, top_p, min_p).nonzero(as_tuple=True)
+        assert torch.equal(rebuilt.ids, cols)
+        assert torch.equal(rebuilt.sizes(), torch.bincount(rows, minlength=n))
 
 
 def _with_engine_logprobs(kc, seed: int = 3) -> KeptSet:

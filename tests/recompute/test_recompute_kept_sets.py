@@ -15,6 +15,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from hf_tiny import save_scaled_qwen3
 
 import pgdiag
 from pgdiag.data.runs import read_run
@@ -36,27 +37,8 @@ SAMPLING = {
 
 
 def _checkpoint(directory: Path) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(1)
-    model = Qwen3ForCausalLM(config).float().eval()
-    with torch.no_grad():  # a peaked distribution, as a trained LM has: top-p keeps few tokens
-        model.lm_head.weight.mul_(12.0)
-    model.save_pretrained(directory, safe_serialization=True)
-    return model
+    """A tiny random Qwen3, its head scaled by 12: a peaked distribution, as a trained LM has (top-p keeps few)."""
+    return save_scaled_qwen3(directory, seed=1, head_scale=12.0, vocab_size=VOCAB)
 
 
 def _processed(logits: torch.Tensor) -> torch.Tensor:
@@ -356,3 +338,43 @@ def test_kept_kl_of_the_engine_kept_logprobs(setup: dict) -> None:
     assert np.sort(got) == pytest.approx(np.sort(expected), abs=2e-5)
     report = pgdiag.compute_metrics(read_run(setup["run"]), new="rc_kl", stream_b="rc_kl")
     assert _all_row(report)["mismatch/kept_kl"] == pytest.approx(np.mean(expected), abs=2e-5)
+
+
+def _as_bitmasks(frame: pl.DataFrame, every: int = 3) -> pl.DataFrame:
+    """The frame with the kept set of every `every`-th recorded position stored as a packed bitmask."""
+    from pgdiag.data.kept import KEPT_BITMASK, KEPT_BITMASK_POSITIONS, pack_bitmask
+
+    ids_col, off_col, pos_col, bits_col = [], [], [], []
+    columns = (frame["sampling_kept_ids"].to_list(), frame["sampling_kept_offsets"].to_list())
+    for ids, offsets in zip(*columns, strict=True):
+        new_ids, new_offsets, positions, bits = [], [0], [], []
+        for pos in range(len(offsets) - 1):
+            kept = ids[offsets[pos] : offsets[pos + 1]]
+            if kept and pos % every == 0:
+                positions.append(pos)
+                bits.extend(pack_bitmask(kept, VOCAB).tolist())
+            else:
+                new_ids.extend(kept)
+            new_offsets.append(len(new_ids))
+        ids_col.append(new_ids)
+        off_col.append(new_offsets)
+        pos_col.append(positions)
+        bits_col.append(bits)
+    return frame.drop("sampling_kept_logprobs").with_columns(
+        pl.Series("sampling_kept_ids", ids_col, dtype=pl.List(pl.Int32)),
+        pl.Series("sampling_kept_offsets", off_col, dtype=pl.List(pl.Int32)),
+        pl.Series(KEPT_BITMASK_POSITIONS, pos_col, dtype=pl.List(pl.Int32)),
+        pl.Series(KEPT_BITMASK, bits_col, dtype=pl.List(pl.UInt8)),
+    )
+
+
+def test_bitmask_positions_score_as_their_ids(setup: dict, tmp_path: Path) -> None:
+    """A third of the recorded sets stored as bitmasks (expanded on the device by `with_bitmasks`): the
+    recorded recompute equals the rollout log-probs as with ids."""
+    frame = _as_bitmasks(setup["frame"].drop("full_tempered", "full_raw"))
+    run = tmp_path / "run"
+    pgdiag.write_run(frame, run, sampling=SAMPLING)
+    _recompute({**setup, "run": run}, "rc_bits", "recorded")
+    got = _loss_values(_stream(run, "rc_bits"), "logprobs")
+    rollout = _loss_values(setup["frame"].sort("sample_id"), "rollout_logprobs")
+    assert np.abs(got - rollout).max() <= 1e-5
