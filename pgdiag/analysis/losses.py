@@ -79,7 +79,6 @@ def loss_parity_rows(
     g_a, g_b = c_a * f_a, c_b * f_b
     tok_sample = batch.token_sample()
     rows: list[ReportRow] = []
-    worst: dict[str, float] = {}
     for step in np.unique(batch.step):
         tok = np.isin(tok_sample, np.flatnonzero(batch.step == step))
         norm_a = float(np.linalg.norm(g_a[tok]))
@@ -93,11 +92,25 @@ def loss_parity_rows(
             n = int(tok.sum())
             where = f"{label}|{int(step)}"
             rows.append(ReportRow(on, "token", "losses/step", where, metric, value, "ratio", "l2", n))
-            if value is not None:
-                worst[metric] = max(worst.get(metric, value), value)
-    for metric, value in worst.items():
-        rows.append(ReportRow(on, "token", "losses", label, metric, value, "ratio", "max", batch.n_tokens))
-    return rows
+    return rows + worst_step_rows(rows)
+
+
+def worst_step_rows(step_rows: list[ReportRow]) -> list[ReportRow]:
+    """Rows of breakdown `losses` (bucket `A vs B`): each metric's maximum over the `losses/step` rows, with the
+    tokens of every step (`n`)."""
+    worst: dict[tuple[str, str, str], float] = {}
+    tokens: dict[tuple[str, str, str], int] = {}
+    for row in step_rows:
+        if row.breakdown != "losses/step":
+            continue
+        key = (row.pair, row.bucket.rpartition("|")[0], row.metric)
+        tokens[key] = tokens.get(key, 0) + row.n
+        if row.value is not None:
+            worst[key] = max(worst.get(key, row.value), row.value)
+    return [
+        ReportRow(on, "token", "losses", label, metric, value, "ratio", "max", tokens[(on, label, metric)])
+        for (on, label, metric), value in worst.items()
+    ]
 
 
 def _rel(x: np.ndarray, norm: float) -> float | None:

@@ -10,7 +10,6 @@ under `--strict`; `--exit-zero` turns 1 into 0), 2 usage, 3 alignment or validat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -33,32 +32,23 @@ from pgdiag.cli.options import (
     CheckOptions,
     Fields,
     GateOptions,
+    LossesOpt,
     MetricOptions,
     RunArg,
     RunInputs,
+    choice_enum,
     flat_command,
+    loss_folds,
 )
 from pgdiag.cli.outputs import OutputSettings, finish
-from pgdiag.compare.settings import CompareSettings
+from pgdiag.compare.settings import BREAKDOWNS, JOINS, CompareSettings
 from pgdiag.errors import Code, UsageError
 
 _DEFAULTS = CompareSettings()
 
 
-class Join(StrEnum):
-    auto = "auto"
-    id = "id"
-    hash = "hash"
-    hash_any_step = "hash-any-step"
-
-
-class Breakdown(StrEnum):
-    position = "position"
-    prob_bucket = "prob_bucket"
-    entropy_bucket = "entropy_bucket"
-    length = "length"
-    step = "step"
-    env = "env"
+Join = choice_enum("Join", JOINS)
+Breakdown = choice_enum("Breakdown", BREAKDOWNS)
 
 
 _JOIN = Join(_DEFAULTS.join)
@@ -112,7 +102,8 @@ class CompareOptions:
         list[Breakdown] | None,
         typer.Option(
             "--by",
-            help="Breakdown (repeatable; default: every one the data supports).",
+            help="Breakdown (repeatable; default: every one the data supports but lag, which reads "
+            "policy_version: docs/compare.md).",
             rich_help_panel=METRICS,
         ),
     ] = None
@@ -148,6 +139,7 @@ class CompareOptions:
             help="Bitwise agreement: tokens with any nonzero Δ, the first one, a ULP histogram; fails on any.",
         ),
     ] = False
+    losses: LossesOpt = None
 
     def settings(self, metric: MetricOptions, check: CheckOptions) -> CompareSettings:
         """The `CompareSettings`; `metric` gives the clip band and, with --metrics, each run's metric settings."""
@@ -239,6 +231,7 @@ def compare(
             decode=decode,
             tokens_out=options.tokens_out,
             overwrite=output.overwrite,
+            accumulators=loss_folds(sources[0], options.losses, metric.settings().divisor),
         )
         report = comparison.report
         decision = outcome(report, gates)
@@ -289,10 +282,13 @@ def _refuse_conflicts(
             Code.OPTIONS_CONFLICT,
             "--baseline picks the reference of an N-way compare: give three RUNs or more",
         )
-    if len(others) >= 2 and (options.tokens_out is not None or output.html is not None or options.exact):
+    if len(others) >= 2 and (
+        options.tokens_out is not None or output.html is not None or options.exact or options.losses
+    ):
         raise UsageError(
             Code.OPTIONS_CONFLICT,
-            "--tokens-out, --html and --exact compare two runs; drop them for N-way (--out keeps the report)",
+            "--tokens-out, --html, --exact and --losses compare two runs; drop them for N-way (--out keeps the "
+            "report)",
         )
     return others
 
@@ -301,7 +297,7 @@ def _render(
     screen: Screen, report: Any, decision: Any, decode: Any, worst_k: int, output: OutputSettings
 ) -> None:
     """The parity table, breakdowns (-v), worst tokens and gates on stdout; check findings on stderr."""
-    from pgdiag.cli.render import render_checks, render_exact, render_gates
+    from pgdiag.cli.render import render_checks, render_exact, render_gates, render_losses
 
     render_checks(screen.notes, report.checks)
     if output.quiet:  # rich lays tables out even on a quiet console: skip the work
@@ -313,6 +309,7 @@ def _render(
     render_worst_tokens(screen.results, report, limit=limit, decode=decode)
     if "exact" in report.meta:
         render_exact(screen.results, report.meta["exact"])
+    render_losses(screen.results, report)
     render_gates(screen.results, decision.gates)
 
 
@@ -335,6 +332,7 @@ def _result(report: Any, decision: Any, verdict: Any, *, two_runs: bool) -> dict
         checks=report.checks.to_dicts(),
         verdict=verdict.as_dict(),
         **({"exact": report.meta["exact"]} if "exact" in report.meta else {}),
+        **({"losses": losses} if (losses := report.to_json_dict()["breakdowns"].get("losses")) else {}),
     )
 
 

@@ -19,10 +19,12 @@ from pgdiag.cli.options import (
     CheckOptions,
     Fields,
     GateOptions,
+    LossesOpt,
     MetricOptions,
     RunArg,
     RunInputs,
     flat_command,
+    loss_folds,
 )
 from pgdiag.cli.outputs import OutputSettings, finish
 
@@ -97,15 +99,12 @@ def metrics(
     show_all: ShowAllOpt = False,
     all_steps: AllStepsOpt = False,
     list_metrics: ListMetricsOpt = False,
+    losses: LossesOpt = None,
 ) -> None:
     """The `metrics` command (help: `HELP`)."""
 
     def body(screen: Screen) -> dict[str, Any]:
-        from pgdiag.cli.render import (
-            render_checks,
-            render_gates,
-            render_metrics,
-        )
+        from pgdiag.cli.render import render_checks, render_gates, render_lag, render_losses, render_metrics
         from pgdiag.metrics.api import compute_metrics
         from pgdiag.report.gates import outcome
         from pgdiag.report.verdict import metrics_verdict
@@ -113,8 +112,11 @@ def metrics(
         output.refuse_existing("metrics")
         settings, gates = metric.settings(), gate.settings()
         source = inputs.read(run)
+        folds = loss_folds(source, losses, settings.divisor)
         with step_progress(screen.notes, "metrics") as progress:
-            report = compute_metrics(source, settings, checks=check.settings(), progress=progress)
+            report = compute_metrics(
+                source, settings, checks=check.settings(), progress=progress, accumulators=folds
+            )
         decision = outcome(report, gates)
         verdict = metrics_verdict(report)
         report = report.with_meta(verdict=verdict.as_dict())
@@ -128,6 +130,8 @@ def metrics(
                 verbose=output.verbose,
                 verdict=verdict,
             )
+            render_lag(screen.results, report)
+            render_losses(screen.results, report)
             render_gates(screen.results, decision.gates)
         result = finish(screen, report, output, _result(report, decision, verdict), verdict)
         return result
@@ -155,6 +159,7 @@ def _result(report: Any, decision: Any, verdict: Any) -> dict[str, Any]:
         checks=report.checks.to_dicts(),
         summary=json_view["summary"],
         per_step=json_view["breakdowns"].get("step", {}),
+        **{k: json_view["breakdowns"][k] for k in ("lag", "losses") if k in json_view["breakdowns"]},
         settings=report.meta["settings"],
         step_status={str(s["step"]): s["status"] for s in report.meta["steps"]},
         verdict=verdict.as_dict(),

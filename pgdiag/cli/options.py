@@ -16,9 +16,9 @@ import inspect
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from enum import StrEnum
+from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -37,6 +37,7 @@ OUTPUT = "Output"
 SAFETY = "Safety"
 
 _METRIC_DEFAULTS = MetricSettings()
+SettingsT = TypeVar("SettingsT")  # a settings dataclass (`same_named`)
 
 
 class KeyStyle(StrEnum):
@@ -63,6 +64,10 @@ class Level(StrEnum):
 class EmptySeqs(StrEnum):
     count = "count"
     skip = "skip"
+
+
+class MetricBreakdown(StrEnum):
+    lag = "lag"
 
 
 # the defaults of the enum options: MetricSettings' own
@@ -231,6 +236,22 @@ def flat_command(func: Callable[..., None]) -> Callable[..., None]:
     return command
 
 
+def same_named(target: type[SettingsT], group: Any, **given: Any) -> SettingsT:
+    """The settings dataclass `target` built from the fields of the option group `group` that it has by the same
+    name (an enum member as its value), with `given` on top: the one place an option group's fields are copied
+    into its settings, so a field added to both needs no third line."""
+    wanted = {f.name for f in fields(target) if f.init}
+    values = {f.name: getattr(group, f.name) for f in fields(group) if f.name in wanted}
+    values = {name: value.value if isinstance(value, Enum) else value for name, value in values.items()}
+    return target(**{**values, **given})
+
+
+def choice_enum(name: str, values: tuple[str, ...]) -> type[StrEnum]:
+    """A Typer choice over `values`, the settings' own tuple, so each list of choices is written once (member
+    names: the values with ``:`` and ``-`` as ``_``)."""
+    return StrEnum(name, [(value.replace(":", "_").replace("-", "_"), value) for value in values])
+
+
 def listed(values: list[Any] | None) -> tuple[Any, ...]:
     """A repeatable option's values as a tuple (Typer gives None when absent)."""
     return tuple(values or ())
@@ -280,13 +301,26 @@ class GateOptions:
         """The `report.gates.GateSettings` (a report's default gates apply beside them: `report.gates.outcome`)."""
         from pgdiag.report.gates import GateSettings
 
-        return GateSettings(
-            fail_on=listed(self.fail_on),
-            warn_on=listed(self.warn_on),
-            profile=self.profile,
-            strict=self.strict,
-            exit_zero=self.exit_zero,
-        )
+        return same_named(GateSettings, self, fail_on=listed(self.fail_on), warn_on=listed(self.warn_on))
+
+
+LossesOpt = Annotated[
+    str | None,
+    _option(
+        "--losses",
+        "Gradient parity of two losses FORM@MODE,FORM@MODE (docs/whatif.md).",
+        METRICS,
+    ),
+]
+
+
+def loss_folds(run: Any, losses: str | None, divisor: float | None) -> list[Any]:
+    """`--losses A,B`: the loss-parity fold of `run` that `metrics` and `compare` feed (none without the option)."""
+    if losses is None:
+        return []
+    from pgdiag.analysis.loss_fold import LossParitySettings, loss_parity_fold
+
+    return [loss_parity_fold(run, LossParitySettings(losses, divisor=divisor))]
 
 
 @dataclass(frozen=True)
@@ -400,6 +434,14 @@ class MetricOptions:
         bool, _option("--group-normalize", "pipelinerl: group_normalization.", METRICS)
     ] = False
     kl_coef: Annotated[float | None, _option("--kl-coef", "pipelinerl: kl_coef (0.1).", METRICS)] = None
+    by: Annotated[
+        list[MetricBreakdown] | None,
+        _option(
+            "--by",
+            "Breakdown beside step and all: lag (docs/metrics.md).",
+            METRICS,
+        ),
+    ] = None
 
     def settings(self) -> MetricSettings:
         """The `MetricSettings` of these options (validated: E503/E506/E507 before any data is read)."""
@@ -407,4 +449,5 @@ class MetricOptions:
         flat["vllm_is"] = not flat.pop("no_vllm_is")
         flat["kl_bias_correction"] = not flat.pop("no_kl_bias_correction")
         flat = {k: v.value if isinstance(v, StrEnum) else v for k, v in flat.items()}
+        flat["by"] = tuple(b.value if isinstance(b, StrEnum) else b for b in flat["by"] or ())
         return MetricSettings.from_options(**flat)

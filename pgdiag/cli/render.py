@@ -292,3 +292,52 @@ def render_exact(console: Console, exact: Mapping[str, Any]) -> None:
             )
         histogram = ", ".join(f"{k}: {v}" for k, v in result["ulp_histogram"].items())
         console.print(f"  ULP distance histogram: {histogram}")
+
+
+LAG_COLUMNS = (
+    "count/tokens",
+    "policy/logratio_abs_mean",
+    "policy/kl_k3",
+    "mismatch/abs_mean",
+    "mismatch/kl_k3",
+)
+
+
+def render_lag(console: Console, report: Report) -> None:
+    """`metrics --by lag`: one row per lag bucket (tokens, the policy and mismatch pairs' mean |d| and k3)."""
+    rows = report.summary.filter(pl.col("breakdown") == "lag")
+    if rows.height == 0:
+        return
+    values = {(b, m): v for b, m, v in rows.select("bucket", "metric", "value").iter_rows()}
+    shown = [c for c in LAG_COLUMNS if any(m == c for _, m in values)]
+    table = Table(title=Text("by lag (proximal − sampling version)", style="bold"), title_justify="left")
+    table.add_column("lag", justify="left")
+    for name in shown:
+        table.add_column(name, justify="right")
+    for bucket in rows["bucket"].unique(maintain_order=True).to_list():
+        cells = [format_value(values.get((bucket, m)), "count" if m == "count/tokens" else "") for m in shown]
+        table.add_row(bucket, *cells)
+    console.print(table)
+
+
+LOSS_COLUMNS = (
+    "losses/rel_l2",
+    "losses/rel_l2_aggregation",
+    "losses/rel_l2_factor",
+    "losses/grad_norm_ratio",
+)
+
+
+def render_losses(console: Console, report: Report) -> None:
+    """`--losses A,B`: the gradient parity of the two loss definitions (the maximum over the steps)."""
+    rows = report.summary.filter(pl.col("breakdown") == "losses")
+    if rows.height == 0:
+        return
+    values = {(b, m): v for b, m, v in rows.select("bucket", "metric", "value").iter_rows()}
+    table = Table(title=Text("loss parity (max over steps)", style="bold"), title_justify="left")
+    table.add_column("A vs B", justify="left")
+    for name in LOSS_COLUMNS:
+        table.add_column(name.removeprefix("losses/"), justify="right")
+    for bucket in rows["bucket"].unique(maintain_order=True).to_list():
+        table.add_row(bucket, *[format_value(values.get((bucket, m)), "ratio") for m in LOSS_COLUMNS])
+    console.print(table)

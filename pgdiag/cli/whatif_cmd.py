@@ -21,6 +21,7 @@ from pgdiag.cli.options import (
     CheckOptions,
     DivisorOpt,
     Fields,
+    LossesOpt,
     RunArg,
     RunInputs,
     flat_command,
@@ -134,14 +135,6 @@ class RuleOptions:
         return parse_rules(**{f.name: listed(getattr(self, f.name)) for f in fields(self)})
 
 
-LossesOpt = Annotated[
-    str | None,
-    _cap_option(
-        "--losses",
-        "Gradient parity of two loss definitions FORM@MODE,FORM@MODE "
-        "(vanilla@token_mean,cispo:0.2,0.28@seq_mean_token_sum).",
-    ),
-]
 BehaviorOpt = Annotated[
     str, typer.Option("--behavior", help="The stream that sampled.", rich_help_panel=STREAMS)
 ]

@@ -34,6 +34,7 @@ from pgdiag.data.pieces import PairPiece
 from pgdiag.data.schema import BASE_STREAMS
 from pgdiag.data.validate import CheckSettings
 from pgdiag.errors import Code, UsageError
+from pgdiag.metrics.accumulators import RowFold
 from pgdiag.metrics.api import metric_streams
 from pgdiag.metrics.settings import MetricSettings
 
@@ -87,9 +88,10 @@ def _read_side(
     checks: CheckSettings,
     metrics: MetricSettings | None,
     in_pieces: bool = False,
+    advantages: bool = False,
 ) -> Side:
     """Read `source` (a run, or a piece of one: `in_pieces`, its rules judged over the run merged at the end):
-    the compared `streams` plus, for side-by-side `metrics` (resolved), theirs."""
+    the compared `streams` plus, for side-by-side `metrics` (resolved), theirs (and the advantages: `advantages`)."""
     if isinstance(source, TokenBatch):
         return Side(source, None, None)
     from pgdiag.data.load import read_token_batch
@@ -103,7 +105,7 @@ def _read_side(
         run,
         streams=wanted,
         entropy=entropy,
-        advantages=metrics is not None,
+        advantages=metrics is not None or advantages,
         reward=True,
         env=True,
         ignore=checks.ignore,
@@ -182,6 +184,7 @@ def compare_runs(
     keep_tokens: bool = False,
     tokens_out: str | Path | None = None,
     overwrite: bool = False,
+    accumulators: Sequence[RowFold] = (),
     **options: Any,
 ) -> Comparison:
     """Parity of `a` against `b` (or of two streams of `a` when `b` is None). Δ = lp_b − lp_a.
@@ -193,7 +196,9 @@ def compare_runs(
     `tokens_out`: a .parquet path; every matched token is written there piece by piece
     (`tokens.TokenTableWriter`, `--tokens-out`), the file appearing only when the comparison succeeds (E502 when
     it exists and not `overwrite`; its path in `Comparison.tokens_file`). `keep_tokens=True` (notebooks) reads the
-    runs whole and keeps every aligned token in memory in `Comparison.pair`. Returns a `Comparison`. Raises
+    runs whole and keeps every aligned token in memory in `Comparison.pair`. `accumulators`
+    (`metrics.accumulators.RowFold`, e.g. `--losses`) get side a's batch of every piece, their streams and the
+    advantages read too, and their rows join the report. Returns a `Comparison`. Raises
     `InvalidInputError` (exit 3) on alignment errors, `UsageError` (exit 2) on bad options.
     """
     if settings is None:
@@ -201,11 +206,11 @@ def compare_runs(
     elif options:
         raise UsageError(Code.SETTINGS_TWICE, "give either a CompareSettings or keyword options, not both")
     if tokens_out is None:
-        return _compare_runs(a, b, settings, decode=decode, keep_tokens=keep_tokens, writer=None)
+        return _compare_runs(a, b, settings, decode, keep_tokens, None, tuple(accumulators))
     from pgdiag.compare.tokens import TokenTableWriter
 
     with TokenTableWriter(tokens_out, overwrite=overwrite) as writer:  # removed on any error
-        comparison = _compare_runs(a, b, settings, decode=decode, keep_tokens=keep_tokens, writer=writer)
+        comparison = _compare_runs(a, b, settings, decode, keep_tokens, writer, tuple(accumulators))
         return replace(comparison, tokens_file=writer.commit())
 
 
@@ -213,16 +218,16 @@ def _compare_runs(
     a: Any,
     b: Any,
     settings: CompareSettings,
-    *,
     decode: Callable[[Sequence[int]], str] | None,
     keep_tokens: bool,
     writer: TokenTableWriter | None,
+    accumulators: tuple[RowFold, ...] = (),
 ) -> Comparison:
     """`compare_runs` once its settings are built: the pieces planned, each read and folded into a `PairFold`;
     each piece's matched tokens go to `writer` when given."""
     if decode is None and settings.tokenizer is not None:
         decode = token_decoder(settings.tokenizer)
-    sources = _sources(a, b, settings)
+    sources = replace(_sources(a, b, settings), accumulators=accumulators)
     whole = (
         isinstance(sources.a, TokenBatch)
         or isinstance(sources.b, TokenBatch)
@@ -281,8 +286,11 @@ def _read_piece(
 
     (sa, sb), (metrics_a, metrics_b) = sources.streams, sources.metrics
     a = sources.a if piece.steps is None else restrict_steps(sources.a, piece.steps)
-    streams = [sa, sb] if sources.one_run else [sa]
-    side_a = _read_side(a, streams, checks, metrics_a, in_pieces) if piece.in_a else None
+    streams = list(
+        dict.fromkeys([sa, sb] if sources.one_run else [sa]) | dict.fromkeys(sources.extra_streams)
+    )
+    extra = bool(sources.accumulators)
+    side_a = _read_side(a, streams, checks, metrics_a, in_pieces, extra) if piece.in_a else None
     if sources.one_run:
         return PieceSides(piece, side_a, side_a)
     side_b = _read_side_b(sources.b, piece, [sb], checks, metrics_b, in_pieces) if piece.in_b else None

@@ -3,11 +3,12 @@
 What: for an `AlignedPair`, each breakdown maps every matched token to an integer bucket code with a label and
 numeric edges: `position` (response position: the first token alone, then doubling buckets), `prob_bucket`
 (probability of the sampled token on side a, the reference side), `entropy_bucket` (when an entropy stream is
-present), `length` (matched loss tokens of the sample, doubling buckets), `step`, and `env`.
+present), `length` (matched loss tokens of the sample, doubling buckets), `step`, `env`, and `lag` (only on request:
+the staleness of side a's tokens, `pgdiag.data.versions`, given as `lag`).
 Why: the same parity engine (`parity.token_table`) then computes every bucket in one vectorised pass, so
 "where do the two sides disagree" costs O(tokens) per breakdown, never a Python loop over tokens.
-How: `assign(pair, name)` returns `Buckets` (codes, labels, lo, hi); `available(pair)` lists the breakdowns
-the data supports. Edges are half-open [lo, hi); the top probability bucket is closed at 1.
+How: `assign(pair, name, lag)` returns `Buckets` (codes, labels, lo, hi); `available(pair)` lists the breakdowns
+the data supports (every one but `lag`, which reads the run's versions). Edges are half-open [lo, hi); the top probability bucket is closed at 1.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from itertools import pairwise
 import numpy as np
 
 from pgdiag.compare.align import AlignedPair
+from pgdiag.compare.settings import BREAKDOWNS
+from pgdiag.data.versions import LAG_HI, LAG_LABELS, LAG_LO, lag_codes
 from pgdiag.errors import Code, InvalidInputError, UsageError
 
-BREAKDOWNS = ("position", "prob_bucket", "entropy_bucket", "length", "step", "env")
 PROB_EDGES = (0.0, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0)
 ENTROPY_EDGES = (0.0, 0.01, 0.1, 0.5, 1.0, 2.0, 4.0, np.inf)  # nats
 LOOKUP_LIMIT = 1 << 16  # integer buckets up to this edge use a lookup table
@@ -118,8 +120,8 @@ def _categorical(name: str, per_sample: np.ndarray, sample: np.ndarray, *, numer
     return Buckets(name, None, labels, edges, edges.copy(), sample_codes, sample)
 
 
-def assign(pair: AlignedPair, name: str) -> Buckets:
-    """Bucket codes of breakdown `name` for the tokens of `pair`."""
+def assign(pair: AlignedPair, name: str, lag: np.ndarray | None = None) -> Buckets:
+    """Bucket codes of breakdown `name` for the tokens of `pair` (`lag` (M,): each token's lag, for `lag`)."""
     if name == "position":
         return _numeric(name, pair.resp_pos, DOUBLING_EDGES, integer=True, top_closed=False)
     if name == "prob_bucket":  # bucket on lp_a against ln(edges): no exp over M tokens
@@ -134,6 +136,10 @@ def assign(pair: AlignedPair, name: str) -> Buckets:
                 f"{pair.pair}: --by entropy_bucket needs an entropy stream (run logprobs)",
             )
         return _numeric(name, pair.entropy, ENTROPY_EDGES, integer=False, top_closed=False)
+    if name == "lag":
+        if lag is None:
+            raise UsageError(Code.MISSING_SETTING, f"{pair.pair}: --by lag needs the lag of side a's tokens")
+        return Buckets(name, lag_codes(lag), LAG_LABELS, np.array(LAG_LO), np.array(LAG_HI))
     sample = pair.token_sample()
     if name == "length":
         per_sample = _numeric(

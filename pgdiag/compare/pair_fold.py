@@ -30,7 +30,9 @@ from pgdiag.compare.side_by_side import SideMetrics, side_by_side_rows
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.pieces import AnyStepKeys, PairPiece
 from pgdiag.data.validate import CheckResult, Issue, merge_check_results, raise_first_error
+from pgdiag.data.versions import token_lag_at
 from pgdiag.errors import Code, InvalidInputError, UsageError
+from pgdiag.metrics.accumulators import RowFold
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.report import ReportRow
 
@@ -144,6 +146,12 @@ class PairSources:
     b: Any
     streams: tuple[str, str]
     metrics: tuple[MetricSettings | None, MetricSettings | None] = (None, None)
+    accumulators: tuple[RowFold, ...] = ()  # fed side a's batch of every piece (`--losses`); their rows join
+
+    @property
+    def extra_streams(self) -> list[str]:
+        """Side a's streams the accumulators read besides the compared ones."""
+        return [s for accumulator in self.accumulators for s in accumulator.streams]
 
     @property
     def one_run(self) -> bool:
@@ -220,6 +228,10 @@ class PairFold:
         piece = read.piece
         side_a, side_b = read.take()
         self._first_piece(side_a, side_b)
+        if side_a is not None and side_a.batch is not None and self.sources.accumulators:
+            batch = replace(side_a.batch, label=self.labels[0] if self.labels else side_a.batch.label)
+            for accumulator in self.sources.accumulators:
+                accumulator.add(batch)
         if side_a is not None and side_a.checks is not None:
             self.checks_a.append(side_a.checks)
         if not self.sources.one_run and side_b is not None and side_b.checks is not None:
@@ -236,12 +248,25 @@ class PairFold:
         if self.exact is not None:  # the exact tally sees every token; the parity tables the finite ones
             self.exact.add(piece_pair)
             piece_pair = finite_only(piece_pair)
+        lag = self._lag(side_a, piece_pair)
         side_a = _aligned(side_a)  # the batches go before the tables allocate theirs (peak memory)
         side_b = side_a if self.sources.one_run else _aligned(side_b)
         self._hold(piece_pair.deferred)
         if piece_pair.n_samples == 0:  # nothing matched in these steps: counted in E306 (deferred) only
             return
-        self._pool(piece_pair, side_b)
+        self._pool(piece_pair, side_b, lag)
+
+    def _lag(self, side_a: Side, pair: AlignedPair) -> np.ndarray | None:
+        """(M,) the lag of each matched token, read from side a's run (`--by lag` only; NaN without versions)."""
+        if self.settings.by is None or "lag" not in self.settings.by:
+            return None
+        batch = side_a.batch
+        assert batch is not None
+        found = None
+        if side_a.run is not None:
+            rows = pair.rows_a[pair.token_row]  # (M,) batch a's row of each matched token
+            found = token_lag_at(side_a.run, batch.step, batch.sample_id, batch.segment_idx, rows, pair.pos)
+        return np.full(pair.n_tokens, np.nan) if found is None else found.lag
 
     def _first_piece(self, side_a: Side | None, side_b: Side | None) -> None:
         """Labels, the hash-any-step counts and the side metric sets, fixed by the first piece."""
@@ -301,7 +326,7 @@ class PairFold:
             keep_nonfinite=self.exact is not None,
         )
 
-    def _pool(self, piece_pair: AlignedPair, side_b: Side) -> None:
+    def _pool(self, piece_pair: AlignedPair, side_b: Side, lag: np.ndarray | None) -> None:
         settings = self.settings
         if self.pooled is None:
             chosen = bd.available(piece_pair) if settings.by is None else tuple(settings.by)
@@ -313,7 +338,7 @@ class PairFold:
                 decode=self.decode,
                 pieces=self.n_pieces,
             )
-        self.pooled.add(piece_pair, np.asarray(DLOGP_EDGES))
+        self.pooled.add(piece_pair, np.asarray(DLOGP_EDGES), lag)
         if self.writer is not None:
             self.writer.add(piece_pair)
         if self.tau_samples is not None and not self.tau_samples.full:
@@ -347,6 +372,7 @@ class PairFold:
         if self.shown:
             side_rows, side_meta = side_by_side_rows(self.shown)
             rows += side_rows
+        rows += [row for accumulator in self.sources.accumulators for row in accumulator.finish()]
         hints = diagnosis.issues
         if tau is not None:  # the exact fit supersedes the slope hint's temperature warning
             slope = f"{self.name}: slope"

@@ -175,8 +175,9 @@ class PooledParity:
         self.steps: set[int] = set()
         self.pieces = 0
 
-    def add(self, pair: AlignedPair, dlogp_edges: np.ndarray) -> None:
-        """Take the partials of one piece (then the caller may drop `pair`)."""
+    def add(self, pair: AlignedPair, dlogp_edges: np.ndarray, lag: np.ndarray | None = None) -> None:
+        """Take the partials of one piece (then the caller may drop `pair`); `lag` (M,) each token's lag, for the
+        `lag` breakdown."""
         self.pieces += 1
         self.n_tokens += pair.n_tokens
         self.n_samples += pair.n_samples
@@ -192,7 +193,7 @@ class PooledParity:
             self._add_moments(pair, terms)
         mean_a, mean_b, sum_d, _ = sequence_means(pair.lp_a, pair.lp_b, pair.offsets, delta=d)
         self.seq_parts.append((mean_a, mean_b, sum_d))
-        self._add_buckets(pair, terms)
+        self._add_buckets(pair, terms, lag)
         self._add_hist(d, dlogp_edges)
         self.worst_tokens.append(worst_tokens(pair, self.worst_k, decode=self.decode))
         self.worst_seqs.append(worst_seqs(pair, self.worst_k))
@@ -222,11 +223,11 @@ class PooledParity:
         p_a, p_b = np.exp(pair.lp_a, out=b1), np.exp(pair.lp_b, out=b2)
         self.fit_prob = self.fit_prob.merge(Comoments.of(p_a, p_b))
 
-    def _add_buckets(self, pair: AlignedPair, terms: TokenTerms) -> None:
+    def _add_buckets(self, pair: AlignedPair, terms: TokenTerms, lag: np.ndarray | None) -> None:
         per_sample = None
         codes_of: dict[str, np.ndarray] = {}
         for name in self.by:
-            buckets = bd.assign(pair, name)
+            buckets = bd.assign(pair, name, lag)
             if buckets.sample_codes is None:
                 table = bucket_table(terms, buckets.codes, buckets.n_buckets)
             else:

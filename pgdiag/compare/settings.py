@@ -14,7 +14,7 @@ from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.settings import ClipBand, MetricSettings, from_flat_options
 
 JOINS = ("auto", "id", "hash", "hash-any-step")
-BREAKDOWNS = ("position", "prob_bucket", "entropy_bucket", "length", "step", "env")
+BREAKDOWNS = ("position", "prob_bucket", "entropy_bucket", "length", "step", "env", "lag")  # `lag` on request
 
 
 DEFAULT_PROFILE = "recommended"  # its fail gates apply when `compare` is given no gate (docs/cli.md)

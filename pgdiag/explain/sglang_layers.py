@@ -46,7 +46,7 @@ def dump_files(directory: Path) -> list[Path]:
         raise UsageError(
             Code.INPUT_NOT_FOUND,
             f"{directory}: no SGLang layer dump (<rank folder>/Pass*.pt or Chunk*.pt)",
-            "point sglang:DIR at SGLang's --debug-tensor-dump-output-folder",
+            "point sglang:DIR at the folder SGLang's tensor dumper writes (its debug tensor dump output folder)",
         )
     return files
 

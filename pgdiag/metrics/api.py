@@ -9,7 +9,7 @@ or a framework key style on every step and on the pooled ``all`` row.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import polars as pl
@@ -18,7 +18,7 @@ from pgdiag.data.batch import TokenBatch
 from pgdiag.data.load import LoadedBatch, read_token_batch
 from pgdiag.data.reader import PieceReader
 from pgdiag.data.runs import Run
-from pgdiag.data.schema import BASE_STREAMS, stream_column
+from pgdiag.data.schema import stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import (
     CheckResult,
@@ -27,10 +27,14 @@ from pgdiag.data.validate import (
     check_result,
     raise_first_error,
 )
+from pgdiag.data.versions import token_lag
 from pgdiag.errors import Code, UsageError
+from pgdiag.metrics.accumulators import RowFold
 from pgdiag.metrics.chunks import plan_chunks
 from pgdiag.metrics.kept import truncation_warning
+from pgdiag.metrics.lag import LagBreakdown, lag_breakdown
 from pgdiag.metrics.pooled import QuantileSettings
+from pgdiag.metrics.resolve import metric_streams, pair_names, resolve_streams
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import Report, ReportRow, summary_frame
@@ -39,75 +43,6 @@ if TYPE_CHECKING:
     from pgdiag.metrics.docsteps import DocStepFeeder
     from pgdiag.metrics.engine import NativeStream, StepMetrics
     from pgdiag.metrics.styles.steps import StyleStream
-
-
-def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
-    """Settings with every stream name resolved against the run's streams (docs/cli.md).
-
-    new: ``new``, else the single recompute tag, else exit 2 listing the streams; old: ``old``, else ``rollout``;
-    mismatch pair: a = ``rollout``, b = ``old`` else ``new``; ref: ``ref`` when present; entropy: the new
-    stream's entropy when it is a recompute tag that has one.
-    """
-    streams = set(run.streams)
-    tags = [s for s in run.streams if s not in BASE_STREAMS]
-
-    def need(name: str | None, what: str) -> str | None:
-        if name is not None and name not in streams:
-            raise UsageError(
-                Code.STREAM_NOT_FOUND,
-                f"{run.label}: no stream {name!r} for {what}",
-                f"streams present: {', '.join(run.streams) or 'none'}",
-            )
-        return name
-
-    new = need(settings.new, "--new")
-    if new is None:
-        if "new" in streams:
-            new = "new"
-        elif len(tags) == 1:
-            new = tags[0]
-        else:
-            listed = ", ".join(run.streams) or "none"
-            raise UsageError(
-                Code.STREAM_NOT_FOUND,
-                f"{run.label}: cannot tell which stream is the new policy (streams: {listed})",
-                "run `pgdiag logprobs RUN --model CKPT` first, or name one with --new",
-            )
-    old = need(settings.old, "--old") or (
-        "old" if "old" in streams else ("rollout" if "rollout" in streams else None)
-    )
-    if old is None:
-        raise UsageError(
-            Code.STREAM_NOT_FOUND,
-            f"{run.label}: no old or rollout stream for the policy ratio",
-            "name one with --old",
-        )
-    stream_a = need(settings.stream_a, "--stream-a") or ("rollout" if "rollout" in streams else None)
-    stream_b = need(settings.stream_b, "--stream-b") or ("old" if "old" in streams else new)
-    if stream_a is None or stream_a == stream_b:
-        stream_a = stream_b = None
-    ref = need(settings.ref, "--ref") or ("ref" if "ref" in streams else None)
-    entropy = settings.entropy
-    if entropy is not None and entropy not in run.entropy_streams:
-        raise UsageError(
-            Code.STREAM_NOT_FOUND,
-            f"{run.label}: no entropy for stream {entropy!r}",
-            f"streams with entropy: {', '.join(run.entropy_streams) or 'none'}",
-        )
-    if entropy is None and new in run.entropy_streams:
-        entropy = new
-    kept = next((s for s in (stream_b, stream_a, new) if s is not None and s in run.kept_tags), None)
-    return replace(
-        settings, new=new, old=old, stream_a=stream_a, stream_b=stream_b, ref=ref, entropy=entropy, kept=kept
-    )
-
-
-def _pair_names(label: str, settings: MetricSettings) -> tuple[str, str | None]:
-    policy = f"{label}:{settings.old} vs {label}:{settings.new}"
-    mismatch = (
-        None if settings.stream_a is None else f"{label}:{settings.stream_a} vs {label}:{settings.stream_b}"
-    )
-    return policy, mismatch
 
 
 def default_gates(settings: MetricSettings) -> dict[str, Any]:
@@ -157,6 +92,7 @@ def compute_metrics(
     checks: CheckSettings | None = None,
     stream: StreamSettings | None = None,
     progress: Callable[[int, int], None] | None = None,
+    accumulators: Sequence[RowFold] = (),
     **options: Any,
 ) -> Report:
     """The full metric set of `run`, per step and pooled (``all``), as a `Report`.
@@ -175,7 +111,8 @@ def compute_metrics(
     rows out (ignored structural errors: its documents are counted over the rows kept). `progress(steps_done,
     n_steps)` is called after each chunk. The chunks' checks merge into the run's (`merge_check_results`); an
     error is raised after the last chunk (the chunks after it are validated only), as one read of the run
-    raises it.
+    raises it. `accumulators` (`metrics.accumulators.RowFold`, e.g. `--losses`) get every chunk's batch, with
+    their streams read too, and their rows join the report; `settings.by` adds the `lag` breakdown.
     """
     if settings is None:
         settings = MetricSettings.from_options(**options)
@@ -194,21 +131,23 @@ def compute_metrics(
     )
     plan = plan_chunks(run, settings, stream.budget, engine)
     if plan is None:  # a run no chunking reads exactly: the reader says what is wrong
-        return _whole_run_report(run, settings, checks)
+        return _whole_run_report(run, settings, checks, accumulators)
     chunks = plan.chunks or [(run, None)]  # a run without rows is read once, as a whole
     reader = (
         PieceReader(  # the reader's checks merged, its first error (then the pair rule's) raised at the end
             [chunk for chunk, _ in chunks],
-            lambda chunk, many: _read(chunk, settings, checks, piece=many),
+            lambda chunk, many: _read(chunk, settings, checks, piece=many, accumulators=accumulators),
             after=lambda loaded: _pair_rule(loaded.batch, settings, checks),
         )
     )
-    fold = MetricsFold(engine, plan.feeder, pooled=stream.pooled)
+    fold = MetricsFold(
+        engine, plan.feeder, pooled=stream.pooled, lag=lag_breakdown(settings), rows=accumulators
+    )
     for piece in reader:
         n_rows = chunks[piece.index][1]
         if n_rows is not None and piece.batch.n_samples != n_rows:  # rows left out: cut the rows kept
-            return _whole_run_report(run, settings, checks)
-        fold.add(piece.batch)
+            return _whole_run_report(run, settings, checks, accumulators)
+        fold.add(piece.batch, piece.run)
         if progress is not None:
             progress(len(engine.steps), plan.n_steps)
     found = reader.finish()
@@ -244,22 +183,37 @@ def _pieces_report(
             "chunks": n_chunks,
         },
         extra_notices=[] if notice is None else [notice],
+        lag=fold.lag,
+        extra_rows=[row for accumulator in fold.rows for row in accumulator.finish()],
     )
 
 
 class MetricsFold:
     """The metric engine over a run's pieces (`pgdiag.data.fold.Fold`): `add(batch)` per piece in order (through
     the `--docs-per-step` feeder when there is one), `finish()` every step's metrics and, when pooled, `all`. The
-    reader (`pgdiag.data.reader.PieceReader`) hands on only the pieces before the first error and raises it."""
+    reader (`pgdiag.data.reader.PieceReader`) hands on only the pieces before the first error and raises it.
+    `lag` (`--by lag`) and `rows` (`RowFold`s: `--losses`) are fed every piece too; the caller reports them."""
 
     def __init__(
-        self, engine: NativeStream | StyleStream, feeder: DocStepFeeder | None, *, pooled: bool
+        self,
+        engine: NativeStream | StyleStream,
+        feeder: DocStepFeeder | None,
+        *,
+        pooled: bool,
+        lag: LagBreakdown | None = None,
+        rows: Sequence[RowFold] = (),
     ) -> None:
-        self.engine, self.feeder, self.pooled = engine, feeder, pooled
+        self.engine, self.feeder, self.pooled, self.lag, self.rows = engine, feeder, pooled, lag, rows
         self.n_samples = self.n_tokens = 0
 
-    def add(self, batch: TokenBatch) -> None:
+    def add(self, batch: TokenBatch, source: Run | None = None) -> None:
+        """Fold one piece in; `source` is the run restricted to it, which `--by lag` reads the versions from."""
         (self.engine if self.feeder is None else self.feeder).add(batch)
+        if self.lag is not None:
+            assert source is not None
+            self.lag.add(batch, token_lag(source, batch))
+        for accumulator in self.rows:
+            accumulator.add(batch)
         self.n_samples += batch.n_samples
         self.n_tokens += batch.n_tokens
 
@@ -269,21 +223,35 @@ class MetricsFold:
         return [*self.engine.steps, self.engine.finish()] if self.pooled else list(self.engine.steps)
 
 
-def _whole_run_report(run: Run, settings: MetricSettings, checks: CheckSettings) -> Report:
+def _whole_run_report(
+    run: Run, settings: MetricSettings, checks: CheckSettings, accumulators: Sequence[RowFold]
+) -> Report:
     """The report of `run` read at once, for a run that no chunking reads exactly (null steps, a step column
     that is not an integer, rows left out under `--docs-per-step`): the reader's first error, then the pair
     rule's, raise."""
-    loaded = _read(run, settings, checks)
-    raise_first_error(_pair_rule(loaded.batch, settings, checks))
-    return metrics_report(loaded.batch, settings, run=run, checks=loaded.checks.issues, ignored=checks.ignore)
+    loaded = _read(run, settings, checks, accumulators=accumulators)
+    batch, issues = loaded.batch, loaded.checks.issues
+    raise_first_error(_pair_rule(batch, settings, checks))
+    return metrics_report(
+        batch, settings, run=run, checks=issues, ignored=checks.ignore, accumulators=accumulators
+    )
 
 
-def _read(run: Run, settings: MetricSettings, checks: CheckSettings, *, piece: bool = False) -> LoadedBatch:
-    """One read of `run` (a piece, or the whole run) with the reader's validation; `piece` (one of several):
-    nothing raises, the issues are in the checks for `PieceReader` to merge and raise."""
+def _read(
+    run: Run,
+    settings: MetricSettings,
+    checks: CheckSettings,
+    *,
+    piece: bool = False,
+    accumulators: Sequence[RowFold] = (),
+) -> LoadedBatch:
+    """One read of `run` (a piece, or the whole run) with the reader's validation, the accumulators' streams too;
+    `piece` (one of several): nothing raises, the issues are in the checks for `PieceReader` to merge and raise."""
     return read_token_batch(
         run,
-        streams=metric_streams(settings),
+        streams=list(
+            dict.fromkeys([*metric_streams(settings), *(s for a in accumulators for s in a.streams)])
+        ),
         entropy=[settings.entropy] if settings.entropy else [],
         ignore=checks.ignore,
         max_examples=checks.max_examples,
@@ -330,12 +298,6 @@ def _quantile_notice(exact: bool, quantiles: QuantileSettings) -> str | None:
     )
 
 
-def metric_streams(settings: MetricSettings) -> list[str]:
-    """The streams resolved `settings` read (new, old, the mismatch pair, ref), each once."""
-    names = [settings.new, settings.old, settings.stream_a, settings.stream_b, settings.ref]
-    return [s for s in dict.fromkeys(names) if s]
-
-
 def metrics_report(
     batch: TokenBatch,
     settings: MetricSettings,
@@ -343,12 +305,16 @@ def metrics_report(
     run: Run,
     checks: pl.DataFrame | None = None,
     ignored: Sequence[str] = (),
+    accumulators: Sequence[RowFold] = (),
 ) -> Report:
     """The metric set of an already read and validated `batch` of `run` under stream-resolved `settings`
     (`resolve_streams`), read whole (`compare --metrics` feeds its pieces to a stream instead: `stream_report`)."""
     from pgdiag.metrics.engine import compute_native
     from pgdiag.metrics.styles.steps import compute_by_step, compute_step_style
 
+    lag = lag_breakdown(settings)
+    if lag is not None:
+        lag.add(batch, token_lag(run, batch))
     if settings.key_style == "pgdiag":
         results = compute_native(batch, settings)
     else:
@@ -365,7 +331,16 @@ def metrics_report(
         n_tokens=batch.n_tokens,
         checks=checks,
         ignored=ignored,
+        lag=lag,
+        extra_rows=_fed_rows(accumulators, batch),
     )
+
+
+def _fed_rows(accumulators: Sequence[RowFold], batch: TokenBatch) -> list[ReportRow]:
+    """The rows of `accumulators` fed `batch`, a whole run read at once."""
+    for accumulator in accumulators:
+        accumulator.add(batch)
+    return [row for accumulator in accumulators for row in accumulator.finish()]
 
 
 def _report(
@@ -379,9 +354,11 @@ def _report(
     ignored: Sequence[str],
     extra_meta: dict[str, Any] | None = None,
     extra_notices: Sequence[str] = (),
+    lag: LagBreakdown | None = None,
+    extra_rows: Sequence[ReportRow] = (),
 ) -> Report:
-    """The metrics `Report` of per-step and ``all`` results."""
-    policy_pair, mismatch_pair = _pair_names(run.label, settings)
+    """The metrics `Report` of per-step and ``all`` results (and the `lag` and accumulators' rows)."""
+    policy_pair, mismatch_pair = pair_names(run.label, settings)
     rows: list[ReportRow] = []
     steps_meta: list[dict[str, Any]] = []
     notices: list[str] = []
@@ -392,6 +369,10 @@ def _report(
         for v in step.values:
             pair = mismatch_pair if (v.key.startswith("mismatch/") and mismatch_pair) else policy_pair
             rows.append(ReportRow(pair, "token", breakdown, bucket, v.key, v.value, v.unit, v.reduction, v.n))
+    rows += extra_rows
+    if lag is not None:
+        rows += lag.rows(policy_pair, mismatch_pair)
+        extra_notices = [*extra_notices, *lag.notices]
     notices.extend(n for n in extra_notices if n not in notices)
     meta = {
         "command": "metrics",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pgdiag.metrics.engine import StepMetrics
+from pgdiag.metrics.step_metrics import StepMetrics
 
 ON_POLICY_ONE = ("policy/ratio_mean", "policy/ratio_min", "policy/ratio_max", "policy/seq_ratio_mean")
 ON_POLICY_ONE_PREFIXES = ("policy/ess_",)

@@ -19,6 +19,7 @@ KEY_STYLES = ("pgdiag", "fast-llm", "verl", "trl", "liger", "miles", "pipelinerl
 METRIC_REDUCTIONS = ("token", "sample", "document")
 LEVELS = ("token", "sequence")
 EMPTY_SEQS = ("count", "skip")
+METRIC_BREAKDOWNS = ("lag",)  # `metrics --by`: breakdowns beside step and all
 
 
 def from_flat_options(cls: type, nested: dict[str, type], options: dict[str, Any], what: str) -> Any:
@@ -124,6 +125,7 @@ class MetricSettings:
     identity: bool = False
     identity_tol: float = 0.0
     style: StyleOptions = field(default_factory=StyleOptions)
+    by: tuple[str, ...] = ()  # breakdowns beside step and all (`METRIC_BREAKDOWNS`: lag)
 
     def __post_init__(self) -> None:
         """Reject values no computation can honour (UsageError E503, E506, E507; exit 2) before any data is read."""
@@ -152,6 +154,12 @@ class MetricSettings:
                 raise UsageError(
                     Code.BAD_OPTION_VALUE, f"--{name.replace('_', '-')} must be a number >= 0, got {value}"
                 )
+        object.__setattr__(self, "by", tuple(self.by))
+        unknown = [b for b in self.by if b not in METRIC_BREAKDOWNS]
+        if unknown:
+            raise UsageError(
+                Code.BAD_OPTION_VALUE, f"--by {unknown[0]!r}: choose {'|'.join(METRIC_BREAKDOWNS)}"
+            )
         if self.docs_per_step is not None and self.docs_per_step < 1:
             raise UsageError(
                 Code.BAD_OPTION_VALUE, f"--docs-per-step must be at least 1, got {self.docs_per_step}"

@@ -84,7 +84,7 @@ METRIC_ARGS = (
     "--aggregation", "constant", "--divisor", "7", "--grad-divisor", "3", "--eps-low", "0.1",
     "--eps-high", "0.3", "--dual-clip", "4", "--level", "sequence", "--empty-seqs", "skip",
     "--metric-reduction", "sample", "--docs-per-step", "2", "--zero-std-atol", "0.01", "--identity",
-    "--identity-tol", "0.5", "--ignore", "W217", "--max-examples", "9",
+    "--identity-tol", "0.5", "--ignore", "W217", "--max-examples", "9", "--by", "lag",
 )  # fmt: skip
 
 STYLE_ARGS = (
@@ -97,6 +97,7 @@ def test_every_option_is_accounted_for() -> None:
     metric_fields = {f for f in MetricSettings().to_dict()} | {"no_vllm_is", "no_kl_bias_correction"}
     check_fields = {"ignore", "max_examples"}
     metrics_known = metric_fields | check_fields | READ_OPTIONS | GATE_OPTIONS | RENDER_OPTIONS | {"run"}
+    metrics_known |= {"losses"}  # LossParitySettings', tests/analysis/test_loss_fold.py
     assert _params("metrics") - metrics_known == set()
     compare_fields = {
         "stream_a", "stream_b", "join", "by", "worst_k", "eps_low", "eps_high", "model", "tokenizer",
@@ -105,6 +106,7 @@ def test_every_option_is_accounted_for() -> None:
     compare_known = compare_fields | check_fields | READ_OPTIONS | GATE_OPTIONS | RENDER_OPTIONS
     compare_known |= {"routing_replay"}  # routing_attribution's, tests/recompute/test_routing_replay.py
     compare_known |= {"baseline"}  # compare_many's, tests/compare/test_nway.py
+    compare_known |= {"losses"}  # LossParitySettings', tests/analysis/test_loss_fold.py
     assert _params("compare") - compare_known - {"run_a", "run_b"} == set()
 
 
@@ -119,9 +121,10 @@ def test_metrics_options_arrive_in_metric_settings(monkeypatch: pytest.MonkeyPat
         new="n", old="o", stream_a="sa", stream_b="sb", ref="r", entropy="e", aggregation="constant",
         divisor=7.0, grad_divisor=3.0, clip=ClipBand(eps_low=0.1, eps_high=0.3, dual_clip=4.0), level="sequence",
         empty_seqs="skip", metric_reduction="sample", docs_per_step=2, key_style="pgdiag", zero_std_atol=0.01,
-        identity=True, identity_tol=0.5,
+        identity=True, identity_tol=0.5, by=("lag",),
     ))  # fmt: skip
-    assert seen["kwargs"] == {"checks": CheckSettings(ignore=("W217",), max_examples=9), "progress": None}
+    checks = CheckSettings(ignore=("W217",), max_examples=9)
+    assert seen["kwargs"] == {"checks": checks, "progress": None, "accumulators": []}  # no --losses
 
 
 def test_style_options_arrive_in_style_options(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,7 +143,11 @@ def test_metrics_defaults_are_the_dataclass_defaults(monkeypatch: pytest.MonkeyP
     _capture_reads(monkeypatch)
     _invoke("metrics", "RUN")
     assert seen["args"][1] == MetricSettings()
-    assert seen["kwargs"] == {"checks": CheckSettings(), "progress": None}  # no bar off a terminal
+    assert seen["kwargs"] == {
+        "checks": CheckSettings(),
+        "progress": None,
+        "accumulators": [],
+    }  # no bar off a tty
 
 
 COMPARE_ARGS = (

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from batch_factory import write_run
+from hf_tiny import save_hf_model
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
@@ -22,19 +23,10 @@ VOCAB = 97
 
 
 def _tiny_llama(path) -> torch.nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    return save_hf_model(
+        path, "LlamaForCausalLM", seed=0, scale=0.3, vocab_size=VOCAB, max_position_embeddings=128,
+        tie_word_embeddings=False,
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from pgdiag.metrics.api import metric_streams, resolve_streams
 from pgdiag.metrics.engine import StepMetrics
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.metrics.styles import STYLE_NAMES
-from pgdiag.metrics.styles.pooled import POOL_RULES, PoolRule, pool_rules
+from pgdiag.metrics.styles.pool_rules import POOL_RULES, PoolRule, pool_rules
 from pgdiag.metrics.styles.steps import compute_by_step, compute_step_style
 
 SAMPLE_DATA = SAMPLE_DATA

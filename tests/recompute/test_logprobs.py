@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import typer
+from hf_tiny import save_scaled_qwen3
 from rollout_factory import write_rollouts_file
 from typer.testing import CliRunner
 
@@ -29,28 +30,9 @@ TEMPERATURE = 0.7
 
 
 def make_checkpoint(directory: Path) -> torch.nn.Module:
-    """A tiny random Qwen3 (GQA, qk-norm, head_dim != hidden/heads) saved as safetensors; returns the HF model."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).float().eval()
-    with torch.no_grad():  # entropies well below log(V), as a trained LM has
-        model.lm_head.weight.mul_(20.0)
-    model.save_pretrained(directory, safe_serialization=True)
-    return model
+    """A tiny random Qwen3 (GQA, qk-norm, head_dim != hidden/heads) saved as safetensors; returns the HF model.
+    Its head is scaled by 20: entropies well below log(V), as a trained LM has."""
+    return save_scaled_qwen3(directory, seed=0, head_scale=20.0, vocab_size=VOCAB)
 
 
 def make_rows(

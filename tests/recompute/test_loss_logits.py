@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from hf_tiny import save_hf_model
 
 from pgdiag.recompute.loss_logits import loss_logits
 
@@ -12,19 +13,10 @@ VOCAB = 61
 
 
 def _tiny_llama(path) -> torch.nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    return save_hf_model(
+        path, "LlamaForCausalLM", seed=1, scale=0.3, vocab_size=VOCAB, max_position_embeddings=64,
+        tie_word_embeddings=False,
     )  # fmt: skip
-    torch.manual_seed(1)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return model
 
 
 def test_logits_at_positions_match_transformers(tmp_path) -> None:

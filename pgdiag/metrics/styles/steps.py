@@ -10,16 +10,10 @@ from dataclasses import replace
 import numpy as np
 
 from pgdiag.data.batch import TokenBatch
-from pgdiag.metrics.engine import (
-    StepCut,
-    StepMetrics,
-    compute_step_native,
-    mark_partial,
-    split_steps,
-    step_index_of,
-    straddling_groups,
-)
+from pgdiag.metrics.engine import compute_step_native
 from pgdiag.metrics.settings import MetricSettings
+from pgdiag.metrics.step_metrics import StepMetrics, mark_partial
+from pgdiag.metrics.step_split import StepCut, split_steps, step_index_of, straddling_groups
 from pgdiag.metrics.styles import STYLES, check_style_settings
 from pgdiag.metrics.styles.common import read_inputs
 from pgdiag.metrics.styles.pooled import pool_style_steps, public_values, step_partials
