@@ -57,3 +57,16 @@ def test_lag_is_not_a_default_breakdown(tmp_path):
 def test_a_run_without_versions_is_unknown(tmp_path):
     comparison = compare_runs(run_of(tmp_path, versions=False), None, CompareSettings(by=("lag",)))
     assert tokens(comparison) == {"unknown": 10}
+
+
+def test_the_command_shows_the_lag_table_and_refuses_it_for_n_way(tmp_path):
+    from typer.testing import CliRunner
+
+    from pgdiag.cli.app import build_app
+
+    path = str(run_of(tmp_path).paths[0])
+    shown = CliRunner().invoke(build_app(), ["compare", path, "--by", "lag", "-v"], env={"COLUMNS": "160"})
+    assert shown.exit_code in (0, 1), shown.output
+    assert "by lag" in shown.stdout
+    refused = CliRunner().invoke(build_app(), ["compare", path, path, path, "--by", "lag"])
+    assert refused.exit_code == 2 and "E521" in refused.output
