@@ -331,34 +331,26 @@ class ProgressRenderer:
 def _render_summary(console: Console, result: RecomputeResult, *, verbose: bool) -> None:
     rate = result.n_tokens / result.seconds if result.seconds > 0 else 0.0
     settings = result.settings
-    console.print(
+    lines = [
         f"logprobs/{result.tag}: {result.n_samples:,} samples ({result.parts_computed} parts computed, "
         f"{result.parts_skipped} resumed), {result.n_tokens:,} tokens in {result.seconds:.1f} s "
         f"({rate:,.0f} tok/s), peak memory {result.peak_memory_bytes / 2**20:,.0f} MiB",
-        markup=False,
-        soft_wrap=True,
-    )
-    console.print(
         f"dtype {settings.dtype}, head {settings.head_dtype}, impl {settings.impl}, temperature "
         f"{settings.temperature if settings.temperature is not None else 'per-token'} ({settings.temperature_source}), "
         f"tp {settings.tp} x dp {settings.dp} -> {result.path}",
-        markup=False,
-        soft_wrap=True,
-    )
+    ]
     if result.routing_disagree_frac is not None:
-        console.print(
+        lines.append(
             f"routing ({settings.routing}): {result.routing_disagree_frac:.2%} of recorded token x layer routes "
-            f"differ from the router's top-k -> {result.path / '_routing.parquet'}",
-            markup=False,
-            soft_wrap=True,
+            f"differ from the router's top-k -> {result.path / '_routing.parquet'}"
         )
     if result.truncation_bias is not None:
-        console.print(
+        lines.append(
             f"kept sets ({settings.kept_set}, K {settings.kept_source}): mean -log kept mass "
-            f"{result.truncation_bias:.4g} nats a loss token -> kept_mass, logprobs_full in the stream",
-            markup=False,
-            soft_wrap=True,
+            f"{result.truncation_bias:.4g} nats a loss token -> kept_mass, logprobs_full in the stream"
         )
+    for line in lines:
+        console.print(line, markup=False, soft_wrap=True)
     for warning in result.warnings:
         console.print(Text.assemble(("warning", "yellow"), f" {warning}"), soft_wrap=True)
     if verbose:
