@@ -59,6 +59,16 @@ def save_hf_model(
     return model
 
 
+def save_tiny_llama(
+    path: Path, *, seed: int, vocab_size: int, max_position_embeddings: int
+) -> torch.nn.Module:
+    """A tiny Llama with an untied head and weights of std 0.3 (`save_hf_model`), for the loss-logits and tau tests."""
+    return save_hf_model(
+        path, "LlamaForCausalLM", seed=seed, scale=0.3, vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
 QWEN3: dict[str, Any] = {
     "vocab_size": 97,  # odd, so a TP split is uneven
     "hidden_size": 32,

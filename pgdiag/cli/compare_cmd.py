@@ -282,13 +282,14 @@ def _refuse_conflicts(
             Code.OPTIONS_CONFLICT,
             "--baseline picks the reference of an N-way compare: give three RUNs or more",
         )
+    lag = any(b.value == "lag" for b in options.by or [])
     if len(others) >= 2 and (
-        options.tokens_out is not None or output.html is not None or options.exact or options.losses
+        options.tokens_out is not None or output.html is not None or options.exact or options.losses or lag
     ):
         raise UsageError(
             Code.OPTIONS_CONFLICT,
-            "--tokens-out, --html, --exact and --losses compare two runs; drop them for N-way (--out keeps the "
-            "report)",
+            "--tokens-out, --html, --exact, --losses and --by lag compare two runs; drop them for N-way (--out "
+            "keeps the report)",
         )
     return others
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from batch_factory import write_run
-from hf_tiny import save_hf_model
+from hf_tiny import save_tiny_llama
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
@@ -20,13 +20,6 @@ from pgdiag.compare.api import compare_runs
 from pgdiag.data.runs import read_run
 
 VOCAB = 97
-
-
-def _tiny_llama(path) -> torch.nn.Module:
-    return save_hf_model(
-        path, "LlamaForCausalLM", seed=0, scale=0.3, vocab_size=VOCAB, max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +34,7 @@ def stepped_runs(tmp_path_factory):
 
 
 def _tempered_runs(root, *, stepped: bool):
-    model = _tiny_llama(root / "ckpt")
+    model = save_tiny_llama(root / "ckpt", seed=0, vocab_size=VOCAB, max_position_embeddings=128)
     rng = np.random.default_rng(3)
     samples = []
     for i in range(6):

@@ -213,7 +213,7 @@ def test_softmax_vocab_restricts_the_head(checkpoint, tmp_path: Path) -> None:
     assert no_tokenizer.value.code == "E506"  # the run records no tokenizer length
 
 
-class _StopAfter:
+class StopAfter:
     """A progress callback that raises once `parts` parts are done: an interrupted job."""
 
     def __init__(self, parts: int) -> None:
@@ -229,7 +229,7 @@ def test_resume_after_interruption_loses_and_duplicates_nothing(checkpoint, tmp_
     run = write_run(tmp_path / "run", make_rows(seed=7, n_steps=2, groups=3, per_group=3))
     options = {"dtype": "fp32", "part_samples": 2, "batch_tokens": 50, "device": "cpu"}
     with pytest.raises(KeyboardInterrupt):
-        recompute_logprobs(run, ckpt, progress=_StopAfter(3), **options)
+        recompute_logprobs(run, ckpt, progress=StopAfter(3), **options)
     out_dir = run / "logprobs" / "rc_fp32_fp32"
     assert len(list(out_dir.glob("step=*/part-*.parquet"))) == 3
     assert not list(out_dir.rglob(".*tmp*"))
