@@ -209,7 +209,31 @@ def sweep_fp32_head(x: Inputs, n_check: int = 256) -> list[dict]:
             replace(x3, block_k=128, num_stages=3, fresh_steps=1),
         ),
         ("bf16x3 64 x 256", x.hidden_fp32, x.weight, replace(x3, block_n=64, block_v=256)),
+        (
+            "bf16x3 K 32, chains of 4, groups of 4, 6 stages",
+            x.hidden_fp32,
+            x.weight,
+            replace(x3, block_k=32, fresh_steps=4, num_stages=6),
+        ),
         ("bf16x1 default (bf16 hidden)", x.hidden, x.weight, default_tiles("bf16x1", d)),
+        (
+            "bf16x1 chains of 4, groups of 2",
+            x.hidden,
+            x.weight,
+            replace(default_tiles("bf16x1", d), fresh_steps=4, fresh_per_group=2),
+        ),
+        (
+            "bf16x1 chains of 8, groups of 1",
+            x.hidden,
+            x.weight,
+            replace(default_tiles("bf16x1", d), fresh_steps=8, fresh_per_group=1),
+        ),
+        (
+            "bf16x1 chains of 2, groups of 4, 5 stages",
+            x.hidden,
+            x.weight,
+            replace(default_tiles("bf16x1", d), num_stages=5),
+        ),
         (
             "bf16x1 fresh 1 step",
             x.hidden,

@@ -195,7 +195,8 @@ def world_max(value: float, device: torch.device) -> float:
 
 
 def measure_layout(cfg, rollouts, args, tp: int, dp: int, device, *, dtype: str = "bf16", head_dtype: str,
-                   keep: int, repeats: int, name: str) -> tuple[dict, dict[int, torch.Tensor], dict]:  # fmt: skip
+                   keep: int, repeats: int, name: str, overlap_chunks: int | None = None,
+                   ) -> tuple[dict, dict[int, torch.Tensor], dict]:  # fmt: skip
     """Load at (tp, dp), warm up, time `repeats` passes; returns (row, {rollout: logprobs}, {rollout: routes})."""
     rank, world = dist.get_rank(), dist.get_world_size()
     group = build_groups(tp, dp)
@@ -211,6 +212,8 @@ def measure_layout(cfg, rollouts, args, tp: int, dp: int, device, *, dtype: str 
     model = load_from_source(cfg, SyntheticSource(cfg, device), where="synthetic", dtype=dtype,
                              head_dtype=head_dtype, device=device, tp_group=group, fuse_pointwise=args.fuse,
                              attention="auto")  # fmt: skip
+    if overlap_chunks is not None:  # TP all-reduces overlapped in this many token chunks (1: off)
+        model.tp_overlap_chunks = overlap_chunks
     sync(device)
     load_s = world_max(time.perf_counter() - t0, device)
     weights_gib = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
@@ -261,13 +264,20 @@ def measure_layout(cfg, rollouts, args, tp: int, dp: int, device, *, dtype: str 
         "tokens_per_s_per_gpu": n_tokens / median / world, "mfu_measured_peak": flops / median / (world * PEAK_MEASURED),
         "load_s": load_s, "warmup_pass_s": warm_s, "weights_gib_per_gpu": weights_gib, "peak_gib_per_gpu": peaks,
         "peak_batch": peak_batch, "attention": model.attention_backend, "experts": model.expert_impl,
-        "batch_tokens": args.batch_tokens,
+        "batch_tokens": args.batch_tokens, "tp_overlap_chunks": model.tp_overlap_chunks,
     }  # fmt: skip
     del model, result
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row, all_lps, all_routes
+
+
+def _layout(text: str) -> tuple[int, int, int | None]:
+    """'2x1' -> (2, 1, None); '2x1:c4' -> (2, 1, 4)."""
+    shape, _, chunks = text.partition(":")
+    tp, dp = (int(x) for x in shape.split("x"))
+    return tp, dp, int(chunks.removeprefix("c")) if chunks else None
 
 
 def model_flops_any(cfg: ModelConfig, rollouts) -> float:
@@ -304,7 +314,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b")
     parser.add_argument("--layers", type=int, default=0, help="cut the model to its first N layers (0: all)")
-    parser.add_argument("--layouts", default="", help="TPxDP,... (tp x dp = world); default: every divisor")
+    parser.add_argument(
+        "--layouts",
+        default="",
+        help="TPxDP[:cN],... (tp x dp = world; :cN = TP all-reduces overlapped in N token chunks, :c1 off); "
+        "default: every divisor",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rollouts", type=int, default=64)
     parser.add_argument("--batch-tokens", type=int, default=32768)
@@ -334,8 +349,8 @@ def main() -> None:
     cfg = ModelConfig.from_hf_dict(hf, source=args.model)
     tiny = args.model.startswith("tiny")
     rollouts = make_rollouts(args.rollouts, cfg.vocab_size, device, seed=0, scale=0.05 if tiny else 1.0)
-    layouts = [tuple(int(x) for x in s.split("x")) for s in args.layouts.split(",") if s] or [
-        (tp, world // tp) for tp in range(1, world + 1) if world % tp == 0
+    layouts = [_layout(s) for s in args.layouts.split(",") if s] or [
+        (tp, world // tp, None) for tp in range(1, world + 1) if world % tp == 0
     ]
     result = {
         "model": args.model, "layers": cfg.num_hidden_layers,
@@ -353,16 +368,16 @@ def main() -> None:
 
     first_lp = first_routes = None
     bf16_lps: dict[str, dict[int, torch.Tensor]] = {}
-    for n, (tp, dp) in enumerate(layouts):
+    for n, (tp, dp, chunks) in enumerate(layouts):
         if tp * dp != world:
             raise SystemExit(f"layout {tp}x{dp} does not fill the world of {world}")
         heads = [args.head_dtype] + (
             ["bf16"] if n == 0 and args.bf16_head_too and args.head_dtype != "bf16" else []
         )
         for head in heads:
-            name = f"tp{tp}_dp{dp}_head{head}"
+            name = f"tp{tp}_dp{dp}_head{head}" + (f"_c{chunks}" if chunks else "")
             row, lps, routes = measure_layout(cfg, rollouts, args, tp, dp, device, head_dtype=head, keep=args.keep,
-                                              repeats=args.repeats, name=name)  # fmt: skip
+                                              repeats=args.repeats, name=name, overlap_chunks=chunks)  # fmt: skip
             if head == args.head_dtype:
                 if first_lp is None:
                     first_lp, first_routes, row["vs"] = lps, routes, None

@@ -192,6 +192,7 @@ def _meta(
                 "offset": lag.offset,
                 "offset_verified": lag.verified,
                 "per_token_versions": any(part.per_token for part in lags),
+                "unknown_reason": lag.unknown_reason,
             },
         },
         "inputs": {

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import MutableMapping
+from pathlib import Path
 
 from pgdiag.errors import Code
 
@@ -37,6 +40,33 @@ def run(args: list[str] | None = None) -> int:
     return code if isinstance(code, int) else 0
 
 
+def bytecode_cache(environ: MutableMapping[str, str]) -> Path | None:
+    """Keep compiled Python bytecode under ``$XDG_CACHE_HOME/pgdiag/pycache`` (default ``~/.cache/...``) when
+    the environment forbids writing it next to the sources (``PYTHONDONTWRITEBYTECODE``) and names no cache of
+    its own (``PYTHONPYCACHEPREFIX``); returns that folder, or None when nothing changed.
+
+    Why: container images often set ``PYTHONDONTWRITEBYTECODE=1`` and install torch without bytecode (uv's
+    default), so every start compiled torch's Python sources again: ~10 s of each ``pgdiag logprobs`` and of
+    each of its workers (docs/benchmarks.md, "Issue 26"). The cache lives outside the installed packages, as
+    the flag intends; it applies to this process and, through `environ`, to the workers it starts.
+    """
+    if not sys.dont_write_bytecode or sys.pycache_prefix or environ.get("PYTHONPYCACHEPREFIX"):
+        return None
+    root = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pgdiag" / "pycache"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    if not os.access(root, os.W_OK):
+        return None
+    sys.pycache_prefix = str(root)
+    sys.dont_write_bytecode = False
+    environ["PYTHONPYCACHEPREFIX"] = str(root)
+    environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    return root
+
+
 def main() -> None:
     """Console-script entry point (`pgdiag`)."""
+    bytecode_cache(os.environ)
     sys.exit(run())

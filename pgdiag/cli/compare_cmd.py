@@ -10,7 +10,6 @@ under `--strict`; `--exit-zero` turns 1 into 0), 2 usage, 3 alignment or validat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -37,31 +36,19 @@ from pgdiag.cli.options import (
     MetricOptions,
     RunArg,
     RunInputs,
+    choice_enum,
     flat_command,
     loss_folds,
 )
 from pgdiag.cli.outputs import OutputSettings, finish
-from pgdiag.compare.settings import CompareSettings
+from pgdiag.compare.settings import BREAKDOWNS, JOINS, CompareSettings
 from pgdiag.errors import Code, UsageError
 
 _DEFAULTS = CompareSettings()
 
 
-class Join(StrEnum):
-    auto = "auto"
-    id = "id"
-    hash = "hash"
-    hash_any_step = "hash-any-step"
-
-
-class Breakdown(StrEnum):
-    position = "position"
-    prob_bucket = "prob_bucket"
-    entropy_bucket = "entropy_bucket"
-    length = "length"
-    step = "step"
-    env = "env"
-    lag = "lag"
+Join = choice_enum("Join", JOINS)
+Breakdown = choice_enum("Breakdown", BREAKDOWNS)
 
 
 _JOIN = Join(_DEFAULTS.join)
@@ -295,13 +282,14 @@ def _refuse_conflicts(
             Code.OPTIONS_CONFLICT,
             "--baseline picks the reference of an N-way compare: give three RUNs or more",
         )
+    lag = any(b.value == "lag" for b in options.by or [])
     if len(others) >= 2 and (
-        options.tokens_out is not None or output.html is not None or options.exact or options.losses
+        options.tokens_out is not None or output.html is not None or options.exact or options.losses or lag
     ):
         raise UsageError(
             Code.OPTIONS_CONFLICT,
-            "--tokens-out, --html, --exact and --losses compare two runs; drop them for N-way (--out keeps the "
-            "report)",
+            "--tokens-out, --html, --exact, --losses and --by lag compare two runs; drop them for N-way (--out "
+            "keeps the report)",
         )
     return others
 

@@ -25,6 +25,7 @@ from pgdiag.cli.options import (
     StrictOpt,
     flat_command,
     listed,
+    same_named,
 )
 from pgdiag.cli.outputs import OutputSettings
 from pgdiag.importers.base import PRESET_MODULES, ImportOptions
@@ -146,21 +147,11 @@ class ImportFlags:
         """The `ImportOptions` (E112 for a malformed --shift or --map)."""
         from pgdiag.importers.base import parse_map, parse_shift
 
-        return ImportOptions(
-            step=self.step,
-            label=self.label,
-            group_by=self.group_by,
+        return same_named(
+            ImportOptions,
+            self,
             shifts=tuple(parse_shift(s) for s in listed(self.shift)),
             maps=tuple(parse_map(m) for m in listed(self.map_)),
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            logprobs_mode=self.logprobs_mode,
-            tempered=self.tempered,
-            allow_unsafe_pickle=self.allow_unsafe_pickle,
-            retokenize=self.retokenize,
-            tokenizer=self.tokenizer,
         )
 
 

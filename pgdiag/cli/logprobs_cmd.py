@@ -25,10 +25,28 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn,
 from rich.text import Text
 
 from pgdiag.cli.common import Screen, execute, make_console, result_object
-from pgdiag.cli.options import MODEL, OUTPUT, PERFORMANCE, Fields, RunArg, flat_command
+from pgdiag.cli.options import (
+    MODEL,
+    OUTPUT,
+    PERFORMANCE,
+    Fields,
+    RunArg,
+    choice_enum,
+    flat_command,
+    same_named,
+)
 from pgdiag.cli.outputs import OutputSettings
+from pgdiag.data.semantics import KEPT_SET_MODES
 from pgdiag.recompute.inputs import DEFAULT_BATCH_TOKENS, DEFAULT_PART_SAMPLES
-from pgdiag.recompute.settings import RecomputeSettings
+from pgdiag.recompute.settings import (
+    ATTENTIONS,
+    EXPERTS,
+    HEAD_DTYPES,
+    IMPLS,
+    ORDERS,
+    ROUTING_MODES,
+    RecomputeSettings,
+)
 
 if TYPE_CHECKING:
     from pgdiag.recompute.forward import ProgressUpdate
@@ -37,46 +55,14 @@ if TYPE_CHECKING:
 _PLAIN_PROGRESS_EVERY_S = 30.0
 
 
-class Dtype(StrEnum):
-    bf16 = "bf16"
-    fp32 = "fp32"
-
-
-class Impl(StrEnum):
-    auto = "auto"
-    triton = "triton"
-    torch = "torch"
-
-
-class Order(StrEnum):
-    length = "length"
-    source = "source"
-
-
-class Attention(StrEnum):
-    auto = "auto"
-    sdpa = "sdpa"
-    varlen = "varlen"
-
-
-class Routing(StrEnum):
-    recompute = "recompute"
-    replay = "replay"
-
-
-class Experts(StrEnum):
-    auto = "auto"
-    loop = "loop"
-    grouped = "grouped"
-
-
-class KeptSetMode(StrEnum):
-    auto = "auto"
-    recorded = "recorded"
-    reconstruct = "reconstruct"
-    reconstruct_vllm = "reconstruct:vllm"
-    reconstruct_sglang = "reconstruct:sglang"
-    off = "off"
+# bf16 and fp32 for body and head (fp16 bodies are for `pgdiag explain`'s matrix only)
+Dtype = choice_enum("Dtype", HEAD_DTYPES)
+Impl = choice_enum("Impl", IMPLS)
+Order = choice_enum("Order", ORDERS)
+Attention = choice_enum("Attention", ATTENTIONS)
+Routing = choice_enum("Routing", ROUTING_MODES)
+Experts = choice_enum("Experts", EXPERTS)
+KeptSetMode = choice_enum("KeptSetMode", ("auto", *KEPT_SET_MODES))
 
 
 class Device(StrEnum):
@@ -226,25 +212,15 @@ class RecomputeOptions:
     def settings(self, *, overwrite: bool) -> RecomputeSettings:
         """The frozen `RecomputeSettings` (`--reference`: fp32 body and head, tag rc_ref)."""
         body, head = (Dtype.fp32, Dtype.fp32) if self.reference else (self.dtype, self.head_dtype)
-        return RecomputeSettings(
+        return same_named(
+            RecomputeSettings,
+            self,
             tag=self.tag or ("rc_ref" if self.reference else None),
             dtype=body.value,
             head_dtype=head.value,
             temperature=_parse_temperature(self.temperature),
-            impl=self.impl.value,
-            batch_tokens=self.batch_tokens,
-            order=self.order.value,
-            micro_batch=self.micro_batch,
             softmax_vocab=_parse_softmax_vocab(self.softmax_vocab),
-            attn=self.attn.value,
-            routing=self.routing.value,
-            experts=self.experts.value,
-            kept_set=self.kept_set.value,
-            out=self.out,
-            resume=self.resume,
             overwrite=overwrite,
-            part_samples=self.part_samples,
-            entropy=self.entropy,
         )
 
 

@@ -16,9 +16,9 @@ import inspect
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from enum import StrEnum
+from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -37,6 +37,7 @@ OUTPUT = "Output"
 SAFETY = "Safety"
 
 _METRIC_DEFAULTS = MetricSettings()
+SettingsT = TypeVar("SettingsT")  # a settings dataclass (`same_named`)
 
 
 class KeyStyle(StrEnum):
@@ -235,6 +236,22 @@ def flat_command(func: Callable[..., None]) -> Callable[..., None]:
     return command
 
 
+def same_named(target: type[SettingsT], group: Any, **given: Any) -> SettingsT:
+    """The settings dataclass `target` built from the fields of the option group `group` that it has by the same
+    name (an enum member as its value), with `given` on top: the one place an option group's fields are copied
+    into its settings, so a field added to both needs no third line."""
+    wanted = {f.name for f in fields(target) if f.init}
+    values = {f.name: getattr(group, f.name) for f in fields(group) if f.name in wanted}
+    values = {name: value.value if isinstance(value, Enum) else value for name, value in values.items()}
+    return target(**{**values, **given})
+
+
+def choice_enum(name: str, values: tuple[str, ...]) -> type[StrEnum]:
+    """A Typer choice over `values`, the settings' own tuple, so each list of choices is written once (member
+    names: the values with ``:`` and ``-`` as ``_``)."""
+    return StrEnum(name, [(value.replace(":", "_").replace("-", "_"), value) for value in values])
+
+
 def listed(values: list[Any] | None) -> tuple[Any, ...]:
     """A repeatable option's values as a tuple (Typer gives None when absent)."""
     return tuple(values or ())
@@ -284,13 +301,7 @@ class GateOptions:
         """The `report.gates.GateSettings` (a report's default gates apply beside them: `report.gates.outcome`)."""
         from pgdiag.report.gates import GateSettings
 
-        return GateSettings(
-            fail_on=listed(self.fail_on),
-            warn_on=listed(self.warn_on),
-            profile=self.profile,
-            strict=self.strict,
-            exit_zero=self.exit_zero,
-        )
+        return same_named(GateSettings, self, fail_on=listed(self.fail_on), warn_on=listed(self.warn_on))
 
 
 LossesOpt = Annotated[

@@ -46,6 +46,7 @@ from pgdiag.compare.token_index import (
     first_mask_difference,
     gather,
     intersect_positions,
+    position_keys,
     token_indices,
     token_take,
 )
@@ -225,11 +226,10 @@ def align_batches(
             held = replace(held, mask_a=int(off_a[-1]), mask_b=int(off_b[-1]))
     else:
         take_a, take_b = token_indices(take_a, a.n_tokens), token_indices(take_b, b.n_tokens)
-        idx_a, idx_b, offsets = intersect_positions(a, b, take_a, off_a, take_b, off_b)
+        key_a, key_b = position_keys(a.pos, take_a, off_a, b.pos, take_b, off_b)  # (M_a,), (M_b,)
+        idx_a, idx_b, offsets = intersect_positions(key_a, key_b, take_a, take_b, int(ia.shape[0]))
         n_a, n_b, n_both = take_a.shape[0], take_b.shape[0], idx_a.shape[0]
-        row, pos = (
-            first_mask_difference(a, b, take_a, off_a, take_b, off_b) if n_a + n_b > 2 * n_both else (0, 0)
-        )
+        row, pos = first_mask_difference(key_a, key_b) if n_a + n_b > 2 * n_both else (0, 0)
         mask = mask_issue(
             n_a - n_both,
             n_a,

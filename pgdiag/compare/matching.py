@@ -18,11 +18,11 @@ from collections.abc import Callable
 import numpy as np
 import polars as pl
 
+from pgdiag.compare.settings import JOINS
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.pieces import rank_join
 from pgdiag.errors import Code, UsageError
 
-JOIN_MODES = ("auto", "id", "hash", "hash-any-step")
 JOIN_KEYS = {
     "id": "(step, sample_id, segment_idx)",
     "hash": "(step, seq_hash)",
@@ -77,9 +77,9 @@ def match_samples(
 
     `hashes()` gives the per-sample hashes of a and b; it is called only when a hash join runs.
     """
-    if join not in JOIN_MODES:
+    if join not in JOINS:
         raise UsageError(
-            Code.BAD_OPTION_VALUE, f"unknown --join {join!r}", f"choose one of {', '.join(JOIN_MODES)}"
+            Code.BAD_OPTION_VALUE, f"unknown --join {join!r}", f"choose one of {', '.join(JOINS)}"
         )
     resolved = join
     if join in ("auto", "id"):

@@ -22,6 +22,7 @@ from pgdiag.compare.exact import EXACT_GATES, ExactResult
 from pgdiag.compare.parity import unit_and_reduction
 from pgdiag.compare.pooled import PooledParity
 from pgdiag.compare.settings import DEFAULT_PROFILE, CompareSettings
+from pgdiag.data.issues import issues_frame
 from pgdiag.data.validate import Issue
 from pgdiag.report.gates import gate_policy
 from pgdiag.report.report import CHECKS_SCHEMA, Report, ReportRow, summary_frame
@@ -110,18 +111,7 @@ def _dlogp_rows(name: str, counts: np.ndarray, n_zero: int, n_tokens: int) -> li
 
 
 def _checks_frame(issues: Sequence[Issue], reader_checks: Sequence[pl.DataFrame | None]) -> pl.DataFrame:
-    own = pl.DataFrame(
-        {
-            "code": [i.code for i in issues],
-            "severity": [i.severity for i in issues],
-            "count": [i.count for i in issues],
-            "message": [i.message for i in issues],
-            "step": [i.step for i in issues],
-            "sample_id": [i.sample_id for i in issues],
-            "pos": [i.pos for i in issues],
-        },
-        schema=CHECKS_SCHEMA,
-    )
+    own = issues_frame(issues)
     frames = [f.select(list(CHECKS_SCHEMA)).cast(CHECKS_SCHEMA) for f in reader_checks if f is not None]
     return pl.concat([*frames, own], how="vertical")
 

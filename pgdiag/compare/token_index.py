@@ -1,9 +1,9 @@
 """Index arithmetic over the flat token layout of a `TokenBatch`: gather samples, intersect loss positions.
 
 What: `token_take(offsets, rows)` gives the token indices and new offsets of samples `rows` (None when `rows` is
-every sample in order: no gather, no copy); `gather` and `token_indices` apply such indices;
-`intersect_positions` pairs the (sample, pos) loss positions present on both sides of a matched pair and
-`first_mask_difference` finds the first one present on one side only (E303/W303).
+every sample in order: no gather, no copy); `gather` and `token_indices` apply such indices; `position_keys`
+keys the (sample, pos) loss positions of both sides of a matched pair, once; `intersect_positions` pairs those
+present on both sides and `first_mask_difference` finds the first one present on one side only (E303/W303).
 
 Why apart: pure numpy on (M,) arrays with no knowledge of runs or issues; `pgdiag.compare.align` uses it for
 every matched sample.
@@ -12,8 +12,6 @@ every matched sample.
 from __future__ import annotations
 
 import numpy as np
-
-from pgdiag.data.batch import TokenBatch
 
 
 def token_take(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
@@ -41,7 +39,7 @@ def token_indices(take: np.ndarray | None, n: int) -> np.ndarray:
     return np.arange(n, dtype=np.int64) if take is None else take
 
 
-def _position_keys(
+def position_keys(
     pos_a: np.ndarray,
     take_a: np.ndarray,
     off_a: np.ndarray,
@@ -58,16 +56,10 @@ def _position_keys(
 
 
 def intersect_positions(
-    a: TokenBatch,
-    b: TokenBatch,
-    take_a: np.ndarray,
-    off_a: np.ndarray,
-    take_b: np.ndarray,
-    off_b: np.ndarray,
+    key_a: np.ndarray, key_b: np.ndarray, take_a: np.ndarray, take_b: np.ndarray, n_rows: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Token indices into a and b of the (sample, pos) present on both sides, and their offsets."""
-    n_rows = off_a.shape[0] - 1
-    key_a, key_b = _position_keys(a.pos, take_a, off_a, b.pos, take_b, off_b)
+    """Token indices into a and b of the (sample, pos) present on both sides (`position_keys`), and the (n_rows + 1,)
+    offsets of the matched rows."""
     _, ja, jb = np.intersect1d(key_a, key_b, assume_unique=True, return_indices=True)  # sorted by (row, pos)
     counts = np.bincount(key_a[ja] >> 32, minlength=n_rows)
     offsets = np.zeros(n_rows + 1, dtype=np.int64)
@@ -75,15 +67,7 @@ def intersect_positions(
     return take_a[ja], take_b[jb], offsets
 
 
-def first_mask_difference(
-    a: TokenBatch,
-    b: TokenBatch,
-    take_a: np.ndarray,
-    off_a: np.ndarray,
-    take_b: np.ndarray,
-    off_b: np.ndarray,
-) -> tuple[int, int]:
-    """(matched row, pos) of the first loss position present on one side only."""
-    key_a, key_b = _position_keys(a.pos, take_a, off_a, b.pos, take_b, off_b)
+def first_mask_difference(key_a: np.ndarray, key_b: np.ndarray) -> tuple[int, int]:
+    """(matched row, pos) of the first loss position present on one side only (`position_keys`)."""
     first = int(np.setxor1d(key_a, key_b, assume_unique=True).min())
     return first >> 32, first & 0xFFFFFFFF

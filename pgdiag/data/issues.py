@@ -219,24 +219,20 @@ def merge_piece_issues(
     return out
 
 
+def issues_frame(issues: Sequence[Issue]) -> pl.DataFrame:
+    """The table of `issues`, a row each in their order (`ISSUE_SCHEMA`, also the checks table of a report)."""
+    return pl.DataFrame(
+        {name: [getattr(i, name) for i in issues] for name in ISSUE_SCHEMA}, schema=ISSUE_SCHEMA
+    )
+
+
 def check_result(
     issues: Sequence[Issue], *, strict: bool = False, pending: Sequence[PendingRule] = ()
 ) -> CheckResult:
     """Bundle `issues` (errors first, then by code) into a `CheckResult` with its exit code; `pending` is the
     share of the rules judged over the run when `issues` are those of one piece (`merge_check_results`)."""
     ordered = sorted(issues, key=lambda issue: (issue.severity != "error", issue.code))
-    frame = pl.DataFrame(
-        {
-            "code": [i.code for i in ordered],
-            "severity": [i.severity for i in ordered],
-            "count": [i.count for i in ordered],
-            "message": [i.message for i in ordered],
-            "step": [i.step for i in ordered],
-            "sample_id": [i.sample_id for i in ordered],
-            "pos": [i.pos for i in ordered],
-        },
-        schema=ISSUE_SCHEMA,
-    )
+    frame = issues_frame(ordered)
     n_errors = sum(1 for i in ordered if i.severity == "error")
     n_warnings = len(ordered) - n_errors
     if n_errors:

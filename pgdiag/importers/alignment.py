@@ -239,3 +239,14 @@ def to_series(name: str, flat: FlatList, dtype: pl.DataType) -> pl.Series:
         pa.large_list(inner.type), len(flat.offsets) - 1, [row_validity, offsets], row_nulls, children=[inner]
     )
     return pl.Series(name, array)
+
+
+def sequence_columns(
+    input_ids: FlatList, loss_mask: FlatList, prompt_len: np.ndarray
+) -> dict[str, pl.Series]:
+    """The ``input_ids``, ``loss_mask`` and ``prompt_len`` (B,) columns of a step's rows, in their canonical types."""
+    return {
+        "input_ids": to_series("input_ids", input_ids, pl.List(pl.Int32)),
+        "loss_mask": to_series("loss_mask", loss_mask, pl.List(pl.Boolean)),
+        "prompt_len": pl.Series("prompt_len", prompt_len.astype(np.int32)),
+    }

@@ -85,11 +85,7 @@ def _rows(file: HookFile, step: int) -> pl.DataFrame:
     loss_mask = FlatList(mask.offsets, mask.values.astype(bool) & mask.valid, None, None)
     prompt_lens = t["prompt_lengths"].numpy().astype(np.int64)
     prompt_lens = np.where(prompt_lens > 0, prompt_lens, seq_lens)
-    out: dict[str, pl.Series] = {
-        "input_ids": alignment.to_series("input_ids", input_ids, pl.List(pl.Int32)),
-        "loss_mask": alignment.to_series("loss_mask", loss_mask, pl.List(pl.Boolean)),
-        "prompt_len": pl.Series("prompt_len", prompt_lens.astype(np.int32)),
-    }
+    out: dict[str, pl.Series] = alignment.sequence_columns(input_ids, loss_mask, prompt_lens)
     for name, column in STREAMS.items():
         if name in t:
             values = columns(name)

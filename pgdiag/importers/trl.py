@@ -135,11 +135,7 @@ def _rows(file: HookFile) -> pl.DataFrame:
     advantage = t["advantages"].numpy().astype(np.float32)  # (B,)
     if advantage.shape != (n_rows,):
         raise bad_layout(file.path, "tensors.advantages", f"one value per row (shape ({n_rows},))")
-    columns: dict[str, pl.Series] = {
-        "input_ids": alignment.to_series("input_ids", input_ids, pl.List(pl.Int32)),
-        "loss_mask": alignment.to_series("loss_mask", loss_mask, pl.List(pl.Boolean)),
-        "prompt_len": pl.Series("prompt_len", prompt_lens.astype(np.int32)),
-    }
+    columns: dict[str, pl.Series] = alignment.sequence_columns(input_ids, loss_mask, prompt_lens)
     for name, column in STREAMS.items():
         if name in t:
             stream = alignment.null_off_mask(response(name, np.float32), loss_mask)

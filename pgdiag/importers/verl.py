@@ -140,11 +140,7 @@ def _base_columns(
     )
     assert mask.valid is not None
     loss_mask = FlatList(mask.offsets, mask.values & mask.valid, None, None)
-    out = {
-        "input_ids": alignment.to_series("input_ids", input_ids, pl.List(pl.Int32)),
-        "loss_mask": alignment.to_series("loss_mask", loss_mask, pl.List(pl.Boolean)),
-        "prompt_len": pl.Series("prompt_len", prompt_lens.astype(np.int32)),
-    }
+    out = alignment.sequence_columns(input_ids, loss_mask, prompt_lens)
     for name, column in (*STREAMS.items(), ("advantages", "advantages")):
         if name in blocks:
             values = _response_column(

@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from itertools import pairwise
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ from pgdiag.model.attention import PackedDocs, packed_attention
 from pgdiag.model.config import ModelConfig, RopeConfig
 from pgdiag.model.moe import MoeBlock, moe_combine
 from pgdiag.model.tp import TPLayout, all_reduce_sum
+
+TP_OVERLAP_CHUNKS = 4  # token chunks of a dense layer whose all-reduces overlap compute under TP (1 = off)
+TP_OVERLAP_MIN_TOKENS = 1024  # fewer tokens a chunk: not worth it, the layer runs unchunked
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[Tensor, float]:
@@ -187,6 +191,13 @@ class Attention(nn.Module):
         backend: str,
         group: dist.ProcessGroup | None,
     ) -> Tensor:
+        out = all_reduce_sum(
+            F.linear(self.core(x, cos, sin, docs, backend), self.o_proj.weight), group
+        )  # (N, H)
+        return out if self.o_proj.bias is None else out + self.o_proj.bias
+
+    def core(self, x: Tensor, cos: Tensor, sin: Tensor, docs: PackedDocs, backend: str) -> Tensor:
+        """The attention output of this rank's heads before o_proj: (N, Hq_local * D)."""
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.local_num_heads, self.head_dim)  # (N, Hq_local, D)
         k = self.k_proj(x).view(n, self.local_num_kv_heads, self.head_dim)  # (N, Hkv_local, D)
@@ -199,8 +210,7 @@ class Attention(nn.Module):
         out = packed_attention(
             q, k, v, docs, window=self.window, backend=backend, sinks=sinks
         )  # (N, Hq_local, D)
-        out = all_reduce_sum(F.linear(out.reshape(n, -1), self.o_proj.weight), group)  # (N, H)
-        return out if self.o_proj.bias is None else out + self.o_proj.bias
+        return out.reshape(n, -1)
 
 
 class MLP(nn.Module):
@@ -250,14 +260,63 @@ class DecoderLayer(nn.Module):
         group: dist.ProcessGroup | None,
         expert_impl: str = "loop",
         replay: Tensor | None = None,
+        overlap_chunks: int = 1,
     ) -> tuple[Tensor, Tensor | None]:
-        """(x after the layer (N, H), the router's top-k (N, k) in a sparse layer else None)."""
+        """(x after the layer (N, H), the router's top-k (N, k) in a sparse layer else None).
+
+        `overlap_chunks` > 1 (a dense layer under TP): the token-wise part after attention runs in that many
+        token chunks, each chunk's all-reduce in flight while the next chunk computes (`_dense_overlapped`)."""
+        if not self.sparse and overlap_chunks > 1 and group is not None and dist.get_world_size(group) > 1:
+            return self._dense_overlapped(x, cos, sin, docs, backend, group, overlap_chunks), None
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, backend, group)
         ffn = getattr(self, self.ffn_name)
         if not self.sparse:
             return x + ffn(self.post_attention_layernorm(x), group), None
         out, chosen = ffn(self.post_attention_layernorm(x), group, expert_impl, replay)
         return x + out, chosen
+
+    def _dense_overlapped(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        docs: PackedDocs,
+        backend: str,
+        group: dist.ProcessGroup,
+        n_chunks: int,
+    ) -> Tensor:
+        """The dense layer of `forward` with its two all-reduces overlapped with compute.
+
+        Everything after attention (o_proj, residual, norm, MLP) is token-wise, so it runs in `n_chunks` token
+        chunks: the o_proj partial sums of all chunks are launched, each with an asynchronous all-reduce; then
+        chunk c waits for its sum and runs its MLP while the sums of chunks c+1.. are still on the wire, and its
+        down_proj all-reduce runs while chunk c+1 computes. Same math as `forward` per token; in 16-bit the
+        matmul library may pick another kernel for a chunk's row count, so the rounding can differ."""
+        attn = self.self_attn
+        mlp = getattr(self, self.ffn_name)
+        core = attn.core(self.input_layernorm(x), cos, sin, docs, backend)  # (N, Hq_local * D)
+        edges = [x.shape[0] * c // n_chunks for c in range(n_chunks + 1)]  # near-equal token chunks
+        spans = [(start, stop) for start, stop in pairwise(edges) if stop > start]
+        o_parts, o_waits = [], []
+        for start, stop in spans:
+            part = F.linear(core[start:stop], attn.o_proj.weight)  # (n_c, H) partial over this rank's heads
+            o_waits.append(dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group, async_op=True))
+            o_parts.append(part)
+        residuals, d_parts, d_waits = [], [], []
+        for (start, stop), part, pending in zip(spans, o_parts, o_waits, strict=True):
+            pending.wait()
+            mid = x[start:stop] + (part if attn.o_proj.bias is None else part + attn.o_proj.bias)  # (n_c, H)
+            normed = self.post_attention_layernorm(mid)
+            inner = mlp.ops.swiglu(mlp.gate_proj(normed), mlp.up_proj(normed))  # (n_c, I_local)
+            down = F.linear(inner, mlp.down_proj.weight)  # (n_c, H) partial
+            d_waits.append(dist.all_reduce(down, op=dist.ReduceOp.SUM, group=group, async_op=True))
+            d_parts.append(down)
+            residuals.append(mid)
+        out = torch.empty_like(x)  # (N, H)
+        for (start, stop), mid, down, pending in zip(spans, residuals, d_parts, d_waits, strict=True):
+            pending.wait()
+            out[start:stop] = mid + (down if mlp.down_proj.bias is None else down + mlp.down_proj.bias)
+        return out
 
 
 class DecoderTrunk(nn.Module):
@@ -317,6 +376,10 @@ class CausalLM(nn.Module):
         inv_freq, self.rope_scale = rope_inv_freq(config.rope, config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,) fp32
         self.load_warnings: tuple[tuple[str, str], ...] = ()  # (code, message) from the loader: W606, W607
+        # TP > 1: dense layers overlap their all-reduces with compute in this many token chunks (1 = off); a
+        # batch with fewer than TP_OVERLAP_MIN_TOKENS tokens a chunk runs unchunked
+        self.tp_overlap_chunks = TP_OVERLAP_CHUNKS
+        self.tp_overlap_min_tokens = TP_OVERLAP_MIN_TOKENS
 
     @property
     def vocab_start(self) -> int:
@@ -385,10 +448,11 @@ class CausalLM(nn.Module):
         if layer_hook is not None:
             x = _hooked(layer_hook, -1, x, x)
         picked: list[Tensor] = []
+        chunks = self.tp_overlap_chunks if n >= self.tp_overlap_chunks * self.tp_overlap_min_tokens else 1
         for index, layer in enumerate(self.model.layers):
             replay = None if replay_experts is None or not layer.sparse else replay_experts[:, len(picked)]
             out, chosen = layer(
-                x, cos, sin, docs, self.attention_backend, self.tp_group, self.expert_impl, replay
+                x, cos, sin, docs, self.attention_backend, self.tp_group, self.expert_impl, replay, chunks
             )
             x = out if layer_hook is None else _hooked(layer_hook, index, x, out)
             if chosen is not None:

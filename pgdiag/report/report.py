@@ -25,6 +25,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pgdiag.data.issues import ISSUE_SCHEMA
 from pgdiag.data.schema import decode_footer
 from pgdiag.errors import Code, InvalidInputError, UsageError
 
@@ -45,15 +46,7 @@ REPORT_SCHEMA: dict[str, pl.DataType] = {
 }
 CATEGORICAL_COLUMNS = ("pair", "scope", "breakdown", "metric", "unit", "reduction")
 
-CHECKS_SCHEMA: dict[str, pl.DataType] = {
-    "code": pl.String(),
-    "severity": pl.String(),
-    "count": pl.Int64(),
-    "message": pl.String(),
-    "step": pl.Int64(),
-    "sample_id": pl.String(),
-    "pos": pl.Int64(),
-}
+CHECKS_SCHEMA = ISSUE_SCHEMA  # a report's checks table is the issue model's (`data.issues.issues_frame`)
 
 
 @dataclass(frozen=True)

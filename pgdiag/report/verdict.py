@@ -110,30 +110,17 @@ def metrics_verdict(report: Report, thresholds: VerdictThresholds = VerdictThres
     for bucket, value in _per_step(report, "count/tokens"):
         if value == 0 and not any(f.step == bucket for f in findings):
             findings.append(Finding("empty_step", "count/tokens", bucket, 0.0, None, f"step {bucket}: empty"))
-    for bucket, value in _per_step(report, "policy/ess_token"):
-        if value < t.ess_min:
-            findings.append(
-                Finding(
-                    "ess_low",
-                    "policy/ess_token",
-                    bucket,
-                    value,
-                    t.ess_min,
-                    f"step {bucket}: policy/ess_token {_fmt(value)} < {_fmt(t.ess_min)}",
-                )
-            )
-    for bucket, value in _per_step(report, "policy/ratio_max"):
-        if value > t.ratio_max:
-            findings.append(
-                Finding(
-                    "ratio_max",
-                    "policy/ratio_max",
-                    bucket,
-                    value,
-                    t.ratio_max,
-                    f"step {bucket}: policy/ratio_max {_fmt(value)} > {_fmt(t.ratio_max)}",
-                )
-            )
+    limits = (  # (kind, metric, threshold, whether the anomaly is a value below it)
+        ("ess_low", "policy/ess_token", t.ess_min, True),
+        ("ratio_max", "policy/ratio_max", t.ratio_max, False),
+        ("clip_frac", "policy/clip_frac_binding", t.clip_frac_max, False),
+    )
+    for kind, metric, limit, below in limits:
+        for bucket, value in _per_step(report, metric):
+            if value < limit if below else value > limit:
+                sign = "<" if below else ">"
+                message = f"step {bucket}: {metric} {_fmt(value)} {sign} {_fmt(limit)}"
+                findings.append(Finding(kind, metric, bucket, value, limit, message))
     kl = _per_step(report, "policy/kl_k3")
     if len(kl) >= 2:
         median = statistics.median(v for _, v in kl)
@@ -151,18 +138,6 @@ def metrics_verdict(report: Report, thresholds: VerdictThresholds = VerdictThres
                         f"(median of the steps {_fmt(median)})",
                     )
                 )
-    for bucket, value in _per_step(report, "policy/clip_frac_binding"):
-        if value > t.clip_frac_max:
-            findings.append(
-                Finding(
-                    "clip_frac",
-                    "policy/clip_frac_binding",
-                    bucket,
-                    value,
-                    t.clip_frac_max,
-                    f"step {bucket}: policy/clip_frac_binding {_fmt(value)} > {_fmt(t.clip_frac_max)}",
-                )
-            )
     findings.sort(key=lambda f: (_step_key(f.step), f.kind))
     if findings:
         noun = "anomaly" if len(findings) == 1 else "anomalies"

@@ -59,7 +59,8 @@ def test_lag_buckets_split_and_loglinear_error(tmp_path):
     rules = (CorrectionRule("token_tis", 1.5),)
     report = whatif(read_run(path), WhatifSettings(rules=rules))
     assert report.meta["settings"]["lag"] == {
-        "preset": "canonical", "offset": 0, "offset_verified": True, "per_token_versions": True
+        "preset": "canonical", "offset": 0, "offset_verified": True, "per_token_versions": True,
+        "unknown_reason": None,
     }  # fmt: skip
     assert [lag_value(report, "whatif/lag_tokens", b) for b in ("0", "1", "2")] == pytest.approx(
         [0.4, 0.2, 0.4]
@@ -112,3 +113,19 @@ def test_lag_rows_of_pieces_are_those_of_one_read(tmp_path):
     # step 4 (proximal 4): s0 at lag 0, s1 at 2, s2's per-token versions (2, 1) at lags 2 and 3; of 10 tokens
     shares = [lag_value(pieces, "whatif/lag_tokens", b) for b in ("0", "1", "2", "3")]
     assert shares == pytest.approx([0.4, 0.1, 0.4, 0.1])
+
+
+def test_pipelinerl_versions_are_not_a_lag(tmp_path):
+    # PipelineRL 58d39345 counts samples trained (finetune_loop.py), the preset's step is a sampling version
+    meta = {
+        "source": {
+            "framework": "pipelinerl",
+            "preset": "pipelinerl",
+            "retokenized": False,
+            "unsafe_load": False,
+        }
+    }
+    path = write_rollouts_file(tmp_path / "run.parquet", planted_rows(), raw_types=TYPES, **meta)
+    report = whatif(read_run(path), WhatifSettings(rules=(CorrectionRule("token_tis", 2.0),)))
+    assert "count samples trained" in report.meta["settings"]["lag"]["unknown_reason"]
+    assert lag_value(report, "whatif/lag_tokens", "unknown") == pytest.approx(1.0)

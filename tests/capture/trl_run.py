@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hf_tiny import build_hf_model
 
 VOCAB = 48
 EOS_ID, PAD_ID = 1, 0
@@ -21,32 +22,19 @@ EOS_ID, PAD_ID = 1, 0
 def save_tiny_qwen3(path: Path, *, seed: int = 0) -> Path:
     """A random 2-layer Qwen3 (vocab 48) and its tokenizer, saved with `save_pretrained` into `path`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     words = ["<pad>", "<eos>"] + [f"w{i}" for i in range(VOCAB - 2)]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.WordPiece(prefix="##")
     hf_tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>")
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        bos_token_id=None,
+    model = build_hf_model(
+        "Qwen3ForCausalLM", seed=seed, scale=0.3, vocab_size=VOCAB, intermediate_size=64, head_dim=8,
+        max_position_embeddings=64, eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=None,
         tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    )  # fmt: skip
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
         embed = model.model.embed_tokens.weight  # (V, H), tied with the LM head
         embed[EOS_ID] *= 2.5  # EOS is sampled often enough that some completions stop, some are truncated
     model.save_pretrained(path)

@@ -57,3 +57,38 @@ def test_lag_is_not_a_default_breakdown(tmp_path):
 def test_a_run_without_versions_is_unknown(tmp_path):
     comparison = compare_runs(run_of(tmp_path, versions=False), None, CompareSettings(by=("lag",)))
     assert tokens(comparison) == {"unknown": 10}
+
+
+def test_the_command_shows_the_lag_table_and_refuses_it_for_n_way(tmp_path):
+    from typer.testing import CliRunner
+
+    from pgdiag.cli.app import build_app
+
+    path = str(run_of(tmp_path).paths[0])
+    shown = CliRunner().invoke(build_app(), ["compare", path, "--by", "lag", "-v"], env={"COLUMNS": "160"})
+    assert shown.exit_code in (0, 1), shown.output
+    assert "by lag" in shown.stdout
+    refused = CliRunner().invoke(build_app(), ["compare", path, path, path, "--by", "lag"])
+    assert refused.exit_code == 2 and "E521" in refused.output
+
+
+def test_two_runs_take_side_as_versions(tmp_path):
+    """Run b holds run a's rows in reverse order with its rollout stream moved by s0's old − rollout: the lag
+    buckets come from run a's versions whatever b's row order, and Δ = b − a per bucket is that move."""
+    from pgdiag.data.runs import read_run
+    from tests.metrics.test_lag import TYPES, planted_rows
+    from tests.rollout_factory import write_rollouts_file
+
+    rows = planted_rows(3)
+    run_a = read_run(write_rollouts_file(tmp_path / "a.parquet", rows, raw_types=TYPES))
+    moved = []
+    for row in reversed(rows):
+        shift = 0.5 if row["sample_id"] == "s1" else 0.0  # s1 is the lag-2 sample
+        rollout = [None if v is None else v + shift for v in row["rollout_logprobs"]]
+        moved.append({**row, "rollout_logprobs": rollout, "policy_version": 99, "policy_version_tok": None})
+    run_b = read_run(write_rollouts_file(tmp_path / "b.parquet", moved, raw_types=TYPES))
+    comparison = compare_runs(run_a, run_b, CompareSettings(stream_a="rollout", by=("lag",)))
+    assert tokens(comparison) == {"0": 2, "1": 1, "2": 2}
+    bias = lag_table(comparison, "bias")
+    assert bias["0"] == 0.0 and bias["1"] == 0.0
+    assert bias["2"] == pytest.approx(0.25)  # s1's token moved by 0.5, s2's second token by 0

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from batch_factory import write_run
+from hf_tiny import save_tiny_llama
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
@@ -19,22 +20,6 @@ from pgdiag.compare.api import compare_runs
 from pgdiag.data.runs import read_run
 
 VOCAB = 97
-
-
-def _tiny_llama(path) -> torch.nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +34,7 @@ def stepped_runs(tmp_path_factory):
 
 
 def _tempered_runs(root, *, stepped: bool):
-    model = _tiny_llama(root / "ckpt")
+    model = save_tiny_llama(root / "ckpt", seed=0, vocab_size=VOCAB, max_position_embeddings=128)
     rng = np.random.default_rng(3)
     samples = []
     for i in range(6):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from hf_tiny import save_scaled_qwen3
 from rollout_factory import write_rollouts_file
 
 VOCAB = 64
@@ -21,27 +22,14 @@ VOCAB = 64
 
 def make_checkpoint(directory: Path, seed: int = 0, head_scale: float = 12.0, layers: int = 2) -> Path:
     """A tiny random Qwen3 saved as safetensors at `directory` (its head scaled by `head_scale`)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
+    save_scaled_qwen3(
+        directory,
+        seed=seed,
+        head_scale=head_scale,
+        embed_scale=3.0,
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
     )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(head_scale)
-        model.model.embed_tokens.weight.mul_(3.0)
-    model.save_pretrained(directory, safe_serialization=True)
     return directory
 
 

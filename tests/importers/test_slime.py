@@ -355,3 +355,22 @@ def test_top_p_offsets_not_monotone_are_e220(tmp_path: Path) -> None:
         result.stderr
     )
     assert_nothing_written(out)
+
+
+def test_imported_versions_give_slimes_lag(tmp_path: Path) -> None:
+    """slime 624b824a pushes weight_version 1 before rollout 0 and r + 1 after training rollout r
+    (`train.py`, `update_weight_from_tensor.py`): rollout 5 trains on version 6, so a sample of version 6 is
+    on-policy and one of version 5 one step stale (train_async.py). The preset's offset −1 says so."""
+    import polars as pl
+
+    from pgdiag.data.runs import read_run
+    from pgdiag.metrics.api import compute_metrics
+    from pgdiag.metrics.settings import MetricSettings
+
+    versions = {i: {"weight_versions": (("6",) if i in (0, 3) else ("5", "6"))} for i in range(4)}
+    out = tmp_path / "run"
+    assert import_cli("slime", _dump(tmp_path, overrides=versions), out).exit_code == 0
+    report = compute_metrics(read_run(out), MetricSettings(by=("lag",), new="old", old="rollout"))
+    lag = report.summary.filter((pl.col("breakdown") == "lag") & (pl.col("metric") == "count/tokens"))
+    tokens = dict(zip(lag["bucket"].to_list(), lag["value"].to_list(), strict=True))
+    assert tokens == {"0": 3.0 + 3.0, "1": 3.0}  # samples 0 and 3 at lag 0; 1 at lag 1; 2 has no loss token

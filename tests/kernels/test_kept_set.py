@@ -3,6 +3,7 @@ interpreter, and the reconstruction of K in vLLM's and SGLang's orders (ties at 
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -273,15 +274,18 @@ SETTINGS = [
 ]
 
 
-def _boundary_gap(
-    z: torch.Tensor, kept: torch.Tensor, other: torch.Tensor, top_p: float, engine: str
-) -> float:
-    """fp64 distance of the one token where two kept sets of a row differ from the top-p boundary."""
-    token = int((kept != other).nonzero()[0, 0])
-    keep = kept | other
-    probs = torch.softmax(torch.where(keep, z.double(), float("-inf")) if engine == "vllm" else z.double(), 0)
-    above = float(probs[z > z[token]].sum())
-    return abs(above - top_p)
+def _boundary_gap(z: torch.Tensor, token: int, k: int, p: float, m: float, engine: str) -> float:
+    """fp64 distance from the top-p line of `token`'s mass above it: renormalised over the tokens vLLM's min-p
+    and top-k leave (ties at the k-th logit kept), over the full distribution for SGLang."""
+    zd = z.double()
+    keep = torch.ones_like(zd, dtype=torch.bool)
+    if engine == "vllm":
+        if m > 0:
+            keep &= zd >= zd.max() + math.log(m)
+        if 0 < k < zd.numel():
+            keep &= zd >= torch.where(keep, zd, float("-inf")).topk(k).values[-1]
+    probs = torch.softmax(torch.where(keep, zd, float("-inf")), 0)
+    return abs(float(probs[zd > zd[token]].sum()) - p)
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
@@ -308,7 +312,8 @@ def test_threshold_bisection_equals_the_sort_reference(
         assert len(differ) <= 2, (k, p, m, differ)
         for row in differ:
             assert int((got[row] != want[row]).sum()) == 1
-            assert _boundary_gap(z[row], got[row], want[row], p, engine) < 2e-6, (k, p, m, row)
+            token = int((got[row] != want[row]).nonzero()[0, 0])
+            assert _boundary_gap(z[row], token, k, p, m, engine) < 2e-6, (k, p, m, row)
 
 
 def test_per_row_settings_mix() -> None:

@@ -126,3 +126,32 @@ def test_public_api_runs_the_kernel_and_reports_it() -> None:
     assert exact.head_mode == "fp16x1"
     torch.testing.assert_close(exact.logprobs, exact_ref.logprobs, rtol=0, atol=2e-5)
     torch.testing.assert_close(exact.entropy, exact_ref.entropy, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(("n_tokens", "k", "hidden"), [(1, 1, 5), (9, 8, 1030), (13, 3, 64)], ids=str)
+def test_moe_combine_kernel_equals_the_ordered_sum(
+    dtype: torch.dtype, n_tokens: int, k: int, hidden: int
+) -> None:
+    """The Triton combine (tokens and columns not multiples of the blocks) rounds each weighted row to the rows'
+    dtype and sums the k in fp32 in order: bit for bit that sum written in torch, and within one rounding of
+    `combine_rows` (the reference, whose fp32 sum torch may order differently)."""
+    from pgdiag.model.moe import combine_rows
+    from pgdiag.model.moe_combine_triton import combine_rows_triton
+
+    gen = torch.Generator().manual_seed(n_tokens * 31 + k)
+    rows = (torch.randn(n_tokens * k + 2, hidden, generator=gen) * 3).to(dtype)  # (M, H)
+    row_of = torch.randint(0, rows.shape[0], (n_tokens, k), generator=gen)
+    weights = torch.rand(n_tokens, k, generator=gen)
+    weights[0, 0] = 0.0  # an assignment another rank owns
+    got = combine_rows_triton(rows, row_of, weights)
+    assert got.dtype == dtype and got.shape == (n_tokens, hidden)
+    products = (rows[row_of].float() * weights[..., None]).to(dtype)  # (N, k, H) each rounded
+    ordered = products[:, 0].float()
+    for j in range(1, k):
+        ordered = ordered + products[:, j].float()
+    assert torch.equal(got, ordered.to(dtype))
+    reference = combine_rows(rows, row_of, weights)
+    torch.testing.assert_close(
+        got.double(), reference.double(), rtol=2**-10 if dtype == torch.float16 else 1e-6, atol=1e-5
+    )

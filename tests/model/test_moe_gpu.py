@@ -107,3 +107,8 @@ def test_compiled_combine_equals_eager() -> None:
     for got in (fused, eager):
         torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5)
     assert (fused != eager).float().mean().item() < 1e-4  # and they agree but for those rare ties
+    # the kernel sums the k products in order j = 0 .. k-1: bit for bit the same as that sum written in torch
+    sequential = products[:, 0].float()
+    for j in range(1, k):
+        sequential = sequential + products[:, j].float()
+    assert torch.equal(fused, sequential.bfloat16())

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import typer
+from hf_tiny import save_scaled_qwen3
 from rollout_factory import write_rollouts_file
 from typer.testing import CliRunner
 
@@ -29,28 +30,9 @@ TEMPERATURE = 0.7
 
 
 def make_checkpoint(directory: Path) -> torch.nn.Module:
-    """A tiny random Qwen3 (GQA, qk-norm, head_dim != hidden/heads) saved as safetensors; returns the HF model."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).float().eval()
-    with torch.no_grad():  # entropies well below log(V), as a trained LM has
-        model.lm_head.weight.mul_(20.0)
-    model.save_pretrained(directory, safe_serialization=True)
-    return model
+    """A tiny random Qwen3 (GQA, qk-norm, head_dim != hidden/heads) saved as safetensors; returns the HF model.
+    Its head is scaled by 20: entropies well below log(V), as a trained LM has."""
+    return save_scaled_qwen3(directory, seed=0, head_scale=20.0, vocab_size=VOCAB)
 
 
 def make_rows(
@@ -231,7 +213,7 @@ def test_softmax_vocab_restricts_the_head(checkpoint, tmp_path: Path) -> None:
     assert no_tokenizer.value.code == "E506"  # the run records no tokenizer length
 
 
-class _StopAfter:
+class StopAfter:
     """A progress callback that raises once `parts` parts are done: an interrupted job."""
 
     def __init__(self, parts: int) -> None:
@@ -247,7 +229,7 @@ def test_resume_after_interruption_loses_and_duplicates_nothing(checkpoint, tmp_
     run = write_run(tmp_path / "run", make_rows(seed=7, n_steps=2, groups=3, per_group=3))
     options = {"dtype": "fp32", "part_samples": 2, "batch_tokens": 50, "device": "cpu"}
     with pytest.raises(KeyboardInterrupt):
-        recompute_logprobs(run, ckpt, progress=_StopAfter(3), **options)
+        recompute_logprobs(run, ckpt, progress=StopAfter(3), **options)
     out_dir = run / "logprobs" / "rc_fp32_fp32"
     assert len(list(out_dir.glob("step=*/part-*.parquet"))) == 3
     assert not list(out_dir.rglob(".*tmp*"))

@@ -5,30 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from hf_tiny import save_tiny_llama
 
 from pgdiag.recompute.loss_logits import loss_logits
 
 VOCAB = 61
 
 
-def _tiny_llama(path) -> torch.nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(1)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return model
-
-
 def test_logits_at_positions_match_transformers(tmp_path) -> None:
-    reference = _tiny_llama(tmp_path / "ckpt")
+    reference = save_tiny_llama(tmp_path / "ckpt", seed=1, vocab_size=VOCAB, max_position_embeddings=64)
     rng = np.random.default_rng(5)
     input_ids = [rng.integers(0, VOCAB, size=n) for n in (9, 14)]
     positions = [np.array([1, 4, 8]), np.array([13, 2, 7, 7])]  # any order, repeats allowed
@@ -51,6 +36,6 @@ def test_logits_at_positions_match_transformers(tmp_path) -> None:
 
 
 def test_no_samples_gives_empty_logits(tmp_path) -> None:
-    _tiny_llama(tmp_path / "ckpt")
+    save_tiny_llama(tmp_path / "ckpt", seed=1, vocab_size=VOCAB, max_position_embeddings=64)
     got = loss_logits(tmp_path / "ckpt", [], [])
     assert got.target.shape == (0,) and got.logits.shape == (0, 1)

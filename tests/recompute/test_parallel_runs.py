@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,8 +18,8 @@ from pathlib import Path
 
 import polars as pl
 import psutil
-import pytest
 from sample_paths import SAMPLE_DATA
+from test_logprobs import read_stream
 
 import pgdiag
 from pgdiag.data.schema import RECOMPUTE_FOOTER_KEY, read_footer
@@ -30,19 +29,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = SAMPLE_DATA / "tiny-qwen"
 OPTIONS = ["--dtype", "fp32", "--batch-tokens", "256", "--device", "cpu"]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-
-
-@pytest.fixture
-def run_copy(tmp_path: Path) -> Path:
-    """Step 0 of the sample run: 32 samples."""
-    run = tmp_path / "run_a"
-    shutil.copytree(SAMPLE_DATA / "run_a", run, ignore=shutil.ignore_patterns("logprobs", "step=[123]"))
-    return run
-
-
-def stream(directory: Path) -> pl.DataFrame:
-    parts = sorted(directory.glob("step=*/part-*.parquet"))
-    return pl.concat([pl.read_parquet(p) for p in parts]).sort(["step", "sample_id"])
 
 
 def values(frame: pl.DataFrame) -> pl.DataFrame:
@@ -83,7 +69,7 @@ def test_dp3_writes_every_sample_once_in_the_planned_parts_bit_identical(run_cop
         rows = pl.read_parquet(three.path / entry["path"])
         assert rows.height == entry["n_samples"]
         ids += rows["sample_id"].to_list()
-    a, b = stream(one.path), stream(three.path)
+    a, b = read_stream(one.path), read_stream(three.path)
     assert len(ids) == len(set(ids)) == b.height == 32  # every sample once
     assert values(b).equals(values(a))  # the same batches per part: bit for bit
 
@@ -123,7 +109,7 @@ def test_dp2_worker_sigkill_mid_part_then_resume_recomputes_only_missing_parts(r
     assert {path: after[path] for path in before} == before  # no finished part recomputed
     fresh = pgdiag.recompute_logprobs(run_copy, TINY, tag="fresh", dtype="fp32", device="cpu", part_samples=1,
                                       batch_tokens=256)  # fmt: skip
-    a, b = stream(out_dir), stream(fresh.path)
+    a, b = read_stream(out_dir), read_stream(fresh.path)
     assert a.height == 32 and a["sample_id"].n_unique() == 32
     assert values(a).equals(values(b))
     assert not [p for p in out_dir.rglob("*") if ".tmp-" in p.name]
@@ -179,6 +165,6 @@ def test_two_node_torchrun_on_127_0_0_1_writes_the_one_process_stream(run_copy: 
     assert len(objects) == 1  # global rank 0 alone reports
     settings = objects[0]["summary"]["nodes"]["settings"]
     assert (settings["tp"], settings["dp"]) == (1, 2)
-    a, b = stream(run_copy / "logprobs" / "one"), stream(run_copy / "logprobs" / "nodes")
+    a, b = read_stream(run_copy / "logprobs" / "one"), read_stream(run_copy / "logprobs" / "nodes")
     assert b.height == 32 and b["sample_id"].n_unique() == 32
     assert values(b).equals(values(a))

@@ -15,6 +15,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from hf_tiny import save_scaled_qwen3
 
 import pgdiag
 from pgdiag.data.runs import read_run
@@ -36,27 +37,8 @@ SAMPLING = {
 
 
 def _checkpoint(directory: Path) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(1)
-    model = Qwen3ForCausalLM(config).float().eval()
-    with torch.no_grad():  # a peaked distribution, as a trained LM has: top-p keeps few tokens
-        model.lm_head.weight.mul_(12.0)
-    model.save_pretrained(directory, safe_serialization=True)
-    return model
+    """A tiny random Qwen3, its head scaled by 12: a peaked distribution, as a trained LM has (top-p keeps few)."""
+    return save_scaled_qwen3(directory, seed=1, head_scale=12.0, vocab_size=VOCAB)
 
 
 def _processed(logits: torch.Tensor) -> torch.Tensor:

@@ -14,12 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from sample_paths import SAMPLE_DATA
+from test_logprobs import StopAfter
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
 from pgdiag.errors import UsageError
 from pgdiag.kernels import resolve_impl
-from pgdiag.recompute.forward import ProgressUpdate
 from pgdiag.recompute.jobs import recompute_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,17 +35,6 @@ def run_copy(tmp_path: Path) -> Path:
 
 def invoke(*args: object):
     return CliRunner().invoke(build_app(), [str(a) for a in args], env={"COLUMNS": "200", "NO_COLOR": "1"})
-
-
-class _StopAt:
-    """A progress callback that raises KeyboardInterrupt once `parts` parts are done (Ctrl-C)."""
-
-    def __init__(self, parts: int) -> None:
-        self.parts = parts
-
-    def __call__(self, update: ProgressUpdate) -> None:
-        if update.parts_done >= self.parts:
-            raise KeyboardInterrupt
 
 
 def test_triton_on_cpu_is_refused_before_anything_is_written(
@@ -74,14 +63,14 @@ def test_triton_not_installed_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) 
 
 def test_interrupted_before_the_first_part_leaves_nothing(run_copy: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
-        recompute_logprobs(run_copy, TINY, device="cpu", part_samples=8, progress=_StopAt(0))
+        recompute_logprobs(run_copy, TINY, device="cpu", part_samples=8, progress=StopAfter(0))
     assert not (run_copy / "logprobs" / "rc_bf16_fp32").exists()
     assert invoke("check", run_copy).exit_code == 0
 
 
 def test_interrupted_after_some_parts_is_a_warning_naming_the_tag(run_copy: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
-        recompute_logprobs(run_copy, TINY, device="cpu", part_samples=8, progress=_StopAt(2))
+        recompute_logprobs(run_copy, TINY, device="cpu", part_samples=8, progress=StopAfter(2))
     out_dir = run_copy / "logprobs" / "rc_bf16_fp32"
     assert len(list(out_dir.glob("step=*/part-*.parquet"))) == 2
     assert json.loads((out_dir / "_manifest.json").read_text())["complete"] is False

@@ -7,38 +7,23 @@ part or the manifest; the resume removes it. Before, a planted stale temp file s
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import polars as pl
 import pytest
 from sample_paths import SAMPLE_DATA
+from test_logprobs import StopAfter, read_stream
 from typer.testing import CliRunner
 
 from pgdiag.cli.app import build_app
-from pgdiag.recompute.forward import ProgressUpdate
 from pgdiag.recompute.jobs import recompute_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = SAMPLE_DATA / "tiny-qwen"
 OPTIONS = ["--dtype", "fp32", "--part-samples", "2", "--batch-tokens", "256", "--device", "cpu"]
-
-
-@pytest.fixture
-def run_copy(tmp_path: Path) -> Path:
-    """Step 0 of the sample run: 32 samples, 16 parts of 2."""
-    run = tmp_path / "run_a"
-    shutil.copytree(SAMPLE_DATA / "run_a", run, ignore=shutil.ignore_patterns("logprobs", "step=[123]"))
-    return run
-
-
-def stream(directory: Path) -> pl.DataFrame:
-    parts = sorted(directory.glob("step=*/part-*.parquet"))
-    return pl.concat([pl.read_parquet(p) for p in parts]).sort(["step", "sample_id"])
 
 
 def resume_and_compare(run: Path) -> None:
@@ -51,7 +36,7 @@ def resume_and_compare(run: Path) -> None:
         build_app(), ["logprobs", str(run), "--model", str(TINY), "--tag", "fresh", *OPTIONS]
     )
     assert fresh.exit_code == 0, fresh.output
-    a, b = stream(run / "logprobs" / "rc"), stream(run / "logprobs" / "fresh")
+    a, b = read_stream(run / "logprobs" / "rc"), read_stream(run / "logprobs" / "fresh")
     assert a.height == 32 and a["sample_id"].n_unique() == 32  # every sample once
     assert a.select("step", "sample_id", "logprobs", "entropy").equals(
         b.select("step", "sample_id", "logprobs", "entropy")
@@ -59,20 +44,11 @@ def resume_and_compare(run: Path) -> None:
     assert not [p for p in (run / "logprobs").rglob("*") if ".tmp-" in p.name]
 
 
-class _StopAfter:
-    def __init__(self, parts: int) -> None:
-        self.parts = parts
-
-    def __call__(self, update: ProgressUpdate) -> None:
-        if update.parts_done >= self.parts:
-            raise KeyboardInterrupt
-
-
 def test_resume_removes_stale_temp_files(run_copy: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         recompute_logprobs(
             run_copy, TINY, tag="rc", dtype="fp32", part_samples=2, batch_tokens=256, device="cpu",
-            progress=_StopAfter(2),
+            progress=StopAfter(2),
         )  # fmt: skip
     out_dir = run_copy / "logprobs" / "rc"
     # what a writer killed inside `atomic_write` leaves: a part and a manifest half-written under temp names
