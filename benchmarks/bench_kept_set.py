@@ -114,6 +114,8 @@ def bitmask_rows(hidden, weight, targets, vocab: int, size: int) -> list[dict]:
     ms, mem = timed(
         lambda: lm_head_logprobs(sub_h, weight, sub_t, head_dtype="bf16", impl="triton", kept=kept)
     )
+    print({"case": f"bitmask|K|={size}", "ms": ms, "expand_loop_ms": loop_ms, "expand_host_ms": host_ms,
+           "expand_device_ms": device_ms}, flush=True)  # fmt: skip
     return [
         {"tokens": n_mask, "head": "bf16", "case": f"bitmask|K|={size}", "ms": ms, "plain_ms": base_ms,
          "ratio": ms / base_ms, "expand_loop_ms": loop_ms, "expand_host_ms": host_ms,

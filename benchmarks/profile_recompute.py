@@ -34,8 +34,9 @@ from pgdiag.model.moe import MoeBlock, combine_rows
 
 GROUPS = (  # (group, substrings of a kernel name), first match wins
     ("nccl", ("nccl",)),
+    ("moe combine", ("_combine_kernel", "index_select_mul_sum")),
     ("lm head (triton)", ("_head_partials", "split_hidden", "merge", "finish")),
-    ("grouped matmul", ("grouped", "group_gemm", "GroupedGemm", "ragged")),
+    ("grouped matmul", ("grouped", "group_gemm", "GroupedGemm", "GroupProblem", "ragged")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "wgmma")),
     (

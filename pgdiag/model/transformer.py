@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from itertools import pairwise
 
 import torch
 import torch.distributed as dist
@@ -294,8 +295,8 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn
         mlp = getattr(self, self.ffn_name)
         core = attn.core(self.input_layernorm(x), cos, sin, docs, backend)  # (N, Hq_local * D)
-        bounds = torch.arange(x.shape[0]).tensor_split(n_chunks)
-        spans = [(int(b[0]), int(b[-1]) + 1) for b in bounds if len(b)]
+        edges = [x.shape[0] * c // n_chunks for c in range(n_chunks + 1)]  # near-equal token chunks
+        spans = [(start, stop) for start, stop in pairwise(edges) if stop > start]
         o_parts, o_waits = [], []
         for start, stop in spans:
             part = F.linear(core[start:stop], attn.o_proj.weight)  # (n_c, H) partial over this rank's heads

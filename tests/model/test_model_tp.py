@@ -100,7 +100,7 @@ def test_tp2_and_tp3_equal_tp1(tmp_path: Path) -> None:
             got = gathered_logprobs([per_rank[r][i] for r in range(world)])
             assert got.shape == ref.shape == (sum(LENGTHS), 251)
             assert (got - ref).abs().max().item() < 1e-5
-            # the all-reduces overlapped in 3 token chunks of 9, 8 and 8 (biases added once, after the sums)
+            # the all-reduces overlapped in 3 token chunks of 8, 8 and 9 (biases added once, after the sums)
             chunked = gathered_logprobs([per_rank[r][len(paths) + i] for r in range(world)])
             assert (chunked - ref).abs().max().item() < 1e-5
             assert (chunked - got).abs().max().item() < 5e-6  # CPU matmuls of other row counts round apart
