@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -59,13 +59,15 @@ class HookRecorder:
         self.every = every
         self.guard = HookGuard(framework)
 
-
-def check_install(trainer: Any, every: int) -> None:
-    """ValueError unless `every` >= 1 and `trainer` has no pgdiag hook installed yet."""
-    if every < 1:
-        raise ValueError(f"every must be >= 1, got {every}")
-    if getattr(trainer, "_pgdiag_hook", None) is not None:
-        raise ValueError("a pgdiag hook is already installed on this trainer")
+    @classmethod
+    def for_install(cls, trainer: Any, out_dir: str | Path, every: int) -> Self:
+        """A recorder of this framework for `trainer`; ValueError unless `every` >= 1 and `trainer` has no pgdiag
+        hook installed yet."""
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        if getattr(trainer, "_pgdiag_hook", None) is not None:
+            raise ValueError("a pgdiag hook is already installed on this trainer")
+        return cls(trainer, Path(out_dir), every)  # each subclass names its framework
 
 
 def framework_version(distribution: str) -> str:

@@ -29,14 +29,7 @@ from typing import Any
 
 import torch
 
-from pgdiag.capture.dump import (
-    HookRecorder,
-    check_install,
-    cpu_copy,
-    framework_version,
-    plain,
-    write_hookdump,
-)
+from pgdiag.capture.dump import HookRecorder, cpu_copy, framework_version, plain, write_hookdump
 
 _TOKEN_FIELDS = ("sequences", "attention_mask")  # (B, T)
 _ACTION_FIELDS = (
@@ -140,8 +133,7 @@ def _reward(experience: Any) -> torch.Tensor | None:
 
 def install(trainer: Any, out_dir: str | Path, *, every: int = 1) -> None:
     """Record every `every`-th `train_step` of OpenRLHF `PPOTrainer` `trainer` into `out_dir`."""
-    check_install(trainer, every)
-    recorder = _OpenRlhfRecorder(trainer, Path(out_dir), every)
+    recorder = _OpenRlhfRecorder.for_install(trainer, out_dir, every)
     guard = recorder.guard
     train_step = trainer.train_step
     maker = trainer.experience_maker

@@ -33,14 +33,7 @@ from typing import Any
 
 import torch
 
-from pgdiag.capture.dump import (
-    HookRecorder,
-    check_install,
-    cpu_copy,
-    framework_version,
-    plain,
-    write_hookdump,
-)
+from pgdiag.capture.dump import HookRecorder, cpu_copy, framework_version, plain, write_hookdump
 from pgdiag.capture.kept import completion_sets, kept_lists, match_rows
 
 _STREAMS = ("sampling_per_token_logps", "old_per_token_logps", "ref_per_token_logps")
@@ -154,8 +147,7 @@ class _TrlRecorder(HookRecorder):
 
 def install(trainer: Any, out_dir: str | Path, *, every: int = 1) -> None:
     """Record every `every`-th generation of TRL `GRPOTrainer` `trainer` into `out_dir` (created if absent)."""
-    check_install(trainer, every)
-    recorder = _TrlRecorder(trainer, Path(out_dir), every)
+    recorder = _TrlRecorder.for_install(trainer, out_dir, every)
     guard = recorder.guard
     generate = trainer._generate
     calculate_rewards = trainer._calculate_rewards

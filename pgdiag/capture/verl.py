@@ -32,14 +32,7 @@ from typing import Any
 
 import torch
 
-from pgdiag.capture.dump import (
-    HookRecorder,
-    check_install,
-    cpu_copy,
-    framework_version,
-    plain,
-    write_hookdump,
-)
+from pgdiag.capture.dump import HookRecorder, cpu_copy, framework_version, plain, write_hookdump
 
 _RESPONSE_FIELDS = ("response_mask", "rollout_log_probs", "old_log_probs", "ref_log_prob", "advantages")
 _ID_LISTS = ("uid", "request_id", "data_source")
@@ -195,8 +188,7 @@ class _VerlRecorder(HookRecorder):
 
 def install(trainer: Any, out_dir: str | Path, *, every: int = 1) -> None:
     """Record every `every`-th step of verl trainer `trainer` (v1 `PPOTrainer` or legacy `RayPPOTrainer`)."""
-    check_install(trainer, every)
-    recorder = _VerlRecorder(trainer, Path(out_dir), every)
+    recorder = _VerlRecorder.for_install(trainer, out_dir, every)
     guard = recorder.guard
     compute_metrics = getattr(trainer, "_compute_metrics", None)
     is_v1 = compute_metrics is not None and "global_steps" in inspect.signature(compute_metrics).parameters

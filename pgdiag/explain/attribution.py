@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from pgdiag.explain.causes import Chain, Decisions, Evidence, SideFit
@@ -177,15 +177,8 @@ class CauseShare:
     evidence: dict[str, Any]
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "cause": self.cause,
-            "share": self.share,
-            "k3_before": self.k3_before,
-            "k3_after": self.k3_after,
-            "abs_mean_before": self.abs_mean_before,
-            "abs_mean_after": self.abs_mean_after,
-            "evidence": self.evidence,
-        }
+        """Every field by name, in declaration order (the JSON object of `--json`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def stage_values(chain: Chain, key: tuple[str, str]) -> list[tuple[str, float, float]]:

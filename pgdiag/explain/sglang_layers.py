@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from pgdiag.errors import Code, InvalidInputError, UsageError
-from pgdiag.explain.slime_layers import DumpSequence
+from pgdiag.explain.slime_layers import DumpSequence, bad_dump, load_dump
 
 PREFIX = "sglang:"  # `--layers A sglang:DIR`
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)$")
@@ -51,20 +51,13 @@ def dump_files(directory: Path) -> list[Path]:
     return files
 
 
-def _bad(path: Path, what: str) -> InvalidInputError:
-    return InvalidInputError(Code.BAD_DUMP_LAYOUT, f"{path}: {what}")
-
-
 def _records(path: Path) -> list[dict[str, Any]]:
-    try:
-        value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as error:  # a torn zip, a pickle naming a global: the message names which
-        raise _bad(path, f"not a readable SGLang tensor dump ({str(error).splitlines()[0][:200]})") from None
+    value = load_dump(path, "SGLang tensor dump")
     if isinstance(value, dict):
         return [value]
     if isinstance(value, list) and all(isinstance(v, dict) for v in value):
         return value
-    raise _bad(path, "an SGLang tensor dump is a dict (Pass*.pt) or a list of dicts (Chunk*.pt)")
+    raise bad_dump(path, "an SGLang tensor dump is a dict (Pass*.pt) or a list of dicts (Chunk*.pt)")
 
 
 def _one(record: dict[str, Any], suffix: str, path: Path, required: bool = True) -> Any:
@@ -73,7 +66,7 @@ def _one(record: dict[str, Any], suffix: str, path: Path, required: bool = True)
         return found[0]
     if not found and not required:
         return None
-    raise _bad(path, f"expected one key ending in {suffix!r}, found {len(found)}")
+    raise bad_dump(path, f"expected one key ending in {suffix!r}, found {len(found)}")
 
 
 def _layer_rows(value: Any, n: int, hidden_size: int, where: str, path: Path) -> torch.Tensor:
@@ -84,13 +77,13 @@ def _layer_rows(value: Any, n: int, hidden_size: int, where: str, path: Path) ->
             not (isinstance(delta, torch.Tensor) and isinstance(residual, torch.Tensor))
             or delta.shape != residual.shape
         ):
-            raise _bad(path, f"{where}: delta and residual must be tensors of one shape")
+            raise bad_dump(path, f"{where}: delta and residual must be tensors of one shape")
         value = (delta.float() + residual.float()).to(delta.dtype)
     if not isinstance(value, torch.Tensor) or value.shape[-1] != hidden_size:
-        raise _bad(path, f"{where} is not a tensor of hidden size {hidden_size}")
+        raise bad_dump(path, f"{where} is not a tensor of hidden size {hidden_size}")
     rows = value.reshape(-1, hidden_size)
     if rows.shape[0] != n:
-        raise _bad(path, f"{where} has {rows.shape[0]} rows for {n} tokens")
+        raise bad_dump(path, f"{where} has {rows.shape[0]} rows for {n} tokens")
     return rows
 
 
@@ -114,7 +107,9 @@ def _observations(
                 else [int(c) for c in torch.as_tensor(lens).reshape(-1).tolist()]
             )
             if len(counts) != len(rids) or sum(counts) != len(ids) or len(positions) != len(ids):
-                raise _bad(path, f"{len(rids)} requests of {counts} tokens do not split {len(ids)} input_ids")
+                raise bad_dump(
+                    path, f"{len(rids)} requests of {counts} tokens do not split {len(ids)} input_ids"
+                )
             rows = {
                 int(m.group(1)): _layer_rows(v, len(ids), hidden_size, k, path)
                 for k, v in record.items()
@@ -123,7 +118,7 @@ def _observations(
             if layers is None:
                 layers = set(rows)
             elif set(rows) != layers:
-                raise _bad(path, f"dumps layers {sorted(rows)}, an earlier file {sorted(layers)}")
+                raise bad_dump(path, f"dumps layers {sorted(rows)}, an earlier file {sorted(layers)}")
             start = 0
             for rid, count in zip(rids, counts, strict=True):
                 if not str(rid).startswith(_SKIPPED_REQUESTS):

@@ -7,7 +7,7 @@ docs/explain.md lists the same table for users.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 # thresholds (docs/explain.md, "Signatures")
@@ -36,15 +36,8 @@ class Signature:
     source: str
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "cause": self.cause,
-            "rule": self.rule,
-            "value": self.value,
-            "threshold": self.threshold,
-            "fired": self.fired,
-            "source": self.source,
-        }
+        """Every field by name, in declaration order (the JSON object of `--json`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def first_position_rule(

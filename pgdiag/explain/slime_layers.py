@@ -31,6 +31,7 @@ import re
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,36 +71,43 @@ def dump_files(directory: Path, store_prefix: str = "actor") -> list[Path]:
     return files
 
 
-def _bad(path: Path, what: str) -> InvalidInputError:
+def bad_dump(path: Path, what: str) -> InvalidInputError:
+    """E703 (a torn or misshapen dump) of a layer dump file: `path` and what is wrong with it."""
     return InvalidInputError(Code.BAD_DUMP_LAYOUT, f"{path}: {what}")
+
+
+def load_dump(path: Path, kind: str) -> Any:
+    """The object a `kind` dump file (``slime layer dump``, ``SGLang tensor dump``) holds, memory-mapped on the
+    CPU with ``weights_only``; a file torch cannot read is a `bad_dump` naming why."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # a torn zip, a pickle naming a global: the message names which
+        raise bad_dump(path, f"not a readable {kind} ({str(error).splitlines()[0][:200]})") from None
 
 
 def read_pass(path: Path, hidden_size: int) -> list[DumpSequence]:
     """The non-padding sequences of one pass file (module docstring), each with every dumped layer's rows."""
-    try:
-        record = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as error:  # a torn zip, a pickle naming a global: the message names which
-        raise _bad(path, f"not a readable slime layer dump ({str(error).splitlines()[0][:200]})") from None
+    record = load_dump(path, "slime layer dump")
     if not isinstance(record, dict) or not {"input_ids", "cu_seqlens", "layers"} <= set(record):
-        raise _bad(path, "a slime layer dump is a dict with input_ids, cu_seqlens and layers")
+        raise bad_dump(path, "a slime layer dump is a dict with input_ids, cu_seqlens and layers")
     ids = torch.as_tensor(record["input_ids"]).reshape(-1).to(torch.int64).numpy()  # (T,)
     bounds = torch.as_tensor(record["cu_seqlens"]).reshape(-1).to(torch.int64).tolist()
     if not bounds or bounds[0] != 0 or bounds[-1] != ids.shape[0] or any(b > c for b, c in pairwise(bounds)):
-        raise _bad(
+        raise bad_dump(
             path,
             f"cu_seqlens {bounds[:4]}…{bounds[-1:]} do not split the {ids.shape[0]} input_ids "
             "(a context-parallel dump is not read)",
         )
     layers = record["layers"]
     if not isinstance(layers, dict) or not layers:
-        raise _bad(path, "layers holds no dumped block")
+        raise bad_dump(path, "layers holds no dumped block")
     rows: dict[int, torch.Tensor] = {}
     for layer_id, value in layers.items():
         if not isinstance(value, torch.Tensor) or value.shape[-1] != hidden_size:
-            raise _bad(path, f"layer {layer_id} is not a tensor of hidden size {hidden_size}")
+            raise bad_dump(path, f"layer {layer_id} is not a tensor of hidden size {hidden_size}")
         flat = value.reshape(-1, hidden_size)  # Megatron's (T, 1, H) -> (T, H)
         if flat.shape[0] != ids.shape[0]:
-            raise _bad(
+            raise bad_dump(
                 path,
                 f"layer {layer_id} has {flat.shape[0]} rows for {ids.shape[0]} tokens (a sequence-parallel "
                 "shard is not read)",
@@ -126,7 +134,9 @@ def match_samples(directory: Path, samples: list[np.ndarray], hidden_size: int) 
             if layers is None:
                 layers = set(sequence.hidden)
             elif set(sequence.hidden) != layers:
-                raise _bad(path, f"dumps layers {sorted(sequence.hidden)}, an earlier file {sorted(layers)}")
+                raise bad_dump(
+                    path, f"dumps layers {sorted(sequence.hidden)}, an earlier file {sorted(layers)}"
+                )
             index = wanted.get(sequence.ids.tobytes())
             if index is not None and index not in found:
                 found[index] = sequence

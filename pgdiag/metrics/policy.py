@@ -189,17 +189,19 @@ def build_policy_tables(
     constant = bool(np.all(advantage.min_adv[ne] == advantage.max_adv[ne])) and bool(np.all(np.isfinite(r)))
     clip_sums = _sample_level_clip if constant else _token_level_clip
     n_clip_low, n_clip_high, n_dual, grad_pass, grad_pass_band, loss = clip_sums(
-        advantages,
-        advantage,
-        r,
-        band_low,
-        band_high,
-        n_band_low,
-        n_band_high,
-        sum_r,
-        reducer,
-        settings,
-        scratch,
+        _ClipInputs(
+            advantages,
+            advantage,
+            r,
+            band_low,
+            band_high,
+            n_band_low,
+            n_band_high,
+            sum_r,
+            reducer,
+            settings,
+            scratch,
+        )
     )
     # 4. sequence level from per-sample algebra: with S_i± = Σ_t max(±A, 0) and the sample's band side,
     # B^G, the GSPO gradient and the GSPO loss need no token pass
@@ -236,23 +238,30 @@ def build_policy_tables(
 ClipSums = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
-def _token_level_clip(
-    advantages: np.ndarray,
-    advantage: AdvantageTables,
-    r: np.ndarray,
-    band_low: np.ndarray,
-    band_high: np.ndarray,
-    n_band_low: np.ndarray,
-    n_band_high: np.ndarray,
-    sum_r: np.ndarray,
-    reducer: TokenReducer,
-    settings: MetricSettings,
-    scratch: np.ndarray,
-) -> ClipSums:
+@dataclass(frozen=True)
+class _ClipInputs:
+    """What the two ways of summing the clip decisions read (`_token_level_clip`, `_sample_level_clip`)."""
+
+    advantages: np.ndarray  # (N,) A_t
+    advantage: AdvantageTables  # per-sample advantage sums
+    r: np.ndarray  # (N,) ratio
+    band_low: np.ndarray  # (N,) bool r < 1 − ε_l
+    band_high: np.ndarray  # (N,) bool r > 1 + ε_h
+    n_band_low: np.ndarray  # (S,)
+    n_band_high: np.ndarray  # (S,)
+    sum_r: np.ndarray  # (S,) Σ_t r
+    reducer: TokenReducer
+    settings: MetricSettings
+    scratch: np.ndarray  # (N,) work buffer the passes may overwrite
+
+
+def _token_level_clip(c: _ClipInputs) -> ClipSums:
     """(S,) counts of binding-low, binding-high and dual-clip tokens, Σ|g_t|, Σ|g_t|·O_t and Σ ℓ_t, per token.
 
     |g_t| = |A| r where neither the clip binds nor the dual clip fires; ℓ_t as in `token_loss_sums`.
     """
+    advantages, r, band_low, band_high = c.advantages, c.r, c.band_low, c.band_high
+    reducer, settings, scratch = c.reducer, c.settings, c.scratch
     flag_scratch = np.empty_like(r)
 
     def count_flags(flags: np.ndarray) -> np.ndarray:
@@ -284,19 +293,7 @@ def _token_level_clip(
     return n_clip_low, n_clip_high, n_dual, grad_pass, grad_pass_band, loss
 
 
-def _sample_level_clip(
-    advantages: np.ndarray,
-    advantage: AdvantageTables,
-    r: np.ndarray,
-    band_low: np.ndarray,
-    band_high: np.ndarray,
-    n_band_low: np.ndarray,
-    n_band_high: np.ndarray,
-    sum_r: np.ndarray,
-    reducer: TokenReducer,
-    settings: MetricSettings,
-    scratch: np.ndarray,
-) -> ClipSums:
+def _sample_level_clip(c: _ClipInputs) -> ClipSums:
     """The sums of `_token_level_clip` when each sample has one advantage A_i and every r is finite.
 
     With ρ_hi = Σ_t r·1[r > 1 + ε_h], ρ_lo = Σ_t r·1[r < 1 − ε_l] and ρ_C = Σ_t r·1[r > C] (dual clip C > 1;
@@ -306,8 +303,11 @@ def _sample_level_clip(
                Σℓ = |A_i| (Σr − ρ_lo + (1 − ε_l) n_lo − (ρ_C − C n_C))
     (no overflow: the differences of finite sums are exact up to rounding).
     """
+    r, band_low, band_high, sum_r = c.r, c.band_low, c.band_high, c.sum_r
+    n_band_low, n_band_high = c.n_band_low, c.n_band_high
+    reducer, settings, scratch = c.reducer, c.settings, c.scratch
     high_edge, low_edge = 1.0 + settings.clip.eps_high, 1.0 - settings.clip.eps_low
-    adv = np.where(reducer.nonempty, advantage.max_adv, 0.0)  # (S,) A_i
+    adv = np.where(reducer.nonempty, c.advantage.max_adv, 0.0)  # (S,) A_i
     positive, negative = adv > 0, adv < 0
     abs_adv = np.abs(adv)
     r_high = reducer.sample_sums(np.multiply(r, band_high, out=scratch))  # ρ_hi (S,)

@@ -9,6 +9,7 @@ step whose loss positions fail the finiteness test gets `status = nonfinite` and
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -233,23 +234,19 @@ def _stream(batch: TokenBatch, name: str | None, role: str) -> np.ndarray | None
     """The (M,) log-probs of stream `name`, None when the role is unused."""
     if name is None:
         return None
-    if name not in batch.streams:
-        present = ", ".join(sorted(batch.streams)) or "none"
-        raise UsageError(
-            Code.STREAM_NOT_FOUND,
-            f"{batch.label}: stream {name!r} (--{role}) is not in the batch",
-            f"streams: {present}",
-        )
-    return batch.streams[name]
+    return _member(batch, batch.streams, name, f"stream {name!r} (--{role}) is not in the batch", "streams")
 
 
 def _entropy(batch: TokenBatch, tag: str) -> np.ndarray:
     """The (M,) entropies of recompute tag `tag`."""
-    if tag not in batch.entropy:
-        present = ", ".join(sorted(batch.entropy)) or "none"
-        raise UsageError(
-            Code.STREAM_NOT_FOUND,
-            f"{batch.label}: no entropy for recompute tag {tag!r}",
-            f"tags with entropy: {present}",
-        )
-    return batch.entropy[tag]
+    return _member(batch, batch.entropy, tag, f"no entropy for recompute tag {tag!r}", "tags with entropy")
+
+
+def _member(
+    batch: TokenBatch, arrays: Mapping[str, np.ndarray], key: str, missing: str, listed: str
+) -> np.ndarray:
+    """`arrays[key]` (M,); E111 `UsageError` (`missing`, then the keys there are, as `listed`) when absent."""
+    if key not in arrays:
+        present = ", ".join(sorted(arrays)) or "none"
+        raise UsageError(Code.STREAM_NOT_FOUND, f"{batch.label}: {missing}", f"{listed}: {present}")
+    return arrays[key]

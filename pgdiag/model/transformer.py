@@ -191,10 +191,7 @@ class Attention(nn.Module):
         backend: str,
         group: dist.ProcessGroup | None,
     ) -> Tensor:
-        out = all_reduce_sum(
-            F.linear(self.core(x, cos, sin, docs, backend), self.o_proj.weight), group
-        )  # (N, H)
-        return out if self.o_proj.bias is None else out + self.o_proj.bias
+        return _row_parallel(self.core(x, cos, sin, docs, backend), self.o_proj, group)  # (N, H)
 
     def core(self, x: Tensor, cos: Tensor, sin: Tensor, docs: PackedDocs, backend: str) -> Tensor:
         """The attention output of this rank's heads before o_proj: (N, Hq_local * D)."""
@@ -213,6 +210,16 @@ class Attention(nn.Module):
         return out.reshape(n, -1)
 
 
+def _row_parallel(x: Tensor, proj: nn.Linear, group: dist.ProcessGroup | None) -> Tensor:
+    """`proj` of a row-parallel layer: this rank's partial x @ W.T (N, H), summed over `group`, then the bias."""
+    return _add_bias(all_reduce_sum(F.linear(x, proj.weight), group), proj)
+
+
+def _add_bias(summed: Tensor, proj: nn.Linear) -> Tensor:
+    """A row-parallel output (N, H) summed over the ranks, plus `proj`'s bias (added once, after the sum)."""
+    return summed if proj.bias is None else summed + proj.bias
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel."""
 
@@ -226,8 +233,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
         inner = self.ops.swiglu(self.gate_proj(x), self.up_proj(x))  # (N, I_local)
-        out = all_reduce_sum(F.linear(inner, self.down_proj.weight), group)  # (N, H)
-        return out if self.down_proj.bias is None else out + self.down_proj.bias
+        return _row_parallel(inner, self.down_proj, group)  # (N, H)
 
 
 class DecoderLayer(nn.Module):
@@ -305,7 +311,7 @@ class DecoderLayer(nn.Module):
         residuals, d_parts, d_waits = [], [], []
         for (start, stop), part, pending in zip(spans, o_parts, o_waits, strict=True):
             pending.wait()
-            mid = x[start:stop] + (part if attn.o_proj.bias is None else part + attn.o_proj.bias)  # (n_c, H)
+            mid = x[start:stop] + _add_bias(part, attn.o_proj)  # (n_c, H)
             normed = self.post_attention_layernorm(mid)
             inner = mlp.ops.swiglu(mlp.gate_proj(normed), mlp.up_proj(normed))  # (n_c, I_local)
             down = F.linear(inner, mlp.down_proj.weight)  # (n_c, H) partial
@@ -315,7 +321,7 @@ class DecoderLayer(nn.Module):
         out = torch.empty_like(x)  # (N, H)
         for (start, stop), mid, down, pending in zip(spans, residuals, d_parts, d_waits, strict=True):
             pending.wait()
-            out[start:stop] = mid + (down if mlp.down_proj.bias is None else down + mlp.down_proj.bias)
+            out[start:stop] = mid + _add_bias(down, mlp.down_proj)
         return out
 
 

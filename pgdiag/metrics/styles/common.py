@@ -245,6 +245,13 @@ def check_flags(style: str, settings: MetricSettings, allowed: frozenset[str]) -
             )
 
 
+def require_divisor(settings: MetricSettings, needed: bool, message: str, hint: str | None = None) -> None:
+    """`UsageError` MISSING_SETTING (exit 2) saying `message` when the framework's loss mode needs a divisor
+    (`needed`) and `--divisor` is not given."""
+    if needed and settings.divisor is None:
+        raise UsageError(Code.MISSING_SETTING, message, hint)
+
+
 def resolve_alias(style: str, aggregation: str | None, table: Mapping[str, str], default: str) -> str:
     """The framework loss mode named by `--aggregation` under `style`: its own spelling, with or without
     the ``style:`` prefix, or the equivalent native mode name; None means the framework default."""

@@ -31,6 +31,7 @@ from pgdiag.metrics.styles.common import (
     exp,
     k3_ref,
     mean_guard,
+    require_divisor,
     resolve_alias,
     total,
     value,
@@ -48,11 +49,11 @@ def check_liger_settings(settings: MetricSettings) -> None:
     """Reject flags Liger has no setting for; `dr_grpo` needs max_completion_length (`--divisor`)."""
     check_flags("liger", settings, ALLOWED_FLAGS)
     loss_type = resolve_alias("liger", settings.aggregation, LOSS_TYPES, "dapo")
-    if loss_type == "dr_grpo" and settings.divisor is None:
-        raise UsageError(
-            Code.MISSING_SETTING,
-            "liger dr_grpo needs --divisor (max_completion_length); Liger has no default for it",
-        )
+    require_divisor(
+        settings,
+        loss_type == "dr_grpo",
+        "liger dr_grpo needs --divisor (max_completion_length); Liger has no default for it",
+    )
     if settings.style.pad_width is not None and settings.style.pad_width < 1:
         raise UsageError(Code.BAD_OPTION_VALUE, f"--pad-width must be >= 1 (got {settings.style.pad_width})")
 

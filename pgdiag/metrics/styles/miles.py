@@ -34,6 +34,7 @@ from pgdiag.metrics.styles.common import (
     clip_ratio,
     div,
     exp,
+    require_divisor,
     resolve_alias,
     sample_mean_guard,
     total,
@@ -70,11 +71,11 @@ def loss_aggregation(settings: MetricSettings) -> str:
 def check_miles_settings(settings: MetricSettings) -> None:
     """Reject flags miles has no setting for; `constant` needs `--divisor`."""
     check_flags("miles", settings, ALLOWED_FLAGS)
-    if loss_aggregation(settings) == "constant" and settings.divisor is None:
-        raise UsageError(
-            Code.MISSING_SETTING,
-            "miles --loss-aggregation constant needs --divisor (loss-aggregation-divisor)",
-        )
+    require_divisor(
+        settings,
+        loss_aggregation(settings) == "constant",
+        "miles --loss-aggregation constant needs --divisor (loss-aggregation-divisor)",
+    )
 
 
 def safe_log_ratio(x: np.ndarray) -> np.ndarray:

@@ -32,6 +32,7 @@ from pgdiag.metrics.styles.common import (
     exp,
     extremum,
     mean_eps,
+    require_divisor,
     resolve_alias,
     total,
     value,
@@ -69,12 +70,12 @@ def check_verl_settings(settings: MetricSettings) -> None:
     """Reject flags verl has no setting for; the loss_agg_mode must exist and have what it needs."""
     check_flags("verl", settings, ALLOWED_FLAGS)
     mode = resolve_alias("verl", settings.aggregation, _LOSS_AGG_MODES, "token-mean")
-    if mode == "seq-mean-token-sum-norm" and settings.divisor is None:
-        raise UsageError(
-            Code.MISSING_SETTING,
-            "verl seq-mean-token-sum-norm needs --divisor (loss_scale_factor)",
-            "verl's own default is the padded response width of the micro-batch, which the run does not record",
-        )
+    require_divisor(
+        settings,
+        mode == "seq-mean-token-sum-norm",
+        "verl seq-mean-token-sum-norm needs --divisor (loss_scale_factor)",
+        "verl's own default is the padded response width of the micro-batch, which the run does not record",
+    )
     if settings.style.rollout_is is not None and settings.style.rollout_is != "token":
         raise UsageError(
             Code.NOT_IN_KEY_STYLE,
