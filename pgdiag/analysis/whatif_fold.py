@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from pgdiag.analysis.losses import loss_parity_rows
+from pgdiag.analysis.losses import loss_parity_rows, worst_step_rows
 from pgdiag.analysis.replay import (
     LOSS_MODES,
     SAFETY_BOUND,
@@ -158,7 +158,6 @@ class WhatifFold:
         self.psis_rows: list[ReportRow] = []
         self.psis_khat: list[float] = []
         self.loss_rows: list[ReportRow] = []
-        self.loss_worst: dict[str, float] = {}
         self.loss_failed = False
         self.lag: dict[str, np.ndarray] | None = None
         self.buckets: dict[str, dict[str, tuple[float | None, float | None, int]]] = {}
@@ -230,17 +229,13 @@ class WhatifFold:
             state.where[key] = state.where.get(key, 0.0) + hit
 
     def _add_losses(self, batch: TokenBatch, replays: dict) -> None:
-        """`whatif --losses`: the piece's per-step rows, and the maximum over steps of each metric."""
+        """`whatif --losses`: the piece's per-step rows (`finish` adds the maximum over steps of each metric)."""
         assert self.settings.losses is not None
         forms = parse_losses(self.settings.losses)
         rows = loss_parity_rows(batch, forms, replays, rule_effect, self.settings.divisor, self.pair)
         if not rows and batch.n_samples:
             self.loss_failed = True  # a step's aggregation weights are not computable: no rows, as one read
-        for row in rows:
-            if row.breakdown == "losses/step":
-                self.loss_rows.append(row)
-            elif row.value is not None:
-                self.loss_worst[row.metric] = max(self.loss_worst.get(row.metric, row.value), row.value)
+        self.loss_rows += [row for row in rows if row.breakdown == "losses/step"]
 
     def finish(self) -> list[ReportRow]:
         """The report rows of every piece added, as `whatif_batch` gives them on the run read whole."""
@@ -275,13 +270,7 @@ class WhatifFold:
             )
         rows += self.psis_rows + psis_summary_rows(self.psis_khat, self.pair)
         if self.settings.losses is not None and self.has_loss and not self.loss_failed:
-            rows += self.loss_rows
-            a, b = parse_losses(self.settings.losses)
-            label = f"{a.label} vs {b.label}"
-            for metric, value in self.loss_worst.items():
-                rows.append(
-                    ReportRow(self.pair, "token", "losses", label, metric, value, "ratio", "max", self.n_tok)
-                )
+            rows += self.loss_rows + worst_step_rows(self.loss_rows)
         if self.lag is not None:
             rows += staleness_rows(self.lag, self.n_tok, new=self.new, pair=self.pair, later=self.later)
         for rule, state, ok in zip(self.rules, self.state, self.applicable or [], strict=True):

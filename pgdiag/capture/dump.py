@@ -50,6 +50,24 @@ class HookGuard:
             )
 
 
+class HookRecorder:
+    """What every framework's recorder holds: the trainer, the output folder, the stride `every` and its guard."""
+
+    def __init__(self, trainer: Any, out_dir: Path, every: int, framework: str) -> None:
+        self.trainer = trainer
+        self.out_dir = out_dir
+        self.every = every
+        self.guard = HookGuard(framework)
+
+
+def check_install(trainer: Any, every: int) -> None:
+    """ValueError unless `every` >= 1 and `trainer` has no pgdiag hook installed yet."""
+    if every < 1:
+        raise ValueError(f"every must be >= 1, got {every}")
+    if getattr(trainer, "_pgdiag_hook", None) is not None:
+        raise ValueError("a pgdiag hook is already installed on this trainer")
+
+
 def framework_version(distribution: str) -> str:
     """The installed version of `distribution`, or "unknown"."""
     try:

@@ -29,7 +29,14 @@ from typing import Any
 
 import torch
 
-from pgdiag.capture.dump import HookGuard, cpu_copy, framework_version, plain, write_hookdump
+from pgdiag.capture.dump import (
+    HookRecorder,
+    check_install,
+    cpu_copy,
+    framework_version,
+    plain,
+    write_hookdump,
+)
 
 _TOKEN_FIELDS = ("sequences", "attention_mask")  # (B, T)
 _ACTION_FIELDS = (
@@ -63,12 +70,9 @@ def _row_values(experience: Any, name: str) -> torch.Tensor | None:
     return cpu_copy(torch.as_tensor(value)).reshape(-1)
 
 
-class _OpenRlhfRecorder:
+class _OpenRlhfRecorder(HookRecorder):
     def __init__(self, trainer: Any, out_dir: Path, every: int) -> None:
-        self.trainer = trainer
-        self.out_dir = out_dir
-        self.every = every
-        self.guard = HookGuard("openrlhf")
+        super().__init__(trainer, out_dir, every, "openrlhf")
         self.step: int | None = None
 
     def begin(self, global_step: int) -> None:
@@ -136,10 +140,7 @@ def _reward(experience: Any) -> torch.Tensor | None:
 
 def install(trainer: Any, out_dir: str | Path, *, every: int = 1) -> None:
     """Record every `every`-th `train_step` of OpenRLHF `PPOTrainer` `trainer` into `out_dir`."""
-    if every < 1:
-        raise ValueError(f"every must be >= 1, got {every}")
-    if getattr(trainer, "_pgdiag_hook", None) is not None:
-        raise ValueError("a pgdiag hook is already installed on this trainer")
+    check_install(trainer, every)
     recorder = _OpenRlhfRecorder(trainer, Path(out_dir), every)
     guard = recorder.guard
     train_step = trainer.train_step

@@ -33,20 +33,24 @@ from typing import Any
 
 import torch
 
-from pgdiag.capture.dump import HookGuard, cpu_copy, framework_version, plain, write_hookdump
+from pgdiag.capture.dump import (
+    HookRecorder,
+    check_install,
+    cpu_copy,
+    framework_version,
+    plain,
+    write_hookdump,
+)
 from pgdiag.capture.kept import completion_sets, kept_lists, match_rows
 
 _STREAMS = ("sampling_per_token_logps", "old_per_token_logps", "ref_per_token_logps")
 
 
-class _TrlRecorder:
+class _TrlRecorder(HookRecorder):
     """Per-trainer state: the pending lengths and rewards of the generation in flight."""
 
     def __init__(self, trainer: Any, out_dir: Path, every: int) -> None:
-        self.trainer = trainer
-        self.out_dir = out_dir
-        self.every = every
-        self.guard = HookGuard("trl")
+        super().__init__(trainer, out_dir, every, "trl")
         self.pending: dict[str, Any] = {}
         self.pending_lists: dict[str, list[Any]] = {}
         self.engine_outputs: list[tuple[list[int], Any]] = []  # (token ids, CompletionOutput) of this step
@@ -150,10 +154,7 @@ class _TrlRecorder:
 
 def install(trainer: Any, out_dir: str | Path, *, every: int = 1) -> None:
     """Record every `every`-th generation of TRL `GRPOTrainer` `trainer` into `out_dir` (created if absent)."""
-    if every < 1:
-        raise ValueError(f"every must be >= 1, got {every}")
-    if getattr(trainer, "_pgdiag_hook", None) is not None:
-        raise ValueError("a pgdiag hook is already installed on this trainer")
+    check_install(trainer, every)
     recorder = _TrlRecorder(trainer, Path(out_dir), every)
     guard = recorder.guard
     generate = trainer._generate

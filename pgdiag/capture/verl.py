@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 
-from pgdiag.capture.dump import HookGuard, cpu_copy, framework_version, plain, write_hookdump
+from pgdiag.capture.dump import (
+    HookRecorder,
+    check_install,
+    cpu_copy,
+    framework_version,
+    plain,
+    write_hookdump,
+)
 
 _RESPONSE_FIELDS = ("response_mask", "rollout_log_probs", "old_log_probs", "ref_log_prob", "advantages")
 _ID_LISTS = ("uid", "request_id", "data_source")
@@ -93,12 +100,9 @@ def _numeric_list(values: Any) -> list[Any] | None:
     return None
 
 
-class _VerlRecorder:
+class _VerlRecorder(HookRecorder):
     def __init__(self, trainer: Any, out_dir: Path, every: int) -> None:
-        self.trainer = trainer
-        self.out_dir = out_dir
-        self.every = every
-        self.guard = HookGuard("verl")
+        super().__init__(trainer, out_dir, every, "verl")
 
     def _write(self, step: int, tensors: dict[str, torch.Tensor], lists: dict[str, list[Any]]) -> None:
         write_hookdump(
@@ -191,10 +195,7 @@ class _VerlRecorder:
 
 def install(trainer: Any, out_dir: str | Path, *, every: int = 1) -> None:
     """Record every `every`-th step of verl trainer `trainer` (v1 `PPOTrainer` or legacy `RayPPOTrainer`)."""
-    if every < 1:
-        raise ValueError(f"every must be >= 1, got {every}")
-    if getattr(trainer, "_pgdiag_hook", None) is not None:
-        raise ValueError("a pgdiag hook is already installed on this trainer")
+    check_install(trainer, every)
     recorder = _VerlRecorder(trainer, Path(out_dir), every)
     guard = recorder.guard
     compute_metrics = getattr(trainer, "_compute_metrics", None)

@@ -21,6 +21,7 @@ sink-free output by ``sigmoid(lse - sink)`` from the kernel's log-sum-exp, the s
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -148,13 +149,7 @@ def _varlen_sinks(
     if aux_request is None:
         return _eager_sinks(q, k, v, docs, window, sinks)
     kwargs: dict[str, object] = {"window_size": (-1 if window is None else window - 1, 0)}
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in inspect.signature(varlen_module.varlen_attn).parameters:
-            kwargs["enable_gqa"] = True
-        else:
-            group = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(group, dim=1)  # (N, Hq, D)
-            v = v.repeat_interleave(group, dim=1)
+    k, v = _grouped_kv(q, k, v, inspect.signature(varlen_module.varlen_attn).parameters, kwargs)
     cu = docs.cu_seqlens
     out, aux = varlen_module.varlen_attn(
         q, k, v, cu, cu, docs.max_len, docs.max_len, return_aux=aux_request(lse=True), **kwargs
@@ -196,12 +191,20 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, docs: PackedDocs, window: int | Non
         return _sdpa_per_document(q, k, v, docs, window)
     else:
         kwargs["is_causal"] = True
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
-            group = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(group, dim=1)  # (N, Hq, D)
-            v = v.repeat_interleave(group, dim=1)
+    k, v = _grouped_kv(q, k, v, params, kwargs)
     cu = docs.cu_seqlens
     return varlen_attn(q, k, v, cu, cu, docs.max_len, docs.max_len, **kwargs)
+
+
+def _grouped_kv(
+    q: Tensor, k: Tensor, v: Tensor, params: Mapping[str, object], kwargs: dict[str, object]
+) -> tuple[Tensor, Tensor]:
+    """k and v for `varlen_attn` (parameters `params`) under grouped-query attention: with its ``enable_gqa``
+    (set in `kwargs`) they stay (N, Hkv, D), else each kv head is repeated over its query group: (N, Hq, D)."""
+    if q.shape[1] == k.shape[1]:
+        return k, v
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+        return k, v
+    group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (N, Hq, D)
