@@ -30,14 +30,14 @@ from pgdiag.data.batch import TokenBatch
 from pgdiag.data.flat import METADATA_LISTS, FlatList, RowTable, flat_list
 from pgdiag.data.kept import KEPT_COLUMNS, kept_from_series
 from pgdiag.data.load import batch_inputs, build_token_batch, load_rows
-from pgdiag.data.pieces import plan_step_pieces
+from pgdiag.data.pieces import StepPiece, plan_step_pieces
+from pgdiag.data.reader import RunsReader
 from pgdiag.data.runs import FILE_COLUMN, Run, read_run, restrict_steps
 from pgdiag.data.schema import REQUIRED_COLUMNS, cast_problem, stream_column
 from pgdiag.data.token_issues import zero_fill_issues
 from pgdiag.data.validate import (
     CheckResult,
     Issue,
-    PendingRule,
     check_result,
     merge_piece_issues,
     missing_columns,
@@ -158,10 +158,21 @@ def check_frame(
 CHECK_CHUNK_ROWS = 16_384  # rows of both runs read at a time by `check_run` (whole steps)
 
 
+@dataclass(frozen=True)
+class CheckedPiece:
+    """One piece of a run as `check` reads it: its batch, the reader's checks (their rules judged over the run
+    held as `CheckResult.pending`) and whether its rows are structurally sound (for the cross-run checks)."""
+
+    batch: TokenBatch
+    checks: CheckResult
+    sound: bool
+
+
 @dataclass
 class RunChecks:
-    """Every check of one run over its pieces (`pgdiag.data.fold.Fold`): `add(piece)` reads and checks one piece
-    (the run restricted to the piece's steps), `finish()` the run's issues, merged as one read gives them."""
+    """Every check of one run over its pieces (`pgdiag.data.fold.Fold`): `read(piece)` reads one piece (the run
+    restricted to the piece's steps) with the reader's checks, `add(read)` checks it, `finish(reader)` gives the
+    run's issues with the reader's checks merged over the pieces (`pgdiag.data.reader.RunsReader`)."""
 
     run: Run
     pair_streams: list[str]
@@ -170,8 +181,6 @@ class RunChecks:
     max_examples: int = 5
     vocab_size: int | None = None
     pairs: list[tuple[str, str]] | None = None
-    reader: list[list[Issue]] = field(default_factory=list)  # per piece
-    pending: list[list[PendingRule]] = field(default_factory=list)  # per piece: rules judged over the run
     shift: dict[tuple[str, str], ShiftSample] = field(default_factory=dict)  # E302's pooled sample, per pair
     pair_issues: dict[tuple[str, str], list[list[Issue]]] = field(default_factory=dict)  # per pair, per piece
     stats: dict[tuple[str, str], SignatureStats] = field(default_factory=dict)
@@ -180,14 +189,13 @@ class RunChecks:
     sound: bool = True
     failed: Issue | None = None  # the reader refused a piece: the run's only finding
 
-    def add(self, piece: Run) -> TokenBatch | None:
-        """Read and check one piece of `self.run`; its batch when structurally sound (for cross-run checks)."""
-        run, pair_streams = self.run, self.pair_streams
+    def read(self, piece: Run) -> CheckedPiece | None:
+        """One piece of `self.run` read with the reader's checks; None when its rows cannot be read (`failed`)."""
         try:
             rows = load_rows(
                 piece,
-                streams=list(dict.fromkeys(pair_streams)),
-                entropy=run.entropy_streams,
+                streams=list(dict.fromkeys(self.pair_streams)),
+                entropy=self.run.entropy_streams,
                 scalars=["advantage", "reward", "env", "temperature"],
                 lists=["advantages", *METADATA_LISTS],
             )
@@ -199,8 +207,7 @@ class RunChecks:
         checked = validate_rows(
             rows.table, ignore=self.ignored, max_examples=self.max_examples, vocab_size=self.vocab_size
         )
-        self.reader.append(rows.issues + checked.issues)
-        self.pending.append(checked.pending)
+        found = check_result(rows.issues + checked.issues, pending=checked.pending)
         sound = checked.bad_rows is None
         frame, view, keep = batch_inputs(rows, checked)
         loaded_streams, loaded_entropy = rows.streams, rows.entropy
@@ -208,7 +215,11 @@ class RunChecks:
         batch = build_token_batch(
             piece, frame, view, streams=loaded_streams, entropy=loaded_entropy, sample_row=keep, env=True
         )
-        del view
+        return CheckedPiece(batch, found, sound)
+
+    def add(self, read: CheckedPiece) -> TokenBatch | None:
+        """Check one piece read by `read`; its batch when structurally sound (for cross-run checks)."""
+        pair_streams, batch, sound = self.pair_streams, read.batch, read.sound
         if self.pairs is None:
             if self.explicit_pair:
                 self.pairs = [(pair_streams[0], pair_streams[1])]
@@ -231,12 +242,12 @@ class RunChecks:
         self.sound &= sound
         return batch if sound else None
 
-    def finish(self) -> list[Issue]:
-        """The issues of the whole run, in the order one read gives them: reader, each pair's checks and
-        signatures, W408, the footer checks."""
+    def finish(self, reader: CheckResult | None = None) -> list[Issue]:
+        """The issues of the whole run, in the order one read gives them: reader (`reader`: its checks merged over
+        the pieces), each pair's checks and signatures, W408, the footer checks."""
         if self.failed is not None:
             return [self.failed]
-        issues = merge_piece_issues(self.reader, self.pending)
+        issues = [] if reader is None else list(reader.found)
         for a, b in self.pairs or []:
             pieces = self.pair_issues[(a, b)]
             if len(pieces) > 1:  # E302 on the sample pooled over the pieces (`ShiftSample`), not per piece
@@ -333,17 +344,26 @@ def check_run(
     }
     found_a = RunChecks(run, _stream_names(run, streams), **options)
     found_b = None if other is None else RunChecks(other, _stream_names(other, streams), **options)
+    found = [found_a] if found_b is None else [found_a, found_b]
+
+    def read(piece: StepPiece, many: bool) -> tuple[list[CheckedPiece | None], list[CheckResult | None]]:
+        pieces = [
+            one.read(one.run if piece.steps is None else restrict_steps(one.run, piece.steps))
+            if here and one.failed is None
+            else None
+            for one, here in zip(found, piece.present, strict=True)
+        ]
+        return pieces, [None if p is None else p.checks for p in pieces]
+
+    # every piece handed on and nothing raised: `check` reports the reader's errors as issues
+    runs = [one.run for one in found]
+    reader = RunsReader(plan_step_pieces(runs, chunk_rows).pieces, read, n_runs=len(found), raises=False)
     cross: CrossRunParts | None = None
-    runs = [run] if other is None else [run, other]
-    for piece in plan_step_pieces(runs, chunk_rows).pieces:
-        steps, in_a, in_b = piece.steps, piece.present[0], other is not None and piece.present[-1]
-        batch_a = batch_b = None
-        if in_a and found_a.failed is None:
-            piece_a = run if steps is None else restrict_steps(run, steps)
-            batch_a = found_a.add(piece_a)
-        if found_b is not None and in_b and found_b.failed is None:
-            piece_b = other if steps is None else restrict_steps(other, steps)
-            batch_b = found_b.add(piece_b)
+    for piece in reader:
+        read_a, read_b = (*piece.read, None)[:2]
+        batch_a = None if read_a is None else found_a.add(read_a)
+        batch_b = None if read_b is None or found_b is None else found_b.add(read_b)
+        del piece, read_a, read_b  # the batches not kept for the cross-run checks go now
         if found_b is None or not (found_a.sound and found_b.sound):
             continue
         if batch_a is not None and batch_b is not None:
@@ -356,9 +376,10 @@ def check_run(
             continue
         cross = part if cross is None else cross.merge(part)
         del batch_a, batch_b
-    issues = found_a.finish()
+    merged = reader.finish()
+    issues = found_a.finish(merged[0])
     if found_b is not None:
-        issues += found_b.finish()
+        issues += found_b.finish(merged[1])
         if found_a.sound and found_b.sound and cross is not None:
             issues += cross_run_findings(cross)
     return check_result([i for i in issues if i.code not in ignored], strict=strict)

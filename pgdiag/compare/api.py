@@ -31,8 +31,9 @@ from pgdiag.compare.side_by_side import side_settings
 from pgdiag.compare.worst import token_decoder
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.pieces import PairPiece
+from pgdiag.data.reader import RunsReader
 from pgdiag.data.schema import BASE_STREAMS
-from pgdiag.data.validate import CheckSettings
+from pgdiag.data.validate import CheckResult, CheckSettings
 from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.accumulators import RowFold
 from pgdiag.metrics.api import metric_streams
@@ -111,6 +112,7 @@ def _read_side(
         ignore=checks.ignore,
         max_examples=checks.max_examples,
         piece=in_pieces,
+        raise_errors=not in_pieces,  # in pieces the reader (`RunsReader`) raises the run's first error at the end
     )
     return Side(loaded.batch, loaded.checks, run, metrics)
 
@@ -248,9 +250,14 @@ def _compare_runs(
     n = len(plan.pieces)
     join = settings.join if n == 1 else _resolve_join(a, a if one_run else b, settings.join)
     pair = PairFold(sources, settings, join=join, n_pieces=n, keys=plan.keys, decode=decode, writer=writer)
-    for piece in plan.pieces:
-        pair.add(_read_piece(sources, piece, settings.checks, in_pieces=n > 1))
-    return pair.finish()
+    reader = RunsReader(  # each run's checks merged, its first error raised after the last piece
+        plan.pieces,
+        lambda piece, many: _read_piece(sources, piece, settings.checks, in_pieces=many),
+        n_runs=1 if one_run else 2,
+    )
+    for piece in reader:
+        pair.add(piece.read)
+    return pair.finish(reader.finish())
 
 
 def _sources(a: Any, b: Any, settings: CompareSettings) -> PairSources:
@@ -280,8 +287,9 @@ def _sources(a: Any, b: Any, settings: CompareSettings) -> PairSources:
 
 def _read_piece(
     sources: PairSources, piece: PairPiece, checks: CheckSettings, *, in_pieces: bool
-) -> PieceSides:
-    """Both sides of `piece` read (side a's steps; side b's, or under hash-any-step the steps of b it needs)."""
+) -> tuple[PieceSides, list[CheckResult | None]]:
+    """Both sides of `piece` read (side a's steps; side b's, or under hash-any-step the steps of b it needs), and
+    the reader's checks of each run read (run a's alone for two streams of one run)."""
     from pgdiag.data.runs import restrict_steps
 
     (sa, sb), (metrics_a, metrics_b) = sources.streams, sources.metrics
@@ -291,7 +299,8 @@ def _read_piece(
     )
     extra = bool(sources.accumulators)
     side_a = _read_side(a, streams, checks, metrics_a, in_pieces, extra) if piece.in_a else None
+    checks_a = None if side_a is None else side_a.checks
     if sources.one_run:
-        return PieceSides(piece, side_a, side_a)
+        return PieceSides(piece, side_a, side_a), [checks_a]
     side_b = _read_side_b(sources.b, piece, [sb], checks, metrics_b, in_pieces) if piece.in_b else None
-    return PieceSides(piece, side_a, side_b)
+    return PieceSides(piece, side_a, side_b), [checks_a, None if side_b is None else side_b.checks]

@@ -8,7 +8,8 @@ are read in pieces of whole consecutive steps of all runs together (at most `Com
 all runs; docs/compare.md, "Several runs"): each run is read once, each piece restricted to the samples every
 run holds in those steps (a sample's key holds its step, so a piece's common samples are the run's common
 samples in those steps), and each pair of the piece is aligned and pooled (`PooledParity`) as a two-run
-comparison read step by step pools its pieces. So each pair's rows are what `compare_runs` gives for those two
+comparison read step by step pools its pieces; the reader (`pgdiag.data.reader.RunsReader`) merges each run's checks
+over the pieces and raises the first run's first error after the last piece. So each pair's rows are what `compare_runs` gives for those two
 runs restricted to the common samples: bit for bit when the runs fit in one piece (then read whole and compared
 as in-memory batches), else to the pooled rounding of docs/compare.md. In-memory batches and
 ``--join hash-any-step`` (a sample may match in another step) are read whole. The report stacks the baseline
@@ -35,7 +36,9 @@ from pgdiag.compare.pooled import PooledParity, _merge_rows
 from pgdiag.compare.settings import CompareSettings
 from pgdiag.compare.worst import token_decoder
 from pgdiag.data.batch import TokenBatch
+from pgdiag.data.load import LoadedBatch
 from pgdiag.data.pieces import plan_step_pieces
+from pgdiag.data.reader import RunsReader
 from pgdiag.errors import Code, InvalidInputError, UsageError
 from pgdiag.report.report import Report, ReportRow, summary_frame
 
@@ -229,12 +232,27 @@ def _compare_in_pieces(
     states = {p: _PairState(joins[p], p not in baseline_pairs) for p in pairs}
     edges = np.asarray(DLOGP_EDGES)
     any_common = False
-    for steps, present in pieces:
-        batches = [  # a run without rows here is not read; its partners' rows are, for their reader errors
-            replace(_read(restrict_steps(source, steps), stream, settings), label=label) if here else None
-            for source, stream, label, here in zip(sources, streams, labels, present, strict=True)
+
+    def read(piece: tuple[tuple[int, ...], list[bool]], many: bool) -> tuple[list[Any], list[Any]]:
+        steps, present = (
+            piece  # a run without rows here is not read; its partners' rows are, for their checks
+        )
+        loaded = [
+            _read_loaded(restrict_steps(source, steps), stream, settings, piece=many) if here else None
+            for source, stream, here in zip(sources, streams, present, strict=True)
         ]
-        if not all(present):
+        batches = [
+            None if one is None else replace(one.batch, label=label)
+            for one, label in zip(loaded, labels, strict=True)
+        ]
+        return batches, [None if one is None else one.checks for one in loaded]
+
+    reader = RunsReader(
+        pieces, read, n_runs=len(sources)
+    )  # each run's first reader error after the last piece
+    for read_piece in reader:
+        batches = read_piece.read
+        if not all(read_piece.piece[1]):
             continue
         keys = [_sample_key(b.step, b.sample_id, b.seq_hash, settings.join) for b in batches]
         rows = _common_of(keys)
@@ -277,6 +295,7 @@ def _compare_in_pieces(
             state.pooled.add(aligned, edges)
             del aligned
         del batches
+    reader.finish()
     if not any_common:
         raise _no_common_sample()
     comparisons: dict[tuple[int, int], Comparison] = {}
@@ -347,12 +366,18 @@ def _finish(
 
 
 def _read(source: Any, stream: str, settings: CompareSettings) -> TokenBatch:
-    """One run (or a piece of it) read once (the compared stream), or an in-memory batch as given."""
+    """One run read once whole (the compared stream), or an in-memory batch as given."""
     if isinstance(source, TokenBatch):
         return source
+    return _read_loaded(source, stream, settings).batch
+
+
+def _read_loaded(source: Any, stream: str, settings: CompareSettings, *, piece: bool = False) -> LoadedBatch:
+    """One run, or one piece of a run read in several (`piece`: nothing raises, `RunsReader` merges the checks
+    and raises), read with the reader's checks (the compared stream)."""
     from pgdiag.data.load import read_token_batch
 
-    loaded = read_token_batch(
+    return read_token_batch(
         source,
         streams=[stream],
         advantages=False,  # compare reads no advantages (--metrics is refused for N-way)
@@ -360,8 +385,9 @@ def _read(source: Any, stream: str, settings: CompareSettings) -> TokenBatch:
         env=True,
         ignore=settings.checks.ignore,
         max_examples=settings.checks.max_examples,
+        piece=piece,
+        raise_errors=not piece,
     )
-    return loaded.batch
 
 
 def _report(pairs: Sequence[Comparison], matrix: pl.DataFrame, baseline: str) -> Report:

@@ -2,8 +2,9 @@
 
 What: `add(PieceSides)` takes one piece as the reader gave it (side a and side b of the same steps, either None
 where that run has no rows) and aligns, checks and pools it (`pooled.PooledParity`, the `--metrics` side sets,
-the `--tokens-out` writer, the `--model` τ samples); `finish()` raises the run's first reader error once, after
-the last piece, and returns the `Comparison` (`pair_report.pair_comparison`).
+the `--tokens-out` writer, the `--model` τ samples); `finish(reader checks)` returns the `Comparison`
+(`pair_report.pair_comparison`) once the reader (`pgdiag.data.reader.RunsReader`) has merged each run's checks
+and raised the first reader error, after the last piece.
 Why: `compare_runs` is then a short loop over the reader, and a new per-pair accumulator is added here, once.
 How: state kept between pieces is the pooled tables and counts (of the order of the steps and buckets), never
 a piece's token arrays: each side's batch is dropped as soon as the pair is aligned (peak memory).
@@ -29,7 +30,7 @@ from pgdiag.compare.settings import CompareSettings
 from pgdiag.compare.side_by_side import SideMetrics, side_by_side_rows
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.pieces import AnyStepKeys, PairPiece
-from pgdiag.data.validate import CheckResult, Issue, merge_check_results, raise_first_error
+from pgdiag.data.validate import CheckResult, Issue
 from pgdiag.data.versions import token_lag_at
 from pgdiag.errors import Code, InvalidInputError, UsageError
 from pgdiag.metrics.accumulators import RowFold
@@ -203,10 +204,6 @@ class PairFold:
         self.decode, self.writer = decode, writer
         self.pooled: PooledParity | None = None
         self.held: Deferred | None = None  # counts deferred to the end (E302 sample, E304/E306, masks)
-        self.checks_a: list[
-            CheckResult
-        ] = []  # reader checks of each piece, merged per code and rule at the end
-        self.checks_b: list[CheckResult] = []
         self.shown: list[SideMetrics] = []  # each run's own metrics, fed piece by piece (--metrics)
         self.tau_samples = None if settings.model is None else TauSamples()  # the first matched tokens for τ
         self.pair: AlignedPair | None = None  # every aligned token, when the comparison is one piece
@@ -232,10 +229,6 @@ class PairFold:
             batch = replace(side_a.batch, label=self.labels[0] if self.labels else side_a.batch.label)
             for accumulator in self.sources.accumulators:
                 accumulator.add(batch)
-        if side_a is not None and side_a.checks is not None:
-            self.checks_a.append(side_a.checks)
-        if not self.sources.one_run and side_b is not None and side_b.checks is not None:
-            self.checks_b.append(side_b.checks)
         # each run's own metrics before the pair is aligned and the batch dropped; a lone step feeds its run
         for metric_side, side in zip(self.shown, (side_a, side_b), strict=False):
             if side is not None:
@@ -346,11 +339,10 @@ class PairFold:
         if self.n_pieces == 1:
             self.pair = piece_pair
 
-    def finish(self) -> Comparison:
-        """The comparison over every piece: the run's first reader error raised once, then the report."""
+    def finish(self, reader: Sequence[CheckResult | None] = ()) -> Comparison:
+        """The comparison over every piece, with the reader's checks of each run merged over the pieces (None for
+        a side never read from disk: `RunsReader.finish`, which raised the runs' first reader error)."""
         ignore = self.settings.checks.ignore
-        reader_a, reader_b = merge_check_results(self.checks_a), merge_check_results(self.checks_b)
-        raise_first_error([*reader_a.found, *reader_b.found])  # E206's share and E302 by nulls, over the run
         deferred_issues: list[Issue] = []
         if self.held is not None:
             deferred_issues = self.held.shift_issues(ignore)  # E302 on the sample pooled over the pieces
@@ -381,9 +373,7 @@ class PairFold:
             )
         pair_issues = self.pair.issues if self.pair is not None else tuple(deferred_issues)
         issues = [i for i in (*pair_issues, *hints, *issues_tau, *self._metadata()) if i.code not in ignore]
-        reader_checks = [reader_a.issues] if self.checks_a else []
-        if self.checks_b:
-            reader_checks.append(reader_b.issues)
+        reader_checks = [found.issues for found in reader if found is not None]
         return pair_comparison(
             pooled,
             self.held,

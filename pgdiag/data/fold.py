@@ -17,7 +17,10 @@ How (the contract; docs/reliability.md, "Folds"):
   documented relative error.
 * Errors: a fold never raises on bad data in `add`; the reader's checks of each piece are merged
   (`pgdiag.data.validate.merge_check_results`) and the run's first error is raised once, after the last piece:
-  `pgdiag.data.reader.PieceReader` does both for the stages that read one run (metrics, drift, whatif).
+  `pgdiag.data.reader.PieceReader` does both for the stages that read one run (metrics, drift, whatif),
+  `pgdiag.data.reader.RunsReader` for those that read 2..N runs together (compare: two runs, one run's streams,
+  N-way; check, which reports the errors as issues and raises none). A fold whose result includes the reader's
+  checks takes them merged: `finish(reader checks)`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ What: `PieceReader.planned(run, chunk_rows, read)` (or `PieceReader(pieces, read
 concatenated, the rules judged over the run judged on the merged counts) and raises the first error, as one read
 of the run raises it. After a piece with an error the later pieces are read and validated only (not handed on),
 so the message of the error is the run's. A run that fits one piece, or whose step column cannot be filtered,
-is one read that raises its own first error.
+is one read that raises its own first error. `RunsReader` is the same loop over 2..N runs read together
+(`compare`), each run's checks merged and its first error raised, run by run.
 Why: every stage reads the same pieces with the same checks, so a stage is a fold (`pgdiag.data.fold`) and only
 adds pieces; merging and raising are written once, here.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pgdiag.data.batch import TokenBatch
 from pgdiag.data.issues import CheckResult, Issue, merge_check_results, merge_piece_issues, raise_first_error
@@ -91,4 +93,59 @@ class PieceReader:
         merged = merge_check_results(self.checks)
         raise_first_error(merged.found)
         raise_first_error(merge_piece_issues(self.after_issues))
+        return merged
+
+
+# read(piece, many): what a stage folds for the piece, and the reader's checks of each run read for it (None
+# where a run has no rows in the piece, is an in-memory batch, or is read again for rows whose checks were counted)
+ReadRuns = Callable[[Any, bool], tuple[Any, Sequence[CheckResult | None]]]
+
+
+@dataclass(frozen=True)
+class RunsPieceRead:
+    """One piece of several runs as a stage folds it: its place in the plan, the plan's piece and what was read."""
+
+    index: int
+    piece: Any
+    read: Any
+
+
+class RunsReader:
+    """The reading loop of 2..N runs read together (`compare`: two runs, one run's streams, N-way), as
+    `PieceReader` is that of one: `pieces` (a paired plan's pieces, `pgdiag.data.pieces`) read by `read`, each run's
+    checks kept per piece; iterate once, then `finish()`. Pieces after one with an error are read and validated
+    only (not handed on); `finish` merges each run's checks over the pieces and raises the first error of the
+    first run that has one, as reading the runs whole one after the other raises it. `raises=False` (`check`,
+    which reports errors as issues): every piece is handed on and nothing raises."""
+
+    def __init__(self, pieces: Sequence[Any], read: ReadRuns, *, n_runs: int, raises: bool = True) -> None:
+        self.pieces, self.read, self.raises = list(pieces), read, raises
+        self.checks: list[list[CheckResult]] = [[] for _ in range(n_runs)]
+        self.failed = False
+
+    @property
+    def n_pieces(self) -> int:
+        return len(self.pieces)
+
+    def __iter__(self) -> Iterator[RunsPieceRead]:
+        many = len(self.pieces) > 1
+        for index, piece in enumerate(self.pieces):
+            payload, checks = self.read(piece, many)
+            for held, found in zip(self.checks, checks, strict=True):
+                if found is not None:
+                    held.append(found)
+                    self.failed = self.failed or any(
+                        i.severity == "error" and i.pooled is None for i in found.found
+                    )
+            if not (self.failed and self.raises):
+                yield RunsPieceRead(index, piece, payload)
+            del payload  # the piece's token arrays go before the next piece is read
+
+    def finish(self) -> list[CheckResult | None]:
+        """Each run's checks merged over its pieces (None for a run never read from disk); the first error of the
+        first run that has one raised (InvalidInputError) unless `raises` is False."""
+        merged = [merge_check_results(held) if held else None for held in self.checks]
+        for result in merged:
+            if result is not None and self.raises:
+                raise_first_error(result.found)
         return merged
