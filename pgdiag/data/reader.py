@@ -7,8 +7,9 @@ What: `PieceReader.planned(run, chunk_rows, read)` (or `PieceReader(pieces, read
 concatenated, the rules judged over the run judged on the merged counts) and raises the first error, as one read
 of the run raises it. After a piece with an error the later pieces are read and validated only (not handed on),
 so the message of the error is the run's. A run that fits one piece, or whose step column cannot be filtered,
-is one read that raises its own first error. `RunsReader` is the same loop over 2..N runs read together
-(`compare`), each run's checks merged and its first error raised, run by run.
+is one read that raises its own first error. `RunsReader` is the loop itself, over the pieces of 1..N runs read
+together (`compare`: two runs, one run's streams, N-way; `check`, which raises nothing), each run's checks merged
+and its first error raised, run by run; `PieceReader` is it over one run.
 Why: every stage reads the same pieces with the same checks, so a stage is a fold (`pgdiag.data.fold`) and only
 adds pieces; merging and raising are written once, here.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pgdiag.data.batch import TokenBatch
-from pgdiag.data.issues import CheckResult, Issue, merge_check_results, merge_piece_issues, raise_first_error
+from pgdiag.data.issues import CheckResult, Issue, check_result, merge_check_results, raise_first_error
 from pgdiag.data.load import LoadedBatch
 from pgdiag.data.pieces import plan_step_pieces
 from pgdiag.data.runs import Run, restrict_steps
@@ -44,13 +45,15 @@ class PieceRead:
 
 class PieceReader:
     """The `pieces` of a run (each a `Run` restricted to whole steps, in order), read by `read` and checked by
-    `after` (module docstring). Iterate once, then call `finish()`; `planned` plans the pieces first."""
+    `after` (module docstring). Iterate once, then call `finish()`; `planned` plans the pieces first. The loop is
+    `RunsReader`'s over one run, the `after` rules' issues kept as a second set of checks raised after the
+    reader's."""
 
     def __init__(self, pieces: Sequence[Run], read: ReadPiece, *, after: AfterRule | None = None) -> None:
         self.pieces, self.read, self.after = list(pieces), read, after
-        self.checks: list[CheckResult] = []
-        self.after_issues: list[list[Issue]] = []
-        self.failed = False
+        self.runs = RunsReader(
+            self.pieces, self._read_piece, n_runs=2
+        )  # the reader's checks, the after rules'
 
     @classmethod
     def planned(
@@ -72,28 +75,28 @@ class PieceReader:
     def n_pieces(self) -> int:
         return len(self.pieces)
 
+    @property
+    def checks(self) -> list[CheckResult]:
+        """The reader's checks of each piece read so far."""
+        return self.runs.checks[0]
+
+    def _read_piece(self, run: Run, many: bool) -> tuple[tuple[Run, TokenBatch], list[CheckResult | None]]:
+        loaded = self.read(run, many)
+        found = self.after(loaded) if self.after is not None else []
+        return (run, loaded.batch), [loaded.checks, check_result(found)]
+
     def __iter__(self) -> Iterator[PieceRead]:
-        many = len(self.pieces) > 1
-        for index, run in enumerate(self.pieces):
-            loaded = self.read(run, many)
-            found = self.after(loaded) if self.after is not None else []
-            self.checks.append(loaded.checks)
-            self.after_issues.append(found)
-            self.failed = self.failed or any(
-                i.severity == "error" and i.pooled is None for i in (*loaded.checks.found, *found)
-            )
-            if not self.failed:
-                yield PieceRead(index, run, loaded.batch)
-            del loaded  # the piece's token arrays go before the next piece is read
+        for piece in self.runs:
+            run, batch = piece.read
+            yield PieceRead(piece.index, run, batch)
+            del piece, run, batch  # the piece's token arrays go before the next piece is read
 
     def finish(self) -> CheckResult:
         """The run's checks, merged over its pieces; the first error raised (InvalidInputError) as one read raises
         it: the reader's first, then the `after` rules' (whose issues are not in the result: the stage reports
         them its own way)."""
-        merged = merge_check_results(self.checks)
-        raise_first_error(merged.found)
-        raise_first_error(merge_piece_issues(self.after_issues))
-        return merged
+        merged = self.runs.finish()[0]
+        return check_result([]) if merged is None else merged
 
 
 # read(piece, many): what a stage folds for the piece, and the reader's checks of each run read for it (None
