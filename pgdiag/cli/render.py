@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import polars as pl
@@ -303,23 +303,6 @@ LAG_COLUMNS = (
 )
 
 
-def render_lag(console: Console, report: Report) -> None:
-    """`metrics --by lag`: one row per lag bucket (tokens, the policy and mismatch pairs' mean |d| and k3)."""
-    rows = report.summary.filter(pl.col("breakdown") == "lag")
-    if rows.height == 0:
-        return
-    values = {(b, m): v for b, m, v in rows.select("bucket", "metric", "value").iter_rows()}
-    shown = [c for c in LAG_COLUMNS if any(m == c for _, m in values)]
-    table = Table(title=Text("by lag (proximal − sampling version)", style="bold"), title_justify="left")
-    table.add_column("lag", justify="left")
-    for name in shown:
-        table.add_column(name, justify="right")
-    for bucket in rows["bucket"].unique(maintain_order=True).to_list():
-        cells = [format_value(values.get((bucket, m)), "count" if m == "count/tokens" else "") for m in shown]
-        table.add_row(bucket, *cells)
-    console.print(table)
-
-
 LOSS_COLUMNS = (
     "losses/rel_l2",
     "losses/rel_l2_aggregation",
@@ -328,16 +311,50 @@ LOSS_COLUMNS = (
 )
 
 
-def render_losses(console: Console, report: Report) -> None:
-    """`--losses A,B`: the gradient parity of the two loss definitions (the maximum over the steps)."""
-    rows = report.summary.filter(pl.col("breakdown") == "losses")
+def _breakdown_table(
+    console: Console,
+    report: Report,
+    breakdown: str,
+    title: str,
+    first: str,
+    columns: tuple[str, ...],
+    unit: Callable[[str], str],
+    header: Callable[[str], str] = str,
+) -> None:
+    """One row per bucket of the summary's `breakdown` rows, one column per metric of `columns` the report holds;
+    nothing when it has no such rows."""
+    rows = report.summary.filter(pl.col("breakdown") == breakdown)
     if rows.height == 0:
         return
     values = {(b, m): v for b, m, v in rows.select("bucket", "metric", "value").iter_rows()}
-    table = Table(title=Text("loss parity (max over steps)", style="bold"), title_justify="left")
-    table.add_column("A vs B", justify="left")
-    for name in LOSS_COLUMNS:
-        table.add_column(name.removeprefix("losses/"), justify="right")
+    shown = [c for c in columns if any(m == c for _, m in values)]
+    table = Table(title=Text(title, style="bold"), title_justify="left")
+    table.add_column(first, justify="left")
+    for name in shown:
+        table.add_column(header(name), justify="right")
     for bucket in rows["bucket"].unique(maintain_order=True).to_list():
-        table.add_row(bucket, *[format_value(values.get((bucket, m)), "ratio") for m in LOSS_COLUMNS])
+        table.add_row(bucket, *[format_value(values.get((bucket, m)), unit(m)) for m in shown])
     console.print(table)
+
+
+def render_lag(console: Console, report: Report) -> None:
+    """`metrics --by lag`: one row per lag bucket (tokens, the policy and mismatch pairs' mean |d| and k3)."""
+    title = "by lag (proximal − sampling version)"
+    _breakdown_table(
+        console, report, "lag", title, "lag", LAG_COLUMNS, lambda m: "count" if m == "count/tokens" else ""
+    )
+
+
+def render_losses(console: Console, report: Report) -> None:
+    """`--losses A,B`: the gradient parity of the two loss definitions (the maximum over the steps)."""
+    title = "loss parity (max over steps)"
+    _breakdown_table(
+        console,
+        report,
+        "losses",
+        title,
+        "A vs B",
+        LOSS_COLUMNS,
+        lambda m: "ratio",
+        lambda name: name.removeprefix("losses/"),
+    )
