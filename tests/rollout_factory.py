@@ -115,6 +115,34 @@ def valid_rows() -> list[dict[str, Any]]:
     return rows
 
 
+def response_row(
+    step: int,
+    sample_id: str,
+    rollout: list[float],
+    old: list[float],
+    new: list[float] | None = None,
+    advantage: float = 1.0,
+    **columns: Any,
+) -> dict[str, Any]:
+    """One sample of a two-token prompt and a response whose every token is in the loss: the streams given per
+    response token (`new` defaults to `old`), one advantage on every token, reward 1, plus any other `columns`
+    (``policy_version=...``)."""
+    n = len(rollout)
+    return {
+        "step": step,
+        "sample_id": sample_id,
+        "input_ids": [1, 2, *range(10, 10 + n)],
+        "prompt_len": 2,
+        "loss_mask": [False, False] + [True] * n,
+        "rollout_logprobs": [None, None, *rollout],
+        "old_logprobs": [None, None, *old],
+        "new_logprobs": [None, None, *(old if new is None else new)],
+        "advantages": [None, None] + [advantage] * n,
+        "reward": 1.0,
+        **columns,
+    }
+
+
 def write_rollouts_file(
     path: str | Path,
     rows: list[dict[str, Any]],

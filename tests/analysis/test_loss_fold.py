@@ -21,32 +21,17 @@ from pgdiag.compare.settings import CompareSettings
 from pgdiag.data.runs import read_run
 from pgdiag.errors import UsageError
 from pgdiag.metrics.api import StreamSettings, compute_metrics
-from tests.rollout_factory import write_rollouts_file
+from tests.rollout_factory import response_row, write_rollouts_file
 
 LN4 = math.log(4.0)
 
 
 def rows() -> list[dict]:
-    def row(step, sid, rollout, old, advantage):
-        n = len(rollout)
-        return {
-            "step": step,
-            "sample_id": sid,
-            "input_ids": [1, 2, *range(10, 10 + n)],
-            "prompt_len": 2,
-            "loss_mask": [False, False] + [True] * n,
-            "rollout_logprobs": [None, None, *rollout],
-            "old_logprobs": [None, None, *old],
-            "new_logprobs": [None, None, *old],
-            "advantages": [None, None] + [advantage] * n,
-            "reward": 1.0,
-        }
-
     return [
-        row(0, "s0", [-2 * LN4, -1.0], [-LN4, -1.0], 1.0),
-        row(0, "s1", [-1.0], [-1.0], -1.0),
-        row(1, "s0", [-1.0], [-1.0], 1.0),
-        row(1, "s1", [-1.0], [-1.0], -1.0),
+        response_row(0, "s0", [-2 * LN4, -1.0], [-LN4, -1.0], advantage=1.0),
+        response_row(0, "s1", [-1.0], [-1.0], advantage=-1.0),
+        response_row(1, "s0", [-1.0], [-1.0], advantage=1.0),
+        response_row(1, "s1", [-1.0], [-1.0], advantage=-1.0),
     ]
 
 

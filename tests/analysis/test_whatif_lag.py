@@ -14,28 +14,14 @@ import pytest
 from pgdiag.analysis.settings import CorrectionRule, WhatifSettings
 from pgdiag.analysis.whatif import whatif
 from pgdiag.data.runs import read_run
-from tests.rollout_factory import write_rollouts_file
+from tests.rollout_factory import response_row, write_rollouts_file
 
 TYPES = {"policy_version": pl.Int64, "policy_version_tok": pl.List(pl.Int64)}
 
 
 def planted_rows() -> list[dict]:
     def row(sid, version, rollout, old, new, tok=None):
-        n = len(rollout)
-        return {
-            "step": 3,
-            "sample_id": sid,
-            "input_ids": [1, 2, *range(10, 10 + n)],
-            "prompt_len": 2,
-            "loss_mask": [False, False] + [True] * n,
-            "rollout_logprobs": [None, None, *rollout],
-            "old_logprobs": [None, None, *old],
-            "new_logprobs": [None, None, *new],
-            "advantages": [None, None] + [1.0] * n,
-            "reward": 1.0,
-            "policy_version": version,
-            "policy_version_tok": tok,
-        }
+        return response_row(3, sid, rollout, old, new, policy_version=version, policy_version_tok=tok)
 
     return [
         row("s0", 3, [-1.0, -1.0], [-1.5, -1.0], [-1.25, -2.0]),

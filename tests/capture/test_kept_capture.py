@@ -24,7 +24,13 @@ import torch
 
 from pgdiag.capture.kept import completion_sets, engine_sets, kept_lists, match_rows
 from pgdiag.errors import InvalidInputError
-from tests.importers.hook_fixtures import TRL_COMPLETIONS, TRL_PROMPTS, rewrite_hook_file, trl_output
+from tests.importers.hook_fixtures import (
+    TRL_COMPLETIONS,
+    TRL_PROMPTS,
+    rewrite_hook_file,
+    trl_output,
+    trl_trainer_stub,
+)
 
 
 @dataclass
@@ -142,18 +148,9 @@ def _trl_trainer(step: int, llm: _FakeLLM, *, rank_rows: slice = slice(None)) ->
     """A stand-in GRPOTrainer whose `_generate` calls the colocated engine as TRL's VLLMGeneration.generate does
     (``self.llm.generate(vllm_prompts, ...)``) and keeps its rank's slice of the completions."""
     output = trl_output(step)
-    trainer = SimpleNamespace(
-        state=SimpleNamespace(global_step=step),
-        model=SimpleNamespace(training=True),
-        accelerator=SimpleNamespace(process_index=0, num_processes=1),
-        eos_token_ids=[1],
-        _tokenizer=SimpleNamespace(pad_token_id=0),
-        reward_weights=torch.tensor([1.0, 1.0]),
-        reward_func_names=["correct", "format"],
-        num_generations=2,
+    trainer = trl_trainer_stub(
+        step,
         args=SimpleNamespace(temperature=1.0, top_p=0.9, top_k=50, min_p=None),
-        use_vllm=True,
-        vllm_importance_sampling_correction=True,
         vllm_generation=SimpleNamespace(llm=llm),
     )
 

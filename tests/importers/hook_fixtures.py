@@ -269,6 +269,25 @@ def trl_output(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
+def trl_trainer_stub(step: int, **fields: Any) -> SimpleNamespace:
+    """The attributes of a TRL GRPOTrainer the hook reads (two reward functions, groups of 2, vLLM with its IS
+    correction, untruncated sampling at T = 1), at `state.global_step = step`; `fields` replace or add some."""
+    base: dict[str, Any] = {
+        "state": SimpleNamespace(global_step=step),
+        "model": SimpleNamespace(training=True),
+        "accelerator": SimpleNamespace(process_index=0, num_processes=1),
+        "eos_token_ids": [1],
+        "_tokenizer": SimpleNamespace(pad_token_id=0),
+        "reward_weights": torch.tensor([1.0, 1.0]),
+        "reward_func_names": ["correct", "format"],
+        "num_generations": 2,
+        "args": SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=None),
+        "use_vllm": True,
+        "vllm_importance_sampling_correction": True,
+    }
+    return SimpleNamespace(**{**base, **fields})
+
+
 def write_trl_hook_file(out: Path, step: int = 0, *, edit: Any = None) -> dict[str, torch.Tensor]:
     """Run pgdiag.capture.trl over `trl_output` at `state.global_step = step`; `edit(output)` changes it first."""
     import pgdiag.capture.trl
@@ -276,19 +295,7 @@ def write_trl_hook_file(out: Path, step: int = 0, *, edit: Any = None) -> dict[s
     output = trl_output(step)
     if edit is not None:
         edit(output)
-    trainer = SimpleNamespace(
-        state=SimpleNamespace(global_step=step),
-        model=SimpleNamespace(training=True),
-        accelerator=SimpleNamespace(process_index=0, num_processes=1),
-        eos_token_ids=[1],
-        _tokenizer=SimpleNamespace(pad_token_id=0),
-        reward_weights=torch.tensor([1.0, 1.0]),
-        reward_func_names=["correct", "format"],
-        num_generations=2,
-        args=SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=None),
-        use_vllm=True,
-        vllm_importance_sampling_correction=True,
-    )
+    trainer = trl_trainer_stub(step)
     rewards = torch.tensor([[1.0, 0.5], [0.0, 0.5], [1.0, 0.0], [float("nan"), float("nan")]])
     trainer._generate = lambda prompts: (TRL_PROMPTS, TRL_COMPLETIONS, None, ["a"] * 4, None, {}, None, [])
     trainer._calculate_rewards = lambda inputs, prompts, completions, ids: rewards

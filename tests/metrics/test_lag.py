@@ -18,7 +18,7 @@ import pytest
 from pgdiag.data.runs import read_run
 from pgdiag.metrics.api import StreamSettings, compute_metrics
 from pgdiag.metrics.settings import MetricSettings
-from tests.rollout_factory import write_rollouts_file
+from tests.rollout_factory import response_row, write_rollouts_file
 
 TYPES = {"policy_version": pl.Int64, "policy_version_tok": pl.List(pl.Int64)}
 
@@ -29,21 +29,7 @@ def k3(x: float) -> float:
 
 def planted_rows(step: int) -> list[dict]:
     def row(sid, version, rollout, old, new, tok=None):
-        n = len(rollout)
-        return {
-            "step": step,
-            "sample_id": sid,
-            "input_ids": [1, 2, *range(10, 10 + n)],
-            "prompt_len": 2,
-            "loss_mask": [False, False] + [True] * n,
-            "rollout_logprobs": [None, None, *rollout],
-            "old_logprobs": [None, None, *old],
-            "new_logprobs": [None, None, *new],
-            "advantages": [None, None] + [1.0] * n,
-            "reward": 1.0,
-            "policy_version": version,
-            "policy_version_tok": tok,
-        }
+        return response_row(step, sid, rollout, old, new, policy_version=version, policy_version_tok=tok)
 
     v = step
     return [
