@@ -150,6 +150,18 @@ def pointwise_ops(fused: bool) -> PointwiseOps:
     )
 
 
+@dataclass(frozen=True)
+class LayerInputs:
+    """What every layer of one forward pass is given besides its input x: RoPE angles, documents, attention
+    backend and the TP group (None: one rank)."""
+
+    cos: Tensor  # (N, D) body dtype, RoPE scale applied
+    sin: Tensor  # (N, D)
+    docs: PackedDocs
+    backend: str  # attention backend, resolved by the loader
+    group: dist.ProcessGroup | None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, ops: PointwiseOps, weight_fp32: bool = False) -> None:
         super().__init__()
@@ -182,18 +194,10 @@ class Attention(nn.Module):
         if config.attention_sinks:
             self.sinks = nn.Parameter(torch.empty(self.local_num_heads))  # (Hq_local,) one logit per head
 
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        docs: PackedDocs,
-        backend: str,
-        group: dist.ProcessGroup | None,
-    ) -> Tensor:
-        return _row_parallel(self.core(x, cos, sin, docs, backend), self.o_proj, group)  # (N, H)
+    def forward(self, x: Tensor, shared: LayerInputs) -> Tensor:
+        return _row_parallel(self.core(x, shared), self.o_proj, shared.group)  # (N, H)
 
-    def core(self, x: Tensor, cos: Tensor, sin: Tensor, docs: PackedDocs, backend: str) -> Tensor:
+    def core(self, x: Tensor, shared: LayerInputs) -> Tensor:
         """The attention output of this rank's heads before o_proj: (N, Hq_local * D)."""
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.local_num_heads, self.head_dim)  # (N, Hq_local, D)
@@ -201,11 +205,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, self.local_num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (N, 1, D)
+        cos, sin = shared.cos.unsqueeze(1), shared.sin.unsqueeze(1)  # (N, 1, D)
         q, k = self.ops.rope(q, cos, sin), self.ops.rope(k, cos, sin)
         sinks = getattr(self, "sinks", None)
         out = packed_attention(
-            q, k, v, docs, window=self.window, backend=backend, sinks=sinks
+            q, k, v, shared.docs, window=self.window, backend=shared.backend, sinks=sinks
         )  # (N, Hq_local, D)
         return out.reshape(n, -1)
 
@@ -259,11 +263,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        docs: PackedDocs,
-        backend: str,
-        group: dist.ProcessGroup | None,
+        shared: LayerInputs,
         expert_impl: str = "loop",
         replay: Tensor | None = None,
         overlap_chunks: int = 1,
@@ -272,9 +272,10 @@ class DecoderLayer(nn.Module):
 
         `overlap_chunks` > 1 (a dense layer under TP): the token-wise part after attention runs in that many
         token chunks, each chunk's all-reduce in flight while the next chunk computes (`_dense_overlapped`)."""
+        group = shared.group
         if not self.sparse and overlap_chunks > 1 and group is not None and dist.get_world_size(group) > 1:
-            return self._dense_overlapped(x, cos, sin, docs, backend, group, overlap_chunks), None
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, backend, group)
+            return self._dense_overlapped(x, shared, group, overlap_chunks), None
+        x = x + self.self_attn(self.input_layernorm(x), shared)
         ffn = getattr(self, self.ffn_name)
         if not self.sparse:
             return x + ffn(self.post_attention_layernorm(x), group), None
@@ -282,14 +283,7 @@ class DecoderLayer(nn.Module):
         return x + out, chosen
 
     def _dense_overlapped(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        docs: PackedDocs,
-        backend: str,
-        group: dist.ProcessGroup,
-        n_chunks: int,
+        self, x: Tensor, shared: LayerInputs, group: dist.ProcessGroup, n_chunks: int
     ) -> Tensor:
         """The dense layer of `forward` with its two all-reduces overlapped with compute.
 
@@ -300,7 +294,7 @@ class DecoderLayer(nn.Module):
         matmul library may pick another kernel for a chunk's row count, so the rounding can differ."""
         attn = self.self_attn
         mlp = getattr(self, self.ffn_name)
-        core = attn.core(self.input_layernorm(x), cos, sin, docs, backend)  # (N, Hq_local * D)
+        core = attn.core(self.input_layernorm(x), shared)  # (N, Hq_local * D)
         edges = [x.shape[0] * c // n_chunks for c in range(n_chunks + 1)]  # near-equal token chunks
         spans = [(start, stop) for start, stop in pairwise(edges) if stop > start]
         o_parts, o_waits = [], []
@@ -440,8 +434,13 @@ class CausalLM(nn.Module):
         freqs = position_ids.float()[:, None] * self.inv_freq[None, :]  # (N, D/2) fp32
         angles = torch.cat((freqs, freqs), dim=-1)  # (N, D)
         dtype = self.body_dtype
-        cos = (angles.cos() * self.rope_scale).to(dtype)
-        sin = (angles.sin() * self.rope_scale).to(dtype)
+        shared = LayerInputs(
+            cos=(angles.cos() * self.rope_scale).to(dtype),
+            sin=(angles.sin() * self.rope_scale).to(dtype),
+            docs=docs,
+            backend=self.attention_backend,
+            group=self.tp_group,
+        )
         moe = self.config.moe
         if replay_experts is not None:
             want = (n, len(moe.sparse_layer_indices), moe.top_k) if moe else None
@@ -457,9 +456,7 @@ class CausalLM(nn.Module):
         chunks = self.tp_overlap_chunks if n >= self.tp_overlap_chunks * self.tp_overlap_min_tokens else 1
         for index, layer in enumerate(self.model.layers):
             replay = None if replay_experts is None or not layer.sparse else replay_experts[:, len(picked)]
-            out, chosen = layer(
-                x, cos, sin, docs, self.attention_backend, self.tp_group, self.expert_impl, replay, chunks
-            )
+            out, chosen = layer(x, shared, self.expert_impl, replay, chunks)
             x = out if layer_hook is None else _hooked(layer_hook, index, x, out)
             if chosen is not None:
                 picked.append(chosen)
