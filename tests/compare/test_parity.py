@@ -177,7 +177,7 @@ def test_token_table_leaves_its_inputs_untouched() -> None:
 
 
 def test_token_table_kl_sums_are_those_of_the_metrics_terms() -> None:
-    """The `all` row's KL, chi-square, ESS and tmpe come from one expm1(Δ) (`parity._kl_sums`); each must be
+    """The `all` row's KL, chi-square, ESS and tmpe come from one expm1(Δ) (`metrics.terms.kl_sums`); each must be
     bit for bit the mean of the `metrics.terms` function `metrics` reduces, so both commands agree exactly.
     Δ spans exact zeros, tiny and large values (ρ up to e^30) and both signs."""
     from pgdiag.metrics import terms as t
