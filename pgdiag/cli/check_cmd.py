@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from pgdiag.cli.common import Screen, execute, result_object
-from pgdiag.cli.options import STREAMS, CheckOptions, Fields, RunArg, RunInputs, StrictOpt, flat_command
+from pgdiag.cli.options import STREAMS, CheckOptions, Fields, RunArg, RunInputs, StrictOpt
 from pgdiag.cli.outputs import OutputSettings
 
 HELP = """Validate rollouts against [bold]pgdiag.rollouts/v1[/] and check stream alignment.
@@ -37,11 +37,6 @@ VocabSizeOpt = Annotated[
         "--vocab-size", min=1, help="Enable the token-id range check (E208).", rich_help_panel=STREAMS
     ),
 ]
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `check` command to `app`."""
-    app.command("check", help=HELP)(flat_command(check))
 
 
 def check(

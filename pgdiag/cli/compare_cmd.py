@@ -37,7 +37,6 @@ from pgdiag.cli.options import (
     RunArg,
     RunInputs,
     choice_enum,
-    flat_command,
     loss_folds,
 )
 from pgdiag.cli.outputs import OutputSettings, finish
@@ -189,11 +188,6 @@ RoutingReplayOpt = Annotated[
 ]
 _METRIC_FIELDS = Fields("aggregation", "divisor", "key_style", "eps_low", "eps_high")
 _OUTPUTS = Fields("json_out", "out", "html", "overwrite", "quiet", "verbose")
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `compare` command to `app`."""
-    app.command("compare", help=HELP)(flat_command(compare))
 
 
 def compare(

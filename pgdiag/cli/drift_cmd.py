@@ -24,7 +24,6 @@ from pgdiag.cli.options import (
     MetricOptions,
     RunArg,
     RunInputs,
-    flat_command,
     listed,
 )
 from pgdiag.cli.outputs import OutputSettings, finish
@@ -53,11 +52,6 @@ CpThresholdOpt = Annotated[
 _OUTPUTS = Fields(
     "json_out", "out", "plot", "html", "to_tensorboard", "to_wandb", "wandb_dir", "overwrite", "quiet"
 )
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `drift` command to `app`."""
-    app.command("drift", help=HELP)(flat_command(drift))
 
 
 def drift(

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from pgdiag.cli.common import Screen, execute, result_object
-from pgdiag.cli.options import MODEL, PERFORMANCE, STREAMS, Fields, RunArg, flat_command
+from pgdiag.cli.options import MODEL, PERFORMANCE, STREAMS, Fields, RunArg
 from pgdiag.cli.outputs import OutputSettings, finish
 
 HELP = """Attribute the mismatch of two streams to causes: logprobs_mode, temperature, sampling_truncation,
@@ -54,11 +54,6 @@ LayersOpt = Annotated[
         rich_help_panel=MODEL,
     ),
 ]
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `explain` command to `app`."""
-    app.command("explain", help=HELP)(flat_command(explain))
 
 
 def explain(

@@ -23,7 +23,6 @@ from pgdiag.cli.options import (
     Fields,
     IgnoreOpt,
     StrictOpt,
-    flat_command,
     listed,
     same_named,
 )
@@ -31,14 +30,14 @@ from pgdiag.cli.outputs import OutputSettings
 from pgdiag.importers.base import PRESET_MODULES, ImportOptions
 
 
-def _preset_help() -> str:
+def import_help() -> str:
+    """The `import` command's help: one paragraph per preset, then how OUT is written."""
     lines = [f"[bold]{name}[/]: {description}" for name, (_, description) in PRESET_MODULES.items()]
-    return "Import a framework's rollout dump SRC into the run directory OUT.\n\n" + "\n\n".join(lines)
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `import` command to `app`."""
-    app.command("import", help=_preset_help() + _DETAILS)(flat_command(import_command))
+    return (
+        "Import a framework's rollout dump SRC into the run directory OUT.\n\n"
+        + "\n\n".join(lines)
+        + _DETAILS
+    )
 
 
 _DETAILS = (

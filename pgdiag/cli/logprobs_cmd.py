@@ -32,7 +32,6 @@ from pgdiag.cli.options import (
     Fields,
     RunArg,
     choice_enum,
-    flat_command,
     same_named,
 )
 from pgdiag.cli.outputs import OutputSettings
@@ -68,13 +67,6 @@ KeptSetMode = choice_enum("KeptSetMode", ("auto", *KEPT_SET_MODES))
 class Device(StrEnum):
     cuda = "cuda"
     cpu = "cpu"
-
-
-def register(app: typer.Typer) -> None:
-    """Add `logprobs` and its alias `recompute` to `app`."""
-    command = flat_command(logprobs)
-    app.command("logprobs")(command)
-    app.command("recompute", help="Alias of `logprobs`: the same command and options.")(command)
 
 
 def _parse_temperature(value: str) -> float | str:

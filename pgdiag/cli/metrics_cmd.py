@@ -23,7 +23,6 @@ from pgdiag.cli.options import (
     MetricOptions,
     RunArg,
     RunInputs,
-    flat_command,
     loss_folds,
 )
 from pgdiag.cli.outputs import OutputSettings, finish
@@ -50,11 +49,6 @@ def _list_metrics(value: bool) -> None:
 
         render_catalog()
         raise typer.Exit()
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `metrics` command to `app`."""
-    app.command("metrics", rich_help_panel=None, help=HELP)(flat_command(metrics))
 
 
 ShowAllOpt = Annotated[

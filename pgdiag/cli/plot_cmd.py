@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from pgdiag.cli.common import Screen, execute, result_object
-from pgdiag.cli.options import OUTPUT, Fields, flat_command
+from pgdiag.cli.options import OUTPUT, Fields
 from pgdiag.cli.outputs import OutputSettings
 
 
@@ -86,11 +86,6 @@ DpiOpt = Annotated[
         rich_help_panel=OUTPUT,
     ),
 ]
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `plot` command to `app`."""
-    app.command("plot", help=HELP)(flat_command(plot))
 
 
 def plot(

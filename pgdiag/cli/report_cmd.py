@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from pgdiag.cli.common import Screen, execute, result_object
-from pgdiag.cli.options import OUTPUT, Fields, GateOptions, flat_command
+from pgdiag.cli.options import OUTPUT, Fields, GateOptions
 from pgdiag.cli.outputs import OutputSettings
 
 HELP = """Re-render a saved report without recomputing it; gates are re-evaluated on its stored values.
@@ -41,11 +41,6 @@ PivotOpt = Annotated[
         rich_help_panel=OUTPUT,
     ),
 ]
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `report` command to `app`."""
-    app.command("report", help=HELP)(flat_command(report))
 
 
 def report(

@@ -24,7 +24,6 @@ from pgdiag.cli.options import (
     LossesOpt,
     RunArg,
     RunInputs,
-    flat_command,
     listed,
 )
 from pgdiag.cli.outputs import OutputSettings, finish
@@ -38,11 +37,6 @@ ratio, geometric masking, IcePop. Without any rule flag the default grid runs (t
 before and after, the change of every loss mode, and the steps, envs and positions that lose the most. The
 last line is the verdict: the rules that drop more than 5% of the tokens, each with its worst step.
 """
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `whatif` command to `app`."""
-    app.command("whatif", help=HELP)(flat_command(whatif))
 
 
 def _cap_option(flag: str, text: str) -> Any:
