@@ -24,7 +24,6 @@ per token (`TrunkOutput.router_topk`), and runs the recorded experts instead whe
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -36,68 +35,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pgdiag.model.attention import PackedDocs, packed_attention
-from pgdiag.model.config import ModelConfig, RopeConfig
+from pgdiag.model.config import ModelConfig
 from pgdiag.model.moe import MoeBlock, moe_combine
+from pgdiag.model.rope import rope_inv_freq
 from pgdiag.model.tp import TPLayout, all_reduce_sum
 
 TP_OVERLAP_CHUNKS = 4  # token chunks of a dense layer whose all-reduces overlap compute under TP (1 = off)
 TP_OVERLAP_MIN_TOKENS = 1024  # fewer tokens a chunk: not worth it, the layer runs unchunked
-
-
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[Tensor, float]:
-    """Inverse frequencies (head_dim/2,) fp32 and the cos/sin scale for a RoPE config (HF semantics)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta**exponents)  # (D/2,)
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor, 1.0
-    if rope.rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, rope), 1.0
-    if rope.rope_type == "yarn":
-        return _yarn_inv_freq(rope, head_dim)
-    return inv_freq, 1.0
-
-
-def _llama3_inv_freq(inv_freq: Tensor, rope: RopeConfig) -> Tensor:
-    """Llama 3.1 scaling: long wavelengths divided by `factor`, short kept, a linear blend in between."""
-    old_len = rope.original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    low_freq_wavelen = old_len / rope.low_freq_factor
-    high_freq_wavelen = old_len / rope.high_freq_factor
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(medium, blended, scaled)
-
-
-def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[Tensor, float]:
-    """YaRN (arXiv 2309.00071): interpolate low frequencies, keep high ones, ramp between; scale cos/sin."""
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    if rope.attention_factor is not None:
-        attention_factor = rope.attention_factor
-    elif rope.mscale and rope.mscale_all_dim:
-        attention_factor = mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim)
-    else:
-        attention_factor = mscale(rope.factor)
-
-    def correction_dim(rotations: float) -> float:
-        ctx = rope.original_max_position_embeddings
-        return head_dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
-
-    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
-    if rope.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # (D/2,)
-    pos_freqs = rope.theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, attention_factor
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -464,6 +408,33 @@ class CausalLM(nn.Module):
             if chosen is not None:
                 picked.append(chosen)
         return TrunkOutput(self.model.norm(x), torch.stack(picked, dim=1) if picked else None)
+
+
+@torch.inference_mode()
+def warm_pointwise_ops(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
+    """Run each compiled pointwise op of `model` once on small random tensors of the ranks, dtypes and layouts the
+    forward gives it, so that `torch.compile` loads (or builds) its kernels now; the loader calls this while the
+    weights are still arriving (`pgdiag.model.weight_stream`). The compiled functions mark every dimension
+    dynamic, so the real token counts reuse these kernels. No-op unless the ops are fused and `device` is CUDA."""
+    if not model.fuse_pointwise or torch.device(device).type != "cuda":
+        return
+    config, layout = model.config, model.layout
+    n, d, h, eps = 64, config.head_dim, config.hidden_size, config.rms_norm_eps
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    layer = model.model.layers[0]
+    attn, ops = layer.self_attn, layer.self_attn.ops
+    layer.input_layernorm.norm(rand(n, h), rand(h), eps)  # (n, H)
+    cos, sin = rand(n, 1, d), rand(n, 1, d)
+    for heads in {attn.local_num_heads, attn.local_num_kv_heads}:
+        ops.rope(rand(n, heads, d), cos, sin)  # (n, heads, D)
+        if hasattr(attn, "q_norm"):
+            attn.q_norm.norm(rand(n, heads, d), rand(d), eps)
+    if not all(layer.sparse for layer in model.model.layers):
+        inner = layout.local_intermediate_size
+        ops.swiglu(rand(n, inner), rand(n, inner))  # (n, I_local)
 
 
 def _hooked(
