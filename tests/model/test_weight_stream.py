@@ -15,8 +15,7 @@ from hf_tiny import save_hf_model
 from safetensors.torch import save_file
 
 from pgdiag.errors import UsageError
-from pgdiag.model import load_model
-from pgdiag.model import checkpoint
+from pgdiag.model import checkpoint, load_model
 from pgdiag.model import weight_stream as ws
 from pgdiag.model.tp import TensorSlice
 
@@ -112,12 +111,13 @@ def test_byte_ranges_by_hand(tmp_path: Path) -> None:
     assert data_start == 8 + size
     begin_a = header["a"]["data_offsets"][0]
     files = {"a": file, "b": file}
-    rows, whole, column, absent = ws.plan_ranges(
+    planned = ws.plan_ranges(
         files, [("a", TensorSlice(0, 2, 5)), ("b", None), ("a", TensorSlice(1, 0, 2)), ("c", None)]
-    ) + [None, None]
+    )
+    assert len(planned) == 2  # a column slice and an unknown name are not planned
+    rows, whole = planned
     assert rows.offset == data_start + begin_a + 2 * 16 and rows.nbytes == 3 * 16 and rows.shape == (3, 4)
     assert whole.nbytes == 10 and whole.dtype == torch.bfloat16 and whole.shape == (5,)
-    assert column is None and absent is None  # a column slice and an unknown name are not planned
     with ws.WeightStream([rows, whole], CPU, readers=2) as stream:
         assert torch.equal(stream.take("a", TensorSlice(0, 2, 5)), a[2:5])
         assert torch.equal(stream.take("b", None), b)
@@ -130,3 +130,23 @@ def test_close_without_taking_stops_the_threads(tmp_path: Path, monkeypatch) -> 
     stream = stream_for(tmp_path)
     stream.close()
     assert not any(thread.is_alive() for thread in stream._threads)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_streamed_load_on_cuda_equals_plain_load(tmp_path: Path, monkeypatch, dtype: str) -> None:
+    """The CUDA path: pinned buffers, copies on the readers' streams, the loader's stream waiting on their events."""
+    monkeypatch.setattr(ws, "PIECE_BYTES", 4096)
+    save_hf_model(tmp_path, "Qwen3ForCausalLM", shard_kb=12)
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    body = torch.float32 if dtype == "fp32" else torch.bfloat16
+    plain = load_model(tmp_path, dtype=dtype, head_dtype="fp32", device=cuda)
+    stream = ws.start_weight_stream(
+        tmp_path, device=cuda, tp_rank=0, tp_size=1, dtype=body, head_dtype=torch.float32
+    )
+    with stream:
+        streamed = load_model(tmp_path, dtype=dtype, head_dtype="fp32", device=cuda, stream=stream)
+        assert stream.taken > 0 and not stream._ranges
+    assert all(p.device == cuda for p in streamed.parameters())
+    same_parameters(plain, streamed)
