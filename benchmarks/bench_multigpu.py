@@ -177,9 +177,13 @@ def nccl_options(max_ctas: int | None):
     """NCCL communicator options capping the CTAs (SMs) its kernels take, or None (NCCL's own choice)."""
     if not max_ctas:
         return None
-    options = dist.ProcessGroupNCCL.Options()
-    options.config.max_ctas = max_ctas
-    options.config.min_ctas = 1
+    try:
+        options = dist.ProcessGroupNCCL.Options()
+        options.config.max_ctas = max_ctas
+        options.config.min_ctas = 1
+    except (AttributeError, RuntimeError) as error:  # a torch without the NCCL config: say so, run without
+        print(f"NCCL max_ctas not applied: {error}", file=sys.stderr, flush=True)
+        return None
     return options
 
 
@@ -280,7 +284,7 @@ def measure_layout(cfg, rollouts, args, tp: int, dp: int, device, *, dtype: str 
         "load_s": load_s, "warmup_pass_s": warm_s, "weights_gib_per_gpu": weights_gib, "peak_gib_per_gpu": peaks,
         "peak_batch": peak_batch, "attention": model.attention_backend, "experts": model.expert_impl,
         "batch_tokens": args.batch_tokens, "tp_overlap_chunks": model.tp_overlap_chunks,
-        "tp_sequence_parallel": model.tp_sequence_parallel, "nccl_max_ctas": options.max_ctas,
+        "tp_sequence_parallel": model.tp_sequence_parallel, "nccl_max_ctas": options.max_ctas if nccl_options(options.max_ctas) else None,
     }  # fmt: skip
     del model, result
     gc.collect()
