@@ -232,3 +232,9 @@ class InvalidInputError(PgdiagError):
     """Validation or alignment error in the input data (E1xx-E3xx, E703), or nothing to compare (exit 3)."""
 
     exit_code = EXIT_INVALID
+
+
+def missing_package(feature: str, package: str, install: str) -> UsageError:
+    """`UsageError` MISSING_PACKAGE (E509) for an optional package: ``<feature> needs the <package> package``
+    with `install` (the pip command) as the hint; raise it from the ImportError."""
+    return UsageError(Code.MISSING_PACKAGE, f"{feature} needs the {package} package", install)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
@@ -76,90 +77,21 @@ def render_metrics(
     family, with its reduction. Steps that do not fit are named below the table (`all_steps` prints them in
     further tables instead). Cells of `verdict`'s anomalies are red.
     """
-    summary = report.summary
-    steps = summary.filter(pl.col("breakdown") == "step")["bucket"].unique(maintain_order=True).to_list()
-    pooled = summary.filter(pl.col("breakdown") == "all")
-    per_step = {
-        (bucket, metric): value
-        for bucket, metric, value in summary.filter(pl.col("breakdown") == "step")
-        .select("bucket", "metric", "value")
-        .iter_rows()
-    }
-    rows = list(pooled.select("pair", "metric", "value", "unit", "reduction", "n").iter_rows())
     native = report.meta.get("settings", {}).get("key_style", "pgdiag") == "pgdiag"
-    if not show_all and native:
-        order = {name: i for i, name in enumerate(COMPACT_METRICS)}
-        rows = sorted((r for r in rows if r[1] in order), key=lambda r: order[r[1]])
-    families: dict[str, list[tuple]] = {}
-    for row in rows:
-        families.setdefault(_family(row[1]) if show_all else "", []).append(row)
-    count_at = FAMILY_ORDER.index("count")
-    ordered = sorted(families, key=lambda f: FAMILY_ORDER.index(f) if f in FAMILY_ORDER else count_at - 0.5)
-    statuses = {str(s["step"]): s["status"] for s in report.meta.get("steps", [])}
-    flagged = {(f.step, f.metric) for f in (verdict.findings if verdict is not None else ())}
-    digits = 6 if show_all or verbose else 4
-    all_rows = [r for f in ordered for r in families[f]]
-    if not all_rows:
+    layout = _metrics_layout(report, show_all=show_all, verbose=verbose, native=native, verdict=verdict)
+    if layout is None:
         return
-    name_width = max(len("metric"), *(len(r[1]) for r in all_rows))
-    unit_width = max(len("unit"), *(len(r[3]) for r in all_rows))
-    extra = []
-    if show_all:
-        extra.append(max(len("reduction"), *(len(r[4]) for r in all_rows)))
-    if verbose:
-        extra.append(max(len("n"), *(len(f"{r[5]:,}") for r in all_rows)))
-
-    def cell_width(column: str | None) -> int:
-        header = "all" if column is None else _step_header(column, statuses)
-        values = (
-            format_value(r[2] if column is None else per_step.get((column, r[1])), r[3], digits=digits)
-            for r in all_rows
-        )
-        return max(len(header), *(len(v) for v in values))
-
-    fixed = name_width + 2 + cell_width(None) + 2 + unit_width + sum(2 + w for w in extra)
-    widths = [cell_width(step) for step in steps]
-    fit = _steps_that_fit(console.width, fixed, widths)
+    fit = _steps_that_fit(console.width, layout.fixed_width(show_all, verbose), layout.step_widths())
+    steps = layout.steps
     blocks = [steps[:fit]]
     if all_steps:
         blocks = [steps[i : i + max(fit, 1)] for i in range(0, len(steps), max(fit, 1))] or [[]]
-    pairs = sorted({r[0] for r in all_rows})
     for block_index, shown in enumerate(blocks):
-        for family in ordered:
+        for family in layout.families:
             title = family or "metrics"
             if block_index:
                 title += f" (steps {shown[0]}–{shown[-1]})"
-            table = Table(
-                title=Text.assemble((title, "bold"), "  ", (", ".join(pairs), "dim")),
-                title_justify="left",
-                box=box.SIMPLE_HEAD,
-                show_edge=False,
-                pad_edge=False,
-                padding=(0, 1),
-                collapse_padding=True,
-            )
-            table.add_column("metric", min_width=name_width, no_wrap=True)
-            table.add_column("all", justify="right", no_wrap=True)
-            for step in shown:
-                table.add_column(_step_header(step, statuses), justify="right", no_wrap=True)
-            table.add_column("unit", no_wrap=True)
-            if show_all:
-                table.add_column("reduction", no_wrap=True)
-            if verbose:
-                table.add_column("n", justify="right", no_wrap=True)
-            for _pair, metric, value, unit, reduction, n in families[family]:
-                cells = [Text(metric), _cell(value, unit, digits, ("all", metric) in flagged)]
-                cells += [
-                    _cell(per_step.get((step, metric)), unit, digits, (step, metric) in flagged)
-                    for step in shown
-                ]
-                cells.append(Text(unit, style="dim"))
-                if show_all:
-                    cells.append(Text(reduction, style="dim"))
-                if verbose:
-                    cells.append(Text(f"{n:,}"))
-                table.add_row(*cells)
-            console.print(table)
+            console.print(_metrics_table(layout, family, title, shown, show_all=show_all, verbose=verbose))
     hidden = [] if all_steps else steps[fit:]
     if hidden:
         console.print(
@@ -176,6 +108,121 @@ def render_metrics(
         )
     for notice in report.meta.get("notices", []):
         console.print(Text.assemble(("note: ", "yellow"), notice))
+
+
+@dataclass(frozen=True)
+class _MetricsLayout:
+    """What the metrics tables show: rows (pair, metric, value, unit, reduction, n) by family, and the steps."""
+
+    steps: list[str]
+    families: dict[str, list[tuple]]  # family ("" when not split) -> pooled rows, in display order
+    per_step: dict[tuple[str, str], float]  # (step, metric) -> value
+    statuses: dict[str, str]  # step -> status
+    flagged: set[tuple[str, str]]  # (step or "all", metric) of the verdict's anomalies
+    digits: int
+
+    @property
+    def rows(self) -> list[tuple]:
+        return [row for rows in self.families.values() for row in rows]
+
+    def cell_width(self, column: str | None) -> int:
+        header = "all" if column is None else _step_header(column, self.statuses)
+        values = (
+            format_value(
+                r[2] if column is None else self.per_step.get((column, r[1])), r[3], digits=self.digits
+            )
+            for r in self.rows
+        )
+        return max(len(header), *(len(v) for v in values))
+
+    def step_widths(self) -> list[int]:
+        return [self.cell_width(step) for step in self.steps]
+
+    def fixed_width(self, show_all: bool, verbose: bool) -> int:
+        rows = self.rows
+        name_width = max(len("metric"), *(len(r[1]) for r in rows))
+        unit_width = max(len("unit"), *(len(r[3]) for r in rows))
+        extra = []
+        if show_all:
+            extra.append(max(len("reduction"), *(len(r[4]) for r in rows)))
+        if verbose:
+            extra.append(max(len("n"), *(len(f"{r[5]:,}") for r in rows)))
+        return name_width + 2 + self.cell_width(None) + 2 + unit_width + sum(2 + w for w in extra)
+
+
+def _metrics_layout(
+    report: Report, *, show_all: bool, verbose: bool, native: bool, verdict: Verdict | None
+) -> _MetricsLayout | None:
+    """The rows and steps `render_metrics` shows, or None when there is no row."""
+    summary = report.summary
+    steps = summary.filter(pl.col("breakdown") == "step")["bucket"].unique(maintain_order=True).to_list()
+    pooled = summary.filter(pl.col("breakdown") == "all")
+    per_step = {
+        (bucket, metric): value
+        for bucket, metric, value in summary.filter(pl.col("breakdown") == "step")
+        .select("bucket", "metric", "value")
+        .iter_rows()
+    }
+    rows = list(pooled.select("pair", "metric", "value", "unit", "reduction", "n").iter_rows())
+    if not show_all and native:
+        order = {name: i for i, name in enumerate(COMPACT_METRICS)}
+        rows = sorted((r for r in rows if r[1] in order), key=lambda r: order[r[1]])
+    if not rows:
+        return None
+    families: dict[str, list[tuple]] = {}
+    for row in rows:
+        families.setdefault(_family(row[1]) if show_all else "", []).append(row)
+    count_at = FAMILY_ORDER.index("count")
+    ordered = sorted(families, key=lambda f: FAMILY_ORDER.index(f) if f in FAMILY_ORDER else count_at - 0.5)
+    return _MetricsLayout(
+        steps=steps,
+        families={family: families[family] for family in ordered},
+        per_step=per_step,
+        statuses={str(s["step"]): s["status"] for s in report.meta.get("steps", [])},
+        flagged={(f.step, f.metric) for f in (verdict.findings if verdict is not None else ())},
+        digits=6 if show_all or verbose else 4,
+    )
+
+
+def _metrics_table(
+    layout: _MetricsLayout, family: str, title: str, shown: list[str], *, show_all: bool, verbose: bool
+) -> Table:
+    """One family's table over the steps `shown`."""
+    rows = layout.rows
+    pairs = sorted({r[0] for r in rows})
+    name_width = max(len("metric"), *(len(r[1]) for r in rows))
+    table = Table(
+        title=Text.assemble((title, "bold"), "  ", (", ".join(pairs), "dim")),
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        padding=(0, 1),
+        collapse_padding=True,
+    )
+    table.add_column("metric", min_width=name_width, no_wrap=True)
+    table.add_column("all", justify="right", no_wrap=True)
+    for step in shown:
+        table.add_column(_step_header(step, layout.statuses), justify="right", no_wrap=True)
+    table.add_column("unit", no_wrap=True)
+    if show_all:
+        table.add_column("reduction", no_wrap=True)
+    if verbose:
+        table.add_column("n", justify="right", no_wrap=True)
+    digits, flagged = layout.digits, layout.flagged
+    for _pair, metric, value, unit, reduction, n in layout.families[family]:
+        cells = [Text(metric), _cell(value, unit, digits, ("all", metric) in flagged)]
+        cells += [
+            _cell(layout.per_step.get((step, metric)), unit, digits, (step, metric) in flagged)
+            for step in shown
+        ]
+        cells.append(Text(unit, style="dim"))
+        if show_all:
+            cells.append(Text(reduction, style="dim"))
+        if verbose:
+            cells.append(Text(f"{n:,}"))
+        table.add_row(*cells)
+    return table
 
 
 def _step_header(step: str, statuses: dict[str, str]) -> str:

@@ -213,15 +213,13 @@ def exact_rows(result: ExactResult, name: str) -> list[ReportRow]:
     """The `exact/*` rows of `compare --exact` (the `exact` gate reads `n_nonzero` and `mask_mismatch`)."""
     n = result.n_tokens
     rows = [
-        ReportRow(name, "token", "all", "all", "exact/n_nonzero", result.n_nonzero, "count", "count", n),
-        ReportRow(
-            name, "token", "all", "all", "exact/frac_nonzero", result.n_nonzero / n if n else None, "fraction",
+        ReportRow.overall(name, "exact/n_nonzero", result.n_nonzero, "count", "count", n),
+        ReportRow.overall(name, "exact/frac_nonzero", result.n_nonzero / n if n else None, "fraction",
             "token-mean", n,
         ),
-        ReportRow(name, "token", "all", "all", "exact/mask_mismatch", result.mask_mismatch, "count", "count", n),
-        ReportRow(name, "token", "all", "all", "exact/max_ulp", result.max_ulp, "ulp", "max", n),
-        ReportRow(
-            name, "token", "all", "all", "exact/n_nonfinite_equal", result.n_nonfinite_equal, "count", "count", n
+        ReportRow.overall(name, "exact/mask_mismatch", result.mask_mismatch, "count", "count", n),
+        ReportRow.overall(name, "exact/max_ulp", result.max_ulp, "ulp", "max", n),
+        ReportRow.overall(name, "exact/n_nonfinite_equal", result.n_nonfinite_equal, "count", "count", n
         ),
     ]  # fmt: skip
     for index, count in enumerate(result.histogram):

@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
+from pgdiag.data.flat import row_of
 from pgdiag.data.issues import Issue, MessageParts
-from pgdiag.data.rule_context import RuleContext, null_mask, row_of
+from pgdiag.data.rule_context import RuleContext, null_mask
 from pgdiag.data.seqhash import seq_hashes
 from pgdiag.errors import Code
 

@@ -88,11 +88,6 @@ class Locator:
         )
 
 
-def row_of(offsets: np.ndarray, flat_index: np.ndarray) -> np.ndarray:
-    """(K,) row owning each flat index."""
-    return np.searchsorted(offsets, flat_index, side="right") - 1
-
-
 def null_mask(frame: pl.DataFrame, column: str) -> np.ndarray:
     """(R,) bool: rows where `column` is null."""
     return frame[column].is_null().to_numpy()

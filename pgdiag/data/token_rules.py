@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from pgdiag.data.flat import METADATA_LISTS, FlatList
+from pgdiag.data.flat import METADATA_LISTS, FlatList, row_of
 from pgdiag.data.issues import Issue, MessageParts
 from pgdiag.data.kept import kept_issues
 from pgdiag.data.loss_view import LossView
-from pgdiag.data.rule_context import RuleContext, row_of
+from pgdiag.data.rule_context import RuleContext
 from pgdiag.data.stream_rules import stream_column_rules
 from pgdiag.errors import Code
 

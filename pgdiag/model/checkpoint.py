@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import torch
 import torch.distributed as dist
@@ -49,33 +50,32 @@ def parse_dtype(name: str, option: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(
-    path: str | Path,
-    *,
-    dtype: str = "bf16",
-    head_dtype: str = "fp32",
-    device: str | torch.device = "cpu",
-    tp_group: dist.ProcessGroup | None = None,
-    attention: str = "auto",
-    fuse_pointwise: bool = False,
-    experts: str = "auto",
-    stream: WeightStream | None = None,
-) -> CausalLM:
-    """Load a HF checkpoint directory as this rank's `CausalLM` (see the module docstring for the checks).
+class LoadOptions(TypedDict, total=False):
+    """The keyword options of `load_model` and `load_from_source` (defaults: `load_from_source`'s signature).
 
     `attention`: "auto", "sdpa" or "varlen" (`pgdiag.model.attention`); `fuse_pointwise`: fuse RMSNorm, RoPE
     and SwiGLU with `torch.compile` (a one-time compile; worth it on a GPU); `experts`: "auto", "loop" or
     "grouped", the expert compute of MoE layers (`pgdiag.model.moe`); `stream`: the same checkpoint's tensors
     already being read onto `device` (`pgdiag.model.weight_stream.start_weight_stream`), taken from it where it
-    holds them.
-    """
+    holds them."""
+
+    dtype: str
+    head_dtype: str
+    device: str | torch.device
+    tp_group: dist.ProcessGroup | None
+    attention: str
+    fuse_pointwise: bool
+    experts: str
+    stream: WeightStream | None
+
+
+def load_model(path: str | Path, **options: Unpack[LoadOptions]) -> CausalLM:
+    """Load a HF checkpoint directory as this rank's `CausalLM` (see the module docstring for the checks;
+    `LoadOptions` for the options)."""
     path = Path(path)
     config = read_model_config(path)
     with open_tensor_source(path) as source:
-        return load_from_source(
-            config, source, where=str(path), dtype=dtype, head_dtype=head_dtype, device=device,
-            tp_group=tp_group, attention=attention, fuse_pointwise=fuse_pointwise, experts=experts, stream=stream,
-        )  # fmt: skip
+        return load_from_source(config, source, where=str(path), **options)
 
 
 def load_from_source(

@@ -30,8 +30,7 @@ from torch import Tensor, nn
 from pgdiag.model.tp import TokenShards, all_gather_rows, reduce_scatter_rows
 
 if TYPE_CHECKING:
-    from pgdiag.model.attention import PackedDocs
-    from pgdiag.model.transformer import DecoderLayer
+    from pgdiag.model.transformer import DecoderLayer, LayerInputs
 
 
 def _bias(summed: Tensor, proj: nn.Linear) -> Tensor:
@@ -48,14 +47,7 @@ def _linear_into(out: Tensor, x: Tensor, proj: nn.Linear) -> None:
 
 
 def dense_overlapped(
-    layer: DecoderLayer,
-    x: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    docs: PackedDocs,
-    backend: str,
-    group: dist.ProcessGroup,
-    n_chunks: int,
+    layer: DecoderLayer, x: Tensor, shared: LayerInputs, group: dist.ProcessGroup, n_chunks: int
 ) -> Tensor:
     """The dense layer with its two all-reduces overlapped with compute; x (N, H) whole on every rank.
 
@@ -64,7 +56,7 @@ def dense_overlapped(
     waits for its sum and runs its MLP while the sums of chunks c+1.. are still on the wire, and its down_proj
     all-reduce runs while chunk c+1 computes."""
     attn, mlp = layer.self_attn, getattr(layer, layer.ffn_name)
-    core = attn.core(layer.input_layernorm(x), cos, sin, docs, backend)  # (N, Hq_local * D)
+    core = attn.core(layer.input_layernorm(x), shared)  # (N, Hq_local * D)
     edges = [x.shape[0] * c // n_chunks for c in range(n_chunks + 1)]  # near-equal token chunks
     spans = [(start, stop) for start, stop in pairwise(edges) if stop > start]
     o_parts, o_waits = [], []
@@ -90,18 +82,12 @@ def dense_overlapped(
 
 
 def dense_sequence_parallel(
-    layer: DecoderLayer,
-    x_local: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    docs: PackedDocs,
-    backend: str,
-    group: dist.ProcessGroup,
-    shards: TokenShards,
+    layer: DecoderLayer, x_local: Tensor, shared: LayerInputs, shards: TokenShards
 ) -> Tensor:
     """The dense layer on this rank's token rows x_local (N_pad / tp, H); returns the layer's output rows, same
-    shape. cos, sin (N_pad, D) and `docs` describe the whole padded batch."""
+    shape. `shared` (cos, sin (N_pad, D), docs) describes the whole padded batch; its group is the TP group."""
     attn, mlp = layer.self_attn, getattr(layer, layer.ffn_name)
+    group = shared.group
     spans = shards.spans()
     n, h = shards.n_padded, x_local.shape[1]
     gathered = x_local.new_empty(n, h)  # (N_pad, H) a span's normed rows of every rank
@@ -116,7 +102,7 @@ def dense_sequence_parallel(
         pending.wait()
         for proj, out in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v)):
             _linear_into(out[a:b], gathered[a:b], proj)
-    core = attn.attend(q, k, v, cos, sin, docs, backend)  # (N_pad, Hq_local * D)
+    core = attn.attend(q, k, v, shared)  # (N_pad, Hq_local * D)
     del q, k, v
     o_local = torch.empty_like(x_local)  # (N_pad / tp, H) this rank's rows of the summed o_proj
     o_parts, o_waits = [], []

@@ -42,7 +42,9 @@ from pgdiag.model.tp_dense import dense_overlapped, dense_sequence_parallel, gat
 
 TP_OVERLAP_CHUNKS = 4  # token chunks of a dense layer whose all-reduces overlap compute under TP (1 = off)
 TP_OVERLAP_MIN_TOKENS = 1024  # fewer tokens a chunk: not worth it, the layer runs unchunked
-TP_SEQUENCE_PARALLEL = False  # dense models under TP: sequence parallelism in the same token chunks
+# dense models under TP: sequence parallelism in the same token chunks; off: 2.5 % slower than the overlapped
+# all-reduces at TP 2 on two H200s (docs/benchmarks.md, issue 26)
+TP_SEQUENCE_PARALLEL = False
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -95,6 +97,18 @@ def pointwise_ops(fused: bool) -> PointwiseOps:
     )
 
 
+@dataclass(frozen=True)
+class LayerInputs:
+    """What every layer of one forward pass is given besides its input x: RoPE angles, documents, attention
+    backend and the TP group (None: one rank)."""
+
+    cos: Tensor  # (N, D) body dtype, RoPE scale applied
+    sin: Tensor  # (N, D)
+    docs: PackedDocs
+    backend: str  # attention backend, resolved by the loader
+    group: dist.ProcessGroup | None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, ops: PointwiseOps, weight_fp32: bool = False) -> None:
         super().__init__()
@@ -127,24 +141,14 @@ class Attention(nn.Module):
         if config.attention_sinks:
             self.sinks = nn.Parameter(torch.empty(self.local_num_heads))  # (Hq_local,) one logit per head
 
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        docs: PackedDocs,
-        backend: str,
-        group: dist.ProcessGroup | None,
-    ) -> Tensor:
-        return _row_parallel(self.core(x, cos, sin, docs, backend), self.o_proj, group)  # (N, H)
+    def forward(self, x: Tensor, shared: LayerInputs) -> Tensor:
+        return _row_parallel(self.core(x, shared), self.o_proj, shared.group)  # (N, H)
 
-    def core(self, x: Tensor, cos: Tensor, sin: Tensor, docs: PackedDocs, backend: str) -> Tensor:
+    def core(self, x: Tensor, shared: LayerInputs) -> Tensor:
         """The attention output of this rank's heads before o_proj: (N, Hq_local * D)."""
-        return self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, docs, backend)
+        return self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), shared)
 
-    def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, docs: PackedDocs, backend: str
-    ) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, shared: LayerInputs) -> Tensor:
         """`core` from the projections q (N, Hq_local * D), k and v (N, Hkv_local * D): (N, Hq_local * D)."""
         n = q.shape[0]
         q = q.view(n, self.local_num_heads, self.head_dim)  # (N, Hq_local, D)
@@ -152,11 +156,11 @@ class Attention(nn.Module):
         v = v.view(n, self.local_num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (N, 1, D)
+        cos, sin = shared.cos.unsqueeze(1), shared.sin.unsqueeze(1)  # (N, 1, D)
         q, k = self.ops.rope(q, cos, sin), self.ops.rope(k, cos, sin)
         sinks = getattr(self, "sinks", None)
         out = packed_attention(
-            q, k, v, docs, window=self.window, backend=backend, sinks=sinks
+            q, k, v, shared.docs, window=self.window, backend=shared.backend, sinks=sinks
         )  # (N, Hq_local, D)
         return out.reshape(n, -1)
 
@@ -210,11 +214,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        docs: PackedDocs,
-        backend: str,
-        group: dist.ProcessGroup | None,
+        shared: LayerInputs,
         expert_impl: str = "loop",
         replay: Tensor | None = None,
         overlap_chunks: int = 1,
@@ -222,10 +222,11 @@ class DecoderLayer(nn.Module):
         """(x after the layer (N, H), the router's top-k (N, k) in a sparse layer else None).
 
         `overlap_chunks` > 1 (a dense layer under TP): the token-wise part after attention runs in that many
-        token chunks, each chunk's all-reduce in flight while the next chunk computes (`_dense_overlapped`)."""
+        token chunks, each chunk's all-reduce in flight while the next chunk computes (`tp_dense.dense_overlapped`)."""
+        group = shared.group
         if not self.sparse and overlap_chunks > 1 and group is not None and dist.get_world_size(group) > 1:
-            return dense_overlapped(self, x, cos, sin, docs, backend, group, overlap_chunks), None
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, backend, group)
+            return dense_overlapped(self, x, shared, group, overlap_chunks), None
+        x = x + self.self_attn(self.input_layernorm(x), shared)
         ffn = getattr(self, self.ffn_name)
         if not self.sparse:
             return x + ffn(self.post_attention_layernorm(x), group), None
@@ -362,8 +363,13 @@ class CausalLM(nn.Module):
         freqs = position_ids.float()[:, None] * self.inv_freq[None, :]  # (N, D/2) fp32
         angles = torch.cat((freqs, freqs), dim=-1)  # (N, D)
         dtype = self.body_dtype
-        cos = (angles.cos() * self.rope_scale).to(dtype)
-        sin = (angles.sin() * self.rope_scale).to(dtype)
+        shared = LayerInputs(
+            cos=(angles.cos() * self.rope_scale).to(dtype),
+            sin=(angles.sin() * self.rope_scale).to(dtype),
+            docs=docs,
+            backend=self.attention_backend,
+            group=self.tp_group,
+        )
         moe = self.config.moe
         if replay_experts is not None:
             want = (n, len(moe.sparse_layer_indices), moe.top_k) if moe else None
@@ -375,9 +381,7 @@ class CausalLM(nn.Module):
         if shards is not None:  # sequence parallel: every rank holds its token rows of the residual stream
             x = self.model.embed_tokens(input_ids[shards.local_rows(device)])  # (N_pad / tp, H)
             for layer in self.model.layers:
-                x = dense_sequence_parallel(
-                    layer, x, cos, sin, docs, self.attention_backend, self.tp_group, shards
-                )
+                x = dense_sequence_parallel(layer, x, shared, shards)
             return TrunkOutput(gather_tokens(self.model.norm(x), shards, self.tp_group)[:n], None)
         x = self.model.embed_tokens(input_ids)  # (N, H)
         if layer_hook is not None:
@@ -385,9 +389,7 @@ class CausalLM(nn.Module):
         picked: list[Tensor] = []
         for index, layer in enumerate(self.model.layers):
             replay = None if replay_experts is None or not layer.sparse else replay_experts[:, len(picked)]
-            out, chosen = layer(
-                x, cos, sin, docs, self.attention_backend, self.tp_group, self.expert_impl, replay, chunks
-            )
+            out, chosen = layer(x, shared, self.expert_impl, replay, chunks)
             x = out if layer_hook is None else _hooked(layer_hook, index, x, out)
             if chosen is not None:
                 picked.append(chosen)
@@ -406,6 +408,14 @@ def _padded(
     bounds = torch.tensor([*docs.bounds, n_padded], dtype=torch.int32)
     padded_docs = PackedDocs.from_cu_seqlens(bounds, n_padded, docs.cu_seqlens.device)
     return torch.cat((input_ids, torch.zeros_like(extra))), torch.cat((position_ids, extra)), padded_docs
+
+
+def _hooked(
+    hook: Callable[[int, Tensor, Tensor], Tensor | None], index: int, x_in: Tensor, x_out: Tensor
+) -> Tensor:
+    """`x_out`, or what `hook` returns in its place (cast to x_out's dtype and device)."""
+    replaced = hook(index, x_in, x_out)
+    return x_out if replaced is None else replaced.to(dtype=x_out.dtype, device=x_out.device)
 
 
 @torch.inference_mode()
@@ -433,11 +443,3 @@ def warm_pointwise_ops(model: CausalLM, device: torch.device, dtype: torch.dtype
     if not all(layer.sparse for layer in model.model.layers):
         inner = layout.local_intermediate_size
         ops.swiglu(rand(n, inner), rand(n, inner))  # (n, I_local)
-
-
-def _hooked(
-    hook: Callable[[int, Tensor, Tensor], Tensor | None], index: int, x_in: Tensor, x_out: Tensor
-) -> Tensor:
-    """`x_out`, or what `hook` returns in its place (cast to x_out's dtype and device)."""
-    replaced = hook(index, x_in, x_out)
-    return x_out if replaced is None else replaced.to(dtype=x_out.dtype, device=x_out.device)
