@@ -36,7 +36,7 @@ from pgdiag.model.expected_tensors import check_tensor_names
 from pgdiag.model.hf_experts import expert_role, read_experts
 from pgdiag.model.moe import resolve_expert_impl
 from pgdiag.model.rope import rope_inv_freq
-from pgdiag.model.tensor_source import TensorSource, open_tensor_source
+from pgdiag.model.tensor_source import TensorSource, head_storage_dtype, open_tensor_source
 from pgdiag.model.tp import TensorSlice, TPLayout, group_rank_size, shard_slice, tp_layout
 from pgdiag.model.transformer import CausalLM, warm_pointwise_ops
 from pgdiag.model.weight_stream import WeightStream
@@ -136,15 +136,6 @@ def _read(source: TensorSource, stream: WeightStream | None, name: str, part: Te
     """Tensor `name` (`part` of it): from the stream when it holds it, else read from the source."""
     value = stream.take(name, part) if stream is not None else None
     return source.read(name, part) if value is None else value
-
-
-def head_storage_dtype(head: torch.dtype, stored_fp32: bool, stored: torch.dtype) -> torch.dtype:
-    """The dtype the LM head is kept in: `head`, except that an fp32 head of a 16-bit checkpoint keeps its
-    16-bit values (exact; the kernel's fp32 head upcasts them, `kernels.lm_head_logprobs_triton.head_mode_for`),
-    which halves its memory and lets the kernel multiply 16-bit W tiles instead of tf32x3 on an fp32 copy."""
-    if head == torch.float32 and not stored_fp32 and stored in (torch.bfloat16, torch.float16):
-        return stored
-    return head
 
 
 def _body_parameters(model: CausalLM) -> list[tuple[str, torch.nn.Parameter]]:

@@ -14,7 +14,7 @@ column slice (row-parallel o_proj/down_proj under TP) simply falls back to that 
 Why: a recompute's start was the sum of reading the run, CUDA initialisation, `torch.compile` from its cache and
 the weight copy (safetensors through ``mmap`` into pageable memory, then a synchronous copy: about 5 GB/s from the
 page cache). Streaming overlaps the disk (or page cache) with all of those, and pinned buffers with several
-readers bring the copy near PCIe speed (docs/benchmarks.md, "Start-up").
+readers bring the copy near PCIe speed (docs/benchmarks.md, "Start-up and TP 2 again").
 
 How the pieces are kept apart: each reader owns two pinned buffers and waits for a buffer's previous copy (a CUDA
 event) before refilling it; `take` makes the caller's stream wait for the copies of that tensor (events), so no
@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from pgdiag.model.config import read_model_config
+from pgdiag.model.tensor_source import head_storage_dtype
 from pgdiag.model.tp import EXPERTS, TensorSlice, shard_kind, shard_slice, tp_layout
 
 PIECE_BYTES = 64 << 20  # one read and one copy; two pinned buffers of this size per reader
@@ -101,7 +102,6 @@ def plan_ranges(files: dict[str, Path], wanted: list[tuple[str, TensorSlice | No
 def planned_reads(config, layout, *, body: torch.dtype, head: torch.dtype, stored_head: torch.dtype):
     """The (name, part) reads `load_from_source` makes outside the experts, in its order: the body tensors, then
     the LM head's vocab rows (unless a tied head at TP = 1 shares the embedding)."""
-    from pgdiag.model.checkpoint import head_storage_dtype  # the loader's own rule
     from pgdiag.model.expected_tensors import expected_shapes
 
     shapes = expected_shapes(config)
