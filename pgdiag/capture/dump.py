@@ -49,6 +49,17 @@ class HookGuard:
                 exc_info=True,
             )
 
+    def after(self, method: Callable[..., Any], record: Callable[[Any], None]) -> Callable[..., Any]:
+        """`method`, wrapped so that its result goes to `record` (guarded, as `record` here) before it is
+        returned; the call itself is never guarded."""
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            result = method(*args, **kwargs)
+            self.record(record, result)
+            return result
+
+        return wrapped
+
 
 class HookRecorder:
     """What every framework's recorder holds: the trainer, the output folder, the stride `every` and its guard."""

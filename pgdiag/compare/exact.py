@@ -19,7 +19,7 @@ counted (`mask_mismatch`, from W303) and fail the gate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -92,15 +92,8 @@ class FirstDivergence:
     ulp: int | None  # None when a side is non-finite
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "sample_id": self.sample_id,
-            "pos": self.pos,
-            "token_id": self.token_id,
-            "value_a": _json_float(self.value_a),
-            "value_b": _json_float(self.value_b),
-            "ulp": self.ulp,
-        }
+        """Every field, in order; the two values JSON-safe (`_json_float`)."""
+        return {**asdict(self), "value_a": _json_float(self.value_a), "value_b": _json_float(self.value_b)}
 
 
 @dataclass(frozen=True)

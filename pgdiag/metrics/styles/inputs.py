@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pgdiag.data.batch import TokenBatch
-from pgdiag.errors import Code, UsageError
+from pgdiag.errors import Code, not_among
 from pgdiag.metrics.styles.common import div_array
 from pgdiag.metrics.values import MetricValue
 
@@ -91,21 +91,15 @@ def read_inputs(batch: TokenBatch, settings: MetricSettings) -> StyleInputs:
         if name is None:
             return None
         if name not in batch.streams:
-            present = ", ".join(batch.streams) or "none"
-            raise UsageError(
-                Code.STREAM_NOT_FOUND, f"{batch.label}: no stream {name!r} for {what}", f"streams: {present}"
-            )
+            message = f"{batch.label}: no stream {name!r} for {what}"
+            raise not_among(Code.STREAM_NOT_FOUND, message, "streams", batch.streams)
         return np.asarray(batch.streams[name], dtype=np.float64)
 
     entropy = None
     if settings.entropy is not None:
         if settings.entropy not in batch.entropy:
-            present = ", ".join(batch.entropy) or "none"
-            raise UsageError(
-                Code.STREAM_NOT_FOUND,
-                f"{batch.label}: no entropy for {settings.entropy!r}",
-                f"entropy of: {present}",
-            )
+            message = f"{batch.label}: no entropy for {settings.entropy!r}"
+            raise not_among(Code.STREAM_NOT_FOUND, message, "entropy of", batch.entropy)
         entropy = np.asarray(batch.entropy[settings.entropy], dtype=np.float64)
     lp_a = stream(settings.stream_a, "--stream-a")
     lp_b = stream(settings.stream_b, "--stream-b")
