@@ -215,9 +215,10 @@ def main() -> None:
     print(f"this process's peak RSS {own_peak:.2f} GiB (no child's can read lower)", file=sys.stderr)
     for name, runs in {"pgdiag": pgdiag_runs, **tree_runs}.items():
         print(
-            f"{name}: wall s {[round(r[0], 2) for r in runs]} (min {min(r[0] for r in runs):.2f}), CPU s "
-            f"{[round(r[3], 2) for r in runs]} (min {min(r[3] for r in runs):.2f}), peak RSS "
-            f"{max(r[1] for r in runs):.2f} GiB",
+            f"{name}: wall s {[round(r[0], 2) for r in runs]} (median {statistics.median(r[0] for r in runs):.2f}, "
+            f"min {min(r[0] for r in runs):.2f}), CPU s {[round(r[3], 2) for r in runs]} (median "
+            f"{statistics.median(r[3] for r in runs):.2f}), peak RSS GiB {[round(r[1], 3) for r in runs]} (max "
+            f"{max(r[1] for r in runs):.2f})",
             file=sys.stderr,
         )
     if args.skip_pandas:
