@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pgdiag.errors import Code, UsageError
-from pgdiag.metrics.styles.common import StyleInputs, StyleOutput
 from pgdiag.metrics.styles.fast_llm import check_fast_llm_settings, compute_fast_llm
+from pgdiag.metrics.styles.inputs import StyleInputs, StyleOutput
 from pgdiag.metrics.styles.liger import check_liger_settings, compute_liger
 from pgdiag.metrics.styles.miles import check_miles_settings, compute_miles
 from pgdiag.metrics.styles.pipelinerl import check_pipelinerl_settings, compute_pipelinerl
