@@ -172,7 +172,10 @@ def signature_stats(
         int(np.count_nonzero(first_d < 0)),
         steps.astype(np.int64),
         np.bincount(token_step, weights=abs_delta, minlength=steps.size),
-        np.bincount(token_step, minlength=steps.size),
+        # tokens per step from each sample's token count (exact integers): no second pass over the M tokens
+        np.bincount(step_code.reshape(-1), weights=np.diff(where.offsets), minlength=steps.size).astype(
+            np.int64
+        ),
         int(extreme.size),
         examples,
         first,
