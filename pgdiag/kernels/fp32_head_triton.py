@@ -42,9 +42,12 @@ from pgdiag.kernels.triton_shared import (
     SplitPlan,
     TritonTiles,
     fold_any_tile,
+    fold_kept_tile,
+    load_kept_bits,
     load_tiles,
     plan_splits,
     program_tile,
+    store_kept_partials,
     store_partials,
     tma_ready,
 )
@@ -114,7 +117,8 @@ def _fp32_head_partials_kernel(
     hidden,  # (N_PIECES * piece_rows, D) pieces stacked hi, mid, lo (or one 16-bit / fp32 H), READ-ONLY
     weight,  # (V_local, D) bf16/fp16 (fp32 for TF32X3), READ-ONLY: pointer or TMA descriptor
     targets_ptr,  # (N,) int32, the target's row in this shard or -1, READ-ONLY
-    partials_ptr,  # (n_splits, 4, >= N) fp32, OUT at [split * stride_split + stat * stride_stat + token]
+    partials_ptr,  # (n_splits, 4 or 8, >= N) fp32, OUT at [split * stride_split + stat * stride_stat + token]
+    kept_ptr,  # (N, ceil(V_local / 32)) int32 packed kept sets, READ-ONLY (KEPT only)
     n_tokens,
     piece_rows,
     vocab_local,
@@ -123,6 +127,7 @@ def _fp32_head_partials_kernel(
     stride_weight,
     stride_split,
     stride_stat,
+    stride_kept,
     inv_temperature,
     tiles_per_split,
     n_splits,
@@ -136,6 +141,7 @@ def _fp32_head_partials_kernel(
     FRESH_STEPS: tl.constexpr,  # K steps the tensor cores sum into one fresh accumulator
     FRESH_PER_GROUP: tl.constexpr,  # fresh sums per group sum (1: no group sum)
     TF32X3: tl.constexpr,
+    KEPT: tl.constexpr,  # also the partials over each token's kept set (stat rows 4-7)
 ):
     token_block, split = program_tile(n_tokens, n_splits, group_blocks, BLOCK_N)
     row_start = token_block * BLOCK_N
@@ -152,6 +158,9 @@ def _fp32_head_partials_kernel(
     run_sumexp = tl.zeros([BLOCK_N], tl.float32)
     run_centred = tl.zeros([BLOCK_N], tl.float32)
     target_raw = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    kept_max = tl.full([BLOCK_N], MASKED_LOGIT, tl.float32)
+    kept_sumexp = tl.zeros([BLOCK_N], tl.float32)
+    kept_centred = tl.zeros([BLOCK_N], tl.float32)
 
     v_begin = split * tiles_per_split * BLOCK_V
     v_end = tl.minimum(v_begin + tiles_per_split * BLOCK_V, vocab_local)
@@ -196,6 +205,11 @@ def _fp32_head_partials_kernel(
                 # which chains the tensor cores onto the large sum (the very thing this kernel avoids)
                 fresh = fresh * 0.0
         acc += group_sum
+        if KEPT:
+            kept = load_kept_bits(kept_ptr, safe_n, stride_kept, v_start, vocab_local, BLOCK_V)
+            kept_max, kept_sumexp, kept_centred = fold_kept_tile(
+                acc, kept, kept_max, kept_sumexp, kept_centred, exp2_scale
+            )
         run_max, run_sumexp, run_centred, target_raw = fold_any_tile(
             acc,
             run_max,
@@ -222,6 +236,19 @@ def _fp32_head_partials_kernel(
         target_raw,
         inv_temperature,
     )
+    if KEPT:
+        store_kept_partials(
+            partials_ptr,
+            split,
+            offs_n,
+            row_ok,
+            stride_split,
+            stride_stat,
+            kept_max,
+            kept_sumexp,
+            kept_centred,
+            inv_temperature,
+        )
 
 
 def fp32_head_partials(
@@ -232,8 +259,10 @@ def fp32_head_partials(
     temperature: float,
     mode: str,
     tiles: TritonTiles,
+    kept_words: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(S, 4, N) fp32 partials of the fp32 head in `mode` ("bf16x3", "fp16x3", "bf16x1", "fp16x1", "tf32x3").
+    """(S, 4, N) fp32 partials of the fp32 head in `mode` ("bf16x3", "fp16x3", "bf16x1", "fp16x1", "tf32x3");
+    with `kept_words` (N, ceil(V_local / 32)) int32 contiguous, (S, 8, N): rows 4-7 over each token's kept set.
 
     hidden (N, d); weight (V_local, d) (fp32 for "tf32x3", else 16-bit); local_targets (N,) int32.
     """
@@ -248,7 +277,8 @@ def fp32_head_partials(
     else:
         hidden = hidden.to(weight.dtype).contiguous()  # "x1": already W's dtype; "tf32x3": fp32
     plan = plan_splits(chunk, weight.shape[0], tiles, hidden.device)
-    partials = torch.empty(plan.n_splits, PARTIAL_ROWS, n_tokens, dtype=torch.float32, device=hidden.device)
+    n_stats = PARTIAL_ROWS if kept_words is None else 2 * PARTIAL_ROWS
+    partials = torch.empty(plan.n_splits, n_stats, n_tokens, dtype=torch.float32, device=hidden.device)
     # one pieces buffer for all chunks: launches on one stream run in order, so reuse is safe
     buffer = (
         torch.empty(3 * chunk, hidden_size, dtype=weight.dtype, device=hidden.device)
@@ -263,6 +293,7 @@ def fp32_head_partials(
             weight,
             local_targets[start:stop],
             partials[:, :, start:stop],
+            None if kept_words is None else kept_words[start:stop],
             piece_rows=stop - start,
             n_pieces=n_pieces,
             temperature=temperature * scale,  # the accumulator holds scale * logits
@@ -278,6 +309,7 @@ def _launch(
     weight: torch.Tensor,
     targets: torch.Tensor,
     partials: torch.Tensor,
+    kept_words: torch.Tensor | None,
     *,
     piece_rows: int,
     n_pieces: int,
@@ -299,6 +331,7 @@ def _launch(
         weight_arg,
         targets,
         partials,
+        partials if kept_words is None else kept_words,
         n_tokens,
         piece_rows,
         weight.shape[0],
@@ -307,6 +340,7 @@ def _launch(
         weight.stride(0),
         partials.stride(0),
         partials.stride(1),
+        0 if kept_words is None else kept_words.stride(0),
         1.0 / temperature,
         plan.tiles_per_split,
         plan.n_splits,
@@ -320,6 +354,7 @@ def _launch(
         FRESH_STEPS=tiles.fresh_steps,
         FRESH_PER_GROUP=tiles.fresh_per_group,
         TF32X3=tf32x3,
+        KEPT=kept_words is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -43,9 +43,12 @@ from pgdiag.kernels.triton_shared import (
     MASKED_LOGIT,
     TritonTiles,
     fold_any_tile,
+    fold_kept_tile,
+    load_kept_bits,
     load_tiles,
     plan_splits,
     program_tile,
+    store_kept_partials,
     store_partials,
     tma_ready,
 )
@@ -93,12 +96,14 @@ def _bf16_head_partials_kernel(
     hidden,  # (N, D) bf16/fp16, READ-ONLY: pointer or TMA descriptor
     weight,  # (V_local, D) bf16/fp16, READ-ONLY: pointer or TMA descriptor
     targets_ptr,  # (N,) int32, the target's row in this shard or -1, READ-ONLY
-    partials_ptr,  # (n_splits, 4, N) fp32 contiguous, OUT: max, sumexp, centred sum, target logit
+    partials_ptr,  # (n_splits, 4 or 8, N) fp32 contiguous, OUT: max, sumexp, centred sum, target logit (x2: K)
+    kept_ptr,  # (N, ceil(V_local / 32)) int32 packed kept sets, READ-ONLY (KEPT only)
     n_tokens,
     vocab_local,
     hidden_size,
     stride_hidden,
     stride_weight,
+    stride_kept,
     inv_temperature,
     tiles_per_split,
     n_splits,
@@ -108,6 +113,7 @@ def _bf16_head_partials_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr,  # hidden and weight are host-side TMA descriptors (block shapes as above)
+    KEPT: tl.constexpr,  # also the partials over each token's kept set (stat rows 4-7)
 ):
     # 1. which (token block, split) this program owns
     token_block, split = program_tile(n_tokens, n_splits, group_blocks, BLOCK_N)
@@ -124,6 +130,9 @@ def _bf16_head_partials_kernel(
     run_sumexp = tl.zeros([BLOCK_N], tl.float32)
     run_centred = tl.zeros([BLOCK_N], tl.float32)
     target_raw = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    kept_max = tl.full([BLOCK_N], MASKED_LOGIT, tl.float32)
+    kept_sumexp = tl.zeros([BLOCK_N], tl.float32)
+    kept_centred = tl.zeros([BLOCK_N], tl.float32)
 
     v_begin = split * tiles_per_split * BLOCK_V
     v_end = tl.minimum(v_begin + tiles_per_split * BLOCK_V, vocab_local)
@@ -149,7 +158,13 @@ def _bf16_head_partials_kernel(
                 EVEN_K,
             )
             acc = tl.dot(h, w, acc)
-        # 4. padded columns masked (last tile only), online softmax update, target pick
+        # 4. the kept set's online softmax over the same tile (before the fold: it may reuse acc's registers)
+        if KEPT:
+            kept = load_kept_bits(kept_ptr, safe_n, stride_kept, v_start, vocab_local, BLOCK_V)
+            kept_max, kept_sumexp, kept_centred = fold_kept_tile(
+                acc, kept, kept_max, kept_sumexp, kept_centred, exp2_scale
+            )
+        # 5. padded columns masked (last tile only), online softmax update, target pick
         run_max, run_sumexp, run_centred, target_raw = fold_any_tile(
             acc,
             run_max,
@@ -163,13 +178,14 @@ def _bf16_head_partials_kernel(
             BLOCK_V,
         )
 
-    # 5. this split's partials, converted from accumulator units to z = acc / temperature
+    # 6. this split's partials, converted from accumulator units to z = acc / temperature
+    n_stats = 8 if KEPT else 4
     store_partials(
         partials_ptr,
         split,
         offs_n,
         row_ok,
-        4 * n_tokens,
+        n_stats * n_tokens,
         n_tokens,
         run_max,
         run_sumexp,
@@ -177,6 +193,19 @@ def _bf16_head_partials_kernel(
         target_raw,
         inv_temperature,
     )
+    if KEPT:
+        store_kept_partials(
+            partials_ptr,
+            split,
+            offs_n,
+            row_ok,
+            n_stats * n_tokens,
+            n_tokens,
+            kept_max,
+            kept_sumexp,
+            kept_centred,
+            inv_temperature,
+        )
 
 
 def lm_head_partials(
@@ -187,8 +216,10 @@ def lm_head_partials(
     temperature: float,
     head_dtype: str,
     tiles: TritonTiles | None = None,
+    kept_words: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(S, 4, N) fp32 partials of ``z = (hidden @ weight.T) / temperature`` over this vocab shard.
+    """(S, 4, N) fp32 partials of ``z = (hidden @ weight.T) / temperature`` over this vocab shard; with
+    `kept_words` (N, ceil(V_local / 32)) int32, (S, 8, N): rows 4-7 over each token's kept set.
 
     Same contract as `lm_head_logprobs_ref.lm_head_partials`; `tiles` overrides the launch shape (benchmarks).
     """
@@ -200,13 +231,22 @@ def lm_head_partials(
             f"impl='triton' needs CUDA tensors (got {hidden.device}); use impl='torch'",
         )
     n_tokens, vocab_local = hidden.shape[0], weight.shape[0]
+    n_stats = PARTIAL_ROWS if kept_words is None else 2 * PARTIAL_ROWS
     if vocab_local == 0 or n_tokens == 0:
-        return empty_partials(n_tokens, hidden.device)
+        return empty_partials(n_tokens, hidden.device).repeat(1, n_stats // PARTIAL_ROWS, 1)
+    if kept_words is not None:
+        kept_words = kept_words.to(torch.int32).contiguous()
     if mode in FP32_HEAD_MODES:  # imported here: the bf16 head does not need it
         from pgdiag.kernels.fp32_head_triton import fp32_head_partials
 
         return fp32_head_partials(
-            hidden, weight, local_targets.to(torch.int32), temperature=temperature, mode=mode, tiles=tiles
+            hidden,
+            weight,
+            local_targets.to(torch.int32),
+            temperature=temperature,
+            mode=mode,
+            tiles=tiles,
+            kept_words=kept_words,
         )
     hidden_op, weight_op = (_rows_contiguous(t) for t in head_operands(hidden, weight, head_dtype))
     plan = plan_splits(n_tokens, vocab_local, tiles, hidden.device)
@@ -215,18 +255,20 @@ def lm_head_partials(
     if use_tma:
         hidden_arg = TensorDescriptor.from_tensor(hidden_op, [tiles.block_n, tiles.block_k])
         weight_arg = TensorDescriptor.from_tensor(weight_op, [tiles.block_v, tiles.block_k])
-    partials = torch.empty(plan.n_splits, PARTIAL_ROWS, n_tokens, dtype=torch.float32, device=hidden.device)
+    partials = torch.empty(plan.n_splits, n_stats, n_tokens, dtype=torch.float32, device=hidden.device)
     grid = (triton.cdiv(n_tokens, tiles.block_n) * plan.n_splits,)
     _bf16_head_partials_kernel[grid](
         hidden_arg,
         weight_arg,
         local_targets.to(torch.int32),
         partials,
+        partials if kept_words is None else kept_words,
         n_tokens,
         vocab_local,
         hidden.shape[1],
         hidden_op.stride(0),
         weight_op.stride(0),
+        0 if kept_words is None else kept_words.stride(0),
         1.0 / temperature,
         plan.tiles_per_split,
         plan.n_splits,
@@ -236,6 +278,7 @@ def lm_head_partials(
         BLOCK_K=tiles.block_k,
         EVEN_K=hidden.shape[1] % tiles.block_k == 0,
         USE_TMA=use_tma,
+        KEPT=kept_words is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

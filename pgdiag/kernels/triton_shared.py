@@ -300,3 +300,61 @@ def store_partials(
     tl.store(out + stride_stat, run_sumexp, mask=row_ok)
     tl.store(out + 2 * stride_stat, run_centred * inv_temperature, mask=row_ok)
     tl.store(out + 3 * stride_stat, target_raw * inv_temperature, mask=row_ok)
+
+
+@triton.jit
+def load_kept_bits(kept_ptr, safe_n, stride_kept, v_start, vocab_local, BLOCK_V: tl.constexpr):
+    """(BLOCK_N, BLOCK_V) bool: column v_start + c of the tile is in the row's kept set. The kept set arrives as
+    packed int32 words (bit j of word w: local row 32 w + j). The tile's ceil(BLOCK_V / 32) words of each row
+    are loaded as 1-D vectors and broadcast along the columns, so that no 2-D load exists: the bits are built
+    in the accumulator's own layout (a 2-D load would make the compiler move the (BLOCK_N, BLOCK_V) logits
+    through shared memory). Padded columns (>= vocab_local) read 0."""
+    cols = tl.arange(0, BLOCK_V)
+    first_word = v_start // 32
+    col_word = ((v_start % 32) + cols) // 32  # (BLOCK_V,) the column's word, relative to first_word
+    row_ptr = kept_ptr + safe_n.to(tl.int64) * stride_kept + first_word  # (BLOCK_N,)
+    n_words = tl.cdiv(vocab_local, 32)
+    word = tl.zeros([1, BLOCK_V], tl.int32) + (safe_n * 0)[:, None]  # (BLOCK_N, BLOCK_V)
+    for j in tl.static_range((BLOCK_V + 31) // 32):
+        one = tl.load(row_ptr + j, mask=(safe_n * 0 + first_word + j) < n_words, other=0)  # (BLOCK_N,) int32
+        word = tl.where(col_word[None, :] == j, one[:, None], word)
+    inside = (v_start + cols) < vocab_local
+    return (((word >> ((v_start + cols) % 32)[None, :]) & 1) != 0) & inside[None, :]
+
+
+@triton.jit
+def fold_kept_tile(acc, kept, kept_max, kept_sumexp, kept_centred, exp2_scale):
+    """Fold one tile of raw accumulators restricted to `kept` (BLOCK_N, BLOCK_V) bool into the running kept-set
+    statistics: the online softmax of `fold_tile` with its own running max, masked columns contributing 0 (a row
+    with no kept column yet keeps max MASKED_LOGIT and zero sums)."""
+    masked = tl.where(kept, acc, MASKED_LOGIT)
+    new_max = tl.maximum(kept_max, tl.max(masked, axis=1))
+    centred = masked - new_max[:, None]  # (BLOCK_N, BLOCK_V), <= 0 where kept
+    p = tl.where(kept, tl.math.exp2(centred * exp2_scale), 0.0)
+    rescale = tl.math.exp2((kept_max - new_max) * exp2_scale)
+    kept_centred = rescale * (kept_centred + (kept_max - new_max) * kept_sumexp) + tl.sum(p * centred, axis=1)
+    kept_sumexp = rescale * kept_sumexp + tl.sum(p, axis=1)
+    return new_max, kept_sumexp, kept_centred
+
+
+@triton.jit
+def store_kept_partials(
+    partials_ptr,
+    split,
+    offs_n,
+    row_ok,
+    stride_split,
+    stride_stat,
+    kept_max,
+    kept_sumexp,
+    kept_centred,
+    inv_temperature,
+):
+    """Store this split's kept-set partials in stat rows 4-7 (max -inf where the split holds no kept column; the
+    target row -inf: the caller takes the head's target logit where the target's bit is set)."""
+    out = partials_ptr + split * stride_split + 4 * stride_stat + offs_n
+    found = kept_sumexp > 0
+    tl.store(out, tl.where(found, kept_max * inv_temperature, float("-inf")), mask=row_ok)
+    tl.store(out + stride_stat, kept_sumexp, mask=row_ok)
+    tl.store(out + 2 * stride_stat, kept_centred * inv_temperature, mask=row_ok)
+    tl.store(out + 3 * stride_stat, tl.full(kept_max.shape, float("-inf"), tl.float32), mask=row_ok)
