@@ -22,6 +22,8 @@ How: one program per (token block, vocab split), numbered as in the bf16 kernel 
 is flat over (chain, piece, step) so that Triton pipelines the TMA loads across chains and keeps one MMA in
 flight; the W tile is loaded again for each piece (it comes from L2). Three (BLOCK_N, BLOCK_V) fp32
 accumulators must fit in the registers, hence 128 x 128 tiles over 8 warps (3 x 64 registers a thread).
+With per-token kept sets (`kept_words`), the finished tile also folds into the online softmax over K, as in the
+bf16 kernel (`triton_shared.fold_kept_tile`): (S, 8, N) partials.
 
 Memory: the pieces of H take 6 bytes per element, written a chunk of tokens at a time (`pieces_chunk`:
 at most `PIECES_BUDGET_BYTES`, 384 MiB, i.e. 16384 tokens at d = 4096), so the extra memory stays below

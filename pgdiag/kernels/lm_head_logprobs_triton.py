@@ -2,7 +2,8 @@
 
 What: the same (S, 4, N) fp32 softmax partials as `lm_head_logprobs_ref.lm_head_partials` (max, sum of
 exponentials, centred weighted sum, target logit per token and vocab split; see `vocab_parallel`), computed
-by one forward-only kernel. The caller merges the S splits (and the TP ranks) with
+by one forward-only kernel; with per-token kept sets K (packed bitmask words, `kept_set.kept_words`) the same
+pass also writes the partials over K, (S, 8, N). The caller merges the S splits (and the TP ranks) with
 `vocab_parallel.merge_partials`. This module holds the bf16 head's kernel and `lm_head_partials`, which
 picks the head arithmetic; the fp32 head's kernel is in `fp32_head_triton`.
 
@@ -10,7 +11,9 @@ How (bf16 head): the grid has one program per (token block, vocab split). A prog
 BLOCK_V) fp32 accumulator, runs the K loop of ``H[block] @ W[tile].T`` with `tl.dot` for each vocab tile of
 its split (tiles arrive through host-side TMA descriptors on Hopper, through pointer loads elsewhere), masks
 the padded columns of the shard's last tile, and folds the tile into running per-token statistics (online
-softmax in raw accumulator units with exp2, the entropy sum kept centred on the running max). Temperature acts
+softmax in raw accumulator units with exp2, the entropy sum kept centred on the running max). With `KEPT` on,
+each tile also folds into a second online softmax restricted to the tile's set bits of K
+(`triton_shared.load_kept_bits`, `fold_kept_tile`). Temperature acts
 on the fp32 accumulator (pre-scaling bf16 H or W would add ~0.03 nats at |z| ~ 30). The accumulator is
 chained over all of K as in cuBLAS: the tensor cores' truncating adds bias logits by ~5e-6 relative over
 K = 4096, far below the bf16 rounding of the inputs. The split count and the order of the programs are chosen
