@@ -139,10 +139,11 @@ def lm_head_logprobs(
     local_targets = torch.where(in_shard, local_targets, -1)
 
     # 1. this shard's partials (S pieces) merged into (4, N)
+    from pgdiag.kernels import lm_head_logprobs_ref as reference
+
+    backend = reference
     if resolved == "triton":  # imported here so that impl="torch" works where Triton is not installed
         from pgdiag.kernels import lm_head_logprobs_triton as backend
-    else:
-        from pgdiag.kernels import lm_head_logprobs_ref as backend
     merged_kept = pz = None
     if kept is None:
         partials = backend.lm_head_partials(
@@ -165,8 +166,21 @@ def lm_head_logprobs(
                 kept_words=words,
             )  # (S, 8, C)
 
+        def exact(
+            chunk_hidden: torch.Tensor, chunk_targets: torch.Tensor, words: torch.Tensor
+        ) -> torch.Tensor:
+            return reference.lm_head_partials(
+                chunk_hidden,
+                weight,
+                chunk_targets,
+                temperature=temperature,
+                head_dtype=head_dtype,
+                kept_words=words,
+            )  # (1, 8, R)
+
         merged, merged_kept = kept_head_partials(
             head,
+            exact,
             hidden,
             local_targets,
             kept,
@@ -211,7 +225,7 @@ def lm_head_logprobs(
     if kept is None or merged_kept is None:
         return TokenLogprobs(logprobs, entropy, resolved, head_dtype, head_mode)
     nonempty = kept.recorded() & ~ignored
-    scores = finish_kept(merged, merged_kept, nonempty, logprobs, entropy)
+    scores = finish_kept(merged, merged_kept, nonempty, logprobs, entropy, kept.set_sizes() == 1)
     outside = ~scores.target_in_set & ~ignored
     if bool(outside.any()):
         row = int(outside.nonzero()[0, 0])

@@ -44,7 +44,6 @@ from pgdiag.kernels.triton_shared import (
     SplitPlan,
     TritonTiles,
     fold_any_tile,
-    fold_kept_tile,
     load_kept_bits,
     load_tiles,
     plan_splits,
@@ -160,8 +159,7 @@ def _fp32_head_partials_kernel(
     run_sumexp = tl.zeros([BLOCK_N], tl.float32)
     run_centred = tl.zeros([BLOCK_N], tl.float32)
     target_raw = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    kept_max = tl.full([BLOCK_N], MASKED_LOGIT, tl.float32)
-    kept_sumexp = tl.zeros([BLOCK_N], tl.float32)
+    kept_sumexp = tl.zeros([BLOCK_N], tl.float32)  # K's sums, centred on run_max (KEPT only)
     kept_centred = tl.zeros([BLOCK_N], tl.float32)
 
     v_begin = split * tiles_per_split * BLOCK_V
@@ -207,12 +205,10 @@ def _fp32_head_partials_kernel(
                 # which chains the tensor cores onto the large sum (the very thing this kernel avoids)
                 fresh = fresh * 0.0
         acc += group_sum
+        kept = 0  # the tile's columns in K (KEPT only)
         if KEPT:
             kept = load_kept_bits(kept_ptr, safe_n, stride_kept, v_start, vocab_local, BLOCK_V)
-            kept_max, kept_sumexp, kept_centred = fold_kept_tile(
-                acc, kept, kept_max, kept_sumexp, kept_centred, exp2_scale
-            )
-        run_max, run_sumexp, run_centred, target_raw = fold_any_tile(
+        run_max, run_sumexp, run_centred, target_raw, kept_sumexp, kept_centred = fold_any_tile(
             acc,
             run_max,
             run_sumexp,
@@ -222,7 +218,11 @@ def _fp32_head_partials_kernel(
             v_start,
             vocab_local,
             exp2_scale,
+            kept,
+            kept_sumexp,
+            kept_centred,
             BLOCK_V,
+            KEPT,
         )
 
     store_partials(
@@ -246,7 +246,7 @@ def _fp32_head_partials_kernel(
             row_ok,
             stride_split,
             stride_stat,
-            kept_max,
+            run_max,
             kept_sumexp,
             kept_centred,
             inv_temperature,

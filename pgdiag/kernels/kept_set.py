@@ -42,6 +42,7 @@ GATHER_CHUNK = 1 << 16  # kept elements per torch gather-dot chunk: 65536 x d x 
 KEPT_WORDS_BUDGET_BYTES = 512 << 20  # the (C, W) int32 words of one chunk: 28,268 tokens at V = 151936
 CHUNK_ALIGN = 256  # chunks of whole token blocks of the head kernels
 WORD_BITS = 32
+BITMASK_ROWS = 2048  # bitmask rows shifted into words at once: ~0.4 GB of temporaries at V = 151936
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,14 @@ class KeptSet:
         out = self.sizes() > 0
         if self.bitmask_tokens is not None and self.bitmasks is not None:
             out[self.bitmask_tokens] |= (self.bitmasks != 0).any(dim=1)
+        return out
+
+    def set_sizes(self) -> torch.Tensor:
+        """(N,) int64 size of each token's set, ids or bitmask (bits counted through a 256-entry table)."""
+        out = self.sizes().clone()
+        if self.bitmask_tokens is not None and self.bitmasks is not None:
+            table = torch.tensor([bin(b).count("1") for b in range(256)], device=self.bitmasks.device)
+            out[self.bitmask_tokens] += table[self.bitmasks.long()].sum(dim=1)
         return out
 
     def to(self, device: torch.device) -> KeptSet:
@@ -145,7 +154,10 @@ def bitmask_words(bitmasks: torch.Tensor, vocab_start: int, vocab_local: int) ->
     words = padded.view(torch.int32).long() & 0xFFFFFFFF  # (Q, >= base + W + 1) global words, unsigned
     low = words[:, base : base + n_words] >> shift
     high = (words[:, base + 1 : base + n_words + 1] << (WORD_BITS - shift)) & 0xFFFFFFFF
-    return to_int32_words(low | high)
+    local = low | high
+    if vocab_local % WORD_BITS:  # the last word's bits past the shard (the next shard's ids) cleared
+        local[:, -1] &= (1 << (vocab_local % WORD_BITS)) - 1
+    return to_int32_words(local)
 
 
 def kept_words(
@@ -174,10 +186,11 @@ def kept_words(
         words = or_bits_torch(n_rows * n_words, word_index, bit)
     words = words.view(n_rows, n_words)
     if kept.bitmask_tokens is not None and kept.bitmasks is not None:
-        chosen = (kept.bitmask_tokens >= start) & (kept.bitmask_tokens < stop)
-        if bool(chosen.any()):
-            rows = kept.bitmask_tokens[chosen] - start
-            words[rows] = words[rows] | bitmask_words(kept.bitmasks[chosen], vocab_start, vocab_local)
+        chosen = ((kept.bitmask_tokens >= start) & (kept.bitmask_tokens < stop)).nonzero()[:, 0]
+        for first in range(0, chosen.shape[0], BITMASK_ROWS):  # its int64 temporaries: 5 x 8 B a word a row
+            some = chosen[first : first + BITMASK_ROWS]
+            rows = kept.bitmask_tokens[some] - start
+            words[rows] = words[rows] | bitmask_words(kept.bitmasks[some], vocab_start, vocab_local)
     return words
 
 
@@ -191,6 +204,7 @@ def target_in_words(words: torch.Tensor, local_targets: torch.Tensor) -> torch.T
 
 def kept_head_partials(
     partials_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    exact_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     hidden: torch.Tensor,
     local_targets: torch.Tensor,
     kept: KeptSet,
@@ -203,7 +217,9 @@ def kept_head_partials(
 
     `partials_fn(hidden_chunk, local_targets_chunk, words)` is the head (`lm_head_partials` of the torch
     reference or Triton) returning (S, 8, C): rows 0-3 the full vocabulary, 4-7 K. The kept target logit is
-    the head's target logit where its bit is set."""
+    the head's target logit where its bit is set. The Triton heads sum K's exponentials centred on the full
+    maximum: a row whose kept ids all lie more than ~87 nats below it underflows to a zero sum, and is scored
+    again by `exact_fn` (the torch reference, K's own maximum): such a row is rare (the engine sampled from K)."""
     n_tokens = hidden.shape[0]
     full_parts, kept_parts = [], []
     chunk = kept_chunk(n_tokens, vocab_local)
@@ -214,6 +230,11 @@ def kept_head_partials(
         partials = partials_fn(hidden[start:stop], targets, words)  # (S, 8, C)
         full = merge_partials(partials[:, :PARTIAL_ROWS])
         masked = merge_partials(partials[:, PARTIAL_ROWS:])
+        underflow = (words != 0).any(dim=1) & (masked[1] == 0)  # (C,) bits here, yet no mass
+        if bool(underflow.any()):
+            rows = underflow.nonzero()[:, 0]
+            exact = exact_fn(hidden[start:stop][rows], targets[rows], words[rows])  # (1, 8, R)
+            masked[:, rows] = merge_partials(exact[:, PARTIAL_ROWS:])
         masked[3] = torch.where(target_in_words(words, targets), full[3], float("-inf"))
         full_parts.append(full)
         kept_parts.append(masked)
@@ -305,8 +326,11 @@ def finish_kept(
     nonempty: torch.Tensor,
     full_logprobs: torch.Tensor,
     full_entropy: torch.Tensor,
+    single: torch.Tensor,
 ) -> KeptScores:
-    """`KeptScores` from the merged (4, N) full and kept partials; `nonempty` (N,) bool tokens with a set."""
+    """`KeptScores` from the merged (4, N) full and kept partials; `nonempty` (N,) bool tokens with a set,
+    `single` (N,) bool tokens whose set holds one id: a point mass, log-prob and entropy exactly 0.0 (the head's
+    sums, centred on the full maximum, give them within an ulp)."""
     full_max, full_sum = full[0], full[1]
     kept_max, kept_sum, kept_centred, kept_target = kept.unbind(0)
     has = nonempty & (kept_sum > 0)
@@ -316,7 +340,9 @@ def finish_kept(
     target_in = torch.isfinite(kept_target)
     logprobs = torch.where(has & target_in, kept_target - kept_lse, full_logprobs)
     logprobs = torch.where(has & ~target_in, float("-inf"), logprobs)
+    logprobs = torch.where(has & target_in & single, 0.0, logprobs)
     entropy = torch.where(has, torch.log(safe_sum) - kept_centred / safe_sum, full_entropy)
+    entropy = torch.where(has & single, 0.0, entropy)
     kept_mass = torch.where(has, torch.exp(kept_lse - full_lse).clamp(max=1.0), 1.0)
     return KeptScores(
         logprobs, entropy, kept_mass, full_logprobs, full_entropy, ~has | target_in, kept_lse, has

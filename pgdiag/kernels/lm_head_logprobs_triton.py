@@ -46,7 +46,6 @@ from pgdiag.kernels.triton_shared import (
     MASKED_LOGIT,
     TritonTiles,
     fold_any_tile,
-    fold_kept_tile,
     load_kept_bits,
     load_tiles,
     plan_splits,
@@ -133,8 +132,7 @@ def _bf16_head_partials_kernel(
     run_sumexp = tl.zeros([BLOCK_N], tl.float32)
     run_centred = tl.zeros([BLOCK_N], tl.float32)
     target_raw = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    kept_max = tl.full([BLOCK_N], MASKED_LOGIT, tl.float32)
-    kept_sumexp = tl.zeros([BLOCK_N], tl.float32)
+    kept_sumexp = tl.zeros([BLOCK_N], tl.float32)  # K's sums, centred on run_max (KEPT only)
     kept_centred = tl.zeros([BLOCK_N], tl.float32)
 
     v_begin = split * tiles_per_split * BLOCK_V
@@ -161,14 +159,11 @@ def _bf16_head_partials_kernel(
                 EVEN_K,
             )
             acc = tl.dot(h, w, acc)
-        # 4. the kept set's online softmax over the same tile (before the fold: it may reuse acc's registers)
+        # 4. padded columns masked (last tile only), online softmax update (and K's masked sums), target pick
+        kept = 0  # the tile's columns in K (KEPT only)
         if KEPT:
             kept = load_kept_bits(kept_ptr, safe_n, stride_kept, v_start, vocab_local, BLOCK_V)
-            kept_max, kept_sumexp, kept_centred = fold_kept_tile(
-                acc, kept, kept_max, kept_sumexp, kept_centred, exp2_scale
-            )
-        # 5. padded columns masked (last tile only), online softmax update, target pick
-        run_max, run_sumexp, run_centred, target_raw = fold_any_tile(
+        run_max, run_sumexp, run_centred, target_raw, kept_sumexp, kept_centred = fold_any_tile(
             acc,
             run_max,
             run_sumexp,
@@ -178,10 +173,14 @@ def _bf16_head_partials_kernel(
             v_start,
             vocab_local,
             exp2_scale,
+            kept,
+            kept_sumexp,
+            kept_centred,
             BLOCK_V,
+            KEPT,
         )
 
-    # 6. this split's partials, converted from accumulator units to z = acc / temperature
+    # 5. this split's partials, converted from accumulator units to z = acc / temperature
     n_stats = 8 if KEPT else 4
     store_partials(
         partials_ptr,
@@ -204,7 +203,7 @@ def _bf16_head_partials_kernel(
             row_ok,
             n_stats * n_tokens,
             n_tokens,
-            kept_max,
+            run_max,
             kept_sumexp,
             kept_centred,
             inv_temperature,

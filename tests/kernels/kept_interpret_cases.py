@@ -17,7 +17,7 @@ from test_kept_set import check_tp2_against_one_rank
 
 from pgdiag.kernels import lm_head_logprobs
 from pgdiag.kernels import lm_head_logprobs_ref as reference
-from pgdiag.kernels.kept_set import kept_logits, kept_words, or_bits_torch
+from pgdiag.kernels.kept_set import KeptSet, kept_logits, kept_words, or_bits_torch
 from pgdiag.kernels.kept_set_triton import kept_logits_triton, or_bits_triton
 from pgdiag.kernels.lm_head_logprobs_triton import head_mode_for, lm_head_partials
 from pgdiag.kernels.triton_shared import TritonTiles
@@ -187,3 +187,31 @@ def test_reconstruct_with_the_triton_pass_equals_the_sort_reference(
     rows, cols = reference(z, top_k, top_p, min_p).nonzero(as_tuple=True)
     assert torch.equal(rebuilt.ids, cols)
     assert torch.equal(rebuilt.sizes(), torch.bincount(rows, minlength=n))
+
+
+def test_kept_sets_far_below_the_maximum_are_scored_exactly() -> None:
+    """At T = 0.05 the one-token sets of unlikely targets lie hundreds of nats below the row's maximum: the kernel's
+    K sums (centred on the full maximum) underflow to 0 there, and those rows are scored again by the reference
+    (K's own maximum): the same numbers as the torch head, a one-token set exactly 0.0."""
+    kc = kept_case(24, 32, 61, seed=4)
+    ones = [n for n in range(24) if int(kc.kept.sizes()[n]) > 0][:10]
+    ids = torch.cat([kc.kept.ids[int(kc.kept.offsets[n]) : int(kc.kept.offsets[n + 1])][:1] for n in ones])
+    sizes = torch.zeros(24, dtype=torch.int64)
+    sizes[ones] = 1  # each of these tokens keeps its target alone (the first id of its set)
+    offsets = torch.zeros(25, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(sizes, 0)
+    kept = KeptSet(ids, offsets)
+    words = kept_words(kept, 0, 24, vocab_start=0, vocab_local=61, impl="triton")
+    local = torch.where(kc.case.targets < 0, -1, kc.case.targets)
+    raw = lm_head_partials(
+        kc.case.hidden, kc.case.weight, local, temperature=0.05, head_dtype="fp32", kept_words=words
+    )
+    underflowed = merge_partials(raw[:, 4:])[1][ones] == 0
+    assert int(underflowed.sum()) >= 3  # the case exercises the fallback
+    args = (kc.case.hidden, kc.case.weight, kc.case.targets)
+    got = lm_head_logprobs(*args, temperature=0.05, head_dtype="fp32", impl="triton", kept=kept)
+    want = lm_head_logprobs(*args, temperature=0.05, head_dtype="fp32", impl="torch", kept=kept)
+    assert bool((got.logprobs[ones] == 0.0).all())
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got.kept_mass, want.kept_mass, rtol=1e-4, atol=0)
