@@ -71,17 +71,15 @@ class KeptSet:
 
     def recorded(self) -> torch.Tensor:
         """(N,) bool: the token has a set (CSR ids, or a bitmask with a bit set)."""
-        out = self.sizes() > 0
-        if self.bitmask_tokens is not None and self.bitmasks is not None:
-            out[self.bitmask_tokens] |= (self.bitmasks != 0).any(dim=1)
-        return out
+        return self.set_sizes() > 0
 
     def set_sizes(self) -> torch.Tensor:
-        """(N,) int64 size of each token's set, ids or bitmask (bits counted through a 256-entry table)."""
+        """(N,) int64 size of each token's set, ids or bitmask (bits counted byte by byte, in uint8)."""
         out = self.sizes().clone()
         if self.bitmask_tokens is not None and self.bitmasks is not None:
-            table = torch.tensor([bin(b).count("1") for b in range(256)], device=self.bitmasks.device)
-            out[self.bitmask_tokens] += table[self.bitmasks.long()].sum(dim=1)
+            x = self.bitmasks - ((self.bitmasks >> 1) & 0x55)  # (Q_b, B) uint8: 2-bit counts
+            x = (x & 0x33) + ((x >> 2) & 0x33)  # 4-bit counts
+            out[self.bitmask_tokens] += ((x + (x >> 4)) & 0x0F).sum(dim=1)
         return out
 
     def to(self, device: torch.device) -> KeptSet:
@@ -144,13 +142,19 @@ def or_bits_torch(n_words: int, word_index: torch.Tensor, bit: torch.Tensor) -> 
 def bitmask_words(bitmasks: torch.Tensor, vocab_start: int, vocab_local: int) -> torch.Tensor:
     """(Q, B) uint8 packed bitmasks over the global vocabulary -> (Q, W) int32 words over the shard
     [vocab_start, vocab_start + V_local) (bit j of word w: local row 32 w + j): the bytes read as little-endian
-    32-bit words, shifted by vocab_start mod 32 across word boundaries. Bits past the bitmask's end are 0."""
+    32-bit words, shifted by vocab_start mod 32 across word boundaries (in int64) where the shard starts
+    mid-word. Bits past the bitmask's end, or past the shard, are 0."""
     n_rows, width = bitmasks.shape
     n_words = -(-vocab_local // WORD_BITS)
     base, shift = divmod(vocab_start, WORD_BITS)
     needed = 4 * (base + n_words + 1)  # bytes up to the word after the shard's last one
     padded = torch.zeros(n_rows, max(needed, -(-width // 4) * 4), dtype=torch.uint8, device=bitmasks.device)
     padded[:, :width] = bitmasks
+    if shift == 0:  # the shard starts at a word (TP = 1, or aligned shards): the bytes are the words
+        aligned = padded.view(torch.int32)[:, base : base + n_words]
+        if vocab_local % WORD_BITS:
+            aligned[:, -1] &= (1 << (vocab_local % WORD_BITS)) - 1
+        return aligned
     words = padded.view(torch.int32).long() & 0xFFFFFFFF  # (Q, >= base + W + 1) global words, unsigned
     low = words[:, base : base + n_words] >> shift
     high = (words[:, base + 1 : base + n_words + 1] << (WORD_BITS - shift)) & 0xFFFFFFFF

@@ -248,12 +248,15 @@ def test_words_from_ids_and_from_bitmasks_agree() -> None:
 
 
 def test_bitmask_words_shift_by_hand() -> None:
-    """Ids 3, 40 and 41 of V = 64 as one bitmask; the shard from id 33 holds 40 and 41 at local rows 7 and 8."""
+    """Ids 3, 40 and 41 of V = 64 as one bitmask; the shard from id 33 holds 40 and 41 at local rows 7 and 8; a
+    shard's words hold no bit past its last row (the next shard's ids)."""
     mask = torch.zeros(1, 8, dtype=torch.uint8)
     mask[0, 0] = 1 << 3
     mask[0, 5] = (1 << 0) | (1 << 1)  # ids 40, 41
     assert bitmask_words(mask, 33, 31).tolist() == [[(1 << 7) | (1 << 8)]]
     assert bitmask_words(mask, 0, 64).tolist() == [[1 << 3, (1 << 8) | (1 << 9)]]
+    assert bitmask_words(mask, 0, 41).tolist() == [[1 << 3, 1 << 8]]  # id 41: past the shard, cleared
+    assert bitmask_words(mask, 33, 8).tolist() == [[1 << 7]]  # the same, mid-word
     assert or_bits_torch(2, torch.tensor([1, 1, 0]), torch.tensor([31, 31, 0])).tolist() == [1, -(1 << 31)]
 
 
