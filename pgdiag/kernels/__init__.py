@@ -224,8 +224,9 @@ def lm_head_logprobs(
     head_mode = backend.head_mode_for(head_dtype, weight.dtype, hidden.dtype)
     if kept is None or merged_kept is None:
         return TokenLogprobs(logprobs, entropy, resolved, head_dtype, head_mode)
-    nonempty = kept.recorded() & ~ignored
-    scores = finish_kept(merged, merged_kept, nonempty, logprobs, entropy, kept.set_sizes() == 1)
+    set_sizes = kept.set_sizes()  # (N,) ids or bits a token
+    nonempty = (set_sizes > 0) & ~ignored
+    scores = finish_kept(merged, merged_kept, nonempty, logprobs, entropy, set_sizes == 1)
     outside = ~scores.target_in_set & ~ignored
     if bool(outside.any()):
         row = int(outside.nonzero()[0, 0])

@@ -18,8 +18,10 @@ chunk of C tokens into (C, ceil(V_local / 32)) int32 words over this vocab shard
 rows by a funnel shift of their words to the shard's first row. The head (`lm_head_partials` of the torch
 reference or the Triton kernels) reads these words inside its vocabulary-tile loop and writes, in the same
 pass, the partials of the full vocabulary and of K (`vocab_parallel`: max, sum of exponentials, centred sum;
-8 rows a token). Chunks keep the words within `KEPT_WORDS_BUDGET_BYTES` (at V = 151936 a row is 18,992 bytes).
-The kept target logit is the head's own where the target's bit is set (a one-token K gives exactly 0.0).
+8 rows a token). The Triton kernels centre K's sums on the full maximum (they reuse its exponentials); a row
+whose K underflows there (all kept logits > ~87 nats below it) is rescored by the reference, and a one-token K
+gives log-prob and entropy exactly 0.0 (`finish_kept`). Chunks keep the words within `KEPT_WORDS_BUDGET_BYTES` (at V = 151936 a row is 18,992 bytes).
+The kept target logit is the head's own where the target's bit is set.
 Under TP each rank's words cover its shard and `lm_head_logprobs` gathers the full and the kept partials in one
 collective.
 
@@ -77,9 +79,11 @@ class KeptSet:
         """(N,) int64 size of each token's set, ids or bitmask (bits counted byte by byte, in uint8)."""
         out = self.sizes().clone()
         if self.bitmask_tokens is not None and self.bitmasks is not None:
-            x = self.bitmasks - ((self.bitmasks >> 1) & 0x55)  # (Q_b, B) uint8: 2-bit counts
-            x = (x & 0x33) + ((x >> 2) & 0x33)  # 4-bit counts
-            out[self.bitmask_tokens] += ((x + (x >> 4)) & 0x0F).sum(dim=1)
+            for first in range(0, self.bitmasks.shape[0], BITMASK_ROWS):
+                bits = self.bitmasks[first : first + BITMASK_ROWS]
+                x = bits - ((bits >> 1) & 0x55)  # (rows, B) uint8: 2-bit counts
+                x = (x & 0x33) + ((x >> 2) & 0x33)  # 4-bit counts
+                out[self.bitmask_tokens[first : first + BITMASK_ROWS]] += ((x + (x >> 4)) & 0x0F).sum(dim=1)
         return out
 
     def to(self, device: torch.device) -> KeptSet:
@@ -234,7 +238,7 @@ def kept_head_partials(
         partials = partials_fn(hidden[start:stop], targets, words)  # (S, 8, C)
         full = merge_partials(partials[:, :PARTIAL_ROWS])
         masked = merge_partials(partials[:, PARTIAL_ROWS:])
-        underflow = (words != 0).any(dim=1) & (masked[1] == 0)  # (C,) bits here, yet no mass
+        underflow = words.any(dim=1) & (masked[1] == 0)  # (C,) bits here, yet no mass
         if bool(underflow.any()):
             rows = underflow.nonzero()[:, 0]
             exact = exact_fn(hidden[start:stop][rows], targets[rows], words[rows])  # (1, 8, R)
