@@ -17,7 +17,8 @@ Models: ``qwen3-8b``, ``qwen3-30b-a3b`` (MoE), ``llama3-70b`` (80 layers, hidden
 How to run:
     torchrun --nproc-per-node 4 benchmarks/bench_multigpu.py --model qwen3-8b --layouts 1x4,2x2,4x1 --out 8b.json
     torchrun --nproc-per-node 4 benchmarks/bench_multigpu.py --model llama3-70b --layouts 4x1,2x2 --fp32-ref 4
-    torchrun --nproc-per-node 2 benchmarks/bench_multigpu.py --model tiny --device cpu --layouts 1x2,2x1  # gloo
+    torchrun --nproc-per-node 2 benchmarks/bench_multigpu.py --model qwen3-8b --layouts 1x2,2x1:c4:n,2x1:c4:s,2x1:c4:s:m8
+    torchrun --nproc-per-node 2 benchmarks/bench_multigpu.py --model tiny --device cpu --layouts 1x2,2x1,2x1:c2:s
 Keep NCCL_NVLS_ENABLE=0 (NVLink multicast off) as the device machines require.
 """
 
@@ -30,6 +31,7 @@ import os
 import sys
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -171,12 +173,26 @@ def run_pass(model, batches, head_dtype: str, group, want_routes: bool):
     return out
 
 
-def build_groups(tp: int, dp: int) -> dist.ProcessGroup | None:
+def nccl_options(max_ctas: int | None):
+    """NCCL communicator options capping the CTAs (SMs) its kernels take, or None (NCCL's own choice)."""
+    if not max_ctas:
+        return None
+    try:
+        options = dist.ProcessGroupNCCL.Options()
+        options.config.max_ctas = max_ctas
+        options.config.min_ctas = 1
+    except (AttributeError, RuntimeError) as error:  # a torch without the NCCL config: say so, run without
+        print(f"NCCL max_ctas not applied: {error}", file=sys.stderr, flush=True)
+        return None
+    return options
+
+
+def build_groups(tp: int, dp: int, max_ctas: int | None = None) -> dist.ProcessGroup | None:
     """Every rank creates every replica's TP group (new_group is collective); returns this rank's."""
     mine = None
     for replica in range(dp):
         ranks = list(range(replica * tp, (replica + 1) * tp))
-        group = dist.new_group(ranks) if tp > 1 else None
+        group = dist.new_group(ranks, pg_options=nccl_options(max_ctas)) if tp > 1 else None
         if dist.get_rank() in ranks:
             mine = group
     return mine
@@ -195,11 +211,12 @@ def world_max(value: float, device: torch.device) -> float:
 
 
 def measure_layout(cfg, rollouts, args, tp: int, dp: int, device, *, dtype: str = "bf16", head_dtype: str,
-                   keep: int, repeats: int, name: str, overlap_chunks: int | None = None,
+                   keep: int, repeats: int, name: str, options: TPOptions | None = None,
                    ) -> tuple[dict, dict[int, torch.Tensor], dict]:  # fmt: skip
     """Load at (tp, dp), warm up, time `repeats` passes; returns (row, {rollout: logprobs}, {rollout: routes})."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    group = build_groups(tp, dp)
+    options = options or TPOptions()
+    group = build_groups(tp, dp, options.max_ctas)
     replica, tp_rank = rank // tp, rank % tp
     mine = deal([len(r.tokens) for r in rollouts], dp)[replica]
     batches = pack([rollouts[i] for i in mine], args.batch_tokens)
@@ -212,8 +229,10 @@ def measure_layout(cfg, rollouts, args, tp: int, dp: int, device, *, dtype: str 
     model = load_from_source(cfg, SyntheticSource(cfg, device), where="synthetic", dtype=dtype,
                              head_dtype=head_dtype, device=device, tp_group=group, fuse_pointwise=args.fuse,
                              attention="auto")  # fmt: skip
-    if overlap_chunks is not None:  # TP all-reduces overlapped in this many token chunks (1: off)
-        model.tp_overlap_chunks = overlap_chunks
+    if options.chunks is not None:  # TP all-reduces overlapped in this many token chunks (1: off)
+        model.tp_overlap_chunks = options.chunks
+    if options.sequence is not None:  # sequence parallel in the same chunks (dense models)
+        model.tp_sequence_parallel = options.sequence
     sync(device)
     load_s = world_max(time.perf_counter() - t0, device)
     weights_gib = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
@@ -265,6 +284,7 @@ def measure_layout(cfg, rollouts, args, tp: int, dp: int, device, *, dtype: str 
         "load_s": load_s, "warmup_pass_s": warm_s, "weights_gib_per_gpu": weights_gib, "peak_gib_per_gpu": peaks,
         "peak_batch": peak_batch, "attention": model.attention_backend, "experts": model.expert_impl,
         "batch_tokens": args.batch_tokens, "tp_overlap_chunks": model.tp_overlap_chunks,
+        "tp_sequence_parallel": model.tp_sequence_parallel, "nccl_max_ctas": options.max_ctas if nccl_options(options.max_ctas) else None,
     }  # fmt: skip
     del model, result
     gc.collect()
@@ -273,11 +293,40 @@ def measure_layout(cfg, rollouts, args, tp: int, dp: int, device, *, dtype: str 
     return row, all_lps, all_routes
 
 
-def _layout(text: str) -> tuple[int, int, int | None]:
-    """'2x1' -> (2, 1, None); '2x1:c4' -> (2, 1, 4)."""
-    shape, _, chunks = text.partition(":")
+@dataclass(frozen=True)
+class TPOptions:
+    """A layout's TP options: overlap chunks (None: the model's default), sequence parallel (None: the model's
+    default), NCCL's CTA cap for the TP communicator (None: NCCL's own choice)."""
+
+    chunks: int | None = None
+    sequence: bool | None = None
+    max_ctas: int | None = None
+
+    def suffix(self) -> str:
+        return (
+            (f"_c{self.chunks}" if self.chunks else "")
+            + ({True: "_sp", False: "_nosp"}.get(self.sequence, ""))
+            + (f"_m{self.max_ctas}" if self.max_ctas else "")
+        )
+
+
+def _layout(text: str) -> tuple[int, int, TPOptions]:
+    """'2x1' -> (2, 1, defaults); '2x1:c4:s:m8' -> 4 overlap chunks, sequence parallel, NCCL max 8 CTAs;
+    ':n' turns sequence parallelism off."""
+    shape, *options = text.split(":")
     tp, dp = (int(x) for x in shape.split("x"))
-    return tp, dp, int(chunks.removeprefix("c")) if chunks else None
+    found: dict = {}
+    for option in options:
+        key, value = option[0], option[1:]
+        if key == "c":
+            found["chunks"] = int(value)
+        elif key in "sn":
+            found["sequence"] = key == "s"
+        elif key == "m":
+            found["max_ctas"] = int(value)
+        else:
+            raise SystemExit(f"unknown layout option {option!r} in {text!r}")
+    return tp, dp, TPOptions(**found)
 
 
 def model_flops_any(cfg: ModelConfig, rollouts) -> float:
@@ -317,8 +366,8 @@ def main() -> None:
     parser.add_argument(
         "--layouts",
         default="",
-        help="TPxDP[:cN],... (tp x dp = world; :cN = TP all-reduces overlapped in N token chunks, :c1 off); "
-        "default: every divisor",
+        help="TPxDP[:cN][:s|:n][:mN],... (tp x dp = world; :cN = TP collectives overlapped in N token chunks, "
+        ":c1 off; :s sequence parallel, :n not; :mN = NCCL max N CTAs for the TP group); default: every divisor",
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rollouts", type=int, default=64)
@@ -350,7 +399,7 @@ def main() -> None:
     tiny = args.model.startswith("tiny")
     rollouts = make_rollouts(args.rollouts, cfg.vocab_size, device, seed=0, scale=0.05 if tiny else 1.0)
     layouts = [_layout(s) for s in args.layouts.split(",") if s] or [
-        (tp, world // tp, None) for tp in range(1, world + 1) if world % tp == 0
+        (tp, world // tp, TPOptions()) for tp in range(1, world + 1) if world % tp == 0
     ]
     result = {
         "model": args.model, "layers": cfg.num_hidden_layers,
@@ -368,21 +417,21 @@ def main() -> None:
 
     first_lp = first_routes = None
     bf16_lps: dict[str, dict[int, torch.Tensor]] = {}
-    for n, (tp, dp, chunks) in enumerate(layouts):
+    for n, (tp, dp, options) in enumerate(layouts):
         if tp * dp != world:
             raise SystemExit(f"layout {tp}x{dp} does not fill the world of {world}")
         heads = [args.head_dtype] + (
             ["bf16"] if n == 0 and args.bf16_head_too and args.head_dtype != "bf16" else []
         )
         for head in heads:
-            name = f"tp{tp}_dp{dp}_head{head}" + (f"_c{chunks}" if chunks else "")
+            name = f"tp{tp}_dp{dp}_head{head}" + options.suffix()
             row, lps, routes = measure_layout(cfg, rollouts, args, tp, dp, device, head_dtype=head, keep=args.keep,
-                                              repeats=args.repeats, name=name, overlap_chunks=chunks)  # fmt: skip
+                                              repeats=args.repeats, name=name, options=options)  # fmt: skip
             if head == args.head_dtype:
                 if first_lp is None:
                     first_lp, first_routes, row["vs"] = lps, routes, None
                 else:
-                    row["vs"] = layouts[0]
+                    row["vs"] = result["rows"][0]["name"]
                     row["logprob_diff_vs_first"] = compare(lps, first_lp)
                     if routes:
                         row["routing_vs_first"] = route_disagreement(routes, first_routes)

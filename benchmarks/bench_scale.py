@@ -6,8 +6,11 @@ generated on disk: max(4, ceil(tokens / 10M)) steps of equal size (so 1M and 10M
 of 10M, 300M has 30), samples of ~200 prompt and ~500 response tokens (lognormal, 8..4000) in GRPO groups of 8,
 streams rollout, old and new, per-token advantages. Each step is generated, written with pgdiag's own Parquet
 writer (zstd, `rollouts/step=S/`) and dropped, so generating needs one step in memory. Every command runs as a
-child process: wall = its wall time, CPU = its user + system time, peak RSS = its own `ru_maxrss` (os.wait4). The run is deleted after its
-commands unless `--keep DIR`. The load average before and after each command is recorded: the machine is
+child process: wall = its wall time, CPU = its user + system time, peak RSS = its own `ru_maxrss` (os.wait4).
+The run is deleted after its commands unless `--keep DIR`. The run is written by a child process of its own: on
+Linux a child's ru_maxrss starts from its parent's peak RSS (the kernel keeps the parent's high-water mark when
+the spawned child calls exec), so writing a step here (0.32 GiB at 10M) set a floor under every measured peak.
+The load average before and after each command is recorded: the machine is
 shared, and time is only comparable at similar load.
 
 `compare-metrics` is `compare RUN --metrics` (rollout vs old, each run's own metric set beside it) and
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import platform
 import shutil
@@ -29,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -238,7 +243,8 @@ def main() -> None:
             if args.keep is not None and (run / "rollouts").exists():
                 shape = json.loads((run / "shape.json").read_text())
             else:
-                shape = make_scale_run(run, size)
+                with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as writer:
+                    shape = writer.submit(make_scale_run, run, size).result()  # a child: docstring
                 (run / "shape.json").write_text(json.dumps(shape))
             written = time.perf_counter() - start
             print(f"run {size:,}: {shape} written in {written:.0f} s", file=sys.stderr)

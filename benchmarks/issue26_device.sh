@@ -2,10 +2,13 @@
 # Device runs of issue 26's last speed gaps (docs/benchmarks.md, "Issue 26: the last gaps"). One part per call:
 #   profile: fp32-head sweep + ncu of the head kernels, MoE and 8B profiles, the CLI's start-up under cProfile.
 #   tp:      (2 GPUs) TP = 1 vs TP = 2 on the 8B shape, overlapped and not; DP vs one warm GPU through the CLI.
+#   gaps:    (2 GPUs) TP = 2 sequence parallel and with NCCL's CTAs capped, against TP = 1; the CLI's start-up with
+#            the weight stream (this tree) against BASE (a checkout without it), warm and from a dropped page cache.
+#            Run from the tree under test; BASE=/path/of/baseline/checkout.
 # Results under $OUT (at most 8 files come back). NVLink multicast stays off.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/bench/logs
@@ -121,6 +124,38 @@ final() {  # one GPU: MoE combine before/after, the head, the CLI's start-up as 
   timeout 200 python3 -m pytest -q -m gpu --continue-on-collection-errors -p no:cacheprovider tests/kernels \
     tests/model tests/recompute 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
   say "final done"
+}
+
+gaps() {  # two GPUs: TP 2 layouts, then the CLI's start-up, this tree ("n") against BASE ("b")
+  environment
+  local base=${BASE:?BASE=checkout without the weight stream}
+  say "8B TP layouts"
+  timeout 220 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_multigpu.py --model qwen3-8b \
+    --layouts 1x2,2x1:c4:n,2x1:c4:s,2x1:c4:n:m8,2x1:c4:s:m8 --rollouts 128 --repeats 3 --out "$OUT/tp8b.json" 2>&1 \
+    | grep -E '^\{|NCCL max|Error' | cut -c1-420
+  say "8B checkpoint and runs"
+  python3 $C write-ckpt --model qwen3-8b --dir /tmp/bench/c8 --workers 2 --out "$OUT/cli.jsonl" | cut -c1-200
+  python3 $C make-run --vocab 151936 --rollouts 768 --steps 8 --dir /tmp/bench/big --out "$OUT/cli.jsonl" | cut -c1-200
+  python3 $C make-run --vocab 151936 --rollouts 128 --steps 4 --seed 1 --dir /tmp/bench/small --out "$OUT/cli.jsonl" | cut -c1-200
+  local n="cd $PWD && python3 -m pgdiag logprobs --model /tmp/bench/c8 --json -q"
+  local b="cd $base && python3 -m pgdiag logprobs --model /tmp/bench/c8 --json -q"
+  cli fill 150 "CUDA_VISIBLE_DEVICES=0 $b /tmp/bench/small --tag bf" "CUDA_VISIBLE_DEVICES=1 $n /tmp/bench/small --tag nf"
+  cli warm_small 100 "CUDA_VISIBLE_DEVICES=0 $b /tmp/bench/small --tag bs" "CUDA_VISIBLE_DEVICES=1 $n /tmp/bench/small --tag ns"
+  cli warm_big 120 "CUDA_VISIBLE_DEVICES=0 $b /tmp/bench/big --tag bb" "CUDA_VISIBLE_DEVICES=1 $n /tmp/bench/big --tag nb"
+  cli warm_small2 100 "CUDA_VISIBLE_DEVICES=1 $b /tmp/bench/small --tag bs2" "CUDA_VISIBLE_DEVICES=0 $n /tmp/bench/small --tag ns2"
+  say "cold page cache"
+  python3 $C drop-cache --dir /tmp/bench/c8 --out "$OUT/cli.jsonl" | cut -c1-200
+  python3 $C odirect --dir /tmp/bench/c8 --workers 4 --limit-gb 17 --out "$OUT/cli.jsonl" | cut -c1-200
+  python3 $C drop-cache --dir /tmp/bench/c8 --out "$OUT/cli.jsonl" | cut -c1-200
+  cli cold_new 100 "CUDA_VISIBLE_DEVICES=0 $n /tmp/bench/small --tag nc"
+  python3 $C drop-cache --dir /tmp/bench/c8 --out "$OUT/cli.jsonl" | cut -c1-200
+  cli cold_base 100 "CUDA_VISIBLE_DEVICES=0 $b /tmp/bench/small --tag bc"
+  python3 $C same --run /tmp/bench/small --tags bs nf ns bs2 ns2 nc bc bf --out "$OUT/cli.jsonl" | cut -c1-300
+  python3 $C same --run /tmp/bench/big --tags bb nb --out "$OUT/cli.jsonl" | cut -c1-300
+  tail -n 3 /tmp/bench/logs/*.log >"$OUT/clilogs.txt" 2>&1
+  say "GPU test of the stream"
+  timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_weight_stream.py 2>&1 | tail -3
+  say "gaps done"
 }
 
 "$@" 2>&1 | tee -a "$OUT/log.txt"

@@ -12,6 +12,7 @@ and every code written anywhere in pgdiag, in sync. An error raised with a code 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import StrEnum
 
 EXIT_OK = 0
@@ -232,3 +233,15 @@ class InvalidInputError(PgdiagError):
     """Validation or alignment error in the input data (E1xx-E3xx, E703), or nothing to compare (exit 3)."""
 
     exit_code = EXIT_INVALID
+
+
+def missing_package(feature: str, package: str, install: str) -> UsageError:
+    """`UsageError` MISSING_PACKAGE (E509) for an optional package: ``<feature> needs the <package> package``
+    with `install` (the pip command) as the hint; raise it from the ImportError."""
+    return UsageError(Code.MISSING_PACKAGE, f"{feature} needs the {package} package", install)
+
+
+def not_among(code: Code, message: str, listed: str, present: Iterable[str]) -> UsageError:
+    """`UsageError` `code` with `message` for a name that is not among `present`, and the hint
+    ``<listed>: <the names present, or none>``."""
+    return UsageError(code, message, f"{listed}: {', '.join(present) or 'none'}")

@@ -4,7 +4,9 @@ Every ``import``/``from ... import`` in pgdiag/ (also those inside functions) is
 `cli` -> every stage; `compare` -> checks, metrics, report, data (and recompute, whose `loss_logits` gives the exact
 temperature fit its logits); `explain` -> recompute, model, kernels, compare, checks, metrics, report, data; `recompute` -> model, kernels, data; `metrics`, `checks`, `importers` -> report, data; `model`, `kernels`
 -> errors only (never polars); `data` -> errors only (never torch). Only `cli/` imports typer and rich; only
-`report/plots.py`, `report/explain_plots.py` and `report/html.py` import matplotlib. ``import pgdiag`` (the version) is allowed everywhere.
+`report/plots.py`, `report/explain_plots.py` and `report/html.py` import matplotlib. ``import pgdiag`` (the version) is allowed everywhere,
+and so are `pgdiag.errors` and `pgdiag.atomic_files` (atomic file writes: `data` and the in-trainer `capture` hooks
+share them, and `capture` must not pull polars in through `data`).
 
 Who may import `checks`: `compare`, `analysis`, `explain` and `cli`, never `metrics` or `data`. So the issue model
 (`data/issues.py`: `Issue`, `CheckSettings`, `CheckResult` and their merge over pieces) and every rule the reader
@@ -27,9 +29,11 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "pgdiag"
 
-# stage -> the pgdiag stages it may import (besides itself); `errors` is importable by everyone
+# stage -> the pgdiag stages it may import (besides itself); `errors` and `atomic_files` are importable by everyone
+EVERYONE = {"errors", "atomic_files"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
+    "atomic_files": set(),
     "data": set(),
     "model": set(),
     "kernels": set(),
@@ -84,7 +88,7 @@ def violations(root: Path) -> list[str]:
             if top == "pgdiag":
                 target = name.split(".")[1] if "." in name else "__init__"
                 if (
-                    target not in (stage, "errors", "__init__")
+                    target not in (stage, "__init__", *EVERYONE)
                     and "*" not in allowed
                     and target not in allowed
                 ):

@@ -16,6 +16,7 @@ O(samples × rules + steps × rules), no token array.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -47,17 +48,38 @@ from pgdiag.metrics.loss import sample_weights
 from pgdiag.report.report import ReportRow
 
 
-class Kish:
-    """Kish's normalised ESS (Σw)² / (n Σw²) of non-negative weights given piece by piece, as `kish_ess` gives it
-    on all of them: Σw and Σw² are kept scaled by the largest |w| seen (rescaled when a larger one comes). None
-    when empty, when a weight is NaN or infinite, or when no weight is positive."""
+class _ScaledSums:
+    """Σw and Σw² of weights given piece by piece, each piece in units of its own reference (`_fold`), kept in
+    the units of the largest reference seen (the earlier sums rescaled when a larger one comes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reference: float) -> None:
         self.n = 0
-        self.top = -math.inf  # the largest weight seen
-        self.scale = 0.0  # the largest |w| seen: Σw and Σw² are in its units
+        self.reference = reference
         self.s1 = self.s2 = 0.0
         self.bad = False
+
+    def _fold(self, w: np.ndarray, reference: float, ratio: Callable[[float, float], float]) -> None:
+        """Add the weights `w` (k,), in units of `reference`; ratio(a, b) is the size of unit a in units of b."""
+        s1, s2 = float(np.sum(w)), float(np.sum(w * w))
+        if reference > self.reference:
+            f = ratio(self.reference, reference)
+            self.s1, self.s2, self.reference = self.s1 * f + s1, self.s2 * f * f + s2, reference
+        else:
+            f = ratio(reference, self.reference)
+            self.s1, self.s2 = self.s1 + s1 * f, self.s2 + s2 * f * f
+
+    def _kish(self) -> float:
+        return self.s1**2 / (self.n * self.s2)
+
+
+class Kish(_ScaledSums):
+    """Kish's normalised ESS (Σw)² / (n Σw²) of non-negative weights given piece by piece, as `kish_ess` gives it
+    on all of them: Σw and Σw² are kept scaled by the largest |w| seen (the reference). None when empty, when a
+    weight is NaN or infinite, or when no weight is positive."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.top = -math.inf  # the largest weight seen
 
     def add(self, weights: np.ndarray) -> None:
         """The weights (k,) of one piece."""
@@ -72,30 +94,21 @@ class Kish:
         scale = float(np.max(np.abs(weights)))
         if scale == 0:
             return
-        w = weights / scale
-        s1, s2 = float(np.sum(w)), float(np.sum(w * w))
-        if scale > self.scale:
-            f = self.scale / scale
-            self.s1, self.s2, self.scale = self.s1 * f + s1, self.s2 * f * f + s2, scale
-        else:
-            f = scale / self.scale
-            self.s1, self.s2 = self.s1 + s1 * f, self.s2 + s2 * f * f
+        self._fold(weights / scale, scale, lambda a, b: a / b)
 
     def value(self) -> float | None:
         if self.n == 0 or self.bad or not self.top > 0:
             return None
-        return self.s1**2 / (self.n * self.s2)
+        return self._kish()
 
 
-class LogKish:
-    """`Kish` of weights given as log weights (−inf: weight 0), scaled by the largest log weight seen, as
-    `kish_ess` of exp(log w − max log w) over all of them gives it; None when empty, NaN, +inf or all −inf."""
+class LogKish(_ScaledSums):
+    """`Kish` of weights given as log weights (−inf: weight 0), scaled by the largest log weight seen (the
+    reference), as `kish_ess` of exp(log w − max log w) over all of them gives it; None when empty, NaN, +inf or
+    all −inf."""
 
     def __init__(self) -> None:
-        self.n = 0
-        self.top = -math.inf
-        self.s1 = self.s2 = 0.0
-        self.bad = False
+        super().__init__(-math.inf)
 
     def add(self, log_weights: np.ndarray) -> None:
         """The log weights (k,) of one piece."""
@@ -108,19 +121,12 @@ class LogKish:
             return
         if top == -math.inf:
             return
-        w = np.exp(log_weights - top)
-        s1, s2 = float(np.sum(w)), float(np.sum(w * w))
-        if top > self.top:
-            f = math.exp(self.top - top)
-            self.s1, self.s2, self.top = self.s1 * f + s1, self.s2 * f * f + s2, top
-        else:
-            f = math.exp(top - self.top)
-            self.s1, self.s2 = self.s1 + s1 * f, self.s2 + s2 * f * f
+        self._fold(np.exp(log_weights - top), top, lambda a, b: math.exp(a - b))
 
     def value(self) -> float | None:
-        if self.n == 0 or self.bad or self.top == -math.inf:
+        if self.n == 0 or self.bad or self.reference == -math.inf:
             return None
-        return self.s1**2 / (self.n * self.s2)
+        return self._kish()
 
 
 class RuleState:

@@ -3,16 +3,14 @@
 A hook records by calling `HookGuard.record(fn, *args)`: `fn` runs only while the hook is enabled; any
 exception it raises is logged once (with its traceback) on the ``pgdiag.capture`` logger and disables the hook
 for the rest of the run. The training call itself is never inside the guard, so its own errors propagate
-unchanged. Files are written by `write_hookdump`: ``torch.save`` to a temporary name in `out_dir`, flush,
-fsync, ``os.replace``, so a reader never sees half a file. Nothing here draws from any random generator
-(temporary names use the pid and a monotonic clock).
+unchanged. Files are written by `write_hookdump` through `pgdiag.atomic_files.atomic_write`: ``torch.save`` to a
+temporary name in `out_dir`, fsync, ``os.replace``, so a reader never sees half a file. Nothing here draws from
+a seeded random generator (the temporary name's random part comes from the OS, `secrets`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
@@ -20,6 +18,8 @@ from pathlib import Path
 from typing import Any, Self
 
 import torch
+
+from pgdiag.atomic_files import atomic_write
 
 HOOKDUMP_FORMAT = "pgdiag.hookdump/v1"
 LOGGER_NAME = "pgdiag.capture"
@@ -48,6 +48,17 @@ class HookGuard:
                 self.failed,
                 exc_info=True,
             )
+
+    def after(self, method: Callable[..., Any], record: Callable[[Any], None]) -> Callable[..., Any]:
+        """`method`, wrapped so that its result goes to `record` (guarded, as `record` here) before it is
+        returned; the call itself is never guarded."""
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            result = method(*args, **kwargs)
+            self.record(record, result)
+            return result
+
+        return wrapped
 
 
 class HookRecorder:
@@ -115,30 +126,7 @@ def write_hookdump(
         "lists": {name: list(values) for name, values in lists.items()},
         "meta": dict(meta),
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    final = out_dir / hookdump_name(step, rank, world_size)
-    tmp = out_dir / f".{final.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-    try:
-        with open(tmp, "wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(out_dir)
-    return final
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return atomic_write(out_dir / hookdump_name(step, rank, world_size), lambda tmp: torch.save(payload, tmp))
 
 
 def plain(value: Any) -> Any:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from pgdiag.errors import Code, UsageError
+from pgdiag.errors import Code, UsageError, missing_package
 
 STREAM = "fast_llm_streaming"
 _BYTE_FIELDS = ("tokens", "old_log_probabilities", "model_version")
@@ -143,11 +143,7 @@ def capture(
     try:
         import redis
     except ImportError as exc:
-        raise UsageError(
-            Code.MISSING_PACKAGE,
-            "the Fast-LLM capture needs the redis package",
-            "pip install 'pgdiag[redis]'",
-        ) from exc
+        raise missing_package("the Fast-LLM capture", "redis", "pip install 'pgdiag[redis]'") from exc
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     existing = sorted(p.name for p in out.glob("capture_*.jsonl*"))

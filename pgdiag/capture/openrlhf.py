@@ -137,7 +137,6 @@ def install(trainer: Any, out_dir: str | Path, *, every: int = 1) -> None:
     guard = recorder.guard
     train_step = trainer.train_step
     maker = trainer.experience_maker
-    make_experience_batch = maker.make_experience_batch
 
     def _train_step(rollout_samples: Any, global_step: int) -> Any:
         guard.record(recorder.begin, global_step)
@@ -146,11 +145,6 @@ def install(trainer: Any, out_dir: str | Path, *, every: int = 1) -> None:
         finally:
             recorder.step = None
 
-    def _make_experience_batch(rollout_samples: Any) -> Any:
-        result = make_experience_batch(rollout_samples)
-        guard.record(recorder.record, result)
-        return result
-
     trainer.train_step = _train_step
-    maker.make_experience_batch = _make_experience_batch
+    maker.make_experience_batch = guard.after(maker.make_experience_batch, recorder.record)
     trainer._pgdiag_hook = recorder

@@ -149,14 +149,8 @@ def install(trainer: Any, out_dir: str | Path, *, every: int = 1) -> None:
     """Record every `every`-th generation of TRL `GRPOTrainer` `trainer` into `out_dir` (created if absent)."""
     recorder = _TrlRecorder.for_install(trainer, out_dir, every)
     guard = recorder.guard
-    generate = trainer._generate
     calculate_rewards = trainer._calculate_rewards
     generate_and_score = trainer._generate_and_score_completions
-
-    def _generate(prompts: list[Any]) -> Any:
-        result = generate(prompts)
-        guard.record(recorder.after_generate, result)
-        return result
 
     def _calculate_rewards(inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
         result = calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -171,15 +165,8 @@ def install(trainer: Any, out_dir: str | Path, *, every: int = 1) -> None:
 
     llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)  # colocate mode only
     if llm is not None:
-        engine_generate = llm.generate
-
-        def _engine_generate(*args: Any, **kwargs: Any) -> Any:
-            outputs = engine_generate(*args, **kwargs)
-            guard.record(recorder.after_engine, outputs)
-            return outputs
-
-        llm.generate = _engine_generate
-    trainer._generate = _generate
+        llm.generate = guard.after(llm.generate, recorder.after_engine)
+    trainer._generate = guard.after(trainer._generate, recorder.after_generate)
     trainer._calculate_rewards = _calculate_rewards
     trainer._generate_and_score_completions = _generate_and_score_completions
     trainer._pgdiag_hook = recorder

@@ -24,6 +24,10 @@ def metadata_checks(
     `meta` is a decoded rollouts footer; `recompute_settings` maps recompute tags to their ``settings``.
     """
     issues: list[Issue] = []
+
+    def warn(code: Code, text: str, hint: str | None = None) -> None:
+        issues.append(Issue(code, "warning", 1, text, hint=hint))
+
     stream_meta = meta.get("streams") or {}
     sampling = meta.get("sampling") or {}
     truncated = (
@@ -32,92 +36,61 @@ def metadata_checks(
         or (sampling.get("min_p") not in (None, 0, 0.0))
     )
     if (meta.get("source") or {}).get("retokenized") is True:
-        issues.append(
-            Issue(
-                Code.RETOKENIZED,
-                "warning",
-                1,
-                "ids were re-tokenized from text; expect drift against engine ids",
-            )
-        )
+        warn(Code.RETOKENIZED, "ids were re-tokenized from text; expect drift against engine ids")
     dtypes: dict[str, str] = {}
     for stream in streams:
         info = stream_meta.get(stream) or stream_meta.get(stream_column(stream))
         if stream in recompute_settings:
-            settings = recompute_settings[stream]
-            if settings.get("temperature_source") == "default":
-                issues.append(
-                    Issue(Code.UNKNOWN_SEMANTICS, "warning", 1, f"{stream}: recompute fell back to T = 1")
-                )
-            sampled_t, recompute_t = sampling.get("temperature"), settings.get("temperature")
+            recorded = recompute_settings[stream]
+            if recorded.get("temperature_source") == "default":
+                warn(Code.UNKNOWN_SEMANTICS, f"{stream}: recompute fell back to T = 1")
+            sampled_t, recompute_t = sampling.get("temperature"), recorded.get("temperature")
             if (
                 isinstance(sampled_t, int | float)
                 and isinstance(recompute_t, int | float)
                 and sampled_t != recompute_t
             ):
-                issues.append(
-                    Issue(
-                        Code.TEMPERATURE_METADATA,
-                        "warning",
-                        1,
-                        f"rollout sampled at T={sampled_t:g} but {stream} used T={recompute_t:g}",
-                        hint="recompute with --temperature auto or the sampling temperature",
-                    )
+                warn(
+                    Code.TEMPERATURE_METADATA,
+                    f"rollout sampled at T={sampled_t:g} but {stream} used T={recompute_t:g}",
+                    hint="recompute with --temperature auto or the sampling temperature",
                 )
-            if settings.get("head_dtype"):
-                dtypes[stream] = str(settings["head_dtype"])
-            continue
-        if not isinstance(info, Mapping):
-            continue
-        unknown = [key for key in ("tempered", "logprobs_mode") if info.get(key) == "unknown"]
-        if unknown:
-            issues.append(
-                Issue(
+        elif isinstance(info, Mapping):
+            recorded = info
+            unknown = [key for key in ("tempered", "logprobs_mode") if info.get(key) == "unknown"]
+            if unknown:
+                warn(
                     Code.UNKNOWN_SEMANTICS,
-                    "warning",
-                    1,
                     f"{stream_column(stream)}: {' and '.join(unknown)} unknown",
                     hint="pass --tempered / --logprobs-mode to pgdiag import",
                 )
-            )
-        mode = info.get("logprobs_mode") or sampling.get("logprobs_mode")
-        if mode == "processed" and truncated:
-            issues.append(
-                Issue(
+            mode = info.get("logprobs_mode") or sampling.get("logprobs_mode")
+            if mode == "processed" and truncated:
+                warn(
                     Code.PROCESSED_LOGPROBS,
-                    "warning",
-                    1,
                     f"{stream_column(stream)}: processed log-probs with top-p/top-k/min-p truncation",
                     hint="log raw log-probs to compare with a trainer",
                 )
-            )
-        if info.get("head_dtype"):
-            dtypes[stream] = str(info["head_dtype"])
+        else:
+            continue
+        if recorded.get("head_dtype"):  # the recompute's settings, else the import's stream footer
+            dtypes[stream] = str(recorded["head_dtype"])
     tempered = {s: (stream_meta.get(s) or {}).get("tempered") for s in streams if s not in recompute_settings}
     known = {s: t for s, t in tempered.items() if isinstance(t, bool)}
     sampled_t = sampling.get("temperature")
     if isinstance(sampled_t, int | float) and sampled_t != 1 and len(set(known.values())) > 1:
         text = ", ".join(f"{stream_column(s)} tempered={t}" for s, t in known.items())
-        issues.append(
-            Issue(
-                Code.TEMPERATURE_METADATA,
-                "warning",
-                1,
-                f"sampled at T={sampled_t:g} but streams disagree on tempering: {text}",
-            )
+        warn(
+            Code.TEMPERATURE_METADATA, f"sampled at T={sampled_t:g} but streams disagree on tempering: {text}"
         )
     if (meta.get("source") or {}).get("framework") == "trl" and "old" not in streams:
-        issues.append(
-            Issue(
-                Code.NO_OLD_STREAM,
-                "warning",
-                1,
-                "old_logprobs absent: with one iteration only sampling log-probs describe the behaviour policy",
-            )
+        warn(
+            Code.NO_OLD_STREAM,
+            "old_logprobs absent: with one iteration only sampling log-probs describe the behaviour policy",
         )
     if len(set(dtypes.values())) > 1:
         text = " vs ".join(f"{s} head {d}" for s, d in dtypes.items())
-        issues.append(Issue(Code.PRECISION_MISMATCH, "warning", 1, f"precision mismatch: {text}"))
+        warn(Code.PRECISION_MISMATCH, f"precision mismatch: {text}")
     return issues
 
 

@@ -139,8 +139,10 @@ class ShiftSample:
 def _pairable(lp_a: np.ndarray, lp_b: np.ndarray, where: TokenLocations, i: np.ndarray) -> np.ndarray:
     """Those token indices i (of a stride) whose next position is the next loss token of the same sample and
     where both streams are finite at i and i + 1."""
-    owner = where.token_sample()
-    i = i[(where.pos[i + 1] == where.pos[i] + 1) & (owner[i + 1] == owner[i])]
+    # the sample owning token t is searchsorted(offsets, t, "right") − 1 (as `token_sample()[t]`, without its
+    # (M,) array): taken for the K drawn tokens only
+    owner, owner_next = (np.searchsorted(where.offsets, t, side="right") for t in (i, i + 1))  # (K,)
+    i = i[(where.pos[i + 1] == where.pos[i] + 1) & (owner_next == owner)]
     with np.errstate(invalid="ignore"):
         finite = (
             np.isfinite(lp_a[i]) & np.isfinite(lp_b[i]) & np.isfinite(lp_a[i + 1]) & np.isfinite(lp_b[i + 1])

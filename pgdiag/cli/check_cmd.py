@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from pgdiag.cli.common import Screen, execute, result_object
-from pgdiag.cli.options import STREAMS, CheckOptions, Fields, RunArg, RunInputs, StrictOpt, flat_command
+from pgdiag.cli.options import STREAMS, CheckOptions, Fields, RunArg, RunInputs, StrictOpt, option
 from pgdiag.cli.outputs import OutputSettings
 
 HELP = """Validate rollouts against [bold]pgdiag.rollouts/v1[/] and check stream alignment.
@@ -25,23 +25,12 @@ clean, 1 warnings with --strict, 3 errors.
 
 StreamsOpt = Annotated[
     str | None,
-    typer.Option(
-        "--streams",
-        help="Check this stream pair, 'A,B' (default: every pair with rollout).",
-        rich_help_panel=STREAMS,
-    ),
+    option("--streams", "Check this stream pair, 'A,B' (default: every pair with rollout).", STREAMS),
 ]
 VocabSizeOpt = Annotated[
     int | None,
-    typer.Option(
-        "--vocab-size", min=1, help="Enable the token-id range check (E208).", rich_help_panel=STREAMS
-    ),
+    option("--vocab-size", "Enable the token-id range check (E208).", STREAMS, min=1),
 ]
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `check` command to `app`."""
-    app.command("check", help=HELP)(flat_command(check))
 
 
 def check(

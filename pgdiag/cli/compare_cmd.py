@@ -37,8 +37,8 @@ from pgdiag.cli.options import (
     RunArg,
     RunInputs,
     choice_enum,
-    flat_command,
     loss_folds,
+    option,
 )
 from pgdiag.cli.outputs import OutputSettings, finish
 from pgdiag.compare.settings import BREAKDOWNS, JOINS, CompareSettings
@@ -67,70 +67,58 @@ gate the fail gates of --profile recommended apply, so DISAGREE exits 1 (--exit-
 class CompareOptions:
     """The options of `CompareSettings` that only `compare` has."""
 
-    label_a: Annotated[
-        str | None, typer.Option("--label-a", help="Label of run a in reports.", rich_help_panel=INPUTS)
-    ] = None
-    label_b: Annotated[
-        str | None, typer.Option("--label-b", help="Label of run b in reports.", rich_help_panel=INPUTS)
-    ] = None
+    label_a: Annotated[str | None, option("--label-a", "Label of run a in reports.", INPUTS)] = None
+    label_b: Annotated[str | None, option("--label-b", "Label of run b in reports.", INPUTS)] = None
     stream_a: Annotated[
         str | None,
-        typer.Option(
-            "--stream-a",
-            help="Side a stream (one run: rollout; two runs: new, old, tag, rollout).",
-            rich_help_panel=STREAMS,
-        ),
+        option("--stream-a", "Side a stream (one run: rollout; two runs: new, old, tag, rollout).", STREAMS),
     ] = None
     stream_b: Annotated[
         str | None,
-        typer.Option(
+        option(
             "--stream-b",
-            help="Side b stream (one run: old, else new or the only tag; two runs: same as a).",
-            rich_help_panel=STREAMS,
+            "Side b stream (one run: old, else new or the only tag; two runs: same as a).",
+            STREAMS,
         ),
     ] = None
     join: Annotated[
         Join,
-        typer.Option(
+        option(
             "--join",
-            help="auto: (step, sample_id), else (step, seq_hash) when fewer than half the ids match; "
-            "hash-any-step: seq_hash in any step (read in pieces: docs/compare.md).",
-            rich_help_panel=ALIGNMENT,
+            (
+                "auto: (step, sample_id), else (step, seq_hash) when fewer than half the ids match; "
+                "hash-any-step: seq_hash in any step (read in pieces: docs/compare.md)."
+            ),
+            ALIGNMENT,
         ),
     ] = _JOIN
     by: Annotated[
         list[Breakdown] | None,
-        typer.Option(
+        option(
             "--by",
-            help="Breakdown (repeatable; default: every one the data supports but lag, which reads "
-            "policy_version: docs/compare.md).",
-            rich_help_panel=METRICS,
+            (
+                "Breakdown (repeatable; default: every one the data supports but lag, which reads "
+                "policy_version: docs/compare.md)."
+            ),
+            METRICS,
         ),
     ] = None
     side_by_side: Annotated[
         bool,
-        typer.Option(
-            "--metrics", help="Add each run's own metric set and the deltas.", rich_help_panel=METRICS
-        ),
+        option("--metrics", "Add each run's own metric set and the deltas.", METRICS),
     ] = False
-    model: Annotated[
-        Path | None, typer.Option("--model", help="Checkpoint for the exact tau fit.", rich_help_panel=MODEL)
-    ] = None
+    model: Annotated[Path | None, option("--model", "Checkpoint for the exact tau fit.", MODEL)] = None
     tokenizer: Annotated[
         Path | None,
-        typer.Option(
-            "--tokenizer",
-            help="tokenizer.json (or its directory) for worst-token text.",
-            rich_help_panel=MODEL,
-        ),
+        option("--tokenizer", "tokenizer.json (or its directory) for worst-token text.", MODEL),
     ] = None
     worst_k: Annotated[
         int,
-        typer.Option("--worst-k", min=0, help="Worst tokens and sequences listed.", rich_help_panel=OUTPUT),
+        option("--worst-k", "Worst tokens and sequences listed.", OUTPUT, min=0),
     ] = _DEFAULTS.worst_k
     tokens_out: Annotated[
         Path | None,
-        typer.Option("--tokens-out", help="Write the exploded token table here.", rich_help_panel=OUTPUT),
+        option("--tokens-out", "Write the exploded token table here.", OUTPUT),
     ] = None
     exact: Annotated[
         bool,
@@ -171,29 +159,26 @@ RunsArg = Annotated[
 ]
 BaselineOpt = Annotated[
     str | None,
-    typer.Option(
+    option(
         "--baseline",
-        help="N-way compare: the run every other run is compared with (its path or label; default the first).",
-        rich_help_panel=INPUTS,
+        "N-way compare: the run every other run is compared with (its path or label; default the first).",
+        INPUTS,
     ),
 ]
 RoutingReplayOpt = Annotated[
     str | None,
-    typer.Option(
+    option(
         "--routing-replay",
-        help="MoE, one run: the tag of a `logprobs --routing replay` recompute; with --stream-b the same "
-        "run recomputed with --routing recompute, attributes the mismatch to routing per step "
-        "(routing/mismatch_share, routing/disagree_frac).",
-        rich_help_panel=STREAMS,
+        (
+            "MoE, one run: the tag of a `logprobs --routing replay` recompute; with --stream-b the same "
+            "run recomputed with --routing recompute, attributes the mismatch to routing per step "
+            "(routing/mismatch_share, routing/disagree_frac)."
+        ),
+        STREAMS,
     ),
 ]
 _METRIC_FIELDS = Fields("aggregation", "divisor", "key_style", "eps_low", "eps_high")
 _OUTPUTS = Fields("json_out", "out", "html", "overwrite", "quiet", "verbose")
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `compare` command to `app`."""
-    app.command("compare", help=HELP)(flat_command(compare))
 
 
 def compare(

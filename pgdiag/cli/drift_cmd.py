@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-import typer
-
 from pgdiag.analysis.settings import ChangePointSettings
 from pgdiag.cli.common import Screen, execute, result_object, step_progress
 from pgdiag.cli.options import (
@@ -24,8 +22,8 @@ from pgdiag.cli.options import (
     MetricOptions,
     RunArg,
     RunInputs,
-    flat_command,
     listed,
+    option,
 )
 from pgdiag.cli.outputs import OutputSettings, finish
 
@@ -38,26 +36,15 @@ size; the last line is the verdict that lists them.
 
 MetricOpt = Annotated[
     list[str] | None,
-    typer.Option(
-        "--metric",
-        help="Search this series for change points (repeatable; default: headline).",
-        rich_help_panel=THRESHOLDS,
-    ),
+    option("--metric", "Search this series for change points (repeatable; default: headline).", THRESHOLDS),
 ]
 CpThresholdOpt = Annotated[
     float,
-    typer.Option(
-        "--cp-threshold", help="Smallest standardised jump that counts.", rich_help_panel=THRESHOLDS
-    ),
+    option("--cp-threshold", "Smallest standardised jump that counts.", THRESHOLDS),
 ]
 _OUTPUTS = Fields(
     "json_out", "out", "plot", "html", "to_tensorboard", "to_wandb", "wandb_dir", "overwrite", "quiet"
 )
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `drift` command to `app`."""
-    app.command("drift", help=HELP)(flat_command(drift))
 
 
 def drift(

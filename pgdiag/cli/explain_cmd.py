@@ -13,10 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-import typer
-
 from pgdiag.cli.common import Screen, execute, result_object
-from pgdiag.cli.options import MODEL, PERFORMANCE, STREAMS, Fields, RunArg, flat_command
+from pgdiag.cli.options import MODEL, PERFORMANCE, STREAMS, Fields, RunArg, option
 from pgdiag.cli.outputs import OutputSettings, finish
 
 HELP = """Attribute the mismatch of two streams to causes: logprobs_mode, temperature, sampling_truncation,
@@ -26,39 +24,28 @@ Runs a recompute matrix on a stratified token budget (the cost is printed first)
 fixed order and prints each one's share; the last line names the top cause, its share and its fix.
 """
 
-ModelOpt = Annotated[Path, typer.Option("--model", help="HF checkpoint directory.", rich_help_panel=MODEL)]
-PairOpt = Annotated[str, typer.Option("--pair", help="Streams A,B (A samples).", rich_help_panel=STREAMS)]
-TokensOpt = Annotated[
-    int, typer.Option("--tokens", help="Loss-token budget, stratified by step.", rich_help_panel=PERFORMANCE)
-]
-SeedOpt = Annotated[
-    int, typer.Option("--seed", help="Which samples the budget takes.", rich_help_panel=PERFORMANCE)
-]
-TpOpt = Annotated[
-    int, typer.Option("--tp", help="Tensor-parallel degree of the matrix.", rich_help_panel=PERFORMANCE)
-]
-DeviceOpt = Annotated[str | None, typer.Option("--device", help="cuda or cpu.", rich_help_panel=PERFORMANCE)]
+ModelOpt = Annotated[Path, option("--model", "HF checkpoint directory.", MODEL)]
+PairOpt = Annotated[str, option("--pair", "Streams A,B (A samples).", STREAMS)]
+TokensOpt = Annotated[int, option("--tokens", "Loss-token budget, stratified by step.", PERFORMANCE)]
+SeedOpt = Annotated[int, option("--seed", "Which samples the budget takes.", PERFORMANCE)]
+TpOpt = Annotated[int, option("--tp", "Tensor-parallel degree of the matrix.", PERFORMANCE)]
+DeviceOpt = Annotated[str | None, option("--device", "cuda or cpu.", PERFORMANCE)]
 ResumeOpt = Annotated[
     bool,
-    typer.Option(
+    option(
         "--resume/--no-resume",
-        help="Continue an interrupted explain: same samples, complete configurations reused.",
-        rich_help_panel=PERFORMANCE,
+        "Continue an interrupted explain: same samples, complete configurations reused.",
+        PERFORMANCE,
     ),
 ]
 LayersOpt = Annotated[
     tuple[str, str] | None,
-    typer.Option(
+    option(
         "--layers",
-        help="Per-layer divergence of two configurations (e.g. ref bf16); B may be a layer dump: slime:DIR (Megatron) or sglang:DIR.",
-        rich_help_panel=MODEL,
+        "Per-layer divergence of two configurations (e.g. ref bf16); B may be a layer dump: slime:DIR (Megatron) or sglang:DIR.",
+        MODEL,
     ),
 ]
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `explain` command to `app`."""
-    app.command("explain", help=HELP)(flat_command(explain))
 
 
 def explain(

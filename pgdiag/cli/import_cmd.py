@@ -23,22 +23,22 @@ from pgdiag.cli.options import (
     Fields,
     IgnoreOpt,
     StrictOpt,
-    flat_command,
     listed,
+    option,
     same_named,
 )
 from pgdiag.cli.outputs import OutputSettings
 from pgdiag.importers.base import PRESET_MODULES, ImportOptions
 
 
-def _preset_help() -> str:
+def import_help() -> str:
+    """The `import` command's help: one paragraph per preset, then how OUT is written."""
     lines = [f"[bold]{name}[/]: {description}" for name, (_, description) in PRESET_MODULES.items()]
-    return "Import a framework's rollout dump SRC into the run directory OUT.\n\n" + "\n\n".join(lines)
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `import` command to `app`."""
-    app.command("import", help=_preset_help() + _DETAILS)(flat_command(import_command))
+    return (
+        "Import a framework's rollout dump SRC into the run directory OUT.\n\n"
+        + "\n\n".join(lines)
+        + _DETAILS
+    )
 
 
 _DETAILS = (
@@ -55,92 +55,72 @@ class ImportFlags:
 
     step: Annotated[
         int | None,
-        typer.Option("--step", min=0, help="Step of a source that records none.", rich_help_panel=INPUTS),
+        option("--step", "Step of a source that records none.", INPUTS, min=0),
     ] = None
-    label: Annotated[
-        str | None, typer.Option("--label", help="Run label (default: OUT's name).", rich_help_panel=INPUTS)
-    ] = None
+    label: Annotated[str | None, option("--label", "Run label (default: OUT's name).", INPUTS)] = None
     group_by: Annotated[
         str,
-        typer.Option(
+        option(
             "--group-by",
-            help="Prompt groups: auto (the preset's rule), field (the source's ids), prompt (same prompt "
-            "tokens), contiguous:N (N rows in order).",
-            rich_help_panel=INPUTS,
+            (
+                "Prompt groups: auto (the preset's rule), field (the source's ids), prompt (same prompt "
+                "tokens), contiguous:N (N rows in order)."
+            ),
+            INPUTS,
         ),
     ] = ImportOptions.group_by
     shift: Annotated[
         list[str] | None,
-        typer.Option(
+        option(
             "--shift",
-            help="[COL=]K: move element i of per-token lists (or of COL) to i + K; 1 for next-token lists. "
-            "Repeatable.",
-            rich_help_panel=ALIGNMENT,
+            (
+                "[COL=]K: move element i of per-token lists (or of COL) to i + K; 1 for next-token lists. "
+                "Repeatable."
+            ),
+            ALIGNMENT,
         ),
     ] = None
     map_: Annotated[
         list[str] | None,
-        typer.Option(
+        option(
             "--map",
-            help="SRC=DST: rename a source column to a canonical one (canonical preset). Repeatable.",
-            rich_help_panel=INPUTS,
+            "SRC=DST: rename a source column to a canonical one (canonical preset). Repeatable.",
+            INPUTS,
         ),
     ] = None
     temperature: Annotated[
         float | None,
-        typer.Option(
-            "--temperature",
-            help="Sampling temperature, when the source records none.",
-            rich_help_panel=STREAMS,
-        ),
+        option("--temperature", "Sampling temperature, when the source records none.", STREAMS),
     ] = None
-    top_p: Annotated[
-        float | None, typer.Option("--top-p", help="Sampling top-p.", rich_help_panel=STREAMS)
-    ] = None
-    top_k: Annotated[int | None, typer.Option("--top-k", help="Sampling top-k.", rich_help_panel=STREAMS)] = (
-        None
-    )
-    min_p: Annotated[
-        float | None, typer.Option("--min-p", help="Sampling min-p.", rich_help_panel=STREAMS)
-    ] = None
+    top_p: Annotated[float | None, option("--top-p", "Sampling top-p.", STREAMS)] = None
+    top_k: Annotated[int | None, option("--top-k", "Sampling top-k.", STREAMS)] = None
+    min_p: Annotated[float | None, option("--min-p", "Sampling min-p.", STREAMS)] = None
     logprobs_mode: Annotated[
         str | None,
-        typer.Option(
-            "--logprobs-mode",
-            help="raw, processed or unknown (vLLM --logprobs-mode).",
-            rich_help_panel=STREAMS,
-        ),
+        option("--logprobs-mode", "raw, processed or unknown (vLLM --logprobs-mode).", STREAMS),
     ] = None
     tempered: Annotated[
         str | None,
-        typer.Option(
-            "--tempered",
-            help="yes, no or unknown: were log-probs computed at the temperature?",
-            rich_help_panel=STREAMS,
-        ),
+        option("--tempered", "yes, no or unknown: were log-probs computed at the temperature?", STREAMS),
     ] = None
     allow_unsafe_pickle: Annotated[
         bool,
-        typer.Option(
+        option(
             "--allow-unsafe-pickle",
-            help="Load pickles whose globals are outside the preset's allow-list: runs code from the file. "
-            "Only for dumps you trust; the framework must be importable.",
-            rich_help_panel=SAFETY,
+            (
+                "Load pickles whose globals are outside the preset's allow-list: runs code from the file. "
+                "Only for dumps you trust; the framework must be importable."
+            ),
+            SAFETY,
         ),
     ] = False
     retokenize: Annotated[
         bool,
-        typer.Option(
-            "--retokenize",
-            help="Tokenize text-only dumps (verl-jsonl) with --tokenizer.",
-            rich_help_panel=SAFETY,
-        ),
+        option("--retokenize", "Tokenize text-only dumps (verl-jsonl) with --tokenizer.", SAFETY),
     ] = False
     tokenizer: Annotated[
         Path | None,
-        typer.Option(
-            "--tokenizer", help="A tokenizer.json (or its folder) for --retokenize.", rich_help_panel=SAFETY
-        ),
+        option("--tokenizer", "A tokenizer.json (or its folder) for --retokenize.", SAFETY),
     ] = None
 
     def options(self) -> ImportOptions:
@@ -155,9 +135,7 @@ class ImportFlags:
         )
 
 
-PresetOpt = Annotated[
-    str, typer.Option("--preset", help=f"Dump format: {', '.join(PRESET_MODULES)}.", rich_help_panel=INPUTS)
-]
+PresetOpt = Annotated[str, option("--preset", f"Dump format: {', '.join(PRESET_MODULES)}.", INPUTS)]
 
 
 def import_command(

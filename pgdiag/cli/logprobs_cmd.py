@@ -32,7 +32,7 @@ from pgdiag.cli.options import (
     Fields,
     RunArg,
     choice_enum,
-    flat_command,
+    option,
     same_named,
 )
 from pgdiag.cli.outputs import OutputSettings
@@ -70,13 +70,6 @@ class Device(StrEnum):
     cpu = "cpu"
 
 
-def register(app: typer.Typer) -> None:
-    """Add `logprobs` and its alias `recompute` to `app`."""
-    command = flat_command(logprobs)
-    app.command("logprobs")(command)
-    app.command("recompute", help="Alias of `logprobs`: the same command and options.")(command)
-
-
 def _parse_temperature(value: str) -> float | str:
     if value == "auto":
         return "auto"
@@ -106,12 +99,8 @@ class RecomputeOptions:
     """The options of `RecomputeSettings`, by the settings' own names."""
 
     dtype: Annotated[Dtype, typer.Option(help="Body compute dtype.", rich_help_panel=MODEL)] = Dtype.bf16
-    head_dtype: Annotated[
-        Dtype, typer.Option("--head-dtype", help="LM head and softmax dtype.", rich_help_panel=MODEL)
-    ] = Dtype.fp32
-    reference: Annotated[
-        bool, typer.Option("--reference", help="fp32 body and head, tag rc_ref.", rich_help_panel=MODEL)
-    ] = False
+    head_dtype: Annotated[Dtype, option("--head-dtype", "LM head and softmax dtype.", MODEL)] = Dtype.fp32
+    reference: Annotated[bool, option("--reference", "fp32 body and head, tag rc_ref.", MODEL)] = False
     temperature: Annotated[
         str,
         typer.Option(
@@ -122,11 +111,13 @@ class RecomputeOptions:
     ] = "auto"
     softmax_vocab: Annotated[
         str,
-        typer.Option(
+        option(
             "--softmax-vocab",
-            help="Softmax over the config's vocab_size, the run's tokenizer length, or the first N rows "
-            "(tests the padded-vocabulary gotcha).",
-            rich_help_panel=MODEL,
+            (
+                "Softmax over the config's vocab_size, the run's tokenizer length, or the first N rows "
+                "(tests the padded-vocabulary gotcha)."
+            ),
+            MODEL,
         ),
     ] = "config"
     attn: Annotated[
@@ -169,18 +160,18 @@ class RecomputeOptions:
     ] = Experts.auto
     batch_tokens: Annotated[
         int,
-        typer.Option(
-            "--batch-tokens", min=1, help="Tokens per forward per replica.", rich_help_panel=PERFORMANCE
-        ),
+        option("--batch-tokens", "Tokens per forward per replica.", PERFORMANCE, min=1),
     ] = DEFAULT_BATCH_TOKENS
     micro_batch: Annotated[
         int | None,
-        typer.Option(
+        option(
             "--micro-batch",
+            (
+                "Forward a fixed number of samples at a time (mimics a trainer's batch shape) instead of "
+                "packing into --batch-tokens."
+            ),
+            PERFORMANCE,
             min=1,
-            help="Forward a fixed number of samples at a time (mimics a trainer's batch shape) instead of "
-            "packing into --batch-tokens.",
-            rich_help_panel=PERFORMANCE,
         ),
     ] = None
     order: Annotated[
@@ -192,22 +183,16 @@ class RecomputeOptions:
     ] = None
     out: Annotated[
         Path | None,
-        typer.Option("--out", help="Output directory (default RUN/logprobs/<tag>).", rich_help_panel=OUTPUT),
+        option("--out", "Output directory (default RUN/logprobs/<tag>).", OUTPUT),
     ] = None
-    entropy: Annotated[
-        bool, typer.Option("--entropy/--no-entropy", help="Write the entropy column.", rich_help_panel=OUTPUT)
-    ] = True
+    entropy: Annotated[bool, option("--entropy/--no-entropy", "Write the entropy column.", OUTPUT)] = True
     resume: Annotated[
         bool,
-        typer.Option(
-            "--resume/--no-resume",
-            help="Skip parts already written by an interrupted job.",
-            rich_help_panel=OUTPUT,
-        ),
+        option("--resume/--no-resume", "Skip parts already written by an interrupted job.", OUTPUT),
     ] = True
-    part_samples: Annotated[
-        int, typer.Option("--part-samples", min=1, help="Samples per output part.", rich_help_panel=OUTPUT)
-    ] = DEFAULT_PART_SAMPLES
+    part_samples: Annotated[int, option("--part-samples", "Samples per output part.", OUTPUT, min=1)] = (
+        DEFAULT_PART_SAMPLES
+    )
 
     def settings(self, *, overwrite: bool) -> RecomputeSettings:
         """The frozen `RecomputeSettings` (`--reference`: fp32 body and head, tag rc_ref)."""
@@ -226,7 +211,7 @@ class RecomputeOptions:
 
 ModelOpt = Annotated[
     Path,
-    typer.Option("--model", help="Checkpoint directory (config.json + safetensors).", rich_help_panel=MODEL),
+    option("--model", "Checkpoint directory (config.json + safetensors).", MODEL),
 ]
 
 
@@ -237,16 +222,9 @@ def logprobs(
     options: RecomputeOptions,
     tp: Annotated[
         int | None,
-        typer.Option(
-            "--tp",
-            min=1,
-            help="Tensor-parallel degree (default: the torchrun world / dp).",
-            rich_help_panel=PERFORMANCE,
-        ),
+        option("--tp", "Tensor-parallel degree (default: the torchrun world / dp).", PERFORMANCE, min=1),
     ] = None,
-    dp: Annotated[
-        int | None, typer.Option("--dp", min=1, help="Data-parallel replicas.", rich_help_panel=PERFORMANCE)
-    ] = None,
+    dp: Annotated[int | None, option("--dp", "Data-parallel replicas.", PERFORMANCE, min=1)] = None,
     device: Annotated[
         Device | None,
         typer.Option(help="cuda or cpu (default: cuda when available).", rich_help_panel=PERFORMANCE),

@@ -23,8 +23,8 @@ from pgdiag.cli.options import (
     MetricOptions,
     RunArg,
     RunInputs,
-    flat_command,
     loss_folds,
+    option,
 )
 from pgdiag.cli.outputs import OutputSettings, finish
 
@@ -52,35 +52,24 @@ def _list_metrics(value: bool) -> None:
         raise typer.Exit()
 
 
-def register(app: typer.Typer) -> None:
-    """Add the `metrics` command to `app`."""
-    app.command("metrics", rich_help_panel=None, help=HELP)(flat_command(metrics))
-
-
 ShowAllOpt = Annotated[
     bool,
-    typer.Option(
-        "--all",
-        help="Show every metric, one table per family (default: the main metrics).",
-        rich_help_panel=OUTPUT,
-    ),
+    option("--all", "Show every metric, one table per family (default: the main metrics).", OUTPUT),
 ]
 AllStepsOpt = Annotated[
     bool,
-    typer.Option(
-        "--all-steps",
-        help="Show every step, in further tables when they do not fit the terminal width.",
-        rich_help_panel=OUTPUT,
+    option(
+        "--all-steps", "Show every step, in further tables when they do not fit the terminal width.", OUTPUT
     ),
 ]
 ListMetricsOpt = Annotated[
     bool,
-    typer.Option(
+    option(
         "--list-metrics",
+        "Print every native metric (key, unit, reduction, meaning) and exit.",
+        OUTPUT,
         callback=_list_metrics,
         is_eager=True,
-        help="Print every native metric (key, unit, reduction, meaning) and exit.",
-        rich_help_panel=OUTPUT,
     ),
 ]
 _OUTPUTS = Fields(

@@ -77,7 +77,8 @@ _EMPTY_SEQS = EmptySeqs(_METRIC_DEFAULTS.empty_seqs)
 _METRIC_REDUCTION = MetricReduction(_METRIC_DEFAULTS.metric_reduction)
 
 
-def _option(flag: str, text: str, panel: str, *short: str, **extra: Any) -> Any:
+def option(flag: str, text: str, panel: str, *short: str, **extra: Any) -> Any:
+    """A Typer option: its flag, help text and help panel, then short flags and any other `typer.Option` keyword."""
     return typer.Option(flag, *short, help=text, rich_help_panel=panel, **extra)
 
 
@@ -86,54 +87,52 @@ RunArg = Annotated[
     typer.Argument(help="A run directory, a directory of Parquet files, a .parquet file, or a quoted glob."),
 ]
 StepsOpt = Annotated[
-    str | None, _option("--steps", "Steps to read: N, A-B (inclusive), comma lists, or 'last'.", INPUTS)
+    str | None, option("--steps", "Steps to read: N, A-B (inclusive), comma lists, or 'last'.", INPUTS)
 ]
-RunNameOpt = Annotated[str | None, _option("--run", "Keep only rows of this run label.", INPUTS)]
-LabelOpt = Annotated[str | None, _option("--label", "Override the run label shown in reports.", INPUTS)]
+RunNameOpt = Annotated[str | None, option("--run", "Keep only rows of this run label.", INPUTS)]
+LabelOpt = Annotated[str | None, option("--label", "Override the run label shown in reports.", INPUTS)]
 AttachOpt = Annotated[
-    list[Path] | None, _option("--attach", "Attach a recompute output directory (repeatable).", INPUTS)
+    list[Path] | None, option("--attach", "Attach a recompute output directory (repeatable).", INPUTS)
 ]
 IgnoreOpt = Annotated[
-    list[str] | None, _option("--ignore", "Silence a check code, e.g. W217 (repeatable).", ALIGNMENT)
+    list[str] | None, option("--ignore", "Silence a check code, e.g. W217 (repeatable).", ALIGNMENT)
 ]
-StrictOpt = Annotated[bool, _option("--strict/--no-strict", "Warnings exit 1.", ALIGNMENT)]
+StrictOpt = Annotated[bool, option("--strict/--no-strict", "Warnings exit 1.", ALIGNMENT)]
 MaxExamplesOpt = Annotated[
-    int, _option("--max-examples", "Locations listed per check message.", ALIGNMENT, min=1)
+    int, option("--max-examples", "Locations listed per check message.", ALIGNMENT, min=1)
 ]
 FailOnOpt = Annotated[
     list[str] | None,
-    _option("--fail-on", "Gate: exit 1 when EXPR holds, e.g. 'policy/clip_frac_binding>0.2'.", THRESHOLDS),
+    option("--fail-on", "Gate: exit 1 when EXPR holds, e.g. 'policy/clip_frac_binding>0.2'.", THRESHOLDS),
 ]
 WarnOnOpt = Annotated[
-    list[str] | None, _option("--warn-on", "Gate: print a warning when EXPR holds.", THRESHOLDS)
+    list[str] | None, option("--warn-on", "Gate: print a warning when EXPR holds.", THRESHOLDS)
 ]
 ProfileOpt = Annotated[
     str | None,
-    _option("--profile", "Threshold set: recommended, nemo, verl, slime, deterministic, exact.", THRESHOLDS),
+    option("--profile", "Threshold set: recommended, nemo, verl, slime, deterministic, exact.", THRESHOLDS),
 ]
-ExitZeroOpt = Annotated[bool, _option("--exit-zero", "Exit 0 when a gate fails (2 and 3 stay).", THRESHOLDS)]
+ExitZeroOpt = Annotated[bool, option("--exit-zero", "Exit 0 when a gate fails (2 and 3 stay).", THRESHOLDS)]
 JsonOpt = Annotated[
-    bool, _option("--json", "Print the result object as JSON on stdout (and nothing else there).", OUTPUT)
+    bool, option("--json", "Print the result object as JSON on stdout (and nothing else there).", OUTPUT)
 ]
 OutOpt = Annotated[
-    Path | None, _option("--out", "Write the report: a directory or a .parquet file name.", OUTPUT)
+    Path | None, option("--out", "Write the report: a directory or a .parquet file name.", OUTPUT)
 ]
 HtmlOpt = Annotated[
-    Path | None, _option("--html", "Write a one-file HTML report (verdict, tables, plots).", OUTPUT)
+    Path | None, option("--html", "Write a one-file HTML report (verdict, tables, plots).", OUTPUT)
 ]
 PlotOpt = Annotated[
-    Path | None, _option("--plot", "Write the command's figure here (.png/.svg/.pdf).", OUTPUT)
+    Path | None, option("--plot", "Write the command's figure here (.png/.svg/.pdf).", OUTPUT)
 ]
-OverwriteOpt = Annotated[bool, _option("--overwrite", "Replace existing output files.", OUTPUT)]
+OverwriteOpt = Annotated[bool, option("--overwrite", "Replace existing output files.", OUTPUT)]
 ToTensorboardOpt = Annotated[
     Path | None,
-    _option(
-        "--to-tensorboard", "Write the per-step scalars as TensorBoard events in this directory.", OUTPUT
-    ),
+    option("--to-tensorboard", "Write the per-step scalars as TensorBoard events in this directory.", OUTPUT),
 ]
 ToWandbOpt = Annotated[
     str | None,
-    _option(
+    option(
         "--to-wandb",
         "Log the per-step scalars as a W&B run of this project (offline unless WANDB_MODE is set).",
         OUTPUT,
@@ -142,30 +141,28 @@ ToWandbOpt = Annotated[
 ]
 WandbDirOpt = Annotated[
     Path | None,
-    _option(
+    option(
         "--wandb-dir",
         "Where --to-wandb writes its wandb/ folder [default: beside the --out report, else here].",
         OUTPUT,
     ),
 ]
 QuietOpt = Annotated[
-    bool, _option("--quiet", "No tables or progress; errors still go to stderr.", OUTPUT, "-q")
+    bool, option("--quiet", "No tables or progress; errors still go to stderr.", OUTPUT, "-q")
 ]
-VerboseOpt = Annotated[bool, _option("--verbose", "More detail.", OUTPUT, "-v")]
+VerboseOpt = Annotated[bool, option("--verbose", "More detail.", OUTPUT, "-v")]
 
 # metric options (metrics; compare --metrics and drift take some of them)
 NewOpt = Annotated[
     str | None,
-    _option(
-        "--new", "Stream of the evaluated policy (default: new, else the single recompute tag).", STREAMS
-    ),
+    option("--new", "Stream of the evaluated policy (default: new, else the single recompute tag).", STREAMS),
 ]
 OldOpt = Annotated[
-    str | None, _option("--old", "Stream of the behaviour policy (default: old, else rollout).", STREAMS)
+    str | None, option("--old", "Stream of the behaviour policy (default: old, else rollout).", STREAMS)
 ]
 AggregationOpt = Annotated[
     str | None,
-    _option(
+    option(
         "--aggregation",
         "Headline loss/pg mode: token_mean, sample_mean, prompt_mean, constant, seq_mean_token_sum, token_sum, "
         "gspo_seq_mean, gspo_length_prop, gspo_token_mean, or a framework alias (verl seq-mean-token-sum-norm, "
@@ -176,15 +173,13 @@ AggregationOpt = Annotated[
 ]
 DivisorOpt = Annotated[
     float | None,
-    _option("--divisor", "L of the `constant` loss mode (loss = sum / (L * S)); required for it.", METRICS),
+    option("--divisor", "L of the `constant` loss mode (loss = sum / (L * S)); required for it.", METRICS),
 ]
-EpsLowOpt = Annotated[float, _option("--eps-low", "Clip band low side: ratio < 1 - eps-low.", METRICS)]
-EpsHighOpt = Annotated[float, _option("--eps-high", "Clip band high side: ratio > 1 + eps-high.", METRICS)]
+EpsLowOpt = Annotated[float, option("--eps-low", "Clip band low side: ratio < 1 - eps-low.", METRICS)]
+EpsHighOpt = Annotated[float, option("--eps-high", "Clip band high side: ratio > 1 + eps-high.", METRICS)]
 KeyStyleOpt = Annotated[
     KeyStyle,
-    _option(
-        "--key-style", "A framework's own keys with its exact definitions (docs/key-styles.md).", METRICS
-    ),
+    option("--key-style", "A framework's own keys with its exact definitions (docs/key-styles.md).", METRICS),
 ]
 
 
@@ -306,7 +301,7 @@ class GateOptions:
 
 LossesOpt = Annotated[
     str | None,
-    _option(
+    option(
         "--losses",
         "Gradient parity of two losses FORM@MODE,FORM@MODE (docs/whatif.md).",
         METRICS,
@@ -330,22 +325,22 @@ class MetricOptions:
     new: NewOpt = None
     old: OldOpt = None
     stream_a: Annotated[
-        str | None, _option("--stream-a", "Mismatch pair, sampling side (default: rollout).", STREAMS)
+        str | None, option("--stream-a", "Mismatch pair, sampling side (default: rollout).", STREAMS)
     ] = None
     stream_b: Annotated[
-        str | None, _option("--stream-b", "Mismatch pair, evaluated side (default: old, else new).", STREAMS)
+        str | None, option("--stream-b", "Mismatch pair, evaluated side (default: old, else new).", STREAMS)
     ] = None
     ref: Annotated[
-        str | None, _option("--ref", "Reference-policy stream (default: ref when present).", STREAMS)
+        str | None, option("--ref", "Reference-policy stream (default: ref when present).", STREAMS)
     ] = None
     entropy: Annotated[
-        str | None, _option("--entropy", "Recompute tag whose entropy feeds entropy/*.", STREAMS)
+        str | None, option("--entropy", "Recompute tag whose entropy feeds entropy/*.", STREAMS)
     ] = None
     aggregation: AggregationOpt = _METRIC_DEFAULTS.aggregation
     divisor: DivisorOpt = None
     grad_divisor: Annotated[
         float | None,
-        _option(
+        option(
             "--grad-divisor",
             "Extra gradient scale under a separate divisor G (grad/grad_divisor_*).",
             METRICS,
@@ -355,18 +350,18 @@ class MetricOptions:
     eps_high: EpsHighOpt = _METRIC_DEFAULTS.clip.eps_high
     dual_clip: Annotated[
         float | None,
-        _option("--dual-clip", "Dual clip C > 1 for A < 0 (off by default; verl always uses 3).", METRICS),
+        option("--dual-clip", "Dual clip C > 1 for A < 0 (off by default; verl always uses 3).", METRICS),
     ] = None
     level: Annotated[
-        Level, _option("--level", "Ratio level for key styles (token or sequence = GSPO).", METRICS)
+        Level, option("--level", "Ratio level for key styles (token or sequence = GSPO).", METRICS)
     ] = _LEVEL
     empty_seqs: Annotated[
         EmptySeqs,
-        _option("--empty-seqs", "Whether fully masked samples count in S for the loss modes.", METRICS),
+        option("--empty-seqs", "Whether fully masked samples count in S for the loss modes.", METRICS),
     ] = _EMPTY_SEQS
     metric_reduction: Annotated[
         MetricReduction,
-        _option(
+        option(
             "--metric-reduction",
             "How per-token metrics are averaged: token (sum/N), sample (mean of sample means), document.",
             METRICS,
@@ -374,7 +369,7 @@ class MetricOptions:
     ] = _METRIC_REDUCTION
     docs_per_step: Annotated[
         int | None,
-        _option(
+        option(
             "--docs-per-step",
             "Ignore `step`; cut rows, in read order, into steps of N documents (Fast-LLM schedule).",
             METRICS,
@@ -383,60 +378,60 @@ class MetricOptions:
     ] = None
     key_style: KeyStyleOpt = _KEY_STYLE
     zero_std_atol: Annotated[
-        float, _option("--zero-std-atol", "Tolerance of the zero-std group test.", METRICS)
+        float, option("--zero-std-atol", "Tolerance of the zero-std group test.", METRICS)
     ] = _METRIC_DEFAULTS.zero_std_atol
     identity: Annotated[
         bool,
-        _option(
+        option(
             "--identity",
             "Step-0 identity check: fail unless policy/logratio_absmax <= --identity-tol.",
             THRESHOLDS,
         ),
     ] = False
     identity_tol: Annotated[
-        float, _option("--identity-tol", "Tolerance of --identity in nats (0 = bit-identical).", THRESHOLDS)
+        float, option("--identity-tol", "Tolerance of --identity in nats (0 = bit-identical).", THRESHOLDS)
     ] = _METRIC_DEFAULTS.identity_tol
-    loss_name: Annotated[str | None, _option("--loss-name", "fast-llm: key prefix (grpo).", METRICS)] = None
-    rollout_is: Annotated[str | None, _option("--rollout-is", "verl: rollout IS level (token).", METRICS)] = (
+    loss_name: Annotated[str | None, option("--loss-name", "fast-llm: key prefix (grpo).", METRICS)] = None
+    rollout_is: Annotated[str | None, option("--rollout-is", "verl: rollout IS level (token).", METRICS)] = (
         None
     )
     rollout_is_threshold: Annotated[
-        float | None, _option("--rollout-is-threshold", "verl: rollout IS threshold (2.0).", METRICS)
+        float | None, option("--rollout-is-threshold", "verl: rollout IS threshold (2.0).", METRICS)
     ] = None
-    beta: Annotated[float | None, _option("--beta", "trl/liger: KL coefficient beta.", METRICS)] = None
-    no_vllm_is: Annotated[bool, _option("--no-vllm-is", "trl: disable the vLLM IS correction.", METRICS)] = (
+    beta: Annotated[float | None, option("--beta", "trl/liger: KL coefficient beta.", METRICS)] = None
+    no_vllm_is: Annotated[bool, option("--no-vllm-is", "trl: disable the vLLM IS correction.", METRICS)] = (
         False
     )
     no_kl_bias_correction: Annotated[
         bool,
-        _option(
+        option(
             "--no-kl-bias-correction",
             "trl: use_bias_correction_kl=False (KL term not multiplied by the ratio).",
             METRICS,
         ),
     ] = False
-    pad_width: Annotated[int | None, _option("--pad-width", "liger: padded width T'.", METRICS)] = None
+    pad_width: Annotated[int | None, option("--pad-width", "liger: padded width T'.", METRICS)] = None
     tis: Annotated[
-        bool, _option("--tis", "miles: --use-tis (TIS-weighted pg_loss, tis and ois keys).", METRICS)
+        bool, option("--tis", "miles: --use-tis (TIS-weighted pg_loss, tis and ois keys).", METRICS)
     ] = False
     mismatch_metrics: Annotated[
         bool,
-        _option(
+        option(
             "--mismatch-metrics",
             "miles: --get-mismatch-metrics (the same TIS branch: weighted pg_loss, tis and ois keys).",
             METRICS,
         ),
     ] = False
-    batch_size: Annotated[
-        int | None, _option("--batch-size", "pipelinerl: RLConfig.batch_size.", METRICS)
-    ] = None
+    batch_size: Annotated[int | None, option("--batch-size", "pipelinerl: RLConfig.batch_size.", METRICS)] = (
+        None
+    )
     group_normalize: Annotated[
-        bool, _option("--group-normalize", "pipelinerl: group_normalization.", METRICS)
+        bool, option("--group-normalize", "pipelinerl: group_normalization.", METRICS)
     ] = False
-    kl_coef: Annotated[float | None, _option("--kl-coef", "pipelinerl: kl_coef (0.1).", METRICS)] = None
+    kl_coef: Annotated[float | None, option("--kl-coef", "pipelinerl: kl_coef (0.1).", METRICS)] = None
     by: Annotated[
         list[MetricBreakdown] | None,
-        _option(
+        option(
             "--by",
             "Breakdown beside step and all: lag (docs/metrics.md).",
             METRICS,

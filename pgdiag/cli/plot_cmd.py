@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from pgdiag.cli.common import Screen, execute, result_object
-from pgdiag.cli.options import OUTPUT, Fields, flat_command
+from pgdiag.cli.options import OUTPUT, Fields, option
 from pgdiag.cli.outputs import OutputSettings
 
 
@@ -64,33 +64,26 @@ SourceArg = Annotated[
 ]
 KindOpt = Annotated[
     list[PlotKind] | None,
-    typer.Option(
-        "--kind", help="Plot kind (repeatable; default: all the source supports).", rich_help_panel=OUTPUT
-    ),
+    option("--kind", "Plot kind (repeatable; default: all the source supports).", OUTPUT),
 ]
 FiguresOpt = Annotated[
     Path | None,
-    typer.Option(
+    option(
         "--out",
-        help="Directory for the figures (default: plots/, or none with --html: the page embeds them).",
-        rich_help_panel=OUTPUT,
+        "Directory for the figures (default: plots/, or none with --html: the page embeds them).",
+        OUTPUT,
     ),
 ]
-FormatOpt = Annotated[PlotFormat, typer.Option("--format", help="Figure format.", rich_help_panel=OUTPUT)]
+FormatOpt = Annotated[PlotFormat, option("--format", "Figure format.", OUTPUT)]
 DpiOpt = Annotated[
     int,
-    typer.Option(
+    option(
         "--dpi",
+        "Resolution of raster figures (at most 50,000,000 pixels a figure: about 1,000 dpi).",
+        OUTPUT,
         min=10,
-        help="Resolution of raster figures (at most 50,000,000 pixels a figure: about 1,000 dpi).",
-        rich_help_panel=OUTPUT,
     ),
 ]
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `plot` command to `app`."""
-    app.command("plot", help=HELP)(flat_command(plot))
 
 
 def plot(

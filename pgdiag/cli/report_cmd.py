@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from pgdiag.cli.common import Screen, execute, result_object
-from pgdiag.cli.options import OUTPUT, Fields, GateOptions, flat_command
+from pgdiag.cli.options import OUTPUT, Fields, GateOptions, option
 from pgdiag.cli.outputs import OutputSettings
 
 HELP = """Re-render a saved report without recomputing it; gates are re-evaluated on its stored values.
@@ -31,21 +31,12 @@ is the report's verdict, derived again from the stored values (compare: judged b
 SourceArg = Annotated[str, typer.Argument(help="A report .parquet file, or a directory holding one report.")]
 MarkdownOpt = Annotated[
     Path | None,
-    typer.Option("--markdown", help="Write a Markdown summary for a CI comment.", rich_help_panel=OUTPUT),
+    option("--markdown", "Write a Markdown summary for a CI comment.", OUTPUT),
 ]
 PivotOpt = Annotated[
     bool,
-    typer.Option(
-        "--pivot",
-        help="Print the wide table (one column per metric) as CSV on stdout.",
-        rich_help_panel=OUTPUT,
-    ),
+    option("--pivot", "Print the wide table (one column per metric) as CSV on stdout.", OUTPUT),
 ]
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `report` command to `app`."""
-    app.command("report", help=HELP)(flat_command(report))
 
 
 def report(

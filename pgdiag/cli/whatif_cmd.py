@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Annotated, Any
 
-import typer
-
 from pgdiag.cli.common import Screen, execute, result_object
 from pgdiag.cli.options import (
     STREAMS,
@@ -24,8 +22,8 @@ from pgdiag.cli.options import (
     LossesOpt,
     RunArg,
     RunInputs,
-    flat_command,
     listed,
+    option,
 )
 from pgdiag.cli.outputs import OutputSettings, finish
 
@@ -40,13 +38,8 @@ last line is the verdict: the rules that drop more than 5% of the tokens, each w
 """
 
 
-def register(app: typer.Typer) -> None:
-    """Add the `whatif` command to `app`."""
-    app.command("whatif", help=HELP)(flat_command(whatif))
-
-
 def _cap_option(flag: str, text: str) -> Any:
-    return typer.Option(flag, help=text, rich_help_panel=THRESHOLDS)
+    return option(flag, text, THRESHOLDS)
 
 
 def parse_rules(
@@ -135,16 +128,10 @@ class RuleOptions:
         return parse_rules(**{f.name: listed(getattr(self, f.name)) for f in fields(self)})
 
 
-BehaviorOpt = Annotated[
-    str, typer.Option("--behavior", help="The stream that sampled.", rich_help_panel=STREAMS)
-]
+BehaviorOpt = Annotated[str, option("--behavior", "The stream that sampled.", STREAMS)]
 TargetOpt = Annotated[
     str | None,
-    typer.Option(
-        "--target",
-        help="The trainer's stream (default: old, else the single recompute tag).",
-        rich_help_panel=STREAMS,
-    ),
+    option("--target", "The trainer's stream (default: old, else the single recompute tag).", STREAMS),
 ]
 
 

@@ -96,12 +96,14 @@ def _numeric(
                 None,
             )
         lookup = np.searchsorted(edge_array, np.arange(finite_top + 1), side="right") - 1  # (top + 1,)
-        codes = lookup[np.minimum(values, int(finite_top))]
+        highest = int(values.max()) if values.size else 0
+        if highest <= 2 * LOOKUP_LIMIT:  # the table extended by its last code, so no (M,) clipped copy
+            lookup = np.concatenate([lookup, np.full(max(highest - int(finite_top), 0), lookup[-1])])
+            codes = lookup[values]
+        else:
+            codes = lookup[np.minimum(values, int(finite_top))]
     else:
-        codes = np.searchsorted(edge_array, values, side="right")  # (M,) bucket of [lo, hi), plus one
-        codes -= 1
-        np.minimum(codes, k - 1, out=codes)  # top_closed: a value on the last edge joins the top bucket
-        np.maximum(codes, 0, out=codes)
+        codes = _bucket_codes(values, edge_array)
     labels = tuple(
         _interval_label(edge_array[i], edge_array[i + 1], closed=top_closed and i == k - 1, integer=integer)
         for i in range(k)
@@ -109,6 +111,29 @@ def _numeric(
     return Buckets(
         name, codes.astype(np.intp, copy=False), labels, edge_array[:-1].copy(), edge_array[1:].copy()
     )
+
+
+def _bucket_codes(values: np.ndarray, edge_array: np.ndarray) -> np.ndarray:
+    """(M,) intp bucket of each value: the number of inner edges <= value, so [lo, hi) buckets with values below
+    the first edge in the first bucket and values on or above the last edge (top_closed) in the last; NaN in the
+    last. The same codes as ``clip(searchsorted(edges, values, "right") − 1, 0, K − 1)``, by one comparison per
+    inner edge into an int8 count (a few edges: 3x faster than the binary search over M values)."""
+    k = edge_array.shape[0] - 1
+    inner = edge_array[
+        1:-1
+    ]  # np.float64 scalars: the comparison is made in float64 whatever the values' dtype
+    if inner.shape[0] > 127:
+        codes = np.searchsorted(edge_array, values, side="right")
+        codes -= 1
+        np.minimum(codes, k - 1, out=codes)
+        return np.maximum(codes, 0, out=codes)
+    count = np.zeros(values.shape, dtype=np.int8)  # (M,)
+    above = np.empty(values.shape, dtype=np.bool_)  # (M,)
+    for edge in inner:
+        count += np.greater_equal(values, edge, out=above)
+    if np.issubdtype(values.dtype, np.floating):
+        count[np.isnan(values)] = k - 1  # sorted after every edge by the binary search
+    return count.astype(np.intp)
 
 
 def _categorical(name: str, per_sample: np.ndarray, sample: np.ndarray, *, numeric: bool) -> Buckets:

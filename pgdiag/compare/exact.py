@@ -19,7 +19,7 @@ counted (`mask_mismatch`, from W303) and fail the gate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -92,15 +92,8 @@ class FirstDivergence:
     ulp: int | None  # None when a side is non-finite
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "sample_id": self.sample_id,
-            "pos": self.pos,
-            "token_id": self.token_id,
-            "value_a": _json_float(self.value_a),
-            "value_b": _json_float(self.value_b),
-            "ulp": self.ulp,
-        }
+        """Every field, in order; the two values JSON-safe (`_json_float`)."""
+        return {**asdict(self), "value_a": _json_float(self.value_a), "value_b": _json_float(self.value_b)}
 
 
 @dataclass(frozen=True)
@@ -213,15 +206,13 @@ def exact_rows(result: ExactResult, name: str) -> list[ReportRow]:
     """The `exact/*` rows of `compare --exact` (the `exact` gate reads `n_nonzero` and `mask_mismatch`)."""
     n = result.n_tokens
     rows = [
-        ReportRow(name, "token", "all", "all", "exact/n_nonzero", result.n_nonzero, "count", "count", n),
-        ReportRow(
-            name, "token", "all", "all", "exact/frac_nonzero", result.n_nonzero / n if n else None, "fraction",
+        ReportRow.overall(name, "exact/n_nonzero", result.n_nonzero, "count", "count", n),
+        ReportRow.overall(name, "exact/frac_nonzero", result.n_nonzero / n if n else None, "fraction",
             "token-mean", n,
         ),
-        ReportRow(name, "token", "all", "all", "exact/mask_mismatch", result.mask_mismatch, "count", "count", n),
-        ReportRow(name, "token", "all", "all", "exact/max_ulp", result.max_ulp, "ulp", "max", n),
-        ReportRow(
-            name, "token", "all", "all", "exact/n_nonfinite_equal", result.n_nonfinite_equal, "count", "count", n
+        ReportRow.overall(name, "exact/mask_mismatch", result.mask_mismatch, "count", "count", n),
+        ReportRow.overall(name, "exact/max_ulp", result.max_ulp, "ulp", "max", n),
+        ReportRow.overall(name, "exact/n_nonfinite_equal", result.n_nonfinite_equal, "count", "count", n
         ),
     ]  # fmt: skip
     for index, count in enumerate(result.histogram):

@@ -65,12 +65,8 @@ def parity_rows(pooled: PooledParity, name: str) -> tuple[list[ReportRow], dict[
     tokens = pooled.token_table()
     rows += _rows(name, "token", "all", tokens, 0, "all", None, None, "tokens")
     n_tok = pooled.n_tokens
-    rows.append(ReportRow(name, "token", "all", "all", "count/mismatch_tokens", n_tok, "count", "sum", n_tok))
-    rows.append(
-        ReportRow(
-            name, "token", "all", "all", "count/mismatch_invalid", pooled.n_invalid, "count", "sum", n_tok
-        )
-    )
+    rows.append(ReportRow.overall(name, "count/mismatch_tokens", n_tok, "count", "sum", n_tok))
+    rows.append(ReportRow.overall(name, "count/mismatch_invalid", pooled.n_invalid, "count", "sum", n_tok))
     seqs = pooled.sequence_table()
     rows += _rows(name, "sequence", "all", seqs, 0, "all", None, None, "samples")
     n_seq = int(seqs["samples"][0])
@@ -157,22 +153,12 @@ def diagnosed_rows(
     n = pooled.n_tokens
     if diagnosis.first_token_ratio is not None:
         rows.append(
-            ReportRow(
-                name,
-                "token",
-                "all",
-                "all",
-                "mismatch/first_token_ratio",
-                diagnosis.first_token_ratio,
-                "ratio",
-                "token-mean",
-                n,
+            ReportRow.overall(
+                name, "mismatch/first_token_ratio", diagnosis.first_token_ratio, "ratio", "token-mean", n
             )
         )
     if diagnosis.slope is not None:
-        rows.append(
-            ReportRow(name, "token", "all", "all", "mismatch/tau_hint", diagnosis.slope, "1", "fit", n)
-        )
+        rows.append(ReportRow.overall(name, "mismatch/tau_hint", diagnosis.slope, "1", "fit", n))
     return rows, diagnosis
 
 

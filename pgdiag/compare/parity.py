@@ -150,17 +150,16 @@ def token_table(
         count = np.count_nonzero(flags if flags is not None else (d < log_lo) | (d > log_hi))
         out[f"frac_out_{band}"] = _one(_safe_div(count, n))
 
-    # 4. KL estimators, tmpe, chi-square, ESS from the per-token terms of `metrics.terms`
-    with np.errstate(over="ignore", invalid="ignore"):
-        out["chi2_token"] = _one(_safe_div(np.sum(terms_fn.chi2(d, b1, b2)), n))
-        out["kl_k1"] = _one(0.0 - bias)
-        out["kl_k3"] = _one(_safe_div(np.sum(terms.k3()), n))
-        out["kl_rev_k1"] = _one(_safe_div(np.sum(terms_fn.rev_k1(d, b1)), n))
-        out["kl_rev_k3"] = _one(_safe_div(np.sum(terms_fn.rev_k3(d, b1, b2)), n))
-        rho = terms_fn.ratio(d, b1)  # (M,) ρ
-        sum_rho, sum_rho2 = np.sum(rho), np.dot(rho, rho)
-        out["ess_token"] = _one(_safe_div(sum_rho * sum_rho, n * sum_rho2))
-        out["tmpe"] = _one(_safe_div(np.sum(terms.tmpe()), n))
+    # 4. KL estimators, tmpe, chi-square, ESS: the per-token terms of `metrics.terms`, each the same operations
+    # on the same inputs (so the same values), from one expm1(Δ) instead of one per term (`kl_sums`)
+    sum_chi2, sum_k3, sum_rev_k1, sum_rev_k3, sum_rho, sum_rho2, sum_tmpe = terms_fn.kl_sums(d, b1, b2)
+    out["chi2_token"] = _one(_safe_div(sum_chi2, n))
+    out["kl_k1"] = _one(0.0 - bias)
+    out["kl_k3"] = _one(_safe_div(sum_k3, n))
+    out["kl_rev_k1"] = _one(_safe_div(sum_rev_k1, n))
+    out["kl_rev_k3"] = _one(_safe_div(sum_rev_k3, n))
+    out["ess_token"] = _one(_safe_div(sum_rho * sum_rho, n * sum_rho2))
+    out["tmpe"] = _one(_safe_div(sum_tmpe, n))
     out["abs_delta_gt_20"] = _one(np.count_nonzero(abs_d > 20.0))
 
     # 5. quantiles and max of |Δ| (on a copy: the breakdowns keep reading abs_d)
@@ -410,12 +409,15 @@ def sample_bucket_table(
 
 
 def _bucket_max(values: np.ndarray, codes: np.ndarray, k: int) -> np.ndarray:
-    """(K,) exact max of `values` per bucket (NaN for empty buckets), by a polars hash group-by (one pass)."""
-    import polars as pl
-
-    grouped = pl.DataFrame({"code": codes, "value": values}).group_by("code").agg(pl.col("value").max())
-    out = np.full(k, np.nan)
-    out[grouped["code"].to_numpy()] = grouped["value"].to_numpy()
+    """(K,) exact max of `values` per bucket, NaN ignored as polars' `max` ignores it (NaN for a bucket that is
+    empty or all NaN), by one `np.fmax.at` (unbuffered, in place: ~3x faster than a polars group-by at 10M)."""
+    out = np.full(k, -np.inf)
+    np.fmax.at(out, codes, values)
+    counts = np.bincount(codes, minlength=k)
+    nan = np.isnan(values)
+    if nan.any():
+        out[np.bincount(codes[nan], minlength=k) == counts] = np.nan
+    out[counts == 0] = np.nan
     return out
 
 

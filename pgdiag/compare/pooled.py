@@ -159,6 +159,9 @@ class PooledParity:
         self.abs_quantiles = QuantileSummary()
         self.dprob_quantiles = QuantileSummary()
         self.seq_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        # one piece: the sequence table computed right after the token table, so that their dot products are one
+        # burst of OpenBLAS work (its worker thread spins ~0.1 s of CPU after each burst before it sleeps)
+        self.seq_table: dict[str, np.ndarray] | None = None
         self.buckets: dict[str, _BucketParts] = {name: _BucketParts() for name in by}
         self.bucket_index: dict[str, dict[str, int]] = {name: {} for name in by}
         self.sample = StridedSample()
@@ -193,6 +196,8 @@ class PooledParity:
             self._add_moments(pair, terms)
         mean_a, mean_b, sum_d, _ = sequence_means(pair.lp_a, pair.lp_b, pair.offsets, delta=d)
         self.seq_parts.append((mean_a, mean_b, sum_d))
+        if not self.merging:  # one piece: its sequence table is the run's; computed now, see `seq_table`
+            self.seq_table = self._sequence_table_of_parts()
         self._add_buckets(pair, terms, lag)
         self._add_hist(d, dlogp_edges)
         self.worst_tokens.append(worst_tokens(pair, self.worst_k, decode=self.decode))
@@ -287,6 +292,9 @@ class PooledParity:
 
     def sequence_table(self) -> dict[str, np.ndarray]:
         """`parity.sequence_table` over every matched sample's means (exact: the same function)."""
+        return self._sequence_table_of_parts() if self.seq_table is None else self.seq_table
+
+    def _sequence_table_of_parts(self) -> dict[str, np.ndarray]:
         mean_a, mean_b, sum_d = (np.concatenate([p[j] for p in self.seq_parts]) for j in range(3))
         return sequence_table_of_means(mean_a, mean_b, sum_d, eps_low=self.eps_low, eps_high=self.eps_high)
 

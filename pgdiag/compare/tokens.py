@@ -93,7 +93,7 @@ class TokenTableWriter:
     """
 
     def __init__(self, path: str | Path, *, overwrite: bool = False) -> None:
-        from pgdiag.data.writing import temp_path
+        from pgdiag.atomic_files import temp_path
 
         self.path = check_token_path(path, overwrite=overwrite)
         self.tmp = temp_path(self.path)
@@ -161,7 +161,7 @@ class TokenTableWriter:
 
     def commit(self) -> Path:
         """Write the last row group, close, fsync and rename the temp file over `path`; returns `path`."""
-        from pgdiag.data.writing import replace_with
+        from pgdiag.atomic_files import replace_with
 
         if self._writer is None:
             raise ValueError("TokenTableWriter.commit needs at least one add (a piece without tokens is one)")

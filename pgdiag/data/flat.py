@@ -56,6 +56,11 @@ class RowTable:
 METADATA_LISTS = ("temperature_tok", "policy_version_tok")
 
 
+def row_of(offsets: np.ndarray, flat_index: np.ndarray) -> np.ndarray:
+    """(K,) row owning each flat index (`offsets`: the (R + 1,) CSR offsets of a list column)."""
+    return np.searchsorted(offsets, flat_index, side="right") - 1
+
+
 def subset_rows(table: RowTable, keep: np.ndarray) -> RowTable:
     """The rows `keep` ((K,) int64 indices, in the order given) of `table`, every list column re-flattened."""
     keep = np.asarray(keep, dtype=np.int64)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from pgdiag.data.flat import FlatList, flat_list
+from pgdiag.data.flat import FlatList, flat_list, row_of
 from pgdiag.errors import Code
 
 KEPT_IDS = "sampling_kept_ids"
@@ -119,13 +119,13 @@ def offsets_sound(kept: KeptColumns, seq_lengths: np.ndarray) -> np.ndarray:
     ok &= (first == 0) & (last == ids.lengths)
     diff, later = _within_row_diff(offsets)
     if (diff < 0).any():
-        rows = np.searchsorted(offsets.offsets, later[diff < 0], side="right") - 1
+        rows = row_of(offsets.offsets, later[diff < 0])
         ok[rows] = False
     if offsets.valid is not None or offsets.row_valid is not None:
         bad = np.zeros(n_rows, dtype=bool)
         if offsets.valid is not None:
             bad_index = np.flatnonzero(~offsets.valid)
-            bad[np.searchsorted(offsets.offsets, bad_index, side="right") - 1] = True
+            bad[row_of(offsets.offsets, bad_index)] = True
         ok &= ~bad
     return ok | unrecorded
 
@@ -292,7 +292,7 @@ def position_sets(
     empty in the CSR) for the LM head to read as bits on its device (`kernels.kept_set.KeptSet`). Rows must
     have sound offsets (validated by the reader)."""
     tokens = np.asarray(tokens, dtype=np.int64)
-    rows = np.searchsorted(seq_offsets, tokens, side="right") - 1
+    rows = row_of(seq_offsets, tokens)
     pos = tokens - seq_offsets[rows]
     off_values = kept.offsets.values.astype(np.int64, copy=False)
     recorded = kept.offsets.lengths[rows] > 0  # a row without offsets records no set anywhere
@@ -443,7 +443,7 @@ def kept_issues(
         same = (ids[order][1:] == ids[order][:-1]) & (element_token[order][1:] == element_token[order][:-1])
         where = np.unique(element_token[order][1:][same])
         if where.size:
-            owner = np.searchsorted(sub_ids.offsets, where, side="right") - 1
+            owner = row_of(sub_ids.offsets, where)
             found.append(
                 issue(
                     Code.KEPT_DUPLICATE,
@@ -462,7 +462,7 @@ def kept_issues(
         if width is not None:
             outside = _outside_bitmask(sub, sub_ids, width[rows], outside)
         if outside.size:
-            owner = np.searchsorted(sub_ids.offsets, outside, side="right") - 1
+            owner = row_of(sub_ids.offsets, outside)
             found.append(
                 issue(
                     Code.SAMPLED_OUTSIDE_KEPT,
@@ -485,7 +485,7 @@ def _outside_bitmask(
     assert sub.bitmask is not None
     if not outside.size:
         return outside
-    rows = np.searchsorted(sub_ids.offsets, outside, side="right") - 1
+    rows = row_of(sub_ids.offsets, outside)
     pos = outside - sub_ids.offsets[rows]
     found, start = _match_bitmask(sub, np.maximum(width, 0), rows, pos)
     sampled = sub_ids.values[outside].astype(np.int64)

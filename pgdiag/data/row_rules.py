@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
+from pgdiag.data.flat import row_of
 from pgdiag.data.issues import Issue, MessageParts
-from pgdiag.data.rule_context import RuleContext, null_mask, row_of
+from pgdiag.data.rule_context import RuleContext, null_mask
 from pgdiag.data.seqhash import seq_hashes
 from pgdiag.errors import Code
 
@@ -26,8 +27,7 @@ def structure_rules(ctx: RuleContext) -> None:
         if nulls.any():
             ctx.bad |= nulls
             if ctx.on(Code.NULL_REQUIRED):
-                rows = np.flatnonzero(nulls)
-                ctx.add(ctx.loc.issue(Code.NULL_REQUIRED, "error", f"{column} is null", rows, rows.size))
+                ctx.flag(nulls, Code.NULL_REQUIRED, "error", f"{column} is null")
     for column, flat in (("input_ids", ids), ("loss_mask", mask)):
         null_rows = np.zeros(ctx.table.n_rows, dtype=bool)
         if flat.row_valid is not None:
@@ -38,8 +38,7 @@ def structure_rules(ctx: RuleContext) -> None:
         if null_rows.any():
             ctx.bad |= null_rows
             if ctx.on(Code.NULL_REQUIRED):
-                rows = np.flatnonzero(null_rows)
-                ctx.add(ctx.loc.issue(Code.NULL_REQUIRED, "error", f"{column} has nulls", rows, rows.size))
+                ctx.flag(null_rows, Code.NULL_REQUIRED, "error", f"{column} has nulls")
     lengths = ids.lengths
     for column, flat in ctx.table.lists.items():
         if column == "input_ids":
@@ -97,33 +96,17 @@ def scalar_rules(ctx: RuleContext) -> None:
             *keys, pl.col("segment_idx").fill_null(0) if "segment_idx" in frame.columns else pl.lit(0)
         )
         dup = key_frame.is_duplicated().to_numpy()
-        if dup.any():
-            rows = np.flatnonzero(dup)
-            ctx.add(
-                ctx.loc.issue(
-                    Code.DUPLICATE_SAMPLE,
-                    "error",
-                    "duplicate (run, step, sample_id, segment_idx)",
-                    rows,
-                    rows.size,
-                )
-            )
+        ctx.flag(dup, Code.DUPLICATE_SAMPLE, "error", "duplicate (run, step, sample_id, segment_idx)")
     if ctx.on(Code.MISSING_GROUP) and "group_id" in frame.columns:
         group = frame["group_id"].cast(pl.String)
         missing = (group.is_null() | (group.str.len_chars() == 0)).to_numpy()
-        if missing.any():
-            rows = np.flatnonzero(missing)
-            ctx.add(
-                ctx.loc.issue(
-                    Code.MISSING_GROUP,
-                    "error",
-                    "{n} samples without group_id",
-                    rows,
-                    rows.size,
-                    hint="re-import with --group-by prompt",
-                    sums=(("n", int(rows.size)),),
-                )
-            )
+        ctx.flag(
+            missing,
+            Code.MISSING_GROUP,
+            "error",
+            "{n} samples without group_id",
+            hint="re-import with --group-by prompt",
+        )
     if ctx.on(Code.UNEQUAL_GROUPS) and {"group_id", "step"} <= set(frame.columns):
         sizes = (
             frame.group_by("step", "group_id")
@@ -159,9 +142,7 @@ def scalar_rules(ctx: RuleContext) -> None:
         if ctx.on(Code.NON_FINITE) and column in frame.columns:
             values = frame[column].cast(pl.Float64).to_numpy()
             nonfinite = np.isnan(values) & ~null_mask(frame, column) | np.isinf(values)
-            if nonfinite.any():
-                rows = np.flatnonzero(nonfinite)
-                ctx.add(ctx.loc.issue(Code.NON_FINITE, "error", f"{column}: NaN or inf", rows, rows.size))
+            ctx.flag(nonfinite, Code.NON_FINITE, "error", f"{column}: NaN or inf")
 
 
 def seq_hash_rule(ctx: RuleContext) -> None:
@@ -172,15 +153,10 @@ def seq_hash_rule(ctx: RuleContext) -> None:
     computed = seq_hashes(ids.values.astype(np.int32, copy=False), ids.offsets)
     stored = ctx.frame["seq_hash"].fill_null(0).cast(pl.UInt64).to_numpy()
     wrong = (computed != stored) & ~ctx.bad
-    if wrong.any():
-        rows = np.flatnonzero(wrong)
-        ctx.add(
-            ctx.loc.issue(
-                Code.SEQ_HASH_MISMATCH,
-                "error",
-                "seq_hash differs from the hash of input_ids",
-                rows,
-                rows.size,
-                hint="ids edited after import? re-import to refresh seq_hash",
-            )
-        )
+    ctx.flag(
+        wrong,
+        Code.SEQ_HASH_MISMATCH,
+        "error",
+        "seq_hash differs from the hash of input_ids",
+        hint="ids edited after import? re-import to refresh seq_hash",
+    )

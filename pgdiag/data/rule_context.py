@@ -88,11 +88,6 @@ class Locator:
         )
 
 
-def row_of(offsets: np.ndarray, flat_index: np.ndarray) -> np.ndarray:
-    """(K,) row owning each flat index."""
-    return np.searchsorted(offsets, flat_index, side="right") - 1
-
-
 def null_mask(frame: pl.DataFrame, column: str) -> np.ndarray:
     """(R,) bool: rows where `column` is null."""
     return frame[column].is_null().to_numpy()
@@ -119,3 +114,13 @@ class RuleContext:
 
     def add(self, issue: Issue) -> None:
         self.issues.append(issue)
+
+    def flag(
+        self, where: np.ndarray, code: str, severity: str, text: str, *, hint: str | None = None
+    ) -> None:
+        """Add `code` at the rows where the (R,) bool `where` holds, when any does; a `text` with an ``{n}``
+        field gets their number there (`Locator.issue`'s `sums`)."""
+        if where.any():
+            rows = np.flatnonzero(where)
+            sums = (("n", int(rows.size)),) if "{n}" in text else ()
+            self.add(self.loc.issue(code, severity, text, rows, rows.size, hint=hint, sums=sums))

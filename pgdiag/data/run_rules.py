@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from pgdiag.data.flat import row_of
 from pgdiag.data.issues import Example, First, Issue, MessageParts, as_template
 from pgdiag.errors import Code
 
@@ -33,7 +34,7 @@ def zero_fill_rows(values: np.ndarray, offsets: np.ndarray) -> ZeroFill:
     on the (M,) loss-position values of one stream, samples delimited by `offsets` (S + 1,)."""
     zero = np.flatnonzero(values == 0.0)
     n_loss = np.diff(offsets)
-    rows = np.searchsorted(offsets, zero, side="right") - 1
+    rows = row_of(offsets, zero)
     zero_per_row = np.bincount(rows, minlength=n_loss.shape[0])
     all_zero_rows = np.flatnonzero((zero_per_row == n_loss) & (n_loss >= 2))
     fraction = zero.size / values.shape[0] if values.shape[0] else 0.0

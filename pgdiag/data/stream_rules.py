@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from pgdiag.data.flat import FlatList
+from pgdiag.data.flat import FlatList, row_of
 from pgdiag.data.issues import as_template
 from pgdiag.data.kept import position_sizes
 from pgdiag.data.loss_view import LossView
-from pgdiag.data.rule_context import RuleContext, row_of
+from pgdiag.data.rule_context import RuleContext
 from pgdiag.data.run_rules import NullShiftPart, ZeroFillPart, zero_fill_rows
 from pgdiag.errors import Code
 

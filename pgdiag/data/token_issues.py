@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pgdiag.data.flat import row_of
 from pgdiag.data.validate import Issue, MessageParts, as_template, zero_against_other, zero_fill_rows
 from pgdiag.errors import Code
 
@@ -34,7 +35,7 @@ def locate_parts(
     tokens = np.asarray(tokens)[:max_examples]
     if tokens.size == 0:
         return (), {}
-    rows = np.searchsorted(where.offsets, tokens, side="right") - 1
+    rows = row_of(where.offsets, tokens)
     parts = tuple(
         f"step {where.step[r]}, sample {where.sample_id[r]}, pos {where.pos[t]}"
         for r, t in zip(rows.tolist(), tokens.tolist(), strict=True)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from pgdiag.data.flat import METADATA_LISTS, FlatList
+from pgdiag.data.flat import METADATA_LISTS, FlatList, row_of
 from pgdiag.data.issues import Issue, MessageParts
 from pgdiag.data.kept import kept_issues
 from pgdiag.data.loss_view import LossView
-from pgdiag.data.rule_context import RuleContext, row_of
+from pgdiag.data.rule_context import RuleContext
 from pgdiag.data.stream_rules import stream_column_rules
 from pgdiag.errors import Code
 
@@ -47,19 +47,9 @@ def token_rules(ctx: RuleContext, view: LossView) -> None:
             )
         )
     empty = (n_loss == 0) & good
-    if empty.any() and ctx.on(Code.EMPTY_LOSS_MASK):
-        rows = np.flatnonzero(empty)
-        ctx.add(
-            ctx.loc.issue(
-                Code.EMPTY_LOSS_MASK,
-                "warning",
-                "loss_mask: {n} samples with no loss tokens",
-                rows,
-                rows.size,
-                hint="kept: they change seq-mean denominators",
-                sums=(("n", int(rows.size)),),
-            )
-        )
+    if ctx.on(Code.EMPTY_LOSS_MASK):
+        text = "loss_mask: {n} samples with no loss tokens"
+        ctx.flag(empty, Code.EMPTY_LOSS_MASK, "warning", text, hint="kept: they change seq-mean denominators")
     if ctx.on(Code.NO_LOSS_TOKENS) and "step" in ctx.frame.columns:
         steps = ctx.frame["step"].to_numpy()
         per_step = (

@@ -1,9 +1,8 @@
 """Atomic, spec-conformant writes of Parquet and JSON files.
 
-Every file pgdiag writes goes through `atomic_write`: the bytes land in ``.<name>.tmp-<pid>-<random>`` in the
-destination directory, are flushed and fsynced, then `os.replace`d onto the final name and the directory is
-fsynced, so a reader never sees a half-written file and a failed write leaves nothing behind. Parquet is
-always zstd level 3 with statistics on, footer values JSON-encoded under ``pgdiag.*`` keys. `write_rollouts`
+Every file pgdiag writes goes through `atomic_write` (`pgdiag.atomic_files`, re-exported here): a temp file
+beside the destination, fsynced and renamed onto it, so a reader never sees a half-written file and a failed
+write leaves nothing behind. Parquet is always zstd level 3 with statistics on, footer values JSON-encoded under ``pgdiag.*`` keys. `write_rollouts`
 writes a canonical run directory (``rollouts/step=<S>/part-00000.parquet``, or one unpartitioned part when the
 data has one step, then the ``pgdiag.json`` sidecar last as the completion marker) with the canonical casts.
 """
@@ -12,9 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pgdiag.atomic_files import atomic_write
 from pgdiag.data.flat import flat_list
 from pgdiag.data.schema import (
     ROLLOUT_ARROW_TYPES,
@@ -39,16 +38,6 @@ ZSTD_LEVEL = 3
 ROW_GROUP_TARGET_BYTES = 128 * 1024 * 1024
 MAX_ROW_GROUP_ROWS = 1_048_576
 _F32_MAX = float(np.finfo(np.float32).max)
-
-
-def _fsync_dir(directory: Path) -> None:
-    if os.name != "posix":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextmanager
@@ -77,38 +66,6 @@ def directory_lock(directory: Path, *, wait: bool = True) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
-
-
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
-    """Run ``write(tmp)`` on a temp path beside `path`, fsync it, then move it onto `path`.
-
-    The temp file is ``.<name>.tmp-<pid>-<random>`` in the destination directory (created if needed); it is
-    removed when `write` raises or the process is interrupted. Returns the final path.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path)
-    try:
-        write(tmp)
-        replace_with(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
-def temp_path(path: Path) -> Path:
-    """The temp file of an atomic write of `path`: ``.<name>.tmp-<pid>-<random>`` in the same directory."""
-    return path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def replace_with(tmp: Path, path: Path) -> None:
-    """fsync the finished `tmp`, move it onto `path`, fsync the directory (a file written elsewhere in pieces,
-    such as `compare --tokens-out`'s, lands the way `atomic_write`'s do)."""
-    with open(tmp, "rb+") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def check_destination(

@@ -22,26 +22,14 @@ def explain_report(result: ExplainResult) -> Report:
     """The report of one explain call (module docstring); its meta holds the `--json` block."""
     name, n = pair_name(result), result.n_tokens
     rows = [
-        ReportRow(name, "token", "all", "all", "explain/k3", result.k3, "nats", "token-mean", n),
-        ReportRow(name, "token", "all", "all", "explain/abs_mean", result.abs_mean, "nats", "token-mean", n),
+        ReportRow.overall(name, "explain/k3", result.k3, "nats", "token-mean", n),
+        ReportRow.overall(name, "explain/abs_mean", result.abs_mean, "nats", "token-mean", n),
     ]
     for cause in result.causes:
+        rows.append(ReportRow.overall(name, f"explain/{cause.cause}", cause.share, "fraction", "share", n))
         rows.append(
-            ReportRow(
-                name, "token", "all", "all", f"explain/{cause.cause}", cause.share, "fraction", "share", n
-            )
-        )
-        rows.append(
-            ReportRow(
-                name,
-                "token",
-                "all",
-                "all",
-                f"explain/k3_after/{cause.cause}",
-                cause.k3_after,
-                "nats",
-                "token-mean",
-                n,
+            ReportRow.overall(
+                name, f"explain/k3_after/{cause.cause}", cause.k3_after, "nats", "token-mean", n
             )
         )
     for breakdown, groups in (("position", result.by_position), ("step", result.by_step)):

@@ -163,6 +163,11 @@ class ImportWarning:
     message: str
 
 
+def count_note(step: int, count: int, text: str) -> list[ImportWarning]:
+    """The note ``step <S>: <count> <text>`` on rows a preset dropped or skipped, or none when `count` is 0."""
+    return [ImportWarning("note", f"step {step}: {count} {text}")] if count else []
+
+
 @dataclass
 class ImportedStep:
     """One optimizer step's rows in canonical columns, token-aligned, masked, ready for the writer.

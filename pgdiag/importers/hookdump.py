@@ -10,14 +10,15 @@ read from the file, never inferred.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 import torch
 
-from pgdiag.importers.base import bad_layout
+from pgdiag.importers.base import ImportedStep, bad_layout
 from pgdiag.importers.safe_load import load_pt
 
 HOOKDUMP_FORMAT = "pgdiag.hookdump/v1"
@@ -49,6 +50,38 @@ class HookStep:
     step: int
     files: tuple[HookFile, ...]
     unsafe_load: bool
+
+
+def hook_sampling(meta: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """The sampling settings `keys` that a hook file's `meta` records (not None, not "unknown")."""
+    return {key: meta[key] for key in keys if meta.get(key) not in (None, "unknown")}
+
+
+def hook_imported_step(
+    hook_step: HookStep,
+    frames: Sequence[pl.DataFrame],
+    streams: Mapping[str, str],
+    *,
+    framework: str,
+    default_group_by: str,
+    sampling: Mapping[str, Any],
+) -> ImportedStep:
+    """One hook step as an `ImportedStep`: its rank files' rows (`frames`, in rank order) concatenated, with only
+    the streams (`streams`: hook field -> canonical column) that every rank recorded."""
+    present = [c for c in streams.values() if all(c in f.columns for f in frames)]
+    kept = [f.select([c for c in f.columns if c not in streams.values() or c in present]) for f in frames]
+    files = hook_step.files
+    return ImportedStep(
+        step=hook_step.step,
+        rows=pl.concat(kept, how="vertical"),
+        src_files=tuple(str(f.path) for f in files),
+        framework=framework,
+        framework_version=files[0].framework_version,
+        default_group_by=default_group_by,
+        stream_fields={column: field for field, column in streams.items() if column in present},
+        sampling=dict(sampling),
+        unsafe_load=hook_step.unsafe_load,
+    )
 
 
 def hook_file_groups(src: Path) -> dict[int, list[tuple[int | None, Path]]]:

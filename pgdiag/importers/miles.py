@@ -35,6 +35,7 @@ from pgdiag.importers.slime import (
     rollout_files,
     rollout_id_of,
 )
+from pgdiag.importers.step_rows import field_or_prompt
 
 _TRAIN_NAME = re.compile(r"^(\d+)_(\d+)\.pt$")
 _DASHBOARD_NAME = re.compile(r"^rollout_(\d+)\.parquet$")
@@ -153,7 +154,7 @@ def _read_pt(dump_dir: Path, files: list[tuple[int, Path]], options: ImportOptio
             rows=rows,
             src_files=(str(path), *(str(p) for p in train_paths)),
             framework="miles",
-            default_group_by="field" if "group_id" in rows.columns else "prompt",
+            default_group_by=field_or_prompt(rows),
             stream_fields={k: v for k, v in _FIELDS.items() if k in rows.columns},
             unsafe_load=unsafe,
         )

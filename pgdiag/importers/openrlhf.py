@@ -20,7 +20,7 @@ import polars as pl
 from pgdiag.data.flat import FlatList
 from pgdiag.importers import alignment
 from pgdiag.importers.base import ImportedStep, ImportOptions, Preset, bad_layout
-from pgdiag.importers.hookdump import HookFile, read_hook_steps
+from pgdiag.importers.hookdump import HookFile, hook_imported_step, hook_sampling, read_hook_steps
 
 REQUIRED = ("sequences", "action_mask", "total_length", "prompt_lengths")
 STREAMS = {
@@ -33,28 +33,12 @@ STREAMS = {
 def read(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
     """Yield one `ImportedStep` per hook step."""
     for hook_step in read_hook_steps(src, "openrlhf", REQUIRED, allow_unsafe=options.allow_unsafe_pickle):
-        files = hook_step.files
-        frames = [_rows(file, hook_step.step) for file in files]
-        streams = [c for c in STREAMS.values() if all(c in f.columns for f in frames)]
-        frames = [
-            f.select([c for c in f.columns if c not in STREAMS.values() or c in streams]) for f in frames
-        ]
-        meta = files[0].meta
-        sampling = {
-            key: meta[key]
-            for key in ("temperature", "top_p", "top_k", "logprobs_mode", "tempered")
-            if meta.get(key) not in (None, "unknown")
-        }
-        yield ImportedStep(
-            step=hook_step.step,
-            rows=pl.concat(frames, how="vertical"),
-            src_files=tuple(str(f.path) for f in files),
-            framework="openrlhf",
-            framework_version=files[0].framework_version,
-            default_group_by="field",
-            stream_fields={column: field for field, column in STREAMS.items() if column in streams},
-            sampling=sampling,
-            unsafe_load=hook_step.unsafe_load,
+        frames = [_rows(file, hook_step.step) for file in hook_step.files]
+        sampling = hook_sampling(
+            hook_step.files[0].meta, ("temperature", "top_p", "top_k", "logprobs_mode", "tempered")
+        )
+        yield hook_imported_step(
+            hook_step, frames, STREAMS, framework="openrlhf", default_group_by="field", sampling=sampling
         )
 
 

@@ -30,6 +30,7 @@ from pgdiag.errors import Code
 from pgdiag.importers.alignment import from_rows, response_aligned, to_series
 from pgdiag.importers.base import DegenerateStream, ImportedStep, ImportOptions, Preset, bad_layout
 from pgdiag.importers.jsonl_lines import read_lines
+from pgdiag.importers.step_rows import field_or_prompt
 
 MASKED = -100
 _SAMPLING = {"logprobs_mode": "processed", "engine": "vllm"}
@@ -160,7 +161,7 @@ def _actor_step(step: int, texts: list[tuple[Path, int, Mapping[str, Any]]]) -> 
         rows=rows,
         src_files=tuple(sorted({str(p) for p, _, _ in texts})),
         framework="pipelinerl",
-        default_group_by="field" if "group_id" in rows.columns else "prompt",
+        default_group_by=field_or_prompt(rows),
         stream_fields=fields,
         sampling=_SAMPLING,
     )

@@ -31,7 +31,7 @@ import numpy as np
 import polars as pl
 
 from pgdiag.importers.alignment import from_rows, to_series
-from pgdiag.importers.base import ImportedStep, ImportOptions, ImportWarning, Preset, bad_layout
+from pgdiag.importers.base import ImportedStep, ImportOptions, Preset, bad_layout, count_note
 from pgdiag.importers.msgpack import decode
 
 PRIME_RL_VERSION = "0.8.0"
@@ -288,11 +288,7 @@ def _read_step(step: int, files: list[Path]) -> ImportedStep:
         columns.append(pl.Series("sampling_kept_offsets", kept_offsets, dtype=pl.List(pl.Int64)))
     columns.append(pl.Series("env", envs, dtype=pl.String))
     columns.append(pl.Series("sample_id", [f"{step}:{k}" for k in range(len(ids))], dtype=pl.String))
-    warnings = (
-        [ImportWarning("note", f"step {step}: {dummies} dummy micro-batches skipped (all loss_mask false)")]
-        if dummies
-        else []
-    )
+    warnings = count_note(step, dummies, "dummy micro-batches skipped (all loss_mask false)")
     return ImportedStep(
         step=step,
         rows=pl.DataFrame(columns),

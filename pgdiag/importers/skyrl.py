@@ -23,7 +23,7 @@ import polars as pl
 
 from pgdiag.data.flat import FlatList
 from pgdiag.importers.alignment import from_padded, right_aligned_block, to_series
-from pgdiag.importers.base import ImportedStep, ImportOptions, ImportWarning, Preset, bad_layout
+from pgdiag.importers.base import ImportedStep, ImportOptions, Preset, bad_layout, count_note
 from pgdiag.importers.ids import range_group_ids
 from pgdiag.importers.safe_load import load_pickle
 
@@ -193,11 +193,7 @@ def _read_file(path: Path, step: int, options: ImportOptions) -> ImportedStep:
             )
         columns.append(range_group_ids(step, np.array([0, *ends])))
         group_by = "field"
-    warnings = (
-        [ImportWarning("note", f"step {step}: {pad_size} padding rows dropped (pad_size)")]
-        if pad_size
-        else []
-    )
+    warnings = count_note(step, pad_size, "padding rows dropped (pad_size)")
     return ImportedStep(
         step=step,
         rows=pl.DataFrame(columns),

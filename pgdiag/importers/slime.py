@@ -38,6 +38,7 @@ from pgdiag.importers.alignment import from_rows, offsets_of, response_aligned, 
 from pgdiag.importers.base import ImportedStep, ImportOptions, ImportWarning, Preset, bad_layout
 from pgdiag.importers.pt_reader import load_pt_lists
 from pgdiag.importers.safe_load import numpy_allow_list
+from pgdiag.importers.step_rows import field_or_prompt
 
 FINISH_REASONS = {"completed": "stop", "truncated": "length", "aborted": "abort", "failed": "error"}
 _ROLLOUT_NAME = re.compile(r"^(\d+)\.pt$")
@@ -475,7 +476,7 @@ def _read(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
             rows=rows,
             src_files=tuple(src_files),
             framework="slime",
-            default_group_by="field" if "group_id" in rows.columns else "prompt",
+            default_group_by=field_or_prompt(rows),
             stream_fields={k: v for k, v in fields.items() if k in rows.columns},
             unsafe_load=unsafe,
             warnings=warnings,

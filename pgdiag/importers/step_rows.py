@@ -53,6 +53,12 @@ def _per_token_columns(df: pl.DataFrame) -> list[str]:
     ]
 
 
+def field_or_prompt(rows: pl.DataFrame) -> str:
+    """The group rule of a preset whose source may record groups: ``"field"`` when `rows` has ``group_id``,
+    else ``"prompt"``."""
+    return "field" if "group_id" in rows.columns else "prompt"
+
+
 def apply_shifts(df: pl.DataFrame, shifts: Iterable[tuple[str | None, int]], source: str) -> pl.DataFrame:
     """Move per-token columns by ``--shift [COL=]K`` (column None: every per-token column but input_ids)."""
     shifts = list(shifts)

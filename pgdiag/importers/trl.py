@@ -22,7 +22,14 @@ from pgdiag.data.flat import FlatList
 from pgdiag.errors import Code, UsageError
 from pgdiag.importers import alignment
 from pgdiag.importers.base import ImportedStep, ImportOptions, Preset, bad_layout
-from pgdiag.importers.hookdump import HookFile, hook_kept_sets, int_lengths, read_hook_steps
+from pgdiag.importers.hookdump import (
+    HookFile,
+    hook_imported_step,
+    hook_kept_sets,
+    hook_sampling,
+    int_lengths,
+    read_hook_steps,
+)
 
 REQUIRED = (
     "prompt_ids",
@@ -70,30 +77,21 @@ def read(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
     for hook_step in read_hook_steps(src, "trl", REQUIRED, allow_unsafe=options.allow_unsafe_pickle):
         files = hook_step.files
         frames = [_rows(file) for file in files]
-        streams = [c for c in STREAMS.values() if all(c in f.columns for f in frames)]
-        frames = [
-            f.select([c for c in f.columns if c not in STREAMS.values() or c in streams]) for f in frames
-        ]
         meta = files[0].meta
         n_per_prompt = int(meta.get("n_samples_per_prompt", 0))
         if n_per_prompt < 1:
             raise bad_layout(files[0].path, "meta.n_samples_per_prompt", "a positive int (num_generations)")
-        sampling = {
-            key: meta[key]
-            for key in ("temperature", "top_p", "top_k", "min_p", "logprobs_mode", "tempered")
-            if meta.get(key) not in (None, "unknown")
-        }
+        sampling = hook_sampling(
+            meta, ("temperature", "top_p", "top_k", "min_p", "logprobs_mode", "tempered")
+        )
         sampling["engine"] = "vllm" if meta.get("use_vllm") else "transformers"
-        yield ImportedStep(
-            step=hook_step.step,
-            rows=pl.concat(frames, how="vertical"),
-            src_files=tuple(str(f.path) for f in files),
+        yield hook_imported_step(
+            hook_step,
+            frames,
+            STREAMS,
             framework="trl",
-            framework_version=files[0].framework_version,
             default_group_by=f"contiguous:{n_per_prompt}",
-            stream_fields={column: field for field, column in STREAMS.items() if column in streams},
             sampling=sampling,
-            unsafe_load=hook_step.unsafe_load,
         )
 
 

@@ -39,8 +39,9 @@ from pgdiag.importers.base import (
     bad_layout,
     unsafe_global,
 )
-from pgdiag.importers.hookdump import HookFile, int_lengths, read_hook_steps
+from pgdiag.importers.hookdump import HookFile, hook_sampling, int_lengths, read_hook_steps
 from pgdiag.importers.safe_load import load_pickle, numpy_allow_list, record_shim
+from pgdiag.importers.step_rows import field_or_prompt
 
 REQUIRED = ("prompts", "responses", "response_mask", "prompt_lengths", "response_lengths")
 STREAMS = {
@@ -82,20 +83,12 @@ def read(src: Path, options: ImportOptions) -> Iterator[ImportedStep]:
             src_files=tuple(str(f.path) for f in files),
             framework="verl",
             framework_version=files[0].framework_version,
-            default_group_by="field" if "group_id" in rows.columns else "prompt",
+            default_group_by=field_or_prompt(rows),
             stream_fields={c: f for f, c in STREAMS.items() if c in rows.columns},
-            sampling=_sampling(meta),
+            sampling=hook_sampling(meta, ("temperature", "top_p", "top_k", "logprobs_mode", "tempered")),
             unsafe_load=hook_step.unsafe_load,
             degenerate=(_BYPASS,) if {"old_logprobs", "rollout_logprobs"} <= set(rows.columns) else (),
         )
-
-
-def _sampling(meta: dict[str, Any]) -> dict[str, Any]:
-    return {
-        key: meta[key]
-        for key in ("temperature", "top_p", "top_k", "logprobs_mode", "tempered")
-        if meta.get(key) not in (None, "unknown")
-    }
 
 
 def _prompt_and_response(
@@ -320,7 +313,7 @@ def _gen_batch_step(
         rows=rows,
         src_files=(str(path),),
         framework="verl",
-        default_group_by="field" if "group_id" in rows.columns else "prompt",
+        default_group_by=field_or_prompt(rows),
         stream_fields={c: f for f, c in STREAMS.items() if c in rows.columns},
         sampling=sampling,
         unsafe_load=unsafe,

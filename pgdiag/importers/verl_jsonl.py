@@ -28,7 +28,7 @@ import numpy as np
 import polars as pl
 
 from pgdiag.data.flat import FlatList
-from pgdiag.errors import Code, UsageError
+from pgdiag.errors import Code, UsageError, missing_package
 from pgdiag.importers import alignment
 from pgdiag.importers.base import ImportedStep, ImportOptions, Preset, bad_layout, text_only
 from pgdiag.importers.nemo_rl import check_complete
@@ -53,9 +53,7 @@ def load_tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
     try:
         from tokenizers import Tokenizer
     except ImportError as exc:  # pragma: no cover - transformers brings it
-        raise UsageError(
-            Code.MISSING_PACKAGE, "--retokenize needs the tokenizers package", "pip install tokenizers"
-        ) from exc
+        raise missing_package("--retokenize", "tokenizers", "pip install tokenizers") from exc
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
         raise UsageError(

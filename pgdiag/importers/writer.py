@@ -28,6 +28,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from pgdiag.atomic_files import temp_path
 from pgdiag.data.flat import FlatList, RowTable, flat_list
 from pgdiag.data.kept import KEPT_COLUMNS, kept_from_series
 from pgdiag.data.schema import LABEL_PATTERN, RUN_SIDECAR_SCHEMA
@@ -290,7 +291,7 @@ def write_steps(
         raise UsageError(Code.OUTPUT_EXISTS, f"{out} exists", "pass --overwrite to replace it")
     label = run_label(options.label, out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = temp_path(out)
     tmp.mkdir()
     totals = _Totals(label=label)
     parts = PartWriter()

@@ -148,6 +148,7 @@ def compute_metrics(
         if n_rows is not None and piece.batch.n_samples != n_rows:  # rows left out: cut the rows kept
             return _whole_run_report(run, settings, checks, accumulators)
         fold.add(piece.batch, piece.run)
+        del piece  # the piece's token arrays go before the reader reads the next one (peak memory)
         if progress is not None:
             progress(len(engine.steps), plan.n_steps)
     found = reader.finish()

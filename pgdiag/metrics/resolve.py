@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from pgdiag.data.runs import Run
 from pgdiag.data.schema import BASE_STREAMS
-from pgdiag.errors import Code, UsageError
+from pgdiag.errors import Code, UsageError, not_among
 from pgdiag.metrics.settings import MetricSettings
 
 
@@ -27,11 +27,8 @@ def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
 
     def need(name: str | None, what: str) -> str | None:
         if name is not None and name not in streams:
-            raise UsageError(
-                Code.STREAM_NOT_FOUND,
-                f"{run.label}: no stream {name!r} for {what}",
-                f"streams present: {', '.join(run.streams) or 'none'}",
-            )
+            message = f"{run.label}: no stream {name!r} for {what}"
+            raise not_among(Code.STREAM_NOT_FOUND, message, "streams present", run.streams)
         return name
 
     new = need(settings.new, "--new")
@@ -63,11 +60,8 @@ def resolve_streams(run: Run, settings: MetricSettings) -> MetricSettings:
     ref = need(settings.ref, "--ref") or ("ref" if "ref" in streams else None)
     entropy = settings.entropy
     if entropy is not None and entropy not in run.entropy_streams:
-        raise UsageError(
-            Code.STREAM_NOT_FOUND,
-            f"{run.label}: no entropy for stream {entropy!r}",
-            f"streams with entropy: {', '.join(run.entropy_streams) or 'none'}",
-        )
+        message = f"{run.label}: no entropy for stream {entropy!r}"
+        raise not_among(Code.STREAM_NOT_FOUND, message, "streams with entropy", run.entropy_streams)
     if entropy is None and new in run.entropy_streams:
         entropy = new
     kept = next((s for s in (stream_b, stream_a, new) if s is not None and s in run.kept_tags), None)

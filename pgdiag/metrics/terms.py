@@ -85,3 +85,26 @@ def abs_dprob(lp_a: np.ndarray, lp_b: np.ndarray, out: np.ndarray, spare: np.nda
     np.exp(lp_b, out=out)
     out -= prob_a
     return np.abs(out, out=out)
+
+
+def kl_sums(d: np.ndarray, em1: np.ndarray, term: np.ndarray) -> tuple[np.floating, ...]:
+    """Σ over tokens of chi-square, k3, reverse k1, reverse k3, ρ, ρ² and tmpe, in that order.
+
+    Each term is computed as the functions above compute it (`chi2`, `k3`, `rev_k1`, `rev_k3`, `ratio`,
+    `tmpe`), the same operations in the same order, so the sums are bit for bit those of `np.sum(chi2(d, ...))`
+    and so on; expm1(Δ) is computed once into `em1` and each term written into `term` (both (M,) scratch,
+    overwritten). `compare`'s `all` row reads these.
+    """
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        np.expm1(d, out=em1)  # (M,) ρ − 1
+        chi2 = np.add(em1, 2.0, out=term)
+        sum_chi2 = np.sum(np.multiply(chi2, em1, out=chi2))  # ρ² − 1
+        sum_k3 = np.sum(np.subtract(em1, d, out=term))  # ρ − 1 − Δ
+        rev_k1 = np.multiply(np.add(em1, 1.0, out=term), d, out=term)  # ρΔ
+        sum_rev_k1 = np.sum(rev_k1)
+        sum_rev_k3 = np.sum(np.subtract(rev_k1, em1, out=rev_k1))  # ρΔ − (ρ − 1)
+        rho = np.add(em1, 1.0, out=term)  # (M,) ρ
+        sum_rho, sum_rho2 = np.sum(rho), np.dot(rho, rho)
+        inverse = np.reciprocal(rho, out=em1)  # em1 is not read again
+        sum_tmpe = np.sum(np.maximum(rho, inverse, out=inverse))  # e^|Δ| = max(ρ, 1/ρ)
+    return sum_chi2, sum_k3, sum_rev_k1, sum_rev_k3, sum_rho, sum_rho2, sum_tmpe

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import torch
 import torch.distributed as dist
@@ -34,9 +35,11 @@ from pgdiag.model.config import ModelConfig, read_model_config
 from pgdiag.model.expected_tensors import check_tensor_names
 from pgdiag.model.hf_experts import expert_role, read_experts
 from pgdiag.model.moe import resolve_expert_impl
-from pgdiag.model.tensor_source import TensorSource, open_tensor_source
+from pgdiag.model.rope import rope_inv_freq
+from pgdiag.model.tensor_source import TensorSource, head_storage_dtype, open_tensor_source
 from pgdiag.model.tp import TensorSlice, TPLayout, group_rank_size, shard_slice, tp_layout
-from pgdiag.model.transformer import CausalLM, rope_inv_freq
+from pgdiag.model.transformer import CausalLM, warm_pointwise_ops
+from pgdiag.model.weight_stream import WeightStream
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,30 +50,32 @@ def parse_dtype(name: str, option: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(
-    path: str | Path,
-    *,
-    dtype: str = "bf16",
-    head_dtype: str = "fp32",
-    device: str | torch.device = "cpu",
-    tp_group: dist.ProcessGroup | None = None,
-    attention: str = "auto",
-    fuse_pointwise: bool = False,
-    experts: str = "auto",
-) -> CausalLM:
-    """Load a HF checkpoint directory as this rank's `CausalLM` (see the module docstring for the checks).
+class LoadOptions(TypedDict, total=False):
+    """The keyword options of `load_model` and `load_from_source` (defaults: `load_from_source`'s signature).
 
     `attention`: "auto", "sdpa" or "varlen" (`pgdiag.model.attention`); `fuse_pointwise`: fuse RMSNorm, RoPE
     and SwiGLU with `torch.compile` (a one-time compile; worth it on a GPU); `experts`: "auto", "loop" or
-    "grouped", the expert compute of MoE layers (`pgdiag.model.moe`).
-    """
+    "grouped", the expert compute of MoE layers (`pgdiag.model.moe`); `stream`: the same checkpoint's tensors
+    already being read onto `device` (`pgdiag.model.weight_stream.start_weight_stream`), taken from it where it
+    holds them."""
+
+    dtype: str
+    head_dtype: str
+    device: str | torch.device
+    tp_group: dist.ProcessGroup | None
+    attention: str
+    fuse_pointwise: bool
+    experts: str
+    stream: WeightStream | None
+
+
+def load_model(path: str | Path, **options: Unpack[LoadOptions]) -> CausalLM:
+    """Load a HF checkpoint directory as this rank's `CausalLM` (see the module docstring for the checks;
+    `LoadOptions` for the options)."""
     path = Path(path)
     config = read_model_config(path)
     with open_tensor_source(path) as source:
-        return load_from_source(
-            config, source, where=str(path), dtype=dtype, head_dtype=head_dtype, device=device,
-            tp_group=tp_group, attention=attention, fuse_pointwise=fuse_pointwise, experts=experts,
-        )  # fmt: skip
+        return load_from_source(config, source, where=str(path), **options)
 
 
 def load_from_source(
@@ -85,8 +90,10 @@ def load_from_source(
     attention: str = "auto",
     fuse_pointwise: bool = False,
     experts: str = "auto",
+    stream: WeightStream | None = None,
 ) -> CausalLM:
-    """Build and fill a `CausalLM` from any `TensorSource` (files, or tensors already on the device)."""
+    """Build and fill a `CausalLM` from any `TensorSource` (files, or tensors already on the device); a tensor that
+    `stream` holds (same name and slice) is taken from it instead of read from `source`."""
     body, head = parse_dtype(dtype, "--dtype"), parse_dtype(head_dtype, "--head-dtype")
     device = torch.device(device)
     rank, size = group_rank_size(tp_group)
@@ -99,25 +106,25 @@ def load_from_source(
             config, layout, tp_group=tp_group, attention=backend, fuse_pointwise=fuse_pointwise,
             expert_impl=expert_impl,
         )  # fmt: skip
+    if stream is not None and fuse_pointwise:
+        warm_pointwise_ops(model, device, body)  # compile while the stream's threads copy the weights
     rounded = 0
     for name, _ in _body_parameters(model):
         prefix, expert_param = expert_role(name)
         if expert_param:
             value, fp32 = read_experts(source, config, layout, prefix, expert_param)
         else:
-            value, fp32 = (
-                source.read(name, shard_slice(name, source.shape(name), layout)),
-                source.is_fp32(name),
-            )
+            part = shard_slice(name, source.shape(name), layout)
+            value, fp32 = _read(source, stream, name, part), source.is_fp32(name)
         rounded += int(fp32 and body != torch.float32)
         _assign(model, name, value.to(device=device, dtype=body))
     head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     head_part = TensorSlice(0, layout.vocab_start, layout.vocab_end)
-    head_store = _head_storage_dtype(head, source.is_fp32(head_name), source.dtype(head_name))
+    head_store = head_storage_dtype(head, source.is_fp32(head_name), source.dtype(head_name))
     if config.tie_word_embeddings and layout.tp_size == 1 and head_store == body:
         head_weight = model.model.embed_tokens.weight.data  # the same rows in the same dtype: share, not copy
     else:
-        head_weight = source.read(head_name, head_part).to(device=device, dtype=head_store)
+        head_weight = _read(source, stream, head_name, head_part).to(device=device, dtype=head_store)
     _assign(model, "lm_head.weight", head_weight)
     inv_freq, _ = rope_inv_freq(config.rope, config.head_dim)
     model.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
@@ -125,13 +132,10 @@ def load_from_source(
     return model.eval()
 
 
-def _head_storage_dtype(head: torch.dtype, stored_fp32: bool, stored: torch.dtype) -> torch.dtype:
-    """The dtype the LM head is kept in: `head`, except that an fp32 head of a 16-bit checkpoint keeps its
-    16-bit values (exact; the kernel's fp32 head upcasts them, `kernels.lm_head_logprobs_triton.head_mode_for`),
-    which halves its memory and lets the kernel multiply 16-bit W tiles instead of tf32x3 on an fp32 copy."""
-    if head == torch.float32 and not stored_fp32 and stored in (torch.bfloat16, torch.float16):
-        return stored
-    return head
+def _read(source: TensorSource, stream: WeightStream | None, name: str, part: TensorSlice | None) -> Tensor:
+    """Tensor `name` (`part` of it): from the stream when it holds it, else read from the source."""
+    value = stream.take(name, part) if stream is not None else None
+    return source.read(name, part) if value is None else value
 
 
 def _body_parameters(model: CausalLM) -> list[tuple[str, torch.nn.Parameter]]:

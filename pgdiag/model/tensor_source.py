@@ -153,6 +153,15 @@ def open_tensor_source(path: Path) -> TensorSource:
     )
 
 
+def head_storage_dtype(head: torch.dtype, stored_fp32: bool, stored: torch.dtype) -> torch.dtype:
+    """The dtype the LM head is kept in: `head`, except that an fp32 head of a 16-bit checkpoint keeps its
+    16-bit values (exact; the kernel's fp32 head upcasts them, `kernels.lm_head_logprobs_triton.head_mode_for`),
+    which halves its memory and lets the kernel multiply 16-bit W tiles instead of tf32x3 on an fp32 copy."""
+    if head == torch.float32 and not stored_fp32 and stored in (torch.bfloat16, torch.float16):
+        return stored
+    return head
+
+
 def one_line_text(error: BaseException) -> str:
     """An exception's text on one line."""
     return " ".join(str(error).split())

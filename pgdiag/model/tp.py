@@ -13,6 +13,13 @@ attention heads and a slice of the MLP); o_proj and down_proj are row-parallel (
 partial outputs summed by `all_reduce_sum`, their bias added after the sum. Embeddings and norms are
 replicated. The vocabulary may split unevenly: the first ``vocab_size % tp`` ranks get one row more.
 
+Sequence parallelism (dense layers, `pgdiag.model.tp_dense`): the residual stream, both RMSNorms and the residual
+adds run on a token shard (`TokenShards`: the batch is cut into equal spans, each span into ``tp`` equal pieces,
+rank r holds piece r of every span); `all_gather_rows` brings a span's normed rows together before the
+column-parallel q/k/v or gate/up, and `reduce_scatter_rows` sums a span's row-parallel output (o_proj, down_proj)
+and hands each rank its piece, in place of the all-reduce: the same bytes on the wire, and no rank repeats another's
+memory-bound work. The weights are sharded as above; only the activations differ.
+
 Mixture of experts: the experts are split over the group (``EXPERTS``: rank r owns experts
 ``r * E/tp : (r + 1) * E/tp`` whole, per-expert tensors read only by their owner, fused ones sliced along the
 expert axis); the router is replicated, so every rank routes every token alike and computes its own experts for
@@ -26,6 +33,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -162,3 +170,52 @@ def all_reduce_sum(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
         return x
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
+
+
+def all_gather_rows(out: Tensor, local: Tensor, group: dist.ProcessGroup) -> dist.Work:
+    """Start gathering every rank's `local` rows (n, H) into `out` (tp * n, H) in rank order; returns the handle."""
+    return dist.all_gather_into_tensor(out, local, group=group, async_op=True)
+
+
+def reduce_scatter_rows(out: Tensor, full: Tensor, group: dist.ProcessGroup) -> dist.Work:
+    """Start summing `full` (tp * n, H) over the ranks, this rank keeping rows ``rank * n : (rank + 1) * n`` in
+    `out` (n, H); returns the handle."""
+    return dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+@dataclass(frozen=True)
+class TokenShards:
+    """Sequence parallelism's split of a packed batch of `n_tokens` rows, padded to `n_padded` (a multiple of
+    chunks x tp): `chunks` equal spans, each cut into tp equal pieces; this rank holds piece `rank` of every span."""
+
+    n_tokens: int
+    n_padded: int
+    chunks: int
+    tp_size: int
+    rank: int
+
+    @property
+    def span(self) -> int:
+        return self.n_padded // self.chunks
+
+    @property
+    def piece(self) -> int:
+        return self.span // self.tp_size
+
+    def spans(self) -> list[tuple[int, int, int, int]]:
+        """Per span: (first global row, end, first local row, end)."""
+        return [
+            (c * self.span, (c + 1) * self.span, c * self.piece, (c + 1) * self.piece)
+            for c in range(self.chunks)
+        ]
+
+    def local_rows(self, device: torch.device) -> Tensor:
+        """(n_padded / tp,) int64: the global rows this rank holds, in its local order."""
+        starts = torch.arange(self.chunks, device=device) * self.span + self.rank * self.piece  # (chunks,)
+        return (starts[:, None] + torch.arange(self.piece, device=device)[None, :]).reshape(-1)
+
+
+def token_shards(n_tokens: int, chunks: int, layout: TPLayout) -> TokenShards:
+    """The `TokenShards` of an `n_tokens` batch cut into `chunks` spans on this rank."""
+    unit = chunks * layout.tp_size
+    return TokenShards(n_tokens, -(-n_tokens // unit) * unit, chunks, layout.tp_size, layout.rank)

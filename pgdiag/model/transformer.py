@@ -16,7 +16,7 @@ Speed: matmuls and attention are PyTorch's own kernels; ``fuse_pointwise=True`` 
 
 Tensor parallelism: modules are built with this rank's local sizes (`TPLayout`); the only collectives are the
 two `all_reduce_sum` calls after the row-parallel o_proj and down_proj (or the MoE combine), visible in `forward`,
-identity at TP=1.
+identity at TP=1, or in a dense layer their overlapped and sequence-parallel forms (`pgdiag.model.tp_dense`).
 
 Routing: `CausalLM.forward_packed(..., replay_experts=)` also returns the experts each sparse layer's router picked
 per token (`TrunkOutput.router_topk`), and runs the recorded experts instead when given (routing replay).
@@ -24,11 +24,9 @@ per token (`TrunkOutput.router_topk`), and runs the recorded experts instead whe
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from itertools import pairwise
 
 import torch
 import torch.distributed as dist
@@ -36,68 +34,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pgdiag.model.attention import PackedDocs, packed_attention
-from pgdiag.model.config import ModelConfig, RopeConfig
+from pgdiag.model.config import ModelConfig
 from pgdiag.model.moe import MoeBlock, moe_combine
-from pgdiag.model.tp import TPLayout, all_reduce_sum
+from pgdiag.model.rope import rope_inv_freq
+from pgdiag.model.tp import TPLayout, all_reduce_sum, token_shards
+from pgdiag.model.tp_dense import dense_overlapped, dense_sequence_parallel, gather_tokens
 
 TP_OVERLAP_CHUNKS = 4  # token chunks of a dense layer whose all-reduces overlap compute under TP (1 = off)
 TP_OVERLAP_MIN_TOKENS = 1024  # fewer tokens a chunk: not worth it, the layer runs unchunked
-
-
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[Tensor, float]:
-    """Inverse frequencies (head_dim/2,) fp32 and the cos/sin scale for a RoPE config (HF semantics)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta**exponents)  # (D/2,)
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor, 1.0
-    if rope.rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, rope), 1.0
-    if rope.rope_type == "yarn":
-        return _yarn_inv_freq(rope, head_dim)
-    return inv_freq, 1.0
-
-
-def _llama3_inv_freq(inv_freq: Tensor, rope: RopeConfig) -> Tensor:
-    """Llama 3.1 scaling: long wavelengths divided by `factor`, short kept, a linear blend in between."""
-    old_len = rope.original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    low_freq_wavelen = old_len / rope.low_freq_factor
-    high_freq_wavelen = old_len / rope.high_freq_factor
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(medium, blended, scaled)
-
-
-def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[Tensor, float]:
-    """YaRN (arXiv 2309.00071): interpolate low frequencies, keep high ones, ramp between; scale cos/sin."""
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    if rope.attention_factor is not None:
-        attention_factor = rope.attention_factor
-    elif rope.mscale and rope.mscale_all_dim:
-        attention_factor = mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim)
-    else:
-        attention_factor = mscale(rope.factor)
-
-    def correction_dim(rotations: float) -> float:
-        ctx = rope.original_max_position_embeddings
-        return head_dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
-
-    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
-    if rope.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # (D/2,)
-    pos_freqs = rope.theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, attention_factor
+# dense models under TP: sequence parallelism in the same token chunks; off: 2.5 % slower than the overlapped
+# all-reduces at TP 2 on two H200s (docs/benchmarks.md, issue 26)
+TP_SEQUENCE_PARALLEL = False
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -150,6 +97,18 @@ def pointwise_ops(fused: bool) -> PointwiseOps:
     )
 
 
+@dataclass(frozen=True)
+class LayerInputs:
+    """What every layer of one forward pass is given besides its input x: RoPE angles, documents, attention
+    backend and the TP group (None: one rank)."""
+
+    cos: Tensor  # (N, D) body dtype, RoPE scale applied
+    sin: Tensor  # (N, D)
+    docs: PackedDocs
+    backend: str  # attention backend, resolved by the loader
+    group: dist.ProcessGroup | None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, ops: PointwiseOps, weight_fp32: bool = False) -> None:
         super().__init__()
@@ -182,30 +141,26 @@ class Attention(nn.Module):
         if config.attention_sinks:
             self.sinks = nn.Parameter(torch.empty(self.local_num_heads))  # (Hq_local,) one logit per head
 
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        docs: PackedDocs,
-        backend: str,
-        group: dist.ProcessGroup | None,
-    ) -> Tensor:
-        return _row_parallel(self.core(x, cos, sin, docs, backend), self.o_proj, group)  # (N, H)
+    def forward(self, x: Tensor, shared: LayerInputs) -> Tensor:
+        return _row_parallel(self.core(x, shared), self.o_proj, shared.group)  # (N, H)
 
-    def core(self, x: Tensor, cos: Tensor, sin: Tensor, docs: PackedDocs, backend: str) -> Tensor:
+    def core(self, x: Tensor, shared: LayerInputs) -> Tensor:
         """The attention output of this rank's heads before o_proj: (N, Hq_local * D)."""
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.local_num_heads, self.head_dim)  # (N, Hq_local, D)
-        k = self.k_proj(x).view(n, self.local_num_kv_heads, self.head_dim)  # (N, Hkv_local, D)
-        v = self.v_proj(x).view(n, self.local_num_kv_heads, self.head_dim)
+        return self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), shared)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, shared: LayerInputs) -> Tensor:
+        """`core` from the projections q (N, Hq_local * D), k and v (N, Hkv_local * D): (N, Hq_local * D)."""
+        n = q.shape[0]
+        q = q.view(n, self.local_num_heads, self.head_dim)  # (N, Hq_local, D)
+        k = k.view(n, self.local_num_kv_heads, self.head_dim)  # (N, Hkv_local, D)
+        v = v.view(n, self.local_num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (N, 1, D)
+        cos, sin = shared.cos.unsqueeze(1), shared.sin.unsqueeze(1)  # (N, 1, D)
         q, k = self.ops.rope(q, cos, sin), self.ops.rope(k, cos, sin)
         sinks = getattr(self, "sinks", None)
         out = packed_attention(
-            q, k, v, docs, window=self.window, backend=backend, sinks=sinks
+            q, k, v, shared.docs, window=self.window, backend=shared.backend, sinks=sinks
         )  # (N, Hq_local, D)
         return out.reshape(n, -1)
 
@@ -259,11 +214,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        docs: PackedDocs,
-        backend: str,
-        group: dist.ProcessGroup | None,
+        shared: LayerInputs,
         expert_impl: str = "loop",
         replay: Tensor | None = None,
         overlap_chunks: int = 1,
@@ -271,58 +222,16 @@ class DecoderLayer(nn.Module):
         """(x after the layer (N, H), the router's top-k (N, k) in a sparse layer else None).
 
         `overlap_chunks` > 1 (a dense layer under TP): the token-wise part after attention runs in that many
-        token chunks, each chunk's all-reduce in flight while the next chunk computes (`_dense_overlapped`)."""
+        token chunks, each chunk's all-reduce in flight while the next chunk computes (`tp_dense.dense_overlapped`)."""
+        group = shared.group
         if not self.sparse and overlap_chunks > 1 and group is not None and dist.get_world_size(group) > 1:
-            return self._dense_overlapped(x, cos, sin, docs, backend, group, overlap_chunks), None
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, backend, group)
+            return dense_overlapped(self, x, shared, group, overlap_chunks), None
+        x = x + self.self_attn(self.input_layernorm(x), shared)
         ffn = getattr(self, self.ffn_name)
         if not self.sparse:
             return x + ffn(self.post_attention_layernorm(x), group), None
         out, chosen = ffn(self.post_attention_layernorm(x), group, expert_impl, replay)
         return x + out, chosen
-
-    def _dense_overlapped(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        docs: PackedDocs,
-        backend: str,
-        group: dist.ProcessGroup,
-        n_chunks: int,
-    ) -> Tensor:
-        """The dense layer of `forward` with its two all-reduces overlapped with compute.
-
-        Everything after attention (o_proj, residual, norm, MLP) is token-wise, so it runs in `n_chunks` token
-        chunks: the o_proj partial sums of all chunks are launched, each with an asynchronous all-reduce; then
-        chunk c waits for its sum and runs its MLP while the sums of chunks c+1.. are still on the wire, and its
-        down_proj all-reduce runs while chunk c+1 computes. Same math as `forward` per token; in 16-bit the
-        matmul library may pick another kernel for a chunk's row count, so the rounding can differ."""
-        attn = self.self_attn
-        mlp = getattr(self, self.ffn_name)
-        core = attn.core(self.input_layernorm(x), cos, sin, docs, backend)  # (N, Hq_local * D)
-        edges = [x.shape[0] * c // n_chunks for c in range(n_chunks + 1)]  # near-equal token chunks
-        spans = [(start, stop) for start, stop in pairwise(edges) if stop > start]
-        o_parts, o_waits = [], []
-        for start, stop in spans:
-            part = F.linear(core[start:stop], attn.o_proj.weight)  # (n_c, H) partial over this rank's heads
-            o_waits.append(dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group, async_op=True))
-            o_parts.append(part)
-        residuals, d_parts, d_waits = [], [], []
-        for (start, stop), part, pending in zip(spans, o_parts, o_waits, strict=True):
-            pending.wait()
-            mid = x[start:stop] + _add_bias(part, attn.o_proj)  # (n_c, H)
-            normed = self.post_attention_layernorm(mid)
-            inner = mlp.ops.swiglu(mlp.gate_proj(normed), mlp.up_proj(normed))  # (n_c, I_local)
-            down = F.linear(inner, mlp.down_proj.weight)  # (n_c, H) partial
-            d_waits.append(dist.all_reduce(down, op=dist.ReduceOp.SUM, group=group, async_op=True))
-            d_parts.append(down)
-            residuals.append(mid)
-        out = torch.empty_like(x)  # (N, H)
-        for (start, stop), mid, down, pending in zip(spans, residuals, d_parts, d_waits, strict=True):
-            pending.wait()
-            out[start:stop] = mid + _add_bias(down, mlp.down_proj)
-        return out
 
 
 class DecoderTrunk(nn.Module):
@@ -386,6 +295,8 @@ class CausalLM(nn.Module):
         # batch with fewer than TP_OVERLAP_MIN_TOKENS tokens a chunk runs unchunked
         self.tp_overlap_chunks = TP_OVERLAP_CHUNKS
         self.tp_overlap_min_tokens = TP_OVERLAP_MIN_TOKENS
+        # TP > 1, dense models: the residual stream, norms and residual adds on a token shard (`pgdiag.model.tp_dense`)
+        self.tp_sequence_parallel = TP_SEQUENCE_PARALLEL
 
     @property
     def vocab_start(self) -> int:
@@ -437,11 +348,28 @@ class CausalLM(nn.Module):
             )
         docs = PackedDocs.from_cu_seqlens(cu_seqlens, n, device)
         input_ids, position_ids = input_ids.to(device), position_ids.to(device)
+        chunks = self.tp_overlap_chunks if n >= self.tp_overlap_chunks * self.tp_overlap_min_tokens else 1
+        shards = (
+            None  # sequence parallel: dense, TP > 1, chunked; not for `pgdiag.explain.layers` (whole rows)
+        )
+        if (
+            self.tp_sequence_parallel
+            and chunks > 1
+            and self.layout.tp_size > 1
+            and not (self.config.moe or layer_hook)
+        ):
+            shards = token_shards(n, chunks, self.layout)
+            input_ids, position_ids, docs = _padded(input_ids, position_ids, docs, shards.n_padded)
         freqs = position_ids.float()[:, None] * self.inv_freq[None, :]  # (N, D/2) fp32
         angles = torch.cat((freqs, freqs), dim=-1)  # (N, D)
         dtype = self.body_dtype
-        cos = (angles.cos() * self.rope_scale).to(dtype)
-        sin = (angles.sin() * self.rope_scale).to(dtype)
+        shared = LayerInputs(
+            cos=(angles.cos() * self.rope_scale).to(dtype),
+            sin=(angles.sin() * self.rope_scale).to(dtype),
+            docs=docs,
+            backend=self.attention_backend,
+            group=self.tp_group,
+        )
         moe = self.config.moe
         if replay_experts is not None:
             want = (n, len(moe.sparse_layer_indices), moe.top_k) if moe else None
@@ -450,20 +378,36 @@ class CausalLM(nn.Module):
                     f"replay_experts must be (N, L_sparse, k) = {want}, got {replay_experts.shape}"
                 )
             replay_experts = replay_experts.to(device=device, dtype=torch.int64)
+        if shards is not None:  # sequence parallel: every rank holds its token rows of the residual stream
+            x = self.model.embed_tokens(input_ids[shards.local_rows(device)])  # (N_pad / tp, H)
+            for layer in self.model.layers:
+                x = dense_sequence_parallel(layer, x, shared, shards)
+            return TrunkOutput(gather_tokens(self.model.norm(x), shards, self.tp_group)[:n], None)
         x = self.model.embed_tokens(input_ids)  # (N, H)
         if layer_hook is not None:
             x = _hooked(layer_hook, -1, x, x)
         picked: list[Tensor] = []
-        chunks = self.tp_overlap_chunks if n >= self.tp_overlap_chunks * self.tp_overlap_min_tokens else 1
         for index, layer in enumerate(self.model.layers):
             replay = None if replay_experts is None or not layer.sparse else replay_experts[:, len(picked)]
-            out, chosen = layer(
-                x, cos, sin, docs, self.attention_backend, self.tp_group, self.expert_impl, replay, chunks
-            )
+            out, chosen = layer(x, shared, self.expert_impl, replay, chunks)
             x = out if layer_hook is None else _hooked(layer_hook, index, x, out)
             if chosen is not None:
                 picked.append(chosen)
         return TrunkOutput(self.model.norm(x), torch.stack(picked, dim=1) if picked else None)
+
+
+def _padded(
+    input_ids: Tensor, position_ids: Tensor, docs: PackedDocs, n_padded: int
+) -> tuple[Tensor, Tensor, PackedDocs]:
+    """The batch padded to `n_padded` tokens by one extra document of token 0 (attention stays within
+    documents, so the real tokens see the same context); unchanged when no padding is needed."""
+    n = input_ids.shape[0]
+    if n_padded == n:
+        return input_ids, position_ids, docs
+    extra = torch.arange(n_padded - n, device=input_ids.device)
+    bounds = torch.tensor([*docs.bounds, n_padded], dtype=torch.int32)
+    padded_docs = PackedDocs.from_cu_seqlens(bounds, n_padded, docs.cu_seqlens.device)
+    return torch.cat((input_ids, torch.zeros_like(extra))), torch.cat((position_ids, extra)), padded_docs
 
 
 def _hooked(
@@ -472,3 +416,30 @@ def _hooked(
     """`x_out`, or what `hook` returns in its place (cast to x_out's dtype and device)."""
     replaced = hook(index, x_in, x_out)
     return x_out if replaced is None else replaced.to(dtype=x_out.dtype, device=x_out.device)
+
+
+@torch.inference_mode()
+def warm_pointwise_ops(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
+    """Run each compiled pointwise op of `model` once on small random tensors of the ranks, dtypes and layouts the
+    forward gives it, so that `torch.compile` loads (or builds) its kernels now; the loader calls this while the
+    weights are still arriving (`pgdiag.model.weight_stream`). The compiled functions mark every dimension
+    dynamic, so the real token counts reuse these kernels. No-op unless the ops are fused and `device` is CUDA."""
+    if not model.fuse_pointwise or torch.device(device).type != "cuda":
+        return
+    config, layout = model.config, model.layout
+    n, d, h, eps = 64, config.head_dim, config.hidden_size, config.rms_norm_eps
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    layer = model.model.layers[0]
+    attn, ops = layer.self_attn, layer.self_attn.ops
+    layer.input_layernorm.norm(rand(n, h), rand(h), eps)  # (n, H)
+    cos, sin = rand(n, 1, d), rand(n, 1, d)
+    for heads in {attn.local_num_heads, attn.local_num_kv_heads}:
+        ops.rope(rand(n, heads, d), cos, sin)  # (n, heads, D)
+        if hasattr(attn, "q_norm"):
+            attn.q_norm.norm(rand(n, heads, d), rand(d), eps)
+    if not all(layer.sparse for layer in model.model.layers):
+        inner = layout.local_intermediate_size
+        ops.swiglu(rand(n, inner), rand(n, inner))  # (n, I_local)

@@ -39,7 +39,8 @@ from pgdiag.recompute.finite import check_finite_weights
 from pgdiag.recompute.forward import ProgressUpdate, compute_parts
 from pgdiag.recompute.kept_batch import sum_floats_over_ranks
 from pgdiag.recompute.kept_rules import hidden_bias_warning
-from pgdiag.recompute.launch import barrier, current_layout, replica_parts
+from pgdiag.recompute.launch import ParallelLayout, barrier, current_layout, replica_parts
+from pgdiag.recompute.model_spec import start_stream
 from pgdiag.recompute.output import (
     MANIFEST_NAME,
     clear_output,
@@ -55,6 +56,7 @@ from pgdiag.recompute.settings import RecomputeSettings, ResolvedRecompute
 if TYPE_CHECKING:
     from pgdiag.data.runs import Run
     from pgdiag.model import CausalLM
+    from pgdiag.model.weight_stream import WeightStream
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,27 @@ def recompute_rank(
     start_time = time.perf_counter()
     settings = settings or RecomputeSettings()
     layout = current_layout(tp_group)
+    # the weights start streaming onto the GPU now, while the run is read and CUDA and the compiler warm up
+    stream = start_stream(model, settings, layout, device)
+    try:
+        return _recompute(run, model, settings, layout, tp_group, device, progress, stream, start_time)
+    finally:
+        if stream is not None:
+            stream.close()
+
+
+def _recompute(
+    run: Run | str | Path,
+    model: CausalLM | str | Path,
+    settings: RecomputeSettings,
+    layout: ParallelLayout,
+    tp_group: torch.distributed.ProcessGroup | None,
+    device: str | torch.device | None,
+    progress: Callable[[ProgressUpdate], None] | None,
+    stream: WeightStream | None,
+    start_time: float,
+) -> RecomputeResult:
+    """`recompute_rank`'s steps, with the weights taken from `stream` where it holds them."""
     prepared = plan_recompute(run, model, settings, layout, device)
     out_dir, manifest, parts, footer_base, tag = (
         prepared.out_dir,
@@ -152,6 +175,7 @@ def recompute_rank(
                     head_dtype=resolved.head_dtype,
                     tp_group=tp_group,
                     experts=resolved.experts,
+                    stream=stream,
                 )
                 if len(done) < len(parts)
                 else None

@@ -21,6 +21,9 @@ from pgdiag.errors import Code, UsageError
 
 if TYPE_CHECKING:
     from pgdiag.model import CausalLM, ModelConfig
+    from pgdiag.model.weight_stream import WeightStream
+    from pgdiag.recompute.launch import ParallelLayout
+    from pgdiag.recompute.settings import RecomputeSettings
 
 
 @dataclass(frozen=True)
@@ -41,8 +44,11 @@ class ModelSpec:
             "storage_dtype": self.config.storage_dtype,
         }
 
-    def load(self, *, dtype: str, head_dtype: str, tp_group: Any, experts: str) -> CausalLM:
-        """This rank's shard of the model (a model passed in already loaded is returned as it is)."""
+    def load(
+        self, *, dtype: str, head_dtype: str, tp_group: Any, experts: str, stream: WeightStream | None = None
+    ) -> CausalLM:
+        """This rank's shard of the model (a model passed in already loaded is returned as it is); tensors that
+        `stream` holds are taken from it."""
         if not isinstance(self.source, Path):
             return self.source
         from pgdiag.model import load_model
@@ -57,6 +63,7 @@ class ModelSpec:
             experts="loop" if experts == "none" else experts,
             # one compiled kernel each for RMSNorm, RoPE and SwiGLU: +28% tokens/s on an H100 (docs/benchmarks.md)
             fuse_pointwise=torch.device(self.device).type == "cuda",
+            stream=stream,
         )
 
 
@@ -78,3 +85,31 @@ def read_model_spec(
     config = read_model_config(model)
     backend = resolve_attention_backend(attn, where, parse_dtype(dtype, "--dtype"))
     return ModelSpec(Path(model), config, where, backend)
+
+
+def start_stream(
+    model: CausalLM | str | Path,
+    settings: RecomputeSettings,
+    layout: ParallelLayout,
+    device: str | torch.device | None,
+) -> WeightStream | None:
+    """Start reading this rank's weights of checkpoint `model` onto the GPU in the background
+    (`pgdiag.model.weight_stream`), before the run is read; None for a loaded model, a CPU device or settings the
+    plan will refuse (the plan and the loader report those as before)."""
+    from pgdiag.model.checkpoint import DTYPES
+
+    if (
+        not isinstance(model, (str, Path))
+        or settings.dtype not in DTYPES
+        or settings.head_dtype not in DTYPES
+    ):
+        return None
+    where = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if where.type != "cuda" or not torch.cuda.is_available():
+        return None
+    from pgdiag.model.weight_stream import start_weight_stream
+
+    return start_weight_stream(
+        model, device=where, tp_rank=layout.tp_rank, tp_size=layout.tp_size,
+        dtype=DTYPES[settings.dtype], head_dtype=DTYPES[settings.head_dtype],
+    )  # fmt: skip

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import polars as pl
 
-from pgdiag.errors import Code, UsageError
+from pgdiag.errors import missing_package
 from pgdiag.report.report import Report
 
 
@@ -35,10 +35,8 @@ def export_tensorboard(report: Report, logdir: str | Path) -> Path:
         from tensorboard.compat.proto.summary_pb2 import Summary
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
     except ImportError:
-        raise UsageError(
-            Code.MISSING_PACKAGE,
-            "--to-tensorboard needs the tensorboard package",
-            "pip install 'pgdiag[tensorboard]'",
+        raise missing_package(
+            "--to-tensorboard", "tensorboard", "pip install 'pgdiag[tensorboard]'"
         ) from None
     logdir = Path(logdir)
     logdir.mkdir(parents=True, exist_ok=True)
@@ -63,9 +61,7 @@ def export_wandb(report: Report, project: str, directory: str | Path) -> Path:
     try:
         import wandb
     except ImportError:
-        raise UsageError(
-            Code.MISSING_PACKAGE, "--to-wandb needs the wandb package", "pip install 'pgdiag[wandb]'"
-        ) from None
+        raise missing_package("--to-wandb", "wandb", "pip install 'pgdiag[wandb]'") from None
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     run = wandb.init(

@@ -65,6 +65,13 @@ class ReportRow:
     bucket_lo: float | None = None
     bucket_hi: float | None = None
 
+    @classmethod
+    def overall(
+        cls, pair: str, metric: str, value: float | None, unit: str, reduction: str, n: int
+    ) -> ReportRow:
+        """The row of `metric` over all tokens of `pair` (scope ``token``, breakdown and bucket ``all``)."""
+        return cls(pair, "token", "all", "all", metric, value, unit, reduction, n)
+
 
 def _clean(value: float | None) -> float | None:
     if value is None:

@@ -96,3 +96,38 @@ def test_worst_tables_rank_and_locate() -> None:
     assert trace["sample_id"].unique().to_list() == ["x"] and trace.height == 5
     assert (trace["lp_b"] - trace["lp_a"]).to_list() == pytest.approx([0.4, 0.1, -0.1, 0.0, 0.2])
     assert math.isclose(trace["lp_a"][3], -3.0)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.int64, np.int32])
+def test_bucket_codes_equal_the_clipped_binary_search(dtype: type) -> None:
+    """`_bucket_codes` counts inner edges by comparison; it must give the codes of the binary search it replaced,
+    clip(searchsorted(edges, v, "right") − 1, 0, K − 1), for every edge set the breakdowns use, values on, just
+    below and just above each edge, ±inf, −0.0 and NaN (the last bucket), in every dtype the values come in."""
+    rng = np.random.default_rng(3)
+    edge_sets = [
+        np.asarray((-np.inf, *(float(np.log(e)) for e in bd.PROB_EDGES[1:]))),
+        np.asarray(bd.ENTROPY_EDGES, dtype=np.float64),
+        np.asarray(bd.DOUBLING_EDGES, dtype=np.float64),
+        np.linspace(-3.0, 3.0, 200),  # more inner edges than an int8 count holds
+    ]
+    for edges in edge_sets:
+        finite = edges[np.isfinite(edges)]
+        values = np.concatenate(
+            [
+                rng.normal(0.0, 3.0, 2000),
+                finite,
+                np.nextafter(finite, -np.inf),
+                np.nextafter(finite, np.inf),
+                [np.inf, -np.inf, np.nan, -0.0, 0.0, 1e300, -1e300],
+            ]
+        )
+        if np.issubdtype(dtype, np.integer):
+            values = np.nan_to_num(values, nan=0.0).clip(-1e9, 1e9).astype(dtype)
+        else:
+            with np.errstate(over="ignore"):
+                values = values.astype(dtype)
+        k = edges.shape[0] - 1
+        expected = np.clip(np.searchsorted(edges, values, side="right") - 1, 0, k - 1)
+        got = bd._bucket_codes(values, edges)
+        assert got.dtype == np.intp
+        assert np.array_equal(got, expected)

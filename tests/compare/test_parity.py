@@ -174,3 +174,48 @@ def test_token_table_leaves_its_inputs_untouched() -> None:
         assert given[stat][0] == computed[stat][0] or (
             np.isnan(given[stat][0]) and np.isnan(computed[stat][0])
         )
+
+
+def test_token_table_kl_sums_are_those_of_the_metrics_terms() -> None:
+    """The `all` row's KL, chi-square, ESS and tmpe come from one expm1(Δ) (`metrics.terms.kl_sums`); each must be
+    bit for bit the mean of the `metrics.terms` function `metrics` reduces, so both commands agree exactly.
+    Δ spans exact zeros, tiny and large values (ρ up to e^30) and both signs."""
+    from pgdiag.metrics import terms as t
+
+    rng = np.random.default_rng(7)
+    lp_a = -rng.exponential(2.0, size=4099)
+    delta = np.concatenate([rng.normal(0, 0.02, 3000), rng.normal(0, 3.0, 1000), np.zeros(90), [30.0] * 9])
+    lp_b = lp_a + delta
+    delta = lp_b - lp_a  # as the pair computes it
+    table = token_table(lp_a, lp_b, eps_low=0.2, eps_high=0.28, delta=delta)
+    out, spare = np.empty_like(delta), np.empty_like(delta)
+    n = delta.shape[0]
+    assert table["chi2_token"][0] == np.sum(t.chi2(delta, out, spare)) / n
+    assert table["kl_k3"][0] == np.sum(t.k3(delta, out)) / n
+    assert table["kl_rev_k1"][0] == np.sum(t.rev_k1(delta, out)) / n
+    assert table["kl_rev_k3"][0] == np.sum(t.rev_k3(delta, out, spare)) / n
+    assert table["tmpe"][0] == np.sum(t.tmpe(delta, out, spare)) / n
+    rho = t.ratio(delta, out)
+    assert table["ess_token"][0] == np.sum(rho) * np.sum(rho) / (n * np.dot(rho, rho))
+    assert table["kl_k1"][0] == 0.0 - np.sum(delta) / n
+
+
+def test_bucket_max_is_the_max_of_each_bucket_ignoring_nan() -> None:
+    """`_bucket_max` (one np.fmax.at): each bucket's max as polars' `max` gives it (NaN ignored), NaN for an
+    empty bucket and for one holding only NaN."""
+    from pgdiag.compare.parity import _bucket_max
+
+    rng = np.random.default_rng(8)
+    values = np.abs(rng.normal(0.0, 1.0, 5000))
+    codes = rng.integers(0, 6, 5000).astype(np.intp)
+    codes[codes == 2] = 3  # bucket 2 empty
+    values[codes == 4] = np.nan  # bucket 4 all NaN
+    values[:7] = np.nan  # a few NaN in the others
+    got = _bucket_max(values, codes, 7)  # bucket 6 empty too
+    for bucket in range(7):
+        inside = values[codes == bucket]
+        inside = inside[~np.isnan(inside)]
+        if inside.size == 0:
+            assert np.isnan(got[bucket]), bucket
+        else:
+            assert got[bucket] == inside.max(), bucket

@@ -9,7 +9,7 @@ import torch
 
 from pgdiag.errors import UsageError
 from pgdiag.model import ModelConfig
-from pgdiag.model.transformer import rope_inv_freq
+from pgdiag.model.rope import rope_inv_freq
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],

@@ -1,5 +1,7 @@
 """Tensor parallelism on CPU with gloo: TP=2 and TP=3 give the logprobs of TP=1 within 1e-5, with the dense
-layers' all-reduces overlapped in token chunks or not.
+layers' all-reduces overlapped in token chunks or not, and sequence parallel (norms and residual adds on a token
+shard, all-gather before q/k/v and gate/up, reduce-scatter after o_proj and down_proj; the 25 tokens padded to 30
+or 27 by an extra document).
 
 Each rank loads only its slices (heads, MLP columns, vocab rows; vocab 251 splits unevenly) and returns its
 local head logits; the test gathers them to the full vocabulary in fp64 (the kernel's own vocab-parallel
@@ -36,13 +38,15 @@ def free_port() -> int:
 
 
 def local_logits(
-    path: Path, group: dist.ProcessGroup | None, overlap_chunks: int = 1
+    path: Path, group: dist.ProcessGroup | None, overlap_chunks: int = 1, sequence_parallel: bool = False
 ) -> tuple[int, torch.Tensor]:
     """(vocab_start, (N, V_local) fp32 logits of this rank's vocab rows); `overlap_chunks` > 1: the dense
-    layers' all-reduces overlapped in that many token chunks (`DecoderLayer._dense_overlapped`), even on this
+    layers' all-reduces overlapped in that many token chunks (`pgdiag.model.tp_dense.dense_overlapped`), or with
+    `sequence_parallel` the layers sequence parallel in that many spans (`dense_sequence_parallel`), even on this
     short batch."""
     model = load_model(path, dtype="fp32", head_dtype="fp32", tp_group=group)
     model.tp_overlap_chunks, model.tp_overlap_min_tokens = overlap_chunks, 1
+    model.tp_sequence_parallel = sequence_parallel
     ids, pos, cu = packed_inputs(LENGTHS, 251)
     return model.vocab_start, model.hidden_states(ids, pos, cu) @ model.lm_head_weight.T
 
@@ -53,7 +57,8 @@ def worker(rank: int, world: int, port: int, paths: list[str], out: str) -> None
     try:
         plain = [local_logits(Path(p), dist.group.WORLD) for p in paths]
         overlapped = [local_logits(Path(p), dist.group.WORLD, overlap_chunks=3) for p in paths]
-        torch.save(plain + overlapped, f"{out}.{rank}")
+        sequence = [local_logits(Path(p), dist.group.WORLD, 3, sequence_parallel=True) for p in paths]
+        torch.save(plain + overlapped + sequence, f"{out}.{rank}")
         dist.barrier()  # no rank tears gloo down while another still talks to it (a rare SIGABRT otherwise)
     finally:
         dist.destroy_process_group()
@@ -104,3 +109,8 @@ def test_tp2_and_tp3_equal_tp1(tmp_path: Path) -> None:
             chunked = gathered_logprobs([per_rank[r][len(paths) + i] for r in range(world)])
             assert (chunked - ref).abs().max().item() < 1e-5
             assert (chunked - got).abs().max().item() < 5e-6  # CPU matmuls of other row counts round apart
+            # sequence parallel in 3 spans of 5 (TP 2, 30 padded tokens) or 3 (TP 3, 27)
+            sequence = gathered_logprobs([per_rank[r][2 * len(paths) + i] for r in range(world)])
+            assert sequence.shape == ref.shape
+            assert (sequence - ref).abs().max().item() < 1e-5
+            assert (sequence - got).abs().max().item() < 5e-6

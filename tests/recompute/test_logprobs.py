@@ -20,7 +20,7 @@ from hf_tiny import save_scaled_qwen3
 from rollout_factory import write_rollouts_file
 from typer.testing import CliRunner
 
-from pgdiag.cli import logprobs_cmd
+from pgdiag.cli.app import register_commands
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.recompute.forward import ProgressUpdate
 from pgdiag.recompute.jobs import recompute_logprobs
@@ -97,7 +97,7 @@ def cli_app() -> typer.Typer:
     def _root() -> None:
         """pgdiag"""
 
-    logprobs_cmd.register(app)
+    register_commands(app, ("logprobs", "recompute"))
     return app
 
 

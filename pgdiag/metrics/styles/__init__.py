@@ -10,8 +10,8 @@ definitions behind similar names (band vs binding clip, KL direction, `max(N, 1)
 per-token advantages), so each style is reproduced separately rather than mapped from native keys.
 
 How: `check_style_settings` (which `MetricSettings` runs when built) rejects any flag the framework has no setting for (`UsageError`, exit 2) and any
-`--aggregation` it cannot name; each style module (`fast_llm`, `verl`, `trl`, `liger`, `miles`,
-`pipelinerl`) computes from `common.StyleInputs`. `--metric-reduction` is ignored (the style fixes every
+`--aggregation` it cannot name (each style's `flags.StyleRules`); each style module (`fast_llm`, `verl`, `trl`, `liger`, `miles`,
+`pipelinerl`) computes from `inputs.StyleInputs`. `--metric-reduction` is ignored (the style fixes every
 reduction) with a notice. `steps.compute_step_style` computes one step, `steps.StyleStream` a run read in
 chunks; the run's `all` row is pooled from the step results (`pooled.pool_style_steps`). This package's own
 module imports no engine, so `metrics.settings` can run the checks without an import cycle.
@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pgdiag.errors import Code, UsageError
-from pgdiag.metrics.styles.common import StyleInputs, StyleOutput
 from pgdiag.metrics.styles.fast_llm import check_fast_llm_settings, compute_fast_llm
+from pgdiag.metrics.styles.inputs import StyleInputs, StyleOutput
 from pgdiag.metrics.styles.liger import check_liger_settings, compute_liger
 from pgdiag.metrics.styles.miles import check_miles_settings, compute_miles
 from pgdiag.metrics.styles.pipelinerl import check_pipelinerl_settings, compute_pipelinerl

@@ -1,10 +1,10 @@
-"""Shared pieces of the framework key styles (docs/key-styles.md): inputs, guarded means, clamps, flags.
+"""The arithmetic the framework key styles share (docs/key-styles.md): guarded means, clamps, exp, values.
 
-What: every style reads the same flat token arrays of one step and reduces them with its framework's own
-denominator guard. This module resolves those arrays once (`StyleInputs`), gives each guard a name
+What: every style reads the same flat token arrays of one step (`pgdiag.metrics.styles.inputs`) and reduces
+them with its framework's own denominator guard. This module gives each guard a name
 (`mean_eps` for verl's ``Σ m x / (Σ m + 1e-8)``, `mean_guard` for the ``max(Σ m, 1)`` of TRL, Liger, miles
 and Fast-LLM, `sample_mean_guard` for miles' ``SM``, `document_mean` for Fast-LLM's per-document weights),
-and checks that a style is only given flags its framework has.
+and the clamps and exponentials their losses share; which flags a style accepts is `styles.flags`.
 
 Why: the guards, clamps and reductions are exactly where the frameworks disagree (docs/key-styles.md), so they
 live in one place with one name each, and the style modules read like the tables of docs/key-styles.md.
@@ -17,147 +17,14 @@ token and ``Σ m = M``. Non-finite inputs propagate as the framework propagates 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pgdiag.data.batch import TokenBatch
-from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.values import MetricValue
 
 if TYPE_CHECKING:
-    from pgdiag.metrics.settings import MetricSettings
-
-# Style-only and style-sensitive settings: (attribute, CLI flag, value meaning "not given").
-_FLAG_DEFAULTS: tuple[tuple[str, str, object], ...] = (
-    ("dual_clip", "--dual-clip", None),
-    ("divisor", "--divisor", None),
-    ("grad_divisor", "--grad-divisor", None),
-    ("empty_seqs", "--empty-seqs", "count"),
-    ("level", "--level", "token"),
-    ("zero_std_atol", "--zero-std-atol", 0.0),
-    ("loss_name", "--loss-name", None),
-    ("rollout_is", "--rollout-is", None),
-    ("rollout_is_threshold", "--rollout-is-threshold", None),
-    ("beta", "--beta", None),
-    ("vllm_is", "--no-vllm-is", True),
-    ("kl_bias_correction", "--no-kl-bias-correction", True),
-    ("pad_width", "--pad-width", None),
-    ("tis", "--tis", False),
-    ("mismatch_metrics", "--mismatch-metrics", False),
-    ("batch_size", "--batch-size", None),
-    ("group_normalize", "--group-normalize", False),
-    ("kl_coef", "--kl-coef", None),
-)
-
-
-@dataclass(frozen=True)
-class StyleOutput:
-    """What one style computes for one step: its keys in table order plus notices for the report."""
-
-    values: tuple[MetricValue, ...]
-    notices: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class StyleInputs:
-    """The arrays of one step that the styles read; a None array means that input is absent."""
-
-    token_sample: np.ndarray  # (M,) int64 sample of each token
-    n_loss: np.ndarray  # (S,) int64 loss positions per sample (N_i)
-    document: np.ndarray  # (S,) int64 document of each sample
-    group: np.ndarray  # (S,) int64 prompt group of each sample
-    seq_len: np.ndarray  # (S,) int64 len(input_ids)
-    prompt_len: np.ndarray  # (S,) int64
-    lp_new: np.ndarray | None  # (M,)
-    lp_old: np.ndarray | None  # (M,)
-    lp_a: np.ndarray | None  # (M,) mismatch pair, sampling side (rollout)
-    lp_b: np.ndarray | None  # (M,) mismatch pair, evaluated side (train)
-    lp_ref: np.ndarray | None  # (M,)
-    entropy: np.ndarray | None  # (M,)
-    adv: np.ndarray | None  # (M,) per-token advantage
-    reward: np.ndarray | None  # (S,)
-
-    @property
-    def n_samples(self) -> int:
-        return int(self.n_loss.shape[0])
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.token_sample.shape[0])
-
-    @property
-    def has_policy(self) -> bool:
-        return self.lp_new is not None and self.lp_old is not None
-
-    @property
-    def has_pair(self) -> bool:
-        return self.lp_a is not None and self.lp_b is not None
-
-    def sample_sum(self, x: np.ndarray) -> np.ndarray:
-        """(S,) Σ_t x over each sample's tokens (NaN and inf propagate)."""
-        return np.bincount(self.token_sample, weights=x, minlength=self.n_samples).astype(np.float64)
-
-    def per_token(self, x_sample: np.ndarray) -> np.ndarray:
-        """(M,) a per-sample array broadcast to the sample's tokens."""
-        return x_sample[self.token_sample]
-
-    def sample_mean_adv(self) -> np.ndarray:
-        """(S,) Ā_i = Σ_t A / N_i, 0 for an empty sample (TRL/Liger take one advantage per sample)."""
-        assert self.adv is not None
-        return div_array(self.sample_sum(self.adv), self.n_loss, empty=0.0)
-
-    def seq_mean_logratio(self) -> np.ndarray:
-        """(S,) δ̄_i = Σ_t d / max(N_i, 1) (the GSPO log-ratio; 0 for an empty sample)."""
-        assert self.lp_new is not None and self.lp_old is not None
-        return self.sample_sum(self.lp_new - self.lp_old) / np.maximum(self.n_loss, 1)
-
-
-def read_inputs(batch: TokenBatch, settings: MetricSettings) -> StyleInputs:
-    """The style inputs of `batch` under the stream roles of `settings` (docs/key-styles.md)."""
-
-    def stream(name: str | None, what: str) -> np.ndarray | None:
-        if name is None:
-            return None
-        if name not in batch.streams:
-            present = ", ".join(batch.streams) or "none"
-            raise UsageError(
-                Code.STREAM_NOT_FOUND, f"{batch.label}: no stream {name!r} for {what}", f"streams: {present}"
-            )
-        return np.asarray(batch.streams[name], dtype=np.float64)
-
-    entropy = None
-    if settings.entropy is not None:
-        if settings.entropy not in batch.entropy:
-            present = ", ".join(batch.entropy) or "none"
-            raise UsageError(
-                Code.STREAM_NOT_FOUND,
-                f"{batch.label}: no entropy for {settings.entropy!r}",
-                f"entropy of: {present}",
-            )
-        entropy = np.asarray(batch.entropy[settings.entropy], dtype=np.float64)
-    lp_a = stream(settings.stream_a, "--stream-a")
-    lp_b = stream(settings.stream_b, "--stream-b")
-    if lp_a is None or lp_b is None:
-        lp_a = lp_b = None
-    return StyleInputs(
-        token_sample=batch.token_sample(),
-        n_loss=batch.n_loss.astype(np.int64),
-        document=batch.documents(),
-        group=np.asarray(batch.group, dtype=np.int64),
-        seq_len=np.asarray(batch.seq_len, dtype=np.int64),
-        prompt_len=np.asarray(batch.prompt_len, dtype=np.int64),
-        lp_new=stream(settings.new, "--new"),
-        lp_old=stream(settings.old, "--old"),
-        lp_a=lp_a,
-        lp_b=lp_b,
-        lp_ref=stream(settings.ref, "--ref"),
-        entropy=entropy,
-        adv=None if batch.advantages is None else np.asarray(batch.advantages, dtype=np.float64),
-        reward=None if batch.reward is None else np.asarray(batch.reward, dtype=np.float64),
-    )
+    from pgdiag.metrics.styles.inputs import StyleInputs
 
 
 def div(num: float, den: float) -> float:
@@ -228,41 +95,3 @@ def exp(x: np.ndarray) -> np.ndarray:
 def value(key: str, v: float | None, unit: str, reduction: str, n: int) -> MetricValue:
     """A `MetricValue` with the value cast to a Python float (NaN becomes None in `MetricValue`)."""
     return MetricValue(key, None if v is None else float(v), unit, reduction, int(n))
-
-
-def check_flags(style: str, settings: MetricSettings, allowed: frozenset[str]) -> None:
-    """Reject every style-only setting that `style`'s framework does not have (docs/key-styles.md, exit 2);
-    a dual-clip constant <= 1 never gets here (`ClipBand` rejects it)."""
-    given = settings.to_dict()
-    for attr, flag, unset in _FLAG_DEFAULTS:
-        if attr in allowed:
-            continue
-        if given[attr] != unset:
-            raise UsageError(
-                Code.NOT_IN_KEY_STYLE,
-                f"{flag} is not a setting of --key-style {style} (got {given[attr]!r})",
-                "see docs/key-styles.md for the flags each style accepts",
-            )
-
-
-def require_divisor(settings: MetricSettings, needed: bool, message: str, hint: str | None = None) -> None:
-    """`UsageError` MISSING_SETTING (exit 2) saying `message` when the framework's loss mode needs a divisor
-    (`needed`) and `--divisor` is not given."""
-    if needed and settings.divisor is None:
-        raise UsageError(Code.MISSING_SETTING, message, hint)
-
-
-def resolve_alias(style: str, aggregation: str | None, table: Mapping[str, str], default: str) -> str:
-    """The framework loss mode named by `--aggregation` under `style`: its own spelling, with or without
-    the ``style:`` prefix, or the equivalent native mode name; None means the framework default."""
-    if aggregation is None:
-        return default
-    name = aggregation.split(":", 1)[1] if aggregation.startswith(f"{style}:") else aggregation
-    if name in table:
-        return table[name]
-    accepted = ", ".join(sorted(table))
-    raise UsageError(
-        Code.NOT_IN_KEY_STYLE,
-        f"--aggregation {aggregation!r} is not a loss aggregation of --key-style {style}",
-        f"accepted: {accepted}",
-    )

@@ -25,33 +25,24 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pgdiag.metrics.styles.common import (
-    StyleInputs,
-    StyleOutput,
-    check_flags,
-    clip_ratio,
-    div,
-    exp,
-    ppo_token_loss,
-    resolve_alias,
-    total,
-    value,
-)
+from pgdiag.metrics.styles.common import clip_ratio, div, exp, ppo_token_loss, total, value
+from pgdiag.metrics.styles.flags import StyleRules
+from pgdiag.metrics.styles.inputs import StyleInputs, StyleOutput
 
 if TYPE_CHECKING:
     from pgdiag.metrics.settings import MetricSettings
 
-ALLOWED_FLAGS = frozenset({"level", "loss_name"})
+_FLAGS = frozenset({"level", "loss_name"})
 LM_HEAD_LOSS = "lm_head_loss"  # Fast-LLM LM_HEAD_LOSS_NAME: the head's total loss
 _TOKEN_LOSSES = {"token_mean": "grpo", "grpo": "grpo"}
 _SEQUENCE_LOSSES = {"token_mean": "gspo", "gspo": "gspo", "gspo_length_prop": "gspo"}
+TOKEN_RULES = StyleRules("fast-llm", _FLAGS, _TOKEN_LOSSES, "grpo")  # the loss at --level token
+SEQUENCE_RULES = StyleRules("fast-llm", _FLAGS, _SEQUENCE_LOSSES, "grpo")
 
 
 def check_fast_llm_settings(settings: MetricSettings) -> None:
     """Reject flags Fast-LLM has no setting for, and an aggregation that is not its loss at this level."""
-    check_flags("fast-llm", settings, ALLOWED_FLAGS)
-    table = _SEQUENCE_LOSSES if settings.level == "sequence" else _TOKEN_LOSSES
-    resolve_alias("fast-llm", settings.aggregation, table, "grpo")
+    (SEQUENCE_RULES if settings.level == "sequence" else TOKEN_RULES).check(settings)
 
 
 def compute_fast_llm(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:

@@ -20,42 +20,33 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pgdiag.errors import Code, UsageError
-from pgdiag.metrics.styles.common import (
-    StyleInputs,
-    StyleOutput,
-    check_flags,
-    clip_ratio,
-    div,
-    div_array,
-    exp,
-    k3_ref,
-    mean_guard,
-    require_divisor,
-    resolve_alias,
-    total,
-    value,
-)
+from pgdiag.metrics.styles.common import clip_ratio, div, div_array, exp, k3_ref, mean_guard, total, value
+from pgdiag.metrics.styles.flags import StyleRules, require_at_least
+from pgdiag.metrics.styles.inputs import StyleInputs, StyleOutput
 from pgdiag.metrics.styles.trl import LOSS_TYPES, aggregate_loss_type
 
 if TYPE_CHECKING:
     from pgdiag.metrics.settings import MetricSettings
 
-ALLOWED_FLAGS = frozenset({"divisor", "level", "beta", "pad_width"})
+RULES = StyleRules(
+    "liger",
+    frozenset({"divisor", "level", "beta", "pad_width"}),
+    LOSS_TYPES,
+    "dapo",
+    divisor_needed={
+        "dr_grpo": (
+            "liger dr_grpo needs --divisor (max_completion_length); Liger has no default for it",
+            None,
+        )
+    },
+)
 DEFAULT_BETA = 0.04
 
 
 def check_liger_settings(settings: MetricSettings) -> None:
     """Reject flags Liger has no setting for; `dr_grpo` needs max_completion_length (`--divisor`)."""
-    check_flags("liger", settings, ALLOWED_FLAGS)
-    loss_type = resolve_alias("liger", settings.aggregation, LOSS_TYPES, "dapo")
-    require_divisor(
-        settings,
-        loss_type == "dr_grpo",
-        "liger dr_grpo needs --divisor (max_completion_length); Liger has no default for it",
-    )
-    if settings.style.pad_width is not None and settings.style.pad_width < 1:
-        raise UsageError(Code.BAD_OPTION_VALUE, f"--pad-width must be >= 1 (got {settings.style.pad_width})")
+    RULES.check(settings)
+    require_at_least("--pad-width", settings.style.pad_width, 1)
 
 
 def compute_liger(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
@@ -63,7 +54,7 @@ def compute_liger(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     if not inputs.has_policy or inputs.adv is None:
         return StyleOutput((), ("liger: the loss function needs the new and old streams and advantages",))
     assert inputs.lp_new is not None and inputs.lp_old is not None
-    loss_type = resolve_alias("liger", settings.aggregation, LOSS_TYPES, "dapo")
+    loss_type = RULES.mode(settings)
     beta = DEFAULT_BETA if settings.style.beta is None else settings.style.beta
     sequence = settings.level == "sequence"
     n = inputs.n_tokens

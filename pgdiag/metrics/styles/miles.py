@@ -27,31 +27,28 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pgdiag.errors import Code, UsageError
-from pgdiag.metrics.styles.common import (
-    StyleInputs,
-    StyleOutput,
-    check_flags,
-    clip_ratio,
-    div,
-    exp,
-    require_divisor,
-    resolve_alias,
-    sample_mean_guard,
-    total,
-    value,
-)
+from pgdiag.metrics.styles.common import clip_ratio, div, exp, sample_mean_guard, total, value
+from pgdiag.metrics.styles.flags import StyleRules
+from pgdiag.metrics.styles.inputs import StyleInputs, StyleOutput
 from pgdiag.metrics.values import MetricValue
 
 if TYPE_CHECKING:
     from pgdiag.metrics.settings import MetricSettings
 
-ALLOWED_FLAGS = frozenset({"dual_clip", "divisor", "tis", "mismatch_metrics"})
-_LOSS_AGGREGATIONS = {
-    "sample_mean": "sample_mean",
-    "prompt_mean": "prompt_mean",
-    "token_mean": "token_mean",
-    "constant": "constant",
-}
+RULES = StyleRules(
+    "miles",
+    frozenset({"dual_clip", "divisor", "tis", "mismatch_metrics"}),
+    {
+        "sample_mean": "sample_mean",
+        "prompt_mean": "prompt_mean",
+        "token_mean": "token_mean",
+        "constant": "constant",
+    },
+    "sample_mean",  # no --aggregation: miles' default
+    divisor_needed={
+        "constant": ("miles --loss-aggregation constant needs --divisor (loss-aggregation-divisor)", None)
+    },
+)
 _LOG_RATIO_CLAMP = 20.0
 TIS_CLIP_LOW, TIS_CLIP_HIGH = 0.0, 2.0
 
@@ -61,21 +58,9 @@ def tis_branch(settings: MetricSettings) -> bool:
     return settings.style.tis or settings.style.mismatch_metrics
 
 
-def loss_aggregation(settings: MetricSettings) -> str:
-    """miles' `--loss-aggregation` for these settings (no `--aggregation`: miles' default sample_mean)."""
-    if settings.aggregation is None:
-        return "sample_mean"
-    return resolve_alias("miles", settings.aggregation, _LOSS_AGGREGATIONS, "sample_mean")
-
-
 def check_miles_settings(settings: MetricSettings) -> None:
     """Reject flags miles has no setting for; `constant` needs `--divisor`."""
-    check_flags("miles", settings, ALLOWED_FLAGS)
-    require_divisor(
-        settings,
-        loss_aggregation(settings) == "constant",
-        "miles --loss-aggregation constant needs --divisor (loss-aggregation-divisor)",
-    )
+    RULES.check(settings)
 
 
 def safe_log_ratio(x: np.ndarray) -> np.ndarray:
@@ -86,7 +71,7 @@ def safe_log_ratio(x: np.ndarray) -> np.ndarray:
 
 def compute_miles(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     """miles' `train/*` keys for one step (one row per rollout, kl/entropy coefficients 0)."""
-    agg = loss_aggregation(settings)
+    agg = RULES.mode(settings)  # miles' --loss-aggregation
     s = inputs.n_samples
     notices = []
     if s and int(np.max(np.bincount(inputs.document))) > 1:

@@ -22,39 +22,28 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pgdiag.errors import Code, UsageError
-from pgdiag.metrics.styles.common import (
-    StyleInputs,
-    StyleOutput,
-    check_flags,
-    clip_ratio,
-    div,
-    exp,
-    extremum,
-    ppo_token_loss,
-    resolve_alias,
-    total,
-    value,
-)
+from pgdiag.metrics.styles.common import clip_ratio, div, exp, extremum, ppo_token_loss, total, value
+from pgdiag.metrics.styles.flags import StyleRules, require_at_least
+from pgdiag.metrics.styles.inputs import StyleInputs, StyleOutput
 from pgdiag.metrics.values import MetricValue
 
 if TYPE_CHECKING:
     from pgdiag.metrics.settings import MetricSettings
 
-ALLOWED_FLAGS = frozenset({"batch_size", "group_normalize", "kl_coef"})
-_POLICY_LOSSES = {"token_mean": "ppo", "ppo": "ppo", "seq_mean_token_sum": "ppo"}
+RULES = StyleRules(
+    "pipelinerl",
+    frozenset({"batch_size", "group_normalize", "kl_coef"}),
+    {"token_mean": "ppo", "ppo": "ppo", "seq_mean_token_sum": "ppo"},  # policy losses
+    "ppo",
+)
 DEFAULT_KL_COEF = 0.1
 CLAMP_LOG_RATIO_REF_NEW = 10.0
 
 
 def check_pipelinerl_settings(settings: MetricSettings) -> None:
     """Reject flags PipelineRL has no setting for; only the `ppo` policy loss is reproduced."""
-    check_flags("pipelinerl", settings, ALLOWED_FLAGS)
-    resolve_alias("pipelinerl", settings.aggregation, _POLICY_LOSSES, "ppo")
-    if settings.style.batch_size is not None and settings.style.batch_size < 1:
-        raise UsageError(
-            Code.BAD_OPTION_VALUE, f"--batch-size must be >= 1 (got {settings.style.batch_size})"
-        )
+    RULES.check(settings)
+    require_at_least("--batch-size", settings.style.batch_size, 1)
 
 
 def compute_pipelinerl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:

@@ -35,8 +35,9 @@ import numpy as np
 
 from pgdiag.metrics.settings import MetricSettings
 from pgdiag.metrics.step_metrics import StepMetrics
-from pgdiag.metrics.styles.common import StyleInputs, div, exp, total
+from pgdiag.metrics.styles.common import div, exp, total
 from pgdiag.metrics.styles.common import value as metric_value
+from pgdiag.metrics.styles.inputs import StyleInputs
 from pgdiag.metrics.styles.pool_rules import (
     EPS,
     MODE,

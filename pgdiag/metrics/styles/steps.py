@@ -15,7 +15,7 @@ from pgdiag.metrics.settings import MetricSettings
 from pgdiag.metrics.step_metrics import StepMetrics, mark_partial
 from pgdiag.metrics.step_split import StepCut, split_steps, step_index_of, straddling_groups
 from pgdiag.metrics.styles import STYLES, check_style_settings
-from pgdiag.metrics.styles.common import read_inputs
+from pgdiag.metrics.styles.inputs import read_inputs
 from pgdiag.metrics.styles.pooled import pool_style_steps, public_values, step_partials
 
 __all__ = ["StyleStream", "compute_by_step", "compute_step_style"]

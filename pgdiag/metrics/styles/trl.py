@@ -23,25 +23,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pgdiag.errors import Code, UsageError
-from pgdiag.metrics.styles.common import (
-    StyleInputs,
-    StyleOutput,
-    check_flags,
-    clip_ratio,
-    div,
-    exp,
-    k3_ref,
-    mean_guard,
-    resolve_alias,
-    total,
-    value,
-)
+from pgdiag.metrics.styles.common import clip_ratio, div, exp, k3_ref, mean_guard, total, value
+from pgdiag.metrics.styles.flags import StyleRules
+from pgdiag.metrics.styles.inputs import StyleInputs, StyleOutput
 from pgdiag.metrics.values import MetricValue
 
 if TYPE_CHECKING:
     from pgdiag.metrics.settings import MetricSettings
 
-ALLOWED_FLAGS = frozenset({"divisor", "level", "beta", "vllm_is", "kl_bias_correction"})
 LOSS_TYPES = {
     "dapo": "dapo",
     "token_mean": "dapo",
@@ -56,6 +45,9 @@ LOSS_TYPES = {
     "seq_mean_token_sum": "luspo",
     "gspo_length_prop": "luspo",
 }
+RULES = StyleRules(
+    "trl", frozenset({"divisor", "level", "beta", "vllm_is", "kl_bias_correction"}), LOSS_TYPES, "dapo"
+)
 DEFAULT_BETA = 0.0
 DEFAULT_MAX_COMPLETION_LENGTH = 512
 VLLM_IS_CLIP_MAX = 3.0
@@ -64,13 +56,12 @@ _REWARD_STD_ATOL = 1e-8  # torch.isclose(std, 0) with its default atol
 
 def check_trl_settings(settings: MetricSettings) -> None:
     """Reject flags TRL has no setting for and loss types it does not have."""
-    check_flags("trl", settings, ALLOWED_FLAGS)
-    resolve_alias("trl", settings.aggregation, LOSS_TYPES, "dapo")
+    RULES.check(settings)
 
 
 def compute_trl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     """TRL's keys for one step (one generation batch = one optimizer step, GA = 1, one process)."""
-    loss_type = resolve_alias("trl", settings.aggregation, LOSS_TYPES, "dapo")
+    loss_type = RULES.mode(settings)
     beta = DEFAULT_BETA if settings.style.beta is None else settings.style.beta
     if beta != 0.0 and inputs.lp_ref is None:
         raise UsageError(

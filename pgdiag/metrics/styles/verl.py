@@ -23,28 +23,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pgdiag.errors import Code, UsageError
-from pgdiag.metrics.styles.common import (
-    StyleInputs,
-    StyleOutput,
-    check_flags,
-    clip_ratio,
-    div,
-    exp,
-    extremum,
-    mean_eps,
-    require_divisor,
-    resolve_alias,
-    total,
-    value,
-)
+from pgdiag.metrics.styles.common import clip_ratio, div, exp, extremum, mean_eps, total, value
+from pgdiag.metrics.styles.flags import StyleRules
+from pgdiag.metrics.styles.inputs import StyleInputs, StyleOutput
 from pgdiag.metrics.values import MetricValue
 
 if TYPE_CHECKING:
     from pgdiag.metrics.settings import MetricSettings
 
-ALLOWED_FLAGS = frozenset(
-    {"dual_clip", "divisor", "empty_seqs", "level", "rollout_is", "rollout_is_threshold"}
-)
 _LOSS_AGG_MODES = {
     "token-mean": "token-mean",
     "token_mean": "token-mean",
@@ -60,6 +46,18 @@ _LOSS_AGG_MODES = {
     "seq-mean-token-sum-norm": "seq-mean-token-sum-norm",
     "constant": "seq-mean-token-sum-norm",
 }
+RULES = StyleRules(
+    "verl",
+    frozenset({"dual_clip", "divisor", "empty_seqs", "level", "rollout_is", "rollout_is_threshold"}),
+    _LOSS_AGG_MODES,
+    "token-mean",
+    divisor_needed={
+        "seq-mean-token-sum-norm": (
+            "verl seq-mean-token-sum-norm needs --divisor (loss_scale_factor)",
+            "verl's own default is the padded response width of the micro-batch, which the run does not record",
+        )
+    },
+)
 DEFAULT_CLIP_RATIO_C = 3.0
 DEFAULT_ROLLOUT_IS_THRESHOLD = 2.0
 _LOG_RATIO_CLAMP = 20.0
@@ -68,14 +66,7 @@ _GSPO_LOG_RATIO_MAX = 10.0
 
 def check_verl_settings(settings: MetricSettings) -> None:
     """Reject flags verl has no setting for; the loss_agg_mode must exist and have what it needs."""
-    check_flags("verl", settings, ALLOWED_FLAGS)
-    mode = resolve_alias("verl", settings.aggregation, _LOSS_AGG_MODES, "token-mean")
-    require_divisor(
-        settings,
-        mode == "seq-mean-token-sum-norm",
-        "verl seq-mean-token-sum-norm needs --divisor (loss_scale_factor)",
-        "verl's own default is the padded response width of the micro-batch, which the run does not record",
-    )
+    RULES.check(settings)
     if settings.style.rollout_is is not None and settings.style.rollout_is != "token":
         raise UsageError(
             Code.NOT_IN_KEY_STYLE,
@@ -91,7 +82,7 @@ def check_verl_settings(settings: MetricSettings) -> None:
 
 def compute_verl(inputs: StyleInputs, settings: MetricSettings) -> StyleOutput:
     """verl's keys for one step (one micro-batch, DP = 1)."""
-    mode = resolve_alias("verl", settings.aggregation, _LOSS_AGG_MODES, "token-mean")
+    mode = RULES.mode(settings)
     n = inputs.n_tokens
     notices = []
     if settings.divisor is not None and mode != "seq-mean-token-sum-norm":
