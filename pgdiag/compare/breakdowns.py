@@ -96,7 +96,12 @@ def _numeric(
                 None,
             )
         lookup = np.searchsorted(edge_array, np.arange(finite_top + 1), side="right") - 1  # (top + 1,)
-        codes = lookup[np.minimum(values, int(finite_top))]
+        highest = int(values.max()) if values.size else 0
+        if highest <= 2 * LOOKUP_LIMIT:  # the table extended by its last code, so no (M,) clipped copy
+            lookup = np.concatenate([lookup, np.full(max(highest - int(finite_top), 0), lookup[-1])])
+            codes = lookup[values]
+        else:
+            codes = lookup[np.minimum(values, int(finite_top))]
     else:
         codes = _bucket_codes(values, edge_array)
     labels = tuple(

@@ -409,12 +409,15 @@ def sample_bucket_table(
 
 
 def _bucket_max(values: np.ndarray, codes: np.ndarray, k: int) -> np.ndarray:
-    """(K,) exact max of `values` per bucket (NaN for empty buckets), by a polars hash group-by (one pass)."""
-    import polars as pl
-
-    grouped = pl.DataFrame({"code": codes, "value": values}).group_by("code").agg(pl.col("value").max())
-    out = np.full(k, np.nan)
-    out[grouped["code"].to_numpy()] = grouped["value"].to_numpy()
+    """(K,) exact max of `values` per bucket, NaN ignored as polars' `max` ignores it (NaN for a bucket that is
+    empty or all NaN), by one `np.fmax.at` (unbuffered, in place: ~3x faster than a polars group-by at 10M)."""
+    out = np.full(k, -np.inf)
+    np.fmax.at(out, codes, values)
+    counts = np.bincount(codes, minlength=k)
+    nan = np.isnan(values)
+    if nan.any():
+        out[np.bincount(codes[nan], minlength=k) == counts] = np.nan
+    out[counts == 0] = np.nan
     return out
 
 

@@ -41,6 +41,7 @@ from pgdiag.model.tensor_source import head_storage_dtype
 from pgdiag.model.tp import EXPERTS, TensorSlice, shard_kind, shard_slice, tp_layout
 
 PIECE_BYTES = 64 << 20  # one read and one copy; two pinned buffers of this size per reader
+AHEAD_BYTES = 8 << 30  # read-ahead asked of the kernel beyond what the readers have copied (page cache bound)
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 _DONE = object()
 
@@ -125,6 +126,7 @@ class WeightStream:
         self._ranges = {(r.name, r.part): r for r in ranges}
         self._order = list(ranges)
         self.taken = 0  # tensors handed to the loader
+        self._copied = 0  # bytes the readers have copied (or given up on)
         self._ready: dict[tuple[str, TensorSlice | None], tuple[Tensor, list] | None] = {}
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -190,10 +192,16 @@ class WeightStream:
             pass
 
     def _advise(self) -> None:
-        """Ask the kernel to read every range ahead, in load order (a hint: errors are ignored)."""
+        """Ask the kernel to read the ranges ahead, in load order, at most `AHEAD_BYTES` beyond what the readers
+        have copied (so a checkpoint larger than the page cache is not evicted before it is read); a hint: errors
+        are ignored."""
+        advised = 0
         for r in self._order:
+            while advised - self._copied > AHEAD_BYTES and not self._stop.wait(0.01):
+                pass
             if self._stop.is_set():
                 return
+            advised += r.nbytes
             try:
                 os.posix_fadvise(self._fds[r.file], r.offset, r.nbytes, os.POSIX_FADV_WILLNEED)
             except (OSError, AttributeError):
@@ -225,8 +233,9 @@ class WeightStream:
             state = _Tensor(r, target, pieces)
             for i in range(pieces):
                 start = i * PIECE_BYTES
-                if not self._put((state, start, min(r.nbytes, start + PIECE_BYTES))):
-                    self._piece_done(state, None, failed=True)
+                stop = min(r.nbytes, start + PIECE_BYTES)
+                if not self._put((state, start, stop)):
+                    self._piece_done(state, None, stop - start, failed=True)
         for _ in range(readers):
             self._put(_DONE)
 
@@ -261,7 +270,7 @@ class WeightStream:
                 return
             state, start, stop = item
             if buffers is None:
-                self._piece_done(state, None, failed=True)
+                self._piece_done(state, None, stop - start, failed=True)
                 continue
             buffer = buffers[turn]
             try:
@@ -278,15 +287,16 @@ class WeightStream:
                     state.target[start:stop].copy_(buffer[: stop - start])
                     event = None
             except Exception:  # a short file or an I/O error: the loader reads it the ordinary way
-                self._piece_done(state, None, failed=True)
+                self._piece_done(state, None, stop - start, failed=True)
                 continue
-            self._piece_done(state, event)
+            self._piece_done(state, event, stop - start)
             turn = 1 - turn
 
-    def _piece_done(self, state: _Tensor, event, failed: bool = False) -> None:
+    def _piece_done(self, state: _Tensor, event, size: int, failed: bool = False) -> None:
         with self._cond:
             state.left -= 1
             state.failed |= failed
+            self._copied += size
             if event is not None:
                 state.events.append(event)
             if state.left == 0:

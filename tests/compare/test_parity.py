@@ -198,3 +198,24 @@ def test_token_table_kl_sums_are_those_of_the_metrics_terms() -> None:
     rho = t.ratio(delta, out)
     assert table["ess_token"][0] == np.sum(rho) * np.sum(rho) / (n * np.dot(rho, rho))
     assert table["kl_k1"][0] == 0.0 - np.sum(delta) / n
+
+
+def test_bucket_max_is_the_max_of_each_bucket_ignoring_nan() -> None:
+    """`_bucket_max` (one np.fmax.at): each bucket's max as polars' `max` gives it (NaN ignored), NaN for an
+    empty bucket and for one holding only NaN."""
+    from pgdiag.compare.parity import _bucket_max
+
+    rng = np.random.default_rng(8)
+    values = np.abs(rng.normal(0.0, 1.0, 5000))
+    codes = rng.integers(0, 6, 5000).astype(np.intp)
+    codes[codes == 2] = 3  # bucket 2 empty
+    values[codes == 4] = np.nan  # bucket 4 all NaN
+    values[:7] = np.nan  # a few NaN in the others
+    got = _bucket_max(values, codes, 7)  # bucket 6 empty too
+    for bucket in range(7):
+        inside = values[codes == bucket]
+        inside = inside[~np.isnan(inside)]
+        if inside.size == 0:
+            assert np.isnan(got[bucket]), bucket
+        else:
+            assert got[bucket] == inside.max(), bucket

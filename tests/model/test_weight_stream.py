@@ -150,3 +150,38 @@ def test_streamed_load_on_cuda_equals_plain_load(tmp_path: Path, monkeypatch, dt
         assert stream.taken > 0 and not stream._ranges
     assert all(p.device == cuda for p in streamed.parameters())
     same_parameters(plain, streamed)
+
+
+def test_read_ahead_stays_within_its_window(tmp_path: Path, monkeypatch) -> None:
+    """The kernel is asked for the next range only once what it was asked for is at most AHEAD_BYTES beyond what
+    the readers have copied, so a checkpoint larger than the page cache is not evicted before it is read; the
+    weights still arrive whole."""
+    monkeypatch.setattr(ws, "PIECE_BYTES", 512)
+    monkeypatch.setattr(ws, "AHEAD_BYTES", 2048)
+    save_hf_model(tmp_path, "Qwen3ForCausalLM", shard_kb=12)
+    calls: list[tuple[int, int]] = []  # (bytes advised before this call, bytes copied at this call)
+    holder: dict = {}
+
+    def record(fd: int, offset: int, length: int, advice: int) -> None:
+        calls.append((sum(n for _, n in holder.setdefault("advised", [])), holder["stream"]._copied))
+        holder["advised"].append((offset, length))
+
+    monkeypatch.setattr(ws.os, "posix_fadvise", record)
+    original_init = ws.WeightStream.__init__
+
+    def init(self, *args, **kwargs) -> None:
+        holder["stream"] = self
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(ws.WeightStream, "__init__", init)
+    plain = load_model(tmp_path, dtype="fp32")
+    with stream_for(tmp_path) as stream:
+        streamed = load_model(tmp_path, dtype="fp32", stream=stream)
+        advising = stream._threads[0]
+        advising.join(timeout=30)  # every piece is copied, so the window lets it reach the last range
+        assert not advising.is_alive()
+        planned = stream.taken
+    same_parameters(plain, streamed)
+    assert len(calls) == planned > 10
+    assert all(advised - copied <= 2048 for advised, copied in calls)
+    assert max(advised for advised, _ in calls) > 2048  # the window did move
