@@ -3,17 +3,19 @@
 What: on bf16 inputs (T tokens, d = 4096, V = 151936 by default) it times, with `triton.testing.do_bench`:
 
 * ``plain``: `lm_head_logprobs` without K (the Triton head, bf16 and fp32 heads);
-* ``kept|K|=N``: the same call with K of N ids per token (N in 1, 16, 64, 2048), Triton gather-dot; the target
-  is ``ratio = kept / plain <= 1.15`` for N <= 64 (issue 23);
-* ``bitmask``: K stored as packed bitmasks (|K| = 8192 per token), expanded to ids (the former loop a mask on
-  the host, all at once on the host, on the device) and scored; the expansions and the head timed separately;
+* ``kept|K|=N``: the same call with K of N ids per token (N in 1, 16, 64, 2048), scored inside the head (the
+  ids packed into per-row bitmask words, then one head pass); the target is ``ratio = kept / plain <= 1.15`` for
+  N <= 64 (issue 23);
+* ``kept|K|=64 +engine logprobs``: the same with the engine's kept log-probs (the KL over K adds a gather-dot);
+* ``bitmask|K|~8192``: K stored as packed bitmasks (a random 8,192 / V of the vocabulary a token, the target
+  in), handed to the head packed, as the recompute does, both heads;
 * ``reconstruct``: `reconstruct_kept` (vLLM order: top-k 50 + top-p 0.9, top-p 0.95 alone, min-p + top-p;
   SGLang's; the fp32 head; the torch counting pass) beside the plain head; the goal (not a gate) is
   ``(plain + reconstruct) / plain <= 2``. Method: threshold bisection on chunked fp32 logits
-  (`pgdiag.kernels.kept_threshold`), no sort of the vocabulary.
+  (`pgdiag.kernels.kept_threshold`), no sort of the vocabulary. `--no-reconstruct` leaves these out.
 
-Every row gives median ms, the ratio to the plain head measured just before it, and peak memory beyond the
-inputs. Run (CUDA only):
+Every row gives median ms, the ratio to the plain head of the same head dtype measured just before it, and peak
+memory beyond the inputs. Run (CUDA only):
 
     python benchmarks/bench_kept_set.py --tokens 16384 --json $OUT/kept_set.json
 
@@ -27,19 +29,16 @@ import argparse
 import json
 import platform
 import subprocess
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-import numpy as np
 import torch
 import triton
 import triton.testing
 
-from pgdiag.data.kept import bitmask_ids, bitmask_sets, pack_bitmask
 from pgdiag.kernels import lm_head_logprobs
 from pgdiag.kernels.kept_reconstruct import reconstruct_kept
-from pgdiag.kernels.kept_set import KeptSet, expand_bitmasks
+from pgdiag.kernels.kept_set import KeptSet
 
 
 def make_inputs(n_tokens: int, hidden_size: int, vocab: int, seed: int = 0):
@@ -82,45 +81,58 @@ def commit() -> str:
         return "unknown"
 
 
+def packed_bitmasks(targets: torch.Tensor, size: int, vocab: int, seed: int = 2) -> torch.Tensor:
+    """(N, ceil(V / 8)) uint8 little-endian bitmasks on the GPU: each id kept with probability size / V, the
+    target always (about `size` ids a token), packed a chunk of 2048 rows at a time."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n = targets.shape[0]
+    width = -(-vocab // 8)
+    out = torch.empty(n, width, dtype=torch.uint8, device="cuda")
+    shifts = torch.arange(8, device="cuda", dtype=torch.uint8)
+    for start in range(0, n, 2048):
+        stop = min(start + 2048, n)
+        bits = torch.zeros(stop - start, 8 * width, dtype=torch.uint8, device="cuda")
+        bits[:, :vocab] = torch.rand(stop - start, vocab, device="cuda", generator=gen) < size / vocab
+        bits[torch.arange(stop - start, device="cuda"), targets[start:stop]] = 1
+        out[start:stop] = (bits.view(stop - start, width, 8) << shifts).sum(-1).to(torch.uint8)
+    return out
+
+
 def bitmask_rows(hidden, weight, targets, vocab: int, size: int) -> list[dict]:
-    """A packed bitmask per token (host side, as read from Parquet), expanded and scored. The expansion is timed
-    three ways: the former loop a mask (`bitmask_ids`), all masks at once on the host (`bitmask_sets`), and on
-    the device (`expand_bitmasks`, what the recompute does: the packed bytes are copied, 1 bit a token)."""
-    n_mask = min(targets.shape[0], 2048)
-    gen = np.random.default_rng(0)
-    masks = []
-    for t in targets[:n_mask].cpu().numpy().tolist():
-        ids = gen.choice(vocab, size, replace=False)
-        ids[0] = t
-        masks.append(pack_bitmask(ids, vocab))
-    bits = np.stack(masks)
-    start = time.perf_counter()
-    looped = [bitmask_ids(m) for m in masks]
-    loop_ms = (time.perf_counter() - start) * 1e3
-    start = time.perf_counter()
-    host_ids, _ = bitmask_sets(bits)
-    host_ms = (time.perf_counter() - start) * 1e3
-    assert np.array_equal(host_ids, np.concatenate(looped))
-
-    def on_device() -> tuple[torch.Tensor, torch.Tensor]:
-        return expand_bitmasks(torch.from_numpy(bits).cuda())
-
-    device_ms, _ = timed(on_device)
-    ids, offsets = on_device()
-    assert torch.equal(ids.cpu(), torch.from_numpy(host_ids))
-    kept = KeptSet(ids, offsets)
-    sub_h, sub_t = hidden[:n_mask], targets[:n_mask]
-    base_ms, _ = timed(lambda: lm_head_logprobs(sub_h, weight, sub_t, head_dtype="bf16", impl="triton"))
-    ms, mem = timed(
-        lambda: lm_head_logprobs(sub_h, weight, sub_t, head_dtype="bf16", impl="triton", kept=kept)
+    """Every token's K as a packed bitmask (about `size` ids), scored in the head beside the plain head."""
+    n = targets.shape[0]
+    bits = packed_bitmasks(targets, size, vocab)
+    empty = torch.zeros(0, dtype=torch.int64, device="cuda")
+    kept = KeptSet(
+        empty,
+        torch.zeros(n + 1, dtype=torch.int64, device="cuda"),
+        None,
+        torch.arange(n, device="cuda"),
+        bits,
     )
-    print({"case": f"bitmask|K|={size}", "ms": ms, "expand_loop_ms": loop_ms, "expand_host_ms": host_ms,
-           "expand_device_ms": device_ms}, flush=True)  # fmt: skip
-    return [
-        {"tokens": n_mask, "head": "bf16", "case": f"bitmask|K|={size}", "ms": ms, "plain_ms": base_ms,
-         "ratio": ms / base_ms, "expand_loop_ms": loop_ms, "expand_host_ms": host_ms,
-         "expand_device_ms": device_ms, "peak_extra_bytes": mem}
-    ]  # fmt: skip
+    mean_size = float(kept_sizes(bits).float().mean())
+    rows = []
+    for head in ("bf16", "fp32"):
+        base_ms, _ = timed(
+            lambda head=head: lm_head_logprobs(hidden, weight, targets, head_dtype=head, impl="triton")
+        )
+        ms, mem = timed(
+            lambda head=head: lm_head_logprobs(
+                hidden, weight, targets, head_dtype=head, impl="triton", kept=kept
+            )
+        )
+        rows.append(
+            {"tokens": n, "head": head, "case": f"bitmask|K|~{size}", "ms": ms, "plain_ms": base_ms,
+             "ratio": ms / base_ms, "mean_kept": mean_size, "peak_extra_bytes": mem}
+        )  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
+
+
+def kept_sizes(bits: torch.Tensor) -> torch.Tensor:
+    """(N,) number of set bits of each packed row."""
+    shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
+    return ((bits[:, :, None] >> shifts) & 1).sum(dim=(1, 2))
 
 
 RECONSTRUCT_CASES = [  # (label, engine, top_k, top_p, min_p, head, levels impl)
@@ -167,6 +179,23 @@ def reconstruct_rows(hidden, weight, targets) -> list[dict]:
     return out
 
 
+def engine_logprobs_row(hidden, weight, targets, vocab: int, size: int = 64) -> dict:
+    """|K| = 64 with the engine's kept log-probs (for the KL over K: the gather-dot of Σ p_e z_e beside the head)."""
+    kept = kept_sets(targets, size, vocab)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    with_lp = KeptSet(
+        kept.ids, kept.offsets, -torch.rand(kept.ids.shape[0], device="cuda", generator=gen) * 5
+    )
+    base_ms, _ = timed(lambda: lm_head_logprobs(hidden, weight, targets, head_dtype="bf16", impl="triton"))
+    ms, mem = timed(
+        lambda: lm_head_logprobs(hidden, weight, targets, head_dtype="bf16", impl="triton", kept=with_lp)
+    )
+    row = {"tokens": targets.shape[0], "head": "bf16", "case": f"kept|K|={size} +engine logprobs", "ms": ms,
+           "plain_ms": base_ms, "ratio": ms / base_ms, "peak_extra_bytes": mem}  # fmt: skip
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16384])
@@ -174,6 +203,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64, 2048])
     parser.add_argument("--bitmask-size", type=int, default=8192)
+    parser.add_argument("--no-reconstruct", action="store_true", help="leave out the reconstruct rows")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     rows = []
@@ -197,8 +227,10 @@ def main() -> None:
                      "ratio": ms / base_ms, "peak_extra_bytes": mem}
                 )  # fmt: skip
                 print(rows[-1], flush=True)
+        rows.append(engine_logprobs_row(hidden, weight, targets, args.vocab))
         rows.extend(bitmask_rows(hidden, weight, targets, args.vocab, args.bitmask_size))
-        rows.extend(reconstruct_rows(hidden, weight, targets))
+        if not args.no_reconstruct:
+            rows.extend(reconstruct_rows(hidden, weight, targets))
     result = {
         "benchmark": "bench_kept_set",
         "device": torch.cuda.get_device_name(),

@@ -289,7 +289,7 @@ def position_sets(
 
     Bitmask positions are expanded to ids here (`bitmask_sets`, all at once; memory: bounded by the piece the
     caller read), or with `expand_bitmasks` False handed back packed (`PositionSets.bitmasks`, their sets
-    empty in the CSR) for the caller to expand on its device (`kernels.kept_set.with_bitmasks`). Rows must
+    empty in the CSR) for the LM head to read as bits on its device (`kernels.kept_set.KeptSet`). Rows must
     have sound offsets (validated by the reader)."""
     tokens = np.asarray(tokens, dtype=np.int64)
     rows = row_of(seq_offsets, tokens)

@@ -15,10 +15,11 @@ which implementation and which head precision ran:
     torch    lm_head_logprobs_ref.py         chunked plain torch; the reference and the CPU path
     triton   lm_head_logprobs_triton.py      fused forward kernel (CUDA, or the Triton interpreter)
 
-Kept sets (``kept``, a `kept_set.KeptSet` in CSR form): the renormalised log-prob and entropy over each token's
-kept set K replace the full ones where K is not empty, and the kept mass and the full-vocabulary log-prob and
-entropy come beside them (`kept_set`); the kept logits are a gather-dot (torch, or the Triton kernel of
-`kept_set_triton`), and under TP their partials travel in the same one all-gather as the head's.
+Kept sets (``kept``, a `kept_set.KeptSet`: CSR ids, or packed bitmasks): the renormalised log-prob and entropy
+over each token's kept set K replace the full ones where K is not empty, and the kept mass and the
+full-vocabulary log-prob and entropy come beside them (`kept_set`). K is scored inside the head itself: each
+chunk of tokens gets per-row packed bitmasks of K over the shard, and the same pass over the vocabulary tiles
+writes the partials of the full vocabulary and of K; under TP they travel in the same one all-gather.
 
 Ignored tokens (``targets == ignore_index``) get logprob 0.0 and their entropy computed as usual (it does
 not depend on the target). Any other target outside [0, V) raises `InvalidInputError` E208.
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from pgdiag.errors import Code, InvalidInputError, UsageError
-from pgdiag.kernels.kept_set import KeptSet, finish_kept, kept_kl, kept_partials
+from pgdiag.kernels.kept_set import KeptSet, engine_dot, finish_kept, kept_head_partials, kept_kl
 from pgdiag.kernels.vocab_parallel import PARTIAL_ROWS, finish_partials, gather_partials, merge_partials
 
 IMPLS = ("auto", "torch", "triton")
@@ -117,10 +118,10 @@ def lm_head_logprobs(
     passed as is: its values are exact, and the kernel then needs one MMA per tile instead of three). With `tp_group`,
     every rank of the group calls this with its own shard and the same hidden/targets; one all-gather of
     16 bytes a token merges the shards. Without it, W is the whole head (or one shard used alone).
-    `kept` (N tokens in CSR, global ids): ``logprobs`` and ``entropy`` are renormalised over each token's
-    kept set (full where it is empty), with ``kept_mass``, ``logprobs_full`` and ``entropy_full`` beside them;
-    under TP the kept partials join the same one all-gather (32 bytes a token). A target outside its
-    non-empty kept set raises E221.
+    `kept` (N tokens, global ids in CSR or packed bitmasks): ``logprobs`` and ``entropy`` are renormalised over
+    each token's kept set (full where it is empty), with ``kept_mass``, ``logprobs_full`` and ``entropy_full``
+    beside them, from the same head pass; under TP the kept partials join the same one all-gather (32 bytes a
+    token). A target outside its non-empty kept set raises E221.
     """
     _check_arguments(hidden, weight, targets, temperature, head_dtype)
     resolved = resolve_impl(impl, hidden.device)
@@ -138,34 +139,72 @@ def lm_head_logprobs(
     local_targets = torch.where(in_shard, local_targets, -1)
 
     # 1. this shard's partials (S pieces) merged into (4, N)
+    from pgdiag.kernels import lm_head_logprobs_ref as reference
+
+    backend = reference
     if resolved == "triton":  # imported here so that impl="torch" works where Triton is not installed
         from pgdiag.kernels import lm_head_logprobs_triton as backend
-    else:
-        from pgdiag.kernels import lm_head_logprobs_ref as backend
-    partials = backend.lm_head_partials(
-        hidden, weight, local_targets, temperature=temperature, head_dtype=head_dtype
-    )  # (S, 4, N)
-    merged = merge_partials(partials)  # (4, N)
     merged_kept = pz = None
-    if kept is not None:
+    if kept is None:
+        partials = backend.lm_head_partials(
+            hidden, weight, local_targets, temperature=temperature, head_dtype=head_dtype
+        )  # (S, 4, N)
+        merged = merge_partials(partials)  # (4, N)
+    else:  # the full and the kept partials from one head pass a chunk of tokens
         _check_kept(kept, targets)
-        merged_kept, pz = kept_partials(
+        kept = kept.to(hidden.device)
+
+        def head(
+            chunk_hidden: torch.Tensor, chunk_targets: torch.Tensor, words: torch.Tensor
+        ) -> torch.Tensor:
+            return backend.lm_head_partials(
+                chunk_hidden,
+                weight,
+                chunk_targets,
+                temperature=temperature,
+                head_dtype=head_dtype,
+                kept_words=words,
+            )  # (S, 8, C)
+
+        def exact(
+            chunk_hidden: torch.Tensor, chunk_targets: torch.Tensor, words: torch.Tensor
+        ) -> torch.Tensor:
+            return reference.lm_head_partials(
+                chunk_hidden,
+                weight,
+                chunk_targets,
+                temperature=temperature,
+                head_dtype=head_dtype,
+                kept_words=words,
+            )  # (1, 8, R)
+
+        merged, merged_kept = kept_head_partials(
+            head,
+            exact,
             hidden,
-            weight,
-            targets,
-            kept.to(hidden.device),
+            local_targets,
+            kept,
             vocab_start=vocab_start,
-            temperature=temperature,
-            head_dtype=head_dtype,
+            vocab_local=weight.shape[0],
             impl=resolved,
-        )
-        merged_kept = merged_kept[0]  # (4, N)
+        )  # (4, N) each
+        if kept.logprobs is not None:
+            pz = engine_dot(
+                hidden,
+                weight,
+                targets,
+                kept,
+                vocab_start=vocab_start,
+                temperature=temperature,
+                head_dtype=head_dtype,
+                impl=resolved,
+            )  # (N,) fp64
     # 2. vocab-parallel: one all-gather of the (4, N) partials (with the kept ones: (8, N)), then the same merge
     #    on every rank
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         pieces = [merged] if merged_kept is None else [merged, merged_kept]
         if pz is not None:
-            pieces.append(pz.float()[None])  # Σ p_e z over this shard's ids: summed over the ranks
+            pieces.append(pz.float()[None])  # Σ p_e (z_e − z_y) over this shard's ids: summed over the ranks
         gathered = gather_partials(torch.cat(pieces), tp_group)  # (world, 4, 8 or 9, N)
         merged = merge_partials(gathered[:, :PARTIAL_ROWS])
         if merged_kept is not None:
@@ -185,8 +224,9 @@ def lm_head_logprobs(
     head_mode = backend.head_mode_for(head_dtype, weight.dtype, hidden.dtype)
     if kept is None or merged_kept is None:
         return TokenLogprobs(logprobs, entropy, resolved, head_dtype, head_mode)
-    nonempty = (kept.sizes() > 0).to(hidden.device) & ~ignored
-    scores = finish_kept(merged, merged_kept, nonempty, logprobs, entropy)
+    set_sizes = kept.set_sizes()  # (N,) ids or bits a token
+    nonempty = (set_sizes > 0) & ~ignored
+    scores = finish_kept(merged, merged_kept, nonempty, logprobs, entropy, set_sizes == 1)
     outside = ~scores.target_in_set & ~ignored
     if bool(outside.any()):
         row = int(outside.nonzero()[0, 0])
@@ -204,7 +244,7 @@ def lm_head_logprobs(
         kept_mass=scores.kept_mass,
         logprobs_full=scores.logprobs_full,
         entropy_full=scores.entropy_full,
-        kept_kl=None if pz is None else kept_kl(scores, kept.to(hidden.device).engine_terms()[1], pz),
+        kept_kl=None if pz is None else kept_kl(scores, kept.engine_terms()[1], pz, kept.sizes() > 0),
     )
 
 

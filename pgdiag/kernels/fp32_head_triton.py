@@ -22,6 +22,8 @@ How: one program per (token block, vocab split), numbered as in the bf16 kernel 
 is flat over (chain, piece, step) so that Triton pipelines the TMA loads across chains and keeps one MMA in
 flight; the W tile is loaded again for each piece (it comes from L2). Three (BLOCK_N, BLOCK_V) fp32
 accumulators must fit in the registers, hence 128 x 128 tiles over 8 warps (3 x 64 registers a thread).
+With per-token kept sets (`kept_words`), the finished tile also folds into the online softmax over K, as in the
+bf16 kernel (`triton_shared.fold_kept_tile`): (S, 8, N) partials.
 
 Memory: the pieces of H take 6 bytes per element, written a chunk of tokens at a time (`pieces_chunk`:
 at most `PIECES_BUDGET_BYTES`, 384 MiB, i.e. 16384 tokens at d = 4096), so the extra memory stays below
@@ -42,9 +44,11 @@ from pgdiag.kernels.triton_shared import (
     SplitPlan,
     TritonTiles,
     fold_any_tile,
+    load_kept_bits,
     load_tiles,
     plan_splits,
     program_tile,
+    store_kept_partials,
     store_partials,
     tma_ready,
 )
@@ -114,7 +118,8 @@ def _fp32_head_partials_kernel(
     hidden,  # (N_PIECES * piece_rows, D) pieces stacked hi, mid, lo (or one 16-bit / fp32 H), READ-ONLY
     weight,  # (V_local, D) bf16/fp16 (fp32 for TF32X3), READ-ONLY: pointer or TMA descriptor
     targets_ptr,  # (N,) int32, the target's row in this shard or -1, READ-ONLY
-    partials_ptr,  # (n_splits, 4, >= N) fp32, OUT at [split * stride_split + stat * stride_stat + token]
+    partials_ptr,  # (n_splits, 4 or 8, >= N) fp32, OUT at [split * stride_split + stat * stride_stat + token]
+    kept_ptr,  # (N, ceil(V_local / 32)) int32 packed kept sets, READ-ONLY (KEPT only)
     n_tokens,
     piece_rows,
     vocab_local,
@@ -123,6 +128,7 @@ def _fp32_head_partials_kernel(
     stride_weight,
     stride_split,
     stride_stat,
+    stride_kept,
     inv_temperature,
     tiles_per_split,
     n_splits,
@@ -136,6 +142,7 @@ def _fp32_head_partials_kernel(
     FRESH_STEPS: tl.constexpr,  # K steps the tensor cores sum into one fresh accumulator
     FRESH_PER_GROUP: tl.constexpr,  # fresh sums per group sum (1: no group sum)
     TF32X3: tl.constexpr,
+    KEPT: tl.constexpr,  # also the partials over each token's kept set (stat rows 4-7)
 ):
     token_block, split = program_tile(n_tokens, n_splits, group_blocks, BLOCK_N)
     row_start = token_block * BLOCK_N
@@ -152,6 +159,8 @@ def _fp32_head_partials_kernel(
     run_sumexp = tl.zeros([BLOCK_N], tl.float32)
     run_centred = tl.zeros([BLOCK_N], tl.float32)
     target_raw = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    kept_sumexp = tl.zeros([BLOCK_N], tl.float32)  # K's sums, centred on run_max (KEPT only)
+    kept_centred = tl.zeros([BLOCK_N], tl.float32)
 
     v_begin = split * tiles_per_split * BLOCK_V
     v_end = tl.minimum(v_begin + tiles_per_split * BLOCK_V, vocab_local)
@@ -196,7 +205,10 @@ def _fp32_head_partials_kernel(
                 # which chains the tensor cores onto the large sum (the very thing this kernel avoids)
                 fresh = fresh * 0.0
         acc += group_sum
-        run_max, run_sumexp, run_centred, target_raw = fold_any_tile(
+        kept = 0  # the tile's columns in K (KEPT only)
+        if KEPT:
+            kept = load_kept_bits(kept_ptr, safe_n, stride_kept, v_start, vocab_local, BLOCK_V)
+        run_max, run_sumexp, run_centred, target_raw, kept_sumexp, kept_centred = fold_any_tile(
             acc,
             run_max,
             run_sumexp,
@@ -206,7 +218,11 @@ def _fp32_head_partials_kernel(
             v_start,
             vocab_local,
             exp2_scale,
+            kept,
+            kept_sumexp,
+            kept_centred,
             BLOCK_V,
+            KEPT,
         )
 
     store_partials(
@@ -222,6 +238,19 @@ def _fp32_head_partials_kernel(
         target_raw,
         inv_temperature,
     )
+    if KEPT:
+        store_kept_partials(
+            partials_ptr,
+            split,
+            offs_n,
+            row_ok,
+            stride_split,
+            stride_stat,
+            run_max,
+            kept_sumexp,
+            kept_centred,
+            inv_temperature,
+        )
 
 
 def fp32_head_partials(
@@ -232,8 +261,10 @@ def fp32_head_partials(
     temperature: float,
     mode: str,
     tiles: TritonTiles,
+    kept_words: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(S, 4, N) fp32 partials of the fp32 head in `mode` ("bf16x3", "fp16x3", "bf16x1", "fp16x1", "tf32x3").
+    """(S, 4, N) fp32 partials of the fp32 head in `mode` ("bf16x3", "fp16x3", "bf16x1", "fp16x1", "tf32x3");
+    with `kept_words` (N, ceil(V_local / 32)) int32 contiguous, (S, 8, N): rows 4-7 over each token's kept set.
 
     hidden (N, d); weight (V_local, d) (fp32 for "tf32x3", else 16-bit); local_targets (N,) int32.
     """
@@ -248,7 +279,8 @@ def fp32_head_partials(
     else:
         hidden = hidden.to(weight.dtype).contiguous()  # "x1": already W's dtype; "tf32x3": fp32
     plan = plan_splits(chunk, weight.shape[0], tiles, hidden.device)
-    partials = torch.empty(plan.n_splits, PARTIAL_ROWS, n_tokens, dtype=torch.float32, device=hidden.device)
+    n_stats = PARTIAL_ROWS if kept_words is None else 2 * PARTIAL_ROWS
+    partials = torch.empty(plan.n_splits, n_stats, n_tokens, dtype=torch.float32, device=hidden.device)
     # one pieces buffer for all chunks: launches on one stream run in order, so reuse is safe
     buffer = (
         torch.empty(3 * chunk, hidden_size, dtype=weight.dtype, device=hidden.device)
@@ -263,6 +295,7 @@ def fp32_head_partials(
             weight,
             local_targets[start:stop],
             partials[:, :, start:stop],
+            None if kept_words is None else kept_words[start:stop],
             piece_rows=stop - start,
             n_pieces=n_pieces,
             temperature=temperature * scale,  # the accumulator holds scale * logits
@@ -278,6 +311,7 @@ def _launch(
     weight: torch.Tensor,
     targets: torch.Tensor,
     partials: torch.Tensor,
+    kept_words: torch.Tensor | None,
     *,
     piece_rows: int,
     n_pieces: int,
@@ -299,6 +333,7 @@ def _launch(
         weight_arg,
         targets,
         partials,
+        partials if kept_words is None else kept_words,
         n_tokens,
         piece_rows,
         weight.shape[0],
@@ -307,6 +342,7 @@ def _launch(
         weight.stride(0),
         partials.stride(0),
         partials.stride(1),
+        0 if kept_words is None else kept_words.stride(0),
         1.0 / temperature,
         plan.tiles_per_split,
         plan.n_splits,
@@ -320,6 +356,7 @@ def _launch(
         FRESH_STEPS=tiles.fresh_steps,
         FRESH_PER_GROUP=tiles.fresh_per_group,
         TF32X3=tf32x3,
+        KEPT=kept_words is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

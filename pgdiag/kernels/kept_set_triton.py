@@ -1,13 +1,17 @@
-"""Triton gather-dot for the kept-set head: E dot products ``hidden[token_e] . W[row_e]`` without an (E, d) copy.
+"""Triton helpers of the kept-set head: the atomic OR that packs CSR kept ids into bitmask words, and the
+gather-dot of the engine-log-prob term.
 
-What: the (E,) fp32 kept logits of `kept_set.kept_logits` (the plain-torch reference beside it), z_e =
-(hidden[token_e] . weight[row_e]) / temperature, -inf where row_e is -1 (the id is in another TP shard).
+`or_bits_triton`: sets bit ``bit[e]`` of word ``word_index[e]`` of an (n_words,) int32 buffer for every element
+e with `tl.atomic_or` (duplicate ids are harmless); the plain-torch reference is `kept_set.or_bits_torch`. It
+builds the (C, V_local / 32) words that the head kernels read (`kept_set.kept_words`).
 
-How: one program per BLOCK_E elements loads their token and row indices, walks the hidden dimension in
-BLOCK_K steps, loads the (BLOCK_E, BLOCK_K) slices of the hidden rows and the weight rows, multiplies them in
-fp32 (16-bit operands are exact in fp32: fp32 products, fp32 sums, as the head's "bf16" mode) and sums along
-K. The loads are row gathers, so the kernel is bound by reading 2 x E x d operands: at |K| = 64 per token and
-d = 4096 that is 1 MB a token of bf16, against the full head's V x d weight reads shared by a token block.
+`kept_logits_triton`: the (E,) fp32 kept logits of `kept_set.kept_logits` (the plain-torch reference beside
+it), z_e = (hidden[token_e] . weight[row_e]) / temperature, -inf where row_e is -1 (the id is in another TP
+shard). Only `kept_set.engine_dot` uses it: Σ p_e z_e over K with the engine's log-probs, a weighted sum the
+bitmask cannot carry. One program per BLOCK_E elements walks the hidden dimension in BLOCK_K steps, loads the
+(BLOCK_E, BLOCK_K) slices of the hidden rows and the weight rows, multiplies them in fp32 (16-bit operands are
+exact in fp32: fp32 products, fp32 sums, as the head's "bf16" mode) and sums along K: bound by reading
+2 x E x d operands.
 """
 
 from __future__ import annotations
@@ -21,6 +25,35 @@ from pgdiag.kernels.lm_head_logprobs_ref import head_operands
 
 BLOCK_E = 32
 BLOCK_K = 64
+OR_BLOCK = 1024
+
+
+@triton.jit
+def _or_bits_kernel(
+    words_ptr,  # (n_words,) int32, OUT (OR-ed into)
+    word_ptr,  # (E,) int64 READ-ONLY: the word of each element
+    bit_ptr,  # (E,) int64 READ-ONLY: the bit of each element, in [0, 32)
+    n_elements,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n_elements
+    word = tl.load(word_ptr + offs, mask=ok, other=0)
+    bit = tl.load(bit_ptr + offs, mask=ok, other=0).to(tl.int32)
+    tl.atomic_or(words_ptr + word, tl.full([BLOCK], 1, tl.int32) << bit, mask=ok)
+
+
+def or_bits_triton(
+    n_words: int, word_index: torch.Tensor, bit: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """(n_words,) int32 with bit `bit[e]` of word `word_index[e]` set (the contract of `kept_set.or_bits_torch`)."""
+    words = torch.zeros(n_words, dtype=torch.int32, device=device)
+    n_elements = int(word_index.shape[0])
+    if n_elements:
+        _or_bits_kernel[(triton.cdiv(n_elements, OR_BLOCK),)](
+            words, word_index.long().contiguous(), bit.long().contiguous(), n_elements, BLOCK=OR_BLOCK
+        )
+    return words
 
 
 @triton.jit

@@ -2,7 +2,8 @@
 
 What: the same (S, 4, N) fp32 softmax partials as `lm_head_logprobs_ref.lm_head_partials` (max, sum of
 exponentials, centred weighted sum, target logit per token and vocab split; see `vocab_parallel`), computed
-by one forward-only kernel. The caller merges the S splits (and the TP ranks) with
+by one forward-only kernel; with per-token kept sets K (packed bitmask words, `kept_set.kept_words`) the same
+pass also writes the partials over K, (S, 8, N). The caller merges the S splits (and the TP ranks) with
 `vocab_parallel.merge_partials`. This module holds the bf16 head's kernel and `lm_head_partials`, which
 picks the head arithmetic; the fp32 head's kernel is in `fp32_head_triton`.
 
@@ -10,7 +11,9 @@ How (bf16 head): the grid has one program per (token block, vocab split). A prog
 BLOCK_V) fp32 accumulator, runs the K loop of ``H[block] @ W[tile].T`` with `tl.dot` for each vocab tile of
 its split (tiles arrive through host-side TMA descriptors on Hopper, through pointer loads elsewhere), masks
 the padded columns of the shard's last tile, and folds the tile into running per-token statistics (online
-softmax in raw accumulator units with exp2, the entropy sum kept centred on the running max). Temperature acts
+softmax in raw accumulator units with exp2, the entropy sum kept centred on the running max). With `KEPT` on,
+each tile also folds into a second online softmax restricted to the tile's set bits of K
+(`triton_shared.load_kept_bits`, `fold_kept_tile`). Temperature acts
 on the fp32 accumulator (pre-scaling bf16 H or W would add ~0.03 nats at |z| ~ 30). The accumulator is
 chained over all of K as in cuBLAS: the tensor cores' truncating adds bias logits by ~5e-6 relative over
 K = 4096, far below the bf16 rounding of the inputs. The split count and the order of the programs are chosen
@@ -43,9 +46,11 @@ from pgdiag.kernels.triton_shared import (
     MASKED_LOGIT,
     TritonTiles,
     fold_any_tile,
+    load_kept_bits,
     load_tiles,
     plan_splits,
     program_tile,
+    store_kept_partials,
     store_partials,
     tma_ready,
 )
@@ -93,12 +98,14 @@ def _bf16_head_partials_kernel(
     hidden,  # (N, D) bf16/fp16, READ-ONLY: pointer or TMA descriptor
     weight,  # (V_local, D) bf16/fp16, READ-ONLY: pointer or TMA descriptor
     targets_ptr,  # (N,) int32, the target's row in this shard or -1, READ-ONLY
-    partials_ptr,  # (n_splits, 4, N) fp32 contiguous, OUT: max, sumexp, centred sum, target logit
+    partials_ptr,  # (n_splits, 4 or 8, N) fp32 contiguous, OUT: max, sumexp, centred sum, target logit (x2: K)
+    kept_ptr,  # (N, ceil(V_local / 32)) int32 packed kept sets, READ-ONLY (KEPT only)
     n_tokens,
     vocab_local,
     hidden_size,
     stride_hidden,
     stride_weight,
+    stride_kept,
     inv_temperature,
     tiles_per_split,
     n_splits,
@@ -108,6 +115,7 @@ def _bf16_head_partials_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr,  # hidden and weight are host-side TMA descriptors (block shapes as above)
+    KEPT: tl.constexpr,  # also the partials over each token's kept set (stat rows 4-7)
 ):
     # 1. which (token block, split) this program owns
     token_block, split = program_tile(n_tokens, n_splits, group_blocks, BLOCK_N)
@@ -124,6 +132,8 @@ def _bf16_head_partials_kernel(
     run_sumexp = tl.zeros([BLOCK_N], tl.float32)
     run_centred = tl.zeros([BLOCK_N], tl.float32)
     target_raw = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    kept_sumexp = tl.zeros([BLOCK_N], tl.float32)  # K's sums, centred on run_max (KEPT only)
+    kept_centred = tl.zeros([BLOCK_N], tl.float32)
 
     v_begin = split * tiles_per_split * BLOCK_V
     v_end = tl.minimum(v_begin + tiles_per_split * BLOCK_V, vocab_local)
@@ -149,8 +159,11 @@ def _bf16_head_partials_kernel(
                 EVEN_K,
             )
             acc = tl.dot(h, w, acc)
-        # 4. padded columns masked (last tile only), online softmax update, target pick
-        run_max, run_sumexp, run_centred, target_raw = fold_any_tile(
+        # 4. padded columns masked (last tile only), online softmax update (and K's masked sums), target pick
+        kept = 0  # the tile's columns in K (KEPT only)
+        if KEPT:
+            kept = load_kept_bits(kept_ptr, safe_n, stride_kept, v_start, vocab_local, BLOCK_V)
+        run_max, run_sumexp, run_centred, target_raw, kept_sumexp, kept_centred = fold_any_tile(
             acc,
             run_max,
             run_sumexp,
@@ -160,16 +173,21 @@ def _bf16_head_partials_kernel(
             v_start,
             vocab_local,
             exp2_scale,
+            kept,
+            kept_sumexp,
+            kept_centred,
             BLOCK_V,
+            KEPT,
         )
 
     # 5. this split's partials, converted from accumulator units to z = acc / temperature
+    n_stats = 8 if KEPT else 4
     store_partials(
         partials_ptr,
         split,
         offs_n,
         row_ok,
-        4 * n_tokens,
+        n_stats * n_tokens,
         n_tokens,
         run_max,
         run_sumexp,
@@ -177,6 +195,19 @@ def _bf16_head_partials_kernel(
         target_raw,
         inv_temperature,
     )
+    if KEPT:
+        store_kept_partials(
+            partials_ptr,
+            split,
+            offs_n,
+            row_ok,
+            n_stats * n_tokens,
+            n_tokens,
+            run_max,
+            kept_sumexp,
+            kept_centred,
+            inv_temperature,
+        )
 
 
 def lm_head_partials(
@@ -187,8 +218,10 @@ def lm_head_partials(
     temperature: float,
     head_dtype: str,
     tiles: TritonTiles | None = None,
+    kept_words: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(S, 4, N) fp32 partials of ``z = (hidden @ weight.T) / temperature`` over this vocab shard.
+    """(S, 4, N) fp32 partials of ``z = (hidden @ weight.T) / temperature`` over this vocab shard; with
+    `kept_words` (N, ceil(V_local / 32)) int32, (S, 8, N): rows 4-7 over each token's kept set.
 
     Same contract as `lm_head_logprobs_ref.lm_head_partials`; `tiles` overrides the launch shape (benchmarks).
     """
@@ -200,13 +233,22 @@ def lm_head_partials(
             f"impl='triton' needs CUDA tensors (got {hidden.device}); use impl='torch'",
         )
     n_tokens, vocab_local = hidden.shape[0], weight.shape[0]
+    n_stats = PARTIAL_ROWS if kept_words is None else 2 * PARTIAL_ROWS
     if vocab_local == 0 or n_tokens == 0:
-        return empty_partials(n_tokens, hidden.device)
+        return empty_partials(n_tokens, hidden.device).repeat(1, n_stats // PARTIAL_ROWS, 1)
+    if kept_words is not None:
+        kept_words = kept_words.to(torch.int32).contiguous()
     if mode in FP32_HEAD_MODES:  # imported here: the bf16 head does not need it
         from pgdiag.kernels.fp32_head_triton import fp32_head_partials
 
         return fp32_head_partials(
-            hidden, weight, local_targets.to(torch.int32), temperature=temperature, mode=mode, tiles=tiles
+            hidden,
+            weight,
+            local_targets.to(torch.int32),
+            temperature=temperature,
+            mode=mode,
+            tiles=tiles,
+            kept_words=kept_words,
         )
     hidden_op, weight_op = (_rows_contiguous(t) for t in head_operands(hidden, weight, head_dtype))
     plan = plan_splits(n_tokens, vocab_local, tiles, hidden.device)
@@ -215,18 +257,20 @@ def lm_head_partials(
     if use_tma:
         hidden_arg = TensorDescriptor.from_tensor(hidden_op, [tiles.block_n, tiles.block_k])
         weight_arg = TensorDescriptor.from_tensor(weight_op, [tiles.block_v, tiles.block_k])
-    partials = torch.empty(plan.n_splits, PARTIAL_ROWS, n_tokens, dtype=torch.float32, device=hidden.device)
+    partials = torch.empty(plan.n_splits, n_stats, n_tokens, dtype=torch.float32, device=hidden.device)
     grid = (triton.cdiv(n_tokens, tiles.block_n) * plan.n_splits,)
     _bf16_head_partials_kernel[grid](
         hidden_arg,
         weight_arg,
         local_targets.to(torch.int32),
         partials,
+        partials if kept_words is None else kept_words,
         n_tokens,
         vocab_local,
         hidden.shape[1],
         hidden_op.stride(0),
         weight_op.stride(0),
+        0 if kept_words is None else kept_words.stride(0),
         1.0 / temperature,
         plan.tiles_per_split,
         plan.n_splits,
@@ -236,6 +280,7 @@ def lm_head_partials(
         BLOCK_K=tiles.block_k,
         EVEN_K=hidden.shape[1] % tiles.block_k == 0,
         USE_TMA=use_tma,
+        KEPT=kept_words is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

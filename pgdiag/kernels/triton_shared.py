@@ -210,14 +210,23 @@ def fold_tile(
     v_start,
     vocab_local,
     exp2_scale,
+    kept,
+    kept_sumexp,
+    kept_centred,
     BLOCK_V: tl.constexpr,
     MASK_COLS: tl.constexpr,
+    KEPT: tl.constexpr,
 ):
     """Fold one (BLOCK_N, BLOCK_V) tile of raw accumulators into the running statistics.
 
     Everything is kept in raw accumulator units (z = acc / temperature, temperature > 0, so the max commutes);
     exp2_scale = log2(e) / temperature turns ``acc - max`` into the exponent. Per element: one max, one
     subtract, one multiply + ex2, one add and one FMA. The target is picked only in tiles that hold one.
+
+    KEPT: `kept` (BLOCK_N, BLOCK_V) bool marks the tile's columns in each row's kept set K, and the same
+    exponentials, masked, also feed K's sums: Σ_K exp(z - m) and Σ_K exp(z - m) (z - m), centred on the full
+    running max m (one select and two adds more per element, no second max or exponential, no tile-sized
+    value live across a reduction: the bf16 head's 256 x 128 accumulator leaves no registers for one).
     """
     cols = tl.arange(0, BLOCK_V)
     if MASK_COLS:  # only the last tile of the shard has padded columns
@@ -226,13 +235,19 @@ def fold_tile(
     centred = acc - new_max[:, None]  # (BLOCK_N, BLOCK_V), <= 0
     p = tl.math.exp2(centred * exp2_scale)
     rescale = tl.math.exp2((run_max - new_max) * exp2_scale)
+    if KEPT:
+        kept_p = tl.where(kept, p, 0.0)
+        kept_centred = rescale * (kept_centred + (run_max - new_max) * kept_sumexp) + tl.sum(
+            kept_p * centred, axis=1
+        )
+        kept_sumexp = rescale * kept_sumexp + tl.sum(kept_p, axis=1)
     run_centred = rescale * (run_centred + (run_max - new_max) * run_sumexp) + tl.sum(p * centred, axis=1)
     run_sumexp = rescale * run_sumexp + tl.sum(p, axis=1)
     in_tile = tile_targets - v_start  # (BLOCK_N,) int32, the target's column in this tile
     if tl.max(((in_tile >= 0) & (in_tile < BLOCK_V)).to(tl.int32), axis=0) > 0:
         picked = tl.max(tl.where(cols[None, :] == in_tile[:, None], acc, float("-inf")), axis=1)
         target_raw = tl.maximum(target_raw, picked)
-    return new_max, run_sumexp, run_centred, target_raw
+    return new_max, run_sumexp, run_centred, target_raw, kept_sumexp, kept_centred
 
 
 @triton.jit
@@ -246,11 +261,15 @@ def fold_any_tile(
     v_start,
     vocab_local,
     exp2_scale,
+    kept,
+    kept_sumexp,
+    kept_centred,
     BLOCK_V: tl.constexpr,
+    KEPT: tl.constexpr,
 ):
     """`fold_tile`, masking the padded columns only in the shard's last (ragged) tile."""
     if v_start + BLOCK_V > vocab_local:
-        run_max, run_sumexp, run_centred, target_raw = fold_tile(
+        out = fold_tile(
             acc,
             run_max,
             run_sumexp,
@@ -260,11 +279,15 @@ def fold_any_tile(
             v_start,
             vocab_local,
             exp2_scale,
+            kept,
+            kept_sumexp,
+            kept_centred,
             BLOCK_V,
             True,
+            KEPT,
         )
     else:
-        run_max, run_sumexp, run_centred, target_raw = fold_tile(
+        out = fold_tile(
             acc,
             run_max,
             run_sumexp,
@@ -274,10 +297,14 @@ def fold_any_tile(
             v_start,
             vocab_local,
             exp2_scale,
+            kept,
+            kept_sumexp,
+            kept_centred,
             BLOCK_V,
             False,
+            KEPT,
         )
-    return run_max, run_sumexp, run_centred, target_raw
+    return out
 
 
 @triton.jit
@@ -300,3 +327,48 @@ def store_partials(
     tl.store(out + stride_stat, run_sumexp, mask=row_ok)
     tl.store(out + 2 * stride_stat, run_centred * inv_temperature, mask=row_ok)
     tl.store(out + 3 * stride_stat, target_raw * inv_temperature, mask=row_ok)
+
+
+@triton.jit
+def load_kept_bits(kept_ptr, safe_n, stride_kept, v_start, vocab_local, BLOCK_V: tl.constexpr):
+    """(BLOCK_N, BLOCK_V) bool: column v_start + c of the tile is in the row's kept set. The kept set arrives as
+    packed int32 words (bit j of word w: local row 32 w + j). The tile's ceil(BLOCK_V / 32) words of each row
+    are loaded as 1-D vectors and broadcast along the columns, so that no 2-D load exists: the bits are built
+    in the accumulator's own layout (a 2-D load would make the compiler move the (BLOCK_N, BLOCK_V) logits
+    through shared memory). Padded columns (>= vocab_local) read 0."""
+    cols = tl.arange(0, BLOCK_V)
+    first_word = v_start // 32
+    col_word = ((v_start % 32) + cols) // 32  # (BLOCK_V,) the column's word, relative to first_word
+    row_ptr = kept_ptr + safe_n.to(tl.int64) * stride_kept + first_word  # (BLOCK_N,)
+    n_words = tl.cdiv(vocab_local, 32)
+    word = tl.zeros([1, BLOCK_V], tl.int32) + (safe_n * 0)[:, None]  # (BLOCK_N, BLOCK_V)
+    for j in tl.static_range((BLOCK_V + 31) // 32):
+        one = tl.load(row_ptr + j, mask=(safe_n * 0 + first_word + j) < n_words, other=0)  # (BLOCK_N,) int32
+        word = tl.where(col_word[None, :] == j, one[:, None], word)
+    inside = (v_start + cols) < vocab_local
+    return (((word >> ((v_start + cols) % 32)[None, :]) & 1) != 0) & inside[None, :]
+
+
+@triton.jit
+def store_kept_partials(
+    partials_ptr,
+    split,
+    offs_n,
+    row_ok,
+    stride_split,
+    stride_stat,
+    run_max,
+    kept_sumexp,
+    kept_centred,
+    inv_temperature,
+):
+    """Store this split's kept-set partials in stat rows 4-7: K's sums are centred on the full max `run_max` (-inf
+    where the split holds no kept column, or K's exponentials underflowed there: `kept_set.kept_head_partials`
+    then scores the row with the reference); the target row -inf (the caller takes the head's target logit where
+    the target's bit is set)."""
+    out = partials_ptr + split * stride_split + 4 * stride_stat + offs_n
+    found = kept_sumexp > 0
+    tl.store(out, tl.where(found, run_max * inv_temperature, float("-inf")), mask=row_ok)
+    tl.store(out + stride_stat, kept_sumexp, mask=row_ok)
+    tl.store(out + 2 * stride_stat, kept_centred * inv_temperature, mask=row_ok)
+    tl.store(out + 3 * stride_stat, tl.full(run_max.shape, float("-inf"), tl.float32), mask=row_ok)

@@ -11,7 +11,7 @@ import torch
 
 from pgdiag.data.kept import position_sets
 from pgdiag.kernels.kept_reconstruct import reconstruct_kept
-from pgdiag.kernels.kept_set import KeptSet, with_bitmasks
+from pgdiag.kernels.kept_set import KeptSet
 from pgdiag.recompute.kept_rules import KeptPlan
 
 if TYPE_CHECKING:
@@ -39,13 +39,15 @@ def batch_kept(
         assert inputs.kept is not None
         sets = position_sets(inputs.kept, inputs.offsets, flat, expand_bitmasks=False)
         logprobs = None if sets.logprobs is None else torch.from_numpy(sets.logprobs).to(device)
-        kept = KeptSet(
-            torch.from_numpy(sets.ids).to(device), torch.from_numpy(sets.offsets).to(device), logprobs
+        packed = sets.bitmask_queries is not None and sets.bitmasks is not None
+        # bitmask positions travel packed (1 bit a token) and the head reads them as bits (`kernels.kept_set`)
+        return KeptSet(
+            torch.from_numpy(sets.ids).to(device),
+            torch.from_numpy(sets.offsets).to(device),
+            logprobs,
+            torch.from_numpy(sets.bitmask_queries).to(device) if packed else None,
+            torch.from_numpy(sets.bitmasks).to(device) if packed else None,
         )
-        if sets.bitmask_queries is None or sets.bitmasks is None:
-            return kept
-        # bitmask positions travel packed (1 bit a token) and are expanded on the device
-        return with_bitmasks(kept, torch.from_numpy(sets.bitmask_queries), torch.from_numpy(sets.bitmasks))
     engine = plan.reconstructs
     assert engine is not None and inputs.sampling is not None
     rows = sample_of_target

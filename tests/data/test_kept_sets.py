@@ -206,10 +206,11 @@ def _columns(ids, offsets, positions, bitmasks) -> object:
 
 def test_position_sets_with_bitmasks_equal_a_loop_by_position() -> None:
     """Three rows (T = 3, 4, 2), ids and bitmasks mixed, queries out of order and repeated: the sets equal a
-    loop over the positions by hand; packed (`expand_bitmasks=False`) they expand to the same on torch."""
+    loop over the positions by hand; packed (`expand_bitmasks=False`) they give the head the same bitmask words
+    as the expanded ids."""
     import torch
 
-    from pgdiag.kernels.kept_set import KeptSet, with_bitmasks
+    from pgdiag.kernels.kept_set import KeptSet, kept_words
 
     vocab = 30
     sets = {  # (row, pos) -> kept ids; bitmask positions marked by their row
@@ -249,10 +250,16 @@ def test_position_sets_with_bitmasks_equal_a_loop_by_position() -> None:
     assert position_sizes(kept, seq_offsets).tolist() == [len(sets[flat_to[t]]) for t in range(9)]
     packed = position_sets(kept, seq_offsets, queries, expand_bitmasks=False)
     assert packed.bitmask_queries is not None and packed.bitmask_queries.tolist() == [0, 1, 2, 5]
-    kept_set = with_bitmasks(
-        KeptSet(torch.from_numpy(packed.ids), torch.from_numpy(packed.offsets)),
-        torch.from_numpy(packed.bitmask_queries),
-        torch.from_numpy(packed.bitmasks),
+    kept_set = KeptSet(
+        torch.from_numpy(packed.ids),
+        torch.from_numpy(packed.offsets),
+        bitmask_tokens=torch.from_numpy(packed.bitmask_queries),
+        bitmasks=torch.from_numpy(packed.bitmasks),
     )
-    assert torch.equal(kept_set.ids, torch.from_numpy(got.ids))
-    assert torch.equal(kept_set.offsets, torch.from_numpy(got.offsets))
+    expanded = KeptSet(torch.from_numpy(got.ids), torch.from_numpy(got.offsets))
+    # the words the head reads (one shard from id 7, mid-word): the packed form and the expanded ids agree
+    words = kept_words(kept_set, 0, queries.size, vocab_start=7, vocab_local=vocab - 7, impl="torch")
+    assert torch.equal(
+        words, kept_words(expanded, 0, queries.size, vocab_start=7, vocab_local=vocab - 7, impl="torch")
+    )
+    assert torch.equal(kept_set.recorded(), torch.tensor([len(one) > 0 for one in want]))

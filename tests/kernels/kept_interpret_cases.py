@@ -1,22 +1,116 @@
-"""Kept-set gather-dot cases under the Triton interpreter (TRITON_INTERPRET=1), fp16 and fp32 on the CPU.
+"""Kept-set cases under the Triton interpreter (TRITON_INTERPRET=1), fp16 and fp32 on the CPU: the head kernels'
+kept pass against the plain-torch reference, the atomic OR of the words, the engine-term gather-dot, and TP = 2.
 
 Not collected by the main test run: `test_kept_set.py` runs this file in a child pytest with the interpreter on.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 import torch
 import triton
-from kept_cases import kept_case, kept_reference
+from kept_cases import edge_kept_case, kept_case, kept_reference, with_bitmask_rows
+from test_kept_set import check_tp2_against_one_rank
 
 from pgdiag.kernels import lm_head_logprobs
-from pgdiag.kernels.kept_set import kept_logits
-from pgdiag.kernels.kept_set_triton import kept_logits_triton
+from pgdiag.kernels import lm_head_logprobs_ref as reference
+from pgdiag.kernels.kept_set import KeptSet, kept_logits, kept_words, or_bits_torch
+from pgdiag.kernels.kept_set_triton import kept_logits_triton, or_bits_triton
+from pgdiag.kernels.lm_head_logprobs_triton import head_mode_for, lm_head_partials
+from pgdiag.kernels.triton_shared import TritonTiles
+from pgdiag.kernels.vocab_parallel import merge_partials
+
+SMALL_TILES = TritonTiles(block_n=16, block_v=16, block_k=16, num_warps=4, num_stages=1)
 
 
 def test_interpreter_is_on() -> None:
     assert triton.knobs.runtime.interpret
+
+
+def test_or_bits_equals_the_torch_reference() -> None:
+    gen = torch.Generator().manual_seed(1)
+    word = torch.randint(0, 50, (3000,), generator=gen)  # many duplicates, bit 31 included
+    bit = torch.randint(0, 32, (3000,), generator=gen)
+    assert torch.equal(or_bits_triton(50, word, bit, torch.device("cpu")), or_bits_torch(50, word, bit))
+
+
+def _stats(merged: torch.Tensor) -> torch.Tensor:
+    """(3, N) fp64 lse, entropy and max of merged (4, N) partials (0 where a token has none)."""
+    m, s, s1, _ = merged.double().unbind(0)
+    has = s > 0
+    safe = torch.where(has, s, 1.0)
+    return torch.stack(
+        [torch.where(has, m + torch.log(safe), 0.0), torch.log(safe) - s1 / safe, has.double()]
+    )
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7], ids=lambda t: f"tau={t}")
+@pytest.mark.parametrize(
+    ("dtype", "head_dtype", "mode"),
+    [(torch.float16, "bf16", "bf16"), (torch.float16, "fp32", "fp16x1"), (torch.float32, "fp32", "tf32x3")],
+    ids=["fp16_plain", "fp16_exact_hidden", "fp32_tf32x3"],
+)
+@pytest.mark.parametrize(("vocab_start", "n_splits"), [(0, 3), (45, 2)], ids=["whole", "shard_from_45"])
+@pytest.mark.parametrize("block_v", [16, 64], ids=["half_word_tiles", "two_word_tiles"])
+def test_kept_pass_equals_the_torch_reference(
+    block_v: int,
+    vocab_start: int,
+    n_splits: int,
+    dtype: torch.dtype,
+    head_dtype: str,
+    mode: str,
+    temperature: float,
+) -> None:
+    """The kernels' 8 partial rows a split, merged, against the reference's: the full vocabulary and K (the whole
+    vocabulary, one token, two tied logits, not recorded, bitmask rows) over the shard [vocab_start, 131), in
+    vocab tiles of half a word and of two words (the last one ragged)."""
+    kc = edge_kept_case(37, 40, 131, seed=5, dtype=dtype)
+    kept = with_bitmask_rows(kc.kept, [2, 6, 30], 131)
+    weight = kc.case.weight[vocab_start:]
+    vocab_local = weight.shape[0]
+    local = kc.case.targets - vocab_start
+    local = torch.where((local >= 0) & (local < vocab_local), local, -1)
+    words = kept_words(kept, 0, 37, vocab_start=vocab_start, vocab_local=vocab_local, impl="triton")
+    assert torch.equal(
+        words, kept_words(kept, 0, 37, vocab_start=vocab_start, vocab_local=vocab_local, impl="torch")
+    )
+    assert head_mode_for(head_dtype, weight.dtype, kc.case.hidden.dtype) == mode
+    tiles = replace(SMALL_TILES, n_splits=n_splits, block_v=block_v)
+    got = lm_head_partials(
+        kc.case.hidden, weight, local, temperature=temperature, head_dtype=head_dtype, tiles=tiles,
+        kept_words=words,
+    )  # fmt: skip
+    want = reference.lm_head_partials(
+        kc.case.hidden, weight, local, temperature=temperature, head_dtype=head_dtype, kept_words=words
+    )
+    assert got.shape == (n_splits, 8, 37) and want.shape == (1, 8, 37)
+    for rows in (slice(0, 4), slice(4, 8)):
+        torch.testing.assert_close(
+            _stats(merge_partials(got[:, rows])), _stats(merge_partials(want[:, rows])), rtol=0, atol=2e-5
+        )
+    assert bool((got[:, 7] == float("-inf")).all())  # the kept target row is the caller's
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_triton_impl_end_to_end_matches_fp64(dtype: torch.dtype) -> None:
+    kc = edge_kept_case(24, 32, 61, seed=4, dtype=dtype)
+    out = lm_head_logprobs(
+        kc.case.hidden, kc.case.weight, kc.case.targets, temperature=0.7, head_dtype="fp32", impl="triton",
+        kept=with_bitmask_rows(kc.kept, [2, 5], 61),
+    )  # fmt: skip
+    assert out.impl == "triton"
+    ref = kept_reference(kc, 0.7)
+    torch.testing.assert_close(out.logprobs.double(), ref["logprobs"], rtol=0, atol=2e-5)
+    torch.testing.assert_close(out.entropy.double(), ref["entropy"], rtol=0, atol=2e-5)
+    torch.testing.assert_close(out.kept_mass.double(), ref["kept_mass"], rtol=5e-6, atol=1e-7)
+    assert out.logprobs[0].item() == 0.0  # a one-token set
+
+
+def test_tp2_on_gloo_with_the_triton_head(tmp_path: Path) -> None:
+    check_tp2_against_one_rank(tmp_path, "triton")
 
 
 @pytest.mark.parametrize(
@@ -40,18 +134,6 @@ def test_gather_dot_equals_the_torch_reference(
     )
     assert torch.equal(torch.isinf(got), torch.isinf(ref)) and bool(torch.isinf(got[::5]).all())
     torch.testing.assert_close(got[torch.isfinite(ref)], ref[torch.isfinite(ref)], rtol=1e-6, atol=1e-5)
-
-
-def test_triton_impl_end_to_end_matches_fp64() -> None:
-    kc = kept_case(24, 32, 61, seed=4)
-    out = lm_head_logprobs(
-        kc.case.hidden, kc.case.weight, kc.case.targets, temperature=0.7, head_dtype="fp32", impl="triton",
-        kept=kc.kept,
-    )  # fmt: skip
-    assert out.impl == "triton"
-    ref = kept_reference(kc, 0.7)
-    torch.testing.assert_close(out.logprobs.double(), ref["logprobs"], rtol=0, atol=2e-5)
-    torch.testing.assert_close(out.kept_mass.double(), ref["kept_mass"], rtol=5e-6, atol=1e-7)
 
 
 def _ascending_thresholds(z: torch.Tensor, n_levels: int, gen: torch.Generator) -> torch.Tensor:
@@ -105,3 +187,31 @@ def test_reconstruct_with_the_triton_pass_equals_the_sort_reference(
     rows, cols = reference(z, top_k, top_p, min_p).nonzero(as_tuple=True)
     assert torch.equal(rebuilt.ids, cols)
     assert torch.equal(rebuilt.sizes(), torch.bincount(rows, minlength=n))
+
+
+def test_kept_sets_far_below_the_maximum_are_scored_exactly() -> None:
+    """At T = 0.05 the one-token sets of unlikely targets lie hundreds of nats below the row's maximum: the kernel's
+    K sums (centred on the full maximum) underflow to 0 there, and those rows are scored again by the reference
+    (K's own maximum): the same numbers as the torch head, a one-token set exactly 0.0."""
+    kc = kept_case(24, 32, 61, seed=4)
+    ones = [n for n in range(24) if int(kc.kept.sizes()[n]) > 0][:10]
+    ids = torch.cat([kc.kept.ids[int(kc.kept.offsets[n]) : int(kc.kept.offsets[n + 1])][:1] for n in ones])
+    sizes = torch.zeros(24, dtype=torch.int64)
+    sizes[ones] = 1  # each of these tokens keeps its target alone (the first id of its set)
+    offsets = torch.zeros(25, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(sizes, 0)
+    kept = KeptSet(ids, offsets)
+    words = kept_words(kept, 0, 24, vocab_start=0, vocab_local=61, impl="triton")
+    local = torch.where(kc.case.targets < 0, -1, kc.case.targets)
+    raw = lm_head_partials(
+        kc.case.hidden, kc.case.weight, local, temperature=0.05, head_dtype="fp32", kept_words=words
+    )
+    underflowed = merge_partials(raw[:, 4:])[1][ones] == 0
+    assert int(underflowed.sum()) >= 3  # the case exercises the fallback
+    args = (kc.case.hidden, kc.case.weight, kc.case.targets)
+    got = lm_head_logprobs(*args, temperature=0.05, head_dtype="fp32", impl="triton", kept=kept)
+    want = lm_head_logprobs(*args, temperature=0.05, head_dtype="fp32", impl="torch", kept=kept)
+    assert bool((got.logprobs[ones] == 0.0).all())
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got.kept_mass, want.kept_mass, rtol=1e-4, atol=0)

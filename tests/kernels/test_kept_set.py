@@ -1,5 +1,6 @@
-"""The kept-set head (`kernels.kept_set`) against fp64, TP = 2 on gloo, the Triton gather-dot under the
-interpreter, and the reconstruction of K in vLLM's and SGLang's orders (ties at the k-th logit, min-p + top-p)."""
+"""The kept-set head (`kernels.kept_set`: K scored inside the head, as packed bitmask words) against fp64,
+its words (CSR ids, bitmasks at any shard offset), TP = 2 on gloo, the Triton kernels under the interpreter,
+and the reconstruction of K in vLLM's and SGLang's orders (ties at the k-th logit, min-p + top-p)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from kept_cases import kept_case, kept_reference
+from kept_cases import edge_kept_case, kept_case, kept_reference, with_bitmask_rows
 from lm_head_cases import IGNORE
 
 from pgdiag.errors import InvalidInputError
-from pgdiag.kernels import kept_threshold, lm_head_logprobs
+from pgdiag.kernels import kept_set, kept_threshold, lm_head_logprobs
 from pgdiag.kernels.kept_reconstruct import (
     keep_mask_sglang,
     keep_mask_vllm,
     reconstruct_kept,
 )
-from pgdiag.kernels.kept_set import KeptSet
+from pgdiag.kernels.kept_set import KeptSet, bitmask_words, kept_words, or_bits_torch
 from pgdiag.kernels.kept_threshold import keep_mask_threshold
+from pgdiag.kernels.lm_head_logprobs_ref import unpack_words
 from pgdiag.kernels.vocab_parallel import vocab_shard_range
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,7 +82,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _tp_rank(rank: int, world: int, port: int, vocab: int, out_dir: str) -> None:
+def _tp_kept(kc, vocab: int) -> KeptSet:
+    """The TP cases' kept sets: engine log-probs, and tokens 5 and 9 as bitmasks (no engine log-probs)."""
+    return with_bitmask_rows(_with_engine_logprobs(kc), [5, 9], vocab)
+
+
+def _tp_rank(rank: int, world: int, port: int, vocab: int, out_dir: str, impl: str = "auto") -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         kc = kept_case(40, 24, vocab, seed=11)
@@ -101,7 +108,8 @@ def _tp_rank(rank: int, world: int, port: int, vocab: int, out_dir: str) -> None
             head_dtype="fp32",
             tp_group=dist.group.WORLD,
             vocab_start=start,
-            kept=_with_engine_logprobs(kc),
+            kept=_tp_kept(kc, vocab),
+            impl=impl,
         )
         dist.all_gather = original
         n = kc.case.targets.shape[0]
@@ -139,8 +147,14 @@ def _tp_rank(rank: int, world: int, port: int, vocab: int, out_dir: str) -> None
 
 
 def test_tp2_on_gloo_equals_one_rank(tmp_path: Path) -> None:
+    check_tp2_against_one_rank(tmp_path, "auto")
+
+
+def check_tp2_against_one_rank(tmp_path: Path, impl: str) -> None:
+    """Shards of 19 and 18 rows (the second starts mid-word: its bitmask words are shifted by 19 bits), each
+    rank's head run with `impl`, against one rank of the torch head with the same sets as ids."""
     vocab = 37
-    mp.spawn(_tp_rank, args=(2, _free_port(), vocab, str(tmp_path)), nprocs=2)
+    mp.spawn(_tp_rank, args=(2, _free_port(), vocab, str(tmp_path), impl), nprocs=2)
     kc = kept_case(40, 24, vocab, seed=11)
     single = lm_head_logprobs(
         kc.case.hidden,
@@ -149,7 +163,11 @@ def test_tp2_on_gloo_equals_one_rank(tmp_path: Path) -> None:
         temperature=TEMPERATURE,
         head_dtype="fp32",
         kept=_with_engine_logprobs(kc),
+        impl="torch",
     )
+    assert bool(torch.isfinite(single.kept_kl[[5, 9]]).all())  # with ids: a KL; as bitmasks below: NaN
+    single_kl = single.kept_kl.clone()
+    single_kl[[5, 9]] = float("nan")
     n = kc.case.targets.shape[0]
     rebuilt = reconstruct_kept(
         kc.case.hidden,
@@ -166,14 +184,95 @@ def test_tp2_on_gloo_equals_one_rank(tmp_path: Path) -> None:
         torch.testing.assert_close(got["entropy"], single.entropy, rtol=0, atol=1e-5)
         torch.testing.assert_close(got["kept_mass"], single.kept_mass, rtol=5e-6, atol=1e-7)
         torch.testing.assert_close(got["full"], single.logprobs_full, rtol=1e-6, atol=1e-5)
-        torch.testing.assert_close(got["kl"], single.kept_kl, rtol=0, atol=2e-5, equal_nan=True)
+        torch.testing.assert_close(got["kl"], single_kl, rtol=0, atol=2e-5, equal_nan=True)
         assert got["gathers"] == 1  # the head's and the kept partials (and Σ p_e z) are reduced once
         assert torch.equal(got["rebuilt_ids"], rebuilt.ids) and torch.equal(
             got["rebuilt_offsets"], rebuilt.offsets
         )
 
 
-def test_triton_gather_dot_under_the_interpreter() -> None:
+@pytest.mark.parametrize("temperature", [1.0, TEMPERATURE])
+def test_edge_sets_match_fp64(temperature: float) -> None:
+    """The whole vocabulary as K (kept mass 1, the full scores), a one-token set, a set of two tied logits, an
+    unrecorded token, an ignored one."""
+    kc = edge_kept_case(24, 32, 70, seed=6)
+    out = lm_head_logprobs(
+        kc.case.hidden,
+        kc.case.weight,
+        kc.case.targets,
+        temperature=temperature,
+        head_dtype="fp32",
+        kept=kc.kept,
+    )
+    ref = kept_reference(kc, temperature)
+    torch.testing.assert_close(out.logprobs.double(), ref["logprobs"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.entropy.double(), ref["entropy"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.kept_mass.double(), ref["kept_mass"], rtol=5e-6, atol=1e-7)
+    assert abs(out.kept_mass[2].item() - 1.0) <= 1e-6 and abs(out.logprobs[2] - out.logprobs_full[2]) <= 1e-6
+    assert abs(out.logprobs[4].item() - math.log(0.5)) <= 1e-6  # two tied logits: 1/2 each
+    assert abs(out.entropy[4].item() - math.log(2.0)) <= 1e-6
+    assert out.logprobs[0].item() == 0.0 and out.logprobs[1].item() == 0.0  # one-token set; ignored
+    assert out.kept_mass[3].item() == 1.0 and out.logprobs[3] == out.logprobs_full[3]  # not recorded
+
+
+def test_bitmask_rows_score_as_their_ids() -> None:
+    """Sets given as packed bitmasks (the whole vocabulary among them) give the very numbers of the same sets as
+    ids: the head reads the same bits."""
+    kc = edge_kept_case(24, 32, 70, seed=6)
+    as_ids = lm_head_logprobs(kc.case.hidden, kc.case.weight, kc.case.targets, temperature=0.7, kept=kc.kept)
+    packed = with_bitmask_rows(kc.kept, [2, 4, 7, 8], 70)
+    as_bits = lm_head_logprobs(kc.case.hidden, kc.case.weight, kc.case.targets, temperature=0.7, kept=packed)
+    for name in ("logprobs", "entropy", "kept_mass", "logprobs_full"):
+        assert torch.equal(getattr(as_bits, name), getattr(as_ids, name)), name
+
+
+def test_words_from_ids_and_from_bitmasks_agree() -> None:
+    """`kept_words` over the shard [45, 120) of V = 150 (starts mid-word): the CSR ids (duplicates included)
+    and the packed bitmasks of the same sets give the same words, and unpack to exactly the sets' local ids."""
+    gen = torch.Generator().manual_seed(4)
+    sets = [torch.randperm(150, generator=gen)[: int(k)].tolist() for k in (0, 1, 150, 40, 3, 75)]
+    sets[3] += sets[3][:5]  # duplicates: an OR, not a sum
+    ids = torch.tensor([i for one in sets for i in one], dtype=torch.int64)
+    offsets = torch.zeros(len(sets) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor([len(one) for one in sets]), 0)
+    got = kept_words(KeptSet(ids, offsets), 0, len(sets), vocab_start=45, vocab_local=75, impl="torch")
+    assert got.shape == (len(sets), 3) and got.dtype == torch.int32
+    bits = unpack_words(got, 75)
+    for n, one in enumerate(sets):
+        assert bits[n].nonzero()[:, 0].tolist() == sorted({i - 45 for i in one if 45 <= i < 120})
+    packed = with_bitmask_rows(KeptSet(ids, offsets), [1, 2, 3, 5], 150)
+    words_packed = kept_words(packed, 0, len(sets), vocab_start=45, vocab_local=75, impl="torch")
+    assert torch.equal(unpack_words(words_packed, 75), bits)
+    tail = kept_words(packed, 2, 5, vocab_start=45, vocab_local=75, impl="torch")  # a chunk of tokens
+    assert torch.equal(unpack_words(tail, 75), bits[2:5])
+
+
+def test_bitmask_words_shift_by_hand() -> None:
+    """Ids 3, 40 and 41 of V = 64 as one bitmask; the shard from id 33 holds 40 and 41 at local rows 7 and 8; a
+    shard's words hold no bit past its last row (the next shard's ids)."""
+    mask = torch.zeros(1, 8, dtype=torch.uint8)
+    mask[0, 0] = 1 << 3
+    mask[0, 5] = (1 << 0) | (1 << 1)  # ids 40, 41
+    assert bitmask_words(mask, 33, 31).tolist() == [[(1 << 7) | (1 << 8)]]
+    assert bitmask_words(mask, 0, 64).tolist() == [[1 << 3, (1 << 8) | (1 << 9)]]
+    assert bitmask_words(mask, 0, 41).tolist() == [[1 << 3, 1 << 8]]  # id 41: past the shard, cleared
+    assert bitmask_words(mask, 33, 8).tolist() == [[1 << 7]]  # the same, mid-word
+    assert or_bits_torch(2, torch.tensor([1, 1, 0]), torch.tensor([31, 31, 0])).tolist() == [1, -(1 << 31)]
+
+
+def test_token_chunks_give_the_one_chunk_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A words budget of one 256-token block a chunk (600 tokens -> 3 chunks) changes nothing."""
+    kc = kept_case(600, 16, 90, seed=12)
+    kept = with_bitmask_rows(kc.kept, [5, 300, 599], 90)
+    whole = lm_head_logprobs(kc.case.hidden, kc.case.weight, kc.case.targets, kept=kept)
+    monkeypatch.setattr(kept_set, "KEPT_WORDS_BUDGET_BYTES", 4 * 3 * 256)
+    assert kept_set.kept_chunk(600, 90) == 256
+    chunked = lm_head_logprobs(kc.case.hidden, kc.case.weight, kc.case.targets, kept=kept)
+    for name in ("logprobs", "entropy", "kept_mass", "logprobs_full"):
+        assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
+
+
+def test_triton_kernels_under_the_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     cases = Path(__file__).with_name("kept_interpret_cases.py")
     run = subprocess.run(

@@ -1,6 +1,7 @@
 """GPU accuracy of the kept-set head in bf16 at a real size (d = 4096, V = 151936) against fp64.
 
-K per token: the top-|K| logits with the target forced in, |K| in {1, 64, 2048}. Both impls (torch, triton),
+K per token: the top-|K| logits with the target forced in, |K| in {1, 64, 2048}, scored inside the head (ids,
+and packed bitmasks), and the engine-log-prob KL over K. Both impls (torch, triton),
 bf16 and fp32 heads. Bounds: renormalised log-prob and entropy max |delta| <= 1e-3 nats (bf16 head; the bf16
 rounding of the inputs is in the fp64 truth, so what is left is fp32 summation), kept mass relative 1e-4, and a
 one-token set exactly 0.0. The fp32 head: 1e-4 nats. Every test prints its measured errors (pytest -rP).
@@ -74,12 +75,62 @@ def test_kept_head_bf16_inputs_against_fp64(size: int, impl: str, head_dtype: st
     assert err_lp <= bound and err_h <= bound and err_mass <= 1e-4 * (10 if head_dtype == "bf16" else 1)
 
 
-def test_triton_and_torch_gather_dots_agree() -> None:
+def test_triton_and_torch_kept_heads_agree() -> None:
     hidden, weight, targets, kept, _ = _case(64)
     a = lm_head_logprobs(hidden, weight, targets, head_dtype="bf16", impl="torch", kept=kept)
     b = lm_head_logprobs(hidden, weight, targets, head_dtype="bf16", impl="triton", kept=kept)
     torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
     torch.testing.assert_close(a.kept_mass, b.kept_mass, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dtype", ["bf16", "fp32"])
+def test_bitmask_sets_score_as_their_ids_on_the_gpu(head_dtype: str) -> None:
+    """|K| = 2048 sets given as packed bitmasks (a third of the tokens) and as ids: the Triton head reads the
+    same bits, so the numbers are the same; the words of both forms are equal."""
+    from kept_cases import with_bitmask_rows
+
+    from pgdiag.kernels.kept_set import kept_words
+
+    hidden, weight, targets, kept, _ = _case(2048)
+    packed = with_bitmask_rows(kept, list(range(0, TOKENS, 3)), VOCAB)
+    for start, local in ((0, VOCAB), (75_000, VOCAB - 75_000)):  # the whole head, and a shard from mid-word
+        assert torch.equal(
+            kept_words(packed, 0, TOKENS, vocab_start=start, vocab_local=local, impl="triton"),
+            kept_words(kept, 0, TOKENS, vocab_start=start, vocab_local=local, impl="torch"),
+        )
+    a = lm_head_logprobs(
+        hidden, weight, targets, temperature=0.7, head_dtype=head_dtype, impl="triton", kept=kept
+    )
+    b = lm_head_logprobs(
+        hidden, weight, targets, temperature=0.7, head_dtype=head_dtype, impl="triton", kept=packed
+    )
+    for name in ("logprobs", "entropy", "kept_mass", "logprobs_full"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_kept_kl_on_the_gpu_against_fp64() -> None:
+    """The engine's kept log-probs (the model's own, perturbed): KL over K within 1e-4 of fp64 (bf16 head), 0 for
+    the one-token set."""
+    hidden, weight, targets, kept, logits64 = _case(64)
+    z = logits64 / 0.7
+    token = kept.element_token()
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    noisy = z[token, kept.ids] + 0.05 * torch.randn(
+        token.shape[0], device="cuda", generator=gen, dtype=z.dtype
+    )
+    with_lp = KeptSet(kept.ids, kept.offsets, noisy.float())
+    out = lm_head_logprobs(
+        hidden, weight, targets, temperature=0.7, head_dtype="bf16", impl="triton", kept=with_lp
+    )
+    assert out.kept_kl is not None and out.kept_kl[0].item() == 0.0
+    worst = 0.0
+    for n in range(1, TOKENS):
+        lo, hi = int(kept.offsets[n]), int(kept.offsets[n + 1])
+        engine = torch.log_softmax(with_lp.logprobs[lo:hi].double(), 0)
+        model = torch.log_softmax(z[n, kept.ids[lo:hi]], 0)
+        worst = max(worst, abs(float(out.kept_kl[n]) - float((engine.exp() * (engine - model)).sum())))
+    print(f"kept_kl max |delta| {worst:.2e}")
+    assert worst <= 1e-4
 
 
 def _logits(seed: int = 5, tokens: int = 64) -> torch.Tensor:

@@ -369,7 +369,7 @@ def _as_bitmasks(frame: pl.DataFrame, every: int = 3) -> pl.DataFrame:
 
 
 def test_bitmask_positions_score_as_their_ids(setup: dict, tmp_path: Path) -> None:
-    """A third of the recorded sets stored as bitmasks (expanded on the device by `with_bitmasks`): the
+    """A third of the recorded sets stored as bitmasks (read by the LM head as bits, never expanded): the
     recorded recompute equals the rollout log-probs as with ids."""
     frame = _as_bitmasks(setup["frame"].drop("full_tempered", "full_raw"))
     run = tmp_path / "run"
