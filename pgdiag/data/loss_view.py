@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pgdiag.data.flat import METADATA_LISTS, RowTable
+from pgdiag.data.flat import METADATA_LISTS, RowTable, row_of
 from pgdiag.data.kept import position_sizes
 
 
@@ -32,7 +32,7 @@ class LossView:
 
     def rows_of(self, loss_token: np.ndarray) -> np.ndarray:
         """(K,) row owning each of the given loss-token indices."""
-        return np.searchsorted(self.row_start, loss_token, side="right") - 1
+        return row_of(self.row_start, loss_token)
 
 
 def loss_view(table: RowTable) -> LossView:

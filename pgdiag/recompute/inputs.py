@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from pgdiag.data.flat import flat_list, subset_rows
+from pgdiag.data.flat import flat_list, row_of, subset_rows
 from pgdiag.data.kept import KeptColumns
 from pgdiag.data.load import load_rows
 from pgdiag.data.runs import FILE_COLUMN, Run
@@ -199,7 +199,7 @@ def _routes(frame: pl.DataFrame, offsets: np.ndarray, shape: RouteShape) -> np.n
     out_of_range = np.flatnonzero((values < -1) | (values >= shape.num_experts))
     if out_of_range.size:
         first = int(out_of_range[0])
-        r = int(np.searchsorted(flat.offsets, first, side="right") - 1)
+        r = int(row_of(flat.offsets, first))
         raise InvalidInputError(
             Code.EXPERT_OUT_OF_RANGE,
             f"{_where(frame, r)}, {ROUTES_COLUMN} element {first - flat.offsets[r]}: expert "
@@ -264,7 +264,7 @@ def _token_temperatures(frame: pl.DataFrame, offsets: np.ndarray, loss_mask: np.
     bad = np.flatnonzero(loss_mask & (null | ~(np.isfinite(temperature) & (temperature > 0))))
     if bad.size:
         first = int(bad[0])
-        r = int(np.searchsorted(offsets, first, side="right") - 1)
+        r = int(row_of(offsets, first))
         value = "null" if null[first] else f"{temperature[first]:g}"
         raise InvalidInputError(
             Code.BAD_TEMPERATURE,
