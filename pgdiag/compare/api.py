@@ -36,7 +36,7 @@ from pgdiag.data.schema import BASE_STREAMS
 from pgdiag.data.validate import CheckResult, CheckSettings
 from pgdiag.errors import Code, UsageError
 from pgdiag.metrics.accumulators import RowFold
-from pgdiag.metrics.api import metric_streams
+from pgdiag.metrics.resolve import metric_streams
 from pgdiag.metrics.settings import MetricSettings
 
 if TYPE_CHECKING:

@@ -409,15 +409,17 @@ def sample_bucket_table(
 
 
 def _bucket_max(values: np.ndarray, codes: np.ndarray, k: int) -> np.ndarray:
-    """(K,) exact max of `values` per bucket, NaN ignored as polars' `max` ignores it (NaN for a bucket that is
-    empty or all NaN), by one `np.fmax.at` (unbuffered, in place: ~3x faster than a polars group-by at 10M)."""
+    """(K,) exact max of `values` per bucket, NaN skipped as polars' `max` skips it (NaN for an empty or all-NaN
+    bucket), by one unbuffered `np.maximum.at` (~3x faster than a polars group-by at 10M)."""
     out = np.full(k, -np.inf)
-    np.fmax.at(out, codes, values)
-    counts = np.bincount(codes, minlength=k)
-    nan = np.isnan(values)
-    if nan.any():
-        out[np.bincount(codes[nan], minlength=k) == counts] = np.nan
-    out[counts == 0] = np.nan
+    with np.errstate(invalid="ignore"):  # NaN values are handled below
+        np.maximum.at(out, codes, values)
+    if np.isnan(out).any():  # a NaN value: the max of the others, then NaN where all are NaN
+        out = np.full(k, -np.inf)
+        np.fmax.at(out, codes, values)
+        out[np.bincount(codes[np.isnan(values)], minlength=k) == np.bincount(codes, minlength=k)] = np.nan
+    empty = np.bincount(codes, minlength=k) == 0 if (values == -np.inf).any() else out == -np.inf
+    out[empty] = np.nan
     return out
 
 

@@ -219,3 +219,11 @@ def test_bucket_max_is_the_max_of_each_bucket_ignoring_nan() -> None:
             assert np.isnan(got[bucket]), bucket
         else:
             assert got[bucket] == inside.max(), bucket
+    values[codes == 5] = -np.inf  # a −inf value: bucket 5's max, not an empty bucket
+    got = _bucket_max(values, codes, 7)
+    assert got[5] == -np.inf and np.isnan(got[2]) and np.isnan(got[4]) and np.isnan(got[6])
+    clean = np.abs(rng.normal(0.0, 1.0, 5000))  # no NaN, no −inf: the fast path alone
+    got = _bucket_max(clean, codes, 7)
+    for bucket in range(7):
+        inside = clean[codes == bucket]
+        assert (np.isnan(got[bucket]) and inside.size == 0) or got[bucket] == inside.max(), bucket
