@@ -11,8 +11,9 @@ fresh subprocess (so peak RSS is the child's own `ru_maxrss`):
   * pandas-full: the same start, then what pgdiag reports: the token and sequence tables and four breakdowns
     with the same statistics (like for like).
 Why: the target is <= 10 s wall and <= 4 GB peak RSS on the 2-core CPU machine, >= 5x pandas.
-Each child also reports its CPU seconds (user + system): on a shared machine wall time swings with the load, CPU
-time much less; the load average is printed beside the table.
+Each child also reports its CPU seconds (user + system; pgdiag's children also each apart, as the system time,
+spent first touching memory, swings by ±0.6 s from run to run on this VM): on a shared machine wall time swings
+with the load, CPU time much less; the load average is printed beside the table.
 How: ``python benchmarks/bench_compare.py [--samples 20000] [--repeat 2] [--dir /tmp/pgdiag-bench-compare]
 [--tree NAME=PATH ...]``; files are reused when present; `--tree` times older source trees beside the current one. Prints a markdown table (median of the repeats) for docs/benchmarks.md.
 """
@@ -46,8 +47,8 @@ import resource
 usage = resource.getrusage(resource.RUSAGE_SELF)
 peak, cpu = usage.ru_maxrss / 1024.0, usage.ru_utime + usage.ru_stime
 import pgdiag
-print(json.dumps({"wall_s": wall, "cpu_s": cpu, "abs_mean": value, "rows": report.summary.height, "peak_rss_mib": peak,
-                  "source": pgdiag.__file__}))
+print(json.dumps({"wall_s": wall, "cpu_s": cpu, "user_s": usage.ru_utime, "sys_s": usage.ru_stime, "abs_mean": value,
+                  "rows": report.summary.height, "peak_rss_mib": peak, "source": pgdiag.__file__}))
 """
 
 PANDAS_CHILD = """
@@ -250,9 +251,10 @@ def main() -> None:
             results["pandas"].append(run_child(PANDAS_CHILD, a, b))
             results["pandas-full"].append(run_child(PANDAS_FULL_CHILD, a, b))
     print(
-        "| implementation | wall s (median; min) | CPU s (median) | process s (median) | peak RSS MiB | mean abs Δ |"
+        "| implementation | wall s (median; min) | CPU s (median) | user / system s (median) | process s (median) "
+        "| peak RSS MiB | mean abs Δ |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for name, runs in results.items():
         if not runs:
             continue
@@ -261,8 +263,13 @@ def main() -> None:
         cpu = statistics.median(r["cpu_s"] for r in runs)
         proc = statistics.median(r["process_s"] for r in runs)
         rss = max(r["peak_rss_mib"] for r in runs)
+        split = "-"  # pgdiag children only: the system time (first-touched memory) swings most on a VM
+        if "user_s" in runs[0]:
+            user, system = (statistics.median(r[key] for r in runs) for key in ("user_s", "sys_s"))
+            split = f"{user:.2f} / {system:.2f}"
         print(
-            f"| {name} | {wall:.2f}; {fastest:.2f} | {cpu:.2f} | {proc:.2f} | {rss:.0f} | {runs[0]['abs_mean']:.6g} |"
+            f"| {name} | {wall:.2f}; {fastest:.2f} | {cpu:.2f} | {split} | {proc:.2f} | {rss:.0f} "
+            f"| {runs[0]['abs_mean']:.6g} |"
         )
     print(f"load average before/after: {load_before} / {os.getloadavg()}")
     print(json.dumps(results))
