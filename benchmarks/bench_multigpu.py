@@ -19,8 +19,6 @@ How to run:
     torchrun --nproc-per-node 4 benchmarks/bench_multigpu.py --model llama3-70b --layouts 4x1,2x2 --fp32-ref 4
     torchrun --nproc-per-node 2 benchmarks/bench_multigpu.py --model qwen3-8b --layouts 1x2,2x1:c4:n,2x1:c4:s,2x1:c4:s:m8
     torchrun --nproc-per-node 2 benchmarks/bench_multigpu.py --model tiny --device cpu --layouts 1x2,2x1,2x1:c2:s
-    torchrun --nproc-per-node 2 benchmarks/bench_multigpu.py --model qwen3-8b --layouts 1x2,2x1:c4,1x2:u,2x1:c4:u
-(`:u`: q/k/v and gate/up as separate GEMMs, the baseline of the fused ones the loader makes)
 Keep NCCL_NVLS_ENABLE=0 (NVLink multicast off) as the device machines require.
 """
 
@@ -48,7 +46,6 @@ from bench_recompute import PEAK_MEASURED, QWEN3_8B, TINY, make_rollouts, model_
 from pgdiag.kernels import lm_head_logprobs
 from pgdiag.model import ModelConfig, TensorSource, load_from_source
 from pgdiag.model.expected_tensors import expected_shapes
-from pgdiag.model.fused import unfuse_projections
 from pgdiag.model.moe import different_sets
 from pgdiag.model.tp import TensorSlice
 
@@ -236,8 +233,6 @@ def measure_layout(cfg, rollouts, args, tp: int, dp: int, device, *, dtype: str 
         model.tp_overlap_chunks = options.chunks
     if options.sequence is not None:  # sequence parallel in the same chunks (dense models)
         model.tp_sequence_parallel = options.sequence
-    if options.unfused:  # the baseline: q/k/v and gate/up as separate GEMMs
-        unfuse_projections(model)
     sync(device)
     load_s = world_max(time.perf_counter() - t0, device)
     weights_gib = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
@@ -290,7 +285,6 @@ def measure_layout(cfg, rollouts, args, tp: int, dp: int, device, *, dtype: str 
         "peak_batch": peak_batch, "attention": model.attention_backend, "experts": model.expert_impl,
         "batch_tokens": args.batch_tokens, "tp_overlap_chunks": model.tp_overlap_chunks,
         "tp_sequence_parallel": model.tp_sequence_parallel, "nccl_max_ctas": options.max_ctas if nccl_options(options.max_ctas) else None,
-        "fused_projections": not options.unfused,
     }  # fmt: skip
     del model, result
     gc.collect()
@@ -307,12 +301,10 @@ class TPOptions:
     chunks: int | None = None
     sequence: bool | None = None
     max_ctas: int | None = None
-    unfused: bool = False  # q/k/v and gate/up as separate GEMMs (the loader fuses them)
 
     def suffix(self) -> str:
         return (
             (f"_c{self.chunks}" if self.chunks else "")
-            + ("_unfused" if self.unfused else "")
             + ({True: "_sp", False: "_nosp"}.get(self.sequence, ""))
             + (f"_m{self.max_ctas}" if self.max_ctas else "")
         )
@@ -320,7 +312,7 @@ class TPOptions:
 
 def _layout(text: str) -> tuple[int, int, TPOptions]:
     """'2x1' -> (2, 1, defaults); '2x1:c4:s:m8' -> 4 overlap chunks, sequence parallel, NCCL max 8 CTAs;
-    ':n' turns sequence parallelism off; ':u' runs q/k/v and gate/up as separate GEMMs."""
+    ':n' turns sequence parallelism off."""
     shape, *options = text.split(":")
     tp, dp = (int(x) for x in shape.split("x"))
     found: dict = {}
@@ -332,8 +324,6 @@ def _layout(text: str) -> tuple[int, int, TPOptions]:
             found["sequence"] = key == "s"
         elif key == "m":
             found["max_ctas"] = int(value)
-        elif key == "u":
-            found["unfused"] = True
         else:
             raise SystemExit(f"unknown layout option {option!r} in {text!r}")
     return tp, dp, TPOptions(**found)

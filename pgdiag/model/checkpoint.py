@@ -2,8 +2,7 @@
 
 What: `load_model(path, dtype=, head_dtype=, device=, tp_group=)` reads ``config.json``, checks every tensor
 name and shape against what the config implies, builds the model on the meta device and fills each parameter
-with this rank's slice only (`safe_open(...).get_slice`, plan in `tp.py`), cast to the body dtype (q/k/v and
-gate/up written straight into the rows of one fused weight per block, `pgdiag.model.fused`); the LM head
+with this rank's slice only (`safe_open(...).get_slice`, plan in `tp.py`), cast to the body dtype; the LM head
 (``lm_head.weight``, or the embedding when tied) is read separately in the head dtype.
 
 Why strict (docs/models.md): a silently missing or extra tensor is a wrong logprob. Every expected
@@ -34,7 +33,6 @@ from pgdiag.errors import Code, UsageError
 from pgdiag.model.attention import resolve_attention_backend
 from pgdiag.model.config import ModelConfig, read_model_config
 from pgdiag.model.expected_tensors import check_tensor_names
-from pgdiag.model.fused import fused_slots
 from pgdiag.model.hf_experts import expert_role, read_experts
 from pgdiag.model.moe import resolve_expert_impl
 from pgdiag.model.rope import rope_inv_freq
@@ -110,7 +108,6 @@ def load_from_source(
         )  # fmt: skip
     if stream is not None and fuse_pointwise:
         warm_pointwise_ops(model, device, body)  # compile while the stream's threads copy the weights
-    slots = fused_slots(model, device, body)  # q/k/v and gate/up rows of one fused weight per module
     rounded = 0
     for name, _ in _body_parameters(model):
         prefix, expert_param = expert_role(name)
@@ -120,12 +117,7 @@ def load_from_source(
             part = shard_slice(name, source.shape(name), layout)
             value, fp32 = _read(source, stream, name, part), source.is_fp32(name)
         rounded += int(fp32 and body != torch.float32)
-        slot = slots.get(name)
-        if slot is None:
-            _assign(model, name, value.to(device=device, dtype=body))
-        else:  # written straight into its rows of the fused weight, which the parameter then views
-            _check_shape(model, name, value)
-            _assign(model, name, slot.copy_(value))
+        _assign(model, name, value.to(device=device, dtype=body))
     head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     head_part = TensorSlice(0, layout.vocab_start, layout.vocab_end)
     head_store = head_storage_dtype(head, source.is_fp32(head_name), source.dtype(head_name))
@@ -150,20 +142,16 @@ def _body_parameters(model: CausalLM) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if not n.startswith("lm_head.")]
 
 
-def _check_shape(model: CausalLM, name: str, value: Tensor) -> None:
-    """E603 unless `value` has the shape of the model's parameter `name`."""
-    current = model.get_parameter(name)
+def _assign(model: CausalLM, name: str, value: Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    current = getattr(module, attr)
     if tuple(current.shape) != tuple(value.shape):
         raise UsageError(
             Code.TENSORS_MISMATCH,
             f"tensor '{name}' slice has shape {list(value.shape)}, model expects {list(current.shape)}",
         )
-
-
-def _assign(model: CausalLM, name: str, value: Tensor) -> None:
-    _check_shape(model, name, value)
-    module_name, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(value, requires_grad=False))
+    setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
 
 
 def _warnings(

@@ -27,7 +27,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pgdiag.model.fused import FusedProjection
 from pgdiag.model.tp import TokenShards, all_gather_rows, reduce_scatter_rows
 
 if TYPE_CHECKING:
@@ -39,7 +38,7 @@ def _bias(summed: Tensor, proj: nn.Linear) -> Tensor:
     return summed if proj.bias is None else summed + proj.bias
 
 
-def _linear_into(out: Tensor, x: Tensor, proj: nn.Linear | FusedProjection) -> None:
+def _linear_into(out: Tensor, x: Tensor, proj: nn.Linear) -> None:
     """out (n, F) = x (n, H) @ W.T (+ bias), written in place (a row range of a larger buffer)."""
     if proj.bias is None:
         torch.mm(x, proj.weight.t(), out=out)
@@ -70,7 +69,7 @@ def dense_overlapped(
         pending.wait()
         mid = x[start:stop] + _bias(part, attn.o_proj)  # (n_c, H)
         normed = layer.post_attention_layernorm(mid)
-        inner = mlp.ops.swiglu(*mlp.project(normed))  # (n_c, I_local)
+        inner = mlp.ops.swiglu(mlp.gate_proj(normed), mlp.up_proj(normed))  # (n_c, I_local)
         down = F.linear(inner, mlp.down_proj.weight)  # (n_c, H) partial
         d_waits.append(dist.all_reduce(down, op=dist.ReduceOp.SUM, group=group, async_op=True))
         d_parts.append(down)
@@ -96,15 +95,15 @@ def dense_sequence_parallel(
     # attention: input norm on this rank's rows, gathered span by span; a span's q/k/v as soon as it arrives
     normed = layer.input_layernorm(x_local)  # (N_pad / tp, H)
     waits = [all_gather_rows(gathered[a:b], normed[la:lb], group) for a, b, la, lb in spans]
-    projs = (attn.q_proj, attn.k_proj, attn.v_proj) if attn.fused is None else (attn.fused,)
-    outs = [x_local.new_empty(n, proj.weight.shape[0]) for proj in projs]  # (N_pad, q/k/v or all three)
+    q = x_local.new_empty(n, attn.q_proj.out_features)  # (N_pad, Hq_local * D)
+    k = x_local.new_empty(n, attn.k_proj.out_features)  # (N_pad, Hkv_local * D)
+    v = x_local.new_empty(n, attn.v_proj.out_features)
     for (a, b, _, _), pending in zip(spans, waits, strict=True):
         pending.wait()
-        for proj, out in zip(projs, outs, strict=True):
+        for proj, out in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v)):
             _linear_into(out[a:b], gathered[a:b], proj)
-    qkv = outs if attn.fused is None else outs[0].split(attn.fused.widths, dim=-1)
-    core = attn.attend(*qkv, shared)  # (N_pad, Hq_local * D)
-    del outs, qkv
+    core = attn.attend(q, k, v, shared)  # (N_pad, Hq_local * D)
+    del q, k, v
     o_local = torch.empty_like(x_local)  # (N_pad / tp, H) this rank's rows of the summed o_proj
     o_parts, o_waits = [], []
     for a, b, la, lb in spans:
@@ -124,7 +123,7 @@ def dense_sequence_parallel(
     d_parts, d_waits = [], []
     for (a, b, la, lb), pending in zip(spans, waits, strict=True):
         pending.wait()
-        inner = mlp.ops.swiglu(*mlp.project(gathered[a:b]))  # (span, I_local)
+        inner = mlp.ops.swiglu(mlp.gate_proj(gathered[a:b]), mlp.up_proj(gathered[a:b]))  # (span, I_local)
         part = F.linear(inner, mlp.down_proj.weight)  # (span, H) partial
         d_waits.append(reduce_scatter_rows(d_local[la:lb], part, group))
         d_parts.append(part)

@@ -35,7 +35,6 @@ from torch import Tensor, nn
 
 from pgdiag.model.attention import PackedDocs, packed_attention
 from pgdiag.model.config import ModelConfig
-from pgdiag.model.fused import FusedProjection
 from pgdiag.model.moe import MoeBlock, moe_combine
 from pgdiag.model.rope import rope_inv_freq
 from pgdiag.model.tp import TPLayout, all_reduce_sum, token_shards
@@ -122,10 +121,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head attention with GQA, optional q/k/v/o biases, optional q/k RMSNorm; local heads only. The loader
-    fuses q/k/v into one GEMM (`fused`, `pgdiag.model.fused`); the parameters keep their HF names."""
-
-    FUSED_PARTS = ("q_proj", "k_proj", "v_proj")
+    """Multi-head attention with GQA, optional q/k/v/o biases, optional q/k RMSNorm; local heads only."""
 
     def __init__(self, config: ModelConfig, layout: TPLayout, window: int | None, ops: PointwiseOps) -> None:
         super().__init__()
@@ -139,7 +135,6 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.local_num_kv_heads * d, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, self.local_num_kv_heads * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.local_num_heads * d, h, bias=config.o_bias)
-        self.fused: FusedProjection | None = None  # q/k/v as one GEMM, set by the loader
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, ops)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, ops)
@@ -151,14 +146,7 @@ class Attention(nn.Module):
 
     def core(self, x: Tensor, shared: LayerInputs) -> Tensor:
         """The attention output of this rank's heads before o_proj: (N, Hq_local * D)."""
-        return self.attend(*self.project(x), shared)
-
-    def project(self, x: Tensor) -> tuple[Tensor, ...]:
-        """(q (N, Hq_local * D), k, v (N, Hkv_local * D)) of x (N, H): one fused GEMM (column views of its
-        output) or three."""
-        if self.fused is not None:
-            return self.fused(x)
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), shared)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, shared: LayerInputs) -> Tensor:
         """`core` from the projections q (N, Hq_local * D), k and v (N, Hkv_local * D): (N, Hq_local * D)."""
@@ -188,10 +176,7 @@ def _add_bias(summed: Tensor, proj: nn.Linear) -> Tensor:
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel; the loader fuses gate/up
-    into one GEMM (`fused`)."""
-
-    FUSED_PARTS = ("gate_proj", "up_proj")
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel."""
 
     def __init__(self, config: ModelConfig, layout: TPLayout, ops: PointwiseOps) -> None:
         super().__init__()
@@ -200,16 +185,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
-        self.fused: FusedProjection | None = None  # gate/up as one GEMM, set by the loader
-
-    def project(self, x: Tensor) -> tuple[Tensor, ...]:
-        """(gate, up) of x (N, H), each (N, I_local): one fused GEMM or two."""
-        if self.fused is not None:
-            return self.fused(x)
-        return self.gate_proj(x), self.up_proj(x)
 
     def forward(self, x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-        inner = self.ops.swiglu(*self.project(x))  # (N, I_local)
+        inner = self.ops.swiglu(self.gate_proj(x), self.up_proj(x))  # (N, I_local)
         return _row_parallel(inner, self.down_proj, group)  # (N, H)
 
 
@@ -458,14 +436,10 @@ def warm_pointwise_ops(model: CausalLM, device: torch.device, dtype: torch.dtype
     attn, ops = layer.self_attn, layer.self_attn.ops
     layer.input_layernorm.norm(rand(n, h), rand(h), eps)  # (n, H)
     cos, sin = rand(n, 1, d), rand(n, 1, d)
-    widths = (attn.local_num_heads * d, attn.local_num_kv_heads * d)
-    for width in set(
-        widths
-    ):  # q and k as column views of the fused q/k/v output, as `Attention.project` gives
-        heads = rand(n, sum(widths) + widths[1])[:, :width].view(n, width // d, d)  # (n, heads, D)
-        ops.rope(heads, cos, sin)
+    for heads in {attn.local_num_heads, attn.local_num_kv_heads}:
+        ops.rope(rand(n, heads, d), cos, sin)  # (n, heads, D)
         if hasattr(attn, "q_norm"):
-            ops.rope(attn.q_norm.norm(heads, rand(d), eps), cos, sin)  # q/k norm's output, contiguous
+            attn.q_norm.norm(rand(n, heads, d), rand(d), eps)
     if not all(layer.sparse for layer in model.model.layers):
         inner = layout.local_intermediate_size
-        ops.swiglu(*rand(n, 2 * inner).split(inner, dim=-1))  # (n, I_local) views of the fused gate/up output
+        ops.swiglu(rand(n, inner), rand(n, inner))  # (n, I_local)

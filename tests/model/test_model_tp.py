@@ -1,8 +1,7 @@
 """Tensor parallelism on CPU with gloo: TP=2 and TP=3 give the logprobs of TP=1 within 1e-5, with the dense
 layers' all-reduces overlapped in token chunks or not, and sequence parallel (norms and residual adds on a token
 shard, all-gather before q/k/v and gate/up, reduce-scatter after o_proj and down_proj; the 25 tokens padded to 30
-or 27 by an extra document); and at TP 1, 2 and 3 the fused q/k/v and gate/up GEMMs (`pgdiag.model.fused`, the
-loader's default) give the separate GEMMs' logprobs within 1e-5.
+or 27 by an extra document).
 
 Each rank loads only its slices (heads, MLP columns, vocab rows; vocab 251 splits unevenly) and returns its
 local head logits; the test gathers them to the full vocabulary in fp64 (the kernel's own vocab-parallel
@@ -21,7 +20,6 @@ import torch.multiprocessing as mp
 from hf_tiny import packed_inputs, save_hf_model
 
 from pgdiag.model import load_model
-from pgdiag.model.fused import unfuse_projections
 
 SIZES = {
     "num_attention_heads": 12,
@@ -40,19 +38,13 @@ def free_port() -> int:
 
 
 def local_logits(
-    path: Path,
-    group: dist.ProcessGroup | None,
-    overlap_chunks: int = 1,
-    sequence_parallel: bool = False,
-    fused: bool = True,
+    path: Path, group: dist.ProcessGroup | None, overlap_chunks: int = 1, sequence_parallel: bool = False
 ) -> tuple[int, torch.Tensor]:
     """(vocab_start, (N, V_local) fp32 logits of this rank's vocab rows); `overlap_chunks` > 1: the dense
     layers' all-reduces overlapped in that many token chunks (`pgdiag.model.tp_dense.dense_overlapped`), or with
     `sequence_parallel` the layers sequence parallel in that many spans (`dense_sequence_parallel`), even on this
-    short batch. `fused` False: q/k/v and gate/up as separate GEMMs (`unfuse_projections`)."""
+    short batch."""
     model = load_model(path, dtype="fp32", head_dtype="fp32", tp_group=group)
-    if not fused:
-        unfuse_projections(model)
     model.tp_overlap_chunks, model.tp_overlap_min_tokens = overlap_chunks, 1
     model.tp_sequence_parallel = sequence_parallel
     ids, pos, cu = packed_inputs(LENGTHS, 251)
@@ -66,8 +58,7 @@ def worker(rank: int, world: int, port: int, paths: list[str], out: str) -> None
         plain = [local_logits(Path(p), dist.group.WORLD) for p in paths]
         overlapped = [local_logits(Path(p), dist.group.WORLD, overlap_chunks=3) for p in paths]
         sequence = [local_logits(Path(p), dist.group.WORLD, 3, sequence_parallel=True) for p in paths]
-        unfused = [local_logits(Path(p), dist.group.WORLD, fused=False) for p in paths]
-        torch.save(plain + overlapped + sequence + unfused, f"{out}.{rank}")
+        torch.save(plain + overlapped + sequence, f"{out}.{rank}")
         dist.barrier()  # no rank tears gloo down while another still talks to it (a rare SIGABRT otherwise)
     finally:
         dist.destroy_process_group()
@@ -103,8 +94,6 @@ def test_tp2_and_tp3_equal_tp1(tmp_path: Path) -> None:
     save_hf_model(qwen3, "Qwen3ForCausalLM", tie_word_embeddings=True, **SIZES)
     paths = [str(llama), str(qwen3)]
     reference = [gathered_logprobs([local_logits(Path(p), None)]) for p in paths]
-    for p, ref in zip(paths, reference, strict=True):  # TP 1: fused q/k/v and gate/up equal separate GEMMs
-        assert (gathered_logprobs([local_logits(Path(p), None, fused=False)]) - ref).abs().max().item() < 1e-5
     for world in (2, 3):
         out = tmp_path / f"tp{world}.pt"
         spawn_tp(world, paths, str(out))
@@ -125,25 +114,3 @@ def test_tp2_and_tp3_equal_tp1(tmp_path: Path) -> None:
             assert sequence.shape == ref.shape
             assert (sequence - ref).abs().max().item() < 1e-5
             assert (sequence - got).abs().max().item() < 5e-6
-            # the same TP degree with q/k/v and gate/up as separate GEMMs
-            unfused = gathered_logprobs([per_rank[r][3 * len(paths) + i] for r in range(world)])
-            assert (unfused - got).abs().max().item() < 1e-5
-
-
-def test_loader_fuses_projections_into_one_weight(tmp_path: Path) -> None:
-    """q/k/v and gate/up parameters keep their HF names and values, as row views of one fused weight per block."""
-    from safetensors.torch import load_file
-
-    save_hf_model(tmp_path, "LlamaForCausalLM", attention_bias=True, mlp_bias=True, **SIZES)
-    model = load_model(tmp_path, dtype="fp32", head_dtype="fp32")
-    stored = load_file(tmp_path / "model.safetensors")
-    layer = model.model.layers[1]
-    assert layer.self_attn.fused.widths == (96, 48, 48) and layer.mlp.fused.widths == (36, 36)
-    for prefix, parts in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
-        module = layer.get_submodule(prefix)
-        for kind in ("weight", "bias"):
-            rows = torch.cat([stored[f"model.layers.1.{prefix}.{part}.{kind}"] for part in parts])
-            assert torch.equal(getattr(module.fused, kind), rows)
-        for part in parts:  # the parameter is the fused weight's storage, not a copy
-            weight = getattr(module, part).weight
-            assert weight.untyped_storage().data_ptr() == module.fused.weight.untyped_storage().data_ptr()
