@@ -157,7 +157,7 @@ def signature_stats(
     firsts = where.offsets[:-1][np.diff(where.offsets) > 0]
     first_d = delta[firsts]
     steps, step_code = np.unique(where.step, return_inverse=True)
-    token_step = step_code.reshape(-1)[where.token_sample()]  # (M,)
+    step_code = step_code.reshape(-1)  # (S,)
     extreme = np.flatnonzero(abs_delta > EXTREME_DELTA)
     examples, first = locate_parts(where, extreme, max_examples)
     return SignatureStats(
@@ -171,15 +171,39 @@ def signature_stats(
         int(np.count_nonzero(first_d > 0)),
         int(np.count_nonzero(first_d < 0)),
         steps.astype(np.int64),
-        np.bincount(token_step, weights=abs_delta, minlength=steps.size),
+        step_sums(abs_delta, step_code, where, steps.size),
         # tokens per step from each sample's token count (exact integers): no second pass over the M tokens
-        np.bincount(step_code.reshape(-1), weights=np.diff(where.offsets), minlength=steps.size).astype(
-            np.int64
-        ),
+        np.bincount(step_code, weights=np.diff(where.offsets), minlength=steps.size).astype(np.int64),
         int(extreme.size),
         examples,
         first,
     )
+
+
+SUM_CHUNK = 1 << 20  # tokens per `np.add.accumulate` in `step_sums`
+
+
+def step_sums(values: np.ndarray, step_code: np.ndarray, where: TokenLocations, k: int) -> np.ndarray:
+    """(K,) Σ `values` (M,) over each step's tokens, added one token after the other in token order, so bit for bit
+    ``np.bincount(step_code[where.token_sample()], weights=values, minlength=k)``: when the samples come in step
+    order (`step_code` (S,) non-decreasing, as a run read step by step gives them), each step's tokens are one
+    slice, summed by `np.add.accumulate` (sequential, from 0.0, as bincount) in chunks behind a carry, with no
+    (M,) step index; otherwise that bincount."""
+    if step_code.size and not bool(np.all(step_code[1:] >= step_code[:-1])):
+        return np.bincount(step_code[where.token_sample()], weights=values, minlength=k)
+    offsets = np.asarray(where.offsets, dtype=np.int64)
+    bounds = offsets[np.searchsorted(step_code, np.arange(k + 1), side="left")]  # (K + 1,) token bounds
+    out = np.zeros(k, dtype=np.float64)
+    buffer = np.empty(min(SUM_CHUNK, values.shape[0]) + 1, dtype=np.float64)
+    for step in range(k):
+        carry = 0.0
+        for start in range(int(bounds[step]), int(bounds[step + 1]), SUM_CHUNK):
+            part = values[start : min(start + SUM_CHUNK, int(bounds[step + 1]))]
+            buffer[0] = carry
+            buffer[1 : part.shape[0] + 1] = part
+            carry = float(np.add.accumulate(buffer[: part.shape[0] + 1], out=buffer[: part.shape[0] + 1])[-1])
+        out[step] = carry
+    return out
 
 
 def first_token_stats(stats: SignatureStats) -> tuple[float | None, float]:

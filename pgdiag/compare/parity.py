@@ -418,7 +418,7 @@ def _bucket_max(values: np.ndarray, codes: np.ndarray, k: int) -> np.ndarray:
         out = np.full(k, -np.inf)
         np.fmax.at(out, codes, values)
         out[np.bincount(codes[np.isnan(values)], minlength=k) == np.bincount(codes, minlength=k)] = np.nan
-    empty = np.bincount(codes, minlength=k) == 0 if np.isneginf(values).any() else out == -np.inf
+    empty = np.bincount(codes, minlength=k) == 0 if (values == -np.inf).any() else out == -np.inf
     out[empty] = np.nan
     return out
 

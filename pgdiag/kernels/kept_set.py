@@ -205,6 +205,8 @@ def kept_words(
 def target_in_words(words: torch.Tensor, local_targets: torch.Tensor) -> torch.Tensor:
     """(C,) bool: the target's bit is set in its row of `words` (C, W); local_targets (C,) row in this shard
     or -1 (False)."""
+    if words.shape[1] == 0:  # an empty shard holds no target
+        return torch.zeros(local_targets.shape[0], dtype=torch.bool, device=words.device)
     safe = local_targets.clamp(min=0).long()
     word = words.gather(1, (safe // WORD_BITS)[:, None])[:, 0]
     return (local_targets >= 0) & (((word >> (safe % WORD_BITS).to(word.dtype)) & 1) != 0)

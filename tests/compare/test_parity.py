@@ -227,3 +227,29 @@ def test_bucket_max_is_the_max_of_each_bucket_ignoring_nan() -> None:
     for bucket in range(7):
         inside = clean[codes == bucket]
         assert (np.isnan(got[bucket]) and inside.size == 0) or got[bucket] == inside.max(), bucket
+
+
+def test_bin_counts_equal_the_binary_search_histogram() -> None:
+    """The Δ histogram's counts (`pooled.bin_counts`: values below each edge, differenced) equal
+    bincount(searchsorted(edges, d, "right") − 1) on the report's edges, with values on, just below and just
+    above every edge, ±0, −inf and the extremes."""
+    from pgdiag.compare.pair_report import DLOGP_EDGES
+    from pgdiag.compare.pooled import bin_counts
+
+    edges = np.asarray(DLOGP_EDGES)
+    inner = edges[1:-1]
+    rng = np.random.default_rng(9)
+    for scale in (1e-7, 1e-3, 0.02, 1.0, 30.0):
+        d = np.concatenate(
+            [
+                rng.normal(0.0, scale, 3000),
+                inner,
+                np.nextafter(inner, -np.inf),
+                np.nextafter(inner, np.inf),
+                [0.0, -0.0, 0.0, -1e300, 1e300, -np.inf],
+            ]
+        )
+        counts, zeros = bin_counts(d, edges)
+        expected = np.bincount(np.searchsorted(edges, d, side="right") - 1, minlength=edges.shape[0] - 1)
+        assert counts.dtype == np.int64 and np.array_equal(counts, expected)
+        assert zeros == np.count_nonzero(d == 0.0)

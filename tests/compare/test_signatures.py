@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 from batch_factory import make_batch, random_samples
 
 from pgdiag.compare.api import compare_runs
@@ -79,3 +80,33 @@ def test_a_step_whose_error_jumps_is_w407() -> None:
     report = compare_runs(make_batch(samples, label="a"), make_batch(b, label="b"), stream_a="rollout").report
     stale = report.checks.filter(report.checks["code"] == "W407")
     assert stale["step"].to_list() == [6]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 20])
+def test_step_sums_are_the_token_order_bincount_bit_for_bit(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W407's per-step Σ|Δ| (`step_sums`): slices summed by `np.add.accumulate` behind a carry when the samples
+    come in step order, else the bincount; both must equal ``np.bincount(token_step, weights)`` bit for bit,
+    with empty samples, steps without tokens, unsorted steps and values spanning 16 orders of magnitude."""
+    from pgdiag.checks import signatures
+    from pgdiag.checks.pairs import Locations
+
+    monkeypatch.setattr(signatures, "SUM_CHUNK", chunk)
+    rng = np.random.default_rng(11)
+    for trial in range(60):
+        n_samples = int(rng.integers(0, 30))
+        counts = rng.integers(0, 6, n_samples)
+        offsets = np.zeros(n_samples + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        steps = rng.integers(0, 5, n_samples)
+        steps = np.sort(steps) if trial % 3 else steps
+        where = Locations(offsets, np.zeros(int(offsets[-1]), np.int32), steps, np.zeros(n_samples, object))
+        unique, code = np.unique(steps, return_inverse=True)
+        code = code.reshape(-1)
+        values = np.abs(rng.normal(0.0, 1.0, int(offsets[-1]))) * 10.0 ** rng.integers(
+            -8, 8, int(offsets[-1])
+        )
+        expected = np.bincount(code[where.token_sample()], weights=values, minlength=unique.size)
+        got = signatures.step_sums(values, code, where, unique.size)
+        assert got.tobytes() == expected.tobytes(), trial

@@ -260,6 +260,23 @@ def test_bitmask_words_shift_by_hand() -> None:
     assert or_bits_torch(2, torch.tensor([1, 1, 0]), torch.tensor([31, 31, 0])).tolist() == [1, -(1 << 31)]
 
 
+def test_an_empty_shard_scores_no_kept_id() -> None:
+    """A TP rank with no vocabulary rows (more ranks than rows): zero-width words, empty kept partials."""
+    from pgdiag.kernels.lm_head_logprobs_ref import lm_head_partials
+
+    kc = kept_case(6, 8, 20, seed=1)
+    empty = kc.case.weight[:0]
+
+    def head(hidden: torch.Tensor, targets: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        return lm_head_partials(hidden, empty, targets, temperature=1.0, head_dtype="fp32", kept_words=words)
+
+    full, masked = kept_set.kept_head_partials(
+        head, head, kc.case.hidden, torch.full((6,), -1), kc.kept, vocab_start=20, vocab_local=0, impl="torch"
+    )
+    assert masked.shape == (4, 6) and bool((masked[1] == 0).all()) and bool(torch.isinf(masked[3]).all())
+    assert bool((full[1] == 0).all())
+
+
 def test_token_chunks_give_the_one_chunk_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
     """A words budget of one 256-token block a chunk (600 tokens -> 3 chunks) changes nothing."""
     kc = kept_case(600, 16, 90, seed=12)
