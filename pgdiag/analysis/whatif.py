@@ -152,6 +152,7 @@ def whatif(
         lag = token_lag(piece.run, piece.batch)
         fold.add(piece.batch, lag)
         lags += [lag] if lag is not None else []
+        del piece, lag  # the piece's token arrays go before the reader reads the next one (peak memory)
     found = reader.finish()
     return Report(
         kind="whatif",
