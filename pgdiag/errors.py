@@ -241,7 +241,7 @@ def missing_package(feature: str, package: str, install: str) -> UsageError:
     return UsageError(Code.MISSING_PACKAGE, f"{feature} needs the {package} package", install)
 
 
-def not_among(code: Code, message: str, listed: str, present: Iterable[str]) -> UsageError:
+def not_among(code: Code, message: str, listed: str, present: Iterable[str], then: str = "") -> UsageError:
     """`UsageError` `code` with `message` for a name that is not among `present`, and the hint
-    ``<listed>: <the names present, or none>``."""
-    return UsageError(code, message, f"{listed}: {', '.join(present) or 'none'}")
+    ``<listed>: <the names present, or none><then>``."""
+    return UsageError(code, message, f"{listed}: {', '.join(present) or 'none'}{then}")

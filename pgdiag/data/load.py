@@ -41,7 +41,7 @@ from pgdiag.data.validate import (
     raise_first_error,
     validate_rows,
 )
-from pgdiag.errors import Code, InvalidInputError, UsageError
+from pgdiag.errors import Code, InvalidInputError, not_among
 
 _F32_MAX = float(np.finfo(np.float32).max)
 
@@ -124,18 +124,12 @@ def load_rows(
             raise incomplete_error(run, stream)
     for stream in streams:
         if stream not in run.streams:
-            raise UsageError(
-                Code.STREAM_NOT_FOUND,
-                f"{run.label}: no stream {stream!r}",
-                f"streams: {', '.join(run.streams) or 'none'}",
-            )
+            message = f"{run.label}: no stream {stream!r}"
+            raise not_among(Code.STREAM_NOT_FOUND, message, "streams", run.streams)
     for tag in entropy:
         if tag not in run.entropy_streams:
-            raise UsageError(
-                Code.STREAM_NOT_FOUND,
-                f"{run.label}: no entropy for {tag!r}",
-                f"entropy: {', '.join(run.entropy_streams) or 'none'}",
-            )
+            message = f"{run.label}: no entropy for {tag!r}"
+            raise not_among(Code.STREAM_NOT_FOUND, message, "entropy", run.entropy_streams)
     read_kept = ("rollout" in streams) if kept is None else kept
     kept_cols = [c for c in KEPT_COLUMNS if c in schema] if read_kept else []
     if KEPT_IDS not in kept_cols or KEPT_OFFSETS not in kept_cols:
@@ -163,11 +157,9 @@ def load_rows(
     )
     for tag in kept_of:
         if tag not in run.kept_tags:
-            raise UsageError(
-                Code.STREAM_NOT_FOUND,
-                f"{run.label}: recompute {tag!r} holds no kept sets",
-                f"kept-set recomputes: {', '.join(run.kept_tags) or 'none'} (pgdiag logprobs --kept-set)",
-            )
+            message = f"{run.label}: recompute {tag!r} holds no kept sets"
+            then = " (pgdiag logprobs --kept-set)"
+            raise not_among(Code.STREAM_NOT_FOUND, message, "kept-set recomputes", run.kept_tags, then)
     kept_extra = [
         c for tag in kept_of for c in (kept_mass_column(tag), full_logprobs_column(tag), kept_kl_column(tag))
     ]
