@@ -178,26 +178,17 @@ def concat_batches(parts: Sequence[TokenBatch]) -> TokenBatch:
     def opt(name: str) -> np.ndarray | None:
         return None if getattr(first, name) is None else cat(name)
 
+    def cat_named(name: str) -> dict[str, np.ndarray]:
+        """A field holding one array a name (streams, entropy, ...): each name's arrays concatenated."""
+        return {k: np.concatenate([getattr(p, name)[k] for p in parts]) for k in getattr(first, name)}
+
+    arrays = ("step", "sample_id", "segment_idx", "group", "prompt_len", "seq_len", "pos", "token_id")
+    optional = ("advantages", "reward", "env", "sample_row", "seq_hash", "kept_size")
+    named = ("streams", "entropy", "kept_mass", "full_vocab", "kept_kl")
     return replace(
         first,
-        step=cat("step"),
-        sample_id=cat("sample_id"),
-        segment_idx=cat("segment_idx"),
-        group=cat("group"),
-        prompt_len=cat("prompt_len"),
-        seq_len=cat("seq_len"),
         offsets=offsets,
-        pos=cat("pos"),
-        token_id=cat("token_id"),
-        streams={k: np.concatenate([p.streams[k] for p in parts]) for k in first.streams},
-        entropy={k: np.concatenate([p.entropy[k] for p in parts]) for k in first.entropy},
-        advantages=opt("advantages"),
-        reward=opt("reward"),
-        env=opt("env"),
-        sample_row=opt("sample_row"),
-        seq_hash=opt("seq_hash"),
-        kept_size=opt("kept_size"),
-        kept_mass={k: np.concatenate([p.kept_mass[k] for p in parts]) for k in first.kept_mass},
-        full_vocab={k: np.concatenate([p.full_vocab[k] for p in parts]) for k in first.full_vocab},
-        kept_kl={k: np.concatenate([p.kept_kl[k] for p in parts]) for k in first.kept_kl},
+        **{n: cat(n) for n in arrays},
+        **{n: opt(n) for n in optional},
+        **{n: cat_named(n) for n in named},
     )
