@@ -28,7 +28,9 @@ not depend on the target). Any other target outside [0, V) raises `InvalidInputE
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -154,33 +156,24 @@ def lm_head_logprobs(
         _check_kept(kept, targets)
         kept = kept.to(hidden.device)
 
-        def head(
-            chunk_hidden: torch.Tensor, chunk_targets: torch.Tensor, words: torch.Tensor
-        ) -> torch.Tensor:
-            return backend.lm_head_partials(
-                chunk_hidden,
-                weight,
-                chunk_targets,
-                temperature=temperature,
-                head_dtype=head_dtype,
-                kept_words=words,
-            )  # (S, 8, C)
+        def head_of(module: ModuleType) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+            def head(
+                chunk_hidden: torch.Tensor, chunk_targets: torch.Tensor, words: torch.Tensor
+            ) -> torch.Tensor:
+                return module.lm_head_partials(
+                    chunk_hidden,
+                    weight,
+                    chunk_targets,
+                    temperature=temperature,
+                    head_dtype=head_dtype,
+                    kept_words=words,
+                )  # (S, 8, C)
 
-        def exact(
-            chunk_hidden: torch.Tensor, chunk_targets: torch.Tensor, words: torch.Tensor
-        ) -> torch.Tensor:
-            return reference.lm_head_partials(
-                chunk_hidden,
-                weight,
-                chunk_targets,
-                temperature=temperature,
-                head_dtype=head_dtype,
-                kept_words=words,
-            )  # (1, 8, R)
+            return head
 
         merged, merged_kept = kept_head_partials(
-            head,
-            exact,
+            head_of(backend),
+            head_of(reference),
             hidden,
             local_targets,
             kept,
