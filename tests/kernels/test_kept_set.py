@@ -38,9 +38,8 @@ def _ids(mask: torch.Tensor) -> list[list[int]]:
     return [row.nonzero()[:, 0].tolist() for row in mask]
 
 
-@pytest.mark.parametrize("temperature", [1.0, TEMPERATURE])
-def test_kept_scores_match_fp64(temperature: float) -> None:
-    kc = kept_case(48, 32, 97, seed=5)
+def scored_fp32(kc, temperature: float):
+    """The fp32 head's scores of `kc` over its kept sets, and the fp64 reference's."""
     out = lm_head_logprobs(
         kc.case.hidden,
         kc.case.weight,
@@ -49,7 +48,13 @@ def test_kept_scores_match_fp64(temperature: float) -> None:
         head_dtype="fp32",
         kept=kc.kept,
     )
-    ref = kept_reference(kc, temperature)
+    return out, kept_reference(kc, temperature)
+
+
+@pytest.mark.parametrize("temperature", [1.0, TEMPERATURE])
+def test_kept_scores_match_fp64(temperature: float) -> None:
+    kc = kept_case(48, 32, 97, seed=5)
+    out, ref = scored_fp32(kc, temperature)
     assert out.kept_mass is not None and out.logprobs_full is not None
     torch.testing.assert_close(out.logprobs.double(), ref["logprobs"], rtol=0, atol=1e-5)
     torch.testing.assert_close(out.entropy.double(), ref["entropy"], rtol=0, atol=1e-5)
@@ -196,15 +201,7 @@ def test_edge_sets_match_fp64(temperature: float) -> None:
     """The whole vocabulary as K (kept mass 1, the full scores), a one-token set, a set of two tied logits, an
     unrecorded token, an ignored one."""
     kc = edge_kept_case(24, 32, 70, seed=6)
-    out = lm_head_logprobs(
-        kc.case.hidden,
-        kc.case.weight,
-        kc.case.targets,
-        temperature=temperature,
-        head_dtype="fp32",
-        kept=kc.kept,
-    )
-    ref = kept_reference(kc, temperature)
+    out, ref = scored_fp32(kc, temperature)
     torch.testing.assert_close(out.logprobs.double(), ref["logprobs"], rtol=0, atol=1e-5)
     torch.testing.assert_close(out.entropy.double(), ref["entropy"], rtol=0, atol=1e-5)
     torch.testing.assert_close(out.kept_mass.double(), ref["kept_mass"], rtol=5e-6, atol=1e-7)
