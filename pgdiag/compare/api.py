@@ -257,6 +257,7 @@ def _compare_runs(
     )
     for piece in reader:
         pair.add(piece.read)
+        del piece  # the piece's batches go before the reader reads the next one (peak memory)
     return pair.finish(reader.finish())
 
 

@@ -251,8 +251,9 @@ def _compare_in_pieces(
         pieces, read, n_runs=len(sources)
     )  # each run's first reader error after the last piece
     for read_piece in reader:
-        batches = read_piece.read
-        if not all(read_piece.piece[1]):
+        batches, present = read_piece.read, read_piece.piece[1]
+        del read_piece  # with `del batches` below: the piece goes before the reader reads the next one
+        if not all(present):
             continue
         keys = [_sample_key(b.step, b.sample_id, b.seq_hash, settings.join) for b in batches]
         rows = _common_of(keys)
