@@ -7,14 +7,8 @@
 #            Run from the tree under test; BASE=/path/of/baseline/checkout.
 # Results under $OUT (at most 8 files come back). NVLink multicast stays off.
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/bench/logs
-T0=$SECONDS
-say() { echo "[$((SECONDS - T0))s] $*"; }
-C=benchmarks/bench_multigpu_cli.py
+source "$(dirname "$0")/device_common.sh"
 
 environment() {
   { nvidia-smi --query-gpu=index,name,memory.total,clocks.sm --format=csv; df -h / /tmp; free -g; nproc
@@ -61,15 +55,6 @@ profile() {
   timeout 150 python3 benchmarks/profile_recompute.py --model qwen3-8b --rollouts 48 --top 12 --out "$OUT/d8_prof.json" 2>&1 | grep -v Warning
   startup
   say "profile done"
-}
-
-cli() {  # cli NAME TIMEOUT CMD... : the commands at once, watched; one JSON line appended to $OUT/cli.jsonl
-  local name=$1 limit=$2; shift 2
-  local args=()
-  for c in "$@"; do args+=(--cmd "$c"); done
-  say "cli $name"
-  timeout $((limit + 15)) python3 $C cli --name "$name" --timeout "$limit" --logs /tmp/bench/logs "${args[@]}" \
-    --out "$OUT/cli.jsonl" | cut -c1-300
 }
 
 tp() {  # two GPUs: 8B TP 2 with and without the overlapped all-reduces against one GPU a replica; then the CLI

@@ -11,16 +11,10 @@
 #        pair swapped between GPU pairs, two run sizes: steady rate (slope) and fixed cost (intercept).
 # NVLink multicast stays off (the device machines require it). Needs polars (wheels in .whl, see the device notes).
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/bench/logs
+source "$(dirname "$0")/device_common.sh"
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 B=benchmarks/bench_multigpu.py
-C=benchmarks/bench_multigpu_cli.py
-T0=$SECONDS
 left() { echo $((${BUDGET:-540} - (SECONDS - T0))); }
-say() { echo "[$((SECONDS - T0))s] $*"; }
 PG="python3 -m pgdiag logprobs"
 TR="python3 -m torch.distributed.run"
 
@@ -28,15 +22,6 @@ environment() {
   { nvidia-smi --query-gpu=index,name,memory.total,clocks.sm --format=csv; nvidia-smi topo -m; df -h / /tmp
     free -g; nproc; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'
     echo "commit $COMMIT"; } >"$OUT/env.txt" 2>&1
-}
-
-cli() {  # cli NAME TIMEOUT CMD... : the commands at once, watched; one JSON line appended to $OUT/cli.jsonl
-  local name=$1 limit=$2; shift 2
-  local args=()
-  for c in "$@"; do args+=(--cmd "$c"); done
-  say "cli $name"
-  timeout $((limit + 15)) python3 $C cli --name "$name" --timeout "$limit" --logs /tmp/bench/logs "${args[@]}" \
-    --out "$OUT/cli.jsonl" | cut -c1-300
 }
 
 part1() {

@@ -30,6 +30,7 @@ from tests.importers.hook_fixtures import (
     rewrite_hook_file,
     trl_output,
     trl_trainer_stub,
+    wire_trl_generation,
 )
 
 
@@ -163,13 +164,7 @@ def _trl_trainer(step: int, llm: _FakeLLM, *, rank_rows: slice = slice(None)) ->
         return TRL_PROMPTS, completions, None, ["a"] * 4, None, {}, None, []
 
     rewards = torch.tensor([[1.0, 0.5], [0.0, 0.5], [1.0, 0.0], [0.0, 0.0]])
-    trainer._generate = _generate
-    trainer._calculate_rewards = lambda inputs, prompts, completions, ids: rewards
-    trainer._generate_and_score_completions = lambda inputs: (
-        trainer._generate(inputs),
-        trainer._calculate_rewards(inputs, inputs, None, None),
-        output,
-    )[-1]
+    wire_trl_generation(trainer, _generate, rewards, output)
     return trainer, output
 
 

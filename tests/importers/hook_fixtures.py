@@ -288,6 +288,19 @@ def trl_trainer_stub(step: int, **fields: Any) -> SimpleNamespace:
     return SimpleNamespace(**{**base, **fields})
 
 
+def wire_trl_generation(trainer: SimpleNamespace, generate: Any, rewards: torch.Tensor, output: dict) -> None:
+    """Give the stand-in trainer TRL's generation chain: `_generate_and_score_completions(inputs)` calls
+    `_generate` (the hook records the engine's outputs there), then `_calculate_rewards` (-> `rewards`), and
+    returns `output`."""
+    trainer._generate = generate
+    trainer._calculate_rewards = lambda inputs, prompts, completions, ids: rewards
+    trainer._generate_and_score_completions = lambda inputs: (
+        trainer._generate(inputs),
+        trainer._calculate_rewards(inputs, inputs, None, None),
+        output,
+    )[-1]
+
+
 def write_trl_hook_file(out: Path, step: int = 0, *, edit: Any = None) -> dict[str, torch.Tensor]:
     """Run pgdiag.capture.trl over `trl_output` at `state.global_step = step`; `edit(output)` changes it first."""
     import pgdiag.capture.trl
@@ -297,13 +310,12 @@ def write_trl_hook_file(out: Path, step: int = 0, *, edit: Any = None) -> dict[s
         edit(output)
     trainer = trl_trainer_stub(step)
     rewards = torch.tensor([[1.0, 0.5], [0.0, 0.5], [1.0, 0.0], [float("nan"), float("nan")]])
-    trainer._generate = lambda prompts: (TRL_PROMPTS, TRL_COMPLETIONS, None, ["a"] * 4, None, {}, None, [])
-    trainer._calculate_rewards = lambda inputs, prompts, completions, ids: rewards
-    trainer._generate_and_score_completions = lambda inputs: (
-        trainer._generate(inputs),
-        trainer._calculate_rewards(inputs, inputs, None, None),
+    wire_trl_generation(
+        trainer,
+        lambda prompts: (TRL_PROMPTS, TRL_COMPLETIONS, None, ["a"] * 4, None, {}, None, []),
+        rewards,
         output,
-    )[-1]
+    )
     pgdiag.capture.trl.install(trainer, out)
     trainer._generate_and_score_completions(["p"] * 4)
     return output
