@@ -250,11 +250,8 @@ def _check_kept(kept: KeptSet, targets: torch.Tensor) -> None:
             f"lm_head_logprobs: kept offsets {tuple(offsets.shape)} for {targets.shape[0]} tokens "
             f"(expected ({targets.shape[0] + 1},)), ids {tuple(kept.ids.shape)}",
         )
-    if (
-        int(offsets[0]) != 0
-        or int(offsets[-1]) != kept.ids.shape[0]
-        or bool((offsets[1:] < offsets[:-1]).any())
-    ):
+    bad = (offsets[0] != 0) | (offsets[-1] != kept.ids.shape[0]) | (offsets[1:] < offsets[:-1]).any()
+    if bool(bad):  # one host sync for the three conditions
         raise UsageError(Code.BAD_TENSORS, "lm_head_logprobs: kept offsets must rise from 0 to len(ids)")
 
 

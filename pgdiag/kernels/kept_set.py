@@ -177,22 +177,24 @@ def kept_words(
     n_rows = stop - start
     n_words = -(-vocab_local // WORD_BITS)
     device = kept.ids.device
-    lo, hi = int(kept.offsets[start]), int(kept.offsets[stop])
+    lo, hi = kept.offsets[[start, stop]].tolist()  # one host sync; none below on the CSR path
     local = kept.ids[lo:hi] - vocab_start  # (E_c,)
     row = torch.repeat_interleave(
-        torch.arange(n_rows, device=device), kept.offsets[start + 1 : stop + 1] - kept.offsets[start:stop]
+        torch.arange(n_rows, device=device),
+        kept.offsets[start + 1 : stop + 1] - kept.offsets[start:stop],
+        output_size=hi - lo,
     )  # (E_c,) the element's token within the chunk
     inside = (local >= 0) & (local < vocab_local)
-    local, row = local[inside], row[inside]
-    word_index = row * n_words + local // WORD_BITS
-    bit = local % WORD_BITS
+    spare = n_rows * n_words  # ids outside the shard set a bit of one spare word past the end, cut off below
+    word_index = torch.where(inside, row * n_words + local // WORD_BITS, spare)
+    bit = torch.where(inside, local % WORD_BITS, 0)
     if impl == "triton":
         from pgdiag.kernels.kept_set_triton import or_bits_triton
 
-        words = or_bits_triton(n_rows * n_words, word_index, bit, device)
+        words = or_bits_triton(spare + 1, word_index, bit, device)
     else:
-        words = or_bits_torch(n_rows * n_words, word_index, bit)
-    words = words.view(n_rows, n_words)
+        words = or_bits_torch(spare + 1, word_index, bit)
+    words = words[:spare].view(n_rows, n_words)
     if kept.bitmask_tokens is not None and kept.bitmasks is not None:
         chosen = ((kept.bitmask_tokens >= start) & (kept.bitmask_tokens < stop)).nonzero()[:, 0]
         for first in range(0, chosen.shape[0], BITMASK_ROWS):  # its int64 temporaries: 5 x 8 B a word a row
