@@ -24,6 +24,7 @@ per token (`TrunkOutput.router_topk`), and runs the recorded experts instead whe
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pgdiag.model.attention import PackedDocs, packed_attention
+from pgdiag.model.compile_env import prepare_compile_environment
 from pgdiag.model.config import ModelConfig
 from pgdiag.model.moe import MoeBlock, moe_combine
 from pgdiag.model.rope import rope_inv_freq
@@ -90,6 +92,7 @@ class PointwiseOps:
 def pointwise_ops(fused: bool) -> PointwiseOps:
     if not fused:
         return PointwiseOps(rms_norm, rms_norm_fp32_weight, apply_rope, swiglu, moe_combine(False))
+    prepare_compile_environment(os.environ)  # no idle compile workers, one Triton cache (compile_env)
     # emulate_precision_casts: round at every bf16 cast as eager (and HF) does, not once at the end
     fuse = partial(torch.compile, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
     return PointwiseOps(
@@ -418,28 +421,39 @@ def _hooked(
     return x_out if replaced is None else replaced.to(dtype=x_out.dtype, device=x_out.device)
 
 
-@torch.inference_mode()
 def warm_pointwise_ops(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
     """Run each compiled pointwise op of `model` once on small random tensors of the ranks, dtypes and layouts the
     forward gives it, so that `torch.compile` loads (or builds) its kernels now; the loader calls this while the
     weights are still arriving (`pgdiag.model.weight_stream`). The compiled functions mark every dimension
     dynamic, so the real token counts reuse these kernels. No-op unless the ops are fused and `device` is CUDA."""
-    if not model.fuse_pointwise or torch.device(device).type != "cuda":
-        return
+    if model.fuse_pointwise and torch.device(device).type == "cuda":
+        _warm_calls(model, device, dtype)
+
+
+def _warm_calls(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
+    """`warm_pointwise_ops`' calls, on any device. The norms' weights are what the forward passes: parameters
+    made outside inference mode (a plain tensor, or one made under inference mode, fails the compiled graph's
+    guards and the forward compiled the norms again: 0.4 s of a start)."""
     config, layout = model.config, model.layout
     n, d, h, eps = 64, config.head_dim, config.hidden_size, config.rms_norm_eps
 
     def rand(*shape: int) -> Tensor:
         return torch.randn(*shape, device=device, dtype=dtype)
 
+    def weight(size: int) -> nn.Parameter:
+        with torch.inference_mode(False):
+            return nn.Parameter(rand(size), requires_grad=False)
+
     layer = model.model.layers[0]
     attn, ops = layer.self_attn, layer.self_attn.ops
-    layer.input_layernorm.norm(rand(n, h), rand(h), eps)  # (n, H)
-    cos, sin = rand(n, 1, d), rand(n, 1, d)
-    for heads in {attn.local_num_heads, attn.local_num_kv_heads}:
-        ops.rope(rand(n, heads, d), cos, sin)  # (n, heads, D)
-        if hasattr(attn, "q_norm"):
-            attn.q_norm.norm(rand(n, heads, d), rand(d), eps)
-    if not all(layer.sparse for layer in model.model.layers):
-        inner = layout.local_intermediate_size
-        ops.swiglu(rand(n, inner), rand(n, inner))  # (n, I_local)
+    norm_weights = {size: weight(size) for size in (h, d)}
+    with torch.inference_mode():
+        layer.input_layernorm.norm(rand(n, h), norm_weights[h], eps)  # (n, H)
+        cos, sin = rand(n, 1, d), rand(n, 1, d)
+        for heads in {attn.local_num_heads, attn.local_num_kv_heads}:
+            ops.rope(rand(n, heads, d), cos, sin)  # (n, heads, D)
+            if hasattr(attn, "q_norm"):
+                attn.q_norm.norm(rand(n, heads, d), norm_weights[d], eps)
+        if not all(layer.sparse for layer in model.model.layers):
+            inner = layout.local_intermediate_size
+            ops.swiglu(rand(n, inner), rand(n, inner))  # (n, I_local)

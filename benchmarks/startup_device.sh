@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Device runs of issue 26's start-up target (docs/benchmarks.md, "Start-up: the warm fixed cost"). One part a call,
+# one GPU, run from the tree under test (PYTHONPATH=$PWD); results under $OUT:
+#   profile: the phase timeline (benchmarks/startup_timeline.py) of a first and a warm `pgdiag logprobs` on the
+#            Qwen3-8B checkpoint, the plain warm wall time, the interpreter/torch/CUDA start alone, -X importtime.
+#   measure: this tree against BASE (a checkout of main): first start, warm small and mid-sized runs (the fixed
+#            cost is the intercept of wall time against positions), the small run from a dropped page cache,
+#            the disk's O_DIRECT rate, and every stream compared with the baseline's.
+set -u
+source "$(dirname "$0")/device_common.sh"
+CKPT=/tmp/bench/c8
+
+environment() {
+  { nvidia-smi --query-gpu=index,name,memory.total,clocks.sm --format=csv; nproc; free -g; df -h /tmp
+    python3 -c 'import sys, torch, triton; print(torch.__version__, triton.__version__, sys.version)'
+    env | grep -E '^(PYTHON|TORCH|TRITON|XDG|HOME)' ; } >"$OUT/env.txt" 2>&1
+}
+
+checkpoint() {  # the Qwen3-8B shape on disk (16.4 GB, one file a layer) and runs of realistic RL lengths
+  say "8B checkpoint"
+  python3 $C write-ckpt --model qwen3-8b --dir $CKPT --workers 4 --out "$OUT/cli.jsonl" | cut -c1-200
+  for spec in "$@"; do  # NAME:ROLLOUTS:STEPS
+    IFS=: read -r name rollouts steps <<<"$spec"
+    python3 $C make-run --vocab 151936 --rollouts "$rollouts" --steps "$steps" --seed 1 --dir /tmp/bench/$name \
+      --out "$OUT/cli.jsonl" | cut -c1-200
+  done
+}
+
+timeline() {  # timeline NAME RUN TAG: one CLI run in this process, phases marked (startup_timeline.py)
+  say "timeline $1"
+  local t0 t1
+  t0=$(date +%s.%N)
+  timeout 200 python3 benchmarks/startup_timeline.py --t0 "$t0" --out "$OUT/timeline_$1.json" -- logprobs "$2" \
+    --model $CKPT --json -q --tag "$3" >/dev/null 2>/tmp/bench/logs/timeline_$1.err
+  t1=$(date +%s.%N)
+  echo "{\"timeline\": \"$1\", \"wall_s\": $(awk "BEGIN{print $t1 - $t0}")}" | tee -a "$OUT/cli.jsonl"
+  tail -3 /tmp/bench/logs/timeline_$1.err
+}
+
+micro() {  # the interpreter, torch, CUDA and the compiler's imports alone, with pgdiag's bytecode cache
+  local cache=${XDG_CACHE_HOME:-$HOME/.cache}/pgdiag/pycache
+  for code in "pass" "import torch" "import torch; torch.cuda.init()" "import torch; torch.zeros(1, device='cuda')" \
+    "import torch._dynamo" "import torch, torch._inductor.compile_fx" "import triton" "import polars" \
+    "import pgdiag.cli.app" "import pgdiag.recompute.jobs"; do
+    local t0 t1
+    t0=$(date +%s.%N)
+    env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX="$cache" python3 -c "$code"
+    t1=$(date +%s.%N)
+    echo "{\"micro\": \"$code\", \"wall_s\": $(awk "BEGIN{print $t1 - $t0}")}" >>"$OUT/micro.txt"
+  done
+  env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX="$cache" python3 -X importtime -c \
+    'import pgdiag.cli.app, pgdiag.recompute.jobs, pgdiag.model.checkpoint, torch._dynamo' 2>&1 \
+    | sort -t'|' -k2 -n | tail -40 >>"$OUT/micro.txt"
+}
+
+profile() {
+  environment
+  checkpoint small:32:2
+  timeline first /tmp/bench/small t1
+  timeline warm /tmp/bench/small t2
+  cli plain_warm 100 "python3 -m pgdiag logprobs /tmp/bench/small --model $CKPT --json -q --tag t3"
+  micro
+  say "profile done"
+}
+
+measure() {  # this tree ("n") against BASE ("b"), one GPU
+  environment
+  local base=${BASE:?BASE=a checkout of main}
+  checkpoint small:128:4 mid:384:8
+  local n="cd $PWD && python3 -m pgdiag logprobs --model $CKPT --json -q"
+  local b="cd $base && python3 -m pgdiag logprobs --model $CKPT --json -q"
+  cli base_first 150 "$b /tmp/bench/small --tag bf"
+  cli new_first 150 "$n /tmp/bench/small --tag nf"
+  cli base_small 100 "$b /tmp/bench/small --tag bs"
+  cli new_small 100 "$n /tmp/bench/small --tag ns"
+  cli base_mid 120 "$b /tmp/bench/mid --tag bm"
+  cli new_mid 120 "$n /tmp/bench/mid --tag nm"
+  cli new_small2 100 "$n /tmp/bench/small --tag ns2"
+  cli base_small2 100 "$b /tmp/bench/small --tag bs2"
+  say "cold page cache"
+  python3 $C drop-cache --dir $CKPT --out "$OUT/cli.jsonl" | cut -c1-200
+  python3 $C odirect --dir $CKPT --workers 4 --limit-gb 17 --out "$OUT/cli.jsonl" | cut -c1-200
+  python3 $C drop-cache --dir $CKPT --out "$OUT/cli.jsonl" | cut -c1-200
+  cli new_cold 100 "$n /tmp/bench/small --tag nc"
+  python3 $C drop-cache --dir $CKPT --out "$OUT/cli.jsonl" | cut -c1-200
+  cli base_cold 100 "$b /tmp/bench/small --tag bc"
+  python3 $C same --run /tmp/bench/small --tags bs bf nf ns ns2 bs2 nc bc --out "$OUT/cli.jsonl" | cut -c1-300
+  python3 $C same --run /tmp/bench/mid --tags bm nm --out "$OUT/cli.jsonl" | cut -c1-300
+  timeline warm /tmp/bench/small t9
+  tail -n 3 /tmp/bench/logs/*.log >"$OUT/clilogs.txt" 2>&1
+  say "measure done"
+}
+
+"$@" 2>&1 | tee -a "$OUT/log.txt"
