@@ -63,30 +63,32 @@ profile() {
   say "profile done"
 }
 
-measure() {  # this tree ("n") against BASE ("b"), one GPU
+measure() {  # this tree ("n") against BASE ("b"), one GPU; the steps in order of need, each with its own limit
   environment
   local base=${BASE:?BASE=a checkout of main}
-  checkpoint small:128:4 mid:384:8
+  say "GPU tests of the pointwise kernels"
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/model/test_pointwise_gpu.py \
+    "tests/model/test_model_gpu.py::test_fused_pointwise_equals_eager" 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
+  checkpoint small:128:4 mid:192:4
   local n="cd $PWD && python3 -m pgdiag logprobs --model $CKPT --json -q"
   local b="cd $base && python3 -m pgdiag logprobs --model $CKPT --json -q"
-  cli base_first 150 "$b /tmp/bench/small --tag bf"
-  cli new_first 150 "$n /tmp/bench/small --tag nf"
-  cli base_small 100 "$b /tmp/bench/small --tag bs"
-  cli new_small 100 "$n /tmp/bench/small --tag ns"
-  cli base_mid 120 "$b /tmp/bench/mid --tag bm"
-  cli new_mid 120 "$n /tmp/bench/mid --tag nm"
-  cli new_small2 100 "$n /tmp/bench/small --tag ns2"
-  cli base_small2 100 "$b /tmp/bench/small --tag bs2"
+  cli base_first 100 "$b /tmp/bench/small --tag bf"
+  cli new_first 80 "$n /tmp/bench/small --tag nf"
+  cli base_small 60 "$b /tmp/bench/small --tag bs"
+  cli new_small 60 "$n /tmp/bench/small --tag ns"
+  cli base_mid 60 "$b /tmp/bench/mid --tag bm"
+  cli new_mid 60 "$n /tmp/bench/mid --tag nm"
   say "cold page cache"
   python3 $C drop-cache --dir $CKPT --out "$OUT/cli.jsonl" | cut -c1-200
-  python3 $C odirect --dir $CKPT --workers 4 --limit-gb 17 --out "$OUT/cli.jsonl" | cut -c1-200
+  cli new_cold 60 "$n /tmp/bench/small --tag nc"
   python3 $C drop-cache --dir $CKPT --out "$OUT/cli.jsonl" | cut -c1-200
-  cli new_cold 100 "$n /tmp/bench/small --tag nc"
+  cli base_cold 60 "$b /tmp/bench/small --tag bc"
+  python3 $C same --run /tmp/bench/small --tags ns nf nc bs bf bc --out "$OUT/cli.jsonl" | cut -c1-400
+  python3 $C same --run /tmp/bench/small --tags bs bf bc --out "$OUT/cli.jsonl" | cut -c1-400
+  python3 $C same --run /tmp/bench/mid --tags nm bm --out "$OUT/cli.jsonl" | cut -c1-400
+  timeline new_warm /tmp/bench/small t9
   python3 $C drop-cache --dir $CKPT --out "$OUT/cli.jsonl" | cut -c1-200
-  cli base_cold 100 "$b /tmp/bench/small --tag bc"
-  python3 $C same --run /tmp/bench/small --tags bs bf nf ns ns2 bs2 nc bc --out "$OUT/cli.jsonl" | cut -c1-300
-  python3 $C same --run /tmp/bench/mid --tags bm nm --out "$OUT/cli.jsonl" | cut -c1-300
-  timeline warm /tmp/bench/small t9
+  timeout 30 python3 $C odirect --dir $CKPT --workers 4 --limit-gb 8 --out "$OUT/cli.jsonl" | cut -c1-200
   tail -n 3 /tmp/bench/logs/*.log >"$OUT/clilogs.txt" 2>&1
   say "measure done"
 }

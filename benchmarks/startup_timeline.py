@@ -222,16 +222,14 @@ def main() -> None:
 
     result: dict = {"marks": sorted(tl.marks, key=lambda m: m["start"]), "exit": code}
     result["stream_wait_s"], result["stream_takes"] = tl.stream_wait  # type: ignore[attr-defined]
-    try:
+    heavy = ("torch._dynamo", "torch._inductor", "torch._inductor.compile_fx", "pandas", "sympy")
+    result["imported"] = {name: name in sys.modules for name in heavy}  # before the query below imports any
+    if result["imported"]["torch._dynamo"]:
         from torch._dynamo.utils import compile_times, counters
 
         result["dynamo_compile_times"] = compile_times(repr="str", aggregate=True)
         result["counters"] = {k: dict(v) for k, v in counters.items() if v}
-    except Exception as error:
-        result["dynamo_error"] = repr(error)
     result["torch"] = torch.__version__
-    heavy = ("torch._dynamo", "torch._inductor", "torch._inductor.compile_fx", "pandas", "sympy")
-    result["imported"] = {name: name in sys.modules for name in heavy}
     result["sampled_inclusive_s"] = {
         phase: [(k, round(v, 3)) for k, v in counts.most_common(60)] for phase, counts in tl.samples.items()
     }

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from pgdiag.errors import Code, UsageError
 from pgdiag.model.config import ModelConfig, MoeConfig
+from pgdiag.model.fused_ops import LazyCompiled
 from pgdiag.model.tp import TPLayout, all_reduce_sum
 
 EXPERT_IMPLS = ("auto", "loop", "grouped")
@@ -127,9 +128,7 @@ def moe_combine(fused: bool) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     tenth of the memory bandwidth there), elsewhere `combine_rows` compiled by `torch.compile`."""
     if not fused:
         return combine_rows
-    compiled = torch.compile(
-        combine_rows, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
-    )
+    compiled = LazyCompiled(combine_rows)  # compiled at its first call: never on CUDA
 
     def combine(rows: Tensor, row_of: Tensor, weights: Tensor) -> Tensor:
         if rows.is_cuda:

@@ -14,7 +14,14 @@ from pgdiag.model.config import RopeConfig
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[Tensor, float]:
-    """Inverse frequencies (head_dim/2,) fp32 and the cos/sin scale for a RoPE config (HF semantics)."""
+    """Inverse frequencies (head_dim/2,) fp32 on the CPU and the cos/sin scale for a RoPE config (HF semantics).
+    On the CPU also inside the meta-device model build: meta arithmetic runs PyTorch's Python references, whose
+    first call imports torch._dynamo (1.2 s of a start on a GPU machine)."""
+    with torch.device("cpu"):
+        return _inv_freq(rope, head_dim)
+
+
+def _inv_freq(rope: RopeConfig, head_dim: int) -> tuple[Tensor, float]:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)  # (D/2,)
     if rope.rope_type == "linear":

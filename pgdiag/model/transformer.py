@@ -12,7 +12,8 @@ Why this shape: architecture differences are config fields (`qkv_bias`, `o_bias`
 Numerics follow HF: RMSNorm in fp32 then cast, cos/sin in fp32 then cast to the body dtype.
 
 Speed: matmuls and attention are PyTorch's own kernels; ``fuse_pointwise=True`` runs the memory-bound steps
-(RMSNorm, RoPE, SwiGLU) through `torch.compile`, one fused kernel each (`PointwiseOps`), same math.
+(RMSNorm, RoPE, SwiGLU) as one kernel each (`PointwiseOps`, same math): Triton kernels on CUDA
+(`pgdiag.model.pointwise_triton`), `torch.compile` elsewhere (`pgdiag.model.fused_ops`).
 
 Tensor parallelism: modules are built with this rank's local sizes (`TPLayout`); the only collectives are the
 two `all_reduce_sum` calls after the row-parallel o_proj and down_proj (or the MoE combine), visible in `forward`,
@@ -24,10 +25,8 @@ per token (`TrunkOutput.router_topk`), and runs the recorded experts instead whe
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -35,8 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pgdiag.model.attention import PackedDocs, packed_attention
-from pgdiag.model.compile_env import prepare_compile_environment
 from pgdiag.model.config import ModelConfig
+from pgdiag.model.fused_ops import FusedOp
 from pgdiag.model.moe import MoeBlock, moe_combine
 from pgdiag.model.rope import rope_inv_freq
 from pgdiag.model.tp import TPLayout, all_reduce_sum, token_shards
@@ -79,8 +78,8 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class PointwiseOps:
-    """The memory-bound steps of a layer: the eager functions above, or the same functions fused by
-    `torch.compile` (one kernel each instead of 3-6; same math, fp32 where HF computes in fp32)."""
+    """The memory-bound steps of a layer: the eager functions above, or the same functions fused (one kernel each
+    instead of 3-6; same math, fp32 where HF computes in fp32): `pgdiag.model.fused_ops.FusedOp`."""
 
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
     rms_norm_fp32_weight: Callable[[Tensor, Tensor, float], Tensor]
@@ -92,11 +91,13 @@ class PointwiseOps:
 def pointwise_ops(fused: bool) -> PointwiseOps:
     if not fused:
         return PointwiseOps(rms_norm, rms_norm_fp32_weight, apply_rope, swiglu, moe_combine(False))
-    prepare_compile_environment(os.environ)  # no idle compile workers, one Triton cache (compile_env)
-    # emulate_precision_casts: round at every bf16 cast as eager (and HF) does, not once at the end
-    fuse = partial(torch.compile, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
+    # CUDA: pgdiag.model.pointwise_triton's kernels (no compile in the process); else torch.compile (fused_ops)
     return PointwiseOps(
-        fuse(rms_norm), fuse(rms_norm_fp32_weight), fuse(apply_rope), fuse(swiglu), moe_combine(True)
+        FusedOp("rms_norm_triton", rms_norm),
+        FusedOp("rms_norm_fp32_weight_triton", rms_norm_fp32_weight),
+        FusedOp("apply_rope_triton", apply_rope),
+        FusedOp("swiglu_triton", swiglu),
+        moe_combine(True),
     )
 
 
@@ -243,7 +244,10 @@ class DecoderTrunk(nn.Module):
     def __init__(self, config: ModelConfig, layout: TPLayout, ops: PointwiseOps) -> None:
         super().__init__()
         sparse = config.moe.sparse_layers if config.moe else (False,) * config.num_hidden_layers
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # given its (empty) weight: nn.Embedding's own init imports torch._dynamo (1.2 s of a start on a GPU)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, layout, window, ops, is_sparse)
             for window, is_sparse in zip(config.sliding_windows, sparse, strict=True)
@@ -422,18 +426,17 @@ def _hooked(
 
 
 def warm_pointwise_ops(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
-    """Run each compiled pointwise op of `model` once on small random tensors of the ranks, dtypes and layouts the
-    forward gives it, so that `torch.compile` loads (or builds) its kernels now; the loader calls this while the
-    weights are still arriving (`pgdiag.model.weight_stream`). The compiled functions mark every dimension
-    dynamic, so the real token counts reuse these kernels. No-op unless the ops are fused and `device` is CUDA."""
+    """Run each fused pointwise op of `model` once on small random tensors of the ranks, dtypes and layouts the
+    forward gives it, so that Triton loads (or builds) its kernels now; the loader calls this while the weights
+    are still arriving (`pgdiag.model.weight_stream`). No-op unless the ops are fused and `device` is CUDA."""
     if model.fuse_pointwise and torch.device(device).type == "cuda":
         _warm_calls(model, device, dtype)
 
 
 def _warm_calls(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
-    """`warm_pointwise_ops`' calls, on any device. The norms' weights are what the forward passes: parameters
-    made outside inference mode (a plain tensor, or one made under inference mode, fails the compiled graph's
-    guards and the forward compiled the norms again: 0.4 s of a start)."""
+    """`warm_pointwise_ops`' calls, on any device (on the CPU they compile the `torch.compile` graphs the forward
+    uses). The norms' weights are what the forward passes: parameters made outside inference mode (a plain tensor,
+    or one made under inference mode, fails a compiled graph's guards and the norms were compiled again)."""
     config, layout = model.config, model.layout
     n, d, h, eps = 64, config.head_dim, config.hidden_size, config.rms_norm_eps
 

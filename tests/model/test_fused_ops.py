@@ -1,10 +1,13 @@
-"""The compile warm-up covers the forward (no graph compiled after it), and the environment `torch.compile` starts
-under (`pgdiag.model.compile_env`). On the CPU `torch.compile` is given dynamo's ``eager`` backend: the guards
-and graphs are dynamo's, the same as with Inductor on a GPU, without a C++ build."""
+"""`pgdiag.model.fused_ops`: building a fused model compiles nothing and imports no dynamo; off CUDA the ops are
+compiled at their first call, the warm-up compiles every graph the forward then uses (none after it); the
+environment `torch.compile` starts under. On the CPU `torch.compile` is given dynamo's ``eager`` backend: the
+guards and graphs are dynamo's, as with Inductor, without a C++ build."""
 
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ from torch._dynamo.utils import counters
 
 import pgdiag.model.transformer as transformer
 from pgdiag.model import load_model
-from pgdiag.model.compile_env import prepare_compile_environment
+from pgdiag.model.fused_ops import prepare_compile_environment
 
 
 def test_environment_sets_what_is_unset() -> None:
@@ -32,6 +35,20 @@ def test_environment_leaves_the_users_choice() -> None:
     environ = {"TORCH_WARM_POOL": "1", "TRITON_CACHE_DIR": "/somewhere", "OTHER": "x"}
     assert prepare_compile_environment(environ) == {}
     assert environ == {"TORCH_WARM_POOL": "1", "TRITON_CACHE_DIR": "/somewhere", "OTHER": "x"}
+
+
+def test_a_fused_model_imports_no_compiler(tmp_path: Path) -> None:
+    """Loading with fused ops compiles nothing: dynamo (1.2 s of imports on a GPU machine) and Inductor are
+    imported only when a compiled op first runs, which on CUDA is never (the Triton kernels run there)."""
+    save_hf_model(tmp_path, "Qwen3ForCausalLM")
+    code = f"""
+import sys
+from pgdiag.model import load_model
+model = load_model({str(tmp_path)!r}, dtype="fp32", fuse_pointwise=True)
+print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.fixture
