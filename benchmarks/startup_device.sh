@@ -67,7 +67,7 @@ measure() {  # this tree ("n") against BASE ("b"), one GPU; the steps in order o
   environment
   local base=${BASE:?BASE=a checkout of main}
   say "GPU tests of the pointwise kernels"
-  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/model/test_pointwise_gpu.py \
+  timeout 90 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors tests/model/test_pointwise_gpu.py \
     "tests/model/test_model_gpu.py::test_fused_pointwise_equals_eager" 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
   checkpoint small:128:4 mid:192:4
   local n="cd $PWD && python3 -m pgdiag logprobs --model $CKPT --json -q"
