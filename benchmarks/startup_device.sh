@@ -8,7 +8,8 @@
 #            the disk's O_DIRECT rate, and every stream compared with the baseline's.
 set -u
 source "$(dirname "$0")/device_common.sh"
-CKPT=/tmp/bench/c8
+W=/tmp/start26  # this script's files, apart from the other device scripts' /tmp/bench
+CKPT=$W/c8
 
 environment() {
   { nvidia-smi --query-gpu=index,name,memory.total,clocks.sm --format=csv; nproc; free -g; df -h /tmp
@@ -21,7 +22,7 @@ checkpoint() {  # the Qwen3-8B shape on disk (16.4 GB, one file a layer) and run
   python3 $C write-ckpt --model qwen3-8b --dir $CKPT --workers 4 --out "$OUT/cli.jsonl" | cut -c1-200
   for spec in "$@"; do  # NAME:ROLLOUTS:STEPS
     IFS=: read -r name rollouts steps <<<"$spec"
-    python3 $C make-run --vocab 151936 --rollouts "$rollouts" --steps "$steps" --seed 1 --dir /tmp/bench/$name \
+    python3 $C make-run --vocab 151936 --rollouts "$rollouts" --steps "$steps" --seed 1 --dir $W/$name \
       --out "$OUT/cli.jsonl" | cut -c1-200
   done
 }
@@ -56,9 +57,9 @@ micro() {  # the interpreter, torch, CUDA and the compiler's imports alone, with
 profile() {
   environment
   checkpoint small:32:2
-  timeline first /tmp/bench/small t1
-  timeline warm /tmp/bench/small t2
-  cli plain_warm 100 "python3 -m pgdiag logprobs /tmp/bench/small --model $CKPT --json -q --tag t3"
+  timeline first $W/small t1
+  timeline warm $W/small t2
+  cli plain_warm 100 "python3 -m pgdiag logprobs $W/small --model $CKPT --json -q --tag t3"
   micro
   say "profile done"
 }
@@ -72,21 +73,21 @@ measure() {  # this tree ("n") against BASE ("b"), one GPU; the steps in order o
   checkpoint small:128:4 mid:192:4
   local n="cd $PWD && python3 -m pgdiag logprobs --model $CKPT --json -q"
   local b="cd $base && python3 -m pgdiag logprobs --model $CKPT --json -q"
-  cli base_first 100 "$b /tmp/bench/small --tag bf"
-  cli new_first 80 "$n /tmp/bench/small --tag nf"
-  cli base_small 60 "$b /tmp/bench/small --tag bs"
-  cli new_small 60 "$n /tmp/bench/small --tag ns"
-  cli base_mid 60 "$b /tmp/bench/mid --tag bm"
-  cli new_mid 60 "$n /tmp/bench/mid --tag nm"
+  cli base_first 100 "$b $W/small --tag bf"
+  cli new_first 80 "$n $W/small --tag nf"
+  cli base_small 60 "$b $W/small --tag bs"
+  cli new_small 60 "$n $W/small --tag ns"
+  cli base_mid 60 "$b $W/mid --tag bm"
+  cli new_mid 60 "$n $W/mid --tag nm"
   say "cold page cache"
   python3 $C drop-cache --dir $CKPT --out "$OUT/cli.jsonl" | cut -c1-200
-  cli new_cold 60 "$n /tmp/bench/small --tag nc"
+  cli new_cold 60 "$n $W/small --tag nc"
   python3 $C drop-cache --dir $CKPT --out "$OUT/cli.jsonl" | cut -c1-200
-  cli base_cold 60 "$b /tmp/bench/small --tag bc"
-  python3 $C same --run /tmp/bench/small --tags ns nf nc bs bf bc --out "$OUT/cli.jsonl" | cut -c1-400
-  python3 $C same --run /tmp/bench/small --tags bs bf bc --out "$OUT/cli.jsonl" | cut -c1-400
-  python3 $C same --run /tmp/bench/mid --tags nm bm --out "$OUT/cli.jsonl" | cut -c1-400
-  timeline new_warm /tmp/bench/small t9
+  cli base_cold 60 "$b $W/small --tag bc"
+  python3 $C same --run $W/small --tags ns nf nc bs bf bc --out "$OUT/cli.jsonl" | cut -c1-400
+  python3 $C same --run $W/small --tags bs bf bc --out "$OUT/cli.jsonl" | cut -c1-400
+  python3 $C same --run $W/mid --tags nm bm --out "$OUT/cli.jsonl" | cut -c1-400
+  timeline new_warm $W/small t9
   python3 $C drop-cache --dir $CKPT --out "$OUT/cli.jsonl" | cut -c1-200
   timeout 30 python3 $C odirect --dir $CKPT --workers 4 --limit-gb 8 --out "$OUT/cli.jsonl" | cut -c1-200
   tail -n 3 /tmp/bench/logs/*.log >"$OUT/clilogs.txt" 2>&1

@@ -171,7 +171,7 @@ class CostModel:
     flops_fp32: float  # achieved FLOP/s of an fp32 body (no tensor cores: ~1/15 of the 16-bit peak)
     load_bytes_per_s: float  # checkpoint read and copy to the device
     start_s: float  # per configuration: process, allocation, first batch
-    compile_s: float  # once per body dtype: the recompute's torch.compile of its fused pointwise ops
+    compile_s: float  # once per body dtype: the first call of the recompute's fused pointwise kernels
     grid_elements_per_s: float  # sampling grid: loss tokens x temperatures x vocabulary, softmax and sort
 
 
