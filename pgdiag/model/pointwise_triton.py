@@ -30,7 +30,7 @@ _ELEMENTS = 4096  # per program: rows x columns held at once
 _NO_FMA = {"enable_fp_fusion": False}  # every product rounded before the sum, as the eager kernels compute it
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # one kernel for every token count
 def _rms_norm_kernel(
     x_ptr,  # (R, D) contiguous, READ-ONLY
     w_ptr,  # (D,), READ-ONLY
@@ -57,7 +57,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + offsets, (weight * scaled).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # one kernel for every token count
 def _rope_kernel(
     x_ptr,  # (N * heads, D) contiguous, READ-ONLY
     cos_ptr,  # (N, D) contiguous, READ-ONLY
@@ -88,7 +88,7 @@ def _rope_kernel(
     tl.store(out_ptr + first + HALF, out_b.to(dtype), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # one kernel for every token count
 def _swiglu_kernel(
     gate_ptr,  # (R, C) row stride gate_stride, columns contiguous, READ-ONLY
     up_ptr,  # (R, C) row stride up_stride, READ-ONLY
