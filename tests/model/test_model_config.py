@@ -119,3 +119,14 @@ def test_rope_frequencies_worked_examples() -> None:
     )
     _, scale = rope_inv_freq(yarn.rope, 8)
     assert scale == pytest.approx(0.1 * math.log(4.0) + 1.0)
+
+
+def test_rope_inv_freq_is_computed_on_the_cpu_inside_a_meta_build() -> None:
+    """The model is built under ``torch.device("meta")``; the frequencies are still real CPU values (meta
+    arithmetic would run PyTorch's Python references, which import torch._dynamo)."""
+    rope = parse(rope_theta=10000.0).rope
+    plain, scale = rope_inv_freq(rope, 8)
+    with torch.device("meta"):
+        inside, inside_scale = rope_inv_freq(rope, 8)
+    assert inside.device.type == "cpu" and torch.equal(inside, plain) and inside_scale == scale == 1.0
+    assert torch.allclose(plain, torch.tensor([1.0, 0.1, 0.01, 0.001]))  # theta ** -(2i / 8)
