@@ -19,6 +19,8 @@ can differ from the unchunked form by the bf16 reduction-order size (docs/recomp
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
@@ -30,6 +32,7 @@ from torch import Tensor, nn
 from pgdiag.model.tp import TokenShards, all_gather_rows, reduce_scatter_rows
 
 if TYPE_CHECKING:
+    from pgdiag.model.tp_sums import NcclSums, PeerCopySums
     from pgdiag.model.transformer import DecoderLayer, LayerInputs
 
 
@@ -47,38 +50,52 @@ def _linear_into(out: Tensor, x: Tensor, proj: nn.Linear) -> None:
 
 
 def dense_overlapped(
-    layer: DecoderLayer, x: Tensor, shared: LayerInputs, group: dist.ProcessGroup, n_chunks: int
+    layer: DecoderLayer, x: Tensor, shared: LayerInputs, sums: NcclSums | PeerCopySums, n_chunks: int
 ) -> Tensor:
     """The dense layer with its two all-reduces overlapped with compute; x (N, H) whole on every rank.
 
     Everything after attention (o_proj, residual, norm, MLP) is token-wise, so it runs in `n_chunks` token
-    chunks: the o_proj partial sums of all chunks are launched, each with an asynchronous all-reduce; then chunk c
-    waits for its sum and runs its MLP while the sums of chunks c+1.. are still on the wire, and its down_proj
-    all-reduce runs while chunk c+1 computes."""
+    chunks: the o_proj partial sums of all chunks are launched, each summed over the ranks asynchronously
+    (`sums`: NCCL, or the copy engines for two GPUs, `pgdiag.model.tp_sums`); then chunk c waits for its sum and
+    runs its MLP while the sums of chunks c+1.. are still on the wire, and its down_proj sum runs while chunk c+1
+    computes. Optionally (`shared.gemm_sm_carveout`) the GEMMs that run beside the collectives leave that many SMs
+    to them."""
     attn, mlp = layer.self_attn, getattr(layer, layer.ffn_name)
     core = attn.core(layer.input_layernorm(x), shared)  # (N, Hq_local * D)
     edges = [x.shape[0] * c // n_chunks for c in range(n_chunks + 1)]  # near-equal token chunks
     spans = [(start, stop) for start, stop in pairwise(edges) if stop > start]
-    o_parts, o_waits = [], []
-    for start, stop in spans:
-        part = F.linear(core[start:stop], attn.o_proj.weight)  # (n_c, H) partial over this rank's heads
-        o_waits.append(dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group, async_op=True))
-        o_parts.append(part)
-    residuals, d_parts, d_waits = [], [], []
-    for (start, stop), part, pending in zip(spans, o_parts, o_waits, strict=True):
-        pending.wait()
-        mid = x[start:stop] + _bias(part, attn.o_proj)  # (n_c, H)
-        normed = layer.post_attention_layernorm(mid)
-        inner = mlp.ops.swiglu(mlp.gate_proj(normed), mlp.up_proj(normed))  # (n_c, I_local)
-        down = F.linear(inner, mlp.down_proj.weight)  # (n_c, H) partial
-        d_waits.append(dist.all_reduce(down, op=dist.ReduceOp.SUM, group=group, async_op=True))
-        d_parts.append(down)
-        residuals.append(mid)
     out = torch.empty_like(x)  # (N, H)
-    for (start, stop), mid, down, pending in zip(spans, residuals, d_parts, d_waits, strict=True):
-        pending.wait()
-        torch.add(mid, _bias(down, mlp.down_proj), out=out[start:stop])  # one pass, no temporary
+    with gemm_sm_carveout(shared.gemm_sm_carveout):
+        o_pending = [
+            sums.start(F.linear(core[a:b], attn.o_proj.weight)) for a, b in spans
+        ]  # (n_c, H) partials
+        residuals, d_pending = [], []
+        for (start, stop), pending in zip(spans, o_pending, strict=True):
+            mid = sums.finish(pending, x[start:stop], attn.o_proj.bias)  # (n_c, H)
+            normed = layer.post_attention_layernorm(mid)
+            inner = mlp.ops.swiglu(mlp.gate_proj(normed), mlp.up_proj(normed))  # (n_c, I_local)
+            d_pending.append(sums.start(F.linear(inner, mlp.down_proj.weight)))  # (n_c, H) partial
+            residuals.append(mid)
+    for (start, stop), mid, pending in zip(spans, residuals, d_pending, strict=True):
+        sums.finish(pending, mid, mlp.down_proj.bias, out=out[start:stop])  # one pass, no temporary
     return out
+
+
+@contextmanager
+def gemm_sm_carveout(sms: int) -> Iterator[None]:
+    """Inside: cuBLAS GEMMs go through cuBLASLt and size their grids to all SMs but `sms` (0: unchanged), so a
+    persistent GEMM launched beside a collective's kernels is not held up waiting for the SMs they hold."""
+    if not sms:
+        yield
+        return
+    backend = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")  # the carveout is a cuBLASLt attribute
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+        torch.backends.cuda.preferred_blas_library(backend)
 
 
 def dense_sequence_parallel(

@@ -39,12 +39,17 @@ from pgdiag.model.moe import MoeBlock, moe_combine
 from pgdiag.model.rope import rope_inv_freq
 from pgdiag.model.tp import TPLayout, all_reduce_sum, token_shards
 from pgdiag.model.tp_dense import dense_overlapped, dense_sequence_parallel, gather_tokens
+from pgdiag.model.tp_sums import NcclSums, PeerCopySums
 
 TP_OVERLAP_CHUNKS = 4  # token chunks of a dense layer whose all-reduces overlap compute under TP (1 = off)
 TP_OVERLAP_MIN_TOKENS = 1024  # fewer tokens a chunk: not worth it, the layer runs unchunked
 # dense models under TP: sequence parallelism in the same token chunks; off: 2.5 % slower than the overlapped
 # all-reduces at TP 2 on two H200s (docs/benchmarks.md, issue 26)
 TP_SEQUENCE_PARALLEL = False
+# how the overlapped dense layers sum their partials under TP: "nccl" (all-reduce) or "peer_copy" (TP = 2 on CUDA:
+# copy-engine pushes into symmetric memory, `pgdiag.model.tp_sums.PeerCopySums`; "nccl" elsewhere)
+TP_REDUCE = "nccl"
+TP_GEMM_SM_CARVEOUT = 0  # SMs that the GEMMs overlapping those sums leave to them (0: none)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -107,6 +112,8 @@ class LayerInputs:
     docs: PackedDocs
     backend: str  # attention backend, resolved by the loader
     group: dist.ProcessGroup | None
+    sums: NcclSums | PeerCopySums | None = None  # TP > 1, overlapped dense layers: how partials are summed
+    gemm_sm_carveout: int = 0  # SMs the GEMMs beside those sums leave free (0: all SMs)
 
 
 class RMSNorm(nn.Module):
@@ -224,8 +231,8 @@ class DecoderLayer(nn.Module):
         `overlap_chunks` > 1 (a dense layer under TP): the token-wise part after attention runs in that many
         token chunks, each chunk's all-reduce in flight while the next chunk computes (`tp_dense.dense_overlapped`)."""
         group = shared.group
-        if not self.sparse and overlap_chunks > 1 and group is not None and dist.get_world_size(group) > 1:
-            return dense_overlapped(self, x, shared, group, overlap_chunks), None
+        if not self.sparse and overlap_chunks > 1 and shared.sums is not None:
+            return dense_overlapped(self, x, shared, shared.sums, overlap_chunks), None
         x = x + self.self_attn(self.input_layernorm(x), shared)
         ffn = getattr(self, self.ffn_name)
         if not self.sparse:
@@ -297,6 +304,9 @@ class CausalLM(nn.Module):
         self.tp_overlap_min_tokens = TP_OVERLAP_MIN_TOKENS
         # TP > 1, dense models: the residual stream, norms and residual adds on a token shard (`pgdiag.model.tp_dense`)
         self.tp_sequence_parallel = TP_SEQUENCE_PARALLEL
+        self.tp_reduce = TP_REDUCE
+        self.tp_gemm_sm_carveout = TP_GEMM_SM_CARVEOUT
+        self._peer_sums: PeerCopySums | None = None  # built on first use, collectively (symmetric memory)
 
     @property
     def vocab_start(self) -> int:
@@ -363,12 +373,15 @@ class CausalLM(nn.Module):
         freqs = position_ids.float()[:, None] * self.inv_freq[None, :]  # (N, D/2) fp32
         angles = torch.cat((freqs, freqs), dim=-1)  # (N, D)
         dtype = self.body_dtype
+        overlapped = chunks > 1 and shards is None and self.layout.tp_size > 1
         shared = LayerInputs(
             cos=(angles.cos() * self.rope_scale).to(dtype),
             sin=(angles.sin() * self.rope_scale).to(dtype),
             docs=docs,
             backend=self.attention_backend,
             group=self.tp_group,
+            sums=_tp_sums_for(self, -(-n // chunks), device) if overlapped else None,
+            gemm_sm_carveout=self.tp_gemm_sm_carveout if device.type == "cuda" else 0,
         )
         moe = self.config.moe
         if replay_experts is not None:
@@ -394,6 +407,24 @@ class CausalLM(nn.Module):
             if chosen is not None:
                 picked.append(chosen)
         return TrunkOutput(self.model.norm(x), torch.stack(picked, dim=1) if picked else None)
+
+
+def _tp_sums_for(model: CausalLM, rows: int, device: torch.device) -> NcclSums | PeerCopySums:
+    """The overlapped dense layers' sums for partials of up to `rows` rows: NCCL, or the copy-engine pushes of
+    `PeerCopySums` (`model.tp_reduce == "peer_copy"`, TP = 2, CUDA), its buffers grown collectively (every rank of
+    the group runs the same batches) when a batch needs more rows."""
+    if model.tp_reduce != "peer_copy" or model.layout.tp_size != 2 or device.type != "cuda":
+        return NcclSums(model.tp_group)
+    if model._peer_sums is None or rows > model._peer_sums.rows:
+        if model._peer_sums is not None:  # its last pushes and adds must be done before its buffers go
+            torch.cuda.synchronize(device)
+            dist.barrier(model.tp_group)
+        capacity = 1 << max(rows - 1, 1).bit_length()  # a power of two: few regrowths
+        model._peer_sums = PeerCopySums(
+            model.tp_group, capacity, model.config.hidden_size, model.body_dtype, device,
+            slots=4 * max(model.tp_overlap_chunks, 2),
+        )  # fmt: skip
+    return model._peer_sums
 
 
 def _padded(
