@@ -33,10 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-SIGNAL_INDEX = (
-    1024  # uint32 index in the signal pad of the sender's flag (torch's barriers use the first few)
-)
-WAIT_VALUE_GEQ = 0x1  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-around safe
+WAIT_VALUE_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-around safe (EQ is 0x1)
+FLAG_WORD = 256  # uint32 index of rank 0's flag in a signal pad (rank 1's: the next); pads: >= 512
 
 
 @dataclass
@@ -137,13 +135,9 @@ class PeerCopySums:
         self.recv = symm_mem.empty((slots, rows, hidden), dtype=dtype, device=device)  # (S, rows, H) mine
         self.handle = symm_mem.rendezvous(self.recv, group)
         self.peer_recv = self.handle.get_buffer(self.peer, (slots, rows, hidden), dtype)  # the peer's, mapped
-        pads = self.handle.signal_pad_ptrs
-        size = getattr(self.handle, "signal_pad_size", None) or symm_mem.get_signal_pad_size()
-        first = (
-            size // 4 - 2
-        )  # the pad's last two words: a flag per sender (torch's barriers use the first few)
-        self.peer_flag = pads[self.peer] + 4 * (first + self.rank)  # where I raise my flag
-        self.my_flag = pads[self.rank] + 4 * (first + self.peer)  # where the peer raises its flag
+        pads = self.handle.signal_pad_ptrs  # torch's barriers use a pad's first words; none run on this one
+        self.peer_flag = pads[self.peer] + 4 * (FLAG_WORD + self.rank)  # where I raise my flag
+        self.my_flag = pads[self.rank] + 4 * (FLAG_WORD + self.peer)  # where the peer raises its flag
         self.stream = torch.cuda.Stream(device)
         self.ops = _StreamMemoryOps()
         # a pad may be shared with earlier allocations (torch's pools): the flag starts at 0 before any push
@@ -177,8 +171,3 @@ class PeerCopySums:
         if bias is not None:
             return torch.add(x, (pending.part + other) + bias, out=out)
         return residual_add(x, pending.part, other, out=out)
-
-
-def fits(sums: PeerCopySums | NcclSums | None, rows: int) -> bool:
-    """Whether `sums` exists and takes partials of `rows` rows."""
-    return sums is not None and (not isinstance(sums, PeerCopySums) or rows <= sums.rows)
