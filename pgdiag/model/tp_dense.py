@@ -2,7 +2,8 @@
 
 What: two forms of `DecoderLayer.forward` for a dense layer at TP > 1, same math per token as the plain form:
 - `dense_overlapped`: the residual stream is whole on every rank; everything after attention (o_proj, residual,
-  norm, MLP) runs in token chunks, each chunk's all-reduce in flight while the next chunk computes;
+  norm, MLP) runs in token chunks, each chunk's sum over the ranks in flight while the next chunk computes (an
+  NCCL all-reduce, or at TP = 2 on CUDA copy-engine pushes: `pgdiag.model.tp_sums`);
 - `dense_sequence_parallel`: the residual stream is sharded over tokens (`pgdiag.model.tp.TokenShards`): the
   norms and residual adds run on this rank's rows only, a span's normed rows are all-gathered before q/k/v and
   gate/up (each span's projections start as soon as its rows arrive, while later spans are still on the wire), and
@@ -12,15 +13,13 @@ Why: at TP = 2 the all-reduces alone cost about 6 % of a pass if exposed; the ov
 but every rank still runs the norms, residual adds and their copies on all N tokens. Sequence parallelism cuts that
 replicated memory-bound work by the TP degree for the same bytes on the wire (docs/benchmarks.md, issue 26).
 
-How: the collectives are the explicit calls of `pgdiag.model.tp` (`all_reduce_sum`'s async form, `all_gather_rows`,
-`reduce_scatter_rows`); in 16-bit the matmul library may pick another kernel for a chunk's row count, so rounding
+How: the collectives are explicit calls: `pgdiag.model.tp_sums` (`start`, `finish`) in the overlapped form,
+`pgdiag.model.tp`'s `all_gather_rows` and `reduce_scatter_rows` in the sequence-parallel one; in 16-bit the matmul library may pick another kernel for a chunk's row count, so rounding
 can differ from the unchunked form by the bf16 reduction-order size (docs/recompute.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
@@ -58,44 +57,23 @@ def dense_overlapped(
     chunks: the o_proj partial sums of all chunks are launched, each summed over the ranks asynchronously
     (`sums`: NCCL, or the copy engines for two GPUs, `pgdiag.model.tp_sums`); then chunk c waits for its sum and
     runs its MLP while the sums of chunks c+1.. are still on the wire, and its down_proj sum runs while chunk c+1
-    computes. Optionally (`shared.gemm_sm_carveout`) the GEMMs that run beside the collectives leave that many SMs
-    to them."""
+    computes."""
     attn, mlp = layer.self_attn, getattr(layer, layer.ffn_name)
     core = attn.core(layer.input_layernorm(x), shared)  # (N, Hq_local * D)
     edges = [x.shape[0] * c // n_chunks for c in range(n_chunks + 1)]  # near-equal token chunks
     spans = [(start, stop) for start, stop in pairwise(edges) if stop > start]
     out = torch.empty_like(x)  # (N, H)
-    with gemm_sm_carveout(shared.gemm_sm_carveout):
-        o_pending = [
-            sums.start(F.linear(core[a:b], attn.o_proj.weight)) for a, b in spans
-        ]  # (n_c, H) partials
-        residuals, d_pending = [], []
-        for (start, stop), pending in zip(spans, o_pending, strict=True):
-            mid = sums.finish(pending, x[start:stop], attn.o_proj.bias)  # (n_c, H)
-            normed = layer.post_attention_layernorm(mid)
-            inner = mlp.ops.swiglu(mlp.gate_proj(normed), mlp.up_proj(normed))  # (n_c, I_local)
-            d_pending.append(sums.start(F.linear(inner, mlp.down_proj.weight)))  # (n_c, H) partial
-            residuals.append(mid)
+    o_pending = [sums.start(F.linear(core[a:b], attn.o_proj.weight)) for a, b in spans]  # (n_c, H) partials
+    residuals, d_pending = [], []
+    for (start, stop), pending in zip(spans, o_pending, strict=True):
+        mid = sums.finish(pending, x[start:stop], attn.o_proj.bias)  # (n_c, H)
+        normed = layer.post_attention_layernorm(mid)
+        inner = mlp.ops.swiglu(mlp.gate_proj(normed), mlp.up_proj(normed))  # (n_c, I_local)
+        d_pending.append(sums.start(F.linear(inner, mlp.down_proj.weight)))  # (n_c, H) partial
+        residuals.append(mid)
     for (start, stop), mid, pending in zip(spans, residuals, d_pending, strict=True):
         sums.finish(pending, mid, mlp.down_proj.bias, out=out[start:stop])  # one pass, no temporary
     return out
-
-
-@contextmanager
-def gemm_sm_carveout(sms: int) -> Iterator[None]:
-    """Inside: cuBLAS GEMMs go through cuBLASLt and size their grids to all SMs but `sms` (0: unchanged), so a
-    persistent GEMM launched beside a collective's kernels is not held up waiting for the SMs they hold."""
-    if not sms:
-        yield
-        return
-    backend = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library("cublaslt")  # the carveout is a cuBLASLt attribute
-    torch._C._set_sm_carveout_experimental(sms)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(None)
-        torch.backends.cuda.preferred_blas_library(backend)
 
 
 def dense_sequence_parallel(

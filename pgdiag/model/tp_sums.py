@@ -27,11 +27,16 @@ two-rank sum; so with the same GEMMs the output equals the NCCL form bit for bit
 from __future__ import annotations
 
 import ctypes
+import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from pgdiag.model.transformer import CausalLM
 
 WAIT_VALUE_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-around safe (EQ is 0x1)
 FLAG_WORD = 256  # uint32 index of rank 0's flag in a signal pad (rank 1's: the next); pads: >= 512
@@ -171,3 +176,31 @@ class PeerCopySums:
         if bias is not None:
             return torch.add(x, (pending.part + other) + bias, out=out)
         return residual_add(x, pending.part, other, out=out)
+
+
+def overlap_sums(model: CausalLM, rows: int, device: torch.device) -> NcclSums | PeerCopySums:
+    """The overlapped dense layers' sums for partials of up to `rows` rows: NCCL, or the copy-engine pushes of
+    `PeerCopySums` (`model.tp_reduce == "peer_copy"`, TP = 2, CUDA), its buffers grown collectively (every rank of
+    the group runs the same batches) when a batch needs more rows. Where symmetric memory or the driver's stream
+    memory operations are refused (one warning), NCCL from then on."""
+    peer = model.tp_reduce == "peer_copy" and model.layout.tp_size == 2 and device.type == "cuda"
+    if not peer or model._peer_sums_failed:
+        return NcclSums(model.tp_group)
+    if model._peer_sums is None or rows > model._peer_sums.rows:
+        if model._peer_sums is not None:  # its last pushes and adds must be done before its buffers go
+            torch.cuda.synchronize(device)
+            dist.barrier(model.tp_group)
+            model._peer_sums = None
+        capacity = 1 << max(rows - 1, 1).bit_length()  # a power of two: few regrowths
+        try:
+            model._peer_sums = PeerCopySums(
+                model.tp_group, capacity, model.config.hidden_size, model.body_dtype, device,
+                slots=4 * max(model.tp_overlap_chunks, 2),
+            )  # fmt: skip
+        except (RuntimeError, OSError, AttributeError) as error:
+            warnings.warn(
+                f"TP sums by copy engine unavailable ({error}); using NCCL all-reduces", stacklevel=2
+            )
+            model._peer_sums_failed = True
+            return NcclSums(model.tp_group)
+    return model._peer_sums

@@ -39,17 +39,17 @@ from pgdiag.model.moe import MoeBlock, moe_combine
 from pgdiag.model.rope import rope_inv_freq
 from pgdiag.model.tp import TPLayout, all_reduce_sum, token_shards
 from pgdiag.model.tp_dense import dense_overlapped, dense_sequence_parallel, gather_tokens
-from pgdiag.model.tp_sums import NcclSums, PeerCopySums
+from pgdiag.model.tp_sums import NcclSums, PeerCopySums, overlap_sums
 
 TP_OVERLAP_CHUNKS = 4  # token chunks of a dense layer whose all-reduces overlap compute under TP (1 = off)
 TP_OVERLAP_MIN_TOKENS = 1024  # fewer tokens a chunk: not worth it, the layer runs unchunked
 # dense models under TP: sequence parallelism in the same token chunks; off: 2.5 % slower than the overlapped
 # all-reduces at TP 2 on two H200s (docs/benchmarks.md, issue 26)
 TP_SEQUENCE_PARALLEL = False
-# how the overlapped dense layers sum their partials under TP: "nccl" (all-reduce) or "peer_copy" (TP = 2 on CUDA:
-# copy-engine pushes into symmetric memory, `pgdiag.model.tp_sums.PeerCopySums`; "nccl" elsewhere)
-TP_REDUCE = "nccl"
-TP_GEMM_SM_CARVEOUT = 0  # SMs that the GEMMs overlapping those sums leave to them (0: none)
+# how the overlapped dense layers sum their partials under TP: "peer_copy" (TP = 2 on CUDA: copy-engine pushes into
+# symmetric memory, `pgdiag.model.tp_sums.PeerCopySums`, 3.3 % faster at TP 2 on two H200s than NCCL and bit for bit
+# the same; NCCL elsewhere or where symmetric memory fails) or "nccl" (all-reduce)
+TP_REDUCE = "peer_copy"
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -113,7 +113,6 @@ class LayerInputs:
     backend: str  # attention backend, resolved by the loader
     group: dist.ProcessGroup | None
     sums: NcclSums | PeerCopySums | None = None  # TP > 1, overlapped dense layers: how partials are summed
-    gemm_sm_carveout: int = 0  # SMs the GEMMs beside those sums leave free (0: all SMs)
 
 
 class RMSNorm(nn.Module):
@@ -305,8 +304,8 @@ class CausalLM(nn.Module):
         # TP > 1, dense models: the residual stream, norms and residual adds on a token shard (`pgdiag.model.tp_dense`)
         self.tp_sequence_parallel = TP_SEQUENCE_PARALLEL
         self.tp_reduce = TP_REDUCE
-        self.tp_gemm_sm_carveout = TP_GEMM_SM_CARVEOUT
         self._peer_sums: PeerCopySums | None = None  # built on first use, collectively (symmetric memory)
+        self._peer_sums_failed = False  # symmetric memory refused once: NCCL from then on
 
     @property
     def vocab_start(self) -> int:
@@ -380,8 +379,7 @@ class CausalLM(nn.Module):
             docs=docs,
             backend=self.attention_backend,
             group=self.tp_group,
-            sums=_tp_sums_for(self, -(-n // chunks), device) if overlapped else None,
-            gemm_sm_carveout=self.tp_gemm_sm_carveout if device.type == "cuda" else 0,
+            sums=overlap_sums(self, -(-n // chunks), device) if overlapped else None,
         )
         moe = self.config.moe
         if replay_experts is not None:
@@ -407,24 +405,6 @@ class CausalLM(nn.Module):
             if chosen is not None:
                 picked.append(chosen)
         return TrunkOutput(self.model.norm(x), torch.stack(picked, dim=1) if picked else None)
-
-
-def _tp_sums_for(model: CausalLM, rows: int, device: torch.device) -> NcclSums | PeerCopySums:
-    """The overlapped dense layers' sums for partials of up to `rows` rows: NCCL, or the copy-engine pushes of
-    `PeerCopySums` (`model.tp_reduce == "peer_copy"`, TP = 2, CUDA), its buffers grown collectively (every rank of
-    the group runs the same batches) when a batch needs more rows."""
-    if model.tp_reduce != "peer_copy" or model.layout.tp_size != 2 or device.type != "cuda":
-        return NcclSums(model.tp_group)
-    if model._peer_sums is None or rows > model._peer_sums.rows:
-        if model._peer_sums is not None:  # its last pushes and adds must be done before its buffers go
-            torch.cuda.synchronize(device)
-            dist.barrier(model.tp_group)
-        capacity = 1 << max(rows - 1, 1).bit_length()  # a power of two: few regrowths
-        model._peer_sums = PeerCopySums(
-            model.tp_group, capacity, model.config.hidden_size, model.body_dtype, device,
-            slots=4 * max(model.tp_overlap_chunks, 2),
-        )  # fmt: skip
-    return model._peer_sums
 
 
 def _padded(
