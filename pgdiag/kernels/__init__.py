@@ -129,13 +129,21 @@ def lm_head_logprobs(
     resolved = resolve_impl(impl, hidden.device)
     ignored = targets == ignore_index  # (N,) bool
     out_of_range = (targets < 0) & ~ignored
-    if bool(out_of_range.any()):
+    offsets_wrong = torch.zeros((), dtype=torch.bool, device=targets.device)
+    if kept is not None:
+        offsets_wrong = _kept_offsets_wrong(kept, targets)
+    out_of_range_any, offsets_wrong_any = torch.stack(
+        [out_of_range.any(), offsets_wrong]
+    ).tolist()  # one sync
+    if out_of_range_any:
         row = int(out_of_range.nonzero()[0, 0])
         raise InvalidInputError(
             Code.TOKEN_OUT_OF_VOCAB,
             f"token id {int(targets[row])} < 0 at token {row} (ignore_index is {ignore_index})",
             "mask such tokens with ignore_index or fix the token ids",
         )
+    if offsets_wrong_any:
+        raise UsageError(Code.BAD_TENSORS, "lm_head_logprobs: kept offsets must rise from 0 to len(ids)")
     local_targets = targets.long() - vocab_start  # (N,)
     in_shard = (local_targets >= 0) & (local_targets < weight.shape[0]) & ~ignored
     local_targets = torch.where(in_shard, local_targets, -1)
@@ -153,7 +161,6 @@ def lm_head_logprobs(
         )  # (S, 4, N)
         merged = merge_partials(partials)  # (4, N)
     else:  # the full and the kept partials from one head pass a chunk of tokens
-        _check_kept(kept, targets)
         kept = kept.to(hidden.device)
 
         def head_of(module: ModuleType) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -207,21 +214,18 @@ def lm_head_logprobs(
     # 3. logprob and entropy; a target that no shard holds is out of the vocabulary
     logprobs, entropy, target_found = finish_partials(merged)
     missing = ~target_found & ~ignored
-    if bool(missing.any()):
-        row = int(missing.nonzero()[0, 0])
-        raise InvalidInputError(
-            Code.TOKEN_OUT_OF_VOCAB,
-            f"token id {int(targets[row])} at token {row} is not in the vocabulary (no head row holds it)",
-            "token ids must be < the head's vocab size; was the rollout tokenized for another model?",
-        )
     head_mode = backend.head_mode_for(head_dtype, weight.dtype, hidden.dtype)
     if kept is None or merged_kept is None:
+        _raise_missing(missing, targets)
         return TokenLogprobs(logprobs, entropy, resolved, head_dtype, head_mode)
     set_sizes = kept.set_sizes()  # (N,) ids or bits a token
     nonempty = (set_sizes > 0) & ~ignored
     scores = finish_kept(merged, merged_kept, nonempty, logprobs, entropy, set_sizes == 1)
     outside = ~scores.target_in_set & ~ignored
-    if bool(outside.any()):
+    missing_any, outside_any = torch.stack([missing.any(), outside.any()]).tolist()  # one host sync for both
+    if missing_any:
+        _raise_missing(missing, targets)
+    if outside_any:
         row = int(outside.nonzero()[0, 0])
         raise InvalidInputError(
             Code.SAMPLED_OUTSIDE_KEPT,
@@ -241,8 +245,20 @@ def lm_head_logprobs(
     )
 
 
-def _check_kept(kept: KeptSet, targets: torch.Tensor) -> None:
-    """UsageError E513 when the kept sets do not describe the N target tokens."""
+def _raise_missing(missing: torch.Tensor, targets: torch.Tensor) -> None:
+    """E208 (token out of vocabulary) at the first token no shard's head row holds; `missing` (N,) bool."""
+    if bool(missing.any()):
+        row = int(missing.nonzero()[0, 0])
+        raise InvalidInputError(
+            Code.TOKEN_OUT_OF_VOCAB,
+            f"token id {int(targets[row])} at token {row} is not in the vocabulary (no head row holds it)",
+            "token ids must be < the head's vocab size; was the rollout tokenized for another model?",
+        )
+
+
+def _kept_offsets_wrong(kept: KeptSet, targets: torch.Tensor) -> torch.Tensor:
+    """() bool tensor (no host sync): the offsets do not rise from 0 to len(ids). UsageError E513 at once when the
+    kept sets' shapes do not describe the N target tokens."""
     offsets = kept.offsets
     if offsets.dim() != 1 or offsets.shape[0] != targets.shape[0] + 1 or kept.ids.dim() != 1:
         raise UsageError(
@@ -250,9 +266,8 @@ def _check_kept(kept: KeptSet, targets: torch.Tensor) -> None:
             f"lm_head_logprobs: kept offsets {tuple(offsets.shape)} for {targets.shape[0]} tokens "
             f"(expected ({targets.shape[0] + 1},)), ids {tuple(kept.ids.shape)}",
         )
-    bad = (offsets[0] != 0) | (offsets[-1] != kept.ids.shape[0]) | (offsets[1:] < offsets[:-1]).any()
-    if bool(bad):  # one host sync for the three conditions
-        raise UsageError(Code.BAD_TENSORS, "lm_head_logprobs: kept offsets must rise from 0 to len(ids)")
+    offsets = offsets.to(targets.device)
+    return (offsets[0] != 0) | (offsets[-1] != kept.ids.shape[0]) | (offsets[1:] < offsets[:-1]).any()
 
 
 def _check_arguments(

@@ -168,6 +168,19 @@ def bitmask_words(bitmasks: torch.Tensor, vocab_start: int, vocab_local: int) ->
     return to_int32_words(local)
 
 
+def chunk_bounds(kept: KeptSet, start: int, stop: int) -> tuple[int, int]:
+    """The CSR element range [lo, hi) of tokens [start, stop). The ends of the whole set are known on the host
+    (`offsets` was checked to run from 0 to len(ids)); an inner boundary costs one host sync."""
+    if start == 0 and stop == kept.n_tokens:
+        return 0, int(kept.ids.shape[0])
+    if start == 0:
+        return 0, int(kept.offsets[stop])
+    if stop == kept.n_tokens:
+        return int(kept.offsets[start]), int(kept.ids.shape[0])
+    lo, hi = kept.offsets[[start, stop]].tolist()
+    return lo, hi
+
+
 def kept_words(
     kept: KeptSet, start: int, stop: int, *, vocab_start: int, vocab_local: int, impl: str
 ) -> torch.Tensor:
@@ -177,7 +190,7 @@ def kept_words(
     n_rows = stop - start
     n_words = -(-vocab_local // WORD_BITS)
     device = kept.ids.device
-    lo, hi = kept.offsets[[start, stop]].tolist()  # one host sync; none below on the CSR path
+    lo, hi = chunk_bounds(kept, start, stop)
     local = kept.ids[lo:hi] - vocab_start  # (E_c,)
     row = torch.repeat_interleave(
         torch.arange(n_rows, device=device),
@@ -233,26 +246,36 @@ def kept_head_partials(
     maximum: a row whose kept ids all lie more than ~87 nats below it underflows to a zero sum, and is scored
     again by `exact_fn` (the torch reference, K's own maximum): such a row is rare (the engine sampled from K)."""
     n_tokens = hidden.shape[0]
-    full_parts, kept_parts = [], []
+    if n_tokens == 0:
+        empty = torch.zeros(PARTIAL_ROWS, 0, dtype=torch.float32, device=hidden.device)
+        return empty, empty.clone()
+    full_parts, kept_parts, underflow_parts = [], [], []
     chunk = kept_chunk(n_tokens, vocab_local)
-    for start in range(0, n_tokens, chunk):
-        stop = min(start + chunk, n_tokens)
-        words = kept_words(kept, start, stop, vocab_start=vocab_start, vocab_local=vocab_local, impl=impl)
+    bounds = [(start, min(start + chunk, n_tokens)) for start in range(0, n_tokens, chunk)]
+
+    def words_of(start: int, stop: int) -> torch.Tensor:  # (C, W) int32
+        return kept_words(kept, start, stop, vocab_start=vocab_start, vocab_local=vocab_local, impl=impl)
+
+    for start, stop in bounds:
+        words = words_of(start, stop)
         targets = local_targets[start:stop]
         partials = partials_fn(hidden[start:stop], targets, words)  # (S, 8, C)
         full = merge_partials(partials[:, :PARTIAL_ROWS])
         masked = merge_partials(partials[:, PARTIAL_ROWS:])
-        underflow = words.any(dim=1) & (masked[1] == 0)  # (C,) bits here, yet no mass
-        if bool(underflow.any()):
-            rows = underflow.nonzero()[:, 0]
-            exact = exact_fn(hidden[start:stop][rows], targets[rows], words[rows])  # (1, 8, R)
-            masked[:, rows] = merge_partials(exact[:, PARTIAL_ROWS:])
+        underflow_parts.append(words.any(dim=1) & (masked[1] == 0))  # (C,) bits here, yet no mass
         masked[3] = torch.where(target_in_words(words, targets), full[3], float("-inf"))
         full_parts.append(full)
         kept_parts.append(masked)
-    if not full_parts:
-        empty = torch.zeros(PARTIAL_ROWS, 0, dtype=torch.float32, device=hidden.device)
-        return empty, empty.clone()
+    underflow = torch.cat(underflow_parts)  # (N,)
+    if bool(underflow.any()):  # one host sync for all chunks, after every head pass is queued
+        for (start, stop), masked, low in zip(bounds, kept_parts, underflow_parts, strict=True):
+            rows = low.nonzero()[:, 0]
+            if rows.shape[0]:
+                words = words_of(start, stop)[rows]
+                exact = exact_fn(
+                    hidden[start:stop][rows], local_targets[start:stop][rows], words
+                )  # (1, 8, R)
+                masked[:3, rows] = merge_partials(exact[:, PARTIAL_ROWS:])[:3]
     return torch.cat(full_parts, dim=1), torch.cat(kept_parts, dim=1)
 
 
