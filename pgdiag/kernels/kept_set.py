@@ -169,16 +169,14 @@ def bitmask_words(bitmasks: torch.Tensor, vocab_start: int, vocab_local: int) ->
 
 
 def chunk_bounds(kept: KeptSet, start: int, stop: int) -> tuple[int, int]:
-    """The CSR element range [lo, hi) of tokens [start, stop). The ends of the whole set are known on the host
-    (`offsets` was checked to run from 0 to len(ids)); an inner boundary costs one host sync."""
-    if start == 0 and stop == kept.n_tokens:
-        return 0, int(kept.ids.shape[0])
-    if start == 0:
-        return 0, int(kept.offsets[stop])
-    if stop == kept.n_tokens:
-        return int(kept.offsets[start]), int(kept.ids.shape[0])
-    lo, hi = kept.offsets[[start, stop]].tolist()
-    return lo, hi
+    """The CSR element range [lo, hi) of tokens [start, stop), within [0, len(ids)] whatever the offsets hold
+    (`lm_head_logprobs` checks them after the head pass). The ends of the whole set are known on the host; an
+    inner boundary costs one host sync."""
+    n_elements = int(kept.ids.shape[0])
+    lo = 0 if start == 0 else int(kept.offsets[start])
+    hi = n_elements if stop == kept.n_tokens else int(kept.offsets[stop])
+    lo = min(max(lo, 0), n_elements)
+    return lo, min(max(hi, lo), n_elements)
 
 
 def kept_words(
@@ -192,11 +190,11 @@ def kept_words(
     device = kept.ids.device
     lo, hi = chunk_bounds(kept, start, stop)
     local = kept.ids[lo:hi] - vocab_start  # (E_c,)
-    row = torch.repeat_interleave(
-        torch.arange(n_rows, device=device),
-        kept.offsets[start + 1 : stop + 1] - kept.offsets[start:stop],
-        output_size=hi - lo,
-    )  # (E_c,) the element's token within the chunk
+    ends = kept.offsets[start + 1 : stop + 1]  # (C,) each token's end in the CSR elements
+    element = torch.arange(lo, hi, device=device, dtype=ends.dtype)  # (E_c,)
+    # (E_c,) the element's token within the chunk: the tokens that end at or before it. A search, not
+    # repeat_interleave: offsets that do not rise (reported after the head pass) cannot write out of bounds
+    row = torch.searchsorted(ends, element, right=True).clamp_(max=n_rows - 1)
     inside = (local >= 0) & (local < vocab_local)
     spare = n_rows * n_words  # ids outside the shard set a bit of one spare word past the end, cut off below
     word_index = torch.where(inside, row * n_words + local // WORD_BITS, spare)
@@ -229,7 +227,6 @@ def target_in_words(words: torch.Tensor, local_targets: torch.Tensor) -> torch.T
 
 def kept_head_partials(
     partials_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    exact_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     hidden: torch.Tensor,
     local_targets: torch.Tensor,
     kept: KeptSet,
@@ -237,27 +234,22 @@ def kept_head_partials(
     vocab_start: int,
     vocab_local: int,
     impl: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The merged (4, N) full and (4, N) kept partials of this shard, one head pass a chunk of tokens.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The merged (4, N) full and (4, N) kept partials of this shard, one head pass a chunk of tokens, and the
+    (N,) bool rows whose kept sums underflowed; no host sync.
 
     `partials_fn(hidden_chunk, local_targets_chunk, words)` is the head (`lm_head_partials` of the torch
     reference or Triton) returning (S, 8, C): rows 0-3 the full vocabulary, 4-7 K. The kept target logit is
     the head's target logit where its bit is set. The Triton heads sum K's exponentials centred on the full
-    maximum: a row whose kept ids all lie more than ~87 nats below it underflows to a zero sum, and is scored
-    again by `exact_fn` (the torch reference, K's own maximum): such a row is rare (the engine sampled from K)."""
+    maximum: a row whose kept ids all lie more than ~87 nats below it underflows to a zero sum. Such a row is
+    rare (the engine sampled from K); the caller reads the flags once, after every head pass is queued, and
+    hands the rows to `rescore_underflow`."""
     n_tokens = hidden.shape[0]
-    if n_tokens == 0:
-        empty = torch.zeros(PARTIAL_ROWS, 0, dtype=torch.float32, device=hidden.device)
-        return empty, empty.clone()
     full_parts, kept_parts, underflow_parts = [], [], []
     chunk = kept_chunk(n_tokens, vocab_local)
-    bounds = [(start, min(start + chunk, n_tokens)) for start in range(0, n_tokens, chunk)]
-
-    def words_of(start: int, stop: int) -> torch.Tensor:  # (C, W) int32
-        return kept_words(kept, start, stop, vocab_start=vocab_start, vocab_local=vocab_local, impl=impl)
-
-    for start, stop in bounds:
-        words = words_of(start, stop)
+    for start in range(0, n_tokens, chunk):
+        stop = min(start + chunk, n_tokens)
+        words = kept_words(kept, start, stop, vocab_start=vocab_start, vocab_local=vocab_local, impl=impl)
         targets = local_targets[start:stop]
         partials = partials_fn(hidden[start:stop], targets, words)  # (S, 8, C)
         full = merge_partials(partials[:, :PARTIAL_ROWS])
@@ -266,17 +258,37 @@ def kept_head_partials(
         masked[3] = torch.where(target_in_words(words, targets), full[3], float("-inf"))
         full_parts.append(full)
         kept_parts.append(masked)
-    underflow = torch.cat(underflow_parts)  # (N,)
-    if bool(underflow.any()):  # one host sync for all chunks, after every head pass is queued
-        for (start, stop), masked, low in zip(bounds, kept_parts, underflow_parts, strict=True):
-            rows = low.nonzero()[:, 0]
-            if rows.shape[0]:
-                words = words_of(start, stop)[rows]
-                exact = exact_fn(
-                    hidden[start:stop][rows], local_targets[start:stop][rows], words
-                )  # (1, 8, R)
-                masked[:3, rows] = merge_partials(exact[:, PARTIAL_ROWS:])[:3]
-    return torch.cat(full_parts, dim=1), torch.cat(kept_parts, dim=1)
+    if not full_parts:
+        empty = torch.zeros(PARTIAL_ROWS, 0, dtype=torch.float32, device=hidden.device)
+        return empty, empty.clone(), torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    return torch.cat(full_parts, dim=1), torch.cat(kept_parts, dim=1), torch.cat(underflow_parts)
+
+
+def rescore_underflow(
+    exact_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    local_targets: torch.Tensor,
+    kept: KeptSet,
+    kept_partials: torch.Tensor,
+    underflow: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_local: int,
+    impl: str,
+) -> None:
+    """Score the `underflow` (N,) rows' kept sets again with `exact_fn` (the torch reference: K's own maximum)
+    and write their max, sum and centred sum into `kept_partials` (4, N) in place (the target logit, row 3,
+    stays the head's). The words are rebuilt for the chunks that hold such rows."""
+    chunk = kept_chunk(hidden.shape[0], vocab_local)
+    rows = underflow.nonzero()[:, 0]  # (R,) ascending
+    for start in range(0, hidden.shape[0], chunk):
+        stop = min(start + chunk, hidden.shape[0])
+        here = rows[(rows >= start) & (rows < stop)]
+        if here.shape[0] == 0:
+            continue
+        words = kept_words(kept, start, stop, vocab_start=vocab_start, vocab_local=vocab_local, impl=impl)
+        exact = exact_fn(hidden[here], local_targets[here], words[here - start])  # (1, 8, R_c)
+        kept_partials[:3, here] = merge_partials(exact[:, PARTIAL_ROWS:])[:3]
 
 
 def kept_logits(
@@ -405,5 +417,6 @@ __all__ = [
     "kept_logits",
     "kept_words",
     "or_bits_torch",
+    "rescore_underflow",
     "target_in_words",
 ]

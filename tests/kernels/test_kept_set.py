@@ -296,11 +296,11 @@ def test_an_empty_shard_scores_no_kept_id() -> None:
     def head(hidden: torch.Tensor, targets: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
         return lm_head_partials(hidden, empty, targets, temperature=1.0, head_dtype="fp32", kept_words=words)
 
-    full, masked = kept_set.kept_head_partials(
-        head, head, kc.case.hidden, torch.full((6,), -1), kc.kept, vocab_start=20, vocab_local=0, impl="torch"
+    full, masked, underflow = kept_set.kept_head_partials(
+        head, kc.case.hidden, torch.full((6,), -1), kc.kept, vocab_start=20, vocab_local=0, impl="torch"
     )
     assert masked.shape == (4, 6) and bool((masked[1] == 0).all()) and bool(torch.isinf(masked[3]).all())
-    assert bool((full[1] == 0).all())
+    assert bool((full[1] == 0).all()) and not bool(underflow.any())  # no word, so nothing underflowed
 
 
 def test_token_chunks_give_the_one_chunk_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
