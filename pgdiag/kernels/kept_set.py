@@ -136,7 +136,7 @@ def to_int32_words(words: torch.Tensor) -> torch.Tensor:
 def or_bits_torch(n_words: int, word_index: torch.Tensor, bit: torch.Tensor) -> torch.Tensor:
     """(n_words,) int32 with bit `bit[e]` of word `word_index[e]` set for every element e: the plain-torch OR
     (duplicates removed by `torch.unique`, then distinct bits summed, which is their OR). The reference of
-    `kept_set_triton.or_bits_triton`."""
+    `kept_set_triton.csr_words_triton`, which packs the same words a row at a time."""
     flat = torch.unique(word_index * WORD_BITS + bit)
     sums = torch.zeros(n_words, dtype=torch.int64, device=word_index.device)
     sums.index_add_(0, flat // WORD_BITS, torch.bitwise_left_shift(torch.ones_like(flat), flat % WORD_BITS))
@@ -179,33 +179,43 @@ def chunk_bounds(kept: KeptSet, start: int, stop: int) -> tuple[int, int]:
     return lo, min(max(hi, lo), n_elements)
 
 
+def csr_words_torch(
+    kept: KeptSet, start: int, stop: int, *, vocab_start: int, vocab_local: int
+) -> torch.Tensor:
+    """(stop - start, W) int32 words of the CSR sets of tokens [start, stop): each element's token found by a
+    search (offsets that do not rise cannot push it out of bounds), its bit OR-ed in by `or_bits_torch`."""
+    n_rows = stop - start
+    n_words = -(-vocab_local // WORD_BITS)
+    lo, hi = chunk_bounds(kept, start, stop)
+    local = kept.ids[lo:hi] - vocab_start  # (E_c,)
+    ends = kept.offsets[start + 1 : stop + 1]  # (C,) each token's end in the CSR elements
+    element = torch.arange(lo, hi, device=kept.ids.device, dtype=ends.dtype)  # (E_c,)
+    row = torch.searchsorted(ends, element, right=True).clamp_(
+        max=max(n_rows - 1, 0)
+    )  # (E_c,) token in chunk
+    inside = (local >= 0) & (local < vocab_local)
+    spare = n_rows * n_words  # ids outside the shard set a bit of one spare word past the end, cut off below
+    word_index = torch.where(inside, row * n_words + local // WORD_BITS, spare)
+    bit = torch.where(inside, local % WORD_BITS, 0)
+    return or_bits_torch(spare + 1, word_index, bit)[:spare].view(n_rows, n_words)
+
+
 def kept_words(
     kept: KeptSet, start: int, stop: int, *, vocab_start: int, vocab_local: int, impl: str
 ) -> torch.Tensor:
     """(stop - start, W) int32 packed kept sets of tokens [start, stop) over this vocab shard, W =
     ceil(V_local / 32); ids outside the shard are left out, a token without a set is all zeros. `impl`
-    "triton" ORs the CSR ids in with the Triton kernel, "torch" with `or_bits_torch`."""
-    n_rows = stop - start
-    n_words = -(-vocab_local // WORD_BITS)
-    device = kept.ids.device
-    lo, hi = chunk_bounds(kept, start, stop)
-    local = kept.ids[lo:hi] - vocab_start  # (E_c,)
-    ends = kept.offsets[start + 1 : stop + 1]  # (C,) each token's end in the CSR elements
-    element = torch.arange(lo, hi, device=device, dtype=ends.dtype)  # (E_c,)
-    # (E_c,) the element's token within the chunk: the tokens that end at or before it. A search, not
-    # repeat_interleave: offsets that do not rise (reported after the head pass) cannot write out of bounds
-    row = torch.searchsorted(ends, element, right=True).clamp_(max=n_rows - 1)
-    inside = (local >= 0) & (local < vocab_local)
-    spare = n_rows * n_words  # ids outside the shard set a bit of one spare word past the end, cut off below
-    word_index = torch.where(inside, row * n_words + local // WORD_BITS, spare)
-    bit = torch.where(inside, local % WORD_BITS, 0)
+    "triton" packs the CSR ids with one Triton kernel (`kept_set_triton.csr_words_triton`), "torch" with the
+    tensor ops below (its reference). Neither reads out of bounds when the offsets do not rise from 0 to len(ids)
+    (`lm_head_logprobs` reports that after the head pass)."""
     if impl == "triton":
-        from pgdiag.kernels.kept_set_triton import or_bits_triton
+        from pgdiag.kernels.kept_set_triton import csr_words_triton
 
-        words = or_bits_triton(spare + 1, word_index, bit, device)
+        words = csr_words_triton(
+            kept.ids, kept.offsets, start, stop, vocab_start=vocab_start, vocab_local=vocab_local
+        )
     else:
-        words = or_bits_torch(spare + 1, word_index, bit)
-    words = words[:spare].view(n_rows, n_words)
+        words = csr_words_torch(kept, start, stop, vocab_start=vocab_start, vocab_local=vocab_local)
     if kept.bitmask_tokens is not None and kept.bitmasks is not None:
         chosen = ((kept.bitmask_tokens >= start) & (kept.bitmask_tokens < stop)).nonzero()[:, 0]
         for first in range(0, chosen.shape[0], BITMASK_ROWS):  # its int64 temporaries: 5 x 8 B a word a row
@@ -410,6 +420,7 @@ __all__ = [
     "KeptScores",
     "KeptSet",
     "bitmask_words",
+    "csr_words_torch",
     "engine_dot",
     "finish_kept",
     "kept_head_partials",

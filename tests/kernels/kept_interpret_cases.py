@@ -17,8 +17,8 @@ from test_kept_set import check_tp2_against_one_rank
 
 from pgdiag.kernels import kept_set, lm_head_logprobs
 from pgdiag.kernels import lm_head_logprobs_ref as reference
-from pgdiag.kernels.kept_set import KeptSet, kept_logits, kept_words, or_bits_torch
-from pgdiag.kernels.kept_set_triton import kept_logits_triton, or_bits_triton
+from pgdiag.kernels.kept_set import KeptSet, csr_words_torch, kept_logits, kept_words
+from pgdiag.kernels.kept_set_triton import csr_words_triton, kept_logits_triton
 from pgdiag.kernels.lm_head_logprobs_triton import head_mode_for, lm_head_partials
 from pgdiag.kernels.triton_shared import TritonTiles
 from pgdiag.kernels.vocab_parallel import merge_partials
@@ -30,11 +30,34 @@ def test_interpreter_is_on() -> None:
     assert triton.knobs.runtime.interpret
 
 
-def test_or_bits_equals_the_torch_reference() -> None:
+@pytest.mark.parametrize("start, stop", [(0, 40), (7, 33)])
+def test_csr_words_equal_the_torch_reference(start: int, stop: int) -> None:
+    """The row-parallel Triton packing against the search-and-OR of the torch path, over the shard [45, 145) of
+    V = 200 (it starts mid-word): sets of 0 to 150 ids (more than one block of a program), duplicates, ids of
+    other shards, bit 31 of a word, a chunk of inner tokens."""
     gen = torch.Generator().manual_seed(1)
-    word = torch.randint(0, 50, (3000,), generator=gen)  # many duplicates, bit 31 included
-    bit = torch.randint(0, 32, (3000,), generator=gen)
-    assert torch.equal(or_bits_triton(50, word, bit, torch.device("cpu")), or_bits_torch(50, word, bit))
+    sizes = torch.randint(0, 151, (40,), generator=gen)
+    sizes[3], sizes[9] = 0, 150
+    offsets = torch.zeros(41, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(sizes, 0)
+    ids = torch.randint(0, 200, (int(offsets[-1]),), generator=gen)
+    ids[int(offsets[5])] = 45 + 31  # bit 31 of the shard's first word
+    kept = KeptSet(ids, offsets)
+    shard = {"vocab_start": 45, "vocab_local": 100}
+    got = csr_words_triton(ids, offsets, start, stop, **shard)
+    assert torch.equal(got, csr_words_torch(kept, start, stop, **shard))
+    assert torch.equal(got, kept_words(kept, start, stop, impl="triton", **shard))
+    assert int(got[5 - start, 0]) < 0 if start <= 5 < stop else True  # the sign bit is bit 31
+
+
+def test_csr_words_of_offsets_that_fall_stay_in_bounds() -> None:
+    """Offsets that fall or run past len(ids) (reported by `lm_head_logprobs` only after the head): each range is
+    clipped to [its start, len(ids)], a falling one is empty, so no access leaves the ids."""
+    ids = torch.arange(10)
+    offsets = torch.tensor([0, 6, 2, 14, 10])
+    words = csr_words_triton(ids, offsets, 0, 4, vocab_start=0, vocab_local=10)
+    assert words.shape == (4, 1)
+    assert int(words[0, 0]) == 0b111111 and int(words[1, 0]) == 0 and int(words[2, 0]) == 0b1111111100
 
 
 def _stats(merged: torch.Tensor) -> torch.Tensor:
