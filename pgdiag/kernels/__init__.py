@@ -253,41 +253,44 @@ def _any_rows(masks: dict[str, torch.Tensor | None]) -> dict[str, bool]:
     return {name: bool(read.pop(0)) if name in present else False for name in masks}
 
 
+PROBLEMS = (  # the checks of `lm_head_logprobs`, in the order they are raised: (mask name, code, message, hint)
+    (
+        "out_of_range",
+        Code.TOKEN_OUT_OF_VOCAB,
+        "token id {target} < 0 at token {row} (ignore_index is {ignore_index})",
+        "mask such tokens with ignore_index or fix the token ids",
+    ),
+    ("offsets_wrong", Code.BAD_TENSORS, "lm_head_logprobs: kept offsets must rise from 0 to len(ids)", None),
+    (
+        "missing",
+        Code.TOKEN_OUT_OF_VOCAB,
+        "token id {target} at token {row} is not in the vocabulary (no head row holds it)",
+        "token ids must be < the head's vocab size; was the rollout tokenized for another model?",
+    ),
+    (
+        "outside",
+        Code.SAMPLED_OUTSIDE_KEPT,
+        "token {row}: target {target} is not in its kept set",
+        "the kept set of a position holds the token sampled there",
+    ),
+)
+
+
 def _raise_problems(
     found: dict[str, bool], masks: dict[str, torch.Tensor | None], targets: torch.Tensor, ignore_index: int
 ) -> None:
-    """Raise the first problem `found` (`_any_rows` of `masks`), in this order: a negative target (E208), kept
-    offsets that do not rise from 0 to len(ids) (E513), a target no head row holds (E208), a target outside its
-    non-empty kept set (E221)."""
-
-    def first(name: str) -> int:
-        mask = masks[name]
-        assert mask is not None
-        return int(mask.nonzero()[0, 0])
-
-    if found.get("out_of_range"):
-        row = first("out_of_range")
-        raise InvalidInputError(
-            Code.TOKEN_OUT_OF_VOCAB,
-            f"token id {int(targets[row])} < 0 at token {row} (ignore_index is {ignore_index})",
-            "mask such tokens with ignore_index or fix the token ids",
-        )
-    if found.get("offsets_wrong"):
-        raise UsageError(Code.BAD_TENSORS, "lm_head_logprobs: kept offsets must rise from 0 to len(ids)")
-    if found.get("missing"):
-        row = first("missing")
-        raise InvalidInputError(
-            Code.TOKEN_OUT_OF_VOCAB,
-            f"token id {int(targets[row])} at token {row} is not in the vocabulary (no head row holds it)",
-            "token ids must be < the head's vocab size; was the rollout tokenized for another model?",
-        )
-    if found.get("outside"):
-        row = first("outside")
-        raise InvalidInputError(
-            Code.SAMPLED_OUTSIDE_KEPT,
-            f"token {row}: target {int(targets[row])} is not in its kept set",
-            "the kept set of a position holds the token sampled there",
-        )
+    """Raise the first problem `found` (`_any_rows` of `masks`) in the order of `PROBLEMS`: a negative target
+    (E208), kept offsets that do not rise from 0 to len(ids) (E513, a usage error), a target no head row holds
+    (E208), a target outside its non-empty kept set (E221); the message names the first such token."""
+    for name, code, message, hint in PROBLEMS:
+        mask = masks.get(name)
+        if not found.get(name) or mask is None:
+            continue
+        if hint is None:
+            raise UsageError(code, message)
+        row = int(mask.nonzero()[0, 0]) if mask.dim() else 0
+        text = message.format(target=int(targets[row]), row=row, ignore_index=ignore_index)
+        raise InvalidInputError(code, text, hint)
 
 
 def _kept_offsets_wrong(kept: KeptSet, targets: torch.Tensor) -> torch.Tensor:
