@@ -135,8 +135,10 @@ class PeerCopySums:
         self.peer = 1 - self.rank
         self.rows, self.slots = rows, slots
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # needed before rendezvous by older torch; a no-op (or deprecated) later
-            enable(group.group_name)
+        if enable is not None:  # needed before rendezvous by older torch; deprecated (a warning) since
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                enable(group.group_name)
         self.recv = symm_mem.empty((slots, rows, hidden), dtype=dtype, device=device)  # (S, rows, H) mine
         self.handle = symm_mem.rendezvous(self.recv, group)
         self.peer_recv = self.handle.get_buffer(self.peer, (slots, rows, hidden), dtype)  # the peer's, mapped
