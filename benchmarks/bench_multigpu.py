@@ -233,6 +233,8 @@ def measure_layout(cfg, rollouts, args, tp: int, dp: int, device, *, dtype: str 
         model.tp_overlap_chunks = options.chunks
     if options.sequence is not None:  # sequence parallel in the same chunks (dense models)
         model.tp_sequence_parallel = options.sequence
+    if options.reduce is not None:  # how the overlapped layers sum their partials
+        model.tp_reduce = options.reduce
     sync(device)
     load_s = world_max(time.perf_counter() - t0, device)
     weights_gib = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
@@ -284,7 +286,7 @@ def measure_layout(cfg, rollouts, args, tp: int, dp: int, device, *, dtype: str 
         "load_s": load_s, "warmup_pass_s": warm_s, "weights_gib_per_gpu": weights_gib, "peak_gib_per_gpu": peaks,
         "peak_batch": peak_batch, "attention": model.attention_backend, "experts": model.expert_impl,
         "batch_tokens": args.batch_tokens, "tp_overlap_chunks": model.tp_overlap_chunks,
-        "tp_sequence_parallel": model.tp_sequence_parallel, "nccl_max_ctas": options.max_ctas if nccl_options(options.max_ctas) else None,
+        "tp_sequence_parallel": model.tp_sequence_parallel, "tp_reduce": model.tp_reduce, "nccl_max_ctas": options.max_ctas if nccl_options(options.max_ctas) else None,
     }  # fmt: skip
     del model, result
     gc.collect()
@@ -296,23 +298,27 @@ def measure_layout(cfg, rollouts, args, tp: int, dp: int, device, *, dtype: str 
 @dataclass(frozen=True)
 class TPOptions:
     """A layout's TP options: overlap chunks (None: the model's default), sequence parallel (None: the model's
-    default), NCCL's CTA cap for the TP communicator (None: NCCL's own choice)."""
+    default), NCCL's CTA cap for the TP communicator (None: NCCL's own choice), how the overlapped layers sum
+    their partials ("nccl" or "peer_copy"; None: the model's default)."""
 
     chunks: int | None = None
     sequence: bool | None = None
     max_ctas: int | None = None
+    reduce: str | None = None
 
     def suffix(self) -> str:
         return (
             (f"_c{self.chunks}" if self.chunks else "")
             + ({True: "_sp", False: "_nosp"}.get(self.sequence, ""))
             + (f"_m{self.max_ctas}" if self.max_ctas else "")
+            + ({"peer_copy": "_peer", "nccl": "_nccl"}.get(self.reduce, ""))
         )
 
 
 def _layout(text: str) -> tuple[int, int, TPOptions]:
     """'2x1' -> (2, 1, defaults); '2x1:c4:s:m8' -> 4 overlap chunks, sequence parallel, NCCL max 8 CTAs;
-    ':n' turns sequence parallelism off."""
+    ':n' turns sequence parallelism off; ':p' sums the overlapped layers' partials by copy-engine pushes (TP 2),
+    ':r' by NCCL all-reduces."""
     shape, *options = text.split(":")
     tp, dp = (int(x) for x in shape.split("x"))
     found: dict = {}
@@ -324,6 +330,8 @@ def _layout(text: str) -> tuple[int, int, TPOptions]:
             found["sequence"] = key == "s"
         elif key == "m":
             found["max_ctas"] = int(value)
+        elif key in "pr" and not value:
+            found["reduce"] = "peer_copy" if key == "p" else "nccl"
         else:
             raise SystemExit(f"unknown layout option {option!r} in {text!r}")
     return tp, dp, TPOptions(**found)
@@ -366,8 +374,9 @@ def main() -> None:
     parser.add_argument(
         "--layouts",
         default="",
-        help="TPxDP[:cN][:s|:n][:mN],... (tp x dp = world; :cN = TP collectives overlapped in N token chunks, "
-        ":c1 off; :s sequence parallel, :n not; :mN = NCCL max N CTAs for the TP group); default: every divisor",
+        help="TPxDP[:cN][:s|:n][:mN][:p|:r],... (tp x dp = world; :cN = TP collectives overlapped in N token "
+        "chunks, :c1 off; :s sequence parallel, :n not; :mN = NCCL max N CTAs for the TP group; :p partials summed "
+        "by copy-engine pushes (TP 2), :r by NCCL all-reduces); default: every divisor",
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rollouts", type=int, default=64)

@@ -36,7 +36,14 @@ import torch
 import torch.distributed as dist
 
 from pgdiag.errors import Code, InvalidInputError, UsageError
-from pgdiag.kernels.kept_set import KeptSet, engine_dot, finish_kept, kept_head_partials, kept_kl
+from pgdiag.kernels.kept_set import (
+    KeptSet,
+    engine_dot,
+    finish_kept,
+    kept_head_partials,
+    kept_kl,
+    rescore_underflow,
+)
 from pgdiag.kernels.vocab_parallel import PARTIAL_ROWS, finish_partials, gather_partials, merge_partials
 
 IMPLS = ("auto", "torch", "triton")
@@ -128,14 +135,14 @@ def lm_head_logprobs(
     _check_arguments(hidden, weight, targets, temperature, head_dtype)
     resolved = resolve_impl(impl, hidden.device)
     ignored = targets == ignore_index  # (N,) bool
-    out_of_range = (targets < 0) & ~ignored
-    if bool(out_of_range.any()):
-        row = int(out_of_range.nonzero()[0, 0])
-        raise InvalidInputError(
-            Code.TOKEN_OUT_OF_VOCAB,
-            f"token id {int(targets[row])} < 0 at token {row} (ignore_index is {ignore_index})",
-            "mask such tokens with ignore_index or fix the token ids",
-        )
+    out_of_range = (targets < 0) & ~ignored  # (N,) checked with the other flags at the end: one host sync
+    offsets_wrong = None if kept is None else _kept_offsets_wrong(kept, targets)  # () bool
+    if kept is not None and (kept.logprobs is not None or kept.bitmasks is not None):
+        early = {
+            "out_of_range": out_of_range,
+            "offsets_wrong": offsets_wrong,
+        }  # these paths read offsets on the host
+        _raise_problems(_any_rows(early), early, targets, ignore_index)
     local_targets = targets.long() - vocab_start  # (N,)
     in_shard = (local_targets >= 0) & (local_targets < weight.shape[0]) & ~ignored
     local_targets = torch.where(in_shard, local_targets, -1)
@@ -153,7 +160,6 @@ def lm_head_logprobs(
         )  # (S, 4, N)
         merged = merge_partials(partials)  # (4, N)
     else:  # the full and the kept partials from one head pass a chunk of tokens
-        _check_kept(kept, targets)
         kept = kept.to(hidden.device)
 
         def head_of(module: ModuleType) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -171,16 +177,20 @@ def lm_head_logprobs(
 
             return head
 
-        merged, merged_kept = kept_head_partials(
-            head_of(backend),
-            head_of(reference),
-            hidden,
-            local_targets,
-            kept,
-            vocab_start=vocab_start,
-            vocab_local=weight.shape[0],
-            impl=resolved,
-        )  # (4, N) each
+        shard = {"vocab_start": vocab_start, "vocab_local": weight.shape[0], "impl": resolved}
+        merged, merged_kept, underflow = kept_head_partials(
+            head_of(backend), hidden, local_targets, kept, **shard
+        )  # (4, N), (4, N), (N,) bool
+
+        def rescore() -> None:  # rows whose K underflowed in the Triton head, scored again by the reference
+            rescore_underflow(
+                head_of(reference), hidden, local_targets, kept, merged_kept, underflow, **shard
+            )
+
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            if bool(underflow.any()):  # before the gather: each rank fixes its own shard's partials
+                rescore()
+            underflow = None
         if kept.logprobs is not None:
             pz = engine_dot(
                 hidden,
@@ -207,27 +217,22 @@ def lm_head_logprobs(
     # 3. logprob and entropy; a target that no shard holds is out of the vocabulary
     logprobs, entropy, target_found = finish_partials(merged)
     missing = ~target_found & ~ignored
-    if bool(missing.any()):
-        row = int(missing.nonzero()[0, 0])
-        raise InvalidInputError(
-            Code.TOKEN_OUT_OF_VOCAB,
-            f"token id {int(targets[row])} at token {row} is not in the vocabulary (no head row holds it)",
-            "token ids must be < the head's vocab size; was the rollout tokenized for another model?",
-        )
     head_mode = backend.head_mode_for(head_dtype, weight.dtype, hidden.dtype)
+    masks = {"out_of_range": out_of_range, "offsets_wrong": offsets_wrong, "missing": missing}
     if kept is None or merged_kept is None:
+        _raise_problems(_any_rows(masks), masks, targets, ignore_index)
         return TokenLogprobs(logprobs, entropy, resolved, head_dtype, head_mode)
     set_sizes = kept.set_sizes()  # (N,) ids or bits a token
     nonempty = (set_sizes > 0) & ~ignored
     scores = finish_kept(merged, merged_kept, nonempty, logprobs, entropy, set_sizes == 1)
-    outside = ~scores.target_in_set & ~ignored
-    if bool(outside.any()):
-        row = int(outside.nonzero()[0, 0])
-        raise InvalidInputError(
-            Code.SAMPLED_OUTSIDE_KEPT,
-            f"token {row}: target {int(targets[row])} is not in its kept set",
-            "the kept set of a position holds the token sampled there",
-        )
+    masks |= {"outside": ~scores.target_in_set & ~ignored, "underflow": underflow}
+    found = _any_rows(masks)  # every check of the call in this one host sync
+    _raise_problems(found, masks, targets, ignore_index)
+    if found["underflow"]:  # rare: rows whose K underflowed in the Triton head, scored again, then the checks
+        rescore()
+        scores = finish_kept(merged, merged_kept, nonempty, logprobs, entropy, set_sizes == 1)
+        masks["outside"] = ~scores.target_in_set & ~ignored
+        _raise_problems(_any_rows(masks), masks, targets, ignore_index)
     return TokenLogprobs(
         torch.where(ignored, 0.0, scores.logprobs),
         scores.entropy,
@@ -241,8 +246,56 @@ def lm_head_logprobs(
     )
 
 
-def _check_kept(kept: KeptSet, targets: torch.Tensor) -> None:
-    """UsageError E513 when the kept sets do not describe the N target tokens."""
+def _any_rows(masks: dict[str, torch.Tensor | None]) -> dict[str, bool]:
+    """Whether each bool mask ((N,) or ()) has a set element, all read in one host sync (None: False)."""
+    present = {name: mask for name, mask in masks.items() if mask is not None}
+    read = torch.stack([mask.any() for mask in present.values()]).tolist() if present else []
+    return {name: bool(read.pop(0)) if name in present else False for name in masks}
+
+
+PROBLEMS = (  # the checks of `lm_head_logprobs`, in the order they are raised: (mask name, code, message, hint)
+    (
+        "out_of_range",
+        Code.TOKEN_OUT_OF_VOCAB,
+        "token id {target} < 0 at token {row} (ignore_index is {ignore_index})",
+        "mask such tokens with ignore_index or fix the token ids",
+    ),
+    ("offsets_wrong", Code.BAD_TENSORS, "lm_head_logprobs: kept offsets must rise from 0 to len(ids)", None),
+    (
+        "missing",
+        Code.TOKEN_OUT_OF_VOCAB,
+        "token id {target} at token {row} is not in the vocabulary (no head row holds it)",
+        "token ids must be < the head's vocab size; was the rollout tokenized for another model?",
+    ),
+    (
+        "outside",
+        Code.SAMPLED_OUTSIDE_KEPT,
+        "token {row}: target {target} is not in its kept set",
+        "the kept set of a position holds the token sampled there",
+    ),
+)
+
+
+def _raise_problems(
+    found: dict[str, bool], masks: dict[str, torch.Tensor | None], targets: torch.Tensor, ignore_index: int
+) -> None:
+    """Raise the first problem `found` (`_any_rows` of `masks`) in the order of `PROBLEMS`: a negative target
+    (E208), kept offsets that do not rise from 0 to len(ids) (E513, a usage error), a target no head row holds
+    (E208), a target outside its non-empty kept set (E221); the message names the first such token."""
+    for name, code, message, hint in PROBLEMS:
+        mask = masks.get(name)
+        if not found.get(name) or mask is None:
+            continue
+        if hint is None:
+            raise UsageError(code, message)
+        row = int(mask.nonzero()[0, 0]) if mask.dim() else 0
+        text = message.format(target=int(targets[row]), row=row, ignore_index=ignore_index)
+        raise InvalidInputError(code, text, hint)
+
+
+def _kept_offsets_wrong(kept: KeptSet, targets: torch.Tensor) -> torch.Tensor:
+    """() bool tensor (no host sync): the offsets do not rise from 0 to len(ids). UsageError E513 at once when the
+    kept sets' shapes do not describe the N target tokens."""
     offsets = kept.offsets
     if offsets.dim() != 1 or offsets.shape[0] != targets.shape[0] + 1 or kept.ids.dim() != 1:
         raise UsageError(
@@ -250,9 +303,8 @@ def _check_kept(kept: KeptSet, targets: torch.Tensor) -> None:
             f"lm_head_logprobs: kept offsets {tuple(offsets.shape)} for {targets.shape[0]} tokens "
             f"(expected ({targets.shape[0] + 1},)), ids {tuple(kept.ids.shape)}",
         )
-    bad = (offsets[0] != 0) | (offsets[-1] != kept.ids.shape[0]) | (offsets[1:] < offsets[:-1]).any()
-    if bool(bad):  # one host sync for the three conditions
-        raise UsageError(Code.BAD_TENSORS, "lm_head_logprobs: kept offsets must rise from 0 to len(ids)")
+    offsets = offsets.to(targets.device)
+    return (offsets[0] != 0) | (offsets[-1] != kept.ids.shape[0]) | (offsets[1:] < offsets[:-1]).any()
 
 
 def _check_arguments(

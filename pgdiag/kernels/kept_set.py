@@ -136,7 +136,7 @@ def to_int32_words(words: torch.Tensor) -> torch.Tensor:
 def or_bits_torch(n_words: int, word_index: torch.Tensor, bit: torch.Tensor) -> torch.Tensor:
     """(n_words,) int32 with bit `bit[e]` of word `word_index[e]` set for every element e: the plain-torch OR
     (duplicates removed by `torch.unique`, then distinct bits summed, which is their OR). The reference of
-    `kept_set_triton.or_bits_triton`."""
+    `kept_set_triton.csr_words_triton`, which packs the same words a row at a time."""
     flat = torch.unique(word_index * WORD_BITS + bit)
     sums = torch.zeros(n_words, dtype=torch.int64, device=word_index.device)
     sums.index_add_(0, flat // WORD_BITS, torch.bitwise_left_shift(torch.ones_like(flat), flat % WORD_BITS))
@@ -168,33 +168,54 @@ def bitmask_words(bitmasks: torch.Tensor, vocab_start: int, vocab_local: int) ->
     return to_int32_words(local)
 
 
+def chunk_bounds(kept: KeptSet, start: int, stop: int) -> tuple[int, int]:
+    """The CSR element range [lo, hi) of tokens [start, stop), within [0, len(ids)] whatever the offsets hold
+    (`lm_head_logprobs` checks them after the head pass). The ends of the whole set are known on the host; an
+    inner boundary costs one host sync."""
+    n_elements = int(kept.ids.shape[0])
+    lo = 0 if start == 0 else int(kept.offsets[start])
+    hi = n_elements if stop == kept.n_tokens else int(kept.offsets[stop])
+    lo = min(max(lo, 0), n_elements)
+    return lo, min(max(hi, lo), n_elements)
+
+
+def csr_words_torch(
+    kept: KeptSet, start: int, stop: int, *, vocab_start: int, vocab_local: int
+) -> torch.Tensor:
+    """(stop - start, W) int32 words of the CSR sets of tokens [start, stop): each element's token found by a
+    search (offsets that do not rise cannot push it out of bounds), its bit OR-ed in by `or_bits_torch`."""
+    n_rows = stop - start
+    n_words = -(-vocab_local // WORD_BITS)
+    lo, hi = chunk_bounds(kept, start, stop)
+    local = kept.ids[lo:hi] - vocab_start  # (E_c,)
+    ends = kept.offsets[start + 1 : stop + 1]  # (C,) each token's end in the CSR elements
+    element = torch.arange(lo, hi, device=kept.ids.device, dtype=ends.dtype)  # (E_c,)
+    row = torch.searchsorted(ends, element, right=True).clamp_(
+        max=max(n_rows - 1, 0)
+    )  # (E_c,) token in chunk
+    inside = (local >= 0) & (local < vocab_local)
+    spare = n_rows * n_words  # ids outside the shard set a bit of one spare word past the end, cut off below
+    word_index = torch.where(inside, row * n_words + local // WORD_BITS, spare)
+    bit = torch.where(inside, local % WORD_BITS, 0)
+    return or_bits_torch(spare + 1, word_index, bit)[:spare].view(n_rows, n_words)
+
+
 def kept_words(
     kept: KeptSet, start: int, stop: int, *, vocab_start: int, vocab_local: int, impl: str
 ) -> torch.Tensor:
     """(stop - start, W) int32 packed kept sets of tokens [start, stop) over this vocab shard, W =
     ceil(V_local / 32); ids outside the shard are left out, a token without a set is all zeros. `impl`
-    "triton" ORs the CSR ids in with the Triton kernel, "torch" with `or_bits_torch`."""
-    n_rows = stop - start
-    n_words = -(-vocab_local // WORD_BITS)
-    device = kept.ids.device
-    lo, hi = kept.offsets[[start, stop]].tolist()  # one host sync; none below on the CSR path
-    local = kept.ids[lo:hi] - vocab_start  # (E_c,)
-    row = torch.repeat_interleave(
-        torch.arange(n_rows, device=device),
-        kept.offsets[start + 1 : stop + 1] - kept.offsets[start:stop],
-        output_size=hi - lo,
-    )  # (E_c,) the element's token within the chunk
-    inside = (local >= 0) & (local < vocab_local)
-    spare = n_rows * n_words  # ids outside the shard set a bit of one spare word past the end, cut off below
-    word_index = torch.where(inside, row * n_words + local // WORD_BITS, spare)
-    bit = torch.where(inside, local % WORD_BITS, 0)
+    "triton" packs the CSR ids with one Triton kernel (`kept_set_triton.csr_words_triton`), "torch" with the
+    tensor ops below (its reference). Neither reads out of bounds when the offsets do not rise from 0 to len(ids)
+    (`lm_head_logprobs` reports that after the head pass)."""
     if impl == "triton":
-        from pgdiag.kernels.kept_set_triton import or_bits_triton
+        from pgdiag.kernels.kept_set_triton import csr_words_triton
 
-        words = or_bits_triton(spare + 1, word_index, bit, device)
+        words = csr_words_triton(
+            kept.ids, kept.offsets, start, stop, vocab_start=vocab_start, vocab_local=vocab_local
+        )
     else:
-        words = or_bits_torch(spare + 1, word_index, bit)
-    words = words[:spare].view(n_rows, n_words)
+        words = csr_words_torch(kept, start, stop, vocab_start=vocab_start, vocab_local=vocab_local)
     if kept.bitmask_tokens is not None and kept.bitmasks is not None:
         chosen = ((kept.bitmask_tokens >= start) & (kept.bitmask_tokens < stop)).nonzero()[:, 0]
         for first in range(0, chosen.shape[0], BITMASK_ROWS):  # its int64 temporaries: 5 x 8 B a word a row
@@ -216,7 +237,6 @@ def target_in_words(words: torch.Tensor, local_targets: torch.Tensor) -> torch.T
 
 def kept_head_partials(
     partials_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    exact_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     hidden: torch.Tensor,
     local_targets: torch.Tensor,
     kept: KeptSet,
@@ -224,16 +244,18 @@ def kept_head_partials(
     vocab_start: int,
     vocab_local: int,
     impl: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The merged (4, N) full and (4, N) kept partials of this shard, one head pass a chunk of tokens.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The merged (4, N) full and (4, N) kept partials of this shard, one head pass a chunk of tokens, and the
+    (N,) bool rows whose kept sums underflowed; no host sync.
 
     `partials_fn(hidden_chunk, local_targets_chunk, words)` is the head (`lm_head_partials` of the torch
     reference or Triton) returning (S, 8, C): rows 0-3 the full vocabulary, 4-7 K. The kept target logit is
     the head's target logit where its bit is set. The Triton heads sum K's exponentials centred on the full
-    maximum: a row whose kept ids all lie more than ~87 nats below it underflows to a zero sum, and is scored
-    again by `exact_fn` (the torch reference, K's own maximum): such a row is rare (the engine sampled from K)."""
+    maximum: a row whose kept ids all lie more than ~87 nats below it underflows to a zero sum. Such a row is
+    rare (the engine sampled from K); the caller reads the flags once, after every head pass is queued, and
+    hands the rows to `rescore_underflow`."""
     n_tokens = hidden.shape[0]
-    full_parts, kept_parts = [], []
+    full_parts, kept_parts, underflow_parts = [], [], []
     chunk = kept_chunk(n_tokens, vocab_local)
     for start in range(0, n_tokens, chunk):
         stop = min(start + chunk, n_tokens)
@@ -242,18 +264,41 @@ def kept_head_partials(
         partials = partials_fn(hidden[start:stop], targets, words)  # (S, 8, C)
         full = merge_partials(partials[:, :PARTIAL_ROWS])
         masked = merge_partials(partials[:, PARTIAL_ROWS:])
-        underflow = words.any(dim=1) & (masked[1] == 0)  # (C,) bits here, yet no mass
-        if bool(underflow.any()):
-            rows = underflow.nonzero()[:, 0]
-            exact = exact_fn(hidden[start:stop][rows], targets[rows], words[rows])  # (1, 8, R)
-            masked[:, rows] = merge_partials(exact[:, PARTIAL_ROWS:])
+        underflow_parts.append(words.any(dim=1) & (masked[1] == 0))  # (C,) bits here, yet no mass
         masked[3] = torch.where(target_in_words(words, targets), full[3], float("-inf"))
         full_parts.append(full)
         kept_parts.append(masked)
     if not full_parts:
         empty = torch.zeros(PARTIAL_ROWS, 0, dtype=torch.float32, device=hidden.device)
-        return empty, empty.clone()
-    return torch.cat(full_parts, dim=1), torch.cat(kept_parts, dim=1)
+        return empty, empty.clone(), torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    return torch.cat(full_parts, dim=1), torch.cat(kept_parts, dim=1), torch.cat(underflow_parts)
+
+
+def rescore_underflow(
+    exact_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    local_targets: torch.Tensor,
+    kept: KeptSet,
+    kept_partials: torch.Tensor,
+    underflow: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_local: int,
+    impl: str,
+) -> None:
+    """Score the `underflow` (N,) rows' kept sets again with `exact_fn` (the torch reference: K's own maximum)
+    and write their max, sum and centred sum into `kept_partials` (4, N) in place (the target logit, row 3,
+    stays the head's). The words are rebuilt for the chunks that hold such rows."""
+    chunk = kept_chunk(hidden.shape[0], vocab_local)
+    rows = underflow.nonzero()[:, 0]  # (R,) ascending
+    for start in range(0, hidden.shape[0], chunk):
+        stop = min(start + chunk, hidden.shape[0])
+        here = rows[(rows >= start) & (rows < stop)]
+        if here.shape[0] == 0:
+            continue
+        words = kept_words(kept, start, stop, vocab_start=vocab_start, vocab_local=vocab_local, impl=impl)
+        exact = exact_fn(hidden[here], local_targets[here], words[here - start])  # (1, 8, R_c)
+        kept_partials[:3, here] = merge_partials(exact[:, PARTIAL_ROWS:])[:3]
 
 
 def kept_logits(
@@ -375,6 +420,7 @@ __all__ = [
     "KeptScores",
     "KeptSet",
     "bitmask_words",
+    "csr_words_torch",
     "engine_dot",
     "finish_kept",
     "kept_head_partials",
@@ -382,5 +428,6 @@ __all__ = [
     "kept_logits",
     "kept_words",
     "or_bits_torch",
+    "rescore_underflow",
     "target_in_words",
 ]

@@ -1,9 +1,12 @@
-"""Triton helpers of the kept-set head: the atomic OR that packs CSR kept ids into bitmask words, and the
+"""Triton helpers of the kept-set head: the kernel that packs CSR kept ids into bitmask words, and the
 gather-dot of the engine-log-prob term.
 
-`or_bits_triton`: sets bit ``bit[e]`` of word ``word_index[e]`` of an (n_words,) int32 buffer for every element
-e with `tl.atomic_or` (duplicate ids are harmless); the plain-torch reference is `kept_set.or_bits_torch`. It
-builds the (C, V_local / 32) words that the head kernels read (`kept_set.kept_words`).
+`csr_words_triton`: the (C, ceil(V_local / 32)) int32 words of tokens [start, start + C) that the head kernels
+read (`kept_set.kept_words`, whose torch path is the reference). One program a token reads its offsets, walks its
+CSR range in blocks and sets each id's bit in its own row with `tl.atomic_or` (duplicate ids are harmless; ids
+outside the shard are left out). One launch instead of the dozen tensor ops of the torch path, whose launches
+left the GPU waiting on the host before the head. A range that falls or leaves [0, len(ids)] (offsets that
+`lm_head_logprobs` reports after the head) is clipped, never read out of bounds.
 
 `kept_logits_triton`: the (E,) fp32 kept logits of `kept_set.kept_logits` (the plain-torch reference beside
 it), z_e = (hidden[token_e] . weight[row_e]) / temperature, -inf where row_e is -1 (the id is in another TP
@@ -25,33 +28,48 @@ from pgdiag.kernels.lm_head_logprobs_ref import head_operands
 
 BLOCK_E = 32
 BLOCK_K = 64
-OR_BLOCK = 1024
+CSR_BLOCK = 64  # kept ids a program reads at once (|K| <= 64 in one step)
 
 
 @triton.jit
-def _or_bits_kernel(
-    words_ptr,  # (n_words,) int32, OUT (OR-ed into)
-    word_ptr,  # (E,) int64 READ-ONLY: the word of each element
-    bit_ptr,  # (E,) int64 READ-ONLY: the bit of each element, in [0, 32)
-    n_elements,
+def _csr_words_kernel(
+    words_ptr,  # (C, W) int32, zeroed, OUT (OR-ed into)
+    ids_ptr,  # (E,) int64 READ-ONLY: global kept ids, CSR
+    offsets_ptr,  # (N + 1,) int64 READ-ONLY
+    start,  # the chunk's first token
+    n_elements,  # E
+    vocab_start,
+    vocab_local,
+    n_words,  # W
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n_elements
-    word = tl.load(word_ptr + offs, mask=ok, other=0)
-    bit = tl.load(bit_ptr + offs, mask=ok, other=0).to(tl.int32)
-    tl.atomic_or(words_ptr + word, tl.full([BLOCK], 1, tl.int32) << bit, mask=ok)
+    row = tl.program_id(0)
+    token = start + row
+    lo = tl.load(offsets_ptr + token)
+    hi = tl.load(offsets_ptr + token + 1)
+    lo = tl.minimum(tl.maximum(lo, 0), n_elements)
+    hi = tl.minimum(tl.maximum(hi, lo), n_elements)
+    row_words = words_ptr + row.to(tl.int64) * n_words
+    for first in range(lo, hi, BLOCK):
+        offs = first + tl.arange(0, BLOCK)
+        ok = offs < hi
+        local = tl.load(ids_ptr + offs, mask=ok, other=-1) - vocab_start
+        inside = ok & (local >= 0) & (local < vocab_local)
+        local = tl.where(inside, local, 0)
+        bit = (local % 32).to(tl.int32)
+        tl.atomic_or(row_words + local // 32, tl.full([BLOCK], 1, tl.int32) << bit, mask=inside)
 
 
-def or_bits_triton(
-    n_words: int, word_index: torch.Tensor, bit: torch.Tensor, device: torch.device
+def csr_words_triton(
+    ids: torch.Tensor, offsets: torch.Tensor, start: int, stop: int, *, vocab_start: int, vocab_local: int
 ) -> torch.Tensor:
-    """(n_words,) int32 with bit `bit[e]` of word `word_index[e]` set (the contract of `kept_set.or_bits_torch`)."""
-    words = torch.zeros(n_words, dtype=torch.int32, device=device)
-    n_elements = int(word_index.shape[0])
-    if n_elements:
-        _or_bits_kernel[(triton.cdiv(n_elements, OR_BLOCK),)](
-            words, word_index.long().contiguous(), bit.long().contiguous(), n_elements, BLOCK=OR_BLOCK
+    """(stop - start, ceil(vocab_local / 32)) int32 words of the CSR sets of tokens [start, stop) over the shard
+    [vocab_start, vocab_start + vocab_local) (the contract of `kept_set.kept_words` for CSR ids)."""
+    n_rows, n_words = stop - start, -(-vocab_local // 32)
+    words = torch.zeros(n_rows, n_words, dtype=torch.int32, device=ids.device)
+    if n_rows and n_words and ids.shape[0]:
+        _csr_words_kernel[(n_rows,)](
+            words, ids, offsets, start, ids.shape[0], vocab_start, vocab_local, n_words, BLOCK=CSR_BLOCK
         )
     return words
 

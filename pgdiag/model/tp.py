@@ -2,7 +2,8 @@
 
 What: the shard plan (a table from HF parameter-name patterns to how the parameter is split), the per-rank
 sizes for a TP degree (`TPLayout`, all ``local_`` prefixed; global sizes never change), the slice of a tensor
-that a rank reads, and `all_reduce_sum`, the one collective the model calls (twice per layer).
+that a rank reads, and `all_reduce_sum`, the one collective the plain layer calls (twice per layer; the overlapped
+dense layer sums the same partials through `pgdiag.model.tp_sums`, by NCCL or, at TP = 2 on CUDA, by copy engine).
 
 Why: the model stays single-GPU code with HF names (gpt-fast ``tp.py``, torchtitan ``apply_tp``); the loader
 uses this plan to read only its slices from safetensors, so no rank ever holds the full model. The LM head is

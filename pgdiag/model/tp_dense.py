@@ -2,7 +2,8 @@
 
 What: two forms of `DecoderLayer.forward` for a dense layer at TP > 1, same math per token as the plain form:
 - `dense_overlapped`: the residual stream is whole on every rank; everything after attention (o_proj, residual,
-  norm, MLP) runs in token chunks, each chunk's all-reduce in flight while the next chunk computes;
+  norm, MLP) runs in token chunks, each chunk's sum over the ranks in flight while the next chunk computes (an
+  NCCL all-reduce, or at TP = 2 on CUDA copy-engine pushes: `pgdiag.model.tp_sums`);
 - `dense_sequence_parallel`: the residual stream is sharded over tokens (`pgdiag.model.tp.TokenShards`): the
   norms and residual adds run on this rank's rows only, a span's normed rows are all-gathered before q/k/v and
   gate/up (each span's projections start as soon as its rows arrive, while later spans are still on the wire), and
@@ -12,8 +13,8 @@ Why: at TP = 2 the all-reduces alone cost about 6 % of a pass if exposed; the ov
 but every rank still runs the norms, residual adds and their copies on all N tokens. Sequence parallelism cuts that
 replicated memory-bound work by the TP degree for the same bytes on the wire (docs/benchmarks.md, issue 26).
 
-How: the collectives are the explicit calls of `pgdiag.model.tp` (`all_reduce_sum`'s async form, `all_gather_rows`,
-`reduce_scatter_rows`); in 16-bit the matmul library may pick another kernel for a chunk's row count, so rounding
+How: the collectives are explicit calls: `pgdiag.model.tp_sums` (`start`, `finish`) in the overlapped form,
+`pgdiag.model.tp`'s `all_gather_rows` and `reduce_scatter_rows` in the sequence-parallel one; in 16-bit the matmul library may pick another kernel for a chunk's row count, so rounding
 can differ from the unchunked form by the bf16 reduction-order size (docs/recompute.md).
 """
 
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 from pgdiag.model.tp import TokenShards, all_gather_rows, reduce_scatter_rows
 
 if TYPE_CHECKING:
+    from pgdiag.model.tp_sums import NcclSums, PeerCopySums
     from pgdiag.model.transformer import DecoderLayer, LayerInputs
 
 
@@ -47,37 +49,30 @@ def _linear_into(out: Tensor, x: Tensor, proj: nn.Linear) -> None:
 
 
 def dense_overlapped(
-    layer: DecoderLayer, x: Tensor, shared: LayerInputs, group: dist.ProcessGroup, n_chunks: int
+    layer: DecoderLayer, x: Tensor, shared: LayerInputs, sums: NcclSums | PeerCopySums, n_chunks: int
 ) -> Tensor:
     """The dense layer with its two all-reduces overlapped with compute; x (N, H) whole on every rank.
 
     Everything after attention (o_proj, residual, norm, MLP) is token-wise, so it runs in `n_chunks` token
-    chunks: the o_proj partial sums of all chunks are launched, each with an asynchronous all-reduce; then chunk c
-    waits for its sum and runs its MLP while the sums of chunks c+1.. are still on the wire, and its down_proj
-    all-reduce runs while chunk c+1 computes."""
+    chunks: the o_proj partial sums of all chunks are launched, each summed over the ranks asynchronously
+    (`sums`: NCCL, or the copy engines for two GPUs, `pgdiag.model.tp_sums`); then chunk c waits for its sum and
+    runs its MLP while the sums of chunks c+1.. are still on the wire, and its down_proj sum runs while chunk c+1
+    computes."""
     attn, mlp = layer.self_attn, getattr(layer, layer.ffn_name)
     core = attn.core(layer.input_layernorm(x), shared)  # (N, Hq_local * D)
     edges = [x.shape[0] * c // n_chunks for c in range(n_chunks + 1)]  # near-equal token chunks
     spans = [(start, stop) for start, stop in pairwise(edges) if stop > start]
-    o_parts, o_waits = [], []
-    for start, stop in spans:
-        part = F.linear(core[start:stop], attn.o_proj.weight)  # (n_c, H) partial over this rank's heads
-        o_waits.append(dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group, async_op=True))
-        o_parts.append(part)
-    residuals, d_parts, d_waits = [], [], []
-    for (start, stop), part, pending in zip(spans, o_parts, o_waits, strict=True):
-        pending.wait()
-        mid = x[start:stop] + _bias(part, attn.o_proj)  # (n_c, H)
+    out = torch.empty_like(x)  # (N, H)
+    o_pending = [sums.start(F.linear(core[a:b], attn.o_proj.weight)) for a, b in spans]  # (n_c, H) partials
+    residuals, d_pending = [], []
+    for (start, stop), pending in zip(spans, o_pending, strict=True):
+        mid = sums.finish(pending, x[start:stop], attn.o_proj.bias)  # (n_c, H)
         normed = layer.post_attention_layernorm(mid)
         inner = mlp.ops.swiglu(mlp.gate_proj(normed), mlp.up_proj(normed))  # (n_c, I_local)
-        down = F.linear(inner, mlp.down_proj.weight)  # (n_c, H) partial
-        d_waits.append(dist.all_reduce(down, op=dist.ReduceOp.SUM, group=group, async_op=True))
-        d_parts.append(down)
+        d_pending.append(sums.start(F.linear(inner, mlp.down_proj.weight)))  # (n_c, H) partial
         residuals.append(mid)
-    out = torch.empty_like(x)  # (N, H)
-    for (start, stop), mid, down, pending in zip(spans, residuals, d_parts, d_waits, strict=True):
-        pending.wait()
-        torch.add(mid, _bias(down, mlp.down_proj), out=out[start:stop])  # one pass, no temporary
+    for (start, stop), mid, pending in zip(spans, residuals, d_pending, strict=True):
+        sums.finish(pending, mid, mlp.down_proj.bias, out=out[start:stop])  # one pass, no temporary
     return out
 
 

@@ -40,12 +40,17 @@ from pgdiag.model.moe import MoeBlock, moe_combine
 from pgdiag.model.rope import rope_inv_freq
 from pgdiag.model.tp import TPLayout, all_reduce_sum, token_shards
 from pgdiag.model.tp_dense import dense_overlapped, dense_sequence_parallel, gather_tokens
+from pgdiag.model.tp_sums import NcclSums, PeerCopySums, overlap_sums
 
 TP_OVERLAP_CHUNKS = 4  # token chunks of a dense layer whose all-reduces overlap compute under TP (1 = off)
 TP_OVERLAP_MIN_TOKENS = 1024  # fewer tokens a chunk: not worth it, the layer runs unchunked
 # dense models under TP: sequence parallelism in the same token chunks; off: 2.5 % slower than the overlapped
 # all-reduces at TP 2 on two H200s (docs/benchmarks.md, issue 26)
 TP_SEQUENCE_PARALLEL = False
+# how the overlapped dense layers sum their partials under TP: "peer_copy" (TP = 2 on CUDA: copy-engine pushes into
+# symmetric memory, `pgdiag.model.tp_sums.PeerCopySums`, 3.3 % faster at TP 2 on two H200s than NCCL and bit for bit
+# the same; NCCL elsewhere or where symmetric memory fails) or "nccl" (all-reduce)
+TP_REDUCE = "peer_copy"
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -111,6 +116,7 @@ class LayerInputs:
     docs: PackedDocs
     backend: str  # attention backend, resolved by the loader
     group: dist.ProcessGroup | None
+    sums: NcclSums | PeerCopySums | None = None  # TP > 1, overlapped dense layers: how partials are summed
 
 
 class RMSNorm(nn.Module):
@@ -228,8 +234,8 @@ class DecoderLayer(nn.Module):
         `overlap_chunks` > 1 (a dense layer under TP): the token-wise part after attention runs in that many
         token chunks, each chunk's all-reduce in flight while the next chunk computes (`tp_dense.dense_overlapped`)."""
         group = shared.group
-        if not self.sparse and overlap_chunks > 1 and group is not None and dist.get_world_size(group) > 1:
-            return dense_overlapped(self, x, shared, group, overlap_chunks), None
+        if not self.sparse and overlap_chunks > 1 and shared.sums is not None:
+            return dense_overlapped(self, x, shared, shared.sums, overlap_chunks), None
         x = x + self.self_attn(self.input_layernorm(x), shared)
         ffn = getattr(self, self.ffn_name)
         if not self.sparse:
@@ -304,6 +310,9 @@ class CausalLM(nn.Module):
         self.tp_overlap_min_tokens = TP_OVERLAP_MIN_TOKENS
         # TP > 1, dense models: the residual stream, norms and residual adds on a token shard (`pgdiag.model.tp_dense`)
         self.tp_sequence_parallel = TP_SEQUENCE_PARALLEL
+        self.tp_reduce = TP_REDUCE
+        self._peer_sums: PeerCopySums | None = None  # built on first use, collectively (symmetric memory)
+        self._peer_sums_failed = False  # symmetric memory refused once: NCCL from then on
 
     @property
     def vocab_start(self) -> int:
@@ -370,12 +379,14 @@ class CausalLM(nn.Module):
         freqs = position_ids.float()[:, None] * self.inv_freq[None, :]  # (N, D/2) fp32
         angles = torch.cat((freqs, freqs), dim=-1)  # (N, D)
         dtype = self.body_dtype
+        overlapped = chunks > 1 and shards is None and self.layout.tp_size > 1
         shared = LayerInputs(
             cos=(angles.cos() * self.rope_scale).to(dtype),
             sin=(angles.sin() * self.rope_scale).to(dtype),
             docs=docs,
             backend=self.attention_backend,
             group=self.tp_group,
+            sums=overlap_sums(self, -(-n // chunks), device) if overlapped else None,
         )
         moe = self.config.moe
         if replay_experts is not None:

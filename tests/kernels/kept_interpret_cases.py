@@ -15,10 +15,10 @@ import triton
 from kept_cases import edge_kept_case, kept_case, kept_reference, with_bitmask_rows
 from test_kept_set import check_tp2_against_one_rank
 
-from pgdiag.kernels import lm_head_logprobs
+from pgdiag.kernels import kept_set, lm_head_logprobs
 from pgdiag.kernels import lm_head_logprobs_ref as reference
-from pgdiag.kernels.kept_set import KeptSet, kept_logits, kept_words, or_bits_torch
-from pgdiag.kernels.kept_set_triton import kept_logits_triton, or_bits_triton
+from pgdiag.kernels.kept_set import KeptSet, csr_words_torch, kept_logits, kept_words
+from pgdiag.kernels.kept_set_triton import csr_words_triton, kept_logits_triton
 from pgdiag.kernels.lm_head_logprobs_triton import head_mode_for, lm_head_partials
 from pgdiag.kernels.triton_shared import TritonTiles
 from pgdiag.kernels.vocab_parallel import merge_partials
@@ -30,11 +30,34 @@ def test_interpreter_is_on() -> None:
     assert triton.knobs.runtime.interpret
 
 
-def test_or_bits_equals_the_torch_reference() -> None:
+@pytest.mark.parametrize("start, stop", [(0, 40), (7, 33)])
+def test_csr_words_equal_the_torch_reference(start: int, stop: int) -> None:
+    """The row-parallel Triton packing against the search-and-OR of the torch path, over the shard [45, 145) of
+    V = 200 (it starts mid-word): sets of 0 to 150 ids (more than one block of a program), duplicates, ids of
+    other shards, bit 31 of a word, a chunk of inner tokens."""
     gen = torch.Generator().manual_seed(1)
-    word = torch.randint(0, 50, (3000,), generator=gen)  # many duplicates, bit 31 included
-    bit = torch.randint(0, 32, (3000,), generator=gen)
-    assert torch.equal(or_bits_triton(50, word, bit, torch.device("cpu")), or_bits_torch(50, word, bit))
+    sizes = torch.randint(0, 151, (40,), generator=gen)
+    sizes[3], sizes[9] = 0, 150
+    offsets = torch.zeros(41, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(sizes, 0)
+    ids = torch.randint(0, 200, (int(offsets[-1]),), generator=gen)
+    ids[int(offsets[5])] = 45 + 31  # bit 31 of the shard's first word
+    kept = KeptSet(ids, offsets)
+    shard = {"vocab_start": 45, "vocab_local": 100}
+    got = csr_words_triton(ids, offsets, start, stop, **shard)
+    assert torch.equal(got, csr_words_torch(kept, start, stop, **shard))
+    assert torch.equal(got, kept_words(kept, start, stop, impl="triton", **shard))
+    assert int(got[5 - start, 0]) < 0 if start <= 5 < stop else True  # the sign bit is bit 31
+
+
+def test_csr_words_of_offsets_that_fall_stay_in_bounds() -> None:
+    """Offsets that fall or run past len(ids) (reported by `lm_head_logprobs` only after the head): each range is
+    clipped to [its start, len(ids)], a falling one is empty, so no access leaves the ids."""
+    ids = torch.arange(10)
+    offsets = torch.tensor([0, 6, 2, 14, 10])
+    words = csr_words_triton(ids, offsets, 0, 4, vocab_start=0, vocab_local=10)
+    assert words.shape == (4, 1)
+    assert int(words[0, 0]) == 0b111111 and int(words[1, 0]) == 0 and int(words[2, 0]) == 0b1111111100
 
 
 def _stats(merged: torch.Tensor) -> torch.Tensor:
@@ -189,25 +212,35 @@ def test_reconstruct_with_the_triton_pass_equals_the_sort_reference(
     assert torch.equal(rebuilt.sizes(), torch.bincount(rows, minlength=n))
 
 
-def test_kept_sets_far_below_the_maximum_are_scored_exactly() -> None:
+@pytest.mark.parametrize("n_tokens, budget", [(24, None), (600, 8 * 256)])
+def test_kept_sets_far_below_the_maximum_are_scored_exactly(
+    monkeypatch: pytest.MonkeyPatch, n_tokens: int, budget: int | None
+) -> None:
     """At T = 0.05 the one-token sets of unlikely targets lie hundreds of nats below the row's maximum: the kernel's
     K sums (centred on the full maximum) underflow to 0 there, and those rows are scored again by the reference
-    (K's own maximum): the same numbers as the torch head, a one-token set exactly 0.0."""
-    kc = kept_case(24, 32, 61, seed=4)
-    ones = [n for n in range(24) if int(kc.kept.sizes()[n]) > 0][:10]
+    (K's own maximum): the same numbers as the torch head, a one-token set exactly 0.0. With a words budget of
+    8 bytes x 256 rows the 600 tokens run in three chunks (256, 256, 88 rows), and the underflowing rows of every
+    chunk are re-scored after the one check that follows all the head passes."""
+    if budget is not None:
+        monkeypatch.setattr(kept_set, "KEPT_WORDS_BUDGET_BYTES", budget)
+        assert kept_set.kept_chunk(n_tokens, 61) == 256
+    kc = kept_case(n_tokens, 32, 61, seed=4)
+    ones = [n for n in range(n_tokens) if int(kc.kept.sizes()[n]) > 0][:: max(1, n_tokens // 40)][:40]
     ids = torch.cat([kc.kept.ids[int(kc.kept.offsets[n]) : int(kc.kept.offsets[n + 1])][:1] for n in ones])
-    sizes = torch.zeros(24, dtype=torch.int64)
+    sizes = torch.zeros(n_tokens, dtype=torch.int64)
     sizes[ones] = 1  # each of these tokens keeps its target alone (the first id of its set)
-    offsets = torch.zeros(25, dtype=torch.int64)
+    offsets = torch.zeros(n_tokens + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(sizes, 0)
     kept = KeptSet(ids, offsets)
-    words = kept_words(kept, 0, 24, vocab_start=0, vocab_local=61, impl="triton")
+    words = kept_words(kept, 0, n_tokens, vocab_start=0, vocab_local=61, impl="triton")
     local = torch.where(kc.case.targets < 0, -1, kc.case.targets)
     raw = lm_head_partials(
         kc.case.hidden, kc.case.weight, local, temperature=0.05, head_dtype="fp32", kept_words=words
     )
-    underflowed = merge_partials(raw[:, 4:])[1][ones] == 0
-    assert int(underflowed.sum()) >= 3  # the case exercises the fallback
+    underflowed = torch.tensor(ones)[merge_partials(raw[:, 4:])[1][ones] == 0]
+    assert int(underflowed.shape[0]) >= 3  # the case exercises the fallback
+    if budget is not None:  # in every chunk
+        assert set((underflowed // 256).tolist()) == {0, 1, 2}
     args = (kc.case.hidden, kc.case.weight, kc.case.targets)
     got = lm_head_logprobs(*args, temperature=0.05, head_dtype="fp32", impl="triton", kept=kept)
     want = lm_head_logprobs(*args, temperature=0.05, head_dtype="fp32", impl="torch", kept=kept)

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from kept_cases import edge_kept_case, kept_case, kept_reference, with_bitmask_rows
 from lm_head_cases import IGNORE
 
-from pgdiag.errors import InvalidInputError
+from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.kernels import kept_set, kept_threshold, lm_head_logprobs
 from pgdiag.kernels.kept_reconstruct import (
     keep_mask_sglang,
@@ -79,6 +79,35 @@ def test_target_outside_its_set_is_e221() -> None:
     with pytest.raises(InvalidInputError) as raised:
         lm_head_logprobs(kc.case.hidden, kc.case.weight, kc.case.targets, kept=KeptSet(ids, kc.kept.offsets))
     assert raised.value.code == "E221" and "token 2" in raised.value.message
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        lambda offsets: offsets + 1,  # does not start at 0
+        lambda offsets: torch.cat([offsets[:-1], offsets[-1:] - 1]),  # does not end at len(ids)
+        lambda offsets: torch.cat([offsets[:2], offsets[3:4], offsets[2:3], offsets[4:]]),  # falls
+    ],
+    ids=["start", "end", "falls"],
+)
+def test_kept_offsets_that_do_not_rise_from_0_to_len_ids_are_e513(broken) -> None:
+    kc = kept_case(8, 16, 40, seed=2)
+    assert int(kc.kept.sizes()[2]) > 0  # swapping offsets 2 and 3 makes token 2's range fall
+    bad = KeptSet(kc.kept.ids, broken(kc.kept.offsets))
+    with pytest.raises(UsageError) as raised:
+        lm_head_logprobs(kc.case.hidden, kc.case.weight, kc.case.targets, kept=bad)
+    assert raised.value.code == "E513" and "rise from 0 to len(ids)" in raised.value.message
+
+
+def test_a_negative_target_is_reported_before_the_kept_offsets() -> None:
+    kc = kept_case(8, 16, 40, seed=2)
+    targets = kc.case.targets.clone()
+    targets[5] = -7
+    with pytest.raises(InvalidInputError) as raised:
+        lm_head_logprobs(
+            kc.case.hidden, kc.case.weight, targets, kept=KeptSet(kc.kept.ids, kc.kept.offsets + 1)
+        )
+    assert raised.value.code == "E208" and "token 5" in raised.value.message
 
 
 def _free_port() -> int:
@@ -267,11 +296,11 @@ def test_an_empty_shard_scores_no_kept_id() -> None:
     def head(hidden: torch.Tensor, targets: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
         return lm_head_partials(hidden, empty, targets, temperature=1.0, head_dtype="fp32", kept_words=words)
 
-    full, masked = kept_set.kept_head_partials(
-        head, head, kc.case.hidden, torch.full((6,), -1), kc.kept, vocab_start=20, vocab_local=0, impl="torch"
+    full, masked, underflow = kept_set.kept_head_partials(
+        head, kc.case.hidden, torch.full((6,), -1), kc.kept, vocab_start=20, vocab_local=0, impl="torch"
     )
     assert masked.shape == (4, 6) and bool((masked[1] == 0).all()) and bool(torch.isinf(masked[3]).all())
-    assert bool((full[1] == 0).all())
+    assert bool((full[1] == 0).all()) and not bool(underflow.any())  # no word, so nothing underflowed
 
 
 def test_token_chunks_give_the_one_chunk_numbers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -155,3 +155,22 @@ def test_moe_combine_kernel_equals_the_ordered_sum(
     torch.testing.assert_close(
         got.double(), reference.double(), rtol=2**-10 if dtype == torch.float16 else 1e-6, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(1, 5), (3, 1000), (5, 2048)], ids=str)
+def test_residual_add_kernel_equals_the_reference(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    """The TP = 2 residual add x + (p + q) (element counts below, at and across the kernel's block): bit for bit
+    the plain-torch reference (two eager adds, each rounded), also written into a row range of a larger tensor."""
+    from pgdiag.model.residual_add_triton import residual_add_triton
+    from pgdiag.model.tp_sums import residual_add_reference
+
+    gen = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    x, p, q = ((torch.randn(*shape, generator=gen) * 100).to(dtype) for _ in range(3))
+    want = residual_add_reference(x, p, q)
+    assert torch.equal(want, x + (p + q))
+    assert torch.equal(residual_add_triton(x, p, q), want)
+    big = torch.zeros(shape[0] + 2, shape[1], dtype=dtype)
+    residual_add_triton(x, p, q, out=big[1 : 1 + shape[0]])
+    assert torch.equal(big[1 : 1 + shape[0]], want)
+    assert not big[0].any() and not big[-1].any()
