@@ -53,8 +53,9 @@ def parse_dtype(name: str, option: str) -> torch.dtype:
 class LoadOptions(TypedDict, total=False):
     """The keyword options of `load_model` and `load_from_source` (defaults: `load_from_source`'s signature).
 
-    `attention`: "auto", "sdpa" or "varlen" (`pgdiag.model.attention`); `fuse_pointwise`: fuse RMSNorm, RoPE
-    and SwiGLU with `torch.compile` (a one-time compile; worth it on a GPU); `experts`: "auto", "loop" or
+    `attention`: "auto", "sdpa" or "varlen" (`pgdiag.model.attention`); `fuse_pointwise`: RMSNorm, RoPE
+    and SwiGLU one kernel each (Triton on CUDA, `torch.compile` elsewhere: `pgdiag.model.fused_ops`; worth it on
+    a GPU); `experts`: "auto", "loop" or
     "grouped", the expert compute of MoE layers (`pgdiag.model.moe`); `stream`: the same checkpoint's tensors
     already being read onto `device` (`pgdiag.model.weight_stream.start_weight_stream`), taken from it where it
     holds them."""

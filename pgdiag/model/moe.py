@@ -125,7 +125,7 @@ def combine_rows(rows: Tensor, row_of: Tensor, weights: Tensor) -> Tensor:
 def moe_combine(fused: bool) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """`combine_rows`, eager, or fused into one kernel (same math, every cast kept): on CUDA the Triton kernel
     `pgdiag.model.moe_combine_triton` (one read of each expert row; `torch.compile` of `combine_rows` ran at a
-    tenth of the memory bandwidth there), elsewhere `combine_rows` compiled by `torch.compile`."""
+    tenth of the memory bandwidth there), elsewhere `combine_rows` compiled by `torch.compile` at its first call (`fused_ops.LazyCompiled`)."""
     if not fused:
         return combine_rows
     compiled = LazyCompiled(combine_rows)  # compiled at its first call: never on CUDA

@@ -11,7 +11,7 @@ dtype, or None when the stream does not hold it; the loader then reads it the or
 (`pgdiag.model.tensor_source`), so the stream changes no value and no error: a damaged file, a missing shard or a
 column slice (row-parallel o_proj/down_proj under TP) simply falls back to that path and its error codes.
 
-Why: a recompute's start was the sum of reading the run, CUDA initialisation, `torch.compile` from its cache and
+Why: a recompute's start was the sum of reading the run, CUDA initialisation, the fused kernels' compile and
 the weight copy (safetensors through ``mmap`` into pageable memory, then a synchronous copy: about 5 GB/s from the
 page cache). Streaming overlaps the disk (or page cache) with all of those, and pinned buffers with several
 readers bring the copy near PCIe speed (docs/benchmarks.md, "Start-up and TP 2 again").
