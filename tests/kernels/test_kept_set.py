@@ -5,10 +5,7 @@ and the reconstruction of K in vLLM's and SGLang's orders (ties at the k-th logi
 from __future__ import annotations
 
 import math
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from kept_cases import edge_kept_case, kept_case, kept_reference, with_bitmask_rows
 from lm_head_cases import IGNORE
+from triton_interpreter import run_interpreted
 
 from pgdiag.errors import InvalidInputError, UsageError
 from pgdiag.kernels import kept_set, kept_threshold, lm_head_logprobs
@@ -30,7 +28,6 @@ from pgdiag.kernels.kept_threshold import keep_mask_threshold
 from pgdiag.kernels.lm_head_logprobs_ref import unpack_words
 from pgdiag.kernels.vocab_parallel import vocab_shard_range
 
-REPO = Path(__file__).resolve().parents[2]
 TEMPERATURE = 0.7
 
 
@@ -316,18 +313,7 @@ def test_token_chunks_give_the_one_chunk_numbers(monkeypatch: pytest.MonkeyPatch
 
 
 def test_triton_kernels_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    cases = Path(__file__).with_name("kept_interpret_cases.py")
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(cases)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+    run_interpreted(Path(__file__).with_name("kept_interpret_cases.py"))
 
 
 def _threshold(engine: str):

@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from triton_interpreter import run_interpreted
 
 from pgdiag.kernels.lm_head_logprobs_triton import head_mode_for
 from pgdiag.kernels.triton_shared import SplitPlan, choose_n_splits, choose_plan
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def test_kernel_cases_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    cases = Path(__file__).with_name("triton_interpret_cases.py")
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(cases)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+    run_interpreted(Path(__file__).with_name("triton_interpret_cases.py"))
 
 
 def test_choose_n_splits_fills_whole_waves() -> None:
