@@ -137,12 +137,10 @@ def lm_head_logprobs(
     ignored = targets == ignore_index  # (N,) bool
     out_of_range = (targets < 0) & ~ignored  # (N,) checked with the other flags at the end: one host sync
     offsets_wrong = None if kept is None else _kept_offsets_wrong(kept, targets)  # () bool
-    if kept is not None and (kept.logprobs is not None or kept.bitmasks is not None):
-        early = {
-            "out_of_range": out_of_range,
-            "offsets_wrong": offsets_wrong,
-        }  # these paths read offsets on the host
+    if kept is not None and kept.logprobs is not None:  # engine_dot repeats each token by its set's size
+        early = {"out_of_range": out_of_range, "offsets_wrong": offsets_wrong}
         _raise_problems(_any_rows(early), early, targets, ignore_index)
+    tp_active = tp_group is not None and dist.get_world_size(tp_group) > 1
     local_targets = targets.long() - vocab_start  # (N,)
     in_shard = (local_targets >= 0) & (local_targets < weight.shape[0]) & ~ignored
     local_targets = torch.where(in_shard, local_targets, -1)
@@ -187,7 +185,7 @@ def lm_head_logprobs(
                 head_of(reference), hidden, local_targets, kept, merged_kept, underflow, **shard
             )
 
-        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        if tp_active:
             if bool(underflow.any()):  # before the gather: each rank fixes its own shard's partials
                 rescore()
             underflow = None
@@ -204,7 +202,7 @@ def lm_head_logprobs(
             )  # (N,) fp64
     # 2. vocab-parallel: one all-gather of the (4, N) partials (with the kept ones: (8, N)), then the same merge
     #    on every rank
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+    if tp_active:
         pieces = [merged] if merged_kept is None else [merged, merged_kept]
         if pz is not None:
             pieces.append(pz.float()[None])  # Σ p_e (z_e − z_y) over this shard's ids: summed over the ranks

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -87,10 +88,13 @@ def test_target_outside_its_set_is_e221() -> None:
     ],
     ids=["start", "end", "falls"],
 )
-def test_kept_offsets_that_do_not_rise_from_0_to_len_ids_are_e513(broken) -> None:
+@pytest.mark.parametrize("with_bitmasks", [False, True], ids=["ids", "ids and bitmask rows"])
+def test_kept_offsets_that_do_not_rise_from_0_to_len_ids_are_e513(broken, with_bitmasks: bool) -> None:
+    """Reported after the head pass (the packing clips every range), with or without bitmask rows beside the ids."""
     kc = kept_case(8, 16, 40, seed=2)
-    assert int(kc.kept.sizes()[2]) > 0  # swapping offsets 2 and 3 makes token 2's range fall
-    bad = KeptSet(kc.kept.ids, broken(kc.kept.offsets))
+    kept = with_bitmask_rows(kc.kept, [5, 6], 40) if with_bitmasks else kc.kept
+    assert int(kept.sizes()[2]) > 0  # swapping offsets 2 and 3 makes token 2's range fall
+    bad = replace(kept, offsets=broken(kept.offsets))
     with pytest.raises(UsageError) as raised:
         lm_head_logprobs(kc.case.hidden, kc.case.weight, kc.case.targets, kept=bad)
     assert raised.value.code == "E513" and "rise from 0 to len(ids)" in raised.value.message
