@@ -102,12 +102,13 @@ def exit_now(code: int) -> NoReturn:
 
     What runs, in the interpreter's order: the wait for non-daemon threads (where one is still running, the
     ordinary ``sys.exit`` is taken instead), the ``atexit`` handlers (logging's flush and close, multiprocessing's
-    children, ...), the flush of stdout and stderr (Python's and the C library's); then ``os._exit(code)``. What is skipped: freeing every module
-    and object one by one, and the C++ destructors (torch's allocators handing GPU and pinned memory back, the CUDA
-    context's destruction), about a second after a recompute on an H200 (docs/benchmarks.md, "Start-up: the warm
-    fixed cost"): the kernel reclaims the same memory at once when the process ends. Every file pgdiag writes is
-    closed and renamed before the command returns, so nothing is lost. Where the interpreter's exit would differ
-    (stdout already closed: a broken pipe; a torch.distributed process group still up), the ordinary exit runs.
+    children, ...), the flush of stdout and stderr (Python's and the C library's); then ``os._exit(code)``. What is
+    skipped: freeing every module and object one by one, and the C++ destructors (torch's allocators handing GPU and
+    pinned memory back, the CUDA context's destruction): 0.88 s after a recompute on an H200, 0.33 s with this exit,
+    which is the kernel ending a process that holds a CUDA context (docs/benchmarks.md, "The warm fixed cost
+    again"). Every file pgdiag writes is closed and renamed before the command returns, so nothing is lost. Where
+    the interpreter's exit would differ (stdout already closed: a broken pipe; a torch.distributed process group
+    still up), the ordinary exit runs.
     """
     if _running_threads() or _process_group_up():
         sys.exit(code)
