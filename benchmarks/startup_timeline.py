@@ -10,7 +10,8 @@ launch are counted in it), the part writes, the end; `torch._dynamo`'s compile t
 sampled wall-time profile of the main thread (every 5 ms, inclusive seconds per function, per phase).
 
 The exit: each ``atexit`` handler registered after the start is timed, and the last one to run (registered first)
-writes ``<out>.exit.json`` (the handlers' seconds and the time it ran); the shell's wall time less that is the
+adds them to the output's ``exit`` key (the handlers' seconds and the time it ran; one file, so a device call's
+limit on the files it returns is not reached); the shell's wall time less that is the
 teardown after the handlers (the interpreter freeing the modules, C++ destructors, the kernel ending the process).
 The process ends as the CLI's does (`pgdiag.cli.exit_now` where the tree under test has it, else ``sys.exit``).
 
@@ -119,7 +120,9 @@ def time_exit(tl: Timeline, out: Path) -> None:
 
     def report() -> None:
         at = tl.now()
-        out.write_text(json.dumps({"handlers": handlers, "last_handler_end": round(at, 4)}, indent=1))
+        result = json.loads(out.read_text()) if out.is_file() else {}
+        result["exit"] = {"handlers": handlers, "last_handler_end": round(at, 4)}
+        out.write_text(json.dumps(result, indent=1))
 
     register(report)
 
@@ -231,7 +234,7 @@ def main() -> None:
     args = opts.args[1:] if opts.args[:1] == ["--"] else opts.args
     tl = Timeline(opts.t0)
     tl.mark("python_main", tl.now())
-    time_exit(tl, Path(opts.out).with_suffix(".exit.json"))
+    time_exit(tl, Path(opts.out))
     if not opts.no_sample:
         tl.sample()
     from pgdiag.cli import bytecode_cache, one_malloc_arena
@@ -269,7 +272,7 @@ def main() -> None:
     tl.stop()
     import torch
 
-    result: dict = {"marks": sorted(tl.marks, key=lambda m: m["start"]), "exit": code}
+    result: dict = {"marks": sorted(tl.marks, key=lambda m: m["start"]), "exit_code": code}
     result["stream_wait_s"], result["stream_takes"] = tl.stream_wait  # type: ignore[attr-defined]
     heavy = ("torch._dynamo", "torch._inductor", "torch._inductor.compile_fx", "pandas", "sympy")
     result["imported"] = {name: name in sys.modules for name in heavy}  # before the query below imports any
