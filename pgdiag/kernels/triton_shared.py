@@ -45,6 +45,8 @@ class TritonTiles:
     use_tma: bool = True  # load tiles through host-side TMA descriptors where the strides allow it
     fresh_steps: int = 1
     fresh_per_group: int = 8
+    variant: int = 0
+    gluon: bool = True  # fp32 head on sm_90: the Gluon kernel (fp32_head_gluon) where it applies
 
 
 @dataclass(frozen=True)
