@@ -51,6 +51,7 @@ def gluon_ready(operand: torch.Tensor, weight: torch.Tensor, tiles: TritonTiles)
         and (tiles.block_n, tiles.block_v, tiles.block_k, tiles.num_warps) == (128, 128, 64, 8)
         and tma_ready(operand)
         and tma_ready(weight)
+        and (not tiles.gluon_hi_last or operand.shape[1] % (tiles.block_k * tiles.gluon_fresh_steps) == 0)
         and torch.cuda.get_device_capability(operand.device) == (9, 0)
     )
 
@@ -107,6 +108,7 @@ def _fp32_head_gluon_kernel(
     FRESH_STEPS: gl.constexpr,
     FRESH_PER_GROUP: gl.constexpr,
     NUM_STAGES: gl.constexpr,
+    HI_LAST: gl.constexpr,  # the hi MMAs of a chain after all its small pieces (n_k a multiple of FRESH_STEPS)
     num_warps: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = h_desc.block_type.shape[0]
@@ -115,6 +117,7 @@ def _fp32_head_gluon_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_V, 16]
     )
+    gl.static_assert((not HI_LAST) or FRESH_STEPS < NUM_STAGES, "a chain's buffers and the next step's")
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma)
     cols_layout: gl.constexpr = gl.SliceLayout(0, mma)
 
@@ -147,7 +150,7 @@ def _fp32_head_gluon_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
-    for s in gl.static_range(NUM_STAGES - 1):
+    for s in gl.static_range(NUM_STAGES - 1 + HI_LAST):
         _issue_loads(
             h_desc, w_desc, h_smem, w_smem, ready, s, total_steps, n_k, v_begin, row_start, piece_rows,
             N_PIECES, NUM_STAGES,
@@ -169,18 +172,46 @@ def _fp32_head_gluon_kernel(
             mbarrier.wait(ready.index(stage), (step // NUM_STAGES) & 1)
             w_t = w_smem.index(stage).permute((1, 0))  # (BLOCK_K, BLOCK_V)
             in_chain = kk % FRESH_STEPS != 0  # False: the chain's first MMA ignores the old accumulator
-            fresh = warpgroup_mma(h_smem.index(stage * N_PIECES), w_t, fresh, use_acc=in_chain, is_async=True)
-            for piece in gl.static_range(1, N_PIECES):
-                fresh = warpgroup_mma(h_smem.index(stage * N_PIECES + piece), w_t, fresh, is_async=True)
-            # the MMAs of the previous step are done: its buffers may be refilled, once both warpgroups are
-            fresh = warpgroup_mma_wait(num_outstanding=N_PIECES, deps=(fresh,))
-            gl.thread_barrier()
-            _issue_loads(
-                h_desc, w_desc, h_smem, w_smem, ready, step + NUM_STAGES - 1, total_steps, n_k, v_begin,
-                row_start, piece_rows, N_PIECES, NUM_STAGES,
-            )  # fmt: skip
             chain = kk // FRESH_STEPS
-            if (kk % FRESH_STEPS == FRESH_STEPS - 1) | (kk == n_k - 1):  # the chain is complete
+            chain_end = (kk % FRESH_STEPS == FRESH_STEPS - 1) | (kk == n_k - 1)
+            if HI_LAST:
+                # this step's small pieces now; the chain's hi pieces after all of them, at its last step
+                fresh = warpgroup_mma(
+                    h_smem.index(stage * N_PIECES), w_t, fresh, use_acc=in_chain, is_async=True
+                )
+                for piece in gl.static_range(1, N_PIECES - 1):
+                    fresh = warpgroup_mma(h_smem.index(stage * N_PIECES + piece), w_t, fresh, is_async=True)
+                fresh = warpgroup_mma_wait(num_outstanding=N_PIECES - 1, deps=(fresh,))
+                if chain_end:
+                    for back in gl.static_range(FRESH_STEPS):
+                        old = (step - (FRESH_STEPS - 1) + back) % NUM_STAGES
+                        w_old = w_smem.index(old).permute((1, 0))
+                        fresh = warpgroup_mma(
+                            h_smem.index(old * N_PIECES + N_PIECES - 1), w_old, fresh, is_async=True
+                        )
+                    fresh = warpgroup_mma_wait(num_outstanding=0, deps=(fresh,))
+                    gl.thread_barrier()  # the chain's buffers are free: refill them
+                    for ahead in gl.static_range(FRESH_STEPS):
+                        _issue_loads(
+                            h_desc, w_desc, h_smem, w_smem, ready, step + NUM_STAGES - FRESH_STEPS + 1 + ahead,
+                            total_steps, n_k, v_begin, row_start, piece_rows, N_PIECES, NUM_STAGES,
+                        )  # fmt: skip
+            else:
+                fresh = warpgroup_mma(
+                    h_smem.index(stage * N_PIECES), w_t, fresh, use_acc=in_chain, is_async=True
+                )
+                for piece in gl.static_range(1, N_PIECES):
+                    fresh = warpgroup_mma(h_smem.index(stage * N_PIECES + piece), w_t, fresh, is_async=True)
+                # the MMAs of the previous step are done: its buffers may be refilled, once both warpgroups are
+                fresh = warpgroup_mma_wait(num_outstanding=N_PIECES, deps=(fresh,))
+                gl.thread_barrier()
+                _issue_loads(
+                    h_desc, w_desc, h_smem, w_smem, ready, step + NUM_STAGES - 1, total_steps, n_k, v_begin,
+                    row_start, piece_rows, N_PIECES, NUM_STAGES,
+                )  # fmt: skip
+            if (
+                chain_end
+            ):  # the chain is complete: fold it into the group sum, a finished group into the tile's
                 fresh = warpgroup_mma_wait(num_outstanding=0, deps=(fresh,))
                 keep = gl.where(chain % FRESH_PER_GROUP == 0, 0.0, 1.0)
                 group_sum = gl.fma(group_sum, keep, fresh)
@@ -234,6 +265,7 @@ def launch_gluon(
     h_desc = TensorDescriptor.from_tensor(operand, [tiles.block_n, tiles.block_k], h_layout)
     w_desc = TensorDescriptor.from_tensor(weight, [tiles.block_v, tiles.block_k], w_layout)
     n_tokens = targets.shape[0]
+    hi_last = tiles.gluon_hi_last and n_pieces == 3
     stage_bytes = (n_pieces * tiles.block_n + tiles.block_v) * tiles.block_k * weight.element_size()
     grid = (triton.cdiv(n_tokens, tiles.block_n) * plan.n_splits,)
     _fp32_head_gluon_kernel[grid](
@@ -252,8 +284,9 @@ def launch_gluon(
         plan.n_splits,
         plan.group_blocks,
         N_PIECES=n_pieces,
-        FRESH_STEPS=tiles.fresh_steps,
-        FRESH_PER_GROUP=tiles.fresh_per_group,
+        FRESH_STEPS=tiles.gluon_fresh_steps,
+        FRESH_PER_GROUP=tiles.gluon_fresh_per_group,
         NUM_STAGES=min(tiles.num_stages, SHARED_BUDGET_BYTES // stage_bytes),
+        HI_LAST=hi_last,
         num_warps=tiles.num_warps,
     )

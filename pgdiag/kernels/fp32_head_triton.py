@@ -143,7 +143,6 @@ def _fp32_head_partials_kernel(
     FRESH_PER_GROUP: tl.constexpr,  # fresh sums per group sum (1: no group sum)
     TF32X3: tl.constexpr,
     KEPT: tl.constexpr,  # also the partials over each token's kept set (stat rows 4-7)
-    VARIANT: tl.constexpr = 0,
 ):
     token_block, split = program_tile(n_tokens, n_splits, group_blocks, BLOCK_N)
     row_start = token_block * BLOCK_N
@@ -197,12 +196,6 @@ def _fp32_head_partials_kernel(
             if i % per_chain == per_chain - 1:  # the chain is complete: hand it to the CUDA cores
                 if FRESH_PER_GROUP == 1:
                     acc += fresh
-                elif VARIANT >= 1:
-                    # the group's first chain replaces the group sum, the others add to it: one FMA per element
-                    keep = tl.where(chain % FRESH_PER_GROUP == 0, 0.0, 1.0)
-                    group_sum = tl.fma(group_sum, keep, fresh)
-                    if chain % FRESH_PER_GROUP == FRESH_PER_GROUP - 1:
-                        acc += group_sum
                 else:
                     group_sum += fresh
                     if chain % FRESH_PER_GROUP == FRESH_PER_GROUP - 1:
@@ -211,11 +204,7 @@ def _fp32_head_partials_kernel(
                 # zero, but not a constant: Triton would fold `x + dot(a, b, 0)` into `dot(a, b, x)`,
                 # which chains the tensor cores onto the large sum (the very thing this kernel avoids)
                 fresh = fresh * 0.0
-        if VARIANT >= 1 and FRESH_PER_GROUP > 1:
-            if n_chains % FRESH_PER_GROUP != 0:
-                acc += group_sum
-        else:
-            acc += group_sum
+        acc += group_sum
         kept = 0  # the tile's columns in K (KEPT only)
         if KEPT:
             kept = load_kept_bits(kept_ptr, safe_n, stride_kept, v_start, vocab_local, BLOCK_V)
@@ -385,7 +374,6 @@ def _launch(
         FRESH_PER_GROUP=tiles.fresh_per_group,
         TF32X3=tf32x3,
         KEPT=kept_words is not None,
-        VARIANT=tiles.variant,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -90,7 +90,15 @@ def default_tiles(head_mode: str, hidden_size: int) -> TritonTiles:
         return TritonTiles(
             block_n=128, block_v=128, block_k=32, num_stages=3, fresh_steps=1, fresh_per_group=8
         )
-    return TritonTiles(block_n=128, block_v=128, block_k=64, num_stages=4, fresh_steps=2, fresh_per_group=4)
+    if head_mode.endswith("x1"):
+        return TritonTiles(
+            block_n=128, block_v=128, block_k=64, num_stages=4, fresh_steps=2, fresh_per_group=4,
+            gluon_fresh_steps=2, gluon_fresh_per_group=4,
+        )  # fmt: skip
+    return TritonTiles(
+        block_n=128, block_v=128, block_k=64, num_stages=4, fresh_steps=2, fresh_per_group=4,
+        gluon_fresh_steps=1, gluon_fresh_per_group=8,
+    )  # fmt: skip
 
 
 @triton.jit

@@ -45,8 +45,10 @@ class TritonTiles:
     use_tma: bool = True  # load tiles through host-side TMA descriptors where the strides allow it
     fresh_steps: int = 1
     fresh_per_group: int = 8
-    variant: int = 0
-    gluon: bool = True  # fp32 head on sm_90: the Gluon kernel (fp32_head_gluon) where it applies
+    gluon: bool = True  # fp32 head on sm_90: the Gluon kernel (fp32_head_gluon) where it applies, with
+    gluon_fresh_steps: int = 1  # its own chains (K steps of all pieces per fresh accumulator),
+    gluon_fresh_per_group: int = 8  # chains per group sum,
+    gluon_hi_last: bool = False  # and the chain's hi MMAs after all its small pieces (else piece by piece)
 
 
 @dataclass(frozen=True)
