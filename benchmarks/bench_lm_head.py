@@ -178,25 +178,17 @@ def sweep_fp32_head(x: Inputs, n_check: int = 256) -> list[dict]:
     d = x.hidden.shape[1]
     x3 = default_tiles("bf16x3", d)
     x1 = default_tiles("bf16x1", d)
-    g3 = dict(gluon_fresh_steps=2, gluon_fresh_per_group=4)
     cases = [  # (label, hidden, weight, tiles)
         ("bf16 head (reference time)", x.hidden, x.weight, default_tiles("bf16", d)),
         ("bf16x3 Triton kernel", x.hidden_fp32, x.weight, replace(x3, gluon=False)),
         ("bf16x3 Gluon default", x.hidden_fp32, x.weight, x3),
         ("bf16x3 Gluon chains 1, groups 4", x.hidden_fp32, x.weight, replace(x3, gluon_fresh_per_group=4)),
         ("bf16x3 Gluon chains 1, groups 16", x.hidden_fp32, x.weight, replace(x3, gluon_fresh_per_group=16)),
-        ("bf16x3 Gluon chains 2, groups 4", x.hidden_fp32, x.weight, replace(x3, **g3)),
         (
-            "bf16x3 Gluon chains 2, groups 4, hi last",
+            "bf16x3 Gluon chains 2, groups 4",
             x.hidden_fp32,
             x.weight,
-            replace(x3, **g3, gluon_hi_last=True),
-        ),
-        (
-            "bf16x3 Gluon chains 2, groups 2, hi last",
-            x.hidden_fp32,
-            x.weight,
-            replace(x3, gluon_fresh_steps=2, gluon_fresh_per_group=2, gluon_hi_last=True),
+            replace(x3, gluon_fresh_steps=2, gluon_fresh_per_group=4),
         ),
         ("bf16x1 Triton kernel (bf16 hidden)", x.hidden, x.weight, replace(x1, gluon=False)),
         ("bf16x1 Gluon default", x.hidden, x.weight, x1),

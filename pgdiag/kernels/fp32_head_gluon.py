@@ -1,26 +1,37 @@
 """The split-piece fp32 LM head on Hopper, written in Gluon: one W tile load for all pieces of a K step.
 
-What: the same (S, 4, N) partials as `fp32_head_triton` in its "bf16x3" / "fp16x3" modes (and "x1", one
-piece), computed the same way: per K step of 64 columns, one MMA per piece of H (lo, mid, hi) into a *fresh*
-tensor-core accumulator; every `FRESH_STEPS` K steps the CUDA cores fold the fresh sum into a group sum, and
-every `FRESH_PER_GROUP` chains the group sum into the tile's sum (why: `fp32_head_triton`'s docstring).
+What: the same (S, 4, N) partials as `fp32_head_triton` in its "bf16x3" / "fp16x3" modes (three pieces of H)
+and "bf16x1" / "fp16x1" (H as it is), with the same arithmetic: per K step of 64 columns, one MMA per piece into
+a *fresh* tensor-core accumulator; every `gluon_fresh_steps` K steps (a *chain*) the CUDA cores fold the fresh
+sum into a group sum, and every `gluon_fresh_per_group` chains the group sum into the tile's sum (why:
+`fp32_head_triton`'s docstring). Each K step issues its pieces smallest first (lo, mid, hi), so a chain of one
+step adds the small pieces while the accumulator is still small, as the Triton kernel's chains of two steps do
+(they issue all lo steps, then all mid, then all hi); chains of two steps issued step by step put the second
+step's small pieces on top of the first step's hi sum, and measured twice the truncation bias (uniform targets:
+mean 5.8e-6 against 2.6e-6). Hence chains of one step in groups of eight for three pieces; one piece keeps
+chains of two steps in groups of four (`lm_head_logprobs_triton.default_tiles`).
 
-Why Gluon: Triton's pipeliner keeps one dot per loop iteration in flight, so the Triton kernel loads the W tile
-again for each piece (three TMA loads of the same tile per K step; the kernel is L2-bound), and Triton 3.6
-resets an accumulator on Hopper with a pass over its registers. Here the program issues its own TMA loads and
-`wgmma`s:
-* one W tile and the N_PIECES H tiles of a K step arrive on one mbarrier in one of `NUM_STAGES` buffers; the
-  N_PIECES MMAs of the step chain on the fresh accumulator in the tensor cores without a wait between them;
+Why Gluon: Triton 3.6 keeps one dot per pipelined loop iteration in flight (a second dot on the same
+accumulator in the same iteration gets a full wait after the first), so the Triton kernel loads the W tile
+again for each piece (three TMA loads of the same tile per K step), and it resets an accumulator on Hopper
+with a pass over its registers (its use-accumulator rewrite runs on Blackwell only). Here the program issues
+its own TMA loads and `wgmma`s:
+* one W tile and the N_PIECES H tiles of a K step arrive on one mbarrier in one of NUM_STAGES buffers (64 KiB
+  a step for three pieces: 3 buffers); the step's MMAs chain on the fresh accumulator in the tensor cores with
+  no wait between them, and a step's buffers are refilled once the next step's MMAs are issued and its own
+  have finished (`warpgroup_mma_wait` with the step's MMAs still outstanding);
 * a chain's first MMA ignores the accumulator (`use_acc=False`): no pass over the registers to zero it;
 * the chain's sum joins the group sum by one FMA per element (group_sum * keep + fresh, keep = 0 on a group's
   first chain), the group sum the tile's sum likewise: no zeroing passes either;
 * the loads run ahead across vocab tiles (one stream of K steps per program), so the fold of a tile overlaps
   the first loads of the next one.
-A CTA-wide barrier before each load keeps the two warpgroups from overwriting a buffer the other still reads.
+A CTA-wide barrier before each load keeps one warpgroup from refilling a buffer the other still reads.
+Measured (H200, docs/benchmarks.md): 101 ms against the Triton kernel's 107 ms at 16384 x 4096 x 151936, and
+more accurate (the order above).
 
-Used by `fp32_head_triton.fp32_head_partials` on sm_90 with TMA-ready operands and no kept sets
-(`gluon_ready`); everywhere else (CPU interpreter, kept sets, tf32x3) the Triton kernel runs, and it stays the
-reference of this one (tests/kernels/test_lm_head_gpu.py compares both against fp64 logits).
+Used by `fp32_head_triton.fp32_head_partials` on sm_90 with TMA-ready 16-bit operands and no kept sets
+(`gluon_ready`); everywhere else (CPU interpreter, kept sets, tf32x3, other GPUs) the Triton kernel runs, and
+it stays the reference of this one (tests/kernels/test_lm_head_gpu.py checks both against fp64 logits).
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from pgdiag.kernels.triton_shared import SplitPlan, TritonTiles
+from pgdiag.kernels.triton_shared import SplitPlan, TritonTiles, tma_ready
 
 SHARED_BUDGET_BYTES = 200 << 10  # tile buffers per program (the H100 / H200 give a block up to 227 KiB)
 MASKED = gl.constexpr(-1.0e30)  # a padded column's logit, as triton_shared.MASKED_LOGIT
@@ -41,8 +52,6 @@ MASKED = gl.constexpr(-1.0e30)  # a padded column's logit, as triton_shared.MASK
 def gluon_ready(operand: torch.Tensor, weight: torch.Tensor, tiles: TritonTiles) -> bool:
     """True where this kernel runs: Hopper (sm_90), 16-bit operands of one dtype, TMA-ready strides, the
     128 x 128 x 64 tile it is written for."""
-    from pgdiag.kernels.triton_shared import tma_ready
-
     return (
         tiles.use_tma
         and tiles.gluon
@@ -51,7 +60,6 @@ def gluon_ready(operand: torch.Tensor, weight: torch.Tensor, tiles: TritonTiles)
         and (tiles.block_n, tiles.block_v, tiles.block_k, tiles.num_warps) == (128, 128, 64, 8)
         and tma_ready(operand)
         and tma_ready(weight)
-        and (not tiles.gluon_hi_last or operand.shape[1] % (tiles.block_k * tiles.gluon_fresh_steps) == 0)
         and torch.cuda.get_device_capability(operand.device) == (9, 0)
     )
 
@@ -108,7 +116,6 @@ def _fp32_head_gluon_kernel(
     FRESH_STEPS: gl.constexpr,
     FRESH_PER_GROUP: gl.constexpr,
     NUM_STAGES: gl.constexpr,
-    HI_LAST: gl.constexpr,  # the hi MMAs of a chain after all its small pieces (n_k a multiple of FRESH_STEPS)
     num_warps: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = h_desc.block_type.shape[0]
@@ -117,7 +124,6 @@ def _fp32_head_gluon_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_V, 16]
     )
-    gl.static_assert((not HI_LAST) or FRESH_STEPS < NUM_STAGES, "a chain's buffers and the next step's")
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma)
     cols_layout: gl.constexpr = gl.SliceLayout(0, mma)
 
@@ -150,7 +156,7 @@ def _fp32_head_gluon_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
-    for s in gl.static_range(NUM_STAGES - 1 + HI_LAST):
+    for s in gl.static_range(NUM_STAGES - 1):
         _issue_loads(
             h_desc, w_desc, h_smem, w_smem, ready, s, total_steps, n_k, v_begin, row_start, piece_rows,
             N_PIECES, NUM_STAGES,
@@ -174,44 +180,17 @@ def _fp32_head_gluon_kernel(
             in_chain = kk % FRESH_STEPS != 0  # False: the chain's first MMA ignores the old accumulator
             chain = kk // FRESH_STEPS
             chain_end = (kk % FRESH_STEPS == FRESH_STEPS - 1) | (kk == n_k - 1)
-            if HI_LAST:
-                # this step's small pieces now; the chain's hi pieces after all of them, at its last step
-                fresh = warpgroup_mma(
-                    h_smem.index(stage * N_PIECES), w_t, fresh, use_acc=in_chain, is_async=True
-                )
-                for piece in gl.static_range(1, N_PIECES - 1):
-                    fresh = warpgroup_mma(h_smem.index(stage * N_PIECES + piece), w_t, fresh, is_async=True)
-                fresh = warpgroup_mma_wait(num_outstanding=N_PIECES - 1, deps=(fresh,))
-                if chain_end:
-                    for back in gl.static_range(FRESH_STEPS):
-                        old = (step - (FRESH_STEPS - 1) + back) % NUM_STAGES
-                        w_old = w_smem.index(old).permute((1, 0))
-                        fresh = warpgroup_mma(
-                            h_smem.index(old * N_PIECES + N_PIECES - 1), w_old, fresh, is_async=True
-                        )
-                    fresh = warpgroup_mma_wait(num_outstanding=0, deps=(fresh,))
-                    gl.thread_barrier()  # the chain's buffers are free: refill them
-                    for ahead in gl.static_range(FRESH_STEPS):
-                        _issue_loads(
-                            h_desc, w_desc, h_smem, w_smem, ready, step + NUM_STAGES - FRESH_STEPS + 1 + ahead,
-                            total_steps, n_k, v_begin, row_start, piece_rows, N_PIECES, NUM_STAGES,
-                        )  # fmt: skip
-            else:
-                fresh = warpgroup_mma(
-                    h_smem.index(stage * N_PIECES), w_t, fresh, use_acc=in_chain, is_async=True
-                )
-                for piece in gl.static_range(1, N_PIECES):
-                    fresh = warpgroup_mma(h_smem.index(stage * N_PIECES + piece), w_t, fresh, is_async=True)
-                # the MMAs of the previous step are done: its buffers may be refilled, once both warpgroups are
-                fresh = warpgroup_mma_wait(num_outstanding=N_PIECES, deps=(fresh,))
-                gl.thread_barrier()
-                _issue_loads(
-                    h_desc, w_desc, h_smem, w_smem, ready, step + NUM_STAGES - 1, total_steps, n_k, v_begin,
-                    row_start, piece_rows, N_PIECES, NUM_STAGES,
-                )  # fmt: skip
-            if (
-                chain_end
-            ):  # the chain is complete: fold it into the group sum, a finished group into the tile's
+            fresh = warpgroup_mma(h_smem.index(stage * N_PIECES), w_t, fresh, use_acc=in_chain, is_async=True)
+            for piece in gl.static_range(1, N_PIECES):  # lo, mid, hi: smallest first
+                fresh = warpgroup_mma(h_smem.index(stage * N_PIECES + piece), w_t, fresh, is_async=True)
+            # the MMAs of the previous step are done: its buffers may be refilled, once both warpgroups are
+            fresh = warpgroup_mma_wait(num_outstanding=N_PIECES, deps=(fresh,))
+            gl.thread_barrier()
+            _issue_loads(
+                h_desc, w_desc, h_smem, w_smem, ready, step + NUM_STAGES - 1, total_steps, n_k, v_begin,
+                row_start, piece_rows, N_PIECES, NUM_STAGES,
+            )  # fmt: skip
+            if chain_end:  # fold the chain into the group sum, a finished group into the tile's sum
                 fresh = warpgroup_mma_wait(num_outstanding=0, deps=(fresh,))
                 keep = gl.where(chain % FRESH_PER_GROUP == 0, 0.0, 1.0)
                 group_sum = gl.fma(group_sum, keep, fresh)
@@ -265,7 +244,6 @@ def launch_gluon(
     h_desc = TensorDescriptor.from_tensor(operand, [tiles.block_n, tiles.block_k], h_layout)
     w_desc = TensorDescriptor.from_tensor(weight, [tiles.block_v, tiles.block_k], w_layout)
     n_tokens = targets.shape[0]
-    hi_last = tiles.gluon_hi_last and n_pieces == 3
     stage_bytes = (n_pieces * tiles.block_n + tiles.block_v) * tiles.block_k * weight.element_size()
     grid = (triton.cdiv(n_tokens, tiles.block_n) * plan.n_splits,)
     _fp32_head_gluon_kernel[grid](
@@ -287,6 +265,5 @@ def launch_gluon(
         FRESH_STEPS=tiles.gluon_fresh_steps,
         FRESH_PER_GROUP=tiles.gluon_fresh_per_group,
         NUM_STAGES=min(tiles.num_stages, SHARED_BUDGET_BYTES // stage_bytes),
-        HI_LAST=hi_last,
         num_warps=tiles.num_warps,
     )

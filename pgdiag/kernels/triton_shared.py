@@ -47,8 +47,7 @@ class TritonTiles:
     fresh_per_group: int = 8
     gluon: bool = True  # fp32 head on sm_90: the Gluon kernel (fp32_head_gluon) where it applies, with
     gluon_fresh_steps: int = 1  # its own chains (K steps of all pieces per fresh accumulator),
-    gluon_fresh_per_group: int = 8  # chains per group sum,
-    gluon_hi_last: bool = False  # and the chain's hi MMAs after all its small pieces (else piece by piece)
+    gluon_fresh_per_group: int = 8  # and chains per group sum
 
 
 @dataclass(frozen=True)
