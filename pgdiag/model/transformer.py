@@ -39,7 +39,14 @@ from pgdiag.model.fused_ops import FusedOp
 from pgdiag.model.moe import MoeBlock, moe_combine
 from pgdiag.model.rope import rope_inv_freq
 from pgdiag.model.tp import TPLayout, all_reduce_sum, token_shards
-from pgdiag.model.tp_dense import dense_overlapped, dense_sequence_parallel, gather_tokens
+from pgdiag.model.tp_dense import (
+    dense_overlapped,
+    dense_sequence_parallel,
+    dense_sharded,
+    gather_tokens,
+    sharded_finish,
+    sharded_start,
+)
 from pgdiag.model.tp_sums import NcclSums, PeerCopySums, overlap_sums
 
 TP_OVERLAP_CHUNKS = 4  # token chunks of a dense layer whose all-reduces overlap compute under TP (1 = off)
@@ -51,6 +58,11 @@ TP_SEQUENCE_PARALLEL = False
 # symmetric memory, `pgdiag.model.tp_sums.PeerCopySums`, 3.3 % faster at TP 2 on two H200s than NCCL and bit for bit
 # the same; NCCL elsewhere or where symmetric memory fails) or "nccl" (all-reduce)
 TP_REDUCE = "peer_copy"
+# dense models, overlapped under TP: the residual adds and norms on this rank's piece of each chunk, the normed
+# pieces exchanged (`pgdiag.model.tp_dense.dense_sharded`, bit for bit the replicated form): "peer_copy" where the
+# copy engines sum the partials, "always" (NCCL or gloo: one broadcast a piece), "never"
+TP_SHARD_RESIDUAL = "peer_copy"
+TP_SHARD_RESIDUAL_CHOICES = ("peer_copy", "always", "never")
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -311,6 +323,7 @@ class CausalLM(nn.Module):
         # TP > 1, dense models: the residual stream, norms and residual adds on a token shard (`pgdiag.model.tp_dense`)
         self.tp_sequence_parallel = TP_SEQUENCE_PARALLEL
         self.tp_reduce = TP_REDUCE
+        self.tp_shard_residual = TP_SHARD_RESIDUAL  # one of TP_SHARD_RESIDUAL_CHOICES
         self._peer_sums: PeerCopySums | None = None  # built on first use, collectively (symmetric memory)
         self._peer_sums_failed = False  # symmetric memory refused once: NCCL from then on
 
@@ -380,13 +393,19 @@ class CausalLM(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)  # (N, D)
         dtype = self.body_dtype
         overlapped = chunks > 1 and shards is None and self.layout.tp_size > 1
+        sums, shard = None, False
+        if overlapped:
+            shard = self.tp_shard_residual != "never" and not (self.config.moe or layer_hook)
+            sums = overlap_sums(self, -(-n // chunks), device, gather_rows=n if shard else 0)
+            if self.tp_shard_residual == "peer_copy" and not isinstance(sums, PeerCopySums):
+                shard = False
         shared = LayerInputs(
             cos=(angles.cos() * self.rope_scale).to(dtype),
             sin=(angles.sin() * self.rope_scale).to(dtype),
             docs=docs,
             backend=self.attention_backend,
             group=self.tp_group,
-            sums=overlap_sums(self, -(-n // chunks), device) if overlapped else None,
+            sums=sums,
         )
         moe = self.config.moe
         if replay_experts is not None:
@@ -402,6 +421,14 @@ class CausalLM(nn.Module):
                 x = dense_sequence_parallel(layer, x, shared, shards)
             return TrunkOutput(gather_tokens(self.model.norm(x), shards, self.tp_group)[:n], None)
         x = self.model.embed_tokens(input_ids)  # (N, H)
+        if shard:  # dense, TP > 1: the residual sharded inside each chunk, no hook
+            layers = self.model.layers
+            stream = sharded_start(x, layers[0].input_layernorm, sums, chunks)
+            for index, layer in enumerate(layers):
+                last = index == len(layers) - 1
+                following = self.model.norm if last else layers[index + 1].input_layernorm
+                stream = dense_sharded(layer, stream, shared, sums, chunks, following, 1 if last else 0)
+            return TrunkOutput(sharded_finish(stream, sums), None)
         if layer_hook is not None:
             x = _hooked(layer_hook, -1, x, x)
         picked: list[Tensor] = []
