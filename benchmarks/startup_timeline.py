@@ -9,6 +9,11 @@ stream, the first forwards and head calls (each followed by a device synchronisa
 launch are counted in it), the part writes, the end; `torch._dynamo`'s compile times and cache counters; and a
 sampled wall-time profile of the main thread (every 5 ms, inclusive seconds per function, per phase).
 
+The exit: each ``atexit`` handler registered after the start is timed, and the last one to run (registered first)
+writes ``<out>.exit.json`` (the handlers' seconds and the time it ran); the shell's wall time less that is the
+teardown after the handlers (the interpreter freeing the modules, C++ destructors, the kernel ending the process).
+The process ends as the CLI's does (`pgdiag.cli.exit_now` where the tree under test has it, else ``sys.exit``).
+
 Why: the issue's start-up target is a fixed cost in seconds; cProfile distorts it and misses time spent waiting on
 other threads, a sampler in wall time does not. A benchmark, not a library feature: the library stays unchanged.
 
@@ -105,6 +110,34 @@ class Timeline:
         self._stop.set()
 
 
+def time_exit(tl: Timeline, out: Path) -> None:
+    """Time each atexit handler registered from now on; the first registered (so the last to run) writes them."""
+    import atexit
+
+    handlers: list[dict] = []
+    register = atexit.register
+
+    def report() -> None:
+        at = tl.now()
+        out.write_text(json.dumps({"handlers": handlers, "last_handler_end": round(at, 4)}, indent=1))
+
+    register(report)
+
+    def timed_register(func, *args, **kwargs):  # type: ignore[no-untyped-def]
+        def timed() -> None:
+            start = tl.now()
+            try:
+                func(*args, **kwargs)
+            finally:
+                name = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
+                handlers.append({"name": name, "start": round(start, 4), "s": round(tl.now() - start, 4)})
+
+        register(timed)
+        return func
+
+    atexit.register = timed_register
+
+
 def instrument(tl: Timeline) -> None:
     """Wrap the recompute's steps (imported here, after the import marks)."""
     import torch
@@ -134,6 +167,8 @@ def instrument(tl: Timeline) -> None:
     tl.wrap(logprobs, "compute_parts", "compute_parts")
     tl.wrap(model_spec.ModelSpec, "load", "load")
     tl.wrap(checkpoint, "warm_pointwise_ops", "warm_pointwise_ops", sync=True)
+    if hasattr(checkpoint, "warm_library_kernels"):  # trees with it
+        tl.wrap(checkpoint, "warm_library_kernels", "warm_library_kernels", sync=True)
     tl.wrap(checkpoint, "_read", "load_read", first=3)
     tl.wrap(checkpoint, "CausalLM", "build_model_meta")
     tl.wrap(transformer.CausalLM, "forward_packed", "forward", first=3, sync=True)
@@ -169,6 +204,19 @@ def instrument(tl: Timeline) -> None:
 
     weight_stream.WeightStream.take = take
     tl.stream_wait = waited  # type: ignore[attr-defined]
+    try:  # the thread computing Triton's installation key (trees that have it)
+        import pgdiag.model.warmup as warmup
+
+        compute = warmup._compute_triton_key
+
+        def compute_marked() -> None:  # marked, the sampler's phase (the main thread's) left alone
+            start = tl.now()
+            compute()
+            tl.mark("triton_key_thread", start, tl.now())
+
+        warmup._compute_triton_key = compute_marked
+    except ImportError:
+        pass
 
 
 def main() -> None:
@@ -183,6 +231,7 @@ def main() -> None:
     args = opts.args[1:] if opts.args[:1] == ["--"] else opts.args
     tl = Timeline(opts.t0)
     tl.mark("python_main", tl.now())
+    time_exit(tl, Path(opts.out).with_suffix(".exit.json"))
     if not opts.no_sample:
         tl.sample()
     from pgdiag.cli import bytecode_cache, one_malloc_arena
@@ -238,8 +287,10 @@ def main() -> None:
     }
     result["end"] = tl.now()
     Path(opts.out).write_text(json.dumps(result, indent=1))
-    sys.stdout.flush()
-    os._exit(code) if os.environ.get("TIMELINE_FAST_EXIT") else sys.exit(code)
+    import pgdiag.cli
+
+    exit_now = getattr(pgdiag.cli, "exit_now", None)  # the CLI's own exit, where this tree has one
+    exit_now(code) if exit_now is not None else sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import threading
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
+from typing import NoReturn
 
 from pgdiag.errors import Code
 
@@ -94,8 +97,60 @@ def one_malloc_arena(environ: Mapping[str, str]) -> bool:
     return bool(mallopt(M_ARENA_MAX, 1))
 
 
+def exit_now(code: int) -> NoReturn:
+    """End this process with exit status `code` as the interpreter would, without its teardown.
+
+    What runs, in the interpreter's order: the wait for non-daemon threads (where one is still running, the
+    ordinary ``sys.exit`` is taken instead), the ``atexit`` handlers (logging's flush and close, multiprocessing's
+    children, ...), the flush of stdout and stderr (Python's and the C library's); then ``os._exit(code)``. What is skipped: freeing every module
+    and object one by one, and the C++ destructors (torch's allocators handing GPU and pinned memory back, the CUDA
+    context's destruction), about a second after a recompute on an H200 (docs/benchmarks.md, "Start-up: the warm
+    fixed cost"): the kernel reclaims the same memory at once when the process ends. Every file pgdiag writes is
+    closed and renamed before the command returns, so nothing is lost. Where the interpreter's exit would differ
+    (stdout already closed: a broken pipe; a torch.distributed process group still up), the ordinary exit runs.
+    """
+    if _running_threads() or _process_group_up():
+        sys.exit(code)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed pipe or stream: reported as the interpreter always has
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # closed by a handler's output: the interpreter's status for it
+        os._exit(120)
+    _flush_c_streams()
+    os._exit(code)
+
+
+def _flush_c_streams() -> None:
+    """``fflush(NULL)``: what C libraries printed through stdio (buffered when stdout is a pipe) goes out, as
+    ``exit()`` would have sent it."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        return
+
+
+def _running_threads() -> bool:
+    """True while a non-daemon thread other than this one runs (the interpreter would wait for it)."""
+    current = threading.current_thread()
+    return any(t is not current and t.is_alive() and not t.daemon for t in threading.enumerate())
+
+
+def _process_group_up() -> bool:
+    """True when torch.distributed has a process group that was not destroyed."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
 def main() -> None:
     """Console-script entry point (`pgdiag`)."""
     one_malloc_arena(os.environ)
     bytecode_cache(os.environ)
-    sys.exit(run())
+    exit_now(run())

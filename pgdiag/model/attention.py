@@ -5,8 +5,11 @@ own document (and, for sliding-window layers, only to the last `window` of them,
 masks do). Documents are packed back to back with no padding; `PackedDocs` holds their boundaries.
 
 Why two backends, chosen by an argument (never an env var):
-- ``"varlen"``: `torch.nn.attention.varlen.varlen_attn` (FlashAttention varlen) on CUDA, bf16/fp16. One kernel
-  for the whole packed batch, GQA and sliding windows native: no padding, no mask tensor.
+- ``"varlen"``: FlashAttention's varlen forward on CUDA, bf16/fp16. One kernel for the whole packed batch, GQA and
+  sliding windows native: no padding, no mask tensor. Called as ``aten::_flash_attention_forward``, with the
+  arguments `torch.nn.attention.varlen.varlen_attn` gives it (torch 2.11 to 2.13: the same kernel, the same bits),
+  not through `varlen_attn` itself: its custom op's wrapper imports dynamo at the first call (1.55 s of every
+  start, docs/benchmarks.md). A torch whose op lacks the window arguments gets `varlen_attn`.
 - ``"sdpa"``: `scaled_dot_product_attention` once per document (``is_causal=True``; a boolean band mask only
   for a sliding window shorter than the document). Runs everywhere, any dtype; the CPU path and the reference.
 `resolve_attention_backend("auto", device, dtype)` picks ``varlen`` on CUDA for a bf16/fp16 body when this torch
@@ -20,10 +23,12 @@ sink-free output by ``sigmoid(lse - sink)`` from the kernel's log-sum-exp, the s
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,14 +62,44 @@ class PackedDocs:
 
 
 def varlen_available() -> bool:
-    """True when this torch ships `torch.nn.attention.varlen.varlen_attn` and a CUDA device is present."""
+    """True when a CUDA device is present and this torch has FlashAttention's varlen forward (the op, or
+    `torch.nn.attention.varlen`; found without importing the module, whose import alone loads dynamo in torch
+    2.13)."""
     if not torch.cuda.is_available():
         return False
+    if _flash_forward_op() is not None:
+        return True
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
+def _flash_forward_op() -> Any:
+    """``aten::_flash_attention_forward`` when it takes the window arguments `varlen_attn` passes, else None (an
+    older torch; ROCm, whose op returns a padded log-sum-exp)."""
+    if torch.version.hip is not None:
+        return None
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        op = torch.ops.aten._flash_attention_forward.default
+    except AttributeError:
+        return None
+    names = {argument.name for argument in op._schema.arguments}
+    return op if {"window_size_left", "window_size_right"} <= names else None
+
+
+def _flash_varlen(
+    op: Any, q: Tensor, k: Tensor, v: Tensor, docs: PackedDocs, window: int | None
+) -> tuple[Tensor, Tensor]:
+    """FlashAttention over the packed documents, the call `varlen_attn(..., window_size=(left, 0))` makes inside
+    its custom op (torch 2.11-2.13, torch/nn/attention/varlen.py): dropout 0, causal exactly when there is no
+    window, the window's left and right sizes. k and v keep their Hkv heads: the kernel reads kv head
+    ``h // (Hq / Hkv)`` for query head h, as `varlen_attn`'s ``enable_gqa`` does. Returns (out (N, Hq, D),
+    lse (Hq, N) fp32)."""
+    left = -1 if window is None else window - 1
+    cu = docs.cu_seqlens
+    out, lse, *_ = op(
+        q, k, v, cu, cu, docs.max_len, docs.max_len, 0.0, window is None,
+        return_debug_mask=False, scale=None, window_size_left=left, window_size_right=0,
+    )  # fmt: skip
+    return out, lse
 
 
 def resolve_attention_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -143,6 +178,10 @@ def _varlen_sinks(
     q: Tensor, k: Tensor, v: Tensor, docs: PackedDocs, window: int | None, sinks: Tensor
 ) -> Tensor:
     """FlashAttention varlen with its log-sum-exp: out * sigmoid(lse - sink) adds the sink to each softmax."""
+    op = _flash_forward_op()
+    if op is not None:
+        out, lse = _flash_varlen(op, q, k, v, docs, window)  # lse: (Hq, N)
+        return _sink_scaled(out, lse.transpose(0, 1), sinks)
     from torch.nn.attention import varlen as varlen_module
 
     aux_request = getattr(varlen_module, "AuxRequest", None)
@@ -157,6 +196,11 @@ def _varlen_sinks(
     lse = aux.lse if hasattr(aux, "lse") else aux  # (Hq, N) or (N, Hq) fp32
     if lse.shape[0] != q.shape[0]:
         lse = lse.transpose(0, 1)  # (N, Hq)
+    return _sink_scaled(out, lse, sinks)
+
+
+def _sink_scaled(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """out (N, Hq, D) times sigmoid(lse - sink): lse (N, Hq) the kernel's log-sum-exp, sinks (Hq,)."""
     scale = torch.sigmoid(lse.float() - sinks.float()[None, :])  # (N, Hq)
     return (out.float() * scale[..., None]).to(out.dtype)
 
@@ -181,6 +225,9 @@ def _sdpa_per_document(q: Tensor, k: Tensor, v: Tensor, docs: PackedDocs, window
 
 
 def _varlen(q: Tensor, k: Tensor, v: Tensor, docs: PackedDocs, window: int | None) -> Tensor:
+    op = _flash_forward_op()
+    if op is not None:
+        return _flash_varlen(op, q, k, v, docs, window)[0]
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters

@@ -39,6 +39,7 @@ from pgdiag.model.rope import rope_inv_freq
 from pgdiag.model.tensor_source import TensorSource, head_storage_dtype, open_tensor_source
 from pgdiag.model.tp import TensorSlice, TPLayout, group_rank_size, shard_slice, tp_layout
 from pgdiag.model.transformer import CausalLM, warm_pointwise_ops
+from pgdiag.model.warmup import warm_library_kernels
 from pgdiag.model.weight_stream import WeightStream
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -107,8 +108,10 @@ def load_from_source(
             config, layout, tp_group=tp_group, attention=backend, fuse_pointwise=fuse_pointwise,
             expert_impl=expert_impl,
         )  # fmt: skip
-    if stream is not None and fuse_pointwise:
-        warm_pointwise_ops(model, device, body)  # compile while the stream's threads copy the weights
+    if stream is not None:  # while the stream's threads copy the weights: Triton's kernels, cuBLAS, attention
+        if fuse_pointwise:
+            warm_pointwise_ops(model, device, body)
+        warm_library_kernels(model, device, body)
     rounded = 0
     for name, _ in _body_parameters(model):
         prefix, expert_param = expert_role(name)

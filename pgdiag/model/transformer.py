@@ -49,6 +49,7 @@ from pgdiag.model.tp_dense import (
     sharded_start,
 )
 from pgdiag.model.tp_sums import NcclSums, PeerCopySums, overlap_sums
+from pgdiag.model.warmup import triton_key_thread
 
 TP_OVERLAP_CHUNKS = 4  # token chunks of a dense layer whose all-reduces overlap compute under TP (1 = off)
 TP_OVERLAP_MIN_TOKENS = 1024  # fewer tokens a chunk: not worth it, the layer runs unchunked
@@ -467,6 +468,7 @@ def warm_pointwise_ops(model: CausalLM, device: torch.device, dtype: torch.dtype
     forward gives it, so that Triton loads (or builds) its kernels now; the loader calls this while the weights
     are still arriving (`pgdiag.model.weight_stream`). No-op unless the ops are fused and `device` is CUDA."""
     if model.fuse_pointwise and torch.device(device).type == "cuda":
+        triton_key_thread().join()  # Triton's installation key, computed while the weights arrived
         _warm_calls(model, device, dtype)
 
 

@@ -1,15 +1,18 @@
 """Weights read ahead: this rank's tensors streamed from safetensors files to the device in background threads.
 
 What: `start_weight_stream(path, device=, tp_rank=, tp_size=, dtype=, head_dtype=)` plans the reads the loader
-will make (every tensor whole, or its row slice under tensor parallelism: the same `shard_slice` plan) and starts
+will make (every tensor whole, or its slice under tensor parallelism: the same `shard_slice` plan) and starts
 reading them at once: one thread asks the kernel to read the byte ranges ahead (``posix_fadvise(WILLNEED)``,
 so the disk works from the first millisecond), a feeder thread initialises CUDA, allocates each tensor on the device
 and hands 64 MB pieces to reader threads, which ``preadv`` a piece into a pinned staging buffer and copy it to the
 device asynchronously on their own CUDA stream. `WeightStream.take(name, part)` (called by the loader,
 `pgdiag.model.checkpoint.load_from_source`) waits for that tensor and returns it on the device in its stored
 dtype, or None when the stream does not hold it; the loader then reads it the ordinary way
-(`pgdiag.model.tensor_source`), so the stream changes no value and no error: a damaged file, a missing shard or a
-column slice (row-parallel o_proj/down_proj under TP) simply falls back to that path and its error codes.
+(`pgdiag.model.tensor_source`), so the stream changes no value and no error: a damaged file, a missing shard or
+integer storage simply falls back to that path and its error codes. A column slice (row-parallel o_proj/down_proj
+under TP) is a run of bytes per row: the readers ask only for this rank's runs, and the read-ahead asks the kernel
+for the rows' whole span, so that the disk reads it in large requests (ranks on one node share the page cache: the
+disk still reads each byte once; see docs/recompute.md).
 
 Why: a recompute's start was the sum of reading the run, CUDA initialisation, the fused kernels' compile and
 the weight copy (safetensors through ``mmap`` into pageable memory, then a synchronous copy: about 5 GB/s from the
@@ -26,6 +29,7 @@ tests use that).
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import struct
@@ -48,15 +52,27 @@ _DONE = object()
 
 @dataclass(frozen=True)
 class ByteRange:
-    """Tensor `name` (or its row slice `part`) as one contiguous byte range of a safetensors file."""
+    """Tensor `name` (or its slice `part`) as `runs` equal runs of bytes of a safetensors file, run i at
+    ``offset + i * stride``: one run for a whole tensor or a row slice, one run a row for a column slice."""
 
     name: str
     part: TensorSlice | None
     file: Path
-    offset: int  # absolute byte offset in `file`
-    nbytes: int
+    offset: int  # absolute byte offset in `file` of the first run
+    nbytes: int  # all runs together: the slice's bytes
     shape: tuple[int, ...]  # of the slice
     dtype: torch.dtype  # as stored
+    runs: int = 1
+    stride: int = 0  # bytes from one run's start to the next's (a row of the whole tensor)
+
+    @property
+    def run_bytes(self) -> int:
+        return self.nbytes // self.runs
+
+    @property
+    def span(self) -> int:
+        """Bytes of the file from the first run's start to the last run's end."""
+        return (self.runs - 1) * self.stride + self.run_bytes
 
 
 def safetensors_header(file: Path) -> tuple[dict, int]:
@@ -69,8 +85,9 @@ def safetensors_header(file: Path) -> tuple[dict, int]:
 
 
 def plan_ranges(files: dict[str, Path], wanted: list[tuple[str, TensorSlice | None]]) -> list[ByteRange]:
-    """The byte ranges of the `wanted` (name, part) reads that are contiguous: whole tensors and row slices of
-    float tensors; the rest (column slices, integer or quantized storage) is left to the ordinary reader."""
+    """The byte ranges of the `wanted` (name, part) reads of float tensors: whole tensors, row slices (one run)
+    and column slices of matrices (a run a row); the rest (other slices, integer or quantized storage, rows
+    longer than a piece) is left to the ordinary reader."""
     headers = {file: safetensors_header(file) for file in sorted(set(files.values()))}
     ranges = []
     for name, part in wanted:
@@ -81,21 +98,35 @@ def plan_ranges(files: dict[str, Path], wanted: list[tuple[str, TensorSlice | No
             continue
         shape, dtype = tuple(info["shape"]), _DTYPES[info["dtype"]]
         begin, end = info["data_offsets"]
+        if end - begin != math.prod(shape) * dtype.itemsize:  # a damaged header: the loader reports it
+            continue
+        base = data_start + begin
+        if part is not None and part.dim == 1 and len(shape) == 2:
+            item = dtype.itemsize
+            run = (part.stop - part.start) * item
+            if 0 < run <= PIECE_BYTES:
+                rows = shape[0]
+                ranges.append(
+                    ByteRange(
+                        name,
+                        part,
+                        file,
+                        base + part.start * item,
+                        rows * run,
+                        (rows, part.stop - part.start),
+                        dtype,
+                        runs=rows,
+                        stride=shape[1] * item,
+                    )
+                )
+            continue
         if part is not None and (part.dim != 0 or not shape):
             continue
         row_bytes = (end - begin) // shape[0] if shape else end - begin
         start, stop = (0, shape[0] if shape else 1) if part is None else (part.start, part.stop)
         sliced = ((stop - start), *shape[1:]) if shape else ()
         ranges.append(
-            ByteRange(
-                name,
-                part,
-                file,
-                data_start + begin + start * row_bytes,
-                (stop - start) * row_bytes,
-                sliced,
-                dtype,
-            )
+            ByteRange(name, part, file, base + start * row_bytes, (stop - start) * row_bytes, sliced, dtype)
         )
     return ranges
 
@@ -202,8 +233,8 @@ class WeightStream:
             if self._stop.is_set():
                 return
             advised += r.nbytes
-            try:
-                os.posix_fadvise(self._fds[r.file], r.offset, r.nbytes, os.POSIX_FADV_WILLNEED)
+            try:  # a column slice: the rows' whole span, one large request instead of a small one a row
+                os.posix_fadvise(self._fds[r.file], r.offset, r.span, os.POSIX_FADV_WILLNEED)
             except (OSError, AttributeError):
                 return
 
@@ -229,11 +260,12 @@ class WeightStream:
             if target is None:
                 self._finish((r.name, r.part), None)
                 continue
-            pieces = max(1, -(-r.nbytes // PIECE_BYTES))
+            size = PIECE_BYTES if r.runs == 1 else PIECE_BYTES // r.run_bytes * r.run_bytes  # whole runs
+            pieces = max(1, -(-r.nbytes // size))
             state = _Tensor(r, target, pieces)
             for i in range(pieces):
-                start = i * PIECE_BYTES
-                stop = min(r.nbytes, start + PIECE_BYTES)
+                start = i * size
+                stop = min(r.nbytes, start + size)
                 if not self._put((state, start, stop)):
                     self._piece_done(state, None, stop - start, failed=True)
         for _ in range(readers):
@@ -276,7 +308,7 @@ class WeightStream:
             try:
                 if events[turn] is not None:
                     events[turn].synchronize()  # the buffer's previous copy has finished
-                _pread_into(self._fds[state.range.file], buffer[: stop - start], state.range.offset + start)
+                _read_piece(self._fds[state.range.file], buffer[: stop - start], state.range, start)
                 if cuda:
                     with torch.cuda.stream(copy_stream):
                         state.target[start:stop].copy_(buffer[: stop - start], non_blocking=True)
@@ -322,9 +354,20 @@ class _Tensor:
         self.events: list = []
 
 
-def _pread_into(fd: int, buffer: Tensor, offset: int) -> None:
-    """Fill `buffer` (uint8, CPU) with the file's bytes from `offset`; OSError when the file is shorter."""
+def _read_piece(fd: int, buffer: Tensor, r: ByteRange, start: int) -> None:
+    """Fill `buffer` (uint8, CPU) with bytes [start, start + len) of range `r`'s slice: one read for a single
+    run, a read a run otherwise (`start` and the length are whole runs); OSError when the file is shorter."""
     view = memoryview(buffer.numpy()).cast("B")
+    if r.runs == 1:
+        _pread_into(fd, view, r.offset + start)
+        return
+    run, first = r.run_bytes, start // r.run_bytes
+    for i in range(len(view) // run):
+        _pread_into(fd, view[i * run : (i + 1) * run], r.offset + (first + i) * r.stride)
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    """Fill `view` with the file's bytes from `offset`; OSError when the file is shorter."""
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)

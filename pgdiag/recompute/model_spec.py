@@ -107,9 +107,12 @@ def start_stream(
     where = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if where.type != "cuda" or not torch.cuda.is_available():
         return None
+    from pgdiag.model.warmup import triton_key_thread
     from pgdiag.model.weight_stream import start_weight_stream
 
-    return start_weight_stream(
+    stream = start_weight_stream(
         model, device=where, tp_rank=layout.tp_rank, tp_size=layout.tp_size,
         dtype=DTYPES[settings.dtype], head_dtype=DTYPES[settings.head_dtype],
     )  # fmt: skip
+    triton_key_thread()  # the first Triton kernel's hash of Triton itself, meanwhile (`pgdiag.model.warmup`)
+    return stream

@@ -1,5 +1,5 @@
 """The weight stream (`pgdiag.model.weight_stream`): the loader given a stream builds the same model bit for bit as
-without one, at TP = 1 and on every rank of TP = 2 and 3 (row slices streamed, column slices read the ordinary way),
+without one, at TP = 1 and on every rank of TP = 2 and 3 (row slices one read, column slices a read a row),
 for a single file and a sharded index, fp32 and bf16; a damaged file gives the loader's own error; byte ranges are
 hand-checked. The threads and pieces run on the CPU here (plain buffers, plain copies); the CUDA path (pinned
 buffers, copy streams, events) is the same code with the copies asynchronous."""
@@ -55,9 +55,10 @@ def test_streamed_load_equals_plain_load(
 
 @pytest.mark.parametrize("tp_size", [2, 3])
 def test_streamed_tp_shards_equal_plain_shards(tmp_path: Path, monkeypatch, tp_size: int) -> None:
-    """Under TP each rank streams its whole tensors and row slices (q/k/v, gate/up, the head's vocab rows, uneven
-    at 97 rows); o_proj and down_proj column slices are not streamed and come from the ordinary reader. The
-    loader reads only (rank, size) from the group, so one process loads every rank's shard in turn."""
+    """Under TP each rank streams its whole tensors, row slices (q/k/v, gate/up, the head's vocab rows, uneven
+    at 97 rows) and column slices (o_proj, down_proj: a run of bytes a row), in pieces of whole runs. The loader
+    reads only (rank, size) from the group, so one process loads every rank's shard in turn."""
+    monkeypatch.setattr(ws, "PIECE_BYTES", 4096)  # o_proj a row a piece; down_proj 21 or 32 rows a piece
     save_hf_model(
         tmp_path,
         "Qwen3ForCausalLM",
@@ -74,10 +75,14 @@ def test_streamed_tp_shards_equal_plain_shards(tmp_path: Path, monkeypatch, tp_s
         plain = load_model(tmp_path, dtype="fp32", tp_group=group)
         with stream_for(tmp_path, tp_size, rank) as stream:
             parts = {part for (_, part) in stream._ranges}
-            assert all(part is None or part.dim == 0 for part in parts)
             assert TensorSlice(0, plain.layout.vocab_start, plain.layout.vocab_end) in parts  # the head rows
+            columns = {name for (name, part) in stream._ranges if part is not None and part.dim == 1}
+            assert columns == {
+                n for n in dict(plain.named_parameters()) if n.endswith(("o_proj.weight", "down_proj.weight"))
+            }
+            planned = len(stream._ranges)
             streamed = load_model(tmp_path, dtype="fp32", tp_group=group, stream=stream)
-            assert stream.taken > 0 and not stream._ranges
+            assert stream.taken == planned and not stream._ranges  # every read came from the stream
         same_parameters(plain, streamed)
 
 
@@ -112,16 +117,61 @@ def test_byte_ranges_by_hand(tmp_path: Path) -> None:
     begin_a = header["a"]["data_offsets"][0]
     files = {"a": file, "b": file}
     planned = ws.plan_ranges(
-        files, [("a", TensorSlice(0, 2, 5)), ("b", None), ("a", TensorSlice(1, 0, 2)), ("c", None)]
+        files,
+        [
+            ("a", TensorSlice(0, 2, 5)),
+            ("b", None),
+            ("a", TensorSlice(1, 1, 3)),
+            ("b", TensorSlice(1, 0, 2)),
+            ("c", None),
+        ],
     )
-    assert len(planned) == 2  # a column slice and an unknown name are not planned
-    rows, whole = planned
+    assert len(planned) == 3  # a column slice of a vector and an unknown name are not planned
+    rows, whole, columns = planned
     assert rows.offset == data_start + begin_a + 2 * 16 and rows.nbytes == 3 * 16 and rows.shape == (3, 4)
+    assert rows.runs == 1 and rows.span == rows.nbytes
     assert whole.nbytes == 10 and whole.dtype == torch.bfloat16 and whole.shape == (5,)
-    with ws.WeightStream([rows, whole], CPU, readers=2) as stream:
+    # columns 1-2 of a's six rows: runs of 8 bytes from byte 4 of each 16-byte row, spanning 5 * 16 + 8 bytes
+    assert (columns.offset, columns.runs, columns.run_bytes, columns.stride) == (
+        data_start + begin_a + 4,
+        6,
+        8,
+        16,
+    )
+    assert columns.nbytes == 48 and columns.span == 88 and columns.shape == (6, 2)
+    with ws.WeightStream([rows, whole, columns], CPU, readers=2) as stream:
         assert torch.equal(stream.take("a", TensorSlice(0, 2, 5)), a[2:5])
         assert torch.equal(stream.take("b", None), b)
-        assert stream.take("a", TensorSlice(1, 0, 2)) is None
+        assert torch.equal(stream.take("a", TensorSlice(1, 1, 3)), a[:, 1:3])
+        assert stream.take("a", TensorSlice(1, 0, 2)) is None  # not planned: the loader reads it
+
+
+@pytest.mark.parametrize("piece", [8, 24, 40, 4096])
+def test_column_slice_pieces_of_whole_runs(tmp_path: Path, monkeypatch, piece: int) -> None:
+    """A column slice in pieces of one run, of several runs with a short last piece, and of every run at once;
+    runs longer than a piece and headers whose size disagrees with the shape are left to the loader."""
+    monkeypatch.setattr(ws, "PIECE_BYTES", piece)
+    a = torch.arange(7 * 10, dtype=torch.float32).reshape(7, 10)
+    bad = torch.zeros(3, 3)
+    file = tmp_path / "w.safetensors"
+    save_file({"a": a, "bad": bad}, file)
+    raw = bytearray(file.read_bytes())
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = raw[8 : 8 + size].replace(b'"shape":[3,3]', b'"shape":[3,2]')  # same length, 36 bytes for 24
+    file.write_bytes(raw[:8] + header + raw[8 + size :])
+    parts = [("a", TensorSlice(1, 3, 5)), ("a", TensorSlice(1, 0, 10)), ("bad", TensorSlice(1, 0, 1))]
+    planned = ws.plan_ranges({"a": file, "bad": file}, parts)
+    assert [(r.name, r.part) for r in planned] == [
+        p for p in parts[:2] if 4 * (p[1].stop - p[1].start) <= piece
+    ]
+    with ws.WeightStream(planned, CPU, readers=3) as stream:
+        for name, part in parts[:2]:
+            value = stream.take(name, part)
+            assert (
+                value is None
+                if 4 * (part.stop - part.start) > piece
+                else torch.equal(value, a[:, part.start : part.stop])
+            )
 
 
 def test_close_without_taking_stops_the_threads(tmp_path: Path, monkeypatch) -> None:
@@ -149,6 +199,26 @@ def test_streamed_load_on_cuda_equals_plain_load(tmp_path: Path, monkeypatch, dt
         streamed = load_model(tmp_path, dtype=dtype, head_dtype="fp32", device=cuda, stream=stream)
         assert stream.taken > 0 and not stream._ranges
     assert all(p.device == cuda for p in streamed.parameters())
+    same_parameters(plain, streamed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_streamed_tp_rank_on_cuda_equals_plain_load(tmp_path: Path, monkeypatch) -> None:
+    """Rank 1 of TP = 2 on CUDA: row and column slices through pinned buffers and the copy streams."""
+    monkeypatch.setattr(ws, "PIECE_BYTES", 4096)
+    save_hf_model(tmp_path, "Qwen3ForCausalLM", shard_kb=12, num_attention_heads=12, num_key_value_heads=6)
+    group = object()
+    monkeypatch.setattr(checkpoint, "group_rank_size", lambda g: (1, 2) if g is group else (0, 1))
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    plain = load_model(tmp_path, dtype="bf16", device=cuda, tp_group=group)
+    stream = ws.start_weight_stream(
+        tmp_path, device=cuda, tp_rank=1, tp_size=2, dtype=torch.bfloat16, head_dtype=torch.float32
+    )
+    with stream:
+        assert any(part is not None and part.dim == 1 for (_, part) in stream._ranges)
+        streamed = load_model(tmp_path, dtype="bf16", device=cuda, tp_group=group, stream=stream)
+        assert stream.taken > 0 and not stream._ranges
     same_parameters(plain, streamed)
 
 

@@ -147,3 +147,45 @@ def test_cli_tp_worker_error_is_one_line_with_the_worst_exit_code(ckpt: Path, tm
         cli_app(), ["logprobs", str(run), "--model", str(ckpt), "--device", "cpu", "--tp", "2"]
     )
     assert result.exit_code == 3 and "error[E208]" in result.output and "Traceback" not in result.output
+
+
+def test_cli_process_exit_keeps_outputs_and_codes(ckpt: Path, tmp_path: Path) -> None:
+    """`python -m pgdiag logprobs` ends through `pgdiag.cli.exit_now` (no interpreter teardown): one process and
+    a self-launched ``--dp 2`` write complete streams equal to the in-process run, the JSON result reaches a piped
+    stdout whole, and a refusal keeps its documented exit code (E502: the output exists, exit 2)."""
+    run = write_run(tmp_path / "run", make_rows(seed=14))
+    args = [
+        "logprobs",
+        str(run),
+        "--model",
+        str(ckpt),
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "--part-samples",
+        "3",
+    ]
+    inside = CliRunner().invoke(cli_app(), [*args, "--tag", "in"])
+    assert inside.exit_code == 0, inside.output
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    ids, values = _stream_values(run / "logprobs" / "in")
+    for tag, extra in (("one", []), ("dp", ["--dp", "2"])):
+        done = subprocess.run(
+            [sys.executable, "-m", "pgdiag", *args, "--tag", tag, "--json", *extra],
+            capture_output=True, text=True, env=env, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert result["exit_code"] == 0 and result["summary"][tag]["n_samples"] == len(ids)
+        assert json.loads((run / "logprobs" / tag / "_manifest.json").read_text())["complete"] is True
+        got_ids, got = _stream_values(run / "logprobs" / tag)
+        assert got_ids == ids and np.array_equal(got, values, equal_nan=True)
+    again = subprocess.run(
+        [sys.executable, "-m", "pgdiag", *args, "--tag", "one"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert again.returncode == 2 and "error[E502]" in again.stdout + again.stderr, again.stdout + again.stderr
