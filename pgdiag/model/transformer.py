@@ -17,8 +17,7 @@ Speed: matmuls and attention are PyTorch's own kernels; ``fuse_pointwise=True`` 
 
 Tensor parallelism: modules are built with this rank's local sizes (`TPLayout`); the only collectives are the
 two `all_reduce_sum` calls after the row-parallel o_proj and down_proj (or the MoE combine), visible in `forward`,
-identity at TP=1, or in a dense layer their overlapped, sharded-residual and sequence-parallel forms
-(`pgdiag.model.tp_dense`; the sharded form also exchanges normed rows, `start_gather`).
+identity at TP=1, or in a dense layer their overlapped, sharded and sequence-parallel forms (`tp_dense`).
 
 Routing: `CausalLM.forward_packed(..., replay_experts=)` also returns the experts each sparse layer's router picked
 per token (`TrunkOutput.router_topk`), and runs the recorded experts instead when given (routing replay).
@@ -60,9 +59,8 @@ TP_SEQUENCE_PARALLEL = False
 # symmetric memory, `pgdiag.model.tp_sums.PeerCopySums`, 3.3 % faster at TP 2 on two H200s than NCCL and bit for bit
 # the same; NCCL elsewhere or where symmetric memory fails) or "nccl" (all-reduce)
 TP_REDUCE = "peer_copy"
-# dense models, overlapped under TP: the residual adds and norms on this rank's piece of each chunk, the normed
-# pieces exchanged (`pgdiag.model.tp_dense.dense_sharded`, bit for bit the replicated form; +1.3 % at TP 2 on two
-# H200s): "peer_copy" where the copy engines sum the partials, "always" (NCCL or gloo: one broadcast a piece), "never"
+# dense, overlapped: residual adds and norms on this rank's piece of each chunk (`tp_dense.dense_sharded`, bit for bit,
+# +1.3 % at TP 2 on two H200s): "peer_copy" where the copy engines sum, "always" (NCCL/gloo broadcasts), "never"
 TP_SHARD_RESIDUAL = "peer_copy"
 
 
