@@ -175,72 +175,29 @@ def sweep_fp32_head(x: Inputs, n_check: int = 256) -> list[dict]:
     max |error| of logprob and entropy against fp64 logits of the same inputs, on the first `n_check` tokens,
     for targets sampled from the fp64 distribution (as in rollouts) and for uniform targets (logprob ~ -45).
     """
-    weight32 = x.weight.float()
     d = x.hidden.shape[1]
     x3 = default_tiles("bf16x3", d)
+    x1 = default_tiles("bf16x1", d)
     cases = [  # (label, hidden, weight, tiles)
         ("bf16 head (reference time)", x.hidden, x.weight, default_tiles("bf16", d)),
-        ("bf16x3 default", x.hidden_fp32, x.weight, x3),
-        ("bf16x3 5 stages", x.hidden_fp32, x.weight, replace(x3, num_stages=5)),
-        ("bf16x3 3 stages", x.hidden_fp32, x.weight, replace(x3, num_stages=3)),
-        ("bf16x3 no group sum", x.hidden_fp32, x.weight, replace(x3, fresh_per_group=1)),
+        ("bf16x3 Triton kernel", x.hidden_fp32, x.weight, replace(x3, gluon=False)),
+        ("bf16x3 Gluon default", x.hidden_fp32, x.weight, x3),
+        ("bf16x3 Gluon chains 1, groups 4", x.hidden_fp32, x.weight, replace(x3, gluon_fresh_per_group=4)),
+        ("bf16x3 Gluon chains 1, groups 16", x.hidden_fp32, x.weight, replace(x3, gluon_fresh_per_group=16)),
         (
-            "bf16x3 fresh 1 step, group 8",
+            "bf16x3 Gluon chains 2, groups 4",
             x.hidden_fp32,
             x.weight,
-            replace(x3, fresh_steps=1, fresh_per_group=8),
+            replace(x3, gluon_fresh_steps=2, gluon_fresh_per_group=4),
         ),
+        ("bf16x1 Triton kernel (bf16 hidden)", x.hidden, x.weight, replace(x1, gluon=False)),
+        ("bf16x1 Gluon default", x.hidden, x.weight, x1),
         (
-            "bf16x3 fresh 4 steps, group 2",
-            x.hidden_fp32,
-            x.weight,
-            replace(x3, fresh_steps=4, fresh_per_group=2),
-        ),
-        (
-            "bf16x3 fresh 4 steps, no group",
-            x.hidden_fp32,
-            x.weight,
-            replace(x3, fresh_steps=4, fresh_per_group=1),
-        ),
-        (
-            "bf16x3 K 128, 3 stages, group 4",
-            x.hidden_fp32,
-            x.weight,
-            replace(x3, block_k=128, num_stages=3, fresh_steps=1),
-        ),
-        ("bf16x3 64 x 256", x.hidden_fp32, x.weight, replace(x3, block_n=64, block_v=256)),
-        (
-            "bf16x3 K 32, chains of 4, groups of 4, 6 stages",
-            x.hidden_fp32,
-            x.weight,
-            replace(x3, block_k=32, fresh_steps=4, num_stages=6),
-        ),
-        ("bf16x1 default (bf16 hidden)", x.hidden, x.weight, default_tiles("bf16x1", d)),
-        (
-            "bf16x1 chains of 4, groups of 2",
+            "bf16x1 Gluon chains 1, groups 8",
             x.hidden,
             x.weight,
-            replace(default_tiles("bf16x1", d), fresh_steps=4, fresh_per_group=2),
+            replace(x1, gluon_fresh_steps=1, gluon_fresh_per_group=8),
         ),
-        (
-            "bf16x1 chains of 8, groups of 1",
-            x.hidden,
-            x.weight,
-            replace(default_tiles("bf16x1", d), fresh_steps=8, fresh_per_group=1),
-        ),
-        (
-            "bf16x1 chains of 2, groups of 4, 5 stages",
-            x.hidden,
-            x.weight,
-            replace(default_tiles("bf16x1", d), num_stages=5),
-        ),
-        (
-            "bf16x1 fresh 1 step",
-            x.hidden,
-            x.weight,
-            replace(default_tiles("bf16x1", d), fresh_steps=1, fresh_per_group=8),
-        ),
-        ("tf32x3 default (fp32 W)", x.hidden_fp32, weight32, default_tiles("tf32x3", d)),
     ]
     local = torch.where(x.targets == IGNORE, -1, x.targets)
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -31,8 +31,11 @@ import os
 import sys
 import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 import torch
@@ -46,6 +49,7 @@ from bench_recompute import PEAK_MEASURED, QWEN3_8B, TINY, make_rollouts, model_
 from pgdiag.kernels import lm_head_logprobs
 from pgdiag.model import ModelConfig, TensorSource, load_from_source
 from pgdiag.model.expected_tensors import expected_shapes
+from pgdiag.model.fused_ops import FusedOp
 from pgdiag.model.moe import different_sets
 from pgdiag.model.tp import TensorSlice
 
@@ -235,6 +239,8 @@ def measure_layout(cfg, rollouts, args, tp: int, dp: int, device, *, dtype: str 
         model.tp_sequence_parallel = options.sequence
     if options.reduce is not None:  # how the overlapped layers sum their partials
         model.tp_reduce = options.reduce
+    if options.shard is not None:  # the residual stream whole on every rank or sharded in each chunk
+        model.tp_shard_residual = options.shard
     sync(device)
     load_s = world_max(time.perf_counter() - t0, device)
     weights_gib = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
@@ -286,7 +292,7 @@ def measure_layout(cfg, rollouts, args, tp: int, dp: int, device, *, dtype: str 
         "load_s": load_s, "warmup_pass_s": warm_s, "weights_gib_per_gpu": weights_gib, "peak_gib_per_gpu": peaks,
         "peak_batch": peak_batch, "attention": model.attention_backend, "experts": model.expert_impl,
         "batch_tokens": args.batch_tokens, "tp_overlap_chunks": model.tp_overlap_chunks,
-        "tp_sequence_parallel": model.tp_sequence_parallel, "tp_reduce": model.tp_reduce, "nccl_max_ctas": options.max_ctas if nccl_options(options.max_ctas) else None,
+        "tp_sequence_parallel": model.tp_sequence_parallel, "tp_reduce": model.tp_reduce, "compiled_pointwise": options.compiled, "tp_shard_residual": model.tp_shard_residual, "nccl_max_ctas": options.max_ctas if nccl_options(options.max_ctas) else None,
     }  # fmt: skip
     del model, result
     gc.collect()
@@ -305,6 +311,8 @@ class TPOptions:
     sequence: bool | None = None
     max_ctas: int | None = None
     reduce: str | None = None
+    compiled: bool = False  # the pointwise ops under torch.compile on CUDA too (as before the Triton kernels)
+    shard: str | None = None  # model.tp_shard_residual (None: the model's default)
 
     def suffix(self) -> str:
         return (
@@ -312,13 +320,17 @@ class TPOptions:
             + ({True: "_sp", False: "_nosp"}.get(self.sequence, ""))
             + (f"_m{self.max_ctas}" if self.max_ctas else "")
             + ({"peer_copy": "_peer", "nccl": "_nccl"}.get(self.reduce, ""))
+            + ("_compiled" if self.compiled else "")
+            + ({"never": "_whole", "always": "_sharded"}.get(self.shard, ""))
         )
 
 
 def _layout(text: str) -> tuple[int, int, TPOptions]:
     """'2x1' -> (2, 1, defaults); '2x1:c4:s:m8' -> 4 overlap chunks, sequence parallel, NCCL max 8 CTAs;
     ':n' turns sequence parallelism off; ':p' sums the overlapped layers' partials by copy-engine pushes (TP 2),
-    ':r' by NCCL all-reduces."""
+    ':r' by NCCL all-reduces; ':k' runs the pointwise ops (RMSNorm, RoPE, SwiGLU) under torch.compile on CUDA, as
+    before `pgdiag.model.pointwise_triton` (a benchmark-only switch); ':w' keeps the residual stream whole on every
+    rank (`dense_overlapped`), ':z' shards it inside each chunk whatever sums the partials (`dense_sharded`)."""
     shape, *options = text.split(":")
     tp, dp = (int(x) for x in shape.split("x"))
     found: dict = {}
@@ -332,9 +344,24 @@ def _layout(text: str) -> tuple[int, int, TPOptions]:
             found["max_ctas"] = int(value)
         elif key in "pr" and not value:
             found["reduce"] = "peer_copy" if key == "p" else "nccl"
+        elif key == "k" and not value:
+            found["compiled"] = True
+        elif key in "wz" and not value:
+            found["shard"] = "never" if key == "w" else "always"
         else:
             raise SystemExit(f"unknown layout option {option!r} in {text!r}")
     return tp, dp, TPOptions(**found)
+
+
+@contextmanager
+def compiled_pointwise(on: bool) -> Iterator[None]:
+    """Inside (`on`): every `FusedOp` runs its reference under torch.compile, CUDA tensors too (the pointwise ops
+    as they were before the Triton kernels of `pgdiag.model.pointwise_triton`); a benchmark-only switch."""
+    if not on:
+        yield
+        return
+    with patch.object(FusedOp, "__call__", lambda op, *args: op.compiled(*args)):
+        yield
 
 
 def model_flops_any(cfg: ModelConfig, rollouts) -> float:
@@ -374,9 +401,10 @@ def main() -> None:
     parser.add_argument(
         "--layouts",
         default="",
-        help="TPxDP[:cN][:s|:n][:mN][:p|:r],... (tp x dp = world; :cN = TP collectives overlapped in N token "
+        help="TPxDP[:cN][:s|:n][:mN][:p|:r][:k][:w|:z],... (tp x dp = world; :cN = TP collectives overlapped in N token "
         "chunks, :c1 off; :s sequence parallel, :n not; :mN = NCCL max N CTAs for the TP group; :p partials summed "
-        "by copy-engine pushes (TP 2), :r by NCCL all-reduces); default: every divisor",
+        "by copy-engine pushes (TP 2), :r by NCCL all-reduces; :k pointwise ops by torch.compile; :w residual whole on every rank, :z sharded in each chunk); default: "
+        "every divisor",
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rollouts", type=int, default=64)
@@ -434,8 +462,10 @@ def main() -> None:
         )
         for head in heads:
             name = f"tp{tp}_dp{dp}_head{head}" + options.suffix()
-            row, lps, routes = measure_layout(cfg, rollouts, args, tp, dp, device, head_dtype=head, keep=args.keep,
-                                              repeats=args.repeats, name=name, options=options)  # fmt: skip
+            with compiled_pointwise(options.compiled):
+                row, lps, routes = measure_layout(cfg, rollouts, args, tp, dp, device, head_dtype=head,
+                                                  keep=args.keep, repeats=args.repeats, name=name,
+                                                  options=options)  # fmt: skip
             if head == args.head_dtype:
                 if first_lp is None:
                     first_lp, first_routes, row["vs"] = lps, routes, None

@@ -16,8 +16,10 @@ How to run (device):
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -34,6 +36,7 @@ from pgdiag.model.moe import MoeBlock, combine_rows
 
 GROUPS = (  # (group, substrings of a kernel name), first match wins
     ("nccl", ("nccl",)),
+    ("memcpy / memset (copy engines)", ("Memcpy", "Memset")),
     ("moe combine", ("_combine_kernel", "index_select_mul_sum")),
     ("lm head (triton)", ("_head_partials", "split_hidden", "merge", "finish")),
     ("grouped matmul", ("grouped", "group_gemm", "GroupedGemm", "GroupProblem", "ragged")),
@@ -46,6 +49,16 @@ GROUPS = (  # (group, substrings of a kernel name), first match wins
     ("compiled pointwise", ("triton_",)),
     ("pointwise (eager)", ("elementwise", "vectorized", "reduce", "Reduce")),
 )
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by the intervals (start, end): overlapping time counted once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def kernel_group(name: str) -> str:
@@ -66,6 +79,9 @@ def main() -> None:
         default="default",
         choices=["default", "compiled"],
         help="MoE combine: the model's (the Triton kernel on CUDA) or combine_rows under torch.compile (before)",
+    )
+    parser.add_argument(
+        "--trace", default=None, help="write rank 0's profiled pass as a gzipped Chrome trace"
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -115,11 +131,15 @@ def main() -> None:
             torch.cuda.synchronize(device)
         prof_wall = time.perf_counter() - t1
     kernels: dict[str, list[float]] = {}  # name -> [total us, count]
+    spans: list[tuple[float, float]] = []  # (start, end) us of every kernel but the copy engines' work
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             slot = kernels.setdefault(event.name, [0.0, 0])
             slot[0] += event.device_time
             slot[1] += 1
+            if not event.name.startswith(("Memcpy", "Memset")):
+                spans.append((event.time_range.start, event.time_range.end))
+    sm_busy = union_length(spans) / 1e6  # s some kernel ran (overlapping kernels counted once)
     by_group: dict[str, float] = {}
     for name, (us, _) in kernels.items():
         by_group[kernel_group(name)] = by_group.get(kernel_group(name), 0.0) + us
@@ -129,20 +149,27 @@ def main() -> None:
         "model": args.model, "tp": args.tp, "combine": args.combine, "device": str(torch.cuda.get_device_name(device)) if device.type == "cuda"
         else "cpu", "tokens": n_tokens, "batches": len(batches), "pass_s": seconds,
         "tokens_per_s": n_tokens / seconds, "mfu": flops / seconds / (PEAK_MEASURED * args.tp),
-        "profiled_pass_s": prof_wall, "gpu_busy_s": busy,
+        "profiled_pass_s": prof_wall, "gpu_busy_s": busy, "kernels_union_s": sm_busy,
         "groups_s": {k: v / 1e6 for k, v in sorted(by_group.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n[:160], "s": us / 1e6, "count": c} for n, (us, c) in top],
     }  # fmt: skip
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         print(f"{args.model} tp {args.tp}: {n_tokens} tokens, pass {seconds:.3f} s, {n_tokens / seconds:,.0f} tok/s, "
-              f"MFU {result['mfu']:.1%}; profiled pass {prof_wall:.3f} s, GPU kernels {busy:.3f} s", flush=True)  # fmt: skip
+              f"MFU {result['mfu']:.1%}; profiled pass {prof_wall:.3f} s, GPU kernels {busy:.3f} s, some kernel "
+              f"running {sm_busy:.3f} s", flush=True)  # fmt: skip
         for k, v in result["groups_s"].items():
             print(f"  {k:22s} {v:8.3f} s  {v / prof_wall:6.1%} of the pass", flush=True)
         for row in result["top_kernels"]:
             print(f"  {row['s']:8.4f} s x{row['count']:5d}  {row['name'][:120]}", flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
+        if args.trace:
+            plain = Path(args.trace).with_suffix("")
+            prof.export_chrome_trace(str(plain))
+            with plain.open("rb") as src, gzip.open(args.trace, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            plain.unlink()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -18,6 +18,10 @@ a fresh accumulator; the CUDA cores add it into a *group sum*, and every `FRESH_
 sum into the tile's sum. Truncation then acts on short sums of either sign, and the big rounded adds happen
 K / 512 times instead of K / 16 (measured accuracy and speed: docs/kernels.md, docs/benchmarks.md).
 
+On Hopper (sm_90) the 16-bit modes without kept sets run `fp32_head_gluon` instead: the same arithmetic with
+one W tile load per K step for all pieces and no register passes to reset the accumulators (101 ms against
+107 ms on an H200 at 16384 x 4096 x 151936); this kernel runs everywhere else and is that one's reference.
+
 How: one program per (token block, vocab split), numbered as in the bf16 kernel (`triton_shared`). The K loop
 is flat over (chain, piece, step) so that Triton pipelines the TMA loads across chains and keeps one MMA in
 flight; the W tile is loaded again for each piece (it comes from L2). Three (BLOCK_N, BLOCK_V) fp32
@@ -320,7 +324,24 @@ def _launch(
     plan: SplitPlan,
     tiles: TritonTiles,
 ) -> None:
-    """One launch of the fp32-head kernel over `targets.shape[0]` tokens (`operand`: stacked parts or H)."""
+    """One launch of the fp32-head kernel over `targets.shape[0]` tokens (`operand`: stacked parts or H): the
+    Gluon kernel where it applies (`fp32_head_gluon.gluon_ready`; no kept sets, 16-bit operands), else Triton."""
+    if kept_words is None and not tf32x3 and operand.is_cuda:
+        from pgdiag.kernels.fp32_head_gluon import gluon_ready, launch_gluon
+
+        if gluon_ready(operand, weight, tiles):
+            launch_gluon(
+                operand,
+                weight,
+                targets,
+                partials,
+                piece_rows=piece_rows,
+                n_pieces=n_pieces,
+                temperature=temperature,
+                plan=plan,
+                tiles=tiles,
+            )
+            return
     n_tokens = targets.shape[0]
     use_tma = tiles.use_tma and tma_ready(operand) and tma_ready(weight)
     hidden_arg, weight_arg = operand, weight

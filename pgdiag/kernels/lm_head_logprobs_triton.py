@@ -80,7 +80,9 @@ def default_tiles(head_mode: str, hidden_size: int) -> TritonTiles:
     no difference beyond 1-2 % in the sweep, so they keep the wave-filling plan. Chains of 4 K steps for the
     one-piece modes (bf16x1: the default recompute's head) ran 1.27-1.36x the bf16 head instead of 1.44x (H200,
     issue 26) but reached 1.8e-5 nats on uniform targets at tau 0.7 (the GPU test's bound is 1.5e-5), so every
-    fp32 mode keeps chains of 2.
+    fp32 mode keeps chains of 2. On sm_90 the Gluon kernel (`fp32_head_gluon`) takes the 16-bit fp32 modes with
+    its own chains: one K step (lo, mid, hi) in groups of 8 for three pieces (101 ms against the Triton kernel's
+    107 ms, H200, issue 26; uniform-target error mean 1.7e-6 against 2.6e-6), two steps in groups of 4 for one.
     """
     if head_mode == "bf16":
         if hidden_size > 4096:
@@ -90,7 +92,15 @@ def default_tiles(head_mode: str, hidden_size: int) -> TritonTiles:
         return TritonTiles(
             block_n=128, block_v=128, block_k=32, num_stages=3, fresh_steps=1, fresh_per_group=8
         )
-    return TritonTiles(block_n=128, block_v=128, block_k=64, num_stages=4, fresh_steps=2, fresh_per_group=4)
+    if head_mode.endswith("x1"):
+        return TritonTiles(
+            block_n=128, block_v=128, block_k=64, num_stages=4, fresh_steps=2, fresh_per_group=4,
+            gluon_fresh_steps=2, gluon_fresh_per_group=4,
+        )  # fmt: skip
+    return TritonTiles(
+        block_n=128, block_v=128, block_k=64, num_stages=4, fresh_steps=2, fresh_per_group=4,
+        gluon_fresh_steps=1, gluon_fresh_per_group=8,
+    )  # fmt: skip
 
 
 @triton.jit

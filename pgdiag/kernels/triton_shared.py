@@ -45,6 +45,9 @@ class TritonTiles:
     use_tma: bool = True  # load tiles through host-side TMA descriptors where the strides allow it
     fresh_steps: int = 1
     fresh_per_group: int = 8
+    gluon: bool = True  # fp32 head on sm_90: the Gluon kernel (fp32_head_gluon) where it applies, with
+    gluon_fresh_steps: int = 1  # its own chains (K steps of all pieces per fresh accumulator),
+    gluon_fresh_per_group: int = 8  # and chains per group sum
 
 
 @dataclass(frozen=True)

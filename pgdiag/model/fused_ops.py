@@ -71,9 +71,23 @@ class FusedOp:
         self.compiled = LazyCompiled(reference)
 
     def __call__(self, *args: Any) -> torch.Tensor:
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if tensors[0].is_cuda and all(t.dtype == tensors[0].dtype for t in tensors):
+        if _on_triton(args):
             from pgdiag.model import pointwise_triton
 
             return getattr(pointwise_triton, self.kernel)(*args)
         return self.compiled(*args)
+
+    def into(self, out: torch.Tensor, *args: Any) -> torch.Tensor:
+        """`self(*args)` written into `out`: in place by the Triton kernel (the RMSNorm kernels take `out`), else
+        computed and copied."""
+        if _on_triton(args):
+            from pgdiag.model import pointwise_triton
+
+            return getattr(pointwise_triton, self.kernel)(*args, out=out)
+        return out.copy_(self.compiled(*args))
+
+
+def _on_triton(args: tuple[Any, ...]) -> bool:
+    """Whether `FusedOp` runs its Triton kernel on these arguments: CUDA tensors of one dtype."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return tensors[0].is_cuda and all(t.dtype == tensors[0].dtype for t in tensors)

@@ -119,10 +119,15 @@ def _rows_per_program(width: int) -> int:
     return max(1, _ELEMENTS // width)
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_fp32: bool) -> torch.Tensor:
+def _norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_fp32: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
     dim = x.shape[-1]
     rows = x.reshape(-1, dim).contiguous()  # (R, D)
-    out = torch.empty_like(rows)
+    if out is None:
+        out = torch.empty_like(rows)
+    elif out.shape != x.shape or not out.is_contiguous() or out.dtype != x.dtype:
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)}")
     if rows.shape[0]:
         block = triton.next_power_of_2(dim)
         per = _rows_per_program(block)
@@ -133,14 +138,19 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_fp32: boo
     return out.view(x.shape)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`transformer.rms_norm`: x (..., D), weight (D,) of x's dtype -> (..., D)."""
-    return _norm(x, weight, eps, weight_fp32=False)
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`transformer.rms_norm`: x (..., D), weight (D,) of x's dtype -> (..., D), written into `out` (contiguous,
+    x's shape and dtype) when given."""
+    return _norm(x, weight, eps, weight_fp32=False, out=out)
 
 
-def rms_norm_fp32_weight_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`transformer.rms_norm_fp32_weight`: x (..., D), weight (D,) of x's dtype -> (..., D)."""
-    return _norm(x, weight, eps, weight_fp32=True)
+def rms_norm_fp32_weight_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`transformer.rms_norm_fp32_weight`: x (..., D), weight (D,) of x's dtype -> (..., D), into `out` if given."""
+    return _norm(x, weight, eps, weight_fp32=True, out=out)
 
 
 def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,11 @@ column-parallel q/k/v or gate/up, and `reduce_scatter_rows` sums a span's row-pa
 and hands each rank its piece, in place of the all-reduce: the same bytes on the wire, and no rank repeats another's
 memory-bound work. The weights are sharded as above; only the activations differ.
 
+The sharded residual (dense layers overlapped in token chunks, `pgdiag.model.tp_dense.dense_sharded`): the
+residual stream stays in the chunks of `chunk_spans`, each cut into ``tp`` near-equal pieces (`chunk_pieces`);
+rank r adds the row-parallel sums into, and normalises, only piece r of every chunk, and the normed pieces are
+exchanged before the column-parallel GEMMs, which run on every row of a chunk as in the replicated form.
+
 Mixture of experts: the experts are split over the group (``EXPERTS``: rank r owns experts
 ``r * E/tp : (r + 1) * E/tp`` whole, per-expert tensors read only by their owner, fused ones sliced along the
 expert axis); the router is replicated, so every rank routes every token alike and computes its own experts for
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import torch.distributed as dist
@@ -220,3 +226,16 @@ def token_shards(n_tokens: int, chunks: int, layout: TPLayout) -> TokenShards:
     """The `TokenShards` of an `n_tokens` batch cut into `chunks` spans on this rank."""
     unit = chunks * layout.tp_size
     return TokenShards(n_tokens, -(-n_tokens // unit) * unit, chunks, layout.tp_size, layout.rank)
+
+
+def chunk_spans(n_tokens: int, chunks: int) -> list[tuple[int, int]]:
+    """The near-equal token chunks (start, stop) of an `n_tokens` batch, empty ones dropped: the rows each
+    overlapped dense layer computes and sums together (`pgdiag.model.tp_dense`)."""
+    edges = [n_tokens * c // chunks for c in range(chunks + 1)]
+    return [(start, stop) for start, stop in pairwise(edges) if stop > start]
+
+
+def chunk_pieces(rows: int, tp_size: int) -> tuple[int, ...]:
+    """Boundaries (tp + 1 offsets, relative to the chunk) of the near-equal pieces of a `rows`-row chunk: rank r
+    owns rows ``pieces[r]:pieces[r + 1]`` of it in the sharded residual."""
+    return tuple(rows * r // tp_size for r in range(tp_size + 1))

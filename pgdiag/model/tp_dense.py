@@ -1,9 +1,16 @@
 """A dense decoder layer under tensor parallelism, with its collectives overlapped with compute.
 
-What: two forms of `DecoderLayer.forward` for a dense layer at TP > 1, same math per token as the plain form:
+What: three forms of `DecoderLayer.forward` for a dense layer at TP > 1, same math per token as the plain form:
 - `dense_overlapped`: the residual stream is whole on every rank; everything after attention (o_proj, residual,
   norm, MLP) runs in token chunks, each chunk's sum over the ranks in flight while the next chunk computes (an
   NCCL all-reduce, or at TP = 2 on CUDA copy-engine pushes: `pgdiag.model.tp_sums`);
+- `dense_sharded`: `dense_overlapped` with the residual stream sharded inside each chunk (`pgdiag.model.tp`'s
+  `chunk_pieces`): each rank adds the o_proj and down_proj sums into its piece of the chunk only and normalises
+  only that piece (the post-attention norm, and the next layer's input norm or the final norm), then hands the
+  normed piece to the other ranks (`start_gather`) before the chunk's gate/up, or the next layer's q/k/v, run on
+  all its rows. The pipeline runs across the layer boundary: a layer returns its output pieces with the next
+  layer's normed rows still on the wire (`ShardedStream`), and the GEMMs see the same rows, chunks and shapes as
+  in `dense_overlapped`, so the output equals it bit for bit;
 - `dense_sequence_parallel`: the residual stream is sharded over tokens (`pgdiag.model.tp.TokenShards`): the
   norms and residual adds run on this rank's rows only, a span's normed rows are all-gathered before q/k/v and
   gate/up (each span's projections start as soon as its rows arrive, while later spans are still on the wire), and
@@ -11,16 +18,19 @@ What: two forms of `DecoderLayer.forward` for a dense layer at TP > 1, same math
 
 Why: at TP = 2 the all-reduces alone cost about 6 % of a pass if exposed; the overlapped form hides most of them,
 but every rank still runs the norms, residual adds and their copies on all N tokens. Sequence parallelism cuts that
-replicated memory-bound work by the TP degree for the same bytes on the wire (docs/benchmarks.md, issue 26).
+replicated memory-bound work by the TP degree for the same bytes on the wire (docs/benchmarks.md, issue 26); so
+does `dense_sharded`, without sequence parallelism's narrower GEMMs: on an H100 the residual adds and norms that
+every rank repeated on all N tokens cost about as much as a GEMM's loss to TP (docs/benchmarks.md).
 
-How: the collectives are explicit calls: `pgdiag.model.tp_sums` (`start`, `finish`) in the overlapped form,
+How: the collectives are explicit calls: `pgdiag.model.tp_sums` (`start`, `finish`, and in the sharded form
+`start_gather`, `finish_gather`) in the overlapped forms,
 `pgdiag.model.tp`'s `all_gather_rows` and `reduce_scatter_rows` in the sequence-parallel one; in 16-bit the matmul library may pick another kernel for a chunk's row count, so rounding
 can differ from the unchunked form by the bf16 reduction-order size (docs/recompute.md).
 """
 
 from __future__ import annotations
 
-from itertools import pairwise
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,11 +38,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pgdiag.model.tp import TokenShards, all_gather_rows, reduce_scatter_rows
+from pgdiag.model.fused_ops import FusedOp
+from pgdiag.model.tp import TokenShards, all_gather_rows, chunk_pieces, chunk_spans, reduce_scatter_rows
 
 if TYPE_CHECKING:
-    from pgdiag.model.tp_sums import NcclSums, PeerCopySums
-    from pgdiag.model.transformer import DecoderLayer, LayerInputs
+    from pgdiag.model.tp_sums import NcclSums, PeerCopySums, PendingSum
+    from pgdiag.model.transformer import DecoderLayer, LayerInputs, RMSNorm
 
 
 def _bias(summed: Tensor, proj: nn.Linear) -> Tensor:
@@ -60,8 +71,7 @@ def dense_overlapped(
     computes."""
     attn, mlp = layer.self_attn, getattr(layer, layer.ffn_name)
     core = attn.core(layer.input_layernorm(x), shared)  # (N, Hq_local * D)
-    edges = [x.shape[0] * c // n_chunks for c in range(n_chunks + 1)]  # near-equal token chunks
-    spans = [(start, stop) for start, stop in pairwise(edges) if stop > start]
+    spans = chunk_spans(x.shape[0], n_chunks)  # near-equal token chunks
     out = torch.empty_like(x)  # (N, H)
     o_pending = [sums.start(F.linear(core[a:b], attn.o_proj.weight)) for a, b in spans]  # (n_c, H) partials
     residuals, d_pending = [], []
@@ -74,6 +84,108 @@ def dense_overlapped(
     for (start, stop), mid, pending in zip(spans, residuals, d_pending, strict=True):
         sums.finish(pending, mid, mlp.down_proj.bias, out=out[start:stop])  # one pass, no temporary
     return out
+
+
+@dataclass(frozen=True)
+class ShardedStream:
+    """The residual stream between two dense layers of the sharded form (`dense_sharded`)."""
+
+    x: Tensor  # (N, H) the residual stream; only this rank's piece of each chunk is written
+    normed: Tensor  # (N, H) the next layer's input norm (or the final norm) of every row, after `pending`
+    pending: tuple[PendingSum, ...]  # the gathers of the other ranks' normed pieces, one per chunk
+
+
+def _norm_into(norm: RMSNorm, x: Tensor, out: Tensor) -> None:
+    """out (n, H) = norm(x): in place through a fused op's kernel, else computed and copied."""
+    if isinstance(norm.norm, FusedOp):
+        norm.norm.into(out, x, norm.weight, norm.eps)
+    else:
+        out.copy_(norm(x))
+
+
+def _mine(start: int, pieces: tuple[int, ...], rank: int) -> slice:
+    """This rank's rows of a chunk starting at `start`, as global rows."""
+    return slice(start + pieces[rank], start + pieces[rank + 1])
+
+
+def sharded_start(x: Tensor, norm: RMSNorm, sums: NcclSums | PeerCopySums, n_chunks: int) -> ShardedStream:
+    """The stream entering the first layer: the embeddings x (N, H), this rank's pieces normed by the first
+    layer's input `norm` and sent to the other ranks."""
+    normed = sums.gather_buffer(0, x.shape[0], x)  # (N, H)
+    pending = []
+    for start, stop in chunk_spans(x.shape[0], n_chunks):
+        pieces = chunk_pieces(stop - start, sums.size)
+        rows = _mine(start, pieces, sums.rank)
+        _norm_into(norm, x[rows], normed[rows])
+        pending.append(sums.start_gather(normed, start, pieces))
+    return ShardedStream(x, normed, tuple(pending))
+
+
+def dense_sharded(
+    layer: DecoderLayer,
+    stream: ShardedStream,
+    shared: LayerInputs,
+    sums: NcclSums | PeerCopySums,
+    n_chunks: int,
+    next_norm: RMSNorm,
+    next_buffer: int,
+) -> ShardedStream:
+    """The dense layer with the residual sharded inside each chunk; returns the stream for the next layer, whose
+    input norm is `next_norm` (the final norm after the last layer: `next_buffer` 1, else 0).
+
+    Order (as `dense_overlapped`, each sum for this rank's piece only): wait for the normed rows, q/k/v and
+    attention on all N rows, the o_proj partials of all chunks started; per chunk its sum into this rank's piece,
+    the post-attention norm of the piece, the piece sent; per chunk, once its pieces are in, gate/up/down on all
+    its rows and the down_proj partial started, then the previous chunk's sum, the next norm of its piece and the
+    piece sent (the last chunk's after its own MLP: the one wait at the layer boundary)."""
+    attn, mlp = layer.self_attn, getattr(layer, layer.ffn_name)
+    x, n = stream.x, stream.x.shape[0]
+    rank, tp = sums.rank, sums.size
+    spans = chunk_spans(n, n_chunks)
+    pieces = [chunk_pieces(stop - start, tp) for start, stop in spans]
+    for pending in stream.pending:
+        sums.finish_gather(pending)
+    core = attn.core(stream.normed, shared)  # (N, Hq_local * D)
+    o_pending = [
+        sums.start(F.linear(core[a:b], attn.o_proj.weight), p)
+        for (a, b), p in zip(spans, pieces, strict=True)
+    ]  # (n_c, H) partials, this rank's piece of each summed
+    del core
+    mid = torch.empty_like(x)  # (N, H) this rank's pieces
+    post = sums.gather_buffer(1, n, x)  # (N, H) the post-attention norm of every row
+    post_pending = []
+    for (start, _), p, pending in zip(spans, pieces, o_pending, strict=True):
+        rows = _mine(start, p, rank)
+        sums.finish(pending, x[rows], attn.o_proj.bias, out=mid[rows])
+        _norm_into(layer.post_attention_layernorm, mid[rows], post[rows])
+        post_pending.append(sums.start_gather(post, start, p))
+    del o_pending
+    out = torch.empty_like(x)  # (N, H) this rank's pieces
+    normed = sums.gather_buffer(next_buffer, n, x)  # (N, H)
+    d_pending, gathers = [], []
+
+    def finish_down(c: int) -> None:  # chunk c's down_proj sum into this rank's piece, its next norm sent
+        rows = _mine(spans[c][0], pieces[c], rank)
+        sums.finish(d_pending[c], mid[rows], mlp.down_proj.bias, out=out[rows])
+        _norm_into(next_norm, out[rows], normed[rows])
+        gathers.append(sums.start_gather(normed, spans[c][0], pieces[c]))
+
+    for c, ((a, b), p, pending) in enumerate(zip(spans, pieces, post_pending, strict=True)):
+        sums.finish_gather(pending)
+        inner = mlp.ops.swiglu(mlp.gate_proj(post[a:b]), mlp.up_proj(post[a:b]))  # (n_c, I_local)
+        d_pending.append(sums.start(F.linear(inner, mlp.down_proj.weight), p))  # (n_c, H) partial
+        if c:  # the previous chunk's sum arrived while this chunk computed
+            finish_down(c - 1)
+    finish_down(len(spans) - 1)
+    return ShardedStream(out, normed, tuple(gathers))
+
+
+def sharded_finish(stream: ShardedStream, sums: NcclSums | PeerCopySums) -> Tensor:
+    """The final-normed hidden states (N, H) of every row, after the last `dense_sharded` (a copy: the gather
+    buffer is the next batch's)."""
+    for pending in stream.pending:
+        sums.finish_gather(pending)
+    return stream.normed.clone()
 
 
 def dense_sequence_parallel(

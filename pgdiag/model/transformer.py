@@ -17,7 +17,7 @@ Speed: matmuls and attention are PyTorch's own kernels; ``fuse_pointwise=True`` 
 
 Tensor parallelism: modules are built with this rank's local sizes (`TPLayout`); the only collectives are the
 two `all_reduce_sum` calls after the row-parallel o_proj and down_proj (or the MoE combine), visible in `forward`,
-identity at TP=1, or in a dense layer their overlapped and sequence-parallel forms (`pgdiag.model.tp_dense`).
+identity at TP=1, or in a dense layer their overlapped, sharded and sequence-parallel forms (`tp_dense`).
 
 Routing: `CausalLM.forward_packed(..., replay_experts=)` also returns the experts each sparse layer's router picked
 per token (`TrunkOutput.router_topk`), and runs the recorded experts instead when given (routing replay).
@@ -39,7 +39,14 @@ from pgdiag.model.fused_ops import FusedOp
 from pgdiag.model.moe import MoeBlock, moe_combine
 from pgdiag.model.rope import rope_inv_freq
 from pgdiag.model.tp import TPLayout, all_reduce_sum, token_shards
-from pgdiag.model.tp_dense import dense_overlapped, dense_sequence_parallel, gather_tokens
+from pgdiag.model.tp_dense import (
+    dense_overlapped,
+    dense_sequence_parallel,
+    dense_sharded,
+    gather_tokens,
+    sharded_finish,
+    sharded_start,
+)
 from pgdiag.model.tp_sums import NcclSums, PeerCopySums, overlap_sums
 from pgdiag.model.warmup import triton_key_thread
 
@@ -52,6 +59,9 @@ TP_SEQUENCE_PARALLEL = False
 # symmetric memory, `pgdiag.model.tp_sums.PeerCopySums`, 3.3 % faster at TP 2 on two H200s than NCCL and bit for bit
 # the same; NCCL elsewhere or where symmetric memory fails) or "nccl" (all-reduce)
 TP_REDUCE = "peer_copy"
+# dense, overlapped: residual adds and norms on this rank's piece of each chunk (`tp_dense.dense_sharded`, bit for bit,
+# +1.3 % at TP 2 on two H200s): "peer_copy" where the copy engines sum, "always" (NCCL/gloo broadcasts), "never"
+TP_SHARD_RESIDUAL = "peer_copy"
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -312,6 +322,7 @@ class CausalLM(nn.Module):
         # TP > 1, dense models: the residual stream, norms and residual adds on a token shard (`pgdiag.model.tp_dense`)
         self.tp_sequence_parallel = TP_SEQUENCE_PARALLEL
         self.tp_reduce = TP_REDUCE
+        self.tp_shard_residual = TP_SHARD_RESIDUAL  # "peer_copy", "always" or "never"
         self._peer_sums: PeerCopySums | None = None  # built on first use, collectively (symmetric memory)
         self._peer_sums_failed = False  # symmetric memory refused once: NCCL from then on
 
@@ -381,13 +392,18 @@ class CausalLM(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)  # (N, D)
         dtype = self.body_dtype
         overlapped = chunks > 1 and shards is None and self.layout.tp_size > 1
+        sums, shard = None, False
+        if overlapped:
+            shard = self.tp_shard_residual != "never" and not (self.config.moe or layer_hook)
+            sums = overlap_sums(self, -(-n // chunks), device, gather_rows=n if shard else 0)
+            shard = shard and (self.tp_shard_residual == "always" or isinstance(sums, PeerCopySums))
         shared = LayerInputs(
             cos=(angles.cos() * self.rope_scale).to(dtype),
             sin=(angles.sin() * self.rope_scale).to(dtype),
             docs=docs,
             backend=self.attention_backend,
             group=self.tp_group,
-            sums=overlap_sums(self, -(-n // chunks), device) if overlapped else None,
+            sums=sums,
         )
         moe = self.config.moe
         if replay_experts is not None:
@@ -403,6 +419,14 @@ class CausalLM(nn.Module):
                 x = dense_sequence_parallel(layer, x, shared, shards)
             return TrunkOutput(gather_tokens(self.model.norm(x), shards, self.tp_group)[:n], None)
         x = self.model.embed_tokens(input_ids)  # (N, H)
+        if shard:  # dense, TP > 1: the residual sharded inside each chunk, no hook
+            layers = self.model.layers
+            stream = sharded_start(x, layers[0].input_layernorm, sums, chunks)
+            final = self.model.norm  # normalised into gather buffer 1, the others into buffer 0
+            following = [layer.input_layernorm for layer in layers[1:]] + [final]
+            for layer, norm in zip(layers, following, strict=True):
+                stream = dense_sharded(layer, stream, shared, sums, chunks, norm, int(norm is final))
+            return TrunkOutput(sharded_finish(stream, sums), None)
         if layer_hook is not None:
             x = _hooked(layer_hook, -1, x, x)
         picked: list[Tensor] = []

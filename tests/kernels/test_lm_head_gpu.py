@@ -120,6 +120,44 @@ def test_fp32_head_vs_fp64(
         assert not problems, problems
 
 
+@pytest.mark.parametrize(
+    ("hidden_key", "logits_key", "mode"),
+    [("hidden", "fp32_bf16w", "bf16x3"), ("hidden_bf16", "bf16", "bf16x1")],
+)
+@pytest.mark.parametrize("temperature", [1.0, 0.7], ids=lambda t: f"tau={t}")
+def test_fp32_head_triton_kernel_vs_fp64(
+    qwen_sized: dict, hidden_key: str, logits_key: str, mode: str, temperature: float
+) -> None:
+    """On sm_90 the 16-bit fp32-head modes run the Gluon kernel (`fp32_head_gluon`, checked by the test above);
+    the Triton kernel (the one the CPU interpreter checks, and the one every other GPU runs) keeps the same
+    bounds at full size."""
+    hidden, weight = qwen_sized[hidden_key], qwen_sized["weight_bf16"]
+    tiles = replace(default_tiles(mode, HIDDEN), gluon=False)
+    for kind in ("sampled", "uniform"):
+        targets = qwen_sized["sampled"][temperature] if kind == "sampled" else qwen_sized["uniform"]
+        kept = targets != IGNORE
+        want = logits_reference(qwen_sized[f"logits_{logits_key}"], targets, temperature)
+        local = torch.where(kept, targets, -1).cuda()
+        partials = lm_head_partials(
+            hidden, weight, local, temperature=temperature, head_dtype="fp32", tiles=tiles
+        )
+        logprobs, entropy, _ = finish_partials(merge_partials(partials))
+        max_tol, mean_tol = (1e-5, 1e-6) if kind == "sampled" else (1.5e-5, 4e-6)
+        problems = [
+            p
+            for p in (
+                worst_mismatch("logprobs", logprobs.cpu()[kept], want[0][kept], max_tol, mean_tol),
+                worst_mismatch("entropy", entropy.cpu(), want[1], max_tol, mean_tol),
+            )
+            if p
+        ]
+        delta = (logprobs.cpu().double()[kept] - want[0][kept]).abs()
+        print(
+            f"Triton kernel {mode} tau={temperature} {kind}: max {float(delta.max()):.3g} mean {float(delta.mean()):.3g}"
+        )
+        assert not problems, problems
+
+
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("n_splits", [0, 1, 3, 7])
 @pytest.mark.parametrize(("n_tokens", "hidden_size", "vocab"), [(1, 100, 1000), (300, 128, 4099)], ids=str)

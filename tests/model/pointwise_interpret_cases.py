@@ -56,6 +56,21 @@ def test_rms_norm_worked_example() -> None:
     assert torch.allclose(out, torch.tensor([[2 * 3 / 12.5**0.5, -4 / 12.5**0.5]]), rtol=1e-6)
 
 
+@pytest.mark.parametrize("fp32_weight", [False, True], ids=["cast_then_weight", "fp32_weight"])
+def test_rms_norm_into_rows_of_a_buffer(fp32_weight: bool) -> None:
+    """`out=`: the rows 2:5 of a larger buffer get exactly what the kernel returns on its own, the others stay (the
+    sharded residual normalises its piece of a chunk straight into the gather buffer)."""
+    norm = kernels.rms_norm_fp32_weight_triton if fp32_weight else kernels.rms_norm_triton
+    x, w = _rand(3, 48, dtype=torch.float16), _rand(48, dtype=torch.float16, seed=1)
+    buffer = torch.full((7, 48), 5.0, dtype=torch.float16)
+    returned = norm(x, w, 1e-6, out=buffer[2:5])
+    assert returned.data_ptr() == buffer[2:5].data_ptr()
+    assert torch.equal(buffer[2:5], norm(x, w, 1e-6))
+    assert (buffer[:2] == 5).all() and (buffer[5:] == 5).all()
+    with pytest.raises(ValueError, match="contiguous"):
+        norm(x, w, 1e-6, out=buffer[:, :48:2][:3])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("n", "heads", "dim"), [(7, 3, 16), (1, 1, 2), (5, 2, 24)], ids=str)
 def test_rope_equals_the_reference(dtype: torch.dtype, n: int, heads: int, dim: int) -> None:

@@ -1,7 +1,9 @@
 """Tensor parallelism on CPU with gloo: TP=2 and TP=3 give the logprobs of TP=1 within 1e-5, with the dense
 layers' all-reduces overlapped in token chunks or not, and sequence parallel (norms and residual adds on a token
 shard, all-gather before q/k/v and gate/up, reduce-scatter after o_proj and down_proj; the 25 tokens padded to 30
-or 27 by an extra document).
+or 27 by an extra document). The sharded residual (`pgdiag.model.tp_dense.dense_sharded`: each rank adds the sums
+into, and normalises, its piece of every chunk, the normed pieces broadcast; the pipeline carried across the layer
+boundary) equals the replicated overlapped form bit for bit, in fp32 and bf16, at TP 2 and 3.
 
 Each rank loads only its slices (heads, MLP columns, vocab rows; vocab 251 splits unevenly) and returns its
 local head logits; the test gathers them to the full vocabulary in fp64 (the kernel's own vocab-parallel
@@ -38,17 +40,23 @@ def free_port() -> int:
 
 
 def local_logits(
-    path: Path, group: dist.ProcessGroup | None, overlap_chunks: int = 1, sequence_parallel: bool = False
+    path: Path,
+    group: dist.ProcessGroup | None,
+    overlap_chunks: int = 1,
+    sequence_parallel: bool = False,
+    shard_residual: str = "never",
+    dtype: str = "fp32",
 ) -> tuple[int, torch.Tensor]:
     """(vocab_start, (N, V_local) fp32 logits of this rank's vocab rows); `overlap_chunks` > 1: the dense
-    layers' all-reduces overlapped in that many token chunks (`pgdiag.model.tp_dense.dense_overlapped`), or with
-    `sequence_parallel` the layers sequence parallel in that many spans (`dense_sequence_parallel`), even on this
-    short batch."""
-    model = load_model(path, dtype="fp32", head_dtype="fp32", tp_group=group)
+    layers' all-reduces overlapped in that many token chunks (`pgdiag.model.tp_dense.dense_overlapped`, or with
+    `shard_residual` "always" `dense_sharded`), or with `sequence_parallel` the layers sequence parallel in that
+    many spans (`dense_sequence_parallel`), even on this short batch."""
+    model = load_model(path, dtype=dtype, head_dtype="fp32", tp_group=group)
     model.tp_overlap_chunks, model.tp_overlap_min_tokens = overlap_chunks, 1
     model.tp_sequence_parallel = sequence_parallel
+    model.tp_shard_residual = shard_residual
     ids, pos, cu = packed_inputs(LENGTHS, 251)
-    return model.vocab_start, model.hidden_states(ids, pos, cu) @ model.lm_head_weight.T
+    return model.vocab_start, model.hidden_states(ids, pos, cu).float() @ model.lm_head_weight.T.float()
 
 
 def worker(rank: int, world: int, port: int, paths: list[str], out: str) -> None:
@@ -58,6 +66,15 @@ def worker(rank: int, world: int, port: int, paths: list[str], out: str) -> None
         plain = [local_logits(Path(p), dist.group.WORLD) for p in paths]
         overlapped = [local_logits(Path(p), dist.group.WORLD, overlap_chunks=3) for p in paths]
         sequence = [local_logits(Path(p), dist.group.WORLD, 3, sequence_parallel=True) for p in paths]
+        sharded = [local_logits(Path(p), dist.group.WORLD, 3, shard_residual="always") for p in paths]
+        for path in paths:  # bf16: the sums' and norms' roundings, sharded against replicated
+            whole, pieces = (
+                local_logits(Path(path), dist.group.WORLD, 3, shard_residual=mode, dtype="bf16")
+                for mode in ("never", "always")
+            )
+            assert torch.equal(whole[1], pieces[1]), f"bf16 sharded residual differs on rank {rank}"
+        for whole, pieces in zip(overlapped, sharded, strict=True):
+            assert torch.equal(whole[1], pieces[1]), f"fp32 sharded residual differs on rank {rank}"
         torch.save(plain + overlapped + sequence, f"{out}.{rank}")
         dist.barrier()  # no rank tears gloo down while another still talks to it (a rare SIGABRT otherwise)
     finally:

@@ -5,6 +5,11 @@ exchanges in `dense_overlapped`'s order (a layer's 4 partials started, then each
 per chunk, then the last 4 finished) for 6 layers, so every receive slot is reused; partials and residuals are
 random bf16 (the residual the same on both ranks, as in the model), of 1000 rows in a slot of 1024. Each finish
 must equal x + (p0 + p1) in eager torch and `NcclSums.finish` on the same inputs, on both ranks.
+
+The sharded residual (`pgdiag.model.tp_dense.dense_sharded`) on a small bf16 Qwen3 (Triton pointwise kernels,
+FlashAttention varlen): its hidden states equal the replicated overlapped form's bit for bit, with the copy
+engines (pieces of the partials pushed, normed pieces gathered into symmetric memory) and with NCCL (broadcasts),
+over two batches of different sizes (the buffers regrown, the gather buffers reused across batches).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pgdiag.model import load_model
 from pgdiag.model.tp_sums import NcclSums, PeerCopySums
 
 pytestmark = [
@@ -98,3 +104,49 @@ def test_residual_add_kernel_equals_eager_bf16(n_elements: int) -> None:
     gen = torch.Generator().manual_seed(n_elements)
     x, p, q = ((torch.randn(n_elements, generator=gen) * 8).bfloat16().cuda() for _ in range(3))
     assert torch.equal(residual_add_triton(x, p, q), x + (p + q))
+
+
+SHARD_MODES = (("peer_copy", "never"), ("peer_copy", "peer_copy"), ("nccl", "always"), ("nccl", "never"))
+BATCHES = ([700, 300, 1001], [1500, 37, 2263])  # documents per packed batch: 2001 and 3800 tokens
+
+
+def _sharded_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    from hf_tiny import packed_inputs
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = load_model(model_dir, dtype="bf16", head_dtype="fp32", device=device, tp_group=dist.group.WORLD,
+                           fuse_pointwise=True)  # fmt: skip
+        model.tp_overlap_chunks, model.tp_overlap_min_tokens = 4, 1
+        hidden = {}
+        for reduce, shard in SHARD_MODES:
+            model.tp_reduce, model.tp_shard_residual = reduce, shard
+            for b, lengths in enumerate(BATCHES):
+                ids, pos, cu = packed_inputs(lengths, 251, seed=b)
+                hidden[reduce, shard, b] = model.hidden_states(ids, pos, cu).cpu()
+            if shard == "peer_copy":  # the copy-engine form ran, with its gather buffers
+                assert model._peer_sums is not None and model._peer_sums.gather_rows >= sum(BATCHES[1])
+        torch.save(hidden, Path(out_dir) / f"hidden{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_residual_equals_replicated_bf16(tmp_path: Path) -> None:
+    from hf_tiny import save_hf_model
+
+    sizes = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 64, "num_hidden_layers": 3}  # fmt: skip
+    save_hf_model(tmp_path / "qwen3", "Qwen3ForCausalLM", **sizes)
+    mp.spawn(_sharded_rank, args=(_free_port(), str(tmp_path / "qwen3"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"hidden{r}.pt") for r in range(2)]
+    for hidden in ranks:
+        for b, lengths in enumerate(BATCHES):
+            want = hidden["peer_copy", "never", b]  # the replicated overlapped form, copy-engine sums
+            assert want.shape == (sum(lengths), 256) and want.abs().sum() > 0
+            for reduce, shard in SHARD_MODES[1:]:
+                assert torch.equal(hidden[reduce, shard, b], want), (reduce, shard, b)
+    for key, value in ranks[0].items():
+        assert torch.equal(value, ranks[1][key])  # every rank returns every row
