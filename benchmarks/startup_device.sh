@@ -74,11 +74,7 @@ warm() {  # this tree ("n") against BASE ("b"), one GPU, one call (docs/benchmar
   done
   cli new_mid 60 "$n $W/mid --tag nm"
   cli base_mid 60 "$b $W/mid --tag bm"
-  say "cold page cache"
-  python3 $C drop-cache --dir $CKPT --out "$OUT/cli.jsonl" | cut -c1-200
-  cli new_cold 60 "$n $W/small --tag nc"
-  python3 $C drop-cache --dir $CKPT --out "$OUT/cli.jsonl" | cut -c1-200
-  cli base_cold 60 "$b $W/small --tag bc"
+  cold_pair
   python3 $C same --run $W/small --tags bs1 ns1 ns2 nf nc bs2 bf bc --out "$OUT/cli.jsonl" | cut -c1-400
   python3 $C same --run $W/mid --tags bm nm --out "$OUT/cli.jsonl" | cut -c1-400
   timeline new_warm $W/small t1
@@ -116,6 +112,14 @@ profile() {
   say "profile done"
 }
 
+cold_pair() {  # the small run from a dropped page cache, this tree then BASE (the caller's $n and $b)
+  say "cold page cache"
+  python3 $C drop-cache --dir $CKPT --out "$OUT/cli.jsonl" | cut -c1-200
+  cli new_cold 60 "$n $W/small --tag nc"
+  python3 $C drop-cache --dir $CKPT --out "$OUT/cli.jsonl" | cut -c1-200
+  cli base_cold 60 "$b $W/small --tag bc"
+}
+
 measure() {  # this tree ("n") against BASE ("b"), one GPU; the steps in order of need, each with its own limit
   environment
   local base=${BASE:?BASE=a checkout of main}
@@ -131,11 +135,7 @@ measure() {  # this tree ("n") against BASE ("b"), one GPU; the steps in order o
   cli new_small 60 "$n $W/small --tag ns"
   cli base_mid 60 "$b $W/mid --tag bm"
   cli new_mid 60 "$n $W/mid --tag nm"
-  say "cold page cache"
-  python3 $C drop-cache --dir $CKPT --out "$OUT/cli.jsonl" | cut -c1-200
-  cli new_cold 60 "$n $W/small --tag nc"
-  python3 $C drop-cache --dir $CKPT --out "$OUT/cli.jsonl" | cut -c1-200
-  cli base_cold 60 "$b $W/small --tag bc"
+  cold_pair
   python3 $C same --run $W/small --tags ns nf nc bs bf bc --out "$OUT/cli.jsonl" | cut -c1-400
   python3 $C same --run $W/small --tags bs bf bc --out "$OUT/cli.jsonl" | cut -c1-400
   python3 $C same --run $W/mid --tags nm bm --out "$OUT/cli.jsonl" | cut -c1-400

@@ -58,10 +58,9 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def test_cli_tp2_and_dp2_self_launch_equal_one_process(ckpt: Path, tmp_path: Path) -> None:
-    run = write_run(tmp_path / "run", make_rows(seed=11))
-    runner = CliRunner()
-    common = [
+def fp32_cpu_args(run: Path, ckpt: Path) -> list[str]:
+    """`pgdiag logprobs` on the CPU in fp32, parts of 3 samples."""
+    return [
         "logprobs",
         str(run),
         "--model",
@@ -73,6 +72,12 @@ def test_cli_tp2_and_dp2_self_launch_equal_one_process(ckpt: Path, tmp_path: Pat
         "--part-samples",
         "3",
     ]
+
+
+def test_cli_tp2_and_dp2_self_launch_equal_one_process(ckpt: Path, tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", make_rows(seed=11))
+    runner = CliRunner()
+    common = fp32_cpu_args(run, ckpt)
     single = runner.invoke(cli_app(), [*common, "--tag", "tp1"])
     assert single.exit_code == 0, single.output
     tp2 = runner.invoke(cli_app(), [*common, "--tag", "tp2", "--tp", "2", "--json"])
@@ -154,18 +159,7 @@ def test_cli_process_exit_keeps_outputs_and_codes(ckpt: Path, tmp_path: Path) ->
     a self-launched ``--dp 2`` write complete streams equal to the in-process run, the JSON result reaches a piped
     stdout whole, and a refusal keeps its documented exit code (E502: the output exists, exit 2)."""
     run = write_run(tmp_path / "run", make_rows(seed=14))
-    args = [
-        "logprobs",
-        str(run),
-        "--model",
-        str(ckpt),
-        "--dtype",
-        "fp32",
-        "--device",
-        "cpu",
-        "--part-samples",
-        "3",
-    ]
+    args = fp32_cpu_args(run, ckpt)
     inside = CliRunner().invoke(cli_app(), [*args, "--tag", "in"])
     assert inside.exit_code == 0, inside.output
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
