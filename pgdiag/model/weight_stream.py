@@ -104,7 +104,7 @@ def plan_ranges(files: dict[str, Path], wanted: list[tuple[str, TensorSlice | No
         if part is not None and part.dim == 1 and len(shape) == 2:
             item = dtype.itemsize
             run = (part.stop - part.start) * item
-            if 0 < run <= PIECE_BYTES:
+            if shape[0] > 0 and 0 < run <= PIECE_BYTES:  # an empty matrix: nothing to stream
                 rows = shape[0]
                 ranges.append(
                     ByteRange(

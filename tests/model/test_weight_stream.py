@@ -149,18 +149,19 @@ def test_byte_ranges_by_hand(tmp_path: Path) -> None:
 @pytest.mark.parametrize("piece", [8, 24, 40, 4096])
 def test_column_slice_pieces_of_whole_runs(tmp_path: Path, monkeypatch, piece: int) -> None:
     """A column slice in pieces of one run, of several runs with a short last piece, and of every run at once;
-    runs longer than a piece and headers whose size disagrees with the shape are left to the loader."""
+    runs longer than a piece, headers whose size disagrees with the shape and empty matrices are left to the loader."""
     monkeypatch.setattr(ws, "PIECE_BYTES", piece)
     a = torch.arange(7 * 10, dtype=torch.float32).reshape(7, 10)
     bad = torch.zeros(3, 3)
     file = tmp_path / "w.safetensors"
-    save_file({"a": a, "bad": bad}, file)
+    save_file({"a": a, "bad": bad, "empty": torch.zeros(0, 4)}, file)
     raw = bytearray(file.read_bytes())
     (size,) = struct.unpack("<Q", raw[:8])
     header = raw[8 : 8 + size].replace(b'"shape":[3,3]', b'"shape":[3,2]')  # same length, 36 bytes for 24
     file.write_bytes(raw[:8] + header + raw[8 + size :])
-    parts = [("a", TensorSlice(1, 3, 5)), ("a", TensorSlice(1, 0, 10)), ("bad", TensorSlice(1, 0, 1))]
-    planned = ws.plan_ranges({"a": file, "bad": file}, parts)
+    parts = [("a", TensorSlice(1, 3, 5)), ("a", TensorSlice(1, 0, 10))]
+    parts += [("bad", TensorSlice(1, 0, 1)), ("empty", TensorSlice(1, 0, 2))]
+    planned = ws.plan_ranges(dict.fromkeys(("a", "bad", "empty"), file), parts)
     assert [(r.name, r.part) for r in planned] == [
         p for p in parts[:2] if 4 * (p[1].stop - p[1].start) <= piece
     ]
