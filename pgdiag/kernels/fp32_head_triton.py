@@ -37,6 +37,7 @@ at most `PIECES_BUDGET_BYTES`, 384 MiB, i.e. 16384 tokens at d = 4096), so the e
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -310,6 +311,16 @@ def fp32_head_partials(
     return partials
 
 
+def gluon_kernel() -> tuple[Callable, Callable] | None:
+    """(`gluon_ready`, `launch_gluon`) of `fp32_head_gluon`, or None where this Triton lacks Gluon's Hopper API
+    (written for Triton 3.6): the Triton kernel then runs everywhere."""
+    try:
+        from pgdiag.kernels.fp32_head_gluon import gluon_ready, launch_gluon
+    except ImportError:
+        return None
+    return gluon_ready, launch_gluon
+
+
 def _launch(
     operand: torch.Tensor,
     weight: torch.Tensor,
@@ -326,9 +337,9 @@ def _launch(
 ) -> None:
     """One launch of the fp32-head kernel over `targets.shape[0]` tokens (`operand`: stacked parts or H): the
     Gluon kernel where it applies (`fp32_head_gluon.gluon_ready`; no kept sets, 16-bit operands), else Triton."""
-    if kept_words is None and not tf32x3 and operand.is_cuda:
-        from pgdiag.kernels.fp32_head_gluon import gluon_ready, launch_gluon
-
+    gluon = gluon_kernel() if kept_words is None and not tf32x3 and operand.is_cuda else None
+    if gluon is not None:
+        gluon_ready, launch_gluon = gluon
         if gluon_ready(operand, weight, tiles):
             launch_gluon(
                 operand,

@@ -68,3 +68,17 @@ def test_pieces_chunk_splits_tokens_evenly_within_the_budget() -> None:
     # 20000 tokens -> 2 chunks of 10112 (79 token blocks) rather than 16384 + 3616
     assert pieces_chunk(20000, 4096, 128) == 10112
     assert pieces_chunk(100, 4096, 128) == 128  # never below one token block
+
+
+def test_gluon_kernel_found_and_its_absence_falls_back(monkeypatch) -> None:
+    """The fp32 head asks for the Gluon kernel through `gluon_kernel`: this Triton has Gluon's Hopper API, so it
+    gets both functions; a Triton without it (the import fails) gets None, and the Triton kernel runs."""
+    import sys
+
+    from pgdiag.kernels import fp32_head_triton
+
+    found = fp32_head_triton.gluon_kernel()
+    assert found is not None and [f.__name__ for f in found] == ["gluon_ready", "launch_gluon"]
+    monkeypatch.delitem(sys.modules, "pgdiag.kernels.fp32_head_gluon")
+    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)  # import raises ImportError
+    assert fp32_head_triton.gluon_kernel() is None
