@@ -49,6 +49,15 @@ SHARED_BUDGET_BYTES = 200 << 10  # tile buffers per program (the H100 / H200 giv
 MASKED = gl.constexpr(-1.0e30)  # a padded column's logit, as triton_shared.MASKED_LOGIT
 
 
+def gluon_api_present() -> bool:
+    """True where this Triton's Gluon has the calls the kernel makes. Written and measured with Triton 3.6;
+    Triton 3.9 has ``gl.barrier`` instead of ``gl.thread_barrier`` and refuses ``tma.async_copy_global_to_shared``
+    (``tma.async_load`` now), so there the kernel does not compile and the Triton kernel runs instead
+    (tests/kernels/test_lm_head_triton.py compiles it offline for sm_90 to check this answer against the
+    installed Triton)."""
+    return hasattr(gl, "thread_barrier")
+
+
 def gluon_ready(operand: torch.Tensor, weight: torch.Tensor, tiles: TritonTiles) -> bool:
     """True where this kernel runs: Hopper (sm_90), 16-bit operands of one dtype, TMA-ready strides, the
     128 x 128 x 64 tile it is written for."""

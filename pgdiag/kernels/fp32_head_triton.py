@@ -312,13 +312,13 @@ def fp32_head_partials(
 
 
 def gluon_kernel() -> tuple[Callable, Callable] | None:
-    """(`gluon_ready`, `launch_gluon`) of `fp32_head_gluon`, or None where this Triton lacks Gluon's Hopper API
-    (written for Triton 3.6): the Triton kernel then runs everywhere."""
+    """(`gluon_ready`, `launch_gluon`) of `fp32_head_gluon`, or None where this Triton lacks the Gluon API the
+    kernel is written in (Triton 3.6's; `gluon_api_present`): the Triton kernel then runs everywhere."""
     try:
-        from pgdiag.kernels.fp32_head_gluon import gluon_ready, launch_gluon
+        from pgdiag.kernels.fp32_head_gluon import gluon_api_present, gluon_ready, launch_gluon
     except ImportError:
         return None
-    return gluon_ready, launch_gluon
+    return (gluon_ready, launch_gluon) if gluon_api_present() else None
 
 
 def _launch(

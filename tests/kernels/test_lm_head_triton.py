@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+import triton
 from triton_interpreter import run_interpreted
 
 from pgdiag.kernels.lm_head_logprobs_triton import head_mode_for
@@ -70,15 +72,47 @@ def test_pieces_chunk_splits_tokens_evenly_within_the_budget() -> None:
     assert pieces_chunk(100, 4096, 128) == 128  # never below one token block
 
 
-def test_gluon_kernel_found_and_its_absence_falls_back(monkeypatch) -> None:
-    """The fp32 head asks for the Gluon kernel through `gluon_kernel`: this Triton has Gluon's Hopper API, so it
-    gets both functions; a Triton without it (the import fails) gets None, and the Triton kernel runs."""
+def test_gluon_kernel_absent_where_gluon_is_missing(monkeypatch) -> None:
+    """A Triton without Gluon (its import fails) gets no Gluon kernel: `gluon_kernel` is None and the fp32 head
+    runs the Triton kernel."""
     import sys
 
     from pgdiag.kernels import fp32_head_triton
 
-    found = fp32_head_triton.gluon_kernel()
-    assert found is not None and [f.__name__ for f in found] == ["gluon_ready", "launch_gluon"]
-    monkeypatch.delitem(sys.modules, "pgdiag.kernels.fp32_head_gluon")
+    monkeypatch.delitem(sys.modules, "pgdiag.kernels.fp32_head_gluon", raising=False)
     monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)  # import raises ImportError
     assert fp32_head_triton.gluon_kernel() is None
+
+
+def test_gluon_kernel_offered_exactly_where_it_compiles() -> None:
+    """The Gluon kernel is offered (`gluon_kernel` not None) exactly where the installed Triton compiles it:
+    compiled here offline for sm_90 (no GPU needed: an explicit target, Triton's own ptxas), three pieces,
+    bf16, the default tiles. With Triton 3.6 both hold; with 3.9 neither (its Gluon removed calls the kernel
+    makes), and the fp32 head runs the Triton kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.errors import CompilationError
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from pgdiag.kernels import fp32_head_gluon, fp32_head_triton
+
+    layout = gl.NVMMASharedLayout.get_default_for([128, 64], gl.bfloat16)
+    h_desc = TensorDescriptor.from_tensor(torch.empty(3 * 256, 256, dtype=torch.bfloat16), [128, 64], layout)
+    w_desc = TensorDescriptor.from_tensor(torch.empty(512, 256, dtype=torch.bfloat16), [128, 64], layout)
+    kernel = fp32_head_gluon._fp32_head_gluon_kernel
+    ints = ["n_tokens", "piece_rows", "vocab_local", "hidden_size", "stride_split", "stride_stat"]
+    ints += ["tiles_per_split", "n_splits", "group_blocks"]
+    signature = {"h_desc": h_desc.__mangle__(), "w_desc": w_desc.__mangle__(), "targets_ptr": "*i32"}
+    signature |= {"partials_ptr": "*fp32", "inv_temperature": "fp32", **dict.fromkeys(ints, "i32")}
+    constants = {"N_PIECES": 3, "FRESH_STEPS": 1, "FRESH_PER_GROUP": 8, "NUM_STAGES": 3, "num_warps": 8}
+    signature |= dict.fromkeys(constants, "constexpr")
+    source = GluonASTSource(
+        kernel, signature, {(kernel.arg_names.index(k),): v for k, v in constants.items()}
+    )
+    try:
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        compiles = True
+    except CompilationError:
+        compiles = False
+    assert (fp32_head_triton.gluon_kernel() is not None) == compiles
